@@ -1,0 +1,13 @@
+"""Shared pytest set-up: one intra-op thread so that forked gloo ranks never inherit a
+running OpenMP pool (DESIGN.md section 8), and the tests folder importable for helpers."""
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
