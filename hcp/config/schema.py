@@ -1,0 +1,229 @@
+"""Structured configs: the typed schema behind every YAML file and CLI override.
+
+Registered in Hydra's ConfigStore as `base_config`; `conf/config.yaml` lists it first in its
+defaults, so a misspelled key or a wrong type fails at composition, before any rank starts.
+Cross-field rules live in `hcp.config.validate`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class LayoutConfig:
+    """A module's parallel sizes (DESIGN.md: layout). Grid axis order: tp, cp, dp, pp (slowest)."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    cp: int = 1
+    """Context-parallel size (head-tail chunks of every document)."""
+    pp: int = 1
+    """Pipeline-parallel stages."""
+    dp: int = -1
+    """Data-parallel size; -1 infers it from the module's rank count."""
+    num_ranks: Optional[int] = None
+    """Island size in ranks (non_colocated only); None: inferred from the other modules."""
+    rank_offset: Optional[int] = None
+    """First rank of the module's island (non_colocated); None: derived in graph order."""
+    cp_comm: str = "allgather"
+    """CP attention strategy: `allgather` (K/V gathered once) or `p2p` (ring)."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout activations along tokens over TP (Megatron sequence parallelism)."""
+    pp_layers: Optional[list[int]] = None
+    """Explicit layers per PP stage, e.g. [10, 12, 12, 6]; None: an even split."""
+    dp_shard: bool = False
+    """Shard parameters, gradients and optimizer state over DP x CP with FSDP2."""
+    recompute: str = "none"
+    """Activation recompute: `none`, `selective` (attention) or `full`."""
+
+
+@dataclass
+class VisionConfig:
+    """ViT image encoder (CLIP-style: patch embedding, CLS token, pre-norm blocks)."""
+
+    image_size: int = 8
+    """Input resolution in pixels (images are resized to it)."""
+    patch_size: int = 2
+    num_channels: int = 1
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    ffn_hidden_size: int = 256
+    select_layer: int = -1
+    """Hidden state fed to the projector: -1 last block, -2 penultimate (LLaVA's choice)."""
+    norm_eps: float = 1e-5
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    freeze: bool = False
+    offload: bool = False
+
+
+@dataclass
+class ProjectorConfig:
+    """LLaVA projector from vision width to LLM width."""
+
+    type: str = "mlp2x_gelu"
+    """`mlp2x_gelu` (Linear GELU Linear, LLaVA-1.5) or `linear`."""
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    freeze: bool = False
+    offload: bool = False
+
+
+@dataclass
+class LLMConfig:
+    """LLaMA-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention)."""
+
+    vocab_size: int = 264
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    ffn_hidden_size: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    attention_backend: str = "auto"
+    """`auto` (fastest installed), `torch` (pure torch, CPU reference), `te`, `flash`."""
+    layout: LayoutConfig = field(default_factory=LayoutConfig)
+    freeze: bool = False
+    offload: bool = False
+
+
+@dataclass
+class GraphConfig:
+    """The module graph: directed edges src -> dst."""
+
+    edges: list[list[str]] = field(default_factory=lambda: [["vision", "projector"], ["projector", "llm"]])
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300
+    global_batch_size: int = 32
+    """Samples per optimizer step, over all DP ranks."""
+    micro_batch_tokens: int = 4096
+    """THD capacity per rank and micro-batch, in tokens."""
+    log_every: int = 10
+    save_every: int = 0
+    """Checkpoint every N steps (0: only at the end)."""
+    eval_every: int = 0
+    """Evaluate every N steps (0: only at the end)."""
+    eval_samples: int = 0
+    """Held-out samples to evaluate (0: the whole held-out split)."""
+    grad_clip: float = 1.0
+    """Max global gradient L2 norm (0 disables clipping)."""
+    progress_bar: bool = True
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_ratio: float = 0.03
+    """Linear warmup as a fraction of `trainer.max_steps` (LLaVA: 3%)."""
+    min_lr_ratio: float = 0.0
+    """Cosine decays to `lr * min_lr_ratio`."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "digits_vqa"
+    """`digits_vqa` (built in), `llava_json` (your data) or `code_corpus` (stdlib sources)."""
+    path: Optional[str] = None
+    """LLaVA conversation JSON (data=llava_json)."""
+    image_folder: Optional[str] = None
+    """Folder that the records' `image` paths are relative to."""
+    eval_path: Optional[str] = None
+    """Held-out LLaVA JSON; None: no held-out evaluation for llava_json."""
+    root: str = "${oc.env:HCP_DATA_DIR,${oc.env:HOME,/tmp}/.cache/hcp}"
+    """Cache folder for built-in data sets."""
+    tokenizer: str = "byte"
+    """`byte` (nothing to download) or a path to a Hugging Face `tokenizer.json`."""
+    max_seq_len: int = 256
+    """Longest sample in tokens after `<image>` expansion."""
+    system_prompt: str = ""
+    """Vicuna-v1 system prompt; LLaVA-1.5 uses a long one, the tiny recipe none."""
+    on_error: str = "error"
+    """Bad records: `error` (stop, naming file and id) or `skip` (count and report)."""
+    eval_fraction: float = 0.15
+    """Held-out fraction of a built-in data set."""
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "wandb"
+    """`wandb` or `none`. The console summary and metrics.jsonl are always written."""
+    project: str = "hcp"
+    entity: Optional[str] = None
+    mode: str = "${oc.env:WANDB_MODE,offline}"
+
+
+@dataclass
+class LauncherConfig:
+    name: str = "local"
+    """`local` (start ranks here) or `slurm`."""
+    nproc_per_node: Any = "auto"
+    """Ranks per node: `auto` = one per GPU on CUDA, 4 on CPU; or an int."""
+    nnodes: int = 1
+    start_method: str = "fork"
+    """Local rank start method: `fork` (fast on CPU) or `spawn`."""
+    backend: str = "auto"
+    """`auto` (nccl on CUDA, gloo on CPU), `nccl` or `gloo`."""
+    timeout_s: int = 600
+    """Collective timeout in seconds: a stuck collective fails instead of hanging."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "${hydra:runtime.output_dir}/checkpoints"
+    keep: int = 2
+    """Checkpoints kept; older ones are pruned."""
+
+
+@dataclass
+class ClusterConfig:
+    """The target machine for plan mode and memory checks."""
+
+    num_nodes: int = 1
+    gpus_per_node: int = 8
+    device_memory_gib: float = 80.0
+
+
+@dataclass
+class HCPConfig:
+    seed: int = 1234
+    mode: str = "train"
+    """`train` or `plan` (one process, no process groups: layouts, memory, plan.json/png)."""
+    placement: str = "colocated"
+    """`colocated` or `non_colocated`."""
+    packing: str = "first_fit"
+    """`first_fit` or `dynamic_cp`."""
+    precision: str = "fp32"
+    """`fp32` or `bf16` (bf16 compute, fp32 master weights and gradient reduction)."""
+    resume: Optional[str] = None
+    """None, `auto` (latest checkpoint in checkpoint.dir) or a checkpoint path."""
+    vision: Optional[VisionConfig] = field(default_factory=VisionConfig)
+    projector: Optional[ProjectorConfig] = field(default_factory=ProjectorConfig)
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+
+MODULES = ("vision", "projector", "llm")
+"""Module keys in graph order."""
+
+
+def register() -> None:
+    """Register the schema with Hydra's ConfigStore as `base_config`."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_config", node=HCPConfig)
