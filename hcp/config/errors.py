@@ -1,0 +1,13 @@
+"""The one error type for bad configuration, raised before any process group starts."""
+
+
+class ConfigError(ValueError):
+    """A config value is invalid.
+
+    The message names the field (dotted key as typed on the CLI), the value and a fix, e.g.
+    `llm.layout.tp=3: llm.num_heads=4 is not divisible by it; use tp in {1, 2, 4}`.
+    """
+
+    def __init__(self, field: str, value, problem: str, fix: str):
+        self.field, self.value = field, value
+        super().__init__(f"{field}={value!r}: {problem}. Fix: {fix}")
