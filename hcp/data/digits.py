@@ -1,0 +1,59 @@
+"""Built-in `digits_vqa`: scikit-learn's 1,797 handwritten digit scans as a LLaVA data set.
+
+On first use the 8x8 scans (UCI optical recognition of handwritten digits, bundled with
+scikit-learn) are written as PNG files plus `train.json` / `eval.json` in LLaVA conversation
+format ("What digit is in the image?" -> "seven"); they are then read back through the same
+`LlavaDataset` that users' data takes. The split is fixed (a seeded permutation).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+from PIL import Image
+
+WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+QUESTION = "What digit is in the image?"
+SPLIT_SEED = 0
+
+
+def build_digits_vqa(root: str, eval_fraction: float = 0.15) -> str:
+    """Write the data set under `root/digits_vqa` unless it is already there; return that folder.
+
+    The write goes to a temporary sibling folder renamed into place, so concurrent runs and a
+    crash never leave a half-written set.
+    """
+    out = os.path.join(root, "digits_vqa")
+    if os.path.isfile(os.path.join(out, "eval.json")):
+        return out
+    from sklearn.datasets import load_digits
+
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".digits_vqa-", dir=root)
+    try:
+        digits = load_digits()
+        os.makedirs(os.path.join(tmp, "images"))
+        records = []
+        for i, (scan, label) in enumerate(zip(digits.images, digits.target)):
+            rel = f"images/{i:04d}.png"
+            pixels = np.clip(np.rint(scan * (255.0 / 16.0)), 0, 255).astype(np.uint8)
+            Image.fromarray(pixels, mode="L").save(os.path.join(tmp, rel))
+            records.append({"id": f"digits-{i:04d}", "image": rel, "conversations": [
+                {"from": "human", "value": f"<image>\n{QUESTION}"},
+                {"from": "gpt", "value": WORDS[int(label)]}]})
+        order = np.random.default_rng(SPLIT_SEED).permutation(len(records))
+        n_eval = int(round(len(records) * eval_fraction))
+        for name, idx in (("train.json", order[n_eval:]), ("eval.json", order[:n_eval])):
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump([records[j] for j in sorted(idx)], f)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another run finished first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

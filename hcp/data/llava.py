@@ -1,0 +1,185 @@
+"""LLaVA-1.5 conversation JSON -> token samples (Vicuna-v1 template, assistant-only loss).
+
+A record is `{"id": ..., "image": "rel/path.png" | [paths] | absent, "conversations":
+[{"from": "human", "value": "<image>\\nQuestion"}, {"from": "gpt", "value": "Answer"}, ...]}`.
+Each `<image>` expands into `num_image_tokens` placeholder ids before the label shift, so image
+tokens per sample vary with the number of images. Labels are shifted here, once.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from PIL import Image
+
+IGNORE_INDEX = -100
+IMAGE_PLACEHOLDER = "<image>"
+
+
+class DataError(ValueError):
+    """A bad record: the message names the file, the record id and what is wrong."""
+
+    def __init__(self, file: str, record_id, kind: str, detail: str):
+        self.file, self.record_id, self.kind = file, record_id, kind
+        super().__init__(f"{file}: record id={record_id!r}: {kind}: {detail} "
+                         "(set data.on_error=skip to skip such records and report them)")
+
+
+@dataclass
+class Sample:
+    """One tokenized conversation.
+
+    `input_ids`/`labels`: `[S]` ids, labels already shifted (`IGNORE_INDEX` where no loss);
+    `images`: absolute image paths in order of appearance; `prompt_len`: tokens before the first
+    answer (greedy decoding starts there); `answer`: the first assistant reply text.
+    """
+
+    id: str
+    input_ids: list[int]
+    labels: list[int]
+    images: list[str]
+    prompt_len: int
+    answer: str
+
+
+@dataclass
+class SkipReport:
+    """Records skipped under `data.on_error=skip`: counts per kind and the ids."""
+
+    counts: Counter = field(default_factory=Counter)
+    ids: dict = field(default_factory=dict)
+
+    def add(self, err: DataError) -> None:
+        self.counts[err.kind] += 1
+        self.ids.setdefault(err.kind, []).append(err.record_id)
+
+    def summary(self) -> str:
+        return ", ".join(f"{k}: {n} (ids {self.ids[k][:5]}{'...' if n > 5 else ''})"
+                         for k, n in sorted(self.counts.items())) or "none"
+
+
+def load_image(path: str, image_size: int, num_channels: int) -> torch.Tensor:
+    """Read an image file, resize to `image_size` (bicubic), scale to [-1, 1]: `[C, H, W]` fp32."""
+    with Image.open(path) as im:
+        im = im.convert("L" if num_channels == 1 else "RGB").resize(
+            (image_size, image_size), Image.BICUBIC)
+        t = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8).float()
+    t = t.view(image_size, image_size, num_channels).permute(2, 0, 1)
+    return t / 127.5 - 1.0
+
+
+class LlavaDataset:
+    """Reads a LLaVA JSON file into `Sample`s, validating every record up front.
+
+    Args:
+        path: the JSON file (a list of records).
+        image_folder: folder the records' `image` paths are relative to.
+        tokenizer: `hcp.data.tokenizer` tokenizer.
+        num_image_tokens: placeholder tokens per image (the encoder's patches).
+        image_size / num_channels: encoder input resolution and channels.
+        max_seq_len: longest sample in tokens, after `<image>` expansion.
+        system_prompt: Vicuna-v1 system text ("" for none).
+        on_error: `error` raises `DataError` on the first bad record; `skip` drops bad records
+            and counts them in `self.skipped`.
+
+    Raises:
+        DataError: a bad record under `on_error=error`, or an unreadable JSON file.
+    """
+
+    def __init__(self, path, image_folder, tokenizer, num_image_tokens, image_size, num_channels,
+                 max_seq_len, system_prompt="", on_error="error"):
+        if on_error not in ("error", "skip"):
+            raise ValueError(f"data.on_error={on_error!r}: use `error` or `skip`")
+        self.path, self.image_folder = path, image_folder or os.path.dirname(path)
+        self.tok, self.num_image_tokens = tokenizer, num_image_tokens
+        self.image_size, self.num_channels = image_size, num_channels
+        self.max_seq_len, self.system_prompt = max_seq_len, system_prompt
+        self.skipped = SkipReport()
+        try:
+            with open(path) as f:
+                records = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise DataError(path, None, "unreadable file", str(e)) from e
+        if not isinstance(records, list):
+            raise DataError(path, None, "malformed file", "expected a JSON list of records")
+        self.samples: list[Sample] = []
+        for i, rec in enumerate(records):
+            try:
+                self.samples.append(self._build(rec, i))
+            except DataError as err:
+                if on_error == "error":
+                    raise
+                self.skipped.add(err)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> Sample:
+        return self.samples[i]
+
+    def pixel_values(self, sample: Sample) -> torch.Tensor:
+        """The sample's images, `[I, C, H, W]` fp32 (I may be 0)."""
+        if not sample.images:
+            return torch.zeros(0, self.num_channels, self.image_size, self.image_size)
+        return torch.stack([load_image(p, self.image_size, self.num_channels) for p in sample.images])
+
+    def _build(self, rec, index) -> Sample:
+        rid = rec.get("id", f"#{index}") if isinstance(rec, dict) else f"#{index}"
+        fail = lambda kind, detail: DataError(self.path, rid, kind, detail)  # noqa: E731
+        convs = rec.get("conversations") if isinstance(rec, dict) else None
+        if not isinstance(convs, list) or not convs or not all(
+                isinstance(t, dict) and t.get("from") in ("human", "gpt") and isinstance(t.get("value"), str)
+                for t in convs):
+            raise fail("malformed record", "`conversations` must be a non-empty list of "
+                       "{'from': 'human'|'gpt', 'value': str}")
+        if not any(t["from"] == "gpt" for t in convs):
+            raise fail("no assistant turn", "no turn has from='gpt'")
+        images = rec.get("image")
+        images = [] if images is None else [images] if isinstance(images, str) else images
+        if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+            raise fail("malformed record", "`image` must be a path or a list of paths")
+        n_ph = sum(t["value"].count(IMAGE_PLACEHOLDER) for t in convs)
+        if n_ph != len(images):
+            raise fail("image count mismatch", f"{n_ph} <image> placeholders but {len(images)} images")
+        paths = [os.path.join(self.image_folder, p) for p in images]
+        for p in paths:
+            try:
+                with Image.open(p) as im:
+                    im.verify()
+            except (OSError, SyntaxError) as e:
+                kind = "missing image" if not os.path.exists(p) else "unreadable image"
+                raise fail(kind, f"{p}: {e}") from e
+        ids, target = self._tokenize(convs)
+        if len(ids) > self.max_seq_len:
+            raise fail("sample too long", f"{len(ids)} tokens > data.max_seq_len={self.max_seq_len}")
+        labels = [ids[t + 1] if target[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)]
+        labels.append(IGNORE_INDEX)
+        prompt_len = target.index(True)
+        answer = next(t["value"] for t in convs if t["from"] == "gpt")
+        return Sample(str(rid), ids, labels, paths, prompt_len, answer)
+
+    def _tokenize(self, convs):
+        """Vicuna v1: `SYSTEM USER: q ASSISTANT: a</s>USER: ...`; returns ids and target mask."""
+        tok = self.tok
+        ids, target = [tok.bos_id], [False]
+
+        def add(toks, is_target=False):
+            ids.extend(toks)
+            target.extend([is_target] * len(toks))
+
+        if self.system_prompt:
+            add(tok.encode(self.system_prompt + " "))
+        for turn in convs:
+            if turn["from"] == "human":
+                add(tok.encode("USER: "))
+                for j, part in enumerate(turn["value"].split(IMAGE_PLACEHOLDER)):
+                    if j:
+                        add([tok.image_token_id] * self.num_image_tokens)
+                    add(tok.encode(part))
+                add(tok.encode(" ASSISTANT:"))
+            else:
+                add(tok.encode(" " + turn["value"]) + [tok.eos_id], is_target=True)
+        return ids, target

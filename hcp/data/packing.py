@@ -1,0 +1,91 @@
+"""THD packing: samples -> token-major micro-batches with `cu_seqlens`.
+
+A micro-batch concatenates its documents along tokens (`[T]`, `T = sum of lengths`); document
+boundaries are the int32 prefix sums `cu_seqlens` (`[N + 1]`), position ids restart at 0 in every
+document, and attention never crosses a boundary. Labels arrive already shifted (DESIGN.md
+section 3); packing never shifts them again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from hcp.data.llava import IGNORE_INDEX
+
+
+@dataclass
+class Batch:
+    """One THD micro-batch for one rank.
+
+    input_ids / labels / position_ids: `[T]` int64; cu_seqlens: `[N + 1]` int32; max_seqlen: int;
+    pixel_values: `[I, C, H, W]` fp32 or None (images in order of appearance); image_mask: `[T]`
+    bool, True where an image embedding replaces the placeholder; sample_ids: N record ids.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    pixel_values: Optional[torch.Tensor]
+    image_mask: torch.Tensor
+    sample_ids: list = field(default_factory=list)
+
+    @property
+    def num_label_tokens(self) -> int:
+        """Tokens that carry loss (labels != -100)."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def to(self, device) -> "Batch":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.input_ids), move(self.labels), move(self.position_ids),
+                     move(self.cu_seqlens), self.max_seqlen, move(self.pixel_values),
+                     move(self.image_mask), self.sample_ids)
+
+
+def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Static `packing=first_fit`: each sample, in arrival order, goes into the first micro-batch
+    with room for it (at most `capacity` tokens each), else opens a new one.
+
+    Returns the sample indices of each micro-batch, in arrival order.
+
+    Raises:
+        ValueError: a sample is longer than `capacity` (names its index and the knob to raise).
+    """
+    packs: list[list[int]] = []
+    free: list[int] = []
+    for i, n in enumerate(lengths):
+        if n > capacity:
+            raise ValueError(f"sample {i} has {n} tokens > trainer.micro_batch_tokens={capacity}: "
+                             "raise trainer.micro_batch_tokens or lower data.max_seq_len")
+        for j, room in enumerate(free):
+            if n <= room:
+                packs[j].append(i)
+                free[j] -= n
+                break
+        else:
+            packs.append([i])
+            free.append(capacity - n)
+    return packs
+
+
+def collate(samples, pixel_values: list[torch.Tensor], image_token_id: int) -> Batch:
+    """Concatenate samples into one THD `Batch`.
+
+    Args:
+        samples: `hcp.data.llava.Sample`s (input_ids, labels of equal length S_i).
+        pixel_values: per sample `[I_i, C, H, W]` (I_i may be 0).
+        image_token_id: the placeholder id that marks image-token positions.
+    """
+    lengths = [len(s.input_ids) for s in samples]
+    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    input_ids = torch.tensor([t for s in samples for t in s.input_ids], dtype=torch.long)
+    labels = torch.tensor([t for s in samples for t in s.labels], dtype=torch.long)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])
+    images = [p for p in pixel_values if p.shape[0] > 0]
+    return Batch(input_ids, labels, position_ids, cu, max(lengths),
+                 torch.cat(images) if images else None, input_ids == image_token_id,
+                 [s.id for s in samples])

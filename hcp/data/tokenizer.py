@@ -1,0 +1,65 @@
+"""Tokenizers: byte-level (built in, nothing to download) or a local Hugging Face `tokenizer.json`."""
+from __future__ import annotations
+
+import os
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, then the special ids pad, bos, eos and image.
+
+    `vocab_size` is 260; the LLM's embedding may be larger (padded for TP), never smaller.
+    """
+
+    pad_id, bos_id, eos_id, image_token_id = 256, 257, 258, 259
+    vocab_size = 260
+    eos_text = "</s>"
+
+    def encode(self, text: str) -> list[int]:
+        """Text -> byte ids (no specials added)."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        """Ids -> text; special ids are dropped, invalid UTF-8 replaced."""
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A local Hugging Face `tokenizer.json` (loaded with the `tokenizers` package).
+
+    Special tokens are looked up by their LLaMA names (`<s>`, `</s>`, `<unk>` as pad); an
+    `<image>` token is appended after the vocabulary when the file has none.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ImportError: the `tokenizers` package is missing (message says how to install it).
+    """
+
+    eos_text = "</s>"
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"data.tokenizer={path!r}: no such tokenizer.json file")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError("data.tokenizer is a tokenizer.json path but the `tokenizers` package "
+                              "is missing: pip install tokenizers") from e
+        self._tok = Tokenizer.from_file(path)
+        vocab = self._tok.get_vocab()
+        self.bos_id = vocab.get("<s>", 1)
+        self.eos_id = vocab.get("</s>", 2)
+        self.pad_id = vocab.get("<unk>", 0)
+        n = self._tok.get_vocab_size()
+        self.image_token_id = vocab.get("<image>", n)
+        self.vocab_size = max(n, self.image_token_id + 1)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([i for i in ids if i != self.image_token_id])
+
+
+def build_tokenizer(spec: str):
+    """`byte` -> ByteTokenizer; anything else is a path to a `tokenizer.json`."""
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
