@@ -1,0 +1,82 @@
+"""ViT image encoder, CLIP-style (Radford et al. 2021; Dosovitskiy et al. 2020): non-overlapping
+patch embedding (a bias-free linear map of each flattened patch, equal to CLIP's strided conv),
+a CLS token, learned position embeddings, a LayerNorm before the blocks, pre-norm blocks with
+bidirectional multi-head attention and a GELU MLP. Sizes come from `VisionConfig`.
+
+`select_layer` picks the hidden state fed to the projector: -1 the last block's output, -2 the
+penultimate (LLaVA). Only the blocks that feed that state are built, so no parameter goes unused
+(CLIP ViT-L/14 with select_layer -2 holds 23 blocks).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hcp.config.schema import VisionConfig
+
+
+class VisionBlock(nn.Module):
+    """Pre-norm block: `x + attn(ln1(x))`, `x + fc2(gelu(fc1(ln2(x))))`. x: [I, S, D]."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        d = cfg.hidden_size
+        if d % cfg.num_heads:
+            raise ValueError(f"vision: hidden_size {d} must be divisible by num_heads {cfg.num_heads}")
+        self.num_heads = cfg.num_heads
+        self.ln1 = nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d) for _ in range(4))
+        self.ln2 = nn.LayerNorm(d, eps=cfg.norm_eps)
+        self.fc1 = nn.Linear(d, cfg.ffn_hidden_size)
+        self.fc2 = nn.Linear(cfg.ffn_hidden_size, d)
+
+    def _attn(self, x: torch.Tensor) -> torch.Tensor:
+        i, s, d = x.shape
+        q, k, v = (p(x).view(i, s, self.num_heads, -1).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v)                    # [I, heads, S, Dh]
+        return self.o_proj(out.transpose(1, 2).reshape(i, s, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class ViTEncoder(nn.Module):
+    """pixel_values [I, C, H, W] (H = W = image_size) -> patch features [I, P, D], with
+    P = (image_size / patch_size)^2 (the CLS token is dropped from the output)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        if cfg.image_size % cfg.patch_size:
+            raise ValueError(f"vision: image_size {cfg.image_size} must be a multiple of "
+                             f"patch_size {cfg.patch_size}")
+        if not -cfg.num_layers <= cfg.select_layer < 0:
+            raise ValueError(f"vision: select_layer {cfg.select_layer} must be in "
+                             f"[-{cfg.num_layers}, -1]")
+        self.cfg = cfg
+        self.num_patches = (cfg.image_size // cfg.patch_size) ** 2
+        d = cfg.hidden_size
+        self.patch_embed = nn.Linear(cfg.num_channels * cfg.patch_size ** 2, d, bias=False)
+        self.class_embedding = nn.Parameter(torch.zeros(d))
+        self.position_embedding = nn.Parameter(torch.zeros(self.num_patches + 1, d))
+        self.pre_norm = nn.LayerNorm(d, eps=cfg.norm_eps)
+        used = cfg.num_layers + cfg.select_layer + 1
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(used))
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Raises ValueError when the images are not [I, num_channels, image_size, image_size]."""
+        c, s, p = self.cfg.num_channels, self.cfg.image_size, self.cfg.patch_size
+        if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c, s, s):
+            raise ValueError(f"vision: pixel_values must be [I, {c}, {s}, {s}], "
+                             f"got {list(pixel_values.shape)}")
+        i = pixel_values.shape[0]
+        patches = pixel_values.unfold(2, p, p).unfold(3, p, p)          # [I, C, s/p, s/p, p, p]
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(i, self.num_patches, c * p * p)
+        x = self.patch_embed(patches.to(self.patch_embed.weight.dtype))
+        cls = self.class_embedding.expand(i, 1, -1)
+        x = self.pre_norm(torch.cat([cls, x], dim=1) + self.position_embedding)
+        for block in self.blocks:
+            x = block(x)
+        return x[:, 1:]
