@@ -1,0 +1,99 @@
+"""Cross-field validation of a composed config, run once in the launching process before any
+rank or process group starts. Each rule raises `ConfigError(field, value, problem, fix)`."""
+from __future__ import annotations
+
+import importlib.util
+
+from hcp.config.errors import ConfigError
+
+_CHOICES = {
+    "mode": ("train", "plan"),
+    "placement": ("colocated", "non_colocated"),
+    "packing": ("first_fit", "dynamic_cp"),
+    "precision": ("fp32", "bf16"),
+    "logger.name": ("wandb", "none"),
+    "data.on_error": ("error", "skip"),
+    "launcher.backend": ("auto", "nccl", "gloo"),
+    "launcher.start_method": ("fork", "spawn", "forkserver"),
+    "llm.attention_backend": ("auto", "torch", "te", "flash"),
+}
+_BACKEND_PACKAGES = {
+    "te": ("transformer_engine", "pip install --no-build-isolation 'transformer_engine[pytorch]' "
+                                 "on a CUDA machine (NVIDIA's package)"),
+    "flash": ("flash_attn", "pip install flash-attn --no-build-isolation on a CUDA machine"),
+}
+
+
+def _get(cfg, dotted):
+    node = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def check_choices(cfg) -> None:
+    for key, allowed in _CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(key, value, "unknown value", f"use one of {', '.join(allowed)}")
+
+
+def check_backends(cfg) -> None:
+    """An optional GPU backend asked for by name must be importable (checked without importing
+    it: `import transformer_engine` raises on machines without CUDA)."""
+    backend = cfg.llm.attention_backend
+    if backend in _BACKEND_PACKAGES:
+        package, how = _BACKEND_PACKAGES[backend]
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError("llm.attention_backend", backend, f"the `{package}` package is not "
+                              "installed", f"{how}, or set llm.attention_backend=auto")
+
+
+def check_model(cfg) -> None:
+    v = cfg.vision
+    if (v is None) != (cfg.projector is None):
+        raise ConfigError("projector", cfg.projector, "vision and projector must both be set or both "
+                          "be null", "set both (LLaVA) or `vision: null` and `projector: null` (text LM)")
+    if v is not None and v.image_size % v.patch_size:
+        raise ConfigError("vision.patch_size", v.patch_size, f"does not divide vision.image_size="
+                          f"{v.image_size}", "pick a patch size that divides the image size")
+    present = {"llm"} | ({"vision", "projector"} if v is not None else set())
+    for edge in cfg.graph.edges:
+        for name in edge:
+            if name not in present:
+                raise ConfigError("graph.edges", list(edge), f"module {name!r} is not configured",
+                                  f"use modules among {sorted(present)} or configure {name}")
+    if cfg.data.name in ("digits_vqa", "llava_json") and v is not None:
+        from hcp.data.tokenizer import ByteTokenizer
+
+        if cfg.data.tokenizer == "byte" and cfg.llm.vocab_size < ByteTokenizer.vocab_size:
+            raise ConfigError("llm.vocab_size", cfg.llm.vocab_size, "smaller than the byte "
+                              f"tokenizer's {ByteTokenizer.vocab_size} ids", "set llm.vocab_size>=260")
+
+
+def check_trainer(cfg, world_size: int) -> None:
+    t = cfg.trainer
+    for key in ("max_steps", "global_batch_size", "micro_batch_tokens", "log_every"):
+        if t[key] < 1:
+            raise ConfigError(f"trainer.{key}", t[key], "must be >= 1", "use a positive value")
+    if cfg.optim.lr <= 0:
+        raise ConfigError("optim.lr", cfg.optim.lr, "must be > 0", "use e.g. optim.lr=1e-3")
+    if t.micro_batch_tokens < cfg.data.max_seq_len:
+        raise ConfigError("trainer.micro_batch_tokens", t.micro_batch_tokens, "is smaller than "
+                          f"data.max_seq_len={cfg.data.max_seq_len}: a longest sample would not fit",
+                          "raise trainer.micro_batch_tokens or lower data.max_seq_len")
+    if t.global_batch_size % world_size and cfg.mode == "train":
+        raise ConfigError("trainer.global_batch_size", t.global_batch_size, "is not divisible by "
+                          f"the data-parallel size {world_size}", "use a multiple of it")
+
+
+def validate(cfg, world_size: int) -> None:
+    """Run every rule on `cfg` for `world_size` ranks.
+
+    Raises:
+        ConfigError: the first rule broken, naming the field, the value and a fix.
+    """
+    check_choices(cfg)
+    check_backends(cfg)
+    check_model(cfg)
+    check_trainer(cfg, world_size)

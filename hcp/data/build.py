@@ -1,0 +1,45 @@
+"""Build the train and held-out data sets named by `data.name`."""
+from __future__ import annotations
+
+import os
+
+from hcp.data.digits import build_digits_vqa
+from hcp.data.llava import LlavaDataset
+from hcp.data.tokenizer import build_tokenizer
+
+
+def num_image_tokens(vision_cfg) -> int:
+    """Image tokens per image: the encoder's patches, (image_size / patch_size)^2."""
+    return 0 if vision_cfg is None else (vision_cfg.image_size // vision_cfg.patch_size) ** 2
+
+
+def prepare_data(cfg) -> None:
+    """Write built-in data sets once, in the launching process, before ranks start."""
+    if cfg.data.name == "digits_vqa":
+        build_digits_vqa(cfg.data.root, cfg.data.eval_fraction)
+
+
+def build_datasets(cfg):
+    """Return (tokenizer, train set, held-out set or None) for `cfg.data`.
+
+    Raises:
+        ValueError: unknown `data.name` or a missing `data.path`.
+        hcp.data.llava.DataError: a bad record under `data.on_error=error`.
+    """
+    d, v = cfg.data, cfg.vision
+    tok = build_tokenizer(d.tokenizer)
+    if d.name == "digits_vqa":
+        root = build_digits_vqa(d.root, d.eval_fraction)
+        train_path, eval_path, folder = (os.path.join(root, "train.json"),
+                                         os.path.join(root, "eval.json"), root)
+    elif d.name == "llava_json":
+        if not d.path:
+            raise ValueError("data=llava_json needs data.path=FILE.json (and data.image_folder=DIR)")
+        train_path, eval_path, folder = d.path, d.eval_path, d.image_folder
+    else:
+        raise ValueError(f"data.name={d.name!r}: use digits_vqa or llava_json")
+    if v is None:
+        raise ValueError(f"data.name={d.name!r} has images but the config has no vision encoder")
+    make = lambda p: LlavaDataset(p, folder, tok, num_image_tokens(v), v.image_size,  # noqa: E731
+                                  v.num_channels, d.max_seq_len, d.system_prompt, d.on_error)
+    return tok, make(train_path), (make(eval_path) if eval_path else None)

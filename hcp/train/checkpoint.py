@@ -1,0 +1,101 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP): atomic, resumable, pruned.
+
+Layout of `checkpoint.dir`: one folder per saved step, `step_00000100/`, holding the DCP shards
+of the model and optimizer state, `trainer.json` (step, scheduler and data-loader position,
+written by rank 0) and `rng_rank{r}.pt` (each rank's RNG states). A save goes to
+`.tmp-step_XXXXXXXX/` and is renamed into place by rank 0 only after every rank finished
+writing, so a crash mid-save never leaves a step folder that cannot load. Only complete
+folders count for `resume=auto`; the oldest are pruned down to `checkpoint.keep`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def step_dirs(root: str) -> list[tuple[int, str]]:
+    """Complete checkpoint folders under `root` as (step, path), oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name))
+             for name in os.listdir(root) if (m := _STEP_DIR.match(name))]
+    return sorted(found)
+
+
+def latest(root: str) -> Optional[str]:
+    """Path of the newest complete checkpoint under `root`, or None."""
+    dirs = step_dirs(root)
+    return dirs[-1][1] if dirs else None
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int) -> str:
+    """Save on every rank (a collective); returns the final folder path.
+
+    `trainer_state` is JSON-serializable (scheduler state, data position, step).
+    """
+    rank = dist.get_rank()
+    final = os.path.join(root, f"step_{step:08d}")
+    tmp = os.path.join(root, f".tmp-step_{step:08d}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
+    if rank == 0:
+        with open(os.path.join(tmp, "trainer.json"), "w") as f:
+            json.dump(trainer_state, f)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        for _, old in step_dirs(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load(path: str, model, optimizer) -> dict:
+    """Load a checkpoint folder into `model` and `optimizer` (every rank); return trainer state.
+
+    Raises:
+        FileNotFoundError: `path` is not a complete checkpoint folder.
+    """
+    if not os.path.isfile(os.path.join(path, "trainer.json")):
+        raise FileNotFoundError(f"resume={path!r}: not a complete checkpoint folder "
+                                "(expected trainer.json and DCP shards)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
+    if os.path.isfile(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    with open(os.path.join(path, "trainer.json")) as f:
+        return json.load(f)

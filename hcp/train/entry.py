@@ -1,0 +1,43 @@
+"""What `python train.py` does in the launching process: resolve the config once, validate it,
+then plan, or start (or join) the ranks that train."""
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig, OmegaConf
+
+from hcp.config.validate import validate
+from hcp.data.build import prepare_data
+from hcp.train.launch import launched_rank_env, resolve_nproc, start_local_ranks
+
+
+def _rank_entry(payload) -> None:
+    from hcp.train.trainer import run_rank
+
+    container, run_dir = payload
+    run_rank(OmegaConf.create(container), run_dir)
+
+
+def run(cfg: DictConfig):
+    """Resolve `cfg` (Hydra's run directory included) once, validate, and run `mode`."""
+    from hydra.core.hydra_config import HydraConfig
+
+    run_dir = HydraConfig.get().runtime.output_dir
+    OmegaConf.resolve(cfg)
+    joined = launched_rank_env(os.environ)
+    nproc = resolve_nproc(cfg.launcher.nproc_per_node)
+    world = joined["world_size"] if joined else nproc * cfg.launcher.nnodes
+    validate(cfg, world)
+    if cfg.mode == "plan":
+        from hcp.train.plan import run_plan
+
+        return run_plan(cfg, run_dir)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    with open(os.path.join(run_dir, "config_resolved.yaml"), "w") as f:
+        f.write(OmegaConf.to_yaml(container))
+    prepare_data(cfg)
+    if joined:
+        _rank_entry((container, run_dir))
+    else:
+        start_local_ranks(_rank_entry, nproc, (container, run_dir), cfg.launcher.start_method)
+    return None

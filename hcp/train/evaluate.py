@@ -1,0 +1,64 @@
+"""Held-out evaluation: token-level loss and greedy-decoded answer accuracy."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+
+from hcp.data.llava import IGNORE_INDEX
+from hcp.data.packing import collate, first_fit
+
+
+def _packs(samples, capacity):
+    return [[samples[i] for i in idx] for idx in first_fit([len(s.input_ids) for s in samples], capacity)]
+
+
+@torch.no_grad()
+def evaluate(model, dataset, tokenizer, indices, capacity: int, device, group=None,
+             max_new_tokens: int = 8) -> dict:
+    """Evaluate this rank's share `indices` of the held-out set; results are summed over `group`.
+
+    Returns {"eval/loss": token-level mean cross-entropy, "eval/answer_accuracy": fraction of
+    samples whose greedy answer (decoded from the prompt until EOS or `max_new_tokens`) equals
+    the reference answer after stripping whitespace}.
+    """
+    was_training = model.training
+    model.eval()
+    samples = [dataset[i] for i in indices]
+    loss_sum = torch.zeros(3, dtype=torch.float64)  # loss, tokens, correct
+    for pack in _packs(samples, capacity):
+        batch = collate(pack, [dataset.pixel_values(s) for s in pack], tokenizer.image_token_id).to(device)
+        loss, n = model(batch)
+        loss_sum[0] += loss.item()
+        loss_sum[1] += n
+    # Greedy decoding of every sample in lock-step; no KV cache (tiny models).
+    prompts = [SimpleNamespace(id=s.id, input_ids=list(s.input_ids[:s.prompt_len]),
+                               labels=[IGNORE_INDEX] * s.prompt_len, src=s) for s in samples]
+    generated = {p.id: [] for p in prompts}
+    active = list(prompts)
+    for _ in range(max_new_tokens):
+        if not active:
+            break
+        still = []
+        for pack in _packs(active, capacity + max_new_tokens):
+            batch = collate(pack, [dataset.pixel_values(p.src) for p in pack],
+                            tokenizer.image_token_id).to(device)
+            logits = model.logits(batch)[batch.cu_seqlens[1:].long() - 1]
+            for p, tok in zip(pack, logits.argmax(-1).tolist()):
+                if tok == tokenizer.eos_id:
+                    continue
+                generated[p.id].append(tok)
+                p.input_ids.append(tok)
+                p.labels.append(IGNORE_INDEX)
+                still.append(p)
+        active = still
+    for s in samples:
+        loss_sum[2] += float(tokenizer.decode(generated[s.id]).strip() == s.answer.strip())
+    total = torch.tensor([loss_sum[0], loss_sum[1], loss_sum[2], len(samples)], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(total, group=group)
+    model.train(was_training)
+    return {"eval/loss": (total[0] / total[1].clamp(min=1)).item(),
+            "eval/answer_accuracy": (total[2] / total[3].clamp(min=1)).item(),
+            "eval/samples": int(total[3])}

@@ -1,0 +1,185 @@
+"""The training loop of one rank: data -> micro-batches -> forward/backward -> gradient sync ->
+AdamW step -> metrics, evaluation and checkpoints.
+
+Loss is token-level over the whole global batch (DESIGN.md section 3): every micro-batch's
+loss sum is divided by the number of loss tokens of the *global* batch (all micro-batches and
+DP ranks, counted with one all-reduce before the forward passes), so gradients summed over DP
+equal the single-process gradient of the same global batch, never a mean of per-rank means.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from hcp.config.schema import MODULES
+from hcp.data.build import build_datasets
+from hcp.data.loader import GlobalBatchSampler, lane_slice
+from hcp.data.packing import collate, first_fit
+from hcp.model import LlavaModel, init_parameters
+from hcp.train import checkpoint
+from hcp.train.distributed import init_distributed
+from hcp.train.evaluate import evaluate
+from hcp.train.metrics_log import RunLogger
+from hcp.train.optim import build_optimizer, build_scheduler
+
+
+class Trainer:
+    """Builds everything one rank needs from the resolved config and runs `fit()`.
+
+    `run_dir` is the run directory chosen once by the launching process; only the logging
+    rank writes into it (checkpoints are written by every rank, as DCP shards).
+    """
+
+    def __init__(self, cfg, run_dir: str):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.device = init_distributed(cfg.launcher)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # Colocated data parallelism over every rank (the layouts issue gives each module its own
+        # DP x CP group; with tp = cp = pp = 1 both are the world).
+        self.dp, self.lane, self.dp_group = self.world, self.rank, None
+        self.is_logging_rank = self.rank == 0
+        self.tok, self.train_set, self.eval_set = build_datasets(cfg)
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
+        self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
+        self.step = 0
+        self._resume()
+        self.log = (RunLogger(run_dir, cfg, cfg.trainer.max_steps, self.step)
+                    if self.is_logging_rank else None)
+        if self.log and self.train_set.skipped.counts:
+            self.log.write(f"skipped records: {self.train_set.skipped.summary()}")
+
+    def _build_model(self) -> LlavaModel:
+        cfg = self.cfg
+        torch.manual_seed(cfg.seed)
+        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm)
+        init_parameters(model, cfg.seed)
+        for name in MODULES:
+            if getattr(model, name, None) is not None and cfg[name].freeze:
+                model.get_submodule(name).requires_grad_(False)
+        return model.to(self.device)
+
+    def _resume(self) -> None:
+        resume = self.cfg.resume
+        if not resume:
+            return
+        path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
+        if path is None:
+            return  # resume=auto with no checkpoint yet: a fresh start
+        state = checkpoint.load(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.step = state["step"]
+
+    def _autocast(self):
+        if self.cfg.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def micro_batches(self, sample_indices):
+        """This lane's samples packed first-fit into THD micro-batches."""
+        samples = [self.train_set[i] for i in sample_indices]
+        packs = first_fit([len(s.input_ids) for s in samples], self.cfg.trainer.micro_batch_tokens)
+        return [collate([samples[i] for i in p], [self.train_set.pixel_values(samples[i]) for i in p],
+                        self.tok.image_token_id).to(self.device) for p in packs]
+
+    def train_step(self) -> dict:
+        """One optimizer step over one global batch; returns this step's metrics."""
+        t0 = time.perf_counter()
+        batches = self.micro_batches(lane_slice(self.sampler.next(), self.dp, self.lane))
+        counts = torch.tensor([sum(b.num_label_tokens for b in batches),
+                               sum(b.input_ids.numel() for b in batches)], dtype=torch.float64)
+        dist.all_reduce(counts, group=self.dp_group)
+        global_tokens = counts[0].item()
+        loss_total = torch.zeros((), dtype=torch.float64)
+        for batch in batches:
+            with self._autocast():
+                loss_sum, _ = self.model(batch)
+            (loss_sum.float() / global_tokens).backward()
+            loss_total += loss_sum.detach().double().cpu()
+        self._sync_grads()
+        grad_norm = self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.step += 1
+        dist.all_reduce(loss_total, group=self.dp_group)
+        dt = time.perf_counter() - t0
+        return {"loss": loss_total.item() / global_tokens, "lr": lr, "grad_norm": grad_norm,
+                "tokens_per_s": counts[1].item() / dt, "step_time_s": dt,
+                "loss_tokens": int(global_tokens), "micro_batches": len(batches)}
+
+    def _sync_grads(self) -> None:
+        """Sum gradients over DP in one flat buffer (each already scaled by 1/global tokens)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if self.dp > 1 and grads:
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.trainer.grad_clip if self.cfg.trainer.grad_clip > 0 else float("inf")
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def evaluate(self) -> dict:
+        if self.eval_set is None:
+            return {}
+        n = len(self.eval_set)
+        if self.cfg.trainer.eval_samples:
+            n = min(n, self.cfg.trainer.eval_samples)
+        per = -(-n // self.dp)
+        indices = list(range(self.lane * per, min(n, (self.lane + 1) * per)))
+        return evaluate(self.model, self.eval_set, self.tok, indices,
+                        self.cfg.trainer.micro_batch_tokens, self.device, self.dp_group)
+
+    def save(self) -> None:
+        state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
+                 "sampler": self.sampler.state_dict()}
+        checkpoint.save(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
+                        self.cfg.checkpoint.keep)
+
+    def fit(self) -> dict:
+        """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
+        tc = self.cfg.trainer
+        t_start, tokens_per_s, metrics, evals = time.perf_counter(), [], {}, {}
+        while self.step < tc.max_steps:
+            metrics = self.train_step()
+            tokens_per_s.append(metrics["tokens_per_s"])
+            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
+                evals = self.evaluate()
+                metrics.update(evals)
+            if self.log:
+                if self.step % tc.log_every == 0 or self.step == tc.max_steps or evals:
+                    self.log.log(self.step, metrics)
+                self.log.advance()
+            if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.max_steps:
+                self.save()
+        evals = self.evaluate()
+        self.save()
+        summary = {"steps": self.step, "final_loss": metrics.get("loss"), **evals,
+                   "wall_s": round(time.perf_counter() - t_start, 2),
+                   "tokens_per_s": sum(tokens_per_s) / max(1, len(tokens_per_s)),
+                   "world_size": self.world,
+                   "skipped_records": dict(self.train_set.skipped.counts)}
+        if self.log:
+            self.log.log(self.step, evals)
+            self.log.finish(summary)
+        return summary
+
+
+def run_rank(cfg, run_dir: str) -> dict:
+    """Entry point of one rank: train, then leave the process group cleanly."""
+    try:
+        return Trainer(cfg, run_dir).fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,24 @@
+"""hcp entry point.
+
+    python train.py                                   # tiny LLaVA on digits, 4 local ranks
+    python train.py +recipe=llava_hetero mode=plan    # plan a full-size run, no GPU needed
+    python train.py -m optim.lr=1e-3,3e-3             # a sweep: one run directory per job
+    torchrun --nproc-per-node 8 train.py ...          # joins the ranks torchrun started
+"""
+import hydra
+from omegaconf import DictConfig
+
+from hcp.config.schema import register
+
+register()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig):
+    from hcp.train.entry import run
+
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    main()
