@@ -1,0 +1,354 @@
+"""Per-module layouts: where each module sits and how its ranks are split (DESIGN.md: layout).
+
+`resolve_layouts(cfg, world_size)` turns every present module's `layout` block plus the run-wide
+`placement` into a `ResolvedLayout` (all sizes known, dp inferred, an explicit rank range).
+`check_layouts(cfg, world_size)` does the same and then checks every cross-field layout rule.
+Every rule raises `ConfigError(field, value, problem, fix)` before any process starts.
+
+Placement:
+- `colocated`: every module spans ranks [0, world_size).
+- `non_colocated`: the world is cut into contiguous, disjoint islands that cover it. A module with
+  `layout.num_ranks` or `layout.rank_offset` (or an explicit `dp`, which fixes its size to
+  tp*cp*pp*dp) heads its own island; a module with neither key that is the destination of an
+  edge from an encoder joins that encoder's island (LLaVA's projector shares the vision island);
+  at most one island may leave its size open and gets the remaining ranks. Islands with an
+  explicit `rank_offset` are placed first, the others in graph order at the lowest free rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hcp.config.errors import ConfigError
+from hcp.config.schema import MODULES
+
+PLACEMENTS = ("colocated", "non_colocated")
+PACKINGS = ("first_fit", "dynamic_cp")
+CP_COMMS = ("allgather", "p2p")
+RECOMPUTES = ("none", "selective", "full")
+NON_ENCODERS = ("projector", "llm")
+"""Modules that are not encoders; every other module key is an encoder (e.g. `vision`)."""
+
+
+@dataclass(frozen=True)
+class ResolvedLayout:
+    """A module's layout with every size known. Rank counts are in ranks.
+
+    The grid is `[rank_offset, rank_offset + num_ranks)` with num_ranks = tp*cp*dp*pp.
+    """
+
+    module: str
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    rank_offset: int
+    num_ranks: int
+    pp_layers: tuple[int, ...]
+    """Layers per pipeline stage (the projector counts as one layer)."""
+    cp_comm: str
+    sequence_parallel: bool
+    recompute: str
+    dp_shard: bool
+
+    @property
+    def ranks(self) -> range:
+        """The module's ranks, ascending."""
+        return range(self.rank_offset, self.rank_offset + self.num_ranks)
+
+    @property
+    def cp_pool(self) -> int:
+        """Ranks per dynamic-CP pool: dp * cp."""
+        return self.dp * self.cp
+
+
+def present_modules(cfg) -> tuple[str, ...]:
+    """Module keys whose config is not None, in graph order."""
+    return tuple(m for m in MODULES if cfg.get(m) is not None)
+
+
+def num_layers(cfg, module: str) -> int:
+    """Pipeline-splittable layers of a module; the projector is one layer."""
+    return 1 if module == "projector" else int(cfg[module].num_layers)
+
+
+def world_size_of(cfg, auto_nproc: int = 4) -> int:
+    """Ranks the launcher provides: `launcher.nnodes * launcher.nproc_per_node`.
+
+    `nproc_per_node=auto` means `cluster.gpus_per_node` in plan mode and `auto_nproc` otherwise
+    (the launcher passes its device count; 4 on CPU).
+    Raises ConfigError for a non-integer, non-`auto` nproc_per_node or a size below 1.
+    """
+    nproc = cfg.launcher.nproc_per_node
+    if nproc == "auto":
+        nproc = cfg.cluster.gpus_per_node if cfg.mode == "plan" else auto_nproc
+    try:
+        nproc = int(nproc)
+    except (TypeError, ValueError):
+        raise ConfigError("launcher.nproc_per_node", nproc, "not an integer", "use `auto` or an int") from None
+    if nproc < 1 or cfg.launcher.nnodes < 1:
+        raise ConfigError("launcher.nproc_per_node", nproc, "nodes and ranks per node must be >= 1",
+                          "use positive values")
+    return int(cfg.launcher.nnodes) * nproc
+
+
+def _choice(field: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(field, value, "unknown value", f"use one of {', '.join(allowed)}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, min(n, 128) + 1) if n % d == 0]
+
+
+def _edges(cfg, modules) -> list[tuple[str, str]]:
+    """The graph's edges; raises ConfigError for an edge naming an absent module."""
+    edges = [tuple(e) for e in cfg.graph.edges]
+    for src, dst in edges:
+        for name in (src, dst):
+            if name not in modules:
+                raise ConfigError("graph.edges", [list(e) for e in edges],
+                                  f"edge {src}->{dst} names `{name}`, which is absent (None or unknown)",
+                                  f"use only modules {list(modules)} or set graph.edges=[]")
+    return edges
+
+
+def _colocated_spans(cfg, modules, world_size) -> dict[str, tuple[int, int]]:
+    for m in modules:
+        lay = cfg[m].layout
+        if lay.num_ranks not in (None, world_size):
+            raise ConfigError(f"{m}.layout.num_ranks", lay.num_ranks,
+                              f"placement=colocated: every module spans all {world_size} ranks",
+                              f"remove it (or set it to {world_size}), or set placement=non_colocated")
+        if lay.rank_offset not in (None, 0):
+            raise ConfigError(f"{m}.layout.rank_offset", lay.rank_offset,
+                              "placement=colocated: every module starts at rank 0",
+                              "remove it, or set placement=non_colocated")
+    return {m: (0, world_size) for m in modules}
+
+
+def _island_heads(cfg, modules, edges) -> dict[str, str]:
+    """Map each module to the module heading its island (itself or the encoder it joins)."""
+    head = {}
+    for m in modules:
+        lay = cfg[m].layout
+        if lay.num_ranks is None and lay.rank_offset is None:
+            src = next((s for s, d in edges if d == m and s not in NON_ENCODERS), None)
+            if src is not None:
+                head[m] = head[src]
+                continue
+        head[m] = m
+    return head
+
+
+def _island_size(cfg, m) -> int | None:
+    lay = cfg[m].layout
+    if lay.num_ranks is not None:
+        if lay.num_ranks < 1:
+            raise ConfigError(f"{m}.layout.num_ranks", lay.num_ranks, "an island needs >= 1 rank",
+                              "use a positive rank count")
+        return int(lay.num_ranks)
+    if lay.dp != -1:
+        return int(lay.tp * lay.cp * lay.pp * lay.dp)
+    return None
+
+
+def _lowest_free(used: dict[int, str], module: str, size: int, world_size: int) -> int:
+    """Lowest rank r with ranks [r, r + size) unclaimed; raises ConfigError when none is."""
+    run = 0
+    for r in range(world_size):
+        run = 0 if r in used else run + 1
+        if run == size:
+            return r - size + 1
+    raise ConfigError(f"{module}.layout.num_ranks", size,
+                      f"no {size} contiguous ranks remain free after the other islands",
+                      "shrink the islands or give explicit rank_offset values that fit")
+
+
+def _non_colocated_spans(cfg, modules, edges, world_size) -> dict[str, tuple[int, int]]:
+    head = _island_heads(cfg, modules, edges)
+    islands = list(dict.fromkeys(head.values()))
+    sizes = {h: _island_size(cfg, h) for h in islands}
+    open_ = [h for h in islands if sizes[h] is None]
+    if len(open_) > 1:
+        raise ConfigError(f"{open_[1]}.layout.num_ranks", None,
+                          f"the islands of {open_} all leave their size to be inferred; at most one may",
+                          f"set {open_[0]}.layout.num_ranks (or its dp)")
+    if open_:
+        rest = world_size - sum(s for s in sizes.values() if s is not None)
+        if rest < 1:
+            raise ConfigError(f"{open_[0]}.layout.num_ranks", None,
+                              f"the other islands already take {world_size - rest} of {world_size} ranks",
+                              "shrink the other islands or use more ranks")
+        sizes[open_[0]] = rest
+    used: dict[int, str] = {}
+    offsets = {}
+    explicit = [h for h in islands if cfg[h].layout.rank_offset is not None]
+    for h in explicit + [h for h in islands if h not in explicit]:
+        offset = cfg[h].layout.rank_offset
+        if offset is None:
+            offset = _lowest_free(used, h, sizes[h], world_size)
+        if offset < 0 or offset + sizes[h] > world_size:
+            raise ConfigError(f"{h}.layout.rank_offset", offset,
+                              f"island [{offset}, {offset + sizes[h]}) of {h} leaves the world "
+                              f"[0, {world_size})", "lower the offset or the island size")
+        for r in range(offset, offset + sizes[h]):
+            if r in used:
+                raise ConfigError(f"{h}.layout.rank_offset", offset,
+                                  f"island [{offset}, {offset + sizes[h]}) of {h} overlaps the island "
+                                  f"of {used[r]} at rank {r}", "make the islands disjoint")
+            used[r] = h
+        offsets[h] = offset
+    unused = [r for r in range(world_size) if r not in used]
+    if unused:
+        raise ConfigError(f"{islands[-1]}.layout.num_ranks", sizes[islands[-1]],
+                          f"the islands leave {len(unused)} of {world_size} ranks unused "
+                          f"(first: {unused[0]})", "grow an island (num_ranks) so that they cover the world")
+    return {m: (offsets[head[m]], sizes[head[m]]) for m in modules}
+
+
+def _resolve_one(cfg, m: str, offset: int, count: int) -> ResolvedLayout:
+    lay = cfg[m].layout
+    for axis in ("tp", "cp", "pp"):
+        if lay[axis] < 1:
+            raise ConfigError(f"{m}.layout.{axis}", lay[axis], "sizes must be >= 1", "use a positive size")
+    model = lay.tp * lay.cp * lay.pp
+    product = f"tp*cp*pp = {lay.tp}*{lay.cp}*{lay.pp} = {model}"
+    if lay.dp == -1:
+        if count % model:
+            raise ConfigError(f"{m}.layout.dp", -1, f"{m} spans {count} ranks, not divisible by {product}",
+                              f"choose tp, cp, pp whose product divides {count}")
+        dp = count // model
+    elif lay.dp < 1 or lay.dp * model != count:
+        raise ConfigError(f"{m}.layout.dp", lay.dp,
+                          f"{product} times dp = {model * lay.dp} differs from the {count} ranks {m} spans",
+                          f"use dp=-1 (infers {count / model:g}) or change the sizes")
+    else:
+        dp = int(lay.dp)
+    layers = num_layers(cfg, m)
+    if lay.pp_layers is not None:
+        split = tuple(int(n) for n in lay.pp_layers)
+        if len(split) != lay.pp or sum(split) != layers or min(split) < 1:
+            raise ConfigError(f"{m}.layout.pp_layers", list(split),
+                              f"needs {lay.pp} stages of >= 1 layer summing to {layers} layers",
+                              f"give {lay.pp} positive counts with sum {layers}")
+    elif layers % lay.pp:
+        raise ConfigError(f"{m}.layout.pp", lay.pp, f"{m} has {layers} layers, not divisible by it",
+                          f"use pp in {_divisors(layers)} or give {m}.layout.pp_layers")
+    else:
+        split = (layers // lay.pp,) * lay.pp
+    return ResolvedLayout(m, int(lay.tp), int(lay.cp), int(lay.pp), dp, offset, count, split,
+                          lay.cp_comm, bool(lay.sequence_parallel), lay.recompute, bool(lay.dp_shard))
+
+
+def resolve_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
+    """Resolve every present module's layout over `world_size` ranks, in graph order.
+
+    Raises ConfigError: unknown placement; an edge naming an absent module; colocated modules not
+    spanning identical ranks; islands overlapping, leaving the world or leaving ranks unused;
+    tp*cp*pp*dp differing from the module's rank count; layers not divisible by pp (or a bad
+    `pp_layers`).
+    """
+    _choice("placement", cfg.placement, PLACEMENTS)
+    modules = present_modules(cfg)
+    edges = _edges(cfg, modules)
+    if cfg.placement == "colocated":
+        spans = _colocated_spans(cfg, modules, world_size)
+    else:
+        spans = _non_colocated_spans(cfg, modules, edges, world_size)
+    return {m: _resolve_one(cfg, m, *spans[m]) for m in modules}
+
+
+def _tp_divides(m: str, tp: int, quantities: dict[str, int], padding: tuple[str, ...] = ()) -> None:
+    for name, n in quantities.items():
+        if n % tp:
+            extra = "; it would need padding to a multiple of tp, which hcp does not do" if name in padding else ""
+            raise ConfigError(f"{m}.layout.tp", tp, f"{name}={n} is not divisible by it{extra}",
+                              f"use tp in {_divisors(n)}")
+
+
+def _check_tensor_parallel(cfg, lay: ResolvedLayout) -> None:
+    m, tp = lay.module, lay.tp
+    if m == "llm":
+        c = cfg.llm
+        _tp_divides(m, tp, {"llm.num_heads": c.num_heads, "llm.num_kv_heads": c.num_kv_heads,
+                            "llm.ffn_hidden_size": c.ffn_hidden_size, "llm.vocab_size": c.vocab_size},
+                    padding=("llm.vocab_size",))
+    elif m == "projector":
+        _tp_divides(m, tp, {"llm.hidden_size": cfg.llm.hidden_size})
+    else:
+        c = cfg[m]
+        _tp_divides(m, tp, {f"{m}.num_heads": c.num_heads, f"{m}.ffn_hidden_size": c.ffn_hidden_size})
+
+
+def _check_tokens(cfg, lay: ResolvedLayout) -> None:
+    tokens = cfg.trainer.micro_batch_tokens
+    if lay.cp > 1 and tokens % (2 * lay.cp):
+        raise ConfigError("trainer.micro_batch_tokens", tokens,
+                          f"{lay.module}.layout.cp={lay.cp} splits every document into 2*cp = "
+                          f"{2 * lay.cp} chunks; the capacity is not divisible by it and would need padding",
+                          f"use a multiple of {2 * lay.cp}")
+    if lay.sequence_parallel and tokens % lay.tp:
+        raise ConfigError("trainer.micro_batch_tokens", tokens,
+                          f"{lay.module}.layout.sequence_parallel shards tokens over tp={lay.tp}; the "
+                          "capacity is not divisible by it and would need padding",
+                          f"use a multiple of {lay.tp}")
+
+
+def _check_lanes(cfg, layouts: dict[str, ResolvedLayout]) -> None:
+    batch = cfg.trainer.global_batch_size
+    for lay in layouts.values():
+        if batch % lay.dp:
+            raise ConfigError("trainer.global_batch_size", batch,
+                              f"not divisible by {lay.module}'s dp={lay.dp} (each lane takes a block of samples)",
+                              f"use a multiple of {lay.dp}")
+    for src, dst in (tuple(e) for e in cfg.graph.edges):
+        a, b = layouts[src].dp, layouts[dst].dp
+        if max(a, b) % min(a, b):
+            raise ConfigError(f"{dst}.layout.dp", b,
+                              f"edge {src}->{dst}: dp {a} and {b}, neither divides the other, so lanes "
+                              "cannot map in blocks", f"make one of the two dp sizes a multiple of the other")
+
+
+def _check_dynamic_cp(cfg, layouts: dict[str, ResolvedLayout]) -> None:
+    if cfg.packing != "dynamic_cp":
+        return
+    lay = layouts["llm"]
+    if lay.cp_pool & (lay.cp_pool - 1):
+        raise ConfigError("llm.layout.cp", lay.cp,
+                          f"packing=dynamic_cp needs the CP pool dp*cp = {lay.dp}*{lay.cp} = {lay.cp_pool} "
+                          "to be a power of two", "choose dp and cp whose product is a power of two")
+
+
+def _check_launcher(cfg, world_size: int) -> None:
+    nnodes, nproc = cfg.launcher.nnodes, cfg.launcher.nproc_per_node
+    if nproc != "auto" and nnodes * int(nproc) != world_size:
+        raise ConfigError("launcher.nproc_per_node", nproc,
+                          f"launcher.nnodes*nproc_per_node = {nnodes}*{nproc} differs from the "
+                          f"{world_size} ranks provided", "match the launcher to the job's ranks")
+    if world_size % nnodes:
+        raise ConfigError("launcher.nnodes", nnodes, f"{world_size} ranks do not split evenly over it",
+                          "match launcher.nnodes to the job's nodes")
+
+
+def check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
+    """Check every layout rule for `world_size` ranks; return the resolved layouts.
+
+    Raises ConfigError (field, value, problem, fix) for the rules of `resolve_layouts` and: unknown
+    packing, cp_comm or recompute; a world size differing from the launcher's nodes x ranks per
+    node; heads, KV heads, FFN width or vocabulary (no padding) not divisible by tp;
+    `trainer.micro_batch_tokens` not divisible by 2*cp (nor by tp under sequence parallelism);
+    the global batch not divisible by a module's dp; an edge whose two dp sizes do not divide;
+    under `packing=dynamic_cp` an LLM CP pool dp*cp that is not a power of two.
+    """
+    _choice("packing", cfg.packing, PACKINGS)
+    for m in present_modules(cfg):
+        _choice(f"{m}.layout.cp_comm", cfg[m].layout.cp_comm, CP_COMMS)
+        _choice(f"{m}.layout.recompute", cfg[m].layout.recompute, RECOMPUTES)
+    _check_launcher(cfg, world_size)
+    layouts = resolve_layouts(cfg, world_size)
+    for lay in layouts.values():
+        _check_tensor_parallel(cfg, lay)
+        _check_tokens(cfg, lay)
+    _check_lanes(cfg, layouts)
+    _check_dynamic_cp(cfg, layouts)
+    return layouts

@@ -1,0 +1,215 @@
+"""Layout resolution and every layout rule of issue 3 (hcp.config.layouts).
+
+The base config is the tiny LLaVA of the schema: vision (64 wide, 4 heads, FFN 256, 2 layers),
+projector, llm (128 wide, 4 heads, 2 KV heads, FFN 384, vocab 264, 2 layers).
+"""
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from hcp.config.errors import ConfigError
+from hcp.config.layouts import check_layouts, resolve_layouts, world_size_of
+from hcp.config.schema import HCPConfig
+
+RECIPES = Path(__file__).resolve().parents[1] / "conf" / "recipe"
+
+
+def cfg_of(*dotlist: str, recipe: str | None = None):
+    parts = [OmegaConf.structured(HCPConfig)]
+    if recipe:
+        parts.append(OmegaConf.load(RECIPES / f"{recipe}.yaml"))
+    parts.append(OmegaConf.from_dotlist(list(dotlist)))
+    return OmegaConf.merge(*parts)
+
+
+TEXT_ONLY = ("vision=null", "projector=null", "graph.edges=[]")
+
+
+def fails(field: str, world: int, *dotlist: str, match: str | None = None) -> ConfigError:
+    with pytest.raises(ConfigError, match=match) as err:
+        check_layouts(cfg_of(*dotlist), world)
+    assert err.value.field == field
+    assert "Fix:" in str(err.value)
+    return err.value
+
+
+# ----------------------------------------------------------------------------- resolution
+def test_colocated_modules_span_the_world_and_infer_dp():
+    lay = check_layouts(cfg_of("llm.layout.tp=2", "llm.layout.cp=2"), 8)
+    assert [(l.rank_offset, l.num_ranks) for l in lay.values()] == [(0, 8)] * 3
+    assert (lay["vision"].dp, lay["llm"].dp, lay["llm"].cp_pool) == (8, 2, 4)
+
+
+def test_non_colocated_projector_joins_the_encoder_island_and_llm_takes_the_rest():
+    lay = check_layouts(cfg_of("placement=non_colocated", "vision.layout.num_ranks=2",
+                               "trainer.global_batch_size=24"), 8)
+    assert (lay["vision"].ranks, lay["projector"].ranks, lay["llm"].ranks) == (range(0, 2), range(0, 2),
+                                                                              range(2, 8))
+    assert (lay["vision"].dp, lay["projector"].dp, lay["llm"].dp) == (2, 2, 6)
+
+
+def test_non_colocated_explicit_offsets_are_placed_first():
+    lay = resolve_layouts(cfg_of("placement=non_colocated", "llm.layout.rank_offset=0",
+                                 "llm.layout.num_ranks=6", "vision.layout.rank_offset=6"), 8)
+    assert (lay["llm"].ranks, lay["vision"].ranks, lay["projector"].ranks) == (range(0, 6), range(6, 8),
+                                                                              range(6, 8))
+
+
+def test_non_colocated_island_size_from_explicit_dp():
+    lay = resolve_layouts(cfg_of("placement=non_colocated", "vision.layout.dp=4"), 8)
+    assert (lay["vision"].num_ranks, lay["llm"].rank_offset, lay["llm"].num_ranks) == (4, 4, 4)
+
+
+def test_projector_with_its_own_size_gets_its_own_island():
+    lay = resolve_layouts(cfg_of("placement=non_colocated", "vision.layout.num_ranks=2",
+                                 "projector.layout.num_ranks=2"), 8)
+    assert (lay["vision"].ranks, lay["projector"].ranks, lay["llm"].ranks) == (range(0, 2), range(2, 4),
+                                                                              range(4, 8))
+
+
+def test_explicit_pp_layers_are_kept():
+    lay = check_layouts(cfg_of("llm.num_layers=6", "llm.layout.pp=4", "llm.layout.pp_layers=[1,2,2,1]"), 8)
+    assert lay["llm"].pp_layers == (1, 2, 2, 1) and lay["vision"].pp_layers == (2,)
+
+
+def test_full_size_recipes_resolve():
+    llama = check_layouts(cfg_of("mode=plan", recipe="llama13b_dynamic_cp"), 64)
+    assert list(llama) == ["llm"] and (llama["llm"].dp, llama["llm"].cp_pool) == (1, 8)
+    hetero = check_layouts(cfg_of("mode=plan", recipe="llava_hetero"), 64)
+    assert (hetero["vision"].dp, hetero["llm"].tp, hetero["llm"].dp) == (64, 8, 2)
+
+
+# ----------------------------------------------------------------------------- world size
+def test_world_size_of_launcher():
+    assert world_size_of(cfg_of("launcher.nnodes=2", "launcher.nproc_per_node=3")) == 6
+    assert world_size_of(cfg_of("launcher.nnodes=2"), auto_nproc=4) == 8
+    assert world_size_of(cfg_of("mode=plan", recipe="llama13b_dynamic_cp")) == 64
+    assert world_size_of(cfg_of("mode=plan", "launcher.nproc_per_node=auto", "cluster.gpus_per_node=4")) == 4
+
+
+def test_world_size_must_match_the_launcher():
+    fails("launcher.nproc_per_node", 8, "launcher.nproc_per_node=4", match="differs")
+    fails("launcher.nnodes", 8, "launcher.nnodes=3", match="evenly")
+    with pytest.raises(ConfigError):
+        world_size_of(cfg_of("launcher.nproc_per_node=many"))
+
+
+# ----------------------------------------------------------------------------- sizes vs ranks
+def test_product_of_sizes_must_equal_rank_count():
+    err = fails("llm.layout.dp", 8, "llm.layout.tp=2", "llm.layout.dp=3")
+    assert "2*1*1" in str(err) and "8 ranks" in str(err)
+
+
+def test_inferred_dp_needs_divisible_rank_count():
+    fails("llm.layout.dp", 8, "llm.layout.cp=3", match="not divisible")
+
+
+def test_colocated_modules_must_span_identical_ranks():
+    fails("vision.layout.num_ranks", 8, "vision.layout.num_ranks=4", match="colocated")
+    fails("llm.layout.rank_offset", 8, "llm.layout.rank_offset=2", match="colocated")
+
+
+# ----------------------------------------------------------------------------- islands
+def test_islands_must_not_overlap():
+    fails("llm.layout.rank_offset", 8, "placement=non_colocated", "vision.layout.rank_offset=0",
+          "vision.layout.num_ranks=4", "llm.layout.rank_offset=2", "llm.layout.num_ranks=6", match="overlaps")
+
+
+def test_islands_must_not_leave_ranks_unused():
+    fails("llm.layout.num_ranks", 8, "placement=non_colocated", "vision.layout.num_ranks=2",
+          "llm.layout.num_ranks=4", match="unused")
+
+
+def test_islands_must_stay_inside_the_world():
+    fails("llm.layout.rank_offset", 8, "placement=non_colocated", "vision.layout.num_ranks=2",
+          "llm.layout.rank_offset=6", "llm.layout.num_ranks=4", match="leaves the world")
+    fails("llm.layout.num_ranks", 8, "placement=non_colocated", "vision.layout.num_ranks=8",
+          match="already take")
+
+
+def test_at_most_one_island_size_is_inferred():
+    fails("llm.layout.num_ranks", 8, "placement=non_colocated", "projector.layout.num_ranks=2",
+          match="at most one")
+
+
+def test_edges_must_name_present_modules():
+    fails("graph.edges", 8, "vision=null", match="absent")
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+def test_heads_divisible_by_tp():
+    fails("llm.layout.tp", 8, "llm.layout.tp=8", match="llm.num_heads=4")
+    fails("vision.layout.tp", 8, "vision.layout.tp=8", match="vision.num_heads=4")
+
+
+def test_kv_heads_divisible_by_tp():
+    fails("llm.layout.tp", 8, "llm.layout.tp=4", match="llm.num_kv_heads=2")
+
+
+def test_ffn_divisible_by_tp():
+    fails("llm.layout.tp", 8, "llm.layout.tp=4", "llm.num_kv_heads=4", "llm.ffn_hidden_size=390",
+          match="llm.ffn_hidden_size=390")
+    fails("vision.layout.tp", 8, "vision.layout.tp=4", "vision.ffn_hidden_size=258", match="ffn")
+
+
+def test_vocab_divisible_by_tp_or_rejected_as_needing_padding():
+    err = fails("llm.layout.tp", 8, "llm.layout.tp=2", "llm.vocab_size=263", match="llm.vocab_size=263")
+    assert "padding" in str(err)
+
+
+def test_projector_width_divisible_by_tp():
+    fails("projector.layout.tp", 6, "launcher.nproc_per_node=6", "projector.layout.tp=3",
+          match="llm.hidden_size=128")
+
+
+# ----------------------------------------------------------------------------- pipeline
+def test_layers_divisible_by_pp():
+    err = fails("llm.layout.pp", 8, "llm.layout.pp=4", match="2 layers")
+    assert "pp_layers" in str(err)
+
+
+def test_pp_layers_must_sum_to_layers_with_one_entry_per_stage():
+    fails("llm.layout.pp_layers", 8, "llm.layout.pp=2", "llm.layout.pp_layers=[1,2]", match="summing to 2")
+    fails("llm.layout.pp_layers", 8, "llm.layout.pp=2", "llm.num_layers=3", "llm.layout.pp_layers=[3]")
+    fails("llm.layout.pp_layers", 8, "llm.layout.pp=2", "llm.layout.pp_layers=[2,0]")
+
+
+# ----------------------------------------------------------------------------- tokens
+def test_micro_batch_tokens_divisible_by_2cp():
+    err = fails("trainer.micro_batch_tokens", 8, "llm.layout.cp=4", "trainer.micro_batch_tokens=4100",
+                match="2\\*cp = 8")
+    assert "padding" in str(err)
+
+
+def test_micro_batch_tokens_divisible_by_tp_under_sequence_parallel():
+    fails("trainer.micro_batch_tokens", 8, "llm.layout.tp=4", "llm.num_kv_heads=4",
+          "llm.layout.sequence_parallel=true", "trainer.micro_batch_tokens=4098", match="sequence_parallel")
+    check_layouts(cfg_of("llm.layout.tp=4", "llm.num_kv_heads=4", "trainer.micro_batch_tokens=4098"), 8)
+
+
+# ----------------------------------------------------------------------------- lanes
+def test_global_batch_divisible_by_every_dp():
+    fails("trainer.global_batch_size", 8, "trainer.global_batch_size=12", match="dp=8")
+
+
+def test_edge_dp_sizes_must_divide_one_another():
+    fails("llm.layout.dp", 8, "placement=non_colocated", "vision.layout.num_ranks=3",
+          "trainer.global_batch_size=15", match="neither divides")
+
+
+# ----------------------------------------------------------------------------- dynamic CP
+def test_dynamic_cp_pool_must_be_a_power_of_two():
+    err = fails("llm.layout.cp", 6, *TEXT_ONLY, "launcher.nproc_per_node=6", "packing=dynamic_cp",
+                "llm.layout.cp=3", "trainer.global_batch_size=2", "trainer.micro_batch_tokens=4098",
+                match="power of two")
+    assert "3*2 = 6" not in str(err) and "2*3 = 6" in str(err)
+    check_layouts(cfg_of(*TEXT_ONLY, "launcher.nproc_per_node=6", "llm.layout.cp=3",
+                         "trainer.global_batch_size=2", "trainer.micro_batch_tokens=4098"), 6)
+
+
+# ----------------------------------------------------------------------------- choices
+@pytest.mark.parametrize("key,value", [("llm.layout.cp_comm", "ring"), ("vision.layout.recompute", "some"),
+                                       ("placement", "mixed"), ("packing", "best_fit")])
+def test_unknown_choice_values(key, value):
+    fails(key, 8, f"{key}={value}", match="unknown value")
