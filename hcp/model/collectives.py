@@ -1,0 +1,142 @@
+"""Differentiable collectives for tensor and context parallelism (the f/g operators of
+Megatron-LM, Shoeybi et al. 2019, and the sequence-parallel pair of Korthikanti et al. 2022).
+
+Each function takes `group: ProcessGroup | None`; None (or a group of size 1) makes it the
+identity, so a module written once runs with or without parallelism.
+
+| function            | forward                          | backward                          |
+| copy_to_group       | identity                         | all-reduce (sum)                  |
+| reduce_from_group   | all-reduce (sum)                 | identity                          |
+| gather_from_group   | all-gather along `dim`           | keep this rank's slice            |
+| gather_seq          | all-gather along dim 0           | reduce-scatter along dim 0        |
+| reduce_scatter_seq  | reduce-scatter along dim 0       | all-gather along dim 0            |
+| split_seq           | keep this rank's slice of dim 0  | all-gather along dim 0            |
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(group_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter0(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [p.contiguous() for p in x.chunk(group_size(group), dim=0)]
+    out = torch.empty_like(parts[0])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+def _slice(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    return x.chunk(group_size(group), dim=dim)[group_rank(group)].contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _slice(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, group, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter0(grad, ctx.group), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter0(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, 0), None
+
+
+class _SplitSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _slice(x, group, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.group, 0), None
+
+
+def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: torch.Tensor, group) -> torch.Tensor:
+    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def gather_from_group(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
+    return x if group_size(group) == 1 else _GatherFromGroup.apply(x, group, dim)
+
+
+def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """x [T / n, ...] -> [T, ...] in rank order; backward sums the gradients of each slice on
+    its owner (reduce-scatter)."""
+    return x if group_size(group) == 1 else _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """x [T, ...] (partial sums) -> this rank's slice [T / n, ...] of the sum."""
+    return x if group_size(group) == 1 else _ReduceScatterSeq.apply(x, group)
+
+
+def split_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """x [T, ...] (replicated) -> this rank's slice [T / n, ...]."""
+    return x if group_size(group) == 1 else _SplitSeq.apply(x, group)
