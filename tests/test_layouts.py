@@ -73,6 +73,13 @@ def test_explicit_pp_layers_are_kept():
     assert lay["llm"].pp_layers == (1, 2, 2, 1) and lay["vision"].pp_layers == (2,)
 
 
+def test_encoder_layers_stop_at_select_layer():
+    lay = check_layouts(cfg_of("mode=plan", recipe="llava_hetero"), 64)
+    assert lay["vision"].pp_layers == (23,)  # CLIP ViT-L/14: 24 blocks, select_layer -2
+    fails("vision.layout.pp", 8, "vision.num_layers=5", "vision.select_layer=-2", "vision.layout.pp=8",
+          match="has 4 layers")
+
+
 def test_full_size_recipes_resolve():
     llama = check_layouts(cfg_of("mode=plan", recipe="llama13b_dynamic_cp"), 64)
     assert list(llama) == ["llm"] and (llama["llm"].dp, llama["llm"].cp_pool) == (1, 8)

@@ -67,8 +67,13 @@ def present_modules(cfg) -> tuple[str, ...]:
 
 
 def num_layers(cfg, module: str) -> int:
-    """Pipeline-splittable layers of a module; the projector is one layer."""
-    return 1 if module == "projector" else int(cfg[module].num_layers)
+    """Pipeline-splittable layers of a module: the projector is one layer; an encoder holds only
+    the blocks up to its `select_layer` (-2 on 24 blocks: 23), the LLM `num_layers`."""
+    if module == "projector":
+        return 1
+    if module == "llm":
+        return int(cfg.llm.num_layers)
+    return int(cfg[module].num_layers + cfg[module].select_layer + 1)
 
 
 def world_size_of(cfg, auto_nproc: int = 4) -> int:
