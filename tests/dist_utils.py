@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 
@@ -32,7 +33,9 @@ def _child(fn, rank, world_size, port, args, queue):
                                 init_method=f"tcp://127.0.0.1:{port}")
         result = fn(rank, world_size, *args)
         dist.barrier()
-        queue.put((rank, True, result))
+        # plain pickle: torch's queue reducers share tensors through file descriptors that
+        # vanish when this process exits
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - report every failure to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -74,7 +77,7 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0) -> list:
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=5)

@@ -90,9 +90,24 @@ class Trainer:
                         self.tok.image_token_id).to(self.device) for p in packs]
 
     def train_step(self) -> dict:
-        """One optimizer step over one global batch; returns this step's metrics."""
+        """One optimizer step over the next global batch; returns this step's metrics."""
         t0 = time.perf_counter()
-        batches = self.micro_batches(lane_slice(self.sampler.next(), self.dp, self.lane))
+        loss, counts, n_micro = self.forward_backward(self.sampler.next())
+        grad_norm = self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        self.step += 1
+        dt = time.perf_counter() - t0
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": counts[1] / dt,
+                "step_time_s": dt, "loss_tokens": int(counts[0]), "micro_batches": n_micro}
+
+    def forward_backward(self, global_batch: list[int]) -> tuple[float, list[float], int]:
+        """Gradients of the token-level loss of `global_batch` (sample indices), synchronized
+        over DP. Returns (global loss, [global loss tokens, global tokens], this rank's
+        micro-batch count)."""
+        batches = self.micro_batches(lane_slice(global_batch, self.dp, self.lane))
         counts = torch.tensor([sum(b.num_label_tokens for b in batches),
                                sum(b.input_ids.numel() for b in batches)], dtype=torch.float64)
         dist.all_reduce(counts, group=self.dp_group)
@@ -104,17 +119,8 @@ class Trainer:
             (loss_sum.float() / global_tokens).backward()
             loss_total += loss_sum.detach().double().cpu()
         self._sync_grads()
-        grad_norm = self._clip()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        self.step += 1
         dist.all_reduce(loss_total, group=self.dp_group)
-        dt = time.perf_counter() - t0
-        return {"loss": loss_total.item() / global_tokens, "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": counts[1].item() / dt, "step_time_s": dt,
-                "loss_tokens": int(global_tokens), "micro_batches": len(batches)}
+        return loss_total.item() / global_tokens, counts.tolist(), len(batches)
 
     def _sync_grads(self) -> None:
         """Sum gradients over DP in one flat buffer (each already scaled by 1/global tokens)."""
@@ -152,7 +158,7 @@ class Trainer:
         tc = self.cfg.trainer
         t_start, tokens_per_s, metrics, evals = time.perf_counter(), [], {}, {}
         while self.step < tc.max_steps:
-            metrics = self.train_step()
+            metrics, evals = self.train_step(), {}
             tokens_per_s.append(metrics["tokens_per_s"])
             if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
                 evals = self.evaluate()

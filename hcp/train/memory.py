@@ -1,0 +1,129 @@
+"""Per-rank memory estimate of a layout, in bytes (plan mode).
+
+Model state per trained parameter (Adam, no distributed optimizer):
+- `bf16`: bf16 weights 2 B + fp32 gradients 4 B + fp32 master weights 4 B + two fp32 Adam
+  moments 8 B = 18 B;
+- `fp32`: weights 4 B + gradients 4 B + two Adam moments 8 B = 16 B.
+A frozen module keeps its weights only (2 B or 4 B). `layout.dp_shard` (FSDP2) divides a module's
+state by dp*cp.
+
+Where parameters sit: a module's numbered layers (`layers.{i}` / `blocks.{i}`) go to their PP
+stage per `pp_layers`; parameters registered before the first layer (token embedding, patch and
+position embeddings) sit on the first stage, those after it (final norm, output layer) on the last.
+TP splits the 2-D weights of the layers and the projector and the vocabulary-sized tables
+(vocab-parallel embedding and output layer); norms, biases, patch/position embeddings and the
+CLS token are replicated.
+
+Activations per rank (`trainer.micro_batch_tokens` = T tokens per rank and micro-batch, already
+CP-sharded; 2 B per element in bf16, 4 B in fp32), per layer and token, for hidden h, KV width
+h_kv, FFN f, TP t (flash-style attention: no T^2 score matrix is stored):
+- `none`: 4h replicated (two norm inputs, two linear inputs; divided by t under sequence
+  parallelism) + (2h + 2h_kv + 3f)/t (q/k/v, attention output, gate/up/product of SwiGLU; a GELU
+  MLP stores 2f instead of 3f);
+- `selective`: recompute core attention and the MLP activation: drops the attention output h and
+  one f;
+- `full`: only the layer input, h (divided by t under sequence parallelism), plus one layer's
+  `none` activations while it is recomputed.
+Under 1F1B, stage s holds pp - s micro-batches in flight. The LLM's last stage adds fp32 logits
+(T x vocab/t x 4 B). The projector stores (its input width + 2h/t) per token for one micro-batch.
+A module stores activations only when gradients flow through it (it or a module upstream trains).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+STATE_BYTES = {"bf16": {"weights": 2, "grads": 4, "optimizer": 12},
+               "fp32": {"weights": 4, "grads": 4, "optimizer": 8}}
+"""Bytes per trained parameter by precision (optimizer: fp32 master weights if any + 2 moments)."""
+ACT_BYTES = {"bf16": 2, "fp32": 4}
+GIB = 2**30
+_LAYER = re.compile(r"^(?:layers|blocks)\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes one rank of a module's PP stage holds."""
+
+    params: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def stage_params(named_shapes: list[tuple[str, tuple[int, ...]]], layout, vocab_size: int | None) -> list[int]:
+    """Parameters held by one rank of each PP stage (after TP), from a module's named shapes
+    (names relative to the module, in registration order)."""
+    bounds, total = [], 0
+    for n in layout.pp_layers:
+        total += n
+        bounds.append(total)
+    counts = [0] * layout.pp
+    seen_layer = False
+    for name, shape in named_shapes:
+        numel = math.prod(shape)
+        match = _LAYER.match(name)
+        if match:
+            seen_layer = True
+            stage = next(s for s, b in enumerate(bounds) if int(match.group(1)) < b)
+            split = len(shape) >= 2
+        else:
+            stage = layout.pp - 1 if seen_layer else 0
+            split = (vocab_size in shape) or (layout.module == "projector" and len(shape) >= 2)
+        counts[stage] += numel // layout.tp if split else numel
+    return counts
+
+
+def _layer_elements(h: int, h_kv: int, f: int, gated: bool, layout) -> dict[str, float]:
+    """Activation elements per token and layer under each recompute mode (see module doc)."""
+    t, sp = layout.tp, layout.sequence_parallel
+    replicated = 4 * h / (t if sp else 1)
+    mlp = (3 if gated else 2) * f
+    none = replicated + (2 * h + 2 * h_kv + mlp) / t
+    return {"none": none, "selective": none - (h + f) / t, "full": h / (t if sp else 1)}
+
+
+def _activations(cfg, layout, stage: int) -> float:
+    """Activation bytes of one rank of `stage`."""
+    tokens, e = cfg.trainer.micro_batch_tokens, ACT_BYTES[cfg.precision]
+    m = layout.module
+    if m == "projector":
+        return tokens * (cfg.vision.hidden_size + 2 * cfg.llm.hidden_size / layout.tp) * e
+    c = cfg[m]
+    h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if m == "llm" else c.hidden_size
+    elems = _layer_elements(c.hidden_size, h_kv, c.ffn_hidden_size, m == "llm", layout)
+    in_flight = layout.pp - stage
+    total = in_flight * layout.pp_layers[stage] * tokens * elems[layout.recompute] * e
+    if layout.recompute == "full":
+        total += tokens * elems["none"] * e
+    if m == "llm" and stage == layout.pp - 1:
+        total += tokens * c.vocab_size / layout.tp * 4
+    return total
+
+
+def _needs_grad(cfg, module: str) -> bool:
+    """Whether gradients flow through `module`: it or a module upstream of it trains."""
+    if not cfg[module].freeze:
+        return True
+    return any(_needs_grad(cfg, src) for src, dst in cfg.graph.edges if dst == module)
+
+
+def module_memory(cfg, layout, named_shapes) -> list[StageMemory]:
+    """Memory of one rank of each PP stage of a module."""
+    vocab = cfg.llm.vocab_size if layout.module == "llm" else None
+    state = STATE_BYTES[cfg.precision]
+    shard = layout.dp * layout.cp if layout.dp_shard else 1
+    trained = not cfg[layout.module].freeze
+    stages = []
+    for s, params in enumerate(stage_params(named_shapes, layout, vocab)):
+        acts = _activations(cfg, layout, s) if _needs_grad(cfg, layout.module) else 0
+        stages.append(StageMemory(params, params * state["weights"] // shard,
+                                  params * state["grads"] // shard if trained else 0,
+                                  params * state["optimizer"] // shard if trained else 0, int(acts)))
+    return stages

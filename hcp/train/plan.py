@@ -1,0 +1,148 @@
+"""Plan mode: check and show a layout for the configured cluster in one process, no process group.
+
+    python train.py +recipe=llava_hetero mode=plan
+    python train.py +recipe=llama13b_dynamic_cp mode=plan llm.layout.cp=4 llm.layout.dp=2
+
+For the world `launcher.nnodes x nproc_per_node` (`auto`: `cluster.gpus_per_node`) it prints,
+per module, the layout, island ranks, parameter count (from the model built on the meta device)
+and the groups the registry would create; a rank map compressed into runs of ranks with the same
+role; and the per-rank memory estimate of `hcp.train.memory` against `cluster.device_memory_gib`.
+It writes `plan.json` and `plan.png` to `out_dir`, then raises ConfigError naming the knob to turn
+when a rank does not fit.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from hcp.config.errors import ConfigError
+from hcp.config.layouts import check_layouts, world_size_of
+from hcp.model.llava import LlavaModel
+from hcp.parallel.grid import KINDS, Grid
+from hcp.parallel.roles import logging_rank, role_table
+from hcp.train.memory import GIB, STATE_BYTES, module_memory
+from hcp.train.plan_figure import draw_plan
+
+
+def named_shapes(cfg) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Parameter names (relative to each module) and shapes of the model built on the meta device."""
+    def part(key):
+        return OmegaConf.to_object(cfg[key]) if cfg.get(key) is not None else None
+
+    with torch.device("meta"):
+        model = LlavaModel(part("vision"), part("projector"), part("llm"))
+    return {m: [(n, tuple(p.shape)) for n, p in sub.named_parameters()]
+            for m, sub in model.named_children() if sub is not None}
+
+
+def group_counts(cfg, layouts) -> dict[str, dict[str, list[int]]]:
+    """module -> kind -> [number of groups, ranks per group] (dynamic CP: `dynamic_cp_<size>`)."""
+    counts = {}
+    for m, lay in layouts.items():
+        grid = Grid.of(lay)
+        counts[m] = {k: list(grid.groups(k).shape) for k in KINDS}
+        if m == "llm" and cfg.packing == "dynamic_cp":
+            counts[m] |= {f"dynamic_cp_{s}": [grid.size // s, s] for s in grid.dynamic_cp_sizes()}
+    return counts
+
+
+def rank_runs(roles) -> list[dict]:
+    """Consecutive ranks with the same modules and PP stages, as [{first, last, role}]."""
+    runs = []
+    for role in roles:
+        tag = ", ".join(f"{m} pp{role.stage(m)}" for m in role.modules)
+        if runs and runs[-1]["role"] == tag:
+            runs[-1]["last"] = role.rank
+        else:
+            runs.append({"first": role.rank, "last": role.rank, "role": tag})
+    return runs
+
+
+def _fix_for(cfg, layout, stage_mem) -> tuple[str, object, str]:
+    """(field, value, fix) of the knob that helps a rank that does not fit most."""
+    m = layout.module
+    if stage_mem.activations > stage_mem.total - stage_mem.activations:
+        if layout.recompute != "full":
+            return f"{m}.layout.recompute", layout.recompute, "use `selective` or `full` recompute"
+        return "trainer.micro_batch_tokens", cfg.trainer.micro_batch_tokens, "lower it or raise cp"
+    if not layout.dp_shard and layout.dp * layout.cp > 1:
+        return f"{m}.layout.dp_shard", False, "shard the model state over dp*cp (dp_shard=true) or raise tp/pp"
+    return f"{m}.layout.pp", layout.pp, "raise pp or tp"
+
+
+def run_plan(cfg, out_dir) -> dict:
+    """Plan the configured layout; print it, write `plan.json` and `plan.png`, return the plan.
+
+    Raises ConfigError for every layout rule (`hcp.config.layouts.check_layouts`), a world larger
+    than `cluster` holds, or a rank whose estimated memory exceeds `cluster.device_memory_gib`.
+    """
+    world = world_size_of(cfg)
+    capacity = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    if world > capacity:
+        raise ConfigError("launcher.nnodes", cfg.launcher.nnodes,
+                          f"{world} ranks exceed the cluster's {capacity} GPUs", "match cluster.* to the launcher")
+    layouts = check_layouts(cfg, world)
+    shapes = named_shapes(cfg)
+    stage_mem = {m: module_memory(cfg, lay, shapes[m]) for m, lay in layouts.items()}
+    roles = role_table(layouts, world)
+    per_rank = []
+    for role in roles:
+        parts = [stage_mem[m][role.stage(m)] for m in role.modules]
+        per_rank.append({"rank": role.rank, **{k: sum(getattr(p, k) for p in parts) / GIB for k in
+                                                ("weights", "grads", "optimizer", "activations", "total")}})
+    plan = {
+        "world_size": world,
+        "placement": cfg.placement,
+        "precision": cfg.precision,
+        "bytes_per_trained_param": sum(STATE_BYTES[cfg.precision].values()),
+        "device_memory_gib": cfg.cluster.device_memory_gib,
+        "logging_rank": logging_rank(layouts),
+        "modules": {m: {"layout": {k: getattr(lay, k) for k in ("tp", "cp", "pp", "dp")} |
+                        {"pp_layers": list(lay.pp_layers), "recompute": lay.recompute},
+                        "island": [lay.rank_offset, lay.rank_offset + lay.num_ranks - 1],
+                        "num_params": sum(math.prod(s) for _, s in shapes[m]),
+                        "groups": counts}
+                    for (m, lay), counts in zip(layouts.items(), group_counts(cfg, layouts).values())},
+        "rank_map": rank_runs(roles),
+        "memory_gib": per_rank,
+    }
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(plan, indent=1))
+    draw_plan(layouts, world, out / "plan.png")
+    print(format_plan(plan))
+    worst = max(per_rank, key=lambda r: r["total"])
+    if worst["total"] > cfg.cluster.device_memory_gib:
+        role = roles[worst["rank"]]
+        m = max(role.modules, key=lambda k: stage_mem[k][role.stage(k)].total)
+        field, value, fix = _fix_for(cfg, layouts[m], stage_mem[m][role.stage(m)])
+        raise ConfigError(field, value, f"rank {worst['rank']} needs an estimated {worst['total']:.1f} GiB "
+                          f"(weights {worst['weights']:.1f}, grads {worst['grads']:.1f}, optimizer "
+                          f"{worst['optimizer']:.1f}, activations {worst['activations']:.1f}), more than "
+                          f"cluster.device_memory_gib={cfg.cluster.device_memory_gib}", fix)
+    return plan
+
+
+def format_plan(plan: dict) -> str:
+    """The console summary of a plan."""
+    lines = [f"plan: {plan['world_size']} ranks, placement={plan['placement']}, precision={plan['precision']} "
+             f"({plan['bytes_per_trained_param']} B per trained parameter; embedding on the first PP "
+             f"stage, final norm and output layer on the last), logging rank {plan['logging_rank']}"]
+    for m, info in plan["modules"].items():
+        lay, (lo, hi) = info["layout"], info["island"]
+        groups = " ".join(f"{k}:{n}x{s}" for k, (n, s) in info["groups"].items())
+        lines.append(f"  {m:<9} ranks {lo}-{hi}  tp{lay['tp']} cp{lay['cp']} dp{lay['dp']} pp{lay['pp']} "
+                     f"layers/stage {lay['pp_layers']} recompute={lay['recompute']}  "
+                     f"{info['num_params'] / 1e9:.3f}e9 params")
+        lines.append(f"            groups (count x size): {groups}")
+    lines.append("  rank map:")
+    lines += [f"    {r['first']}-{r['last']}: {r['role']}" for r in plan["rank_map"]]
+    worst = max(plan["memory_gib"], key=lambda r: r["total"])
+    lines.append(f"  memory: max {worst['total']:.2f} GiB on rank {worst['rank']} (weights {worst['weights']:.2f}, "
+                 f"grads {worst['grads']:.2f}, optimizer {worst['optimizer']:.2f}, activations "
+                 f"{worst['activations']:.2f}) of {plan['device_memory_gib']} GiB")
+    return "\n".join(lines)

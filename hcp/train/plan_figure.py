@@ -1,0 +1,64 @@
+"""The placement picture of plan mode (`plan.png`).
+
+One row per module, one cell per rank. A module's cells are in its colour, shaded by PP stage
+(alternating dark/light) and DP lane (alternating slightly); a black box outlines its island.
+Vertical separators inside a row mark group boundaries: thin white every tp ranks (TP groups),
+grey every tp*cp ranks (TP x CP groups), thick black every tp*cp*dp ranks (PP stages). Separators
+denser than the figure can show are left out.
+"""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.colors import to_rgb  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+
+COLORS = {"vision": "tab:green", "projector": "tab:orange", "llm": "tab:blue"}
+MAX_LINES = 256
+"""Most separators of one kind drawn in a row."""
+
+
+def _cells(layouts, world_size: int) -> np.ndarray:
+    """RGB image [modules, world_size, 3]: white where a module does not run."""
+    image = np.ones((len(layouts), world_size, 3))
+    for row, (m, lay) in enumerate(layouts.items()):
+        base = np.array(to_rgb(COLORS.get(m, "tab:purple")))
+        local = np.arange(lay.num_ranks)
+        stage = local // (lay.tp * lay.cp * lay.dp)
+        lane = local // (lay.tp * lay.cp) % lay.dp
+        light = 0.45 * (stage % 2) + 0.15 * (lane % 2)
+        image[row, lay.rank_offset:lay.rank_offset + lay.num_ranks] = base + (1 - base) * light[:, None]
+    return image
+
+
+def draw_plan(layouts, world_size: int, path) -> None:
+    """Write the placement picture of `layouts` over `world_size` ranks to `path` (PNG)."""
+    rows = len(layouts)
+    fig, ax = plt.subplots(figsize=(min(24, max(10, world_size / 5)), 1.4 + 1.1 * rows))
+    ax.imshow(_cells(layouts, world_size), aspect="auto", interpolation="nearest",
+              extent=(0, world_size, rows, 0))
+    for row, (m, lay) in enumerate(layouts.items()):
+        lo, hi = lay.rank_offset, lay.rank_offset + lay.num_ranks
+        for step, color, width in ((lay.tp, "white", 0.6), (lay.tp * lay.cp, "0.35", 1.4),
+                                   (lay.tp * lay.cp * lay.dp, "black", 2.8)):
+            if 1 < step < lay.num_ranks and lay.num_ranks // step <= MAX_LINES:
+                ax.vlines(np.arange(lo + step, hi, step), row + 0.04, row + 0.96, colors=color, linewidth=width)
+        ax.add_patch(Rectangle((lo, row), hi - lo, 1, fill=False, edgecolor="black", linewidth=2))
+        stage_width = lay.num_ranks / lay.pp
+        for s in range(lay.pp):
+            if stage_width >= world_size / 40:
+                ax.text(lo + (s + 0.5) * stage_width, row + 0.5, f"pp{s}", ha="center", va="center",
+                        fontsize=9, fontweight="bold", color="black")
+    ax.set_yticks(np.arange(rows) + 0.5)
+    ax.set_yticklabels([f"{m}\ntp{l.tp} cp{l.cp} dp{l.dp} pp{l.pp}" for m, l in layouts.items()], fontsize=9)
+    ax.set_xlim(0, world_size)
+    ax.set_xlabel("rank")
+    placement = "colocated" if all(l.num_ranks == world_size for l in layouts.values()) else "non-colocated"
+    ax.set_title(f"{placement} placement over {world_size} ranks. Separators: white = TP group, "
+                 "grey = TP x CP group, black = PP stage; shade: PP stage (strong), DP lane (light)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

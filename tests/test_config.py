@@ -1,0 +1,56 @@
+"""Config composition and validation: errors name the field, the value and a fix, before any
+rank starts."""
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+from cfg_utils import compose_cfg
+from hcp.config.errors import ConfigError
+from hcp.config.validate import validate
+
+
+def test_base_config_is_the_tiny_llava_on_digits_and_validates():
+    cfg = compose_cfg()
+    assert cfg.data.name == "digits_vqa" and cfg.vision.image_size == 8 and cfg.llm.num_layers == 2
+    validate(cfg, world_size=4)
+
+
+def test_recipe_llava_tiny_names_the_same_run():
+    assert compose_cfg(["+recipe=llava_tiny"]) == compose_cfg()
+
+
+@pytest.mark.parametrize("override", ["trainer.max_stepz=3", "llm.hiden_size=8"])
+def test_misspelled_key_fails_with_its_name(override):
+    with pytest.raises((ConfigCompositionException, ConfigKeyError, ConfigAttributeError)) as e:
+        compose_cfg([override])
+    assert override.split("=")[0].split(".")[-1] in str(e.value) + str(e.value.__cause__)
+
+
+def test_wrong_type_fails():
+    with pytest.raises((ConfigCompositionException, ValidationError)) as e:
+        compose_cfg(["trainer.max_steps=many"])
+    assert "max_steps" in str(e.value) + str(e.value.__cause__)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["placement=everywhere"], "placement"),
+    (["precision=fp8"], "precision"),
+    (["llm.attention_backend=te"], "llm.attention_backend"),
+    (["llm.attention_backend=flash"], "llm.attention_backend"),
+    (["trainer.micro_batch_tokens=64"], "trainer.micro_batch_tokens"),
+    (["trainer.global_batch_size=30"], "trainer.global_batch_size"),
+    (["vision.patch_size=3"], "vision.patch_size"),
+    (["llm.vocab_size=100"], "llm.vocab_size"),
+    (["optim.lr=0"], "optim.lr"),
+    (["data.on_error=ignore"], "data.on_error"),
+    (["graph.edges=[[vision,decoder]]"], "graph.edges"),
+])
+def test_validation_names_field_value_and_fix(overrides, field):
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg(overrides), world_size=4)
+    assert e.value.field == field and "Fix:" in str(e.value)
+
+
+def test_missing_gpu_backend_says_how_to_install():
+    with pytest.raises(ConfigError, match="transformer_engine"):
+        validate(compose_cfg(["llm.attention_backend=te"]), world_size=4)

@@ -1,0 +1,120 @@
+"""LLaVA reader, digits_vqa, THD packing and deterministic global batches."""
+import json
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+from hcp.data.digits import WORDS, build_digits_vqa
+from hcp.data.llava import IGNORE_INDEX, DataError, LlavaDataset
+from hcp.data.loader import GlobalBatchSampler, lane_slice
+from hcp.data.packing import collate, first_fit
+from hcp.data.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+
+
+def _write(tmp_path, records, images=("a.png", "b.png")):
+    for name in images:
+        Image.new("L", (4, 4), color=200).save(tmp_path / name)
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(records))
+    return str(path)
+
+
+def _ds(path, tmp_path, **kw):
+    args = dict(num_image_tokens=4, image_size=8, num_channels=1, max_seq_len=200)
+    args.update(kw)
+    return LlavaDataset(path, str(tmp_path), TOK, **args)
+
+
+def rec(rid, image="a.png", human="<image>\nWhat is it?", gpt="seven", **extra):
+    r = {"id": rid, "conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": gpt}]}
+    if image is not None:
+        r["image"] = image
+    r.update(extra)
+    return r
+
+
+def test_labels_are_shifted_once_and_only_on_assistant_tokens(tmp_path):
+    s = _ds(_write(tmp_path, [rec("r1")]), tmp_path)[0]
+    ids, labels = s.input_ids, s.labels
+    assert ids.count(TOK.image_token_id) == 4
+    target_positions = [t for t, l in enumerate(labels) if l != IGNORE_INDEX]
+    # labels[t] is the next token, and only the answer " seven" + EOS are targets
+    assert all(labels[t] == ids[t + 1] for t in target_positions)
+    assert TOK.decode([ids[t + 1] for t in target_positions]) == " seven"
+    assert ids[target_positions[-1] + 1] == TOK.eos_id and labels[-1] == IGNORE_INDEX
+    assert target_positions[0] == s.prompt_len - 1 and s.answer == "seven"
+
+
+def test_images_per_sample_vary_and_no_image_is_valid(tmp_path):
+    recs = [rec("two", image=["a.png", "b.png"], human="<image> and <image>?"), rec("none", image=None,
+                                                                               human="Hi?")]
+    ds = _ds(_write(tmp_path, recs), tmp_path)
+    assert ds[0].input_ids.count(TOK.image_token_id) == 8 and ds.pixel_values(ds[0]).shape == (2, 1, 8, 8)
+    assert TOK.image_token_id not in ds[1].input_ids and ds.pixel_values(ds[1]).shape[0] == 0
+
+
+@pytest.mark.parametrize("record, kind", [
+    (rec("m", image="missing.png"), "missing image"),
+    (rec("u", image="bad.png"), "unreadable image"),
+    ({"id": "x", "conversations": "nope"}, "malformed record"),
+    ({"id": "y", "conversations": [{"from": "human", "value": "hi"}]}, "no assistant turn"),
+    (rec("c", image=["a.png", "b.png"]), "image count mismatch"),
+    (rec("l", gpt="x" * 500), "sample too long"),
+])
+def test_bad_record_error_names_file_id_and_kind(tmp_path, record, kind):
+    path = _write(tmp_path, [rec("ok"), record])
+    with pytest.raises(DataError) as e:
+        _ds(path, tmp_path)
+    msg = str(e.value)
+    assert path in msg and repr(record["id"]) in msg and kind in msg and "on_error=skip" in msg
+
+
+def test_on_error_skip_counts_kinds_and_ids(tmp_path):
+    recs = [rec("ok"), rec("m", image="missing.png"), rec("m2", image="missing.png"),
+            rec("c", image=["a.png", "b.png"])]
+    ds = _ds(_write(tmp_path, recs), tmp_path, on_error="skip")
+    assert len(ds) == 1 and ds[0].id == "ok"
+    assert ds.skipped.counts == {"missing image": 2, "image count mismatch": 1}
+    assert ds.skipped.ids["missing image"] == ["m", "m2"]
+
+
+def test_digits_vqa_is_real_data_read_through_the_llava_reader(tmp_path):
+    root = build_digits_vqa(str(tmp_path))
+    train = LlavaDataset(os.path.join(root, "train.json"), root, TOK, 16, 8, 1, 128)
+    held = LlavaDataset(os.path.join(root, "eval.json"), root, TOK, 16, 8, 1, 128)
+    assert len(train) + len(held) == 1797 and len(held) == 270
+    assert not {s.id for s in train.samples} & {s.id for s in held.samples}
+    assert {s.answer for s in held.samples} == set(WORDS)
+    px = train.pixel_values(train[0])
+    assert px.shape == (1, 1, 8, 8) and px.min() >= -1 and px.max() <= 1 and px.std() > 0.3
+    assert build_digits_vqa(str(tmp_path)) == root  # second call reuses the files
+
+
+def test_first_fit_packs_in_arrival_order_and_rejects_overlong():
+    assert first_fit([5, 4, 3, 2, 6], 8) == [[0, 2], [1, 3], [4]]
+    with pytest.raises(ValueError, match="sample 1 has 9 tokens"):
+        first_fit([1, 9], 8)
+
+
+def test_collate_builds_thd_with_cu_seqlens_and_restarting_positions(tmp_path):
+    ds = _ds(_write(tmp_path, [rec("a"), rec("b", image=None, human="Hi?", gpt="yes")]), tmp_path)
+    b = collate(ds.samples, [ds.pixel_values(s) for s in ds.samples], TOK.image_token_id)
+    n0, n1 = len(ds[0].input_ids), len(ds[1].input_ids)
+    assert b.cu_seqlens.tolist() == [0, n0, n0 + n1] and b.cu_seqlens.dtype == torch.int32
+    assert b.max_seqlen == max(n0, n1) and b.position_ids[n0] == 0 and b.position_ids[n0 - 1] == n0 - 1
+    assert int(b.image_mask.sum()) == 4 and b.pixel_values.shape == (1, 1, 8, 8)
+
+
+def test_global_batches_are_deterministic_and_lanes_contiguous():
+    a, b = GlobalBatchSampler(100, 8, seed=3), GlobalBatchSampler(100, 8, seed=3)
+    assert [a.next() for _ in range(30)] == [b.batch(k) for k in range(30)]
+    first_epoch = sum((b.batch(k) for k in range(12)), [])
+    assert len(set(first_epoch)) == 96
+    assert lane_slice(list(range(8)), 4, 2) == [4, 5]
+    with pytest.raises(ValueError, match="not divisible"):
+        lane_slice(list(range(8)), 3, 0)
