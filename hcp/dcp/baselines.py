@@ -1,0 +1,113 @@
+"""Baseline planners the solver is measured against (our own code, from published descriptions).
+
+- `packing_only`: what a run without dynamic CP does. Every pack uses the static CP size
+  `c_static = pow2ceil(max_len / m)` (fixed per run from its configured maximum length), packs
+  of `c_static * m` tokens are filled first-fit in arrival order, and each micro-batch runs
+  `pool / c_static` consecutive packs side by side (one per DP lane).
+- `greedy`: Megatron-LM's dynamic ("hybrid") CP as described in DESIGN.md section 5: sort by
+  length descending; CP size per sequence `max(1, pow2ceil(L / m))`; workload `L^2 / c`; place
+  each sequence in a new group while an aligned block of its size is free, else in the least
+  loaded group of its size with room, else defer it to the next micro-batch; then double the
+  smallest group while the block it doubles into is idle.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hcp.dcp.plan import Group, MicroBatch, Plan, fill_idle
+
+
+def pow2ceil(x) -> np.ndarray:
+    """Smallest power of two >= x (>= 1), elementwise, int64."""
+    x = np.maximum(np.asarray(x, dtype=np.int64), 1)
+    return (1 << np.ceil(np.log2(x)).astype(np.int64)).astype(np.int64)
+
+
+def min_cp(lengths, max_tokens_per_rank: int) -> np.ndarray:
+    """Smallest power-of-two CP size that holds each length under the cap."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    return pow2ceil(-(-lens // max_tokens_per_rank))
+
+
+def packing_only(lengths, pool: int, max_tokens_per_rank: int, max_len: int | None = None) -> Plan:
+    """First-fit packs of `c_static * m` tokens at the static CP size (see module docstring)."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    max_len = int(lens.max()) if max_len is None else max(int(max_len), int(lens.max()))
+    c = int(min_cp(max_len, max_tokens_per_rank))
+    if c > pool:
+        raise ValueError(f"max_len {max_len} needs CP {c} > pool {pool} at "
+                         f"{max_tokens_per_rank} tokens per rank; lower --max-len")
+    cap = c * max_tokens_per_rank
+    free = np.empty(0, dtype=np.int64)
+    packs: list[list[int]] = []
+    for i, n in enumerate(lens.tolist()):
+        fits = np.flatnonzero(free >= n)
+        if fits.size:
+            k = int(fits[0])
+        else:
+            k = len(packs)
+            packs.append([])
+            free = np.append(free, cap)
+        packs[k].append(i)
+        free[k] -= n
+    lanes = pool // c
+    plan = Plan()
+    for start in range(0, len(packs), lanes):
+        groups = [Group(p, c, k * c) for k, p in enumerate(packs[start:start + lanes])]
+        plan.micro_batches.append(MicroBatch(fill_idle(groups, pool)))
+    return plan
+
+
+def _greedy_micro_batch(order, lens, cps, pool, m):
+    """Fill one micro-batch from `order`; return its groups and the deferred indices."""
+    free = (1 << pool) - 1  # bit k set: rank k idle
+
+    def block_free(o, c):
+        return (free >> o) & ((1 << c) - 1) == (1 << c) - 1
+
+    groups: list[dict] = []
+    deferred: list[int] = []
+    shortest = int(lens[order[-1]])  # `order` is sorted by length, descending
+    for k, i in enumerate(order):
+        n, c = int(lens[i]), int(cps[i])
+        if not free and all(g["c"] * m - g["tok"] < shortest for g in groups):
+            deferred.extend(order[k:])  # nothing left fits anywhere in this micro-batch
+            break
+        o = next((o for o in range(0, pool, c) if block_free(o, c)), -1) if free else -1
+        if o >= 0:
+            free &= ~(((1 << c) - 1) << o)
+            groups.append({"seqs": [i], "c": c, "off": o, "tok": n, "load": n * n / c})
+            continue
+        room = [g for g in groups if g["c"] == c and g["tok"] + n <= c * m]
+        if room:
+            g = min(room, key=lambda g: g["load"])
+            g["seqs"].append(i)
+            g["tok"] += n
+            g["load"] += n * n / c
+        else:
+            deferred.append(i)
+    doubled = True
+    while free and doubled:
+        doubled = False
+        for g in sorted(groups, key=lambda g: (g["c"], g["off"])):
+            c2 = 2 * g["c"]
+            base = g["off"] - g["off"] % c2
+            mine = ((1 << g["c"]) - 1) << g["off"]
+            want = ((1 << c2) - 1) << base
+            if c2 <= pool and (free | mine) & want == want:
+                free &= ~want
+                g["c"], g["off"], doubled = c2, base, True
+                break
+    return [Group(g["seqs"], g["c"], g["off"]) for g in groups], deferred
+
+
+def greedy(lengths, pool: int, max_tokens_per_rank: int) -> Plan:
+    """Megatron-LM-style dynamic CP (see module docstring); micro-batches in build order."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    cps = min_cp(lens, max_tokens_per_rank)
+    order = list(np.argsort(-lens, kind="stable"))
+    plan = Plan()
+    while order:
+        groups, order = _greedy_micro_batch(order, lens, cps, pool, max_tokens_per_rank)
+        plan.micro_batches.append(MicroBatch(fill_idle(groups, pool)))
+    return plan

@@ -1,0 +1,172 @@
+"""Cost model: time of a packed group of sequences on `c` CP ranks, per pipeline stage.
+
+FLOPs per transformer layer, forward, for a group of documents of lengths `L_i` (T = sum L_i
+tokens), following Megatron-LM's per-layer count (`num_floating_point_operations` in
+`megatron/training/training.py`) with the causal attention term made ragged:
+    matmuls   2 * T * P_layer,  P_layer = 2 h^2 + 2 h d_kv + 3 h f  (Q, O; K, V; SwiGLU)
+              (= Megatron's 4 T h (h + h g / n) + 6 T h f, g KV heads of n, d_kv = h g / n)
+    attention 2 * h * sum_i L_i^2  (QK^T and AV, each 2 L^2 h halved by the causal mask)
+and the LM head `2 T h V` on the last stage. Under CP of size c every rank holds T / c tokens
+(zigzag chunks balance the causal work) so compute divides by c. Ring attention moves each
+rank's K and V shards to the c - 1 others: `T (c - 1) / c * 2 d_kv * bytes` per rank and layer
+over NVLink (c <= ranks_per_node) or InfiniBand (above). A fraction `comm_overlap` of it can
+hide behind the attention kernels (ring attention overlaps block transfers with block compute;
+FlexSP and ByteScale model CP time the same way: `(a L^2 + b L) / c + comm`), never more
+than the attention time itself:  exposed = max((1 - overlap) * comm, comm - attention).
+Backward is twice the forward (compute and K/V plus dK/dV traffic), full recompute adds one
+forward: `bwd = (2 + recompute) * fwd`. Each micro-batch also pays a fixed overhead per stage.
+
+All times are seconds, FLOPs are floating-point operations, bytes are bytes, tokens are tokens.
+Arrays broadcast: `tokens`, `sq` (sum of squared lengths, tokens^2) and `c` of one shape S give
+results of shape `[pp, *S]`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from hcp.dcp.plan import Plan
+
+PROFILES = Path(__file__).parent / "profiles"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Decoder shape: layers, hidden h, attention heads n, KV heads g, SwiGLU FFN f, vocab V."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V) per token: `h * g / n`."""
+        return self.hidden * self.kv_heads // self.heads
+
+    @property
+    def layer_params(self) -> int:
+        """Matmul weights of one layer, `P_layer` (norms ignored)."""
+        h = self.hidden
+        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.ffn
+
+
+LLAMA_13B = ModelSpec(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Peak rates, efficiencies, bandwidths (bytes/s) and overheads (s): see profiles/h100.yaml."""
+
+    peak_flops: float
+    matmul_efficiency: float
+    attention_efficiency: float
+    nvlink_bandwidth: float
+    ib_bandwidth: float
+    ranks_per_node: int
+    comm_overlap: float
+    micro_batch_overhead_fwd: float
+    micro_batch_overhead_bwd: float
+    bytes_per_element: int
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "HardwareProfile":
+        """Load a profile; every field of the class must be present (unknown keys are errors)."""
+        data = yaml.safe_load(Path(path).read_text())
+        data.pop("model", None)
+        names = {f.name for f in fields(cls)}
+        missing, extra = names - set(data), set(data) - names
+        if missing or extra:
+            raise ValueError(f"{path}: missing keys {sorted(missing)}, unknown keys {sorted(extra)}")
+        # PyYAML reads `989e12` (no exponent sign) as a string: convert to the declared type.
+        return cls(**{f.name: (int if f.type == "int" else float)(data[f.name]) for f in fields(cls)})
+
+
+class CostModel:
+    """Per-stage forward/backward time of packed groups for a model split over `pp` stages.
+
+    Layers are split as evenly as possible (earlier stages take the remainder); the last stage
+    also runs the LM head. `recompute=True` is full activation recompute (the seed's setting).
+    """
+
+    def __init__(self, model: ModelSpec, hw: HardwareProfile, pp: int = 1, recompute: bool = True):
+        if pp < 1 or pp > model.layers:
+            raise ValueError(f"pp={pp}: need 1 <= pp <= layers={model.layers}")
+        self.model, self.hw, self.pp, self.recompute = model, hw, pp, recompute
+        n = np.full(pp, model.layers // pp, dtype=np.float64)
+        n[: model.layers % pp] += 1
+        head = np.zeros(pp)
+        head[-1] = 1.0
+        h = model.hidden
+        mm_flops = n * 2 * model.layer_params + head * 2 * h * model.vocab  # FLOPs / token
+        self.mm_coef = mm_flops / (hw.peak_flops * hw.matmul_efficiency)  # s / token
+        self.attn_coef = n * 2 * h / (hw.peak_flops * hw.attention_efficiency)  # s / token^2
+        self.comm_coef = n * 2 * model.kv_dim * hw.bytes_per_element  # bytes / token
+        self.bwd_factor = 2.0 + float(recompute)
+
+    def _parts(self, tokens, sq, c):
+        t, s, c = (np.asarray(x, dtype=np.float64) for x in (tokens, sq, c))
+        col = (slice(None),) + (None,) * t.ndim
+        compute = (self.mm_coef[col] * t + self.attn_coef[col] * s) / c
+        attn = self.attn_coef[col] * s / c
+        bw = np.where(c <= self.hw.ranks_per_node, self.hw.nvlink_bandwidth, self.hw.ib_bandwidth)
+        comm = self.comm_coef[col] * t * (c - 1) / c / bw
+        return compute, attn, comm
+
+    def fwd(self, tokens, sq, c) -> np.ndarray:
+        """Forward seconds `[pp, *S]` of groups with `tokens`, `sq` on `c` ranks (no overhead)."""
+        compute, attn, comm = self._parts(tokens, sq, c)
+        exposed = np.maximum((1.0 - self.hw.comm_overlap) * comm, comm - attn)
+        return compute + exposed
+
+    def fwd_floor(self, tokens, sq, c) -> np.ndarray:
+        """Additive lower envelope of `fwd`: compute + (1 - overlap) * comm, `[pp, *S]` seconds.
+
+        `fwd(group) >= sum over its sequences of fwd_floor(L_i, L_i^2, c)`: every term is linear
+        in (tokens, sq) and the exposed communication is never below `(1 - overlap) * comm`.
+        """
+        compute, _, comm = self._parts(tokens, sq, c)
+        return compute + (1.0 - self.hw.comm_overlap) * comm
+
+    def model_flops(self, lengths) -> float:
+        """Model FLOPs of one training step on these sequences: 3 x forward (recompute not
+        counted), ragged causal attention `2 h sum L^2` per layer, LM head included."""
+        arr = np.asarray(lengths, dtype=np.float64)
+        m, t, s = self.model, arr.sum(), (arr**2).sum()
+        fwd = m.layers * (2 * m.layer_params * t + 2 * m.hidden * s) + 2 * m.hidden * m.vocab * t
+        return 3.0 * fwd
+
+    def stage_times(self, plan: Plan, lengths) -> tuple[np.ndarray, np.ndarray]:
+        """Forward and backward seconds `[pp, M]` of each micro-batch on each stage: the slowest
+        group of the micro-batch (the pool synchronizes per micro-batch) plus the overhead."""
+        arr = np.asarray(lengths, dtype=np.float64)
+        tok, sq, cs, mbs = [], [], [], []
+        for j, mb in enumerate(plan.micro_batches):
+            for g in mb.groups:
+                if g.seq_indices:
+                    x = arr[g.seq_indices]
+                    tok.append(x.sum())
+                    sq.append((x * x).sum())
+                    cs.append(g.cp_size)
+                    mbs.append(j)
+        f = self.fwd(np.array(tok), np.array(sq), np.array(cs))  # [pp, G]
+        worst = np.zeros((self.pp, plan.num_micro_batches))
+        np.maximum.at(worst, (slice(None), np.array(mbs)), f)
+        return (worst + self.hw.micro_batch_overhead_fwd,
+                worst * self.bwd_factor + self.hw.micro_batch_overhead_bwd)
+
+
+def load_cost(spec: str, pp: int, recompute: bool = True) -> CostModel:
+    """`h100-llama13b` (shipped defaults) or a YAML file of HardwareProfile keys with an
+    optional `model:` mapping of ModelSpec fields (default LLaMA-13B)."""
+    path = PROFILES / "h100.yaml" if spec == "h100-llama13b" else Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--cost {spec!r}: neither 'h100-llama13b' nor an existing YAML file")
+    model_data = (yaml.safe_load(path.read_text()) or {}).get("model")
+    model = ModelSpec(**model_data) if model_data else LLAMA_13B
+    return CostModel(model, HardwareProfile.from_yaml(path), pp=pp, recompute=recompute)

@@ -1,0 +1,51 @@
+"""A provable lower bound on the simulated iteration time of any valid plan.
+
+Setting: N = `pool` ranks per stage, p stages, cap m tokens per rank, lengths L_i; `f_s(g)` the
+forward seconds of group g on stage s (cost_model.CostModel.fwd), `k = 2 + recompute` so a
+group's backward is `k * f_s(g)`, overheads o_f, o_b per micro-batch and stage. A plan's
+micro-batch j takes `F_sj = o_f + max_g f_s(g)` and `B_sj = o_b + k max_g f_s(g)` on stage s.
+
+1. Work. The groups of micro-batch j tile the N ranks, so `max_g f_s(g) >= sum_g (c_g / N) f_s(g)`
+   and `f_s(g) >= sum_{i in g} phi_s(L_i, c_g)` with `phi_s` the additive floor
+   (CostModel.fwd_floor). Hence stage s is busy at least
+       W_s = (1 + k) / N * sum_i min_{c feasible} c * phi_s(L_i, c) + M_min (o_f + o_b),
+   c ranging over powers of two <= N with L_i <= c m, and `M >= M_min = ceil(sum L / (N m))`
+   because a micro-batch holds at most N m tokens.
+2. Fill and drain. In 1F1B stage s starts with F(s, 0), which waits for F(s', 0) on every
+   s' < s, and ends with B(s, M - 1), after which B(s', M - 1) still runs on every s' < s. A
+   micro-batch holds at least one sequence, so `F_s'j >= o_f + min_i min_c phi_s'(L_i, c)` =: Fmin_s'
+   and `B_s'j >= o_b + k (Fmin_s' - o_f)`. So T >= sum_{s' < s} (Fmin_s' + Bmin_s') + W_s for
+   every s. (The often quoted `(p - 1) * max_j t_j` is not a bound: a plan may put its smallest
+   micro-batches first and last.)
+3. Critical path. Each sequence's micro-batch passes forward through all stages and back, so
+   T >= max_i min_c sum_s (1 + k) phi_s(L_i, c) + p (o_f + o_b).
+The bound is the largest of these. Seconds throughout.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hcp.dcp.cost_model import CostModel
+
+
+def cp_sizes(pool: int) -> np.ndarray:
+    """Powers of two 1, 2, ..., pool."""
+    return 1 << np.arange(int(pool).bit_length())
+
+
+def lower_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int) -> float:
+    """Seconds below which no valid plan of these lengths can finish an iteration (see module
+    docstring for the proof). Lengths must each fit the pool (`L <= pool * max_tokens_per_rank`)."""
+    lens = np.asarray(lengths, dtype=np.float64)
+    cs = cp_sizes(pool).astype(np.float64)[:, None]  # [K, 1]
+    phi = cost.fwd_floor(lens[None, :], lens[None, :] ** 2, cs)  # [p, K, n]
+    phi = np.where(lens[None, None, :] <= cs[None] * max_tokens_per_rank, phi, np.inf)
+    k = cost.bwd_factor
+    o_f, o_b = cost.hw.micro_batch_overhead_fwd, cost.hw.micro_batch_overhead_bwd
+    m_min = np.ceil(lens.sum() / (pool * max_tokens_per_rank))
+    work = (1 + k) / pool * (cs[None] * phi).min(axis=1).sum(axis=1) + m_min * (o_f + o_b)  # [p]
+    smallest = phi.min(axis=(1, 2))  # [p]
+    ends = np.concatenate([[0.0], np.cumsum((1 + k) * smallest + o_f + o_b)[:-1]])
+    staged = float((ends + work).max())
+    path = float(((1 + k) * phi.sum(axis=0)).min(axis=0).max()) + cost.pp * (o_f + o_b)
+    return max(staged, path)
