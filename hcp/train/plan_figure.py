@@ -4,7 +4,8 @@ One row per module, one cell per rank. A module's cells are in its colour, shade
 (alternating dark/light) and DP lane (alternating slightly); a black box outlines its island.
 Vertical separators inside a row mark group boundaries: thin white every tp ranks (TP groups),
 grey every tp*cp ranks (TP x CP groups), thick black every tp*cp*dp ranks (PP stages). Separators
-denser than the figure can show are left out.
+denser than the figure can show are left out. In worlds of up to 128 ranks the lower part of
+each row shows the single cells and, for modules with CP, each rank's CP index.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from matplotlib.patches import Rectangle  # noqa: E402
 COLORS = {"vision": "tab:green", "projector": "tab:orange", "llm": "tab:blue"}
 MAX_LINES = 256
 """Most separators of one kind drawn in a row."""
+MAX_LABELLED = 128
+"""Largest world whose cells are drawn one by one, with their CP index."""
 
 
 def _cells(layouts, world_size: int) -> np.ndarray:
@@ -47,18 +50,25 @@ def draw_plan(layouts, world_size: int, path) -> None:
             if 1 < step < lay.num_ranks and lay.num_ranks // step <= MAX_LINES:
                 ax.vlines(np.arange(lo + step, hi, step), row + 0.04, row + 0.96, colors=color, linewidth=width)
         ax.add_patch(Rectangle((lo, row), hi - lo, 1, fill=False, edgecolor="black", linewidth=2))
+        if world_size <= MAX_LABELLED:
+            ax.vlines(np.arange(lo + 1, hi), row + 0.7, row + 0.96, colors="white", linewidth=0.3)
+            if lay.cp > 1:
+                for r in range(lo, hi):
+                    ax.text(r + 0.5, row + 0.83, str((r - lo) // lay.tp % lay.cp), ha="center",
+                            va="center", fontsize=6)
         stage_width = lay.num_ranks / lay.pp
         for s in range(lay.pp):
             if stage_width >= world_size / 40:
-                ax.text(lo + (s + 0.5) * stage_width, row + 0.5, f"pp{s}", ha="center", va="center",
-                        fontsize=9, fontweight="bold", color="black")
+                ax.text(lo + (s + 0.5) * stage_width, row + 0.3, f"pp{s}", ha="center", va="center",
+                        fontsize=9, fontweight="bold", color="black",
+                        bbox={"facecolor": "white", "alpha": 0.7, "linewidth": 0, "pad": 1})
     ax.set_yticks(np.arange(rows) + 0.5)
     ax.set_yticklabels([f"{m}\ntp{l.tp} cp{l.cp} dp{l.dp} pp{l.pp}" for m, l in layouts.items()], fontsize=9)
     ax.set_xlim(0, world_size)
     ax.set_xlabel("rank")
     placement = "colocated" if all(l.num_ranks == world_size for l in layouts.values()) else "non-colocated"
     ax.set_title(f"{placement} placement over {world_size} ranks. Separators: white = TP group, "
-                 "grey = TP x CP group, black = PP stage; shade: PP stage (strong), DP lane (light)", fontsize=9)
+                 "grey = TP x CP group, black = PP stage; digits: CP index; shade: PP stage (strong), DP lane (light)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
