@@ -9,20 +9,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hcp.model.collectives import copy_to_group
+from hcp.model.tp import ColumnParallelLinear, RowParallelLinear
+
 
 class RMSNorm(nn.Module):
-    """`x / rms(x) * weight` over the last dimension; computed in fp32, returned in x's dtype."""
+    """`x / rms(x) * weight` over the last dimension; computed in fp32, returned in x's dtype.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
+    `grad_sync_group`: under sequence parallelism each TP rank normalizes different tokens, so
+    the weight's gradient is summed over that group (None: no sum).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, grad_sync_group=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.grad_sync_group = eps, grad_sync_group
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., H] -> [..., H]."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight
+        return xf.to(x.dtype) * copy_to_group(self.weight, self.grad_sync_group)
 
 
 def apply_rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
@@ -42,13 +49,16 @@ def apply_rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> tor
 
 
 class SwiGLU(nn.Module):
-    """LLaMA MLP: `down(silu(gate(x)) * up(x))`, no biases. x: [T, H] -> [T, H]."""
+    """LLaMA MLP: `down(silu(gate(x)) * up(x))`, no biases. x: [T, H] -> [T, H] (under sequence
+    parallelism [T / tp, H]). gate/up are column-parallel, down row-parallel over `tp_group`."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, tp_group=None,
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=False)
-        self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=False)
+        col = dict(bias=False, tp_group=tp_group, sequence_parallel=sequence_parallel)
+        self.gate_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, **col)
+        self.up_proj = ColumnParallelLinear(hidden_size, ffn_hidden_size, **col)
+        self.down_proj = RowParallelLinear(ffn_hidden_size, hidden_size, **col)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

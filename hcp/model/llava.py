@@ -12,6 +12,14 @@ The micro-batch `batch` is any object with these attributes (shapes per micro-ba
     cu_seqlens    int32 [N + 1] document boundaries; max_seqlen: int
     pixel_values  float [I, C, H, W] or None (images in order of appearance)
     image_mask    bool [T] or None: positions replaced, in order, by the I * P image embeddings
+
+Parallelism of the LLM (`tp_group`, `cp_group`, `cp_comm`, `sequence_parallel`: see
+`hcp.model.llama`). Every rank of a TP x CP group gets the SAME whole micro-batch; the image
+embeddings are merged into the text embeddings first and the combined sequence is then cut into
+this rank's CP shard (DESIGN.md section 4). Under CP, `forward` returns this rank's share of the
+loss and of the token count: summed over the CP (and DP) ranks they give the single-process
+numbers. Gradients: the trainer sums them over DP x CP; parameters replicated over TP (norms,
+vision, projector) already carry the full gradient on every TP rank.
 """
 from __future__ import annotations
 
@@ -20,14 +28,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from hcp.config.schema import LLMConfig, ProjectorConfig, VisionConfig
+from hcp.model.collectives import gather_from_group, gather_seq, group_rank, group_size
 from hcp.model.llama import LlamaDecoder
 from hcp.model.projector import Projector
+from hcp.model.tp import vocab_parallel_cross_entropy
 from hcp.model.vit import ViTEncoder
+from hcp.parallel.cp_sharding import cp_shard
 
 
 class LlavaModel(nn.Module):
     def __init__(self, vision_cfg: VisionConfig | None, projector_cfg: ProjectorConfig | None,
-                 llm_cfg: LLMConfig):
+                 llm_cfg: LLMConfig, tp_group=None, cp_group=None, cp_comm: str | None = None,
+                 sequence_parallel: bool | None = None):
         """Raises ValueError when exactly one of vision_cfg / projector_cfg is given."""
         super().__init__()
         if (vision_cfg is None) != (projector_cfg is None):
@@ -36,7 +48,8 @@ class LlavaModel(nn.Module):
         self.vision = ViTEncoder(vision_cfg) if vision_cfg is not None else None
         self.projector = (Projector(projector_cfg, vision_cfg.hidden_size, llm_cfg.hidden_size)
                           if projector_cfg is not None else None)
-        self.llm = LlamaDecoder(llm_cfg)
+        self.llm = LlamaDecoder(llm_cfg, tp_group, cp_group, cp_comm, sequence_parallel)
+        self.tp_group, self.cp_group = tp_group, cp_group
 
     def embed(self, batch) -> torch.Tensor:
         """Text embeddings with the image embeddings written over the image positions: [T, H].
@@ -61,19 +74,46 @@ class LlavaModel(nn.Module):
                              "image embeddings: they must be equal")
         return embeds.index_put((image_mask.nonzero().squeeze(1),), feats)
 
-    def hidden(self, batch) -> torch.Tensor:
-        """Final-normed decoder hidden states [T, H]."""
-        return self.llm(self.embed(batch), batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+    def _shard(self, batch):
+        """(this CP rank's shard or None, labels of its slots [T_loc] with padding -100)."""
+        if group_size(self.cp_group) == 1:
+            return None, batch.labels
+        shard = cp_shard(batch.cu_seqlens, group_size(self.cp_group), group_rank(self.cp_group))
+        return shard, batch.labels[shard.token_index].masked_fill(~shard.valid, -100)
+
+    def hidden(self, batch, shard=None) -> torch.Tensor:
+        """Final-normed decoder hidden states [T, H] ([T_loc, H] of `shard` under CP)."""
+        embeds = self.embed(batch)
+        if shard is None:
+            return self.llm(embeds, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
+        return self.llm(embeds[shard.token_index], shard.position_ids, batch.cu_seqlens,
+                        batch.max_seqlen)
 
     def forward(self, batch) -> tuple[torch.Tensor, int]:
         """Return (sum of token cross-entropies over labels != -100 as a 0-d fp32 tensor, number
-        of those tokens). Not a mean: the trainer divides by the global token count."""
-        hidden = self.hidden(batch)
-        keep = batch.labels != -100
+        of those tokens), for this rank's CP shard. Not a mean: the trainer divides by the
+        global token count."""
+        shard, labels = self._shard(batch)
+        hidden = self.hidden(batch, shard)
+        keep = labels != -100
         logits = self.llm.logits(hidden[keep])
-        loss_sum = F.cross_entropy(logits.float(), batch.labels[keep], reduction="sum")
+        if group_size(self.tp_group) == 1:
+            loss_sum = F.cross_entropy(logits.float(), labels[keep], reduction="sum")
+        else:
+            loss_sum = vocab_parallel_cross_entropy(logits, labels[keep], self.tp_group).sum()
         return loss_sum, int(keep.sum())
 
     def logits(self, batch) -> torch.Tensor:
-        """Logits of every position [T, V] (greedy decoding reads the last one of a document)."""
-        return self.llm.logits(self.hidden(batch))
+        """Logits of every position [T, V], gathered over TP and CP (greedy decoding reads the
+        last one of a document)."""
+        shard, _ = self._shard(batch)
+        logits = gather_from_group(self.llm.logits(self.hidden(batch, shard)), self.tp_group)
+        if shard is None:
+            return logits
+        c = group_size(self.cp_group)
+        shards = [cp_shard(batch.cu_seqlens, c, r) for r in range(c)]
+        index = torch.cat([sh.token_index for sh in shards])
+        valid = torch.cat([sh.valid for sh in shards])
+        every = gather_seq(logits, self.cp_group)                        # [c * T_loc, V]
+        return every.new_zeros(batch.labels.shape[0], every.shape[1]).index_put(
+            (index[valid],), every[valid])

@@ -1,0 +1,71 @@
+"""Attention backend selection (`llm.attention_backend`): `torch` (pure torch THD attention, the
+CPU reference and the only one with CP here), `flash` (flash-attn's varlen kernel), `te`
+(Transformer Engine's fused attention, `qkv_format="thd"`). `auto` picks flash, then te, when
+installed and on CUDA, else torch. The GPU libraries are imported lazily, only when chosen.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+
+from hcp.model.attention import thd_attention
+
+BACKENDS = ("auto", "torch", "te", "flash")
+_MODULES = {"flash": ("flash_attn", "pip install flash-attn --no-build-isolation"),
+            "te": ("transformer_engine.pytorch",
+                   "pip install --no-build-isolation transformer_engine[pytorch] (needs CUDA)")}
+
+
+def _importable(name: str) -> bool:
+    try:
+        importlib.import_module(_MODULES[name][0])
+    except Exception:  # noqa: BLE001 - TE raises OSError/RuntimeError without CUDA libraries
+        return False
+    return True
+
+
+def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:
+    """Return the concrete backend for `name` on `device`.
+
+    Raises:
+        ValueError: unknown name.
+        ImportError: `te`/`flash` asked for but not importable (the message says how to install).
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"llm.attention_backend={name!r} is unknown: use one of {BACKENDS}")
+    if name == "auto":
+        if torch.device(device).type == "cuda":
+            return next((b for b in ("flash", "te") if _importable(b)), "torch")
+        return "torch"
+    if name != "torch" and not _importable(name):
+        module, how = _MODULES[name]
+        raise ImportError(f"llm.attention_backend={name} needs `{module}`, which is not importable "
+                          f"here: {how}; or set llm.attention_backend=torch")
+    return name
+
+
+def attention_fn(backend: str) -> Callable:
+    """`fn(q [T, Hq, D], k [T, Hkv, D], v, cu_seqlens, max_seqlen) -> [T, Hq, D]` for a
+    concrete backend (see `resolve_backend`)."""
+    if backend == "flash":
+        flash_attn = importlib.import_module("flash_attn")
+
+        def flash(q, k, v, cu_seqlens, max_seqlen):
+            return flash_attn.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens,
+                                                     max_seqlen, max_seqlen, causal=True)
+        return flash
+    if backend == "te":
+        te = importlib.import_module("transformer_engine.pytorch")
+        cores: dict = {}
+
+        def fused(q, k, v, cu_seqlens, max_seqlen):
+            key = (q.shape[1], k.shape[1], q.shape[2])
+            if key not in cores:
+                cores[key] = te.DotProductAttention(q.shape[1], q.shape[2], num_gqa_groups=k.shape[1],
+                                                    attn_mask_type="padding_causal", qkv_format="thd")
+            return cores[key](q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                              max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen).view_as(q)
+        return fused
+    return thd_attention
