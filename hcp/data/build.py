@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import os
+import sysconfig
 
+from hcp.data.code_corpus import CodeCorpus, stdlib_sources
 from hcp.data.digits import build_digits_vqa
 from hcp.data.llava import LlavaDataset
 from hcp.data.tokenizer import build_tokenizer
@@ -32,12 +34,17 @@ def build_datasets(cfg):
         root = build_digits_vqa(d.root, d.eval_fraction)
         train_path, eval_path, folder = (os.path.join(root, "train.json"),
                                          os.path.join(root, "eval.json"), root)
+    elif d.name == "code_corpus":
+        root = d.path or sysconfig.get_paths()["stdlib"]
+        files = stdlib_sources(root)
+        make = lambda held: CodeCorpus(files, root, tok, d.max_seq_len, held, d.eval_fraction)  # noqa: E731
+        return tok, make(False), make(True)
     elif d.name == "llava_json":
         if not d.path:
             raise ValueError("data=llava_json needs data.path=FILE.json (and data.image_folder=DIR)")
         train_path, eval_path, folder = d.path, d.eval_path, d.image_folder
     else:
-        raise ValueError(f"data.name={d.name!r}: use digits_vqa or llava_json")
+        raise ValueError(f"data.name={d.name!r}: use digits_vqa, llava_json or code_corpus")
     if v is None:
         raise ValueError(f"data.name={d.name!r} has images but the config has no vision encoder")
     make = lambda p: LlavaDataset(p, folder, tok, num_image_tokens(v), v.image_size,  # noqa: E731

@@ -89,6 +89,8 @@ class LlavaDataset:
         DataError: a bad record under `on_error=error`, or an unreadable JSON file.
     """
 
+    has_answers = True
+
     def __init__(self, path, image_folder, tokenizer, num_image_tokens, image_size, num_channels,
                  max_seq_len, system_prompt="", on_error="error"):
         if on_error not in ("error", "skip"):

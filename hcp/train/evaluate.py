@@ -32,6 +32,8 @@ def evaluate(model, dataset, tokenizer, indices, capacity: int, device, group=No
         loss, n = model(batch)
         loss_sum[0] += loss.item()
         loss_sum[1] += n
+    if not getattr(dataset, "has_answers", False):
+        return _reduce(model, was_training, loss_sum, len(samples), group, with_accuracy=False)
     # Greedy decoding of every sample in lock-step; no KV cache (tiny models).
     prompts = [SimpleNamespace(id=s.id, input_ids=list(s.input_ids[:s.prompt_len]),
                                labels=[IGNORE_INDEX] * s.prompt_len, src=s) for s in samples]
@@ -55,10 +57,15 @@ def evaluate(model, dataset, tokenizer, indices, capacity: int, device, group=No
         active = still
     for s in samples:
         loss_sum[2] += float(tokenizer.decode(generated[s.id]).strip() == s.answer.strip())
-    total = torch.tensor([loss_sum[0], loss_sum[1], loss_sum[2], len(samples)], dtype=torch.float64)
+    return _reduce(model, was_training, loss_sum, len(samples), group, with_accuracy=True)
+
+
+def _reduce(model, was_training, sums, num_samples, group, with_accuracy) -> dict:
+    total = torch.tensor([sums[0], sums[1], sums[2], num_samples], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(total, group=group)
     model.train(was_training)
-    return {"eval/loss": (total[0] / total[1].clamp(min=1)).item(),
-            "eval/answer_accuracy": (total[2] / total[3].clamp(min=1)).item(),
-            "eval/samples": int(total[3])}
+    out = {"eval/loss": (total[0] / total[1].clamp(min=1)).item(), "eval/samples": int(total[3])}
+    if with_accuracy:
+        out["eval/answer_accuracy"] = (total[2] / total[3].clamp(min=1)).item()
+    return out
