@@ -4,6 +4,8 @@ rtol 1e-5 / atol 1e-6 in fp32. Ranks are forked gloo processes (tests/dist_utils
 built here in grid order: tp fastest, then cp, then dp (DESIGN.md section 3)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -39,15 +41,15 @@ def adamw_step(model):
     torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4).step()
 
 
-def build(**groups):
-    model = LlavaModel(VISION, ProjectorConfig(), LLM, **groups)
+def build(tie=False, **groups):
+    model = LlavaModel(VISION, ProjectorConfig(), replace(LLM, tie_embeddings=tie), **groups)
     init_parameters(model, SEED)
     return model
 
 
-def reference(batches):
+def reference(batches, tie):
     """Single process over all lanes' micro-batches: (loss, grads, params after AdamW)."""
-    model = build()
+    model = build(tie)
     sums = [model(b) for b in batches]
     total = sum(n for _, n in sums)
     loss = sum(s for s, _ in sums) / total
@@ -80,9 +82,9 @@ def whole(tensor, param, tp_group):
     return torch.cat(parts, dim=spec.dim)
 
 
-def parallel_step(rank, world, tp, cp, cp_comm, sp, batches, ref):
+def parallel_step(rank, world, tp, cp, cp_comm, sp, tie, batches, ref):
     tp_group, cp_group, dpcp_group, lane = grid_groups(rank, world, tp, cp)
-    model = build(tp_group=tp_group, cp_group=cp_group, cp_comm=cp_comm, sequence_parallel=sp)
+    model = build(tie, tp_group=tp_group, cp_group=cp_group, cp_comm=cp_comm, sequence_parallel=sp)
     loss_sum, n = model(batches[lane])
     total = torch.tensor(float(n))
     dist.all_reduce(total, group=dpcp_group)
@@ -104,6 +106,7 @@ def parallel_step(rank, world, tp, cp, cp_comm, sp, batches, ref):
 LAYOUTS = {
     # id: (tp, cp, dp, cp_comm, sequence_parallel, document lengths per DP lane)
     "tp2": (2, 1, 1, "allgather", False, [[13, 7, 9]]),
+    "tp2_tied_embeddings": (2, 1, 1, "allgather", False, [[13, 7, 9]]),
     "tp2_sp": (2, 1, 1, "allgather", True, [[13, 7, 8]]),
     "cp2_allgather": (1, 2, 1, "allgather", False, [[13, 7, 9]]),
     "cp2_p2p": (1, 2, 1, "p2p", False, [[13, 7, 9]]),
@@ -120,9 +123,10 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process_reference(layout):
     tp, cp, dp, comm, sp, lengths = LAYOUTS[layout]
+    tie = "tied" in layout
     batches = micro_batches(lengths)
-    ref = reference(batches)
-    losses = run_ranks(parallel_step, tp * cp * dp, tp, cp, comm, sp, batches, ref, timeout=100)
+    ref = reference(batches, tie)
+    losses = run_ranks(parallel_step, tp * cp * dp, tp, cp, comm, sp, tie, batches, ref, timeout=100)
     assert all(abs(x - float(ref[0])) < 1e-5 for x in losses)
 
 

@@ -1,7 +1,7 @@
 """Attention backend selection (`llm.attention_backend`): `torch` (pure torch THD attention, the
 CPU reference and the only one with CP here), `flash` (flash-attn's varlen kernel), `te`
 (Transformer Engine's fused attention, `qkv_format="thd"`). `auto` picks flash, then te, when
-installed and on CUDA, else torch. The GPU libraries are imported lazily, only when chosen.
+installed and the inputs are fp16/bf16 on CUDA (their kernels take no fp32), else torch. The GPU libraries are imported lazily, only when chosen.
 """
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ def _importable(name: str) -> bool:
     return True
 
 
-def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:
-    """Return the concrete backend for `name` on `device`.
+def resolve_backend(name: str, device: torch.device | str = "cpu",
+                    dtype: torch.dtype = torch.float32) -> str:
+    """Return the concrete backend for `name` and inputs on `device` of `dtype`.
 
     Raises:
         ValueError: unknown name.
@@ -36,7 +37,7 @@ def resolve_backend(name: str, device: torch.device | str = "cpu") -> str:
     if name not in BACKENDS:
         raise ValueError(f"llm.attention_backend={name!r} is unknown: use one of {BACKENDS}")
     if name == "auto":
-        if torch.device(device).type == "cuda":
+        if torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16):
             return next((b for b in ("flash", "te") if _importable(b)), "torch")
         return "torch"
     if name != "torch" and not _importable(name):

@@ -92,9 +92,9 @@ class LlamaDecoder(nn.Module):
         self.cp_comm = cfg.layout.cp_comm if cp_comm is None else cp_comm
         sp = cfg.layout.sequence_parallel if sequence_parallel is None else sequence_parallel
         self.sequence_parallel = sp and group_size(tp_group) > 1
-        self.backend = resolve_backend(cfg.attention_backend)
-        if self.backend != "torch" and group_size(cp_group) > 1:
-            raise ValueError(f"llm.attention_backend={self.backend} does not run with CP yet: "
+        backend = resolve_backend(cfg.attention_backend)  # te/flash missing: fails here, early
+        if backend != "torch" and group_size(cp_group) > 1:
+            raise ValueError(f"llm.attention_backend={backend} does not run with CP yet: "
                              "use llm.attention_backend=torch (or auto)")
         sp = self.sequence_parallel
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group)
@@ -107,13 +107,14 @@ class LlamaDecoder(nn.Module):
         """input_ids: long [T] -> [T, H]."""
         return self.embed_tokens(input_ids)
 
-    def _attend(self, num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int):
-        """Attention over the first `num_tokens` rows (later rows are SP padding: zeros out)."""
+    def _attend(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int):
+        """Attention over the first len(x) rows (later rows are SP padding: zeros out)."""
+        num_tokens = x.shape[0]
         if group_size(self.cp_group) > 1:
             plan = build_cp_plan(cu_seqlens, self.cp_group, self.cp_comm)
             core = lambda q, k, v: cp_attention(q, k, v, plan)  # noqa: E731
         else:
-            fn = attention_fn(self.backend)
+            fn = attention_fn(resolve_backend(self.cfg.attention_backend, x.device, x.dtype))
             core = lambda q, k, v: fn(q, k, v, cu_seqlens, max_seqlen)  # noqa: E731
 
         def attend(q, k, v):
@@ -127,7 +128,7 @@ class LlamaDecoder(nn.Module):
         int32 [N + 1], max_seqlen int -> final-normed hidden states [T, H]. Under CP, T is this
         rank's shard while cu_seqlens / max_seqlen describe the whole micro-batch."""
         t = inputs_embeds.shape[0]
-        attend = self._attend(t, cu_seqlens, max_seqlen)
+        attend = self._attend(inputs_embeds, cu_seqlens, max_seqlen)
         x = inputs_embeds
         if self.sequence_parallel:
             pad = -t % group_size(self.tp_group)
