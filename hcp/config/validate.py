@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 from hcp.config.errors import ConfigError
+from hcp.config.layouts import check_layouts
 
 _CHOICES = {
     "mode": ("train", "plan"),
@@ -71,24 +72,27 @@ def check_model(cfg) -> None:
                               f"tokenizer's {ByteTokenizer.vocab_size} ids", "set llm.vocab_size>=260")
 
 
-def check_trainer(cfg, world_size: int) -> None:
+def check_trainer(cfg, layouts) -> None:
     t = cfg.trainer
     for key in ("max_steps", "global_batch_size", "micro_batch_tokens", "log_every"):
         if t[key] < 1:
             raise ConfigError(f"trainer.{key}", t[key], "must be >= 1", "use a positive value")
     if cfg.optim.lr <= 0:
         raise ConfigError("optim.lr", cfg.optim.lr, "must be > 0", "use e.g. optim.lr=1e-3")
-    if t.micro_batch_tokens < cfg.data.max_seq_len:
-        raise ConfigError("trainer.micro_batch_tokens", t.micro_batch_tokens, "is smaller than "
-                          f"data.max_seq_len={cfg.data.max_seq_len}: a longest sample would not fit",
-                          "raise trainer.micro_batch_tokens or lower data.max_seq_len")
-    if t.global_batch_size % world_size and cfg.mode == "train":
-        raise ConfigError("trainer.global_batch_size", t.global_batch_size, "is not divisible by "
-                          f"the data-parallel size {world_size}", "use a multiple of it")
+    # micro_batch_tokens is a per-rank capacity: a document may span the CP group (or, under
+    # dynamic CP, the whole CP pool), so the longest sample is that many ranks' worth.
+    llm = layouts["llm"]
+    span = llm.cp_pool if cfg.packing == "dynamic_cp" else llm.cp
+    if t.micro_batch_tokens * span < cfg.data.max_seq_len:
+        raise ConfigError("trainer.micro_batch_tokens", t.micro_batch_tokens,
+                          f"x {span} CP ranks is smaller than data.max_seq_len={cfg.data.max_seq_len}: "
+                          "a longest sample would not fit", "raise trainer.micro_batch_tokens or "
+                          "llm.layout.cp, or lower data.max_seq_len")
 
 
-def validate(cfg, world_size: int) -> None:
-    """Run every rule on `cfg` for `world_size` ranks.
+def validate(cfg, world_size: int) -> dict:
+    """Run every rule on `cfg` for `world_size` ranks; return the resolved layouts
+    ({module: `hcp.config.layouts.ResolvedLayout`}).
 
     Raises:
         ConfigError: the first rule broken, naming the field, the value and a fix.
@@ -96,4 +100,6 @@ def validate(cfg, world_size: int) -> None:
     check_choices(cfg)
     check_backends(cfg)
     check_model(cfg)
-    check_trainer(cfg, world_size)
+    layouts = check_layouts(cfg, world_size)
+    check_trainer(cfg, layouts)
+    return layouts

@@ -6,6 +6,7 @@ import os
 
 from omegaconf import DictConfig, OmegaConf
 
+from hcp.config.layouts import world_size_of
 from hcp.config.validate import validate
 from hcp.data.build import prepare_data
 from hcp.train.launch import launched_rank_env, resolve_nproc, start_local_ranks
@@ -26,7 +27,7 @@ def run(cfg: DictConfig):
     OmegaConf.resolve(cfg)
     joined = launched_rank_env(os.environ)
     nproc = resolve_nproc(cfg.launcher.nproc_per_node)
-    world = joined["world_size"] if joined else nproc * cfg.launcher.nnodes
+    world = joined["world_size"] if joined else world_size_of(cfg, auto_nproc=nproc)
     validate(cfg, world)
     if cfg.mode == "plan":
         from hcp.train.plan import run_plan
