@@ -3,24 +3,19 @@
 The base config is the tiny LLaVA of the schema: vision (64 wide, 4 heads, FFN 256, 2 layers),
 projector, llm (128 wide, 4 heads, 2 KV heads, FFN 384, vocab 264, 2 layers).
 """
-from pathlib import Path
-
 import pytest
 from omegaconf import OmegaConf
 
+from cfg_utils import compose_cfg
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts, resolve_layouts, world_size_of
 from hcp.config.schema import HCPConfig
 
-RECIPES = Path(__file__).resolve().parents[1] / "conf" / "recipe"
-
-
 def cfg_of(*dotlist: str, recipe: str | None = None):
-    parts = [OmegaConf.structured(HCPConfig)]
+    """The schema's defaults with `dotlist` merged; with `recipe`, the config Hydra composes."""
     if recipe:
-        parts.append(OmegaConf.load(RECIPES / f"{recipe}.yaml"))
-    parts.append(OmegaConf.from_dotlist(list(dotlist)))
-    return OmegaConf.merge(*parts)
+        return compose_cfg([f"+recipe={recipe}", *dotlist])
+    return OmegaConf.merge(OmegaConf.structured(HCPConfig), OmegaConf.from_dotlist(list(dotlist)))
 
 
 TEXT_ONLY = ("vision=null", "projector=null", "graph.edges=[]")
