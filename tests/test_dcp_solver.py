@@ -1,0 +1,101 @@
+"""Solver, baselines, lower bound and exact plans: validity properties and bad input."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from hcp.config.errors import ConfigError
+from hcp.dcp.baselines import greedy, packing_only
+from hcp.dcp.cost_model import load_cost
+from hcp.dcp.exact import solve_exact
+from hcp.dcp.lower_bound import lower_bound
+from hcp.dcp.plan import prepare_lengths, validate_plan
+from hcp.dcp.solver import simulate_plan, solve
+
+SAMPLE = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"
+COSTS = {pp: load_cost("h100-llama13b", pp) for pp in (1, 2, 4)}
+
+
+def check_plan(plan, lens, pool, cap):
+    validate_plan(plan, lens, pool, cap)  # once each, aligned pow2 tiling, cap, no empty mb
+    for j in range(plan.num_micro_batches):
+        for r in range(pool):  # every rank has a group in every micro-batch
+            g = plan.group_of(r, j)
+            assert g.rank_offset <= r < g.rank_offset + g.cp_size
+
+
+lengths = st.lists(st.integers(1, 4096), min_size=1, max_size=60)
+
+
+@settings(max_examples=25, derandomize=True, deadline=None)
+@given(lengths, st.sampled_from([1, 2, 4, 8]), st.sampled_from([256, 1024]),
+       st.sampled_from([1, 2, 4]))
+def test_every_planner_gives_valid_plans_at_or_above_the_bound(raw, pool, cap, pp):
+    lens, _ = prepare_lengths(raw, pool, cap, on_overlong="truncate")
+    cost = COSTS[pp]
+    bound = lower_bound(lens, cost, pool, cap)
+    for plan in (solve(lens, cost, pool, cap).plan, greedy(lens, pool, cap),
+                 packing_only(lens, pool, cap)):
+        check_plan(plan, lens, pool, cap)
+        assert simulate_plan(plan, lens, cost).iteration_time >= bound * (1 - 1e-12)
+
+
+@settings(max_examples=10, derandomize=True, deadline=None)
+@given(lengths)
+def test_same_input_same_plan(raw):
+    lens, _ = prepare_lengths(raw, 8, 512, on_overlong="truncate")
+    a, b = (solve(lens, COSTS[2], 8, 512) for _ in range(2))
+    assert a.plan == b.plan and a.time == b.time
+
+
+@pytest.mark.parametrize("raw", [[5], [100] * 3, [700] * 64, [4096, 1, 1]])
+def test_edge_cases_give_valid_plans(raw):
+    lens, _ = prepare_lengths(raw, 8, 512)
+    for pp in (1, 4):
+        sol = solve(lens, COSTS[pp], 8, 512)
+        check_plan(sol.plan, lens, 8, 512)
+        assert sol.time >= lower_bound(lens, COSTS[pp], 8, 512)
+
+
+def test_solver_beats_baselines_on_real_lengths():
+    rng = np.random.default_rng(1)
+    all_lens = np.loadtxt(SAMPLE, dtype=np.int64)
+    lens = rng.choice(all_lens[all_lens <= 16384], 256, replace=False)
+    cost = COSTS[4]
+    sol = solve(lens, cost, 8, 2048, 16384)
+    check_plan(sol.plan, lens, 8, 2048)
+    for plan in (greedy(lens, 8, 2048), packing_only(lens, 8, 2048, 16384)):
+        assert sol.time <= simulate_plan(plan, lens, cost).iteration_time
+
+
+def test_overlong_sequence_error_names_index_length_and_fix():
+    with pytest.raises(ValueError, match=r"sequence 1 has 9000 tokens.*on_overlong=truncate"):
+        prepare_lengths([10, 9000], 8, 1024)
+    lens, kept = prepare_lengths([10, 9000, 20], 8, 1024, on_overlong="skip")
+    assert lens.tolist() == [10, 20] and kept.tolist() == [0, 2]
+    lens, _ = prepare_lengths([10, 9000], 8, 1024, on_overlong="truncate")
+    assert lens.tolist() == [10, 8192]
+
+
+@pytest.mark.parametrize("args, match", [
+    (([], 8, 1024), "empty global batch"),
+    (([5], 6, 1024), "power of two"),
+    (([5], 8, 0), "at least one token"),
+    (([5, 0], 8, 16), "sequence 1 has length 0"),
+])
+def test_bad_input_errors(args, match):
+    with pytest.raises((ValueError, ConfigError), match=match):
+        prepare_lengths(*args)
+
+
+def test_exact_plan_is_valid_and_no_worse_than_solver():
+    lens = np.array([3000, 2500, 1800, 900, 700, 500, 300, 120, 60, 40])
+    cost = COSTS[1]
+    sol = solve(lens, cost, 4, 1024)
+    res = solve_exact(lens, cost, 4, 1024, sol.plan.num_micro_batches + 1, time_limit=20)
+    check_plan(res.plan, lens, 4, 1024)
+    t = simulate_plan(res.plan, lens, cost).iteration_time
+    assert t == pytest.approx(res.time, rel=1e-6)
+    assert res.dual_bound <= t * (1 + 1e-9) and t >= lower_bound(lens, cost, 4, 1024)
+    assert t <= sol.time * (1 + 1e-9)
