@@ -54,3 +54,17 @@ def test_validation_names_field_value_and_fix(overrides, field):
 def test_missing_gpu_backend_says_how_to_install():
     with pytest.raises(ConfigError, match="transformer_engine"):
         validate(compose_cfg(["llm.attention_backend=te"]), world_size=4)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["llm.layout.pp=2"], "llm.layout.pp"),
+    (["llm.layout.tp=2"], "vision.layout"),
+    (["packing=dynamic_cp"], "packing"),
+])
+def test_training_rejects_layouts_it_cannot_run_yet_with_a_fix(overrides, field):
+    from hcp.train.support import check_trainable
+
+    cfg = compose_cfg(overrides)
+    with pytest.raises(ConfigError) as e:
+        check_trainable(cfg, validate(cfg, world_size=4))
+    assert e.value.field == field and "Fix:" in str(e.value)

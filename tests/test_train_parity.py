@@ -56,11 +56,15 @@ def _losses(run_dir):
         return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
 
 
+TP2 = [f"{m}.layout.tp=2" for m in ("vision", "projector", "llm")]
+
+
 @pytest.mark.timeout(180)
-def test_resume_auto_continues_with_the_same_losses(tmp_path):
-    whole = _cfg(tmp_path / "whole", ["trainer.max_steps=6"])
+@pytest.mark.parametrize("layout", [[], TP2], ids=["dp2", "tp2"])
+def test_resume_auto_continues_with_the_same_losses(tmp_path, layout):
+    whole = _cfg(tmp_path / "whole", ["trainer.max_steps=6", *layout])
     run_ranks(_train, 2, whole, str(tmp_path / "whole"))
-    resumed = _cfg(tmp_path / "resumed", ["trainer.max_steps=6", "resume=auto"])
+    resumed = _cfg(tmp_path / "resumed", ["trainer.max_steps=6", "resume=auto", *layout])
     run_ranks(_train, 2, resumed, str(tmp_path / "resumed"), 3)
     ckpts = sorted(os.listdir(tmp_path / "resumed" / "checkpoints"))
     assert ckpts == ["step_00000003"]

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -53,10 +55,46 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int) -> str:
+def _state(model, optimizer, tp_group) -> dict:
+    """Model and optimizer state keyed by FQN. TP-sharded parameters (those with a
+    `shard_spec`) and their Adam moments become DTensors over the TP group, so DCP stores each
+    shard once with its offset in the whole tensor (replicas over DP/CP are deduplicated) and
+    could load it into another TP size."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if tp_group is None:
+        return {"model": model_sd, "optim": optim_sd}
+    specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
+    mesh = DeviceMesh.from_group(tp_group, device_type=next(model.parameters()).device.type)
+
+    def wrap(t, spec):
+        shape = tuple(spec.whole_shape(t.shape))
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(t, mesh, [Shard(spec.dim)], run_check=False, shape=shape, stride=stride)
+
+    for name, spec in specs.items():
+        if name in model_sd:
+            model_sd[name] = wrap(model_sd[name], spec)
+        for key, t in optim_sd.get("state", {}).get(name, {}).items():
+            if torch.is_tensor(t) and t.shape == model_sd[name].to_local().shape:
+                optim_sd["state"][name][key] = wrap(t, spec)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _local(tree):
+    """The same nested dict with every DTensor replaced by its (loaded, shared) local shard."""
+    if isinstance(tree, dict):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_local(v) for v in tree]
+    return tree.to_local() if isinstance(tree, DTensor) else tree
+
+
+def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int,
+         tp_group=None) -> str:
     """Save on every rank (a collective); returns the final folder path.
 
-    `trainer_state` is JSON-serializable (scheduler state, data position, step).
+    `trainer_state` is JSON-serializable (scheduler state, data position, step); `tp_group` is
+    the model's TP group (None when tp = 1).
     """
     rank = dist.get_rank()
     final = os.path.join(root, f"step_{step:08d}")
@@ -65,8 +103,7 @@ def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    dcp.save(_state(model, optimizer, tp_group), checkpoint_id=tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     if rank == 0:
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
@@ -81,7 +118,7 @@ def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int)
     return final
 
 
-def load(path: str, model, optimizer) -> dict:
+def load(path: str, model, optimizer, tp_group=None) -> dict:
     """Load a checkpoint folder into `model` and `optimizer` (every rank); return trainer state.
 
     Raises:
@@ -90,9 +127,9 @@ def load(path: str, model, optimizer) -> dict:
     if not os.path.isfile(os.path.join(path, "trainer.json")):
         raise FileNotFoundError(f"resume={path!r}: not a complete checkpoint folder "
                                 "(expected trainer.json and DCP shards)")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = _state(model, optimizer, tp_group)
     dcp.load(state, checkpoint_id=path)
+    state = _local(state)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if os.path.isfile(rng_file):

@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 from hcp.config.layouts import world_size_of
 from hcp.config.validate import validate
 from hcp.data.build import prepare_data
+from hcp.train.support import check_trainable
 from hcp.train.launch import launched_rank_env, resolve_nproc, start_local_ranks
 
 
@@ -28,11 +29,12 @@ def run(cfg: DictConfig):
     joined = launched_rank_env(os.environ)
     nproc = resolve_nproc(cfg.launcher.nproc_per_node)
     world = joined["world_size"] if joined else world_size_of(cfg, auto_nproc=nproc)
-    validate(cfg, world)
+    layouts = validate(cfg, world)
     if cfg.mode == "plan":
         from hcp.train.plan import run_plan
 
         return run_plan(cfg, run_dir)
+    check_trainable(cfg, layouts)
     container = OmegaConf.to_container(cfg, resolve=True)
     with open(os.path.join(run_dir, "config_resolved.yaml"), "w") as f:
         f.write(OmegaConf.to_yaml(container))

@@ -15,9 +15,12 @@ def _packs(samples, capacity):
 
 
 @torch.no_grad()
-def evaluate(model, dataset, tokenizer, indices, capacity: int, device, group=None,
-             max_new_tokens: int = 8) -> dict:
-    """Evaluate this rank's share `indices` of the held-out set; results are summed over `group`.
+def evaluate(model, dataset, tokenizer, indices, capacity: int, device, loss_group=None,
+             lane_group=None, max_new_tokens: int = 8) -> dict:
+    """Evaluate this rank's lane's share `indices` of the held-out set.
+
+    Loss sums are reduced over `loss_group` (DP x CP: each CP rank holds part of the tokens),
+    sample counts over `lane_group` (DP).
 
     Returns {"eval/loss": token-level mean cross-entropy, "eval/answer_accuracy": fraction of
     samples whose greedy answer (decoded from the prompt until EOS or `max_new_tokens`) equals
@@ -33,7 +36,7 @@ def evaluate(model, dataset, tokenizer, indices, capacity: int, device, group=No
         loss_sum[0] += loss.item()
         loss_sum[1] += n
     if not getattr(dataset, "has_answers", False):
-        return _reduce(model, was_training, loss_sum, len(samples), group, with_accuracy=False)
+        return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), False)
     # Greedy decoding of every sample in lock-step; no KV cache (tiny models).
     prompts = [SimpleNamespace(id=s.id, input_ids=list(s.input_ids[:s.prompt_len]),
                                labels=[IGNORE_INDEX] * s.prompt_len, src=s) for s in samples]
@@ -57,13 +60,16 @@ def evaluate(model, dataset, tokenizer, indices, capacity: int, device, group=No
         active = still
     for s in samples:
         loss_sum[2] += float(tokenizer.decode(generated[s.id]).strip() == s.answer.strip())
-    return _reduce(model, was_training, loss_sum, len(samples), group, with_accuracy=True)
+    return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), True)
 
 
-def _reduce(model, was_training, sums, num_samples, group, with_accuracy) -> dict:
+def _reduce(model, was_training, sums, num_samples, groups, with_accuracy) -> dict:
     total = torch.tensor([sums[0], sums[1], sums[2], num_samples], dtype=torch.float64)
     if dist.is_initialized():
-        dist.all_reduce(total, group=group)
+        loss_part, count_part = total[:2].clone(), total[2:].clone()
+        dist.all_reduce(loss_part, group=groups[0])
+        dist.all_reduce(count_part, group=groups[1])
+        total = torch.cat([loss_part, count_part])
     model.train(was_training)
     out = {"eval/loss": (total[0] / total[1].clamp(min=1)).item(), "eval/samples": int(total[3])}
     if with_accuracy:

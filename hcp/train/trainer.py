@@ -16,11 +16,14 @@ import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from hcp.config.layouts import resolve_layouts
 from hcp.config.schema import MODULES
 from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler, lane_slice
 from hcp.data.packing import collate, first_fit
 from hcp.model import LlavaModel, init_parameters
+from hcp.parallel.groups import ProcessGroupRegistry
+from hcp.parallel.roles import logging_rank
 from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
@@ -39,10 +42,18 @@ class Trainer:
         self.cfg, self.run_dir = cfg, run_dir
         self.device = init_distributed(cfg.launcher)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        # Colocated data parallelism over every rank (the layouts issue gives each module its own
-        # DP x CP group; with tp = cp = pp = 1 both are the world).
-        self.dp, self.lane, self.dp_group = self.world, self.rank, None
-        self.is_logging_rank = self.rank == 0
+        self.layouts = resolve_layouts(cfg, self.world)
+        self.groups = ProcessGroupRegistry(self.layouts)
+        llm = self.layouts["llm"]
+        coords = self.groups.grids["llm"].coords(self.rank)
+        # Every module runs on the LLM's lanes (hcp.train.support); samples are split over DP
+        # lanes, each micro-batch is CP-sharded inside the model, gradients sum over DP x CP.
+        self.dp, self.lane, self.cp = llm.dp, coords["dp"], llm.cp
+        self.dp_group = self.groups.group("llm", "dp")
+        self.grad_group = self.groups.group("llm", "dp_cp")
+        self.tp_group = self.groups.group("llm", "tp") if llm.tp > 1 else None
+        self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
+        self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg)
         self.model = self._build_model()
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
@@ -58,7 +69,8 @@ class Trainer:
     def _build_model(self) -> LlavaModel:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
-        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm)
+        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
+                           cp_group=self.cp_group)
         init_parameters(model, cfg.seed)
         for name in MODULES:
             if getattr(model, name, None) is not None and cfg[name].freeze:
@@ -72,7 +84,7 @@ class Trainer:
         path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
         if path is None:
             return  # resume=auto with no checkpoint yet: a fresh start
-        state = checkpoint.load(path, self.model, self.optimizer)
+        state = checkpoint.load(path, self.model, self.optimizer, self.tp_group)
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
@@ -83,9 +95,13 @@ class Trainer:
         return contextlib.nullcontext()
 
     def micro_batches(self, sample_indices):
-        """This lane's samples packed first-fit into THD micro-batches."""
+        """This lane's samples packed first-fit into THD micro-batches of at most
+        `micro_batch_tokens` per rank: `micro_batch_tokens * cp` tokens before CP sharding, each
+        document counted padded to a multiple of 2 * cp (DESIGN.md section 3)."""
         samples = [self.train_set[i] for i in sample_indices]
-        packs = first_fit([len(s.input_ids) for s in samples], self.cfg.trainer.micro_batch_tokens)
+        pad = 2 * self.cp
+        packs = first_fit([-(-len(s.input_ids) // pad) * pad for s in samples],
+                          self.cfg.trainer.micro_batch_tokens * self.cp)
         return [collate([samples[i] for i in p], [self.train_set.pixel_values(samples[i]) for i in p],
                         self.tok.image_token_id).to(self.device) for p in packs]
 
@@ -110,7 +126,7 @@ class Trainer:
         batches = self.micro_batches(lane_slice(global_batch, self.dp, self.lane))
         counts = torch.tensor([sum(b.num_label_tokens for b in batches),
                                sum(b.input_ids.numel() for b in batches)], dtype=torch.float64)
-        dist.all_reduce(counts, group=self.dp_group)
+        dist.all_reduce(counts, group=self.dp_group)  # whole micro-batches: once per lane
         global_tokens = counts[0].item()
         loss_total = torch.zeros((), dtype=torch.float64)
         for batch in batches:
@@ -119,22 +135,34 @@ class Trainer:
             (loss_sum.float() / global_tokens).backward()
             loss_total += loss_sum.detach().double().cpu()
         self._sync_grads()
-        dist.all_reduce(loss_total, group=self.dp_group)
+        dist.all_reduce(loss_total, group=self.grad_group)  # each CP rank holds part of the loss
         return loss_total.item() / global_tokens, counts.tolist(), len(batches)
 
     def _sync_grads(self) -> None:
-        """Sum gradients over DP in one flat buffer (each already scaled by 1/global tokens)."""
+        """Sum gradients over DP x CP in one flat buffer (each already scaled by 1/global
+        tokens). Never over TP: TP shards are distinct, TP replicas already hold full grads."""
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if self.dp > 1 and grads:
+        if self.dp * self.cp > 1 and grads:
             flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.dp_group)
+            dist.all_reduce(flat, group=self.grad_group)
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
                 g.copy_(synced)
 
     def _clip(self) -> float:
+        """Clip to `trainer.grad_clip` by the global L2 norm: squares of TP-sharded parameters
+        (marked with `shard_spec`) are summed over TP, replicated ones counted once."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.trainer.grad_clip if self.cfg.trainer.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        sq = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for p in params:
+            sq[0 if getattr(p, "shard_spec", None) else 1] += p.grad.double().pow(2).sum()
+        if self.tp_group is not None:
+            dist.all_reduce(sq[:1], group=self.tp_group)
+        norm = float(sq.sum().sqrt())
+        clip = self.cfg.trainer.grad_clip
+        if clip > 0 and norm > clip:
+            for p in params:
+                p.grad.mul_(clip / (norm + 1e-6))
+        return norm
 
     def evaluate(self) -> dict:
         if self.eval_set is None:
@@ -145,13 +173,13 @@ class Trainer:
         per = -(-n // self.dp)
         indices = list(range(self.lane * per, min(n, (self.lane + 1) * per)))
         return evaluate(self.model, self.eval_set, self.tok, indices,
-                        self.cfg.trainer.micro_batch_tokens, self.device, self.dp_group)
+                        self.cfg.trainer.micro_batch_tokens, self.device, self.grad_group, self.dp_group)
 
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "sampler": self.sampler.state_dict()}
         checkpoint.save(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
-                        self.cfg.checkpoint.keep)
+                        self.cfg.checkpoint.keep, self.tp_group)
 
     def fit(self) -> dict:
         """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
