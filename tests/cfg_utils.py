@@ -3,22 +3,11 @@ from __future__ import annotations
 
 import os
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from hcp.config.compose import CONF_DIR, compose_config
 
-from hcp.config.schema import register
-
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 REPO = os.path.dirname(CONF_DIR)
 
 
 def compose_cfg(overrides=(), resolve=True, run_dir="/tmp/hcp-test-run"):
-    """The composed config for `overrides`; `checkpoint.dir` defaults under `run_dir` because
-    Hydra's runtime resolvers are not available outside an app."""
-    register()
-    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
-        cfg = compose("config", overrides=[f"checkpoint.dir={run_dir}/checkpoints", "logger=none",
-                                           *overrides])
-    if resolve:
-        OmegaConf.resolve(cfg)
-    return cfg
+    """`hcp.config.compose.compose_config` with a test run directory."""
+    return compose_config(overrides, run_dir=run_dir, resolve=resolve)
