@@ -40,7 +40,6 @@ def test_wrong_type_fails():
     (["trainer.micro_batch_tokens=64"], "trainer.micro_batch_tokens"),
     (["trainer.global_batch_size=30"], "trainer.global_batch_size"),
     (["vision.patch_size=3"], "vision.patch_size"),
-    (["llm.vocab_size=100"], "llm.vocab_size"),
     (["optim.lr=0"], "optim.lr"),
     (["data.on_error=ignore"], "data.on_error"),
     (["graph.edges=[[vision,decoder]]"], "graph.edges"),
@@ -68,3 +67,11 @@ def test_training_rejects_layouts_it_cannot_run_yet_with_a_fix(overrides, field)
     with pytest.raises(ConfigError) as e:
         check_trainable(cfg, validate(cfg, world_size=4))
     assert e.value.field == field and "Fix:" in str(e.value)
+
+
+def test_vocab_smaller_than_the_tokenizer_is_rejected_before_ranks_start():
+    from hcp.data.build import prepare_data
+
+    with pytest.raises(ConfigError) as e:
+        prepare_data(compose_cfg(["llm.vocab_size=100"]))
+    assert e.value.field == "llm.vocab_size" and "260" in str(e.value)

@@ -24,10 +24,10 @@ def _write(tmp_path, records, images=("a.png", "b.png")):
     return str(path)
 
 
-def _ds(path, tmp_path, **kw):
+def _ds(path, tmp_path, tokenizer=TOK, **kw):
     args = dict(num_image_tokens=4, image_size=8, num_channels=1, max_seq_len=200)
     args.update(kw)
-    return LlavaDataset(path, str(tmp_path), TOK, **args)
+    return LlavaDataset(path, str(tmp_path), tokenizer, **args)
 
 
 def rec(rid, image="a.png", human="<image>\nWhat is it?", gpt="seven", **extra):
@@ -118,3 +118,29 @@ def test_global_batches_are_deterministic_and_lanes_contiguous():
     assert lane_slice(list(range(8)), 4, 2) == [4, 5]
     with pytest.raises(ValueError, match="not divisible"):
         lane_slice(list(range(8)), 3, 0)
+
+
+def test_a_local_hugging_face_tokenizer_json_replaces_bytes(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from hcp.data.tokenizer import build_tokenizer
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["USER: What digit is in the image? ASSISTANT: seven"] * 20,
+                            trainers.BpeTrainer(special_tokens=["<unk>", "<s>", "</s>"], vocab_size=60))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    hf = build_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert (hf.pad_id, hf.bos_id, hf.eos_id) == (0, 1, 2)
+    assert hf.image_token_id == hf.vocab_size - 1 >= 3
+    ids = hf.encode("What digit")
+    assert ids and hf.decode(ids).replace(" ", "") == "Whatdigit"
+    s = _ds(_write(tmp_path, [rec("r")]), tmp_path, tokenizer=hf)[0]
+    assert s.input_ids.count(hf.image_token_id) == 4 and s.input_ids[0] == hf.bos_id
+
+
+def test_missing_tokenizer_file_is_named():
+    from hcp.data.tokenizer import build_tokenizer
+
+    with pytest.raises(FileNotFoundError, match="data.tokenizer='/nope/tokenizer.json'"):
+        build_tokenizer("/nope/tokenizer.json")

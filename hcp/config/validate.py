@@ -64,12 +64,6 @@ def check_model(cfg) -> None:
             if name not in present:
                 raise ConfigError("graph.edges", list(edge), f"module {name!r} is not configured",
                                   f"use modules among {sorted(present)} or configure {name}")
-    if cfg.data.name in ("digits_vqa", "llava_json") and v is not None:
-        from hcp.data.tokenizer import ByteTokenizer
-
-        if cfg.data.tokenizer == "byte" and cfg.llm.vocab_size < ByteTokenizer.vocab_size:
-            raise ConfigError("llm.vocab_size", cfg.llm.vocab_size, "smaller than the byte "
-                              f"tokenizer's {ByteTokenizer.vocab_size} ids", "set llm.vocab_size>=260")
 
 
 def check_trainer(cfg, layouts) -> None:

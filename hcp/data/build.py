@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sysconfig
 
+from hcp.config.errors import ConfigError
 from hcp.data.code_corpus import CodeCorpus, stdlib_sources
 from hcp.data.digits import build_digits_vqa
 from hcp.data.llava import LlavaDataset
@@ -16,7 +17,17 @@ def num_image_tokens(vision_cfg) -> int:
 
 
 def prepare_data(cfg) -> None:
-    """Write built-in data sets once, in the launching process, before ranks start."""
+    """In the launching process, before ranks start: check that the LLM's vocabulary holds the
+    tokenizer's ids and write built-in data sets once.
+
+    Raises:
+        ConfigError: `llm.vocab_size` is smaller than the tokenizer's vocabulary.
+    """
+    tok = build_tokenizer(cfg.data.tokenizer)
+    if cfg.llm.vocab_size < tok.vocab_size:
+        raise ConfigError("llm.vocab_size", cfg.llm.vocab_size, f"smaller than the {tok.vocab_size} "
+                          f"ids of data.tokenizer={cfg.data.tokenizer!r}",
+                          f"set llm.vocab_size to at least {tok.vocab_size} (a multiple of tp)")
     if cfg.data.name == "digits_vqa":
         build_digits_vqa(cfg.data.root, cfg.data.eval_fraction)
 
