@@ -5,12 +5,16 @@
     python train.py -m optim.lr=1e-3,3e-3             # a sweep: one run directory per job
     torchrun --nproc-per-node 8 train.py ...          # joins the ranks torchrun started
 """
+import os
+
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from hcp.config.schema import register
+from hcp.train.launch import run_name
 
 register()
+OmegaConf.register_new_resolver("hcp_run_name", lambda: run_name(os.environ), use_cache=True)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

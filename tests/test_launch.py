@@ -40,3 +40,14 @@ def test_a_stray_world_size_alone_does_not_join():
 
 def test_nproc_auto_is_four_on_cpu():
     assert resolve_nproc("auto") == 4 and resolve_nproc(2) == 2
+
+
+def test_run_directory_name_is_shared_by_every_rank_of_one_launch():
+    from hcp.train.launch import run_name
+
+    torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "9",
+                "TORCHELASTIC_RUN_ID": "abc"}
+    assert run_name(torchrun) == run_name({**torchrun, "RANK": "0"}) == "torchrun-abc"
+    srun = {**SBATCH_SCRIPT_ENV, "SLURM_STEP_ID": "3", "SLURM_STEP_NUM_TASKS": "8"}
+    assert run_name(srun) == "slurm-42.3"
+    assert run_name({}).count("/") == 1  # DATE/TIME of the launching process

@@ -36,8 +36,9 @@ def run(cfg: DictConfig):
         return run_plan(cfg, run_dir)
     check_trainable(cfg, layouts)
     container = OmegaConf.to_container(cfg, resolve=True)
-    with open(os.path.join(run_dir, "config_resolved.yaml"), "w") as f:
-        f.write(OmegaConf.to_yaml(container))
+    if not joined or joined["rank"] == 0:
+        with open(os.path.join(run_dir, "config_resolved.yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(container))
     prepare_data(cfg)
     if joined:
         _rank_entry((container, run_dir))

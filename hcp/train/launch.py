@@ -33,6 +33,19 @@ def launched_rank_env(env: Mapping[str, str]) -> Optional[dict]:
     return None
 
 
+def run_name(env: Mapping[str, str]) -> str:
+    """The run directory's name below `outputs/`, the same in every rank of one launch:
+    `slurm-JOB.STEP` in an srun step, `torchrun-RUN_ID` under torchrun, else `DATE/TIME` of this
+    (the launching) process. Registered as the `hcp_run_name` resolver used by `hydra.run.dir`."""
+    if launched_rank_env(env) is not None:
+        if "SLURM_STEP_ID" in env:
+            return f"slurm-{env.get('SLURM_JOB_ID', 'job')}.{env['SLURM_STEP_ID']}"
+        return f"torchrun-{env.get('TORCHELASTIC_RUN_ID', env.get('MASTER_PORT', 'run'))}"
+    import datetime
+
+    return datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
+
+
 def resolve_nproc(nproc_per_node) -> int:
     """`auto` -> one rank per CUDA device, or 4 on a CPU-only machine; else the int given."""
     if nproc_per_node == "auto":
