@@ -22,9 +22,11 @@ def test_srun_step_with_one_task_starts_its_own_ranks():
 
 def test_srun_step_with_several_tasks_joins_them():
     env = {**SBATCH_SCRIPT_ENV, "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "8",
-           "SLURM_PROCID": "5", "SLURM_LOCALID": "1"}
+           "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7"}
     got = launched_rank_env(env)
     assert (got["rank"], got["world_size"], got["local_rank"]) == (5, 8, 1)
+    # every task derives the same rendezvous point without extra exports
+    assert (got["master_addr"], got["master_port"]) == ("10.0.0.7", str(20000 + 42))
 
 
 def test_torchrun_environment_joins():

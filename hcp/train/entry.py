@@ -10,7 +10,7 @@ from hcp.config.layouts import world_size_of
 from hcp.config.validate import validate
 from hcp.data.build import prepare_data
 from hcp.train.support import check_trainable
-from hcp.train.launch import launched_rank_env, resolve_nproc, start_local_ranks
+from hcp.train.launch import export_rank_env, launched_rank_env, resolve_nproc, start_local_ranks
 
 
 def _rank_entry(payload) -> None:
@@ -41,6 +41,7 @@ def run(cfg: DictConfig):
             f.write(OmegaConf.to_yaml(container))
     prepare_data(cfg)
     if joined:
+        export_rank_env(joined)
         _rank_entry((container, run_dir))
     else:
         start_local_ranks(_rank_entry, nproc, (container, run_dir), cfg.launcher.start_method)

@@ -27,10 +27,21 @@ def launched_rank_env(env: Mapping[str, str]) -> Optional[dict]:
                 "local_rank": int(env["LOCAL_RANK"]), "master_addr": env.get("MASTER_ADDR"),
                 "master_port": env.get("MASTER_PORT")}
     if "SLURM_STEP_ID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
+        # Rendezvous defaults every task derives alike: the node srun ran on, a port from the job id.
+        port = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
         return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_STEP_NUM_TASKS"]),
                 "local_rank": int(env.get("SLURM_LOCALID", "0")),
-                "master_addr": env.get("MASTER_ADDR"), "master_port": env.get("MASTER_PORT")}
+                "master_addr": env.get("MASTER_ADDR", env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")),
+                "master_port": env.get("MASTER_PORT", str(port))}
     return None
+
+
+def export_rank_env(joined: dict) -> None:
+    """Set the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) from
+    `launched_rank_env`'s answer, so that `init_process_group("env://")` works in an srun step."""
+    os.environ.update(RANK=str(joined["rank"]), WORLD_SIZE=str(joined["world_size"]),
+                      LOCAL_RANK=str(joined["local_rank"]), MASTER_ADDR=str(joined["master_addr"]),
+                      MASTER_PORT=str(joined["master_port"]))
 
 
 def run_name(env: Mapping[str, str]) -> str:
