@@ -30,3 +30,12 @@ def test_llama_tiny_dp4_and_tp2_cp2_log_the_same_losses(tmp_path):
     assert len(dp4) == 20 and dp4[-1] < dp4[0]
     assert tp2cp2 == pytest.approx(dp4, rel=1e-4)
     assert ring == pytest.approx(dp4, rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_llama_tiny_dp4_and_pp2_cp2_log_the_same_losses(tmp_path):
+    dp4 = _losses(tmp_path / "dp4", [])
+    pp2cp2 = _losses(tmp_path / "pp2cp2", ["llm.layout.pp=2", "llm.layout.cp=2"])
+    assert len(dp4) == 20 and dp4[-1] < dp4[0]
+    assert pp2cp2 == pytest.approx(dp4, rel=1e-4)

@@ -14,26 +14,39 @@ Parallelism (groups are passed in; None = size 1):
 - CP over `cp_group`: the caller passes this rank's head-tail shard of the tokens
   (`hcp.parallel.cp_sharding.cp_shard`) and the WHOLE micro-batch's cu_seqlens / max_seqlen;
   attention runs across the CP ranks with `cp_comm` (`allgather` or `p2p`).
+- PP (`stage`, a `hcp.model.stage.StageSpec`): only the stage's layers are built (named by their
+  global index); the embedding lives on the first stage, the final norm and LM head on the last.
+  `forward` = `enter` (first stage) -> `run_layers` (every stage) -> `exit` (last stage).
+
+Activation recompute (`recompute`, default `cfg.layout.recompute`; torch.utils.checkpoint with
+use_reentrant=False, so the backward re-runs the forward, collectives included, in the same order
+on every rank of a group): `none`; `selective` keeps each layer's inputs and the attention
+core's q/k/v and recomputes the attention core (its [S, S] scores dominate activation memory,
+Korthikanti et al. 2022); `full` keeps only each decoder layer's input and recomputes the layer.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hcp.config.schema import LLMConfig
 from hcp.model.backends import attention_fn, resolve_backend
 from hcp.model.collectives import copy_to_group, gather_from_group, group_size, split_seq
 from hcp.model.cp_attention import build_cp_plan, cp_attention
 from hcp.model.layers import RMSNorm, SwiGLU, apply_rope
+from hcp.model.stage import StageSpec
 from hcp.model.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE. x: [T, H] -> [T, H] (SP: [T / tp, H])."""
 
-    def __init__(self, cfg: LLMConfig, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, cfg: LLMConfig, tp_group=None, sequence_parallel: bool = False,
+                 recompute_core: bool = False):
         super().__init__()
+        self.recompute_core = recompute_core
         tp = group_size(tp_group)
         if cfg.hidden_size % cfg.num_heads or cfg.num_heads % cfg.num_kv_heads:
             raise ValueError(f"llm: hidden_size {cfg.hidden_size} must be divisible by num_heads "
@@ -57,38 +70,67 @@ class Attention(nn.Module):
         t = q.shape[0]
         q = apply_rope(q.view(t, -1, self.head_dim), position_ids, self.theta)
         k = apply_rope(k.view(t, -1, self.head_dim), position_ids, self.theta)
-        out = attend(q, k, v.view(t, -1, self.head_dim))
+        v = v.view(t, -1, self.head_dim)
+        out = checkpoint(attend, q, k, v, use_reentrant=False) if self.recompute_core else attend(q, k, v)
         return self.o_proj(out.reshape(t, -1))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`. `recompute`: see the
+    module docstring."""
 
-    def __init__(self, cfg: LLMConfig, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, cfg: LLMConfig, tp_group=None, sequence_parallel: bool = False,
+                 recompute: str = "none"):
         super().__init__()
+        if recompute not in ("none", "selective", "full"):
+            raise ValueError(f"llm.layout.recompute={recompute!r}: use none, selective or full")
+        self.full_recompute = recompute == "full"
         sync = tp_group if sequence_parallel else None
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, grad_sync_group=sync)
-        self.attn = Attention(cfg, tp_group, sequence_parallel)
+        self.attn = Attention(cfg, tp_group, sequence_parallel, recompute == "selective")
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, grad_sync_group=sync)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, tp_group, sequence_parallel)
 
     def forward(self, x, position_ids, attend):
+        if self.full_recompute and torch.is_grad_enabled():
+            return checkpoint(self._block, x, position_ids, attend, use_reentrant=False)
+        return self._block(x, position_ids, attend)
+
+    def _block(self, x, position_ids, attend):
         x = x + self.attn(self.attn_norm(x), position_ids, attend)
         return x + self.mlp(self.mlp_norm(x))
 
 
+class Layers(nn.ModuleDict):
+    """Decoder layers keyed by their GLOBAL index (FQN `layers.{i}` on any pipeline stage);
+    indexed with an int and iterated over the layers in order, like a ModuleList."""
+
+    def __getitem__(self, index) -> nn.Module:
+        return super().__getitem__(str(index))
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
 class LlamaDecoder(nn.Module):
     """Token embedding, decoder layers, final norm and LM head (untied unless
-    `cfg.tie_embeddings`).
+    `cfg.tie_embeddings`), or one pipeline stage's part of them (`stage`).
 
-    `cp_comm` and `sequence_parallel` default to `cfg.layout`'s values; sequence parallelism is
-    off when the TP size is 1. Raises ValueError for sizes that do not split over TP.
+    `cp_comm`, `sequence_parallel` and `recompute` default to `cfg.layout`'s values; sequence
+    parallelism is off when the TP size is 1. Raises ValueError for sizes that do not split over
+    TP, and for tied embeddings split over several stages (the table would live on two stages).
     """
 
     def __init__(self, cfg: LLMConfig, tp_group=None, cp_group=None, cp_comm: str | None = None,
-                 sequence_parallel: bool | None = None):
+                 sequence_parallel: bool | None = None, stage: StageSpec | None = None,
+                 recompute: str | None = None):
         super().__init__()
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
+        self.stage = stage or StageSpec.whole(cfg.num_layers)
+        if cfg.tie_embeddings and self.stage.num_stages > 1:
+            raise ValueError("llm.tie_embeddings=true with pipeline stages: the embedding (first "
+                             "stage) and the LM head (last stage) cannot share one table; untie them")
+        recompute = cfg.layout.recompute if recompute is None else recompute
         self.cp_comm = cfg.layout.cp_comm if cp_comm is None else cp_comm
         sp = cfg.layout.sequence_parallel if sequence_parallel is None else sequence_parallel
         self.sequence_parallel = sp and group_size(tp_group) > 1
@@ -97,24 +139,27 @@ class LlamaDecoder(nn.Module):
             raise ValueError(f"llm.attention_backend={backend} does not run with CP yet: "
                              "use llm.attention_backend=torch (or auto)")
         sp = self.sequence_parallel
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, tp_group, sp) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, grad_sync_group=tp_group if sp else None)
-        self.lm_head = None if cfg.tie_embeddings else ColumnParallelLinear(
+        first, last = self.stage.first, self.stage.last
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group)
+                             if first else None)
+        self.layers = Layers({str(i): DecoderLayer(cfg, tp_group, sp, recompute)
+                              for i in range(self.stage.start, self.stage.stop)})
+        self.norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps, grad_sync_group=tp_group if sp else None)
+                     if last else None)
+        self.lm_head = None if cfg.tie_embeddings or not last else ColumnParallelLinear(
             cfg.hidden_size, cfg.vocab_size, bias=False, tp_group=tp_group)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: long [T] -> [T, H]."""
         return self.embed_tokens(input_ids)
 
-    def _attend(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int):
-        """Attention over the first len(x) rows (later rows are SP padding: zeros out)."""
-        num_tokens = x.shape[0]
+    def _attend(self, num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int, like: torch.Tensor):
+        """Attention over the first `num_tokens` rows (later rows are SP padding: zeros out)."""
         if group_size(self.cp_group) > 1:
             plan = build_cp_plan(cu_seqlens, self.cp_group, self.cp_comm)
             core = lambda q, k, v: cp_attention(q, k, v, plan)  # noqa: E731
         else:
-            fn = attention_fn(resolve_backend(self.cfg.attention_backend, x.device, x.dtype))
+            fn = attention_fn(resolve_backend(self.cfg.attention_backend, like.device, like.dtype))
             core = lambda q, k, v: fn(q, k, v, cu_seqlens, max_seqlen)  # noqa: E731
 
         def attend(q, k, v):
@@ -122,26 +167,43 @@ class LlamaDecoder(nn.Module):
             return F.pad(out, (0, 0, 0, 0, 0, q.shape[0] - num_tokens))
         return attend
 
-    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
-                cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
-        """inputs_embeds [T, H], position_ids long [T] (restarting per document), cu_seqlens
-        int32 [N + 1], max_seqlen int -> final-normed hidden states [T, H]. Under CP, T is this
-        rank's shard while cu_seqlens / max_seqlen describe the whole micro-batch."""
-        t = inputs_embeds.shape[0]
-        attend = self._attend(inputs_embeds, cu_seqlens, max_seqlen)
-        x = inputs_embeds
-        if self.sequence_parallel:
-            pad = -t % group_size(self.tp_group)
-            x = split_seq(F.pad(x, (0, 0, 0, pad)), self.tp_group)
-            position_ids = F.pad(position_ids, (0, pad))
+    def _sp_pad(self, t: int) -> int:
+        return -t % group_size(self.tp_group) if self.sequence_parallel else 0
+
+    def enter(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """First stage: [T, H] -> the residual stream [T, H] (SP: this TP rank's [(T + pad) / tp, H])."""
+        if not self.sequence_parallel:
+            return inputs_embeds
+        return split_seq(F.pad(inputs_embeds, (0, 0, 0, self._sp_pad(inputs_embeds.shape[0]))),
+                         self.tp_group)
+
+    def run_layers(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                   max_seqlen: int) -> torch.Tensor:
+        """This stage's layers over the residual stream x (see `enter`); position_ids long [T]
+        (this rank's T tokens before the SP split). Returns the same shape as x."""
+        t = position_ids.shape[0]
+        attend = self._attend(t, cu_seqlens, max_seqlen, x)
+        position_ids = F.pad(position_ids, (0, self._sp_pad(t)))
         for layer in self.layers:
             x = layer(x, position_ids, attend)
+        return x
+
+    def exit(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Last stage: final norm of the residual stream -> hidden states [num_tokens, H]."""
         x = self.norm(x)
         if not self.sequence_parallel:
             return x
         # every TP rank consumes the whole gathered sequence (the LM head copies it into the TP
         # region), so each rank's slice gets its full gradient back: backward keeps the slice
-        return gather_from_group(x, self.tp_group, dim=0)[:t]
+        return gather_from_group(x, self.tp_group, dim=0)[:num_tokens]
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
+                cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+        """Whole model: inputs_embeds [T, H], position_ids long [T] (restarting per document),
+        cu_seqlens int32 [N + 1], max_seqlen int -> final-normed hidden states [T, H]. Under CP,
+        T is this rank's shard while cu_seqlens / max_seqlen describe the whole micro-batch."""
+        x = self.run_layers(self.enter(inputs_embeds), position_ids, cu_seqlens, max_seqlen)
+        return self.exit(x, inputs_embeds.shape[0])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> logits [T, V / tp] (this TP rank's vocabulary slice)."""

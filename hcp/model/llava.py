@@ -20,6 +20,11 @@ this rank's CP shard (DESIGN.md section 4). Under CP, `forward` returns this ran
 loss and of the token count: summed over the CP (and DP) ranks they give the single-process
 numbers. Gradients: the trainer sums them over DP x CP; parameters replicated over TP (norms,
 vision, projector) already carry the full gradient on every TP rank.
+
+Pipeline stages (`stage`, `hcp.model.stage.StageSpec`): the vision encoder and projector are
+built on the first stage only (colocated with the embedding). `stage_forward(batch, x)` runs
+this stage's part; `loss(batch, hidden)` / `logits(batch, hidden)` finish on the last stage. A
+non-first stage gets a `hcp.model.stage.StageMeta` instead of the batch.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ from hcp.config.schema import LLMConfig, ProjectorConfig, VisionConfig
 from hcp.model.collectives import gather_from_group, gather_seq, group_rank, group_size
 from hcp.model.llama import LlamaDecoder
 from hcp.model.projector import Projector
+from hcp.model.stage import StageSpec
 from hcp.model.tp import vocab_parallel_cross_entropy
 from hcp.model.vit import ViTEncoder
 from hcp.parallel.cp_sharding import cp_shard
@@ -39,16 +45,20 @@ from hcp.parallel.cp_sharding import cp_shard
 class LlavaModel(nn.Module):
     def __init__(self, vision_cfg: VisionConfig | None, projector_cfg: ProjectorConfig | None,
                  llm_cfg: LLMConfig, tp_group=None, cp_group=None, cp_comm: str | None = None,
-                 sequence_parallel: bool | None = None):
+                 sequence_parallel: bool | None = None, stage: StageSpec | None = None,
+                 recompute: str | None = None):
         """Raises ValueError when exactly one of vision_cfg / projector_cfg is given."""
         super().__init__()
         if (vision_cfg is None) != (projector_cfg is None):
             raise ValueError("vision and projector must be given together (or both None for a "
                              "text-only LM)")
-        self.vision = ViTEncoder(vision_cfg) if vision_cfg is not None else None
+        first = stage is None or stage.first
+        self.vision = ViTEncoder(vision_cfg) if vision_cfg is not None and first else None
         self.projector = (Projector(projector_cfg, vision_cfg.hidden_size, llm_cfg.hidden_size)
-                          if projector_cfg is not None else None)
-        self.llm = LlamaDecoder(llm_cfg, tp_group, cp_group, cp_comm, sequence_parallel)
+                          if projector_cfg is not None and first else None)
+        self.llm = LlamaDecoder(llm_cfg, tp_group, cp_group, cp_comm, sequence_parallel, stage,
+                                recompute)
+        self.stage = self.llm.stage
         self.tp_group, self.cp_group = tp_group, cp_group
 
     def embed(self, batch) -> torch.Tensor:
@@ -81,20 +91,26 @@ class LlavaModel(nn.Module):
         shard = cp_shard(batch.cu_seqlens, group_size(self.cp_group), group_rank(self.cp_group))
         return shard, batch.labels[shard.token_index].masked_fill(~shard.valid, -100)
 
-    def hidden(self, batch, shard=None) -> torch.Tensor:
-        """Final-normed decoder hidden states [T, H] ([T_loc, H] of `shard` under CP)."""
-        embeds = self.embed(batch)
-        if shard is None:
-            return self.llm(embeds, batch.position_ids, batch.cu_seqlens, batch.max_seqlen)
-        return self.llm(embeds[shard.token_index], shard.position_ids, batch.cu_seqlens,
-                        batch.max_seqlen)
+    def stage_forward(self, batch, x: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's part of the forward pass over one micro-batch.
 
-    def forward(self, batch) -> tuple[torch.Tensor, int]:
-        """Return (sum of token cross-entropies over labels != -100 as a 0-d fp32 tensor, number
-        of those tokens), for this rank's CP shard. Not a mean: the trainer divides by the
-        global token count."""
+        batch: the micro-batch (first stage) or its `StageMeta` (later stages); x: the previous
+        stage's output (None on the first stage). Returns the residual stream [T_loc, H] (SP:
+        [(T_loc + pad) / tp, H]) for the next stage, or on the last stage the final-normed
+        hidden states [T_loc, H] (T_loc: this CP rank's tokens, T without CP).
+        """
         shard, labels = self._shard(batch)
-        hidden = self.hidden(batch, shard)
+        positions = batch.position_ids if shard is None else shard.position_ids
+        if self.stage.first:
+            embeds = self.embed(batch)
+            x = self.llm.enter(embeds if shard is None else embeds[shard.token_index])
+        x = self.llm.run_layers(x, positions, batch.cu_seqlens, batch.max_seqlen)
+        return self.llm.exit(x, labels.shape[0]) if self.stage.last else x
+
+    def loss(self, batch, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Last stage: (sum of token cross-entropies over labels != -100 of this rank's CP shard
+        as a 0-d fp32 tensor, number of those tokens) from the final hidden states [T_loc, H]."""
+        _, labels = self._shard(batch)
         keep = labels != -100
         logits = self.llm.logits(hidden[keep])
         if group_size(self.tp_group) == 1:
@@ -103,11 +119,18 @@ class LlavaModel(nn.Module):
             loss_sum = vocab_parallel_cross_entropy(logits, labels[keep], self.tp_group).sum()
         return loss_sum, int(keep.sum())
 
-    def logits(self, batch) -> torch.Tensor:
+    def forward(self, batch) -> tuple[torch.Tensor, int]:
+        """Single-stage model: (loss sum, token count) of this rank's CP shard, see `loss`. Not a
+        mean: the trainer divides by the global token count."""
+        return self.loss(batch, self.stage_forward(batch))
+
+    def logits(self, batch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of every position [T, V], gathered over TP and CP (greedy decoding reads the
-        last one of a document)."""
+        last one of a document), from the last stage's hidden states (default: run the whole
+        single-stage model)."""
         shard, _ = self._shard(batch)
-        logits = gather_from_group(self.llm.logits(self.hidden(batch, shard)), self.tp_group)
+        hidden = self.stage_forward(batch) if hidden is None else hidden
+        logits = gather_from_group(self.llm.logits(hidden), self.tp_group)
         if shard is None:
             return logits
         c = group_size(self.cp_group)

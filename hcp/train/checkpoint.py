@@ -19,11 +19,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Optimizer state keyed per parameter FQN (`state.{fqn}.exp_avg`, `param_groups.{fqn}.lr`):
+pipeline stages hold different parameters, so positional param_groups would collide in DCP."""
 
 
 def step_dirs(root: str) -> list[tuple[int, str]]:
@@ -59,8 +62,8 @@ def _state(model, optimizer, tp_group) -> dict:
     """Model and optimizer state keyed by FQN. TP-sharded parameters (those with a
     `shard_spec`) and their Adam moments become DTensors over the TP group, so DCP stores each
     shard once with its offset in the whole tensor (replicas over DP/CP are deduplicated) and
-    could load it into another TP size."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    could load it into another TP size. Every stage of a pipeline saves its own FQNs."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_FLAT)
     if tp_group is None:
         return {"model": model_sd, "optim": optim_sd}
     specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
@@ -74,9 +77,10 @@ def _state(model, optimizer, tp_group) -> dict:
     for name, spec in specs.items():
         if name in model_sd:
             model_sd[name] = wrap(model_sd[name], spec)
-        for key, t in optim_sd.get("state", {}).get(name, {}).items():
-            if torch.is_tensor(t) and t.shape == model_sd[name].to_local().shape:
-                optim_sd["state"][name][key] = wrap(t, spec)
+    for key, t in optim_sd.items():
+        name = key.removeprefix("state.").rpartition(".")[0]
+        if key.startswith("state.") and name in specs and t.shape == model_sd[name].to_local().shape:
+            optim_sd[key] = wrap(t, specs[name])
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -130,7 +134,8 @@ def load(path: str, model, optimizer, tp_group=None) -> dict:
     state = _state(model, optimizer, tp_group)
     dcp.load(state, checkpoint_id=path)
     state = _local(state)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_FLAT)
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))

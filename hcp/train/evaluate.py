@@ -1,4 +1,11 @@
-"""Held-out evaluation: token-level loss and greedy-decoded answer accuracy."""
+"""Held-out evaluation: token-level loss and greedy-decoded answer accuracy.
+
+Micro-batches run through `run(batches, head) -> [tensor per micro-batch]` (the trainer's
+`StepRunner.forward_outputs`): under pipeline parallelism they go forward through every stage,
+`head` is applied on the last stage and its result reaches every stage, so the first stage can
+extend the prompts with the decoded tokens. Every stage builds the same packs from the held-out
+set (deterministic), so the decoding loop runs in lock-step on all ranks.
+"""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -15,9 +22,10 @@ def _packs(samples, capacity):
 
 
 @torch.no_grad()
-def evaluate(model, dataset, tokenizer, indices, capacity: int, device, loss_group=None,
+def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, loss_group=None,
              lane_group=None, max_new_tokens: int = 8) -> dict:
-    """Evaluate this rank's lane's share `indices` of the held-out set.
+    """Evaluate this rank's lane's share `indices` of the held-out set with `run` (see the
+    module docstring); `model` is this rank's stage (`LlavaModel`).
 
     Loss sums are reduced over `loss_group` (DP x CP: each CP rank holds part of the tokens),
     sample counts over `lane_group` (DP).
@@ -30,11 +38,11 @@ def evaluate(model, dataset, tokenizer, indices, capacity: int, device, loss_gro
     model.eval()
     samples = [dataset[i] for i in indices]
     loss_sum = torch.zeros(3, dtype=torch.float64)  # loss, tokens, correct
-    for pack in _packs(samples, capacity):
-        batch = collate(pack, [dataset.pixel_values(s) for s in pack], tokenizer.image_token_id).to(device)
-        loss, n = model(batch)
-        loss_sum[0] += loss.item()
-        loss_sum[1] += n
+    batches = [collate(pack, [dataset.pixel_values(s) for s in pack], tokenizer.image_token_id).to(device)
+               for pack in _packs(samples, capacity)]
+    for out in run(batches, lambda b, h: torch.tensor([float(t) for t in model.loss(b, h)])):
+        loss_sum[0] += float(out[0])
+        loss_sum[1] += float(out[1])
     if not getattr(dataset, "has_answers", False):
         return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), False)
     # Greedy decoding of every sample in lock-step; no KV cache (tiny models).
@@ -46,11 +54,12 @@ def evaluate(model, dataset, tokenizer, indices, capacity: int, device, loss_gro
         if not active:
             break
         still = []
-        for pack in _packs(active, capacity + max_new_tokens):
-            batch = collate(pack, [dataset.pixel_values(p.src) for p in pack],
-                            tokenizer.image_token_id).to(device)
-            logits = model.logits(batch)[batch.cu_seqlens[1:].long() - 1]
-            for p, tok in zip(pack, logits.argmax(-1).tolist()):
+        packs = _packs(active, capacity + max_new_tokens)
+        batches = [collate(pack, [dataset.pixel_values(p.src) for p in pack],
+                           tokenizer.image_token_id).to(device) for pack in packs]
+        next_tokens = run(batches, lambda b, h: model.logits(b, h)[b.cu_seqlens[1:].long() - 1].argmax(-1))
+        for pack, toks in zip(packs, next_tokens):
+            for p, tok in zip(pack, [int(t) for t in toks.tolist()]):
                 if tok == tokenizer.eos_id:
                     continue
                 generated[p.id].append(tok)

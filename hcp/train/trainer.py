@@ -1,20 +1,17 @@
 """The training loop of one rank: data -> micro-batches -> forward/backward -> gradient sync ->
 AdamW step -> metrics, evaluation and checkpoints.
 
-Loss is token-level over the whole global batch (DESIGN.md section 3): every micro-batch's
-loss sum is divided by the number of loss tokens of the *global* batch (all micro-batches and
-DP ranks, counted with one all-reduce before the forward passes), so gradients summed over DP
-equal the single-process gradient of the same global batch, never a mean of per-rank means.
+Loss is token-level over the whole global batch (DESIGN.md section 3); the step itself (the
+pipeline schedule, gradient sync, clipping) is `hcp.train.step.StepRunner`. Under pipeline
+parallelism each rank builds only its stage (`hcp.model.stage`), only the first stage reads
+training data, and only the last computes the loss.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from hcp.config.layouts import resolve_layouts
 from hcp.config.schema import MODULES
@@ -22,6 +19,7 @@ from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler, lane_slice
 from hcp.data.packing import collate, first_fit
 from hcp.model import LlavaModel, init_parameters
+from hcp.model.stage import StageSpec
 from hcp.parallel.groups import ProcessGroupRegistry
 from hcp.parallel.roles import logging_rank
 from hcp.train import checkpoint
@@ -29,6 +27,7 @@ from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
 from hcp.train.metrics_log import RunLogger
 from hcp.train.optim import build_optimizer, build_scheduler
+from hcp.train.step import StepRunner
 
 
 class Trainer:
@@ -49,6 +48,7 @@ class Trainer:
         # Every module runs on the LLM's lanes (hcp.train.support); samples are split over DP
         # lanes, each micro-batch is CP-sharded inside the model, gradients sum over DP x CP.
         self.dp, self.lane, self.cp = llm.dp, coords["dp"], llm.cp
+        self.stage = StageSpec.of(llm.pp_layers, coords["pp"])
         self.dp_group = self.groups.group("llm", "dp")
         self.grad_group = self.groups.group("llm", "dp_cp")
         self.tp_group = self.groups.group("llm", "tp") if llm.tp > 1 else None
@@ -56,6 +56,7 @@ class Trainer:
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg)
         self.model = self._build_model()
+        self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
@@ -70,7 +71,7 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
-                           cp_group=self.cp_group)
+                           cp_group=self.cp_group, stage=self.stage)
         init_parameters(model, cfg.seed)
         for name in MODULES:
             if getattr(model, name, None) is not None and cfg[name].freeze:
@@ -89,11 +90,6 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
 
-    def _autocast(self):
-        if self.cfg.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def micro_batches(self, sample_indices):
         """This lane's samples packed first-fit into THD micro-batches of at most
         `micro_batch_tokens` per rank: `micro_batch_tokens * cp` tokens before CP sharding, each
@@ -109,7 +105,7 @@ class Trainer:
         """One optimizer step over the next global batch; returns this step's metrics."""
         t0 = time.perf_counter()
         loss, counts, n_micro = self.forward_backward(self.sampler.next())
-        grad_norm = self._clip()
+        grad_norm = self.runner.clip(self.cfg.trainer.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
@@ -121,48 +117,12 @@ class Trainer:
 
     def forward_backward(self, global_batch: list[int]) -> tuple[float, list[float], int]:
         """Gradients of the token-level loss of `global_batch` (sample indices), synchronized
-        over DP. Returns (global loss, [global loss tokens, global tokens], this rank's
-        micro-batch count)."""
-        batches = self.micro_batches(lane_slice(global_batch, self.dp, self.lane))
-        counts = torch.tensor([sum(b.num_label_tokens for b in batches),
-                               sum(b.input_ids.numel() for b in batches)], dtype=torch.float64)
-        dist.all_reduce(counts, group=self.dp_group)  # whole micro-batches: once per lane
-        global_tokens = counts[0].item()
-        loss_total = torch.zeros((), dtype=torch.float64)
-        for batch in batches:
-            with self._autocast():
-                loss_sum, _ = self.model(batch)
-            (loss_sum.float() / global_tokens).backward()
-            loss_total += loss_sum.detach().double().cpu()
-        self._sync_grads()
-        dist.all_reduce(loss_total, group=self.grad_group)  # each CP rank holds part of the loss
-        return loss_total.item() / global_tokens, counts.tolist(), len(batches)
-
-    def _sync_grads(self) -> None:
-        """Sum gradients over DP x CP in one flat buffer (each already scaled by 1/global
-        tokens). Never over TP: TP shards are distinct, TP replicas already hold full grads."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if self.dp * self.cp > 1 and grads:
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.grad_group)
-            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
-
-    def _clip(self) -> float:
-        """Clip to `trainer.grad_clip` by the global L2 norm: squares of TP-sharded parameters
-        (marked with `shard_spec`) are summed over TP, replicated ones counted once."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        sq = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for p in params:
-            sq[0 if getattr(p, "shard_spec", None) else 1] += p.grad.double().pow(2).sum()
-        if self.tp_group is not None:
-            dist.all_reduce(sq[:1], group=self.tp_group)
-        norm = float(sq.sum().sqrt())
-        clip = self.cfg.trainer.grad_clip
-        if clip > 0 and norm > clip:
-            for p in params:
-                p.grad.mul_(clip / (norm + 1e-6))
-        return norm
+        over DP x CP. Only the first stage reads the data. Returns (global loss, [global loss
+        tokens, global tokens], micro-batches per lane)."""
+        batches = (self.micro_batches(lane_slice(global_batch, self.dp, self.lane))
+                   if self.stage.first else None)
+        loss, counts, n_micro, self.stage_times = self.runner.forward_backward(batches)
+        return loss, counts, n_micro
 
     def evaluate(self) -> dict:
         if self.eval_set is None:
@@ -172,7 +132,7 @@ class Trainer:
             n = min(n, self.cfg.trainer.eval_samples)
         per = -(-n // self.dp)
         indices = list(range(self.lane * per, min(n, (self.lane + 1) * per)))
-        return evaluate(self.model, self.eval_set, self.tok, indices,
+        return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok, indices,
                         self.cfg.trainer.micro_batch_tokens, self.device, self.grad_group, self.dp_group)
 
     def save(self) -> None:

@@ -1,0 +1,161 @@
+"""One training step's forward/backward on one rank of the LLM's grid, and gradient clipping.
+
+Token-level loss (DESIGN.md section 3): every micro-batch's loss sum is divided by the number
+of loss tokens of the whole global batch (all micro-batches, DP lanes and CP ranks), counted
+with one all-reduce over the first stage's DP group before any forward pass, so gradients summed
+over DP x CP equal the single-process gradient of the same global batch.
+
+Pipeline: the first stage holds the data; it broadcasts [number of micro-batches, global loss
+tokens, global tokens] over the `pp` group (the number may change every step), and each
+micro-batch's shapes and metadata travel with its activations (`hcp.comm.p2p`). Every step runs
+the 1F1B schedule (`hcp.schedule.pipeline`; with pp = 1 it is plain gradient accumulation). Only
+the last stage computes the loss; the reported loss is reduced over DP x CP there and then
+shared with every stage.
+
+Gradient sync: plain DP sums the flat gradients over DP x CP after the schedule; under FSDP
+(`sharded=True`, the model is `fully_shard`-ed by `hcp.train.fsdp`) the reduce-scatter runs in
+the last micro-batch's backward and nothing is summed here.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
+
+from hcp.comm.p2p import StageLink
+from hcp.model.collectives import group_size
+from hcp.schedule.pipeline import StageTimes, forward_only, one_f_one_b
+
+
+class StepRunner:
+    """Forward/backward of one global batch on this rank.
+
+    Args:
+        model: this rank's `LlavaModel` stage (possibly FSDP-wrapped); groups: the
+            `ProcessGroupRegistry`; device: this rank's device; precision: `fp32` or `bf16`
+            (autocast compute; parameters and gradients stay fp32); sharded: FSDP is on.
+    """
+
+    def __init__(self, model, groups, device, precision: str = "fp32", sharded: bool = False):
+        self.model, self.device, self.sharded = model, device, sharded
+        self.stage = model.stage
+        self.dp_group = groups.group("llm", "dp")
+        self.grad_group = groups.group("llm", "dp_cp")
+        self.tp_group = groups.group("llm", "tp")
+        self.pp_group = groups.group("llm", "pp")
+        pp_ranks = groups.ranks("llm", "pp")
+        self.first_rank, self.last_rank = pp_ranks[0], pp_ranks[-1]
+        self.link = StageLink(pp_ranks, self.stage.index, device, self.pp_group)
+        self.precision = precision
+
+    def _autocast(self):
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _counts(self, batches) -> torch.Tensor:
+        """[micro-batches of this lane, global loss tokens, global tokens] (float64), from the
+        first stage to every stage."""
+        counts = torch.zeros(3, dtype=torch.float64, device=self.device)
+        if self.stage.first:
+            counts[1] = sum(int((b.labels != -100).sum()) for b in batches)
+            counts[2] = sum(b.input_ids.numel() for b in batches)
+            dist.all_reduce(counts, group=self.dp_group)  # whole micro-batches: once per lane
+            counts[0] = len(batches)
+        if self.stage.num_stages > 1:
+            dist.broadcast(counts, self.first_rank, group=self.pp_group)
+        return counts
+
+    def forward_backward(self, batches) -> tuple[float, list[float], int, StageTimes]:
+        """Gradients of the token-level loss of this lane's micro-batches `batches` (first
+        stage; None elsewhere), synchronized over DP x CP. Returns (global loss, [global loss
+        tokens, global tokens], micro-batches per lane, this stage's timings)."""
+        counts = self._counts(batches)
+        n_micro, global_tokens = int(counts[0]), counts[1].item()
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+
+        def forward(batch, x):
+            nonlocal loss_total
+            with self._autocast():
+                out = self.model.stage_forward(batch, x)
+                if not self.stage.last:
+                    return out
+                loss_sum, _ = self.model.loss(batch, out)
+            loss_total = loss_total + loss_sum.detach().double()
+            return loss_sum.float() / global_tokens
+
+        sync = self.model.set_requires_gradient_sync if self.sharded else None
+        times = one_f_one_b(forward, self.link, self.stage.index, self.stage.num_stages, batches,
+                            n_micro, sync)
+        if not self.sharded:
+            self._sync_grads()
+        loss = self._share_loss(loss_total)
+        return loss / global_tokens, counts[1:].tolist(), n_micro, times
+
+    def _share_loss(self, loss_total: torch.Tensor) -> float:
+        """Sum over DP x CP on the last stage (each CP rank holds part of the loss), then give
+        it to every stage."""
+        dist.all_reduce(loss_total, group=self.grad_group)
+        if self.stage.num_stages > 1:
+            dist.broadcast(loss_total, self.last_rank, group=self.pp_group)
+        return loss_total.item()
+
+    def _sync_grads(self) -> None:
+        """Sum gradients over DP x CP in one flat buffer (each already scaled by 1/global
+        tokens). Never over TP: TP shards are distinct, TP replicas already hold full grads."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if group_size(self.grad_group) > 1 and grads:
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=self.grad_group)
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(synced)
+
+    def forward_outputs(self, batches, head) -> list:
+        """Evaluation through the pipeline: `head(batch, hidden)` of every micro-batch, computed
+        on the last stage and broadcast to every stage (a tensor each). Every stage passes the
+        same `batches` (only the first stage's are read; the others get their metadata by P2P)."""
+        def forward(batch, x):
+            with self._autocast():
+                out = self.model.stage_forward(batch, x)
+                return head(batch, out) if self.stage.last else out
+
+        outs = forward_only(forward, self.link, self.stage.index, self.stage.num_stages,
+                            batches, len(batches))
+        if self.stage.num_stages == 1:
+            return outs
+        shared = []
+        for i, batch in enumerate(batches):
+            size = torch.tensor(outs[i].numel() if outs else 0, device=self.device)
+            dist.broadcast(size, self.last_rank, group=self.pp_group)
+            out = (outs[i].flatten().to(self.device, torch.float64) if outs
+                   else torch.empty(int(size), dtype=torch.float64, device=self.device))
+            dist.broadcast(out, self.last_rank, group=self.pp_group)
+            shared.append(out)
+        return shared
+
+    def clip(self, max_norm: float) -> float:
+        """Clip to `max_norm` (0: never) by the global L2 norm; return the norm before clipping.
+
+        Squares of TP-sharded parameters (marked with `shard_spec`) are summed over TP,
+        replicated ones counted once; FSDP shards (DTensors) are summed over DP x CP; every
+        stage's share is summed over PP.
+        """
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        sq = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for p in params:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            sq[0 if getattr(p, "shard_spec", None) else 1] += g.double().pow(2).sum()
+        if self.sharded:
+            dist.all_reduce(sq, group=self.grad_group)
+        if group_size(self.tp_group) > 1:
+            dist.all_reduce(sq[:1], group=self.tp_group)
+        if self.stage.num_stages > 1:
+            dist.all_reduce(sq, group=self.pp_group)
+        norm = float(sq.sum().sqrt())
+        if max_norm > 0 and norm > max_norm:
+            for p in params:
+                p.grad.mul_(max_norm / (norm + 1e-6))
+        return norm
