@@ -13,7 +13,7 @@ Method (deterministic, numpy + heaps, ~tens of ms for 2,048 sequences):
    with the fewest free ranks, else join the least loaded group with room, else open a new row;
    then sequences with c = 1, longest first, go to the least loaded free rank with token room
    (LPT), opening a new row only when every rank is full.
-4. Light rows (a ramp of fill fractions, see `ramp`) open and close the pipeline; the body is
+4. Light rows (ramps of fill fractions, see `ramps`) open and close the pipeline; the body is
    ordered as built, ascending, descending or smallest at both ends, and every candidate (plus
    the packing-only plan, a cheap guard for degenerate batches) is replayed through the
    pipeline simulator; the fastest plan wins.
@@ -139,20 +139,25 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
         heapq.heappush(heap, (key + h, ri, g[0], g))
 
 
-def ramp(num_stages: int) -> np.ndarray:
-    """Fill fractions of the light micro-batches that open and close the pipeline: 1F1B's
-    fill and drain cost about (p - 1) x the first and last micro-batches, so k = p + 2 rows
-    rise as sqrt((i + 1) / (k + 1)) (measured best of linear / sqrt ramps of 0..28 rows)."""
+def ramps(num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+    """Fill fractions of the light micro-batches that open and close the pipeline, as
+    (opening, closing). 1F1B's fill waits on the first micro-batch's forwards and its drain on
+    the last ones' backwards (`2 + recompute` times longer), so the closing ramp is longer:
+    p rows open and 5p/2 close, each rising as sqrt((i + 1) / (k + 1)) (measured on the
+    seed-sized benchmark: best of 3-10 opening x 10-36 closing rows, sqrt and linear ramps)."""
     if num_stages == 1:
-        return np.zeros(0)
-    k = num_stages + 2
-    return np.sqrt(np.arange(1, k + 1) / (k + 1))
+        return np.zeros(0), np.zeros(0)
+    k_open, k_close = num_stages, 5 * num_stages // 2
+    return (np.sqrt(np.arange(1, k_open + 1) / (k_open + 1)),
+            np.sqrt(np.arange(1, k_close + 1) / (k_close + 1)))
 
 
-def _level_plan(lens, heights, feasible, rows_target, pool, m, fractions) -> tuple[Plan, int]:
+def _level_plan(lens, heights, feasible, rows_target, pool, m, fractions,
+                n_open: int = 0) -> tuple[Plan, int, int]:
     """Steps 2-3 for one micro-batch count: `rows_target` row-equivalents of work, as one light
-    row per entry of `fractions` (filled to that fraction of the level) and full rows for the
-    rest. Returns the plan (light rows first, in `fractions` order) and its light-row count."""
+    row per entry of `fractions` (filled to that fraction of the level; the first `n_open` open
+    the pipeline) and full rows for the rest. Returns the plan (light rows first, in
+    `fractions` order), its opening-row and light-row counts (rows left empty are dropped)."""
     cmin_idx = np.argmax(feasible, axis=0)
     n_idx = np.arange(lens.size)
     work = float((cp_sizes(pool)[cmin_idx] * heights[cmin_idx, n_idx]).sum())
@@ -173,32 +178,34 @@ def _level_plan(lens, heights, feasible, rows_target, pool, m, fractions) -> tup
     offsets = [(1.0 - f) * level for f in fractions] + [0.0] * len(body)
     _place_single(rows, single.tolist(), lens, heights, pool, m, offsets)
     plan = Plan()
-    light = 0
+    opened = light = 0
     for ri, r in enumerate(rows):
         groups = [Group(sorted(g[2]), g[1], g[0]) for g in r.groups if g[2]]
         if groups:
             plan.micro_batches.append(MicroBatch(fill_idle(groups, pool)))
+            opened += ri < n_open
             light += ri < len(fractions)
-    return plan, light
+    return plan, opened, light
 
 
-def _orderings(fwd: np.ndarray, bwd: np.ndarray, light: int) -> list[np.ndarray]:
-    """Candidate micro-batch orders. The `light` first rows form a ramp (the lighter half
-    ascending before the body, the rest descending after it); the body goes as built,
+def _orderings(fwd: np.ndarray, bwd: np.ndarray, opening: int, light: int) -> list[np.ndarray]:
+    """Candidate micro-batch orders. The `light` first rows are ramps: rows `[0, opening)`
+    ascending before the body, the rest descending after it; the body goes as built,
     ascending, descending, or smallest at both ends."""
     size = (fwd + bwd).sum(axis=0)
-    ramp_rows = np.argsort(size[:light], kind="stable")
-    up, down = ramp_rows[0::2], ramp_rows[1::2][::-1]
+    up = np.argsort(size[:opening], kind="stable")
+    down = opening + np.argsort(size[opening:light], kind="stable")[::-1]
     body = light + np.argsort(size[light:], kind="stable")
     valley = np.concatenate([body[0::2], body[1::2][::-1]])
     bodies = [np.arange(light, size.size), body, body[::-1], valley]
     return [np.concatenate([up, b, down]) for b in bodies]
 
 
-def _best_order(plan: Plan, lens, cost: CostModel, light: int = 0) -> tuple[Plan, float]:
+def _best_order(plan: Plan, lens, cost: CostModel, opening: int = 0,
+                light: int = 0) -> tuple[Plan, float]:
     fwd, bwd = cost.stage_times(plan, lens)
     best = None
-    for order in _orderings(fwd, bwd, light):
+    for order in _orderings(fwd, bwd, opening, light):
         t = simulate_1f1b(fwd[:, order], bwd[:, order], record=False).iteration_time
         if best is None or t < best[0] - 1e-12:
             best = (t, order)
@@ -221,11 +228,12 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     if cost.pp == 1:
         targets = [t for t in targets if t <= m_min + 2]
     best: Solution | None = None
-    r = ramp(cost.pp)
-    fractions = np.concatenate([r, r])
+    opening, closing = ramps(cost.pp)
+    fractions = np.concatenate([opening, closing])
     for rows_target in targets:
-        plan, light = _level_plan(lens, heights, feasible, rows_target, pool, m, fractions)
-        plan, t = _best_order(plan, lens, cost, light)
+        plan, opened, light = _level_plan(lens, heights, feasible, rows_target, pool, m,
+                                          fractions, opening.size)
+        plan, t = _best_order(plan, lens, cost, opened, light)
         if best is None or t < best.time - 1e-12:
             best = Solution(plan, t, f"level(M~{rows_target})")
     plan, t = _best_order(packing_only(lens, pool, m, max_len), lens, cost)
