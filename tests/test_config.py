@@ -56,7 +56,7 @@ def test_missing_gpu_backend_says_how_to_install():
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["llm.layout.dp_shard=true"], "llm.layout.dp_shard"),
+    (["vision.layout.dp_shard=true"], "vision.layout.dp_shard"),
     (["llm.layout.pp=2", "llm.tie_embeddings=true"], "llm.tie_embeddings"),
     (["llm.layout.tp=2"], "vision.layout"),
     (["packing=dynamic_cp"], "packing"),

@@ -83,8 +83,7 @@ def gathered(tensor, param, tp_group):
     """The whole tensor: FSDP shards (DTensors) gathered over DP x CP, then TP shards over TP."""
     if hasattr(tensor, "full_tensor"):
         tensor = tensor.full_tensor()
-    spec = getattr(param, "shard_spec", None) or getattr(param, "tp_shard_spec", None)
-    return whole(tensor, type("P", (), {"shard_spec": spec})(), tp_group)
+    return whole(tensor, param, tp_group)
 
 
 def docs(*lengths_per_micro_batch, seed=0):
@@ -96,6 +95,7 @@ def docs(*lengths_per_micro_batch, seed=0):
 THREE = [[docs([9, 5], [7], [5, 6, 8])]]
 FIVE = [[docs([6], [5, 8], [11], [5, 5, 7], [7, 9], seed=10)]]
 SIX_LAYERS = replace(LLM, num_layers=6)
+TWO_LANES = [[docs([9, 5], [7]), docs([5, 6, 8], [12], seed=20)]]
 CASES = {
     # id: (decoder config, layout, iterations: per iteration, per DP lane, its micro-batches)
     "pp2_3_micro": (LLM, layout(pp=2), THREE),
@@ -103,6 +103,9 @@ CASES = {
     "pp2_3_then_5_micro": (LLM, layout(pp=2), THREE + FIVE),
     "pp4_uneven_1_2_2_1": (SIX_LAYERS, layout(pp=4, pp_layers=(1, 2, 2, 1)), THREE),
     "tp2_cp2_pp2_packed": (LLM, layout(tp=2, cp=2, pp=2), FIVE),
+    "dp2_cp2_dp_shard": (LLM, layout(cp=2, dp=2, dp_shard=True), TWO_LANES),
+    "tp2_dp2_dp_shard": (LLM, layout(tp=2, dp=2, dp_shard=True), TWO_LANES),
+    "pp2_dp2_dp_shard": (LLM, layout(pp=2, dp=2, dp_shard=True), TWO_LANES + TWO_LANES),
     "full_recompute": (replace(LLM, layout=replace(LLM.layout, recompute="full")),
                        layout(pp=2, recompute="full"), THREE),
 }

@@ -58,10 +58,12 @@ def _losses(run_dir):
 
 TP2 = [f"{m}.layout.tp=2" for m in ("vision", "projector", "llm")]
 PP2 = ["llm.layout.pp=2"]
+FSDP_TP2 = [*TP2, "llm.layout.dp_shard=true"]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("layout", [[], TP2, PP2], ids=["dp2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", [[], TP2, PP2, ["llm.layout.dp_shard=true"], FSDP_TP2],
+                         ids=["dp2", "tp2", "pp2", "dp2_fsdp", "tp2_fsdp"])
 def test_resume_auto_continues_with_the_same_losses(tmp_path, layout):
     whole = _cfg(tmp_path / "whole", ["trainer.max_steps=6", *layout])
     run_ranks(_train, 2, whole, str(tmp_path / "whole"))

@@ -22,9 +22,10 @@ numbers. Gradients: the trainer sums them over DP x CP; parameters replicated ov
 vision, projector) already carry the full gradient on every TP rank.
 
 Pipeline stages (`stage`, `hcp.model.stage.StageSpec`): the vision encoder and projector are
-built on the first stage only (colocated with the embedding). `stage_forward(batch, x)` runs
-this stage's part; `loss(batch, hidden)` / `logits(batch, hidden)` finish on the last stage. A
-non-first stage gets a `hcp.model.stage.StageMeta` instead of the batch.
+built on the first stage only (colocated with the embedding). `forward(batch, x, head)` runs
+this stage's part; on the last stage `loss(batch, hidden)` (default) or another head such as
+`logits(batch, hidden)` finishes it. A non-first stage gets a `hcp.model.stage.StageMeta`
+instead of the batch.
 """
 from __future__ import annotations
 
@@ -119,10 +120,15 @@ class LlavaModel(nn.Module):
             loss_sum = vocab_parallel_cross_entropy(logits, labels[keep], self.tp_group).sum()
         return loss_sum, int(keep.sum())
 
-    def forward(self, batch) -> tuple[torch.Tensor, int]:
-        """Single-stage model: (loss sum, token count) of this rank's CP shard, see `loss`. Not a
-        mean: the trainer divides by the global token count."""
-        return self.loss(batch, self.stage_forward(batch))
+    def forward(self, batch, x: torch.Tensor | None = None, head=None):
+        """This stage's forward (`stage_forward`); on the last stage finished by
+        `head(batch, hidden)`, by default `loss`: (loss sum, token count) of this rank's CP
+        shard, not a mean (the trainer divides by the global token count). One entry point, so
+        wrappers that hook `forward` (FSDP) see the whole stage."""
+        out = self.stage_forward(batch, x)
+        if not self.stage.last:
+            return out
+        return (head or self.loss)(batch, out)
 
     def logits(self, batch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of every position [T, V], gathered over TP and CP (greedy decoding reads the

@@ -24,9 +24,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
-"""Optimizer state keyed per parameter FQN (`state.{fqn}.exp_avg`, `param_groups.{fqn}.lr`):
-pipeline stages hold different parameters, so positional param_groups would collide in DCP."""
+
+
+def _options(model, tp_group) -> StateDictOptions:
+    """Optimizer state keyed per parameter FQN (`state.{fqn}.exp_avg`, `param_groups.{fqn}.lr`):
+    pipeline stages hold different parameters, so positional param_groups would collide in DCP.
+    FSDP shards (DTensors over DP x CP) are saved as they are, except under TP as well: their
+    global shape would be the TP slice's, the same key on every TP rank, so they are first
+    gathered whole over DP x CP (`full_state_dict`; a memory cost at save/load time) and then
+    wrapped over TP like unsharded parameters. torch 2.13 cannot load a flattened optimizer
+    state in that mode, so TP x dp_shard keeps positional param_groups (hence no PP with it:
+    `hcp.train.support`)."""
+    fsdp = any(isinstance(p, DTensor) for p in model.parameters())
+    full = fsdp and tp_group is not None
+    return StateDictOptions(flatten_optimizer_state_dict=not full, full_state_dict=full)
 
 
 def step_dirs(root: str) -> list[tuple[int, str]]:
@@ -63,7 +74,7 @@ def _state(model, optimizer, tp_group) -> dict:
     `shard_spec`) and their Adam moments become DTensors over the TP group, so DCP stores each
     shard once with its offset in the whole tensor (replicas over DP/CP are deduplicated) and
     could load it into another TP size. Every stage of a pipeline saves its own FQNs."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_FLAT)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model, tp_group))
     if tp_group is None:
         return {"model": model_sd, "optim": optim_sd}
     specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
@@ -77,20 +88,27 @@ def _state(model, optimizer, tp_group) -> dict:
     for name, spec in specs.items():
         if name in model_sd:
             model_sd[name] = wrap(model_sd[name], spec)
-    for key, t in optim_sd.items():
-        name = key.removeprefix("state.").rpartition(".")[0]
-        if key.startswith("state.") and name in specs and t.shape == model_sd[name].to_local().shape:
-            optim_sd[key] = wrap(t, specs[name])
+    nested = isinstance(optim_sd.get("state"), dict)  # full_state_dict: state[fqn][key]
+    slots = ([(n, key, optim_sd["state"][n]) for n in optim_sd["state"] for key in optim_sd["state"][n]]
+             if nested else [(k.removeprefix("state.").rpartition(".")[0], k, optim_sd)
+                             for k in optim_sd if k.startswith("state.")])
+    for name, key, holder in slots:
+        t = holder[key]
+        if name in specs and torch.is_tensor(t) and t.shape == model_sd[name].to_local().shape:
+            holder[key] = wrap(t, specs[name])
     return {"model": model_sd, "optim": optim_sd}
 
 
-def _local(tree):
-    """The same nested dict with every DTensor replaced by its (loaded, shared) local shard."""
+def _local(tree, tp_group):
+    """The same nested dict with every TP wrapper (a DTensor over the TP group, from `_state`)
+    replaced by its loaded local shard; FSDP's own DTensors stay as they are."""
     if isinstance(tree, dict):
-        return {k: _local(v) for k, v in tree.items()}
+        return {k: _local(v, tp_group) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [_local(v) for v in tree]
-    return tree.to_local() if isinstance(tree, DTensor) else tree
+        return [_local(v, tp_group) for v in tree]
+    if isinstance(tree, DTensor) and tp_group is not None and tree.device_mesh.get_group() is tp_group:
+        return tree.to_local()
+    return tree
 
 
 def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int,
@@ -133,9 +151,9 @@ def load(path: str, model, optimizer, tp_group=None) -> dict:
                                 "(expected trainer.json and DCP shards)")
     state = _state(model, optimizer, tp_group)
     dcp.load(state, checkpoint_id=path)
-    state = _local(state)
+    state = _local(state, tp_group)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_FLAT)
+                   options=_options(model, tp_group))
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
     if os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))

@@ -80,10 +80,10 @@ class StepRunner:
         def forward(batch, x):
             nonlocal loss_total
             with self._autocast():
-                out = self.model.stage_forward(batch, x)
-                if not self.stage.last:
-                    return out
-                loss_sum, _ = self.model.loss(batch, out)
+                out = self.model(batch, x)
+            if not self.stage.last:
+                return out
+            loss_sum = out[0]
             loss_total = loss_total + loss_sum.detach().double()
             return loss_sum.float() / global_tokens
 
@@ -119,8 +119,7 @@ class StepRunner:
         same `batches` (only the first stage's are read; the others get their metadata by P2P)."""
         def forward(batch, x):
             with self._autocast():
-                out = self.model.stage_forward(batch, x)
-                return head(batch, out) if self.stage.last else out
+                return self.model(batch, x, head)
 
         outs = forward_only(forward, self.link, self.stage.index, self.stage.num_stages,
                             batches, len(batches))

@@ -13,9 +13,10 @@ from hcp.config.errors import ConfigError
 def check_trainable(cfg, layouts: dict) -> None:
     """Raise ConfigError for a valid layout that training does not run yet.
 
-    Not yet trained: FSDP (`dp_shard`), activation recompute outside the LLM, `packing=dynamic_cp`,
+    Not yet trained: FSDP and activation recompute set on modules other than the LLM (the
+    LLM's `dp_shard` shards the encoder and projector with it), `packing=dynamic_cp`,
     non-colocated placement, pipelines of modules other than the LLM, tied embeddings across
-    LLM stages, and encoder/projector layouts that differ from the LLM's lanes (they need the
+    LLM stages, TP x PP x dp_shard (checkpoints), and encoder/projector layouts that differ from the LLM's lanes (they need the
     boundary communicators). Each can be planned with `mode=plan`.
     """
     llm = layouts["llm"]
@@ -23,13 +24,17 @@ def check_trainable(cfg, layouts: dict) -> None:
         raise ConfigError("llm.tie_embeddings", True, f"the embedding (first of {llm.pp} pipeline "
                           "stages) and the LM head (last stage) cannot share one table",
                           "set llm.tie_embeddings=false, or llm.layout.pp=1")
+    if llm.pp > 1 and llm.tp > 1 and llm.dp_shard:
+        raise ConfigError("llm.layout.dp_shard", True, "checkpoints of TP x PP x FSDP are not "
+                          "supported yet (hcp.train.checkpoint: positional optimizer param_groups "
+                          "of different stages would collide)", "use dp_shard=false, tp=1 or pp=1")
     for m, lay in sorted(layouts.items(), key=lambda item: item[0] != "llm"):
         if m != "llm" and lay.pp > 1:
             raise ConfigError(f"{m}.layout.pp", lay.pp, f"{m} runs whole on the LLM's first "
                               "pipeline stage", f"use {m}.layout.pp=1, or mode=plan to plan it")
-        if lay.dp_shard:
-            raise ConfigError(f"{m}.layout.dp_shard", True, "FSDP training is not implemented yet",
-                              "use dp_shard=false")
+        if m != "llm" and lay.dp_shard:
+            raise ConfigError(f"{m}.layout.dp_shard", True, f"{m} runs on the LLM's lanes and is "
+                              "sharded with it", f"set llm.layout.dp_shard=true and {m}.layout.dp_shard=false")
         if m != "llm" and lay.recompute != "none":
             raise ConfigError(f"{m}.layout.recompute", lay.recompute, "activation recompute is "
                               "implemented in the LLM's decoder layers only", "use recompute=none")

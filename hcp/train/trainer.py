@@ -25,6 +25,7 @@ from hcp.parallel.roles import logging_rank
 from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
+from hcp.train.fsdp import shard_model
 from hcp.train.metrics_log import RunLogger
 from hcp.train.optim import build_optimizer, build_scheduler
 from hcp.train.step import StepRunner
@@ -56,7 +57,9 @@ class Trainer:
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg)
         self.model = self._build_model()
-        self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision)
+        if llm.dp_shard:
+            shard_model(self.model, self.groups)
+        self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
