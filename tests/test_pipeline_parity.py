@@ -118,3 +118,30 @@ def test_layout_matches_single_process_reference(case):
     ref = reference(replace(llm, layout=replace(llm.layout, recompute="none")), iterations)
     names = run_ranks(parallel, lay.num_ranks, llm, lay, iterations, ref, timeout=80)
     assert set().union(*names) == set(ref[0][1])  # every parameter lives on some stage
+
+
+def bf16_step(rank, world, lay, batches):
+    groups = ProcessGroupRegistry({"llm": lay})
+    stage = StageSpec.of(lay.pp_layers, groups.grids["llm"].coords(rank)["pp"])
+    model = LlavaModel(VISION, ProjectorConfig(), LLM, stage=stage)
+    init_parameters(model, SEED)
+    runner = StepRunner(model, groups, torch.device("cpu"), precision="bf16")
+    loss, *_ = runner.forward_backward(batches if stage.first else None)
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    return loss
+
+
+@pytest.mark.timeout(60)
+def test_bf16_keeps_fp32_master_weights_and_gradients_and_a_close_loss():
+    ref = reference(LLM, THREE)[0][0]
+    losses = run_ranks(bf16_step, 2, layout(pp=2), THREE[0][0], timeout=50)
+    assert all(torch.isfinite(torch.tensor(x)) and x == pytest.approx(ref, rel=2e-2) for x in losses)
+
+
+def test_model_flops_count_three_forwards_of_matmuls_attention_and_head():
+    from hcp.train.throughput import model_flops
+
+    h, f, v, layers = LLM.hidden_size, LLM.ffn_hidden_size, LLM.vocab_size, LLM.num_layers
+    kv = h * LLM.num_kv_heads // LLM.num_heads
+    per_layer = 2 * 10 * (2 * h * h + 2 * h * kv + 3 * h * f) + 2 * h * (36 + 16)
+    assert model_flops(LLM, 10, 36 + 16) == 3 * (layers * per_layer + 2 * 10 * h * v)

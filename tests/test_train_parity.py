@@ -77,6 +77,10 @@ def test_resume_auto_continues_with_the_same_losses(tmp_path, layout):
     for step in (4, 5, 6):
         assert b[step] == pytest.approx(a[step], rel=1e-6)
     assert a[6] < a[1]
+    with open(tmp_path / "whole" / "metrics.jsonl") as f:
+        first = json.loads(f.readline())
+    assert first["tflops_per_gpu"] > 0 and first["peak_memory_gib"] > 0
+    assert 0 <= first["bubble_fraction"] < 1
 
 
 def test_checkpoints_are_pruned_to_keep(tmp_path):

@@ -57,12 +57,14 @@ class StepRunner:
         return contextlib.nullcontext()
 
     def _counts(self, batches) -> torch.Tensor:
-        """[micro-batches of this lane, global loss tokens, global tokens] (float64), from the
-        first stage to every stage."""
-        counts = torch.zeros(3, dtype=torch.float64, device=self.device)
+        """[micro-batches of this lane, global loss tokens, global tokens, global sum of squared
+        document lengths] (float64), from the first stage to every stage."""
+        counts = torch.zeros(4, dtype=torch.float64, device=self.device)
         if self.stage.first:
             counts[1] = sum(int((b.labels != -100).sum()) for b in batches)
-            counts[2] = sum(b.input_ids.numel() for b in batches)
+            counts[2] = sum(b.labels.numel() for b in batches)
+            counts[3] = sum(float((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).double().pow(2).sum())
+                            for b in batches)
             dist.all_reduce(counts, group=self.dp_group)  # whole micro-batches: once per lane
             counts[0] = len(batches)
         if self.stage.num_stages > 1:

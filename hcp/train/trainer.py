@@ -29,6 +29,7 @@ from hcp.train.fsdp import shard_model
 from hcp.train.metrics_log import RunLogger
 from hcp.train.optim import build_optimizer, build_scheduler
 from hcp.train.step import StepRunner
+from hcp.train.throughput import step_metrics
 
 
 class Trainer:
@@ -116,12 +117,13 @@ class Trainer:
         self.step += 1
         dt = time.perf_counter() - t0
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": counts[1] / dt,
-                "step_time_s": dt, "loss_tokens": int(counts[0]), "micro_batches": n_micro}
+                "step_time_s": dt, "loss_tokens": int(counts[0]), "micro_batches": n_micro,
+                **step_metrics(self.cfg.llm, counts, dt, self.stage_times, self.device)}
 
     def forward_backward(self, global_batch: list[int]) -> tuple[float, list[float], int]:
         """Gradients of the token-level loss of `global_batch` (sample indices), synchronized
         over DP x CP. Only the first stage reads the data. Returns (global loss, [global loss
-        tokens, global tokens], micro-batches per lane)."""
+        tokens, global tokens, global sum of squared document lengths], micro-batches per lane)."""
         batches = (self.micro_batches(lane_slice(global_batch, self.dp, self.lane))
                    if self.stage.first else None)
         loss, counts, n_micro, self.stage_times = self.runner.forward_backward(batches)
@@ -147,10 +149,10 @@ class Trainer:
     def fit(self) -> dict:
         """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
         tc = self.cfg.trainer
-        t_start, tokens_per_s, metrics, evals = time.perf_counter(), [], {}, {}
+        t_start, history, metrics, evals = time.perf_counter(), [], {}, {}
         while self.step < tc.max_steps:
             metrics, evals = self.train_step(), {}
-            tokens_per_s.append(metrics["tokens_per_s"])
+            history.append(metrics)
             if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
                 evals = self.evaluate()
                 metrics.update(evals)
@@ -164,7 +166,9 @@ class Trainer:
         self.save()
         summary = {"steps": self.step, "final_loss": metrics.get("loss"), **evals,
                    "wall_s": round(time.perf_counter() - t_start, 2),
-                   "tokens_per_s": sum(tokens_per_s) / max(1, len(tokens_per_s)),
+                   **{k: sum(m[k] for m in history) / max(1, len(history))
+                      for k in ("tokens_per_s", "tflops_per_gpu", "bubble_fraction")},
+                   "peak_memory_gib": max((m["peak_memory_gib"] for m in history), default=0.0),
                    "world_size": self.world,
                    "skipped_records": dict(self.train_set.skipped.counts)}
         if self.log:
