@@ -3,7 +3,7 @@
 A forward message from stage s to s+1 is three non-blocking sends on the module's `pp` group:
 a fixed-size header (long [6]: number of cu_seqlens entries, micro-batch tokens T, max_seqlen,
 activation rows, activation columns, activation dtype code), the micro-batch metadata (long
-[N + 1 + 2T], `hcp.model.stage.StageMeta.flat`) and the activation itself. The receiver reads the
+[N + 1 + 2T], `StageMeta.flat`) and the activation itself. The receiver reads the
 header first and then allocates exactly the announced sizes: no buffer is sized by a maximum
 length, so the number of tokens may change with every micro-batch. A backward message (the
 gradient of an activation, s+1 -> s) needs no header: its receiver sent that activation.
@@ -15,10 +15,37 @@ schedule). Tags separate the message kinds.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-from hcp.model.stage import StageMeta
+
+@dataclass
+class StageMeta:
+    """What a non-first stage knows of a micro-batch (sent with its activations by the first
+    stage, which holds the data): cu_seqlens int32 [N + 1], max_seqlen int, position_ids long [T]
+    and labels long [T] (already shifted, -100 = ignore) of the WHOLE micro-batch (before CP)."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+
+    @classmethod
+    def of(cls, batch) -> "StageMeta":
+        return cls(batch.cu_seqlens, int(batch.max_seqlen), batch.position_ids, batch.labels)
+
+    def flat(self) -> torch.Tensor:
+        """long [N + 1 + 2T]: the tensors in one message."""
+        return torch.cat([self.cu_seqlens.long(), self.position_ids.long(), self.labels.long()])
+
+    @classmethod
+    def unflat(cls, flat: torch.Tensor, num_cu: int, max_seqlen: int) -> "StageMeta":
+        t = (flat.numel() - num_cu) // 2
+        cu, pos, labels = flat.split([num_cu, t, t])
+        return cls(cu.to(torch.int32), max_seqlen, pos, labels)
+
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HEADER, _META, _ACT, _GRAD = range(4)

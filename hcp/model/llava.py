@@ -24,7 +24,7 @@ vision, projector) already carry the full gradient on every TP rank.
 Pipeline stages (`stage`, `hcp.model.stage.StageSpec`): the vision encoder and projector are
 built on the first stage only (colocated with the embedding). `forward(batch, x, head)` runs
 this stage's part; on the last stage `loss(batch, hidden)` (default) or another head such as
-`logits(batch, hidden)` finishes it. A non-first stage gets a `hcp.model.stage.StageMeta`
+`logits(batch, hidden)` finishes it. A non-first stage gets a `hcp.comm.p2p.StageMeta`
 instead of the batch.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Pipeline stages of the LLM: which decoder layers a stage holds, and the per-micro-batch
-metadata every stage needs.
+"""Pipeline stages of the LLM: which decoder layers a stage holds (the per-micro-batch metadata
+that travels between stages is `hcp.comm.p2p.StageMeta`).
 
 A stage holds the contiguous layers `[start, stop)` of the decoder (uneven splits come from
 `llm.layout.pp_layers`). The first stage also holds the token embedding and, colocated with it,
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
-import torch
 
 
 @dataclass(frozen=True)
@@ -47,29 +46,3 @@ class StageSpec:
             raise ValueError(f"stage {index} is outside the {len(pp_layers)} stages of {list(pp_layers)}")
         bounds = [0, *accumulate(pp_layers)]
         return cls(index, len(pp_layers), bounds[index], bounds[index + 1])
-
-
-@dataclass
-class StageMeta:
-    """What a non-first stage knows of a micro-batch (sent with its activations by the first
-    stage, which holds the data): cu_seqlens int32 [N + 1], max_seqlen int, position_ids long [T]
-    and labels long [T] (already shifted, -100 = ignore) of the WHOLE micro-batch (before CP)."""
-
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    position_ids: torch.Tensor
-    labels: torch.Tensor
-
-    @classmethod
-    def of(cls, batch) -> "StageMeta":
-        return cls(batch.cu_seqlens, int(batch.max_seqlen), batch.position_ids, batch.labels)
-
-    def flat(self) -> torch.Tensor:
-        """long [N + 1 + 2T]: the tensors in one message."""
-        return torch.cat([self.cu_seqlens.long(), self.position_ids.long(), self.labels.long()])
-
-    @classmethod
-    def unflat(cls, flat: torch.Tensor, num_cu: int, max_seqlen: int) -> "StageMeta":
-        t = (flat.numel() - num_cu) // 2
-        cu, pos, labels = flat.split([num_cu, t, t])
-        return cls(cu.to(torch.int32), max_seqlen, pos, labels)

@@ -26,8 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from hcp.comm.p2p import StageLink
-from hcp.model.stage import StageMeta
+from hcp.comm.p2p import StageLink, StageMeta
 
 
 @dataclass
