@@ -40,11 +40,12 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
     loss_sum = torch.zeros(3, dtype=torch.float64)  # loss, tokens, correct
     batches = [collate(pack, [dataset.pixel_values(s) for s in pack], tokenizer.image_token_id).to(device)
                for pack in _packs(samples, capacity)]
-    for out in run(batches, lambda b, h: torch.tensor([float(t) for t in model.loss(b, h)])):
+    for out in run(batches, lambda b, h: torch.tensor([float(t) for t in model.loss(b, h)],
+                                                     dtype=torch.float64, device=device)):
         loss_sum[0] += float(out[0])
         loss_sum[1] += float(out[1])
     if not getattr(dataset, "has_answers", False):
-        return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), False)
+        return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), False, device)
     # Greedy decoding of every sample in lock-step; no KV cache (tiny models).
     prompts = [SimpleNamespace(id=s.id, input_ids=list(s.input_ids[:s.prompt_len]),
                                labels=[IGNORE_INDEX] * s.prompt_len, src=s) for s in samples]
@@ -69,11 +70,13 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
         active = still
     for s in samples:
         loss_sum[2] += float(tokenizer.decode(generated[s.id]).strip() == s.answer.strip())
-    return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), True)
+    return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), True, device)
 
 
-def _reduce(model, was_training, sums, num_samples, groups, with_accuracy) -> dict:
-    total = torch.tensor([sums[0], sums[1], sums[2], num_samples], dtype=torch.float64)
+def _reduce(model, was_training, sums, num_samples, groups, with_accuracy, device) -> dict:
+    """Sum (loss, tokens) over groups[0] and (correct, samples) over groups[1] (on `device`:
+    NCCL reduces only CUDA tensors)."""
+    total = torch.tensor([sums[0], sums[1], sums[2], num_samples], dtype=torch.float64, device=device)
     if dist.is_initialized():
         loss_part, count_part = total[:2].clone(), total[2:].clone()
         dist.all_reduce(loss_part, group=groups[0])
