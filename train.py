@@ -6,6 +6,7 @@
     torchrun --nproc-per-node 8 train.py ...          # joins the ranks torchrun started
 """
 import os
+import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -19,9 +20,15 @@ OmegaConf.register_new_resolver("hcp_run_name", lambda: run_name(os.environ), us
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig):
+    from hcp.config.errors import ConfigError
+    from hcp.data.llava import DataError
     from hcp.train.entry import run
 
-    return run(cfg)
+    try:
+        return run(cfg)
+    except (ConfigError, DataError) as e:  # a user error: its message says what to fix
+        print(f"hcp: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -68,3 +68,18 @@ def test_main_job_learns_to_read_digits(tmp_path):
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["eval/samples"] == 270
     assert summary["eval/answer_accuracy"] >= 0.8, summary
+
+
+def test_bad_record_stops_before_ranks_start_naming_file_and_id(tmp_path):
+    from PIL import Image
+
+    Image.new("RGB", (10, 10)).save(tmp_path / "a.png")
+    turns = [{"from": "human", "value": "<image>\nhi"}, {"from": "gpt", "value": "yo"}]
+    (tmp_path / "d.json").write_text(json.dumps([{"id": "ok", "image": "a.png", "conversations": turns},
+                                                 {"id": "bad1", "image": "zz.png", "conversations": turns}]))
+    proc = subprocess.run([sys.executable, "train.py", "data=llava_json", f"data.path={tmp_path}/d.json",
+                           f"data.image_folder={tmp_path}", "logger=none", f"hydra.run.dir={tmp_path}/run"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert f"{tmp_path}/d.json: record id='bad1': missing image" in proc.stderr
+    assert "Traceback" not in proc.stderr

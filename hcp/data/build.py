@@ -18,10 +18,12 @@ def num_image_tokens(vision_cfg) -> int:
 
 def prepare_data(cfg) -> None:
     """In the launching process, before ranks start: check that the LLM's vocabulary holds the
-    tokenizer's ids and write built-in data sets once.
+    tokenizer's ids, write built-in data sets once and read every record (so a bad record stops
+    the run here, naming its file and id, instead of inside N ranks).
 
     Raises:
         ConfigError: `llm.vocab_size` is smaller than the tokenizer's vocabulary.
+        hcp.data.llava.DataError: a bad record under `data.on_error=error`.
     """
     tok = build_tokenizer(cfg.data.tokenizer)
     if cfg.llm.vocab_size < tok.vocab_size:
@@ -30,6 +32,11 @@ def prepare_data(cfg) -> None:
                           f"set llm.vocab_size to at least {tok.vocab_size} (a multiple of tp)")
     if cfg.data.name == "digits_vqa":
         build_digits_vqa(cfg.data.root, cfg.data.eval_fraction)
+    _, train, held_out = build_datasets(cfg)  # every record validated here, before any rank
+    for name, ds in (("train", train), ("held-out", held_out)):
+        if ds is not None and ds.skipped.counts:
+            print(f"data.on_error=skip: skipped {sum(ds.skipped.counts.values())} {name} records: "
+                  f"{ds.skipped.summary()}")
 
 
 def build_datasets(cfg):
