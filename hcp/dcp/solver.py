@@ -17,6 +17,10 @@ Method (deterministic, numpy + heaps, ~tens of ms for 2,048 sequences):
    ordered as built, ascending, descending or smallest at both ends, and every candidate (plus
    the packing-only plan, a cheap guard for degenerate batches) is replayed through the
    pipeline simulator; the fastest plan wins.
+5. With one stage (`pp = 1`, time = sum over micro-batches) and at most
+   `LOCAL_SEARCH_MAX_SEQS` sequences, every candidate (and the greedy baseline's plan) is first
+   improved by local search (hcp/dcp/local_search.py: move, swap, resize and split groups,
+   mixing CP sizes inside a micro-batch and emptying micro-batches).
 """
 from __future__ import annotations
 
@@ -25,13 +29,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hcp.dcp.baselines import packing_only
+from hcp.dcp.baselines import greedy, packing_only
 from hcp.dcp.cost_model import CostModel
+from hcp.dcp.local_search import improve
 from hcp.dcp.lower_bound import cp_sizes
 from hcp.dcp.plan import Group, MicroBatch, Plan, fill_idle, prepare_lengths
 from hcp.schedule.simulator import simulate_1f1b
 
 ROW_FACTORS = (1.0, 1.1, 1.25, 1.5, 2.0)
+LOCAL_SEARCH_MAX_SEQS = 128  # pp = 1 local search is O(n^2) per sweep: small batches only
 
 
 @dataclass
@@ -227,16 +233,22 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     targets = sorted({max(1, int(round(m_min * f))) for f in ROW_FACTORS} | {m_min + 1})
     if cost.pp == 1:
         targets = [t for t in targets if t <= m_min + 2]
-    best: Solution | None = None
     opening, closing = ramps(cost.pp)
     fractions = np.concatenate([opening, closing])
+    candidates = []
     for rows_target in targets:
         plan, opened, light = _level_plan(lens, heights, feasible, rows_target, pool, m,
                                           fractions, opening.size)
+        candidates.append((plan, opened, light, f"level(M~{rows_target})"))
+    # packing-only: a cheap guard for degenerate batches (e.g. one sequence)
+    candidates.append((packing_only(lens, pool, m, max_len), 0, 0, "packing_only"))
+    if cost.pp == 1 and lens.size <= LOCAL_SEARCH_MAX_SEQS:
+        candidates.append((greedy(lens, pool, m), 0, 0, "greedy"))
+        candidates = [(improve(p, lens, cost, pool, m), 0, 0, f"{src}+local")
+                      for p, _, _, src in candidates]
+    best: Solution | None = None
+    for plan, opened, light, source in candidates:
         plan, t = _best_order(plan, lens, cost, opened, light)
         if best is None or t < best.time - 1e-12:
-            best = Solution(plan, t, f"level(M~{rows_target})")
-    plan, t = _best_order(packing_only(lens, pool, m, max_len), lens, cost)
-    if t < best.time - 1e-12:  # a cheap guard for degenerate batches (e.g. one sequence)
-        best = Solution(plan, t, "packing_only")
+            best = Solution(plan, t, source)
     return best

@@ -1,0 +1,203 @@
+"""Local search for one pipeline stage (`pp = 1`), where the iteration time is a sum over
+micro-batches: `T = sum_j ((1 + k) H_j + o_f + o_b)`, `H_j` the slowest group's forward
+(hcp/schedule/simulator.py with p = 1). Seconds throughout.
+
+A plan is held as micro-batches of groups `(sequences, CP size c)` whose sizes sum to at most
+the pool (largest first they tile it with aligned blocks). Moves, each evaluated exactly with
+the cost model in O(1) from the groups' token and squared-token sums:
+- move one sequence to another group, or to a new group of any feasible size in a micro-batch
+  with enough idle ranks (this mixes CP sizes and empties micro-batches: an emptied one is
+  dropped and its overhead saved);
+- swap two sequences of different groups;
+- resize a group to 2c (if idle ranks allow) or c/2 (if the cap allows);
+- split a group of c ranks into two of c/2, its sequences halved by tokens (longest first):
+  short sequences stop paying CP communication (a coordinated move that single moves miss).
+A move is taken when it lowers T, or keeps T and lowers the sum of squared group times (which
+balances groups below the slowest, so that the next move can lower it). Best improvement per
+sequence, sweeps until none improves: deterministic, a local optimum of these moves.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hcp.dcp.cost_model import CostModel
+from hcp.dcp.plan import Group, MicroBatch, Plan, fill_idle
+
+EPS = 1e-12
+
+
+class _Fwd:
+    """Scalar forward seconds of a group at pp = 1, equal to `CostModel.fwd` (no overhead)."""
+
+    def __init__(self, cost: CostModel):
+        if cost.pp != 1:
+            raise ValueError("local search is for pp=1")
+        self.mm, self.attn = float(cost.mm_coef[0]), float(cost.attn_coef[0])
+        self.comm, self.ov = float(cost.comm_coef[0]), cost.hw.comm_overlap
+        self.nodes, self.nv, self.ib = (cost.hw.ranks_per_node, cost.hw.nvlink_bandwidth,
+                                        cost.hw.ib_bandwidth)
+
+    def __call__(self, t: float, s: float, c: int) -> float:
+        if t <= 0:
+            return 0.0
+        attn = self.attn * s / c
+        comm = self.comm * t * (c - 1) / c / (self.nv if c <= self.nodes else self.ib)
+        return self.mm * t / c + attn + max((1.0 - self.ov) * comm, comm - attn)
+
+
+def _split(seqs: list[int], lens: list[int]) -> tuple[list[int], list[int]]:
+    """Two halves of `seqs` (longest first) balanced by tokens, greedily."""
+    a, b, ta, tb = [], [], 0, 0
+    for i in seqs:
+        if ta <= tb:
+            a.append(i)
+            ta += lens[i]
+        else:
+            b.append(i)
+            tb += lens[i]
+    return a, b
+
+
+def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
+            max_sweeps: int = 50) -> Plan:
+    """A local optimum of the moves above, starting from `plan` (never slower than it)."""
+    f = _Fwd(cost)
+    lens = [int(x) for x in np.asarray(lengths)]
+    m, k1 = max_tokens_per_rank, 1.0 + cost.bwd_factor
+    # groups: [mb, c, set of seqs, tokens, sq]; where[i] = group of sequence i
+    groups: list[list] = []
+    for j, mb in enumerate(plan.micro_batches):
+        for g in mb.groups:
+            if g.seq_indices:
+                groups.append([j, g.cp_size, set(g.seq_indices),
+                               sum(lens[i] for i in g.seq_indices),
+                               sum(lens[i] ** 2 for i in g.seq_indices)])
+    where = {i: g for g in groups for i in g[2]}
+    nmb = plan.num_micro_batches
+    sizes = [1 << e for e in range(int(pool).bit_length())]
+
+    def members(j):
+        return [g for g in groups if g[0] == j and g[2]]
+
+    o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
+
+    def used(j):
+        return sum(g[1] for g in groups if g[0] == j and g[2])
+
+    def delta(changes: dict, *new: tuple):
+        """(dT, d sum f^2) of giving the groups in `changes` {id: (tokens, sq, c)} new sums
+        and adding each of `new` = (micro-batch, tokens, sq, c) as a group."""
+        touched = {g[0] for g in groups if id(g) in changes} | {x[0] for x in new}
+        dt = dq = 0.0
+        for j in touched:
+            before = after = 0.0
+            had = has = False
+            for g in groups:
+                if g[0] != j or not g[2]:
+                    continue
+                fb = f(g[3], g[4], g[1])
+                before, had = max(before, fb), True
+                if id(g) in changes:
+                    t, s, c = changes[id(g)]
+                    fa = f(t, s, c)
+                    dq += fa * fa - fb * fb
+                    if t > 0:
+                        after, has = max(after, fa), True
+                else:
+                    after, has = max(after, fb), True
+            for x in new:
+                if x[0] == j:
+                    fa = f(*x[1:])
+                    dq += fa * fa
+                    after, has = max(after, fa), True
+            dt += k1 * (after - before) + o * (has - had)
+        return dt, dq
+
+    def better(d, best):
+        return d[0] < best[0] - EPS or (d[0] <= best[0] + EPS and d[1] < best[1] - EPS)
+
+    for _ in range(max_sweeps):
+        improved = False
+        for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+            g0, n = where[i], lens[i]
+            out = (g0[3] - n, g0[4] - n * n, g0[1])
+            best, act = (0.0, 0.0), None
+            for g in groups:  # move to an existing group
+                if g is g0 or not g[2] or g[3] + n > g[1] * m:
+                    continue
+                d = delta({id(g0): out, id(g): (g[3] + n, g[4] + n * n, g[1])})
+                if better(d, best):
+                    best, act = d, ("move", g)
+            for j in range(nmb):  # move to a new group
+                idle = pool - used(j) + (g0[1] if g0[0] == j and len(g0[2]) == 1 else 0)
+                for c in sizes:
+                    if c <= idle and n <= c * m:
+                        d = delta({id(g0): out}, (j, n, n * n, c))
+                        if better(d, best):
+                            best, act = d, ("new", j, c)
+            for q in range(len(lens)):  # swap
+                g = where[q]
+                if g is g0 or lens[q] == n:
+                    continue
+                dn = lens[q] - n
+                if g0[3] + dn > g0[1] * m or g[3] - dn > g[1] * m:
+                    continue
+                ch = {id(g0): (g0[3] + dn, g0[4] - n * n + lens[q] ** 2, g0[1]),
+                      id(g): (g[3] - dn, g[4] - lens[q] ** 2 + n * n, g[1])}
+                d = delta(ch)
+                if better(d, best):
+                    best, act = d, ("swap", q)
+            if act is None:
+                continue
+            improved = True
+            g0[2].discard(i)
+            g0[3], g0[4] = out[0], out[1]
+            if act[0] == "move":
+                g = act[1]
+            elif act[0] == "new":
+                g = [act[1], act[2], set(), 0, 0]
+                groups.append(g)
+            else:
+                q = act[1]
+                g = where[q]
+                g[2].discard(q)
+                g[3], g[4] = g[3] - lens[q], g[4] - lens[q] ** 2
+                g0[2].add(q)
+                g0[3], g0[4] = g0[3] + lens[q], g0[4] + lens[q] ** 2
+                where[q] = g0
+            g[2].add(i)
+            g[3], g[4] = g[3] + n, g[4] + n * n
+            where[i] = g
+            groups[:] = [g for g in groups if g[2]]
+        for g in list(groups):  # resize
+            j = g[0]
+            for c in (2 * g[1], g[1] // 2):
+                if c < 1 or c > pool or g[3] > c * m or (c > g[1] and used(j) + g[1] > pool):
+                    continue
+                d = delta({id(g): (g[3], g[4], c)})
+                if better(d, (0.0, 0.0)):
+                    g[1], improved = c, True
+                    break
+            halves = _split(sorted(g[2], key=lambda i: -lens[i]), lens)
+            c = g[1] // 2
+            if c and all(sum(lens[i] for i in h) <= c * m for h in halves):
+                sums = [(j, sum(lens[i] for i in h), sum(lens[i] ** 2 for i in h), c)
+                        for h in halves]
+                if better(delta({id(g): (0, 0, g[1])}, *sums), (0.0, 0.0)):
+                    g[1], g[2], g[3], g[4] = c, set(halves[0]), sums[0][1], sums[0][2]
+                    h = [j, c, set(halves[1]), sums[1][1], sums[1][2]]
+                    groups.append(h)
+                    where.update({i: h for i in h[2]})
+                    improved = True
+        if not improved:
+            break
+    out_plan = Plan()
+    for j in range(nmb):
+        gs = sorted(members(j), key=lambda g: (-g[1], min(g[2])))
+        blocks, off = [], 0
+        for g in gs:
+            blocks.append(Group(sorted(g[2]), g[1], off))
+            off += g[1]
+        if blocks:
+            out_plan.micro_batches.append(MicroBatch(fill_idle(blocks, pool)))
+    return out_plan
