@@ -1,132 +1,205 @@
-"""Exact dynamic-CP plans for small instances: a mixed-integer program solved by scipy's HiGHS.
+"""Exact dynamic-CP plans for small instances (`pp = 1`): depth-first branch and bound.
 
-Only for one pipeline stage (`pp = 1`), where the simulated time is order-free:
-`T = sum_j (F_j + B_j) = sum_j ((1 + k) H_j + o_f + o_b)`, `H_j` the slowest group's forward.
-Variables (J micro-batches, B aligned power-of-two blocks of the pool, n sequences):
-    x[i, j, b] in {0, 1}  sequence i runs in block b of micro-batch j (only if L_i <= c_b m)
-    y[j, b]    in {0, 1}  block b is a group of micro-batch j
-    u[j]       in {0, 1}  micro-batch j is used;   H[j] >= 0 seconds
-Constraints: each sequence placed once; x <= y; per micro-batch and rank, the blocks holding the
-rank sum to <= u[j] (disjoint blocks; uncovered ranks idle); tokens of a block <= c_b m; and
-`H[j] >= compute + (1 - overlap) comm` and `H[j] >= compute + comm - attention` summed over the
-block's sequences (the two linear pieces of the cost model's exposed communication, so `H[j]`
-is exactly the slowest group); an area cut `pool * H[j] >= sum_b c_b * (block b's piece 1)`
-tightens the relaxation. Symmetry: `u` and `H` non-increasing in j.
-Minimize `(1 + k) sum H + (o_f + o_b) sum u`. J is an upper bound on micro-batches given by
-the caller (the optimum is over plans with at most J micro-batches).
+With one pipeline stage the simulated time is order-free (hcp/schedule/simulator.py, p = 1):
+    T = sum_j ((1 + k) H_j + o),   H_j = max_{g in j} f(g),  o = o_f + o_b,
+a bin-packing-like problem: micro-batches j of groups g (sequences, CP size c_g) with
+`sum_g c_g <= N` (any multiset of power-of-two sizes summing to <= N tiles the pool with aligned
+blocks, largest first) and tokens `<= c_g m`. f(g) = compute_g + max((1 - overlap) comm_g,
+comm_g - attn_g) (cost_model.fwd) is the larger of two pieces P1, P2 that are sums over the
+group's sequences: p1_i(c) = compute + (1 - overlap) comm, p2_i(c) = compute + comm - attn
+(= compute at c = 1, where nothing is communicated).
+
+Bound (seconds). For weights lam_c in [0, 1] (one per CP size), every group has
+`f(g) >= lam P1_g + (1 - lam) P2_g`, additive over its sequences, and the groups of micro-batch j
+tile at most N ranks, so `N H_j >= sum_g c_g f(g) >= A_j + sum_{i added later to j} a_i` with
+A_j the lam-area of j's current groups and `a_i = min_c c (lam_c p1_i + (1 - lam_c) p2_i)`
+over feasible c (the sequence may still open a new group). Hence, for a partial plan with
+micro-batch levels H_j and remaining sequences R,
+    T >= (1 + k) [sum_j H_j + max(0, sum_R a_i - sum_j (N H_j - A_j)) / N] + o max(M, M_min),
+M_min = ceil(sum L / (N m)). At the root (no micro-batch) this is the area bound of
+hcp/dcp/lower_bound.py made stronger by the best lam on a grid (lam = 1 there).
+
+Search: sequences by decreasing `a_i`; each goes into an existing group with token room, a new
+group of each feasible size in a micro-batch with idle ranks, or a new micro-batch (one branch:
+empty micro-batches are interchangeable); children in order of their bound; a node is cut when
+its bound reaches `UB / (1 + gap)`, so the final plan is optimal within `gap` if the search
+ends. The incumbent starts from the given plans (e.g. the solver's). Classical depth-first
+branch and bound for bin packing (Martello & Toth, Knapsack Problems, Wiley 1990, ch. 8).
 """
 from __future__ import annotations
 
+import itertools
+import time as _time
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from hcp.dcp.cost_model import CostModel
+from hcp.dcp.local_search import _Fwd
+from hcp.dcp.lower_bound import cp_sizes, lower_bound
 from hcp.dcp.plan import Group, MicroBatch, Plan, fill_idle
 
 
 @dataclass
 class ExactResult:
-    """The best plan found (None if HiGHS found none better than `upper_bound`), its objective
-    and HiGHS's proven lower bound on the optimum (seconds), and whether the relative gap
-    between them is within the tolerance (the plan is then called optimal)."""
+    """The best plan found, its time, the proven lower bound on the optimum (seconds), whether
+    their relative gap is within the tolerance (the plan is then called optimal), and the
+    number of search nodes."""
 
-    plan: Plan | None
+    plan: Plan
     time: float
     dual_bound: float
     optimal: bool
+    nodes: int = 0
 
 
-def _blocks(pool: int) -> list[tuple[int, int]]:
-    return [(o, c) for c in (1 << np.arange(int(pool).bit_length())).tolist()
-            for o in range(0, pool, c)]
+def plan_time(plan: Plan, lens, cost: CostModel) -> float:
+    """T of a plan at pp = 1 (seconds), as the simulator computes it."""
+    fwd, bwd = cost.stage_times(plan, lens)
+    return float(fwd.sum() + bwd.sum())
 
 
-def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int, max_micro_batches: int,
-                time_limit: float = 20.0, gap: float = 0.01,
-                upper_bound: float | None = None) -> ExactResult:
-    """Optimal plan within `gap` (relative) if HiGHS proves it inside `time_limit` seconds.
-    `upper_bound` (seconds, e.g. a heuristic plan's time) prunes the search: plans slower than
-    it are cut off (the optimum is never slower than a known plan)."""
+def _pieces(lens: np.ndarray, cost: CostModel, pool: int):
+    """p1, p2 `[K, n]` seconds per CP size (rows 1, 2, ..., pool) and sequence."""
+    cs = cp_sizes(pool).astype(np.float64)[:, None]
+    compute, attn, comm = (x[0] for x in cost._parts(lens[None, :], lens[None, :] ** 2, cs))
+    p1 = compute + (1 - cost.hw.comm_overlap) * comm
+    p2 = np.where(cs > 1, compute + comm - attn, compute)
+    return p1, p2
+
+
+def best_weights(lens, cost: CostModel, pool: int, m: int, steps: int = 11) -> np.ndarray:
+    """The lam (per CP size; lam = 1 at c = 1) on a grid maximizing `sum_i a_i`."""
+    p1, p2 = _pieces(lens, cost, pool)
+    cs = cp_sizes(pool).astype(np.float64)[:, None]
+    feasible = lens[None, :] <= cs * m
+    best, arg = -np.inf, np.ones(cs.size)
+    for lam in itertools.product(np.linspace(0, 1, steps), repeat=cs.size - 1):
+        w = np.r_[1.0, lam][:, None]
+        total = np.where(feasible, cs * (w * p1 + (1 - w) * p2), np.inf).min(axis=0).sum()
+        if total > best:
+            best, arg = total, w[:, 0]
+    return arg
+
+
+def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
+                plans: tuple[Plan, ...] = (), time_limit: float = 20.0,
+                gap: float = 0.01) -> ExactResult:
+    """Branch and bound (module docstring) within `time_limit` seconds, starting from the best
+    of `plans` (at least one). The returned plan is never slower than it."""
     if cost.pp != 1:
         raise ValueError(f"exact plans need pp=1 (got {cost.pp}): with a pipeline the order of "
-                         "micro-batches matters and the program would not be linear")
+                         "micro-batches matters and the time is not a sum over micro-batches")
+    start = _time.perf_counter()
     lens = np.asarray(lengths, dtype=np.float64)
-    n, J, m = lens.size, int(max_micro_batches), max_tokens_per_rank
-    blocks = _blocks(pool)
-    cs = np.array([c for _, c in blocks], dtype=np.float64)
-    compute, attn, comm = cost._parts(lens[:, None], lens[:, None] ** 2, cs[None, :])  # [1, n, B]
-    piece1 = (compute + (1 - cost.hw.comm_overlap) * comm)[0]
-    piece2 = (compute + comm - attn)[0]
-    ok = lens[:, None] <= cs[None, :] * m
-    xs = [(i, j, b) for j in range(J) for i, b in zip(*np.nonzero(ok))]
-    nx, nb = len(xs), len(blocks)
-    y0, u0, h0 = nx, nx + J * nb, nx + J * nb + J
-    nvar = h0 + J
-    rows, cols, vals, lo, hi = [], [], [], [], []
+    n, m, N = lens.size, max_tokens_per_rank, pool
+    k1, o = 1.0 + cost.bwd_factor, cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
+    f = _Fwd(cost)
+    lam = best_weights(lens, cost, pool, m)
+    p1, p2 = _pieces(lens, cost, pool)
+    sizes = cp_sizes(pool).tolist()
+    lam_area = [c * (lam[e] * p1[e] + (1 - lam[e]) * p2[e]) for e, c in enumerate(sizes)]
+    a = np.where(lens[None, :] <= cp_sizes(pool)[:, None] * m, np.array(lam_area), np.inf).min(0)
+    order = np.argsort(-a, kind="stable").tolist()
+    tail = np.r_[np.cumsum(a[order][::-1])[::-1], 0.0]  # tail[d]: sum of a over order[d:]
+    rho = np.r_[np.maximum.accumulate((a / lens)[order][::-1])[::-1], 0.0]  # max a/L, order[d:]
+    m_min = int(np.ceil(lens.sum() / (N * m)))
+    L = lens.tolist()
+    best_plan = min(plans, key=lambda p: plan_time(p, lens, cost))
+    state = {"ub": plan_time(best_plan, lens, cost), "plan": best_plan, "nodes": 0,
+             "stopped": False}
+    # micro-batch: [H, lam-area, used ranks, groups, tokens]; group: [c, tokens, sq, seqs]
+    mbs: list[list] = []
 
-    def add(entries, lower, upper):
-        r = len(lo)
-        for col, val in entries:
-            rows.append(r)
-            cols.append(col)
-            vals.append(val)
-        lo.append(lower)
-        hi.append(upper)
+    def bound(depth: int) -> float:
+        h = sum(mb[0] for mb in mbs)
+        slack = sum(min(N * mb[0] - mb[1], rho[depth] * (N * m - mb[4])) for mb in mbs)
+        return k1 * (h + max(0.0, tail[depth] - slack) / N) + o * max(len(mbs), m_min)
 
-    by_seq = [[] for _ in range(n)]
-    by_jb: dict[tuple[int, int], list[int]] = {}
-    for col, (i, j, b) in enumerate(xs):
-        by_seq[i].append(col)
-        by_jb.setdefault((j, b), []).append(col)
-        add([(col, 1.0), (y0 + j * nb + b, -1.0)], -np.inf, 0.0)
-    for i in range(n):
-        add([(col, 1.0) for col in by_seq[i]], 1.0, 1.0)
-    for j in range(J):
-        for r in range(pool):
-            add([(y0 + j * nb + b, 1.0) for b, (o, c) in enumerate(blocks) if o <= r < o + c]
-                + [(u0 + j, -1.0)], -np.inf, 0.0)
-        for b in range(nb):
-            members = by_jb.get((j, b), [])
-            add([(col, lens[xs[col][0]]) for col in members], -np.inf, cs[b] * m)
-            for piece in (piece1, piece2):
-                add([(col, piece[xs[col][0], b]) for col in members] + [(h0 + j, -1.0)], -np.inf, 0.0)
-        # Area cut (valid, tightens the relaxation): the blocks are disjoint, so
-        # pool * H[j] >= sum over blocks of c_b * (their slowest piece) >= sum c_b * piece1.
-        add([(col, cs[xs[col][2]] * piece1[xs[col][0], xs[col][2]])
-             for b in range(nb) for col in by_jb.get((j, b), [])] + [(h0 + j, -float(pool))],
-            -np.inf, 0.0)
-        if j + 1 < J:
-            add([(u0 + j, 1.0), (u0 + j + 1, -1.0)], 0.0, np.inf)
-            add([(h0 + j, 1.0), (h0 + j + 1, -1.0)], 0.0, np.inf)
-    a = coo_matrix((vals, (rows, cols)), shape=(len(lo), nvar)).tocsr()
-    obj = np.zeros(nvar)
-    obj[h0:] = 1.0 + cost.bwd_factor
-    obj[u0:u0 + J] = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
-    integrality = np.r_[np.ones(h0), np.zeros(J)]
-    upper = np.r_[np.ones(h0), np.full(J, np.inf)]
-    constraints = [LinearConstraint(a, lo, hi)]
-    if upper_bound is not None:
-        constraints.append(LinearConstraint(obj[None, :], -np.inf, upper_bound * (1 + 1e-9)))
-    res = milp(obj, constraints=constraints, integrality=integrality,
-               bounds=Bounds(np.zeros(nvar), upper),
-               options={"time_limit": time_limit, "mip_rel_gap": gap, "disp": False})
-    dual = float(getattr(res, "mip_dual_bound", 0.0) or 0.0)
-    if res.x is None:
-        if res.status == 2 and upper_bound is not None:  # infeasible: nothing beats the bound
-            return ExactResult(None, upper_bound, upper_bound, True)
-        return ExactResult(None, np.inf, dual, False)
-    x = res.x
-    plan = Plan()
-    for j in range(J):
-        groups = []
-        for b, (o, c) in enumerate(blocks):
-            seqs = [xs[col][0] for col in by_jb.get((j, b), []) if x[col] > 0.5]
-            if seqs:
-                groups.append(Group(sorted(seqs), c, o))
-        if groups:
-            plan.micro_batches.append(MicroBatch(fill_idle(groups, pool)))
-    rel_gap = (res.fun - dual) / max(res.fun, 1e-30)
-    return ExactResult(plan, float(res.fun), dual, rel_gap <= gap + 1e-9)
+    def dfs(depth: int) -> None:
+        state["nodes"] += 1
+        if state["nodes"] % 256 == 0 and _time.perf_counter() - start > time_limit:
+            state["stopped"] = True
+        if state["stopped"]:
+            return
+        if depth == n:
+            t = k1 * sum(mb[0] for mb in mbs) + o * len(mbs)
+            if t < state["ub"] * (1 - 1e-12):
+                state["ub"] = t
+                state["plan"] = Plan([MicroBatch(_tile([(list(g[3]), g[0]) for g in mb[3]], N))
+                                      for mb in mbs])
+            return
+        i = order[depth]
+        n_i = L[i]
+        children = []
+        for j, mb in enumerate(mbs):
+            for g in mb[3]:
+                if g[1] + n_i <= g[0] * m:
+                    children.append((j, g, g[0]))
+            for c in sizes:
+                if c <= N - mb[2] and n_i <= c * m:
+                    children.append((j, None, c))
+        children += [(len(mbs), None, c) for c in sizes if n_i <= c * m]
+        scored = []
+        for j, g, c in children:
+            e = c.bit_length() - 1
+            if j == len(mbs):
+                mbs.append([0.0, 0.0, 0, [], 0])
+            mb = mbs[j]
+            t, s = (g[1], g[2]) if g else (0, 0)
+            new_f = f(t + n_i, s + n_i * n_i, c)
+            saved = (mb[0], mb[1], mb[4])
+            mb[0] = max(mb[0], new_f)
+            mb[1] += lam_area[e][i]
+            mb[4] += n_i
+            lb = bound(depth + 1)
+            mb[0], mb[1], mb[4] = saved
+            if j == len(mbs) - 1 and not mb[3]:
+                mbs.pop()
+            if lb < state["ub"] / (1 + gap):
+                scored.append((lb, j, g, c))
+        for lb, j, g, c in sorted(scored, key=lambda x: x[0]):
+            if lb >= state["ub"] / (1 + gap) or state["stopped"]:
+                break
+            if j == len(mbs):
+                mbs.append([0.0, 0.0, 0, [], 0])
+            mb = mbs[j]
+            e = c.bit_length() - 1
+            saved = (mb[0], mb[1], mb[2], mb[4])
+            mb[4] += n_i
+            if g is None:
+                g_new = [c, 0, 0, []]
+                mb[3].append(g_new)
+                mb[2] += c
+            else:
+                g_new = g
+            g_new[1] += n_i
+            g_new[2] += n_i * n_i
+            g_new[3].append(i)
+            mb[0] = max(mb[0], f(g_new[1], g_new[2], c))
+            mb[1] += lam_area[e][i]
+            dfs(depth + 1)
+            g_new[1] -= n_i
+            g_new[2] -= n_i * n_i
+            g_new[3].pop()
+            mb[0], mb[1], mb[2], mb[4] = saved
+            if g is None:
+                mb[3].pop()
+            if not mb[3]:
+                mbs.pop()
+
+    root = max(bound(0), lower_bound(lens, cost, pool, m))  # the latter: critical path too
+    dfs(0)
+    ub = state["ub"]
+    low = min(ub, root if state["stopped"] else max(root, ub / (1 + gap)))
+    return ExactResult(state["plan"], ub, low, not state["stopped"] or ub <= root * (1 + gap),
+                       state["nodes"])
+
+
+def _tile(groups: list[tuple[list[int], int]], pool: int) -> list[Group]:
+    """Aligned blocks for groups whose sizes sum to <= pool: largest first, consecutive."""
+    out, off = [], 0
+    for s, c in sorted(groups, key=lambda g: -g[1]):
+        out.append(Group(sorted(s), c, off))
+        off += c
+    return fill_idle(out, pool)
