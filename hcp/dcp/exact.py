@@ -84,9 +84,11 @@ def best_weights(lens, cost: CostModel, pool: int, m: int, steps: int = 11) -> n
 
 def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
                 plans: tuple[Plan, ...] = (), time_limit: float = 20.0,
-                gap: float = 0.01) -> ExactResult:
-    """Branch and bound (module docstring) within `time_limit` seconds, starting from the best
-    of `plans` (at least one). The returned plan is never slower than it."""
+                gap: float = 0.01, max_nodes: int | None = None) -> ExactResult:
+    """Branch and bound (module docstring) within `time_limit` seconds and `max_nodes` search
+    nodes, starting from the best of `plans` (at least one). The returned plan is never slower
+    than it. With a node budget it is a deterministic heuristic: the first dives of the search
+    follow the children with the lowest bound."""
     if cost.pp != 1:
         raise ValueError(f"exact plans need pp=1 (got {cost.pp}): with a pipeline the order of "
                          "micro-batches matters and the time is not a sum over micro-batches")
@@ -118,7 +120,8 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
 
     def dfs(depth: int) -> None:
         state["nodes"] += 1
-        if state["nodes"] % 256 == 0 and _time.perf_counter() - start > time_limit:
+        if (max_nodes is not None and state["nodes"] >= max_nodes) or (
+                state["nodes"] % 256 == 0 and _time.perf_counter() - start > time_limit):
             state["stopped"] = True
         if state["stopped"]:
             return

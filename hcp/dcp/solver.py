@@ -20,7 +20,9 @@ Method (deterministic, numpy + heaps, ~tens of ms for 2,048 sequences):
 5. With one stage (`pp = 1`, time = sum over micro-batches) and at most
    `LOCAL_SEARCH_MAX_SEQS` sequences, every candidate (and the greedy baseline's plan) is first
    improved by local search (hcp/dcp/local_search.py: move, swap, resize and split groups,
-   mixing CP sizes inside a micro-batch and emptying micro-batches).
+   mixing CP sizes inside a micro-batch and emptying micro-batches). Then a truncated dive of
+   the exact branch and bound (hcp/dcp/exact.py: sequences placed one by one where its lower
+   bound grows least, `DIVE_NODES_PER_SEQ` nodes per sequence), locally improved, competes.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import numpy as np
 
 from hcp.dcp.baselines import greedy, packing_only
 from hcp.dcp.cost_model import CostModel
+from hcp.dcp.exact import solve_exact
 from hcp.dcp.local_search import improve
 from hcp.dcp.lower_bound import cp_sizes
 from hcp.dcp.plan import Group, MicroBatch, Plan, fill_idle, prepare_lengths
@@ -38,6 +41,7 @@ from hcp.schedule.simulator import simulate_1f1b
 
 ROW_FACTORS = (1.0, 1.1, 1.25, 1.5, 2.0)
 LOCAL_SEARCH_MAX_SEQS = 128  # pp = 1 local search is O(n^2) per sweep: small batches only
+DIVE_NODES_PER_SEQ = 2  # node budget of the branch-and-bound dive (pp = 1), per sequence
 
 
 @dataclass
@@ -251,4 +255,10 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
         plan, t = _best_order(plan, lens, cost, opened, light)
         if best is None or t < best.time - 1e-12:
             best = Solution(plan, t, source)
+    if cost.pp == 1 and lens.size <= LOCAL_SEARCH_MAX_SEQS:
+        dive = solve_exact(lens, cost, pool, m, (best.plan,), gap=0.0,
+                           max_nodes=DIVE_NODES_PER_SEQ * lens.size).plan
+        plan, t = _best_order(improve(dive, lens, cost, pool, m), lens, cost)
+        if t < best.time - 1e-12:
+            best = Solution(plan, t, "dive+local")
     return best
