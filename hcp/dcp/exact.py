@@ -13,9 +13,13 @@ Bound (seconds). For weights lam_c in [0, 1] (one per CP size), every group has
 `f(g) >= lam P1_g + (1 - lam) P2_g`, additive over its sequences, and the groups of micro-batch j
 tile at most N ranks, so `N H_j >= sum_g c_g f(g) >= A_j + sum_{i added later to j} a_i` with
 A_j the lam-area of j's current groups and `a_i = min_c c (lam_c p1_i + (1 - lam_c) p2_i)`
-over feasible c (the sequence may still open a new group). Hence, for a partial plan with
-micro-batch levels H_j and remaining sequences R,
-    T >= (1 + k) [sum_j H_j + max(0, sum_R a_i - sum_j (N H_j - A_j)) / N] + o max(M, M_min),
+over feasible c (the sequence may still open a new group). Micro-batch j takes at most
+`N m - tokens_j` more tokens, so the a-mass it can absorb below its level is at most
+`K(N m - tokens_j)`, K the fractional knapsack of the remaining sequences (weights L_i, values
+a_i: the best a per token first). Hence, for a partial plan with micro-batch levels H_j and
+remaining sequences R (the mass not absorbed raises some level, at rate 1 / N),
+    T >= (1 + k) [sum_j H_j + max(0, sum_R a_i - sum_j min(N H_j - A_j, K(N m - tokens_j))) / N]
+         + o max(M, M_min),
 M_min = ceil(sum L / (N m)). At the root (no micro-batch) this is the area bound of
 hcp/dcp/lower_bound.py made stronger by the best lam on a grid (lam = 1 there).
 
@@ -23,11 +27,13 @@ Search: sequences by decreasing `a_i`; each goes into an existing group with tok
 group of each feasible size in a micro-batch with idle ranks, or a new micro-batch (one branch:
 empty micro-batches are interchangeable); children in order of their bound; a node is cut when
 its bound reaches `UB / (1 + gap)`, so the final plan is optimal within `gap` if the search
-ends. The incumbent starts from the given plans (e.g. the solver's). Classical depth-first
+ends; stopped earlier (time or node budget), the proven bound is the least bound of the nodes
+left open or cut, each subtree reporting the least over its children. The incumbent starts from the given plans (e.g. the solver's). Classical depth-first
 branch and bound for bin packing (Martello & Toth, Knapsack Problems, Wiley 1990, ch. 8).
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import time as _time
 from dataclasses import dataclass
@@ -104,7 +110,7 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     a = np.where(lens[None, :] <= cp_sizes(pool)[:, None] * m, np.array(lam_area), np.inf).min(0)
     order = np.argsort(-a, kind="stable").tolist()
     tail = np.r_[np.cumsum(a[order][::-1])[::-1], 0.0]  # tail[d]: sum of a over order[d:]
-    rho = np.r_[np.maximum.accumulate((a / lens)[order][::-1])[::-1], 0.0]  # max a/L, order[d:]
+    knap = [_knapsack_table(lens[order[d:]], a[order[d:]]) for d in range(n + 1)]
     m_min = int(np.ceil(lens.sum() / (N * m)))
     L = lens.tolist()
     best_plan = min(plans, key=lambda p: plan_time(p, lens, cost))
@@ -115,23 +121,25 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
 
     def bound(depth: int) -> float:
         h = sum(mb[0] for mb in mbs)
-        slack = sum(min(N * mb[0] - mb[1], rho[depth] * (N * m - mb[4])) for mb in mbs)
+        tokens, mass = knap[depth]
+        slack = sum(min(N * mb[0] - mb[1], _absorb(tokens, mass, N * m - mb[4])) for mb in mbs)
         return k1 * (h + max(0.0, tail[depth] - slack) / N) + o * max(len(mbs), m_min)
 
-    def dfs(depth: int) -> None:
+    def dfs(depth: int, node_lb: float) -> float:
+        """Search the subtree; return a proven lower bound on its best plan (seconds)."""
         state["nodes"] += 1
         if (max_nodes is not None and state["nodes"] >= max_nodes) or (
                 state["nodes"] % 256 == 0 and _time.perf_counter() - start > time_limit):
             state["stopped"] = True
         if state["stopped"]:
-            return
+            return node_lb
         if depth == n:
             t = k1 * sum(mb[0] for mb in mbs) + o * len(mbs)
             if t < state["ub"] * (1 - 1e-12):
                 state["ub"] = t
                 state["plan"] = Plan([MicroBatch(_tile([(list(g[3]), g[0]) for g in mb[3]], N))
                                       for mb in mbs])
-            return
+            return t
         i = order[depth]
         n_i = L[i]
         children = []
@@ -159,10 +167,11 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
             mb[0], mb[1], mb[4] = saved
             if j == len(mbs) - 1 and not mb[3]:
                 mbs.pop()
-            if lb < state["ub"] / (1 + gap):
-                scored.append((lb, j, g, c))
+            scored.append((max(lb, node_lb), j, g, c))
+        sub = np.inf  # lower bound over the children: searched, cut or left when stopped
         for lb, j, g, c in sorted(scored, key=lambda x: x[0]):
             if lb >= state["ub"] / (1 + gap) or state["stopped"]:
+                sub = min(sub, lb)
                 break
             if j == len(mbs):
                 mbs.append([0.0, 0.0, 0, [], 0])
@@ -181,7 +190,7 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
             g_new[3].append(i)
             mb[0] = max(mb[0], f(g_new[1], g_new[2], c))
             mb[1] += lam_area[e][i]
-            dfs(depth + 1)
+            sub = min(sub, dfs(depth + 1, lb))
             g_new[1] -= n_i
             g_new[2] -= n_i * n_i
             g_new[3].pop()
@@ -190,13 +199,26 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
                 mb[3].pop()
             if not mb[3]:
                 mbs.pop()
+        return sub
 
     root = max(bound(0), lower_bound(lens, cost, pool, m))  # the latter: critical path too
-    dfs(0)
-    ub = state["ub"]
-    low = min(ub, root if state["stopped"] else max(root, ub / (1 + gap)))
-    return ExactResult(state["plan"], ub, low, not state["stopped"] or ub <= root * (1 + gap),
+    low = min(dfs(0, root), state["ub"])
+    return ExactResult(state["plan"], state["ub"], low, state["ub"] <= low * (1 + gap) + 1e-15,
                        state["nodes"])
+
+
+def _knapsack_table(lens: np.ndarray, a: np.ndarray) -> tuple[list[float], list[float]]:
+    """Cumulative tokens and a-mass of sequences by decreasing a / L (fractional knapsack)."""
+    by = np.argsort(-a / np.maximum(lens, 1), kind="stable")
+    return np.r_[0.0, np.cumsum(lens[by])].tolist(), np.r_[0.0, np.cumsum(a[by])].tolist()
+
+
+def _absorb(tokens: list[float], mass: list[float], room: float) -> float:
+    """Most a-mass that sequences of at most `room` tokens can carry (fractional knapsack)."""
+    k = bisect.bisect_right(tokens, room) - 1
+    if k + 1 >= len(tokens):
+        return mass[-1]
+    return mass[k] + (mass[k + 1] - mass[k]) * (room - tokens[k]) / (tokens[k + 1] - tokens[k])
 
 
 def _tile(groups: list[tuple[list[int], int]], pool: int) -> list[Group]:
