@@ -29,6 +29,10 @@ def main(cfg: DictConfig):
     except (ConfigError, DataError) as e:  # a user error: its message says what to fix
         print(f"hcp: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("hcp: interrupted (resume=auto continues from the last complete checkpoint)",
+              file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def test_missing_gpu_backend_says_how_to_install():
 @pytest.mark.parametrize("overrides, field", [
     (["vision.layout.dp_shard=true"], "vision.layout.dp_shard"),
     (["llm.layout.pp=2", "llm.tie_embeddings=true"], "llm.tie_embeddings"),
-    (["llm.layout.tp=2"], "vision.layout"),
+    (["llm.layout.tp=2", "vision.layout.tp=1"], "vision.layout"),
+    (["placement=non_colocated", "vision.layout.num_ranks=2"], "placement"),
     (["packing=dynamic_cp"], "packing"),
 ])
 def test_training_rejects_layouts_it_cannot_run_yet_with_a_fix(overrides, field):
@@ -76,3 +77,35 @@ def test_vocab_smaller_than_the_tokenizer_is_rejected_before_ranks_start():
     with pytest.raises(ConfigError) as e:
         prepare_data(compose_cfg(["llm.vocab_size=100"]))
     assert e.value.field == "llm.vocab_size" and "260" in str(e.value)
+
+
+def test_encoder_and_projector_follow_the_llm_tp_and_cp_by_default():
+    from hcp.train.support import check_trainable
+
+    cfg = compose_cfg(["llm.layout.tp=2", "llm.layout.cp=2"])
+    assert (cfg.vision.layout.tp, cfg.projector.layout.cp) == (2, 2)
+    check_trainable(cfg, validate(cfg, world_size=4))
+
+
+def test_every_module_frozen_is_rejected():
+    cfg = compose_cfg(["vision.freeze=true", "projector.freeze=true", "llm.freeze=true"])
+    with pytest.raises(ConfigError, match="nothing would train"):
+        validate(cfg, world_size=4)
+
+
+def test_launch_inputs_are_checked_before_ranks_start(tmp_path):
+    from hcp.data.build import prepare_data
+    from hcp.train.checkpoint import check_resume
+    from hcp.train.launch import local_world_size, resolve_nproc
+
+    with pytest.raises(ConfigError, match="launcher.nnodes=2"):
+        local_world_size(compose_cfg(["launcher.nnodes=2", "launcher.nproc_per_node=2"]), None)
+    assert local_world_size(compose_cfg(["launcher.nnodes=2"]), {"world_size": 8}) == 8
+    with pytest.raises(ConfigError, match="launcher.nproc_per_node='abc'"):
+        resolve_nproc("abc")
+    with pytest.raises(ConfigError, match="resume="):
+        check_resume(compose_cfg([f"resume={tmp_path}/nope"]))
+    with pytest.raises(ConfigError, match="data.path"):
+        prepare_data(compose_cfg(["data=llava_json"]))
+    with pytest.raises(ConfigError, match="exceeds the 1527 training samples"):
+        prepare_data(compose_cfg(["trainer.global_batch_size=2000"]))

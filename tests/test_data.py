@@ -144,3 +144,10 @@ def test_missing_tokenizer_file_is_named():
 
     with pytest.raises(FileNotFoundError, match="data.tokenizer='/nope/tokenizer.json'"):
         build_tokenizer("/nope/tokenizer.json")
+
+
+def test_an_unreadable_file_is_named_without_the_per_record_hint(tmp_path):
+    (tmp_path / "broken.json").write_text("[{")
+    with pytest.raises(DataError) as e:
+        _ds(str(tmp_path / "broken.json"), tmp_path, on_error="skip")
+    assert "broken.json: unreadable file" in str(e.value) and "on_error" not in str(e.value)

@@ -59,6 +59,9 @@ def check_model(cfg) -> None:
         raise ConfigError("vision.patch_size", v.patch_size, f"does not divide vision.image_size="
                           f"{v.image_size}", "pick a patch size that divides the image size")
     present = {"llm"} | ({"vision", "projector"} if v is not None else set())
+    if all(cfg[m].freeze for m in present):
+        raise ConfigError("llm.freeze", True, f"every module ({', '.join(sorted(present))}) is frozen: "
+                          "nothing would train", "unfreeze one, e.g. llm.freeze=false or +stage=pretrain")
     for edge in cfg.graph.edges:
         for name in edge:
             if name not in present:

@@ -16,13 +16,15 @@ def num_image_tokens(vision_cfg) -> int:
     return 0 if vision_cfg is None else (vision_cfg.image_size // vision_cfg.patch_size) ** 2
 
 
-def prepare_data(cfg) -> None:
+def prepare_data(cfg) -> list[str]:
     """In the launching process, before ranks start: check that the LLM's vocabulary holds the
     tokenizer's ids, write built-in data sets once and read every record (so a bad record stops
-    the run here, naming its file and id, instead of inside N ranks).
+    the run here, naming its file and id, instead of inside N ranks). Returns the lines that
+    report skipped records (`data.on_error=skip`).
 
     Raises:
-        ConfigError: `llm.vocab_size` is smaller than the tokenizer's vocabulary.
+        ConfigError: `llm.vocab_size` is smaller than the tokenizer's vocabulary, or the global
+            batch is larger than the training set.
         hcp.data.llava.DataError: a bad record under `data.on_error=error`.
     """
     tok = build_tokenizer(cfg.data.tokenizer)
@@ -33,17 +35,19 @@ def prepare_data(cfg) -> None:
     if cfg.data.name == "digits_vqa":
         build_digits_vqa(cfg.data.root, cfg.data.eval_fraction)
     _, train, held_out = build_datasets(cfg)  # every record validated here, before any rank
-    for name, ds in (("train", train), ("held-out", held_out)):
-        if ds is not None and ds.skipped.counts:
-            print(f"data.on_error=skip: skipped {sum(ds.skipped.counts.values())} {name} records: "
-                  f"{ds.skipped.summary()}")
+    if len(train) < cfg.trainer.global_batch_size:
+        raise ConfigError("trainer.global_batch_size", cfg.trainer.global_batch_size,
+                          f"exceeds the {len(train)} training samples", "lower it or add data")
+    return [f"data.on_error=skip: skipped {sum(ds.skipped.counts.values())} {name} records: "
+            f"{ds.skipped.summary()}" for name, ds in (("train", train), ("held-out", held_out))
+            if ds is not None and ds.skipped.counts]
 
 
 def build_datasets(cfg):
     """Return (tokenizer, train set, held-out set or None) for `cfg.data`.
 
     Raises:
-        ValueError: unknown `data.name` or a missing `data.path`.
+        ConfigError: unknown `data.name`, a missing `data.path`, images without an encoder.
         hcp.data.llava.DataError: a bad record under `data.on_error=error`.
     """
     d, v = cfg.data, cfg.vision
@@ -59,12 +63,14 @@ def build_datasets(cfg):
         return tok, make(False), make(True)
     elif d.name == "llava_json":
         if not d.path:
-            raise ValueError("data=llava_json needs data.path=FILE.json (and data.image_folder=DIR)")
+            raise ConfigError("data.path", d.path, "data=llava_json needs the JSON file",
+                              "add data.path=FILE.json (and data.image_folder=DIR)")
         train_path, eval_path, folder = d.path, d.eval_path, d.image_folder
     else:
-        raise ValueError(f"data.name={d.name!r}: use digits_vqa, llava_json or code_corpus")
+        raise ConfigError("data.name", d.name, "unknown data set", "use digits_vqa, llava_json or code_corpus")
     if v is None:
-        raise ValueError(f"data.name={d.name!r} has images but the config has no vision encoder")
+        raise ConfigError("data.name", d.name, "LLaVA data has images but the config has no vision "
+                          "encoder", "use a LLaVA model config, or data=code_corpus for a text-only LM")
     make = lambda p: LlavaDataset(p, folder, tok, num_image_tokens(v), v.image_size,  # noqa: E731
                                   v.num_channels, d.max_seq_len, d.system_prompt, d.on_error)
     return tok, make(train_path), (make(eval_path) if eval_path else None)

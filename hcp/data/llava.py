@@ -24,8 +24,10 @@ class DataError(ValueError):
 
     def __init__(self, file: str, record_id, kind: str, detail: str):
         self.file, self.record_id, self.kind = file, record_id, kind
-        super().__init__(f"{file}: record id={record_id!r}: {kind}: {detail} "
-                         "(set data.on_error=skip to skip such records and report them)")
+        where = f"{file}: record id={record_id!r}" if record_id is not None else file
+        hint = (" (set data.on_error=skip to skip such records and report them)"
+                if record_id is not None else "")
+        super().__init__(f"{where}: {kind}: {detail}{hint}")
 
 
 @dataclass

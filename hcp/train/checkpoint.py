@@ -23,6 +23,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from hcp.config.errors import ConfigError
+
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
@@ -132,12 +134,34 @@ def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int,
             json.dump(trainer_state, f)
     dist.barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
+        _remove(final)
         os.rename(tmp, final)
         for _, old in step_dirs(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
     dist.barrier()
     return final
+
+
+def _remove(path: str) -> None:
+    """Delete a checkpoint folder so that it stops counting at once: renamed out of the
+    `step_XXXXXXXX` pattern first, then deleted (a crash mid-delete leaves only a `.trash-` folder)."""
+    if os.path.isdir(path):
+        trash = os.path.join(os.path.dirname(path), ".trash-" + os.path.basename(path))
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def check_resume(cfg) -> None:
+    """Before ranks start: `resume` must be None, `auto` or a complete checkpoint folder.
+
+    Raises:
+        ConfigError: `resume` names a folder that is not a complete checkpoint.
+    """
+    if cfg.resume in (None, "auto") or os.path.isfile(os.path.join(cfg.resume, "trainer.json")):
+        return
+    raise ConfigError("resume", cfg.resume, "not a complete checkpoint folder (trainer.json and DCP "
+                      "shards)", "use resume=auto with checkpoint.dir=DIR, or a step_XXXXXXXX folder")
 
 
 def load(path: str, model, optimizer, tp_group=None) -> dict:

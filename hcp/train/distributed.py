@@ -11,7 +11,7 @@ import torch.distributed as dist
 def init_distributed(launcher_cfg) -> torch.device:
     """Join the process group described by the torchrun environment variables and return this
     rank's device (`cuda:LOCAL_RANK` with NCCL, else CPU with gloo and one intra-op thread per
-    rank when several ranks share the CPU).
+    rank when several ranks share the CPU, unless OMP_NUM_THREADS is set).
 
     Raises:
         ValueError: `launcher.backend=nccl` on a machine without CUDA.
@@ -27,8 +27,9 @@ def init_distributed(launcher_cfg) -> torch.device:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
+        if "OMP_NUM_THREADS" not in os.environ:  # the user's choice wins; else share the cores
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, world)))
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=launcher_cfg.timeout_s),
                                 device_id=device if backend == "nccl" else None)

@@ -9,8 +9,9 @@ from omegaconf import DictConfig, OmegaConf
 from hcp.config.layouts import world_size_of
 from hcp.config.validate import validate
 from hcp.data.build import prepare_data
+from hcp.train.checkpoint import check_resume
+from hcp.train.launch import export_rank_env, launched_rank_env, local_world_size, start_local_ranks
 from hcp.train.support import check_trainable
-from hcp.train.launch import export_rank_env, launched_rank_env, resolve_nproc, start_local_ranks
 
 
 def _rank_entry(payload) -> None:
@@ -26,23 +27,25 @@ def run(cfg: DictConfig):
 
     run_dir = HydraConfig.get().runtime.output_dir
     OmegaConf.resolve(cfg)
-    joined = launched_rank_env(os.environ)
-    nproc = resolve_nproc(cfg.launcher.nproc_per_node)
-    world = joined["world_size"] if joined else world_size_of(cfg, auto_nproc=nproc)
-    layouts = validate(cfg, world)
     if cfg.mode == "plan":
         from hcp.train.plan import run_plan
 
+        validate(cfg, world_size_of(cfg))
         return run_plan(cfg, run_dir)
-    check_trainable(cfg, layouts)
+    joined = launched_rank_env(os.environ)
+    world = local_world_size(cfg, joined)
+    check_trainable(cfg, validate(cfg, world))
+    check_resume(cfg)
     container = OmegaConf.to_container(cfg, resolve=True)
     if not joined or joined["rank"] == 0:
         with open(os.path.join(run_dir, "config_resolved.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(container))
-    prepare_data(cfg)
+    for line in prepare_data(cfg):
+        if not joined or joined["rank"] == 0:
+            print(line)
     if joined:
         export_rank_env(joined)
         _rank_entry((container, run_dir))
     else:
-        start_local_ranks(_rank_entry, nproc, (container, run_dir), cfg.launcher.start_method)
+        start_local_ranks(_rank_entry, world, (container, run_dir), cfg.launcher.start_method)
     return None

@@ -17,6 +17,8 @@ import os
 import socket
 from typing import Callable, Mapping, Optional
 
+from hcp.config.errors import ConfigError
+
 
 def launched_rank_env(env: Mapping[str, str]) -> Optional[dict]:
     """If `env` is one of several launched ranks, return its {rank, world_size, local_rank,
@@ -58,15 +60,39 @@ def run_name(env: Mapping[str, str]) -> str:
 
 
 def resolve_nproc(nproc_per_node) -> int:
-    """`auto` -> one rank per CUDA device, or 4 on a CPU-only machine; else the int given."""
+    """`auto` -> one rank per CUDA device, or 4 on a CPU-only machine; else the int given.
+
+    Raises:
+        ConfigError: neither `auto` nor an integer >= 1.
+    """
     if nproc_per_node == "auto":
         import torch
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 4
-    n = int(nproc_per_node)
+    try:
+        n = int(nproc_per_node)
+    except (TypeError, ValueError):
+        n = 0
     if n < 1:
-        raise ValueError(f"launcher.nproc_per_node={nproc_per_node!r}: must be >= 1 or `auto`")
+        raise ConfigError("launcher.nproc_per_node", nproc_per_node, "not a rank count",
+                          "use `auto` or an integer >= 1")
     return n
+
+
+def local_world_size(cfg, joined: Optional[dict]) -> int:
+    """Ranks of this launch: the joined launch's world, or the local ranks to start.
+
+    Raises:
+        ConfigError: `launcher.nnodes` > 1 for a plain `python train.py`, which can start ranks
+            on this machine only (checked before any rank starts).
+    """
+    if joined:
+        return joined["world_size"]
+    if cfg.launcher.nnodes > 1:
+        raise ConfigError("launcher.nnodes", cfg.launcher.nnodes, "a plain `python train.py` starts "
+                          "ranks on this machine only", "start one process per node with torchrun or "
+                          "srun (each joins the launch), or set launcher.nnodes=1")
+    return resolve_nproc(cfg.launcher.nproc_per_node)
 
 
 def _free_port() -> int:

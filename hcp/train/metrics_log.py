@@ -21,9 +21,12 @@ class RunLogger:
     def __init__(self, run_dir: str, cfg, max_steps: int, start_step: int = 0):
         self.run_dir = run_dir
         os.makedirs(run_dir, exist_ok=True)
-        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        # A resumed run continues its metrics.jsonl; a fresh run in the same folder replaces it.
+        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a" if start_step else "w")
+        # Not a terminal (a SLURM log): redraw rarely instead of a carriage return per step.
         self._bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True,
-                         disable=not cfg.trainer.progress_bar, file=sys.stdout)
+                         disable=not cfg.trainer.progress_bar, file=sys.stdout,
+                         mininterval=0.1 if sys.stdout.isatty() else 30.0)
         self._wandb = self._init_wandb(cfg) if cfg.logger.name == "wandb" else None
 
     def _init_wandb(self, cfg):

@@ -16,10 +16,15 @@ def check_trainable(cfg, layouts: dict) -> None:
     Not yet trained: FSDP and activation recompute set on modules other than the LLM (the
     LLM's `dp_shard` shards the encoder and projector with it), `packing=dynamic_cp`,
     non-colocated placement, pipelines of modules other than the LLM, tied embeddings across
-    LLM stages, TP x PP x dp_shard (checkpoints), and encoder/projector layouts that differ from the LLM's lanes (they need the
-    boundary communicators). Each can be planned with `mode=plan`.
+    LLM stages, TP x PP x dp_shard (checkpoints), and encoder/projector layouts that differ
+    from the LLM's lanes (they need the boundary communicators). Each can be planned with
+    `mode=plan`.
     """
     llm = layouts["llm"]
+    if cfg.placement == "non_colocated":
+        raise ConfigError("placement", "non_colocated", "training on islands needs the boundary "
+                          "communicators, which are not built yet", "train with placement=colocated, "
+                          "or plan islands with mode=plan")
     if llm.pp > 1 and cfg.llm.tie_embeddings:
         raise ConfigError("llm.tie_embeddings", True, f"the embedding (first of {llm.pp} pipeline "
                           "stages) and the LM head (last stage) cannot share one table",
@@ -28,23 +33,26 @@ def check_trainable(cfg, layouts: dict) -> None:
         raise ConfigError("llm.layout.dp_shard", True, "checkpoints of TP x PP x FSDP are not "
                           "supported yet (hcp.train.checkpoint: positional optimizer param_groups "
                           "of different stages would collide)", "use dp_shard=false, tp=1 or pp=1")
-    for m, lay in sorted(layouts.items(), key=lambda item: item[0] != "llm"):
-        if m != "llm" and lay.pp > 1:
+    for m, lay in layouts.items():
+        if m == "llm":
+            continue
+        if lay.pp > 1:
             raise ConfigError(f"{m}.layout.pp", lay.pp, f"{m} runs whole on the LLM's first "
                               "pipeline stage", f"use {m}.layout.pp=1, or mode=plan to plan it")
-        if m != "llm" and lay.dp_shard:
+        if lay.dp_shard:
             raise ConfigError(f"{m}.layout.dp_shard", True, f"{m} runs on the LLM's lanes and is "
                               "sharded with it", f"set llm.layout.dp_shard=true and {m}.layout.dp_shard=false")
-        if m != "llm" and lay.recompute != "none":
+        if lay.recompute != "none":
             raise ConfigError(f"{m}.layout.recompute", lay.recompute, "activation recompute is "
                               "implemented in the LLM's decoder layers only", "use recompute=none")
-        if m != "llm" and (lay.rank_offset, lay.num_ranks, lay.tp, lay.cp, lay.dp) != (
-                llm.rank_offset, llm.num_ranks, llm.tp, llm.cp, llm.dp * llm.pp):
-            raise ConfigError(f"{m}.layout", f"tp{lay.tp} cp{lay.cp} dp{lay.dp}", "training runs "
-                              f"every module on the LLM's lanes (tp{llm.tp} cp{llm.cp} dp{llm.dp}, "
-                              f"first of {llm.pp} stages: dp{llm.dp * llm.pp} as declared) until "
-                              "the boundary communicators land", f"set {m}.layout.tp={llm.tp} "
-                              f"{m}.layout.cp={llm.cp} (dp inferred), or plan heterogeneous layouts with mode=plan")
+    others = [m for m, lay in layouts.items() if m != "llm" and (lay.tp, lay.cp, lay.dp) != (
+        llm.tp, llm.cp, llm.dp * llm.pp)]
+    if others:
+        lay = layouts[others[0]]
+        raise ConfigError(f"{others[0]}.layout", f"tp{lay.tp} cp{lay.cp} dp{lay.dp}", "training runs "
+                          f"every module on the LLM's lanes (tp{llm.tp} cp{llm.cp}) until the boundary "
+                          "communicators land", " ".join(f"{m}.layout.tp={llm.tp} {m}.layout.cp={llm.cp}"
+                                                         for m in others) + " (or mode=plan)")
     if cfg.packing == "dynamic_cp":
         raise ConfigError("packing", "dynamic_cp", "dynamic-CP training is not wired yet (the "
                           "planner is: benchmarks/dynamic_cp.py)", "use packing=first_fit")

@@ -64,12 +64,12 @@ class Trainer:
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
-        self.step = 0
+        self.step, self.resume_note = 0, None
         self._resume()
         self.log = (RunLogger(run_dir, cfg, cfg.trainer.max_steps, self.step)
                     if self.is_logging_rank else None)
-        if self.log and self.train_set.skipped.counts:
-            self.log.write(f"skipped records: {self.train_set.skipped.summary()}")
+        if self.log and self.resume_note:
+            self.log.write(self.resume_note)
 
     def _build_model(self) -> LlavaModel:
         cfg = self.cfg
@@ -87,12 +87,15 @@ class Trainer:
         if not resume:
             return
         path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
-        if path is None:
-            return  # resume=auto with no checkpoint yet: a fresh start
+        if path is None:  # resume=auto with no checkpoint yet: a fresh start, said so
+            self.resume_note = (f"resume=auto: no checkpoint in checkpoint.dir={self.cfg.checkpoint.dir}; "
+                                "starting at step 0")
+            return
         state = checkpoint.load(path, self.model, self.optimizer, self.tp_group)
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
+        self.resume_note = f"resumed from {path} at step {self.step}"
 
     def micro_batches(self, sample_indices):
         """This lane's samples packed first-fit into THD micro-batches of at most
