@@ -87,3 +87,14 @@ def test_checkpoints_are_pruned_to_keep(tmp_path):
     container = _cfg(tmp_path, ["trainer.max_steps=4", "trainer.save_every=1", "checkpoint.keep=2"])
     run_ranks(_train, 2, container, str(tmp_path))
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000003", "step_00000004"]
+
+
+def test_a_half_deleted_checkpoint_never_counts_as_complete(tmp_path):
+    from hcp.train import checkpoint
+
+    for step in (1, 2):
+        (tmp_path / f"step_0000000{step}").mkdir()
+        (tmp_path / f"step_0000000{step}" / "trainer.json").write_text("{}")
+    checkpoint._remove(str(tmp_path / "step_00000002"))
+    assert checkpoint.step_dirs(str(tmp_path)) == [(1, str(tmp_path / "step_00000001"))]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
