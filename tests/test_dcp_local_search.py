@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from hcp.dcp.baselines import greedy, packing_only
 from hcp.dcp.cost_model import load_cost
-from hcp.dcp.local_search import _Fwd, improve
+from hcp.dcp.local_search import GroupTime, improve
 from hcp.dcp.plan import prepare_lengths, validate_plan
 from hcp.dcp.solver import simulate_plan
 
@@ -40,5 +40,5 @@ def test_split_mixes_cp_sizes():
 @pytest.mark.parametrize("c", [1, 2, 8, 16])
 def test_scalar_time_matches_cost_model(c):
     x = np.array([700.0, 3000.0, 20.0])
-    assert _Fwd(COST)(x.sum(), (x * x).sum(), c) == pytest.approx(
+    assert GroupTime(COST)(x.sum(), (x * x).sum(), c) == pytest.approx(
         float(COST.fwd(x.sum(), (x * x).sum(), c)[0]), rel=1e-12)

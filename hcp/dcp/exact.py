@@ -21,7 +21,7 @@ remaining sequences R (the mass not absorbed raises some level, at rate 1 / N),
     T >= (1 + k) [sum_j H_j + max(0, sum_R a_i - sum_j min(N H_j - A_j, K(N m - tokens_j))) / N]
          + o max(M, M_min),
 M_min = ceil(sum L / (N m)). At the root (no micro-batch) this is the area bound of
-hcp/dcp/lower_bound.py made stronger by the best lam on a grid (lam = 1 there).
+hcp/dcp/lower_bound.py made stronger by lam (best_weights; lam = 1 there).
 
 Search: sequences by decreasing `a_i`; each goes into an existing group with token room, a new
 group of each feasible size in a micro-batch with idle ranks, or a new micro-batch (one branch:
@@ -34,14 +34,13 @@ branch and bound for bin packing (Martello & Toth, Knapsack Problems, Wiley 1990
 from __future__ import annotations
 
 import bisect
-import itertools
 import time as _time
 from dataclasses import dataclass
 
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
-from hcp.dcp.local_search import _Fwd
+from hcp.dcp.local_search import GroupTime
 from hcp.dcp.lower_bound import cp_sizes, lower_bound
 from hcp.dcp.plan import Group, MicroBatch, Plan, fill_idle
 
@@ -74,18 +73,23 @@ def _pieces(lens: np.ndarray, cost: CostModel, pool: int):
     return p1, p2
 
 
-def best_weights(lens, cost: CostModel, pool: int, m: int, steps: int = 11) -> np.ndarray:
-    """The lam (per CP size; lam = 1 at c = 1) on a grid maximizing `sum_i a_i`."""
+def best_weights(lens, cost: CostModel, pool: int, m: int, steps: int = 11,
+                 rounds: int = 2) -> np.ndarray:
+    """lam per CP size (lam = 1 at c = 1) raising `sum_i a_i`: coordinate ascent over a grid of
+    `steps` values per size, `rounds` passes (any lam gives a valid bound)."""
     p1, p2 = _pieces(lens, cost, pool)
     cs = cp_sizes(pool).astype(np.float64)[:, None]
     feasible = lens[None, :] <= cs * m
-    best, arg = -np.inf, np.ones(cs.size)
-    for lam in itertools.product(np.linspace(0, 1, steps), repeat=cs.size - 1):
-        w = np.r_[1.0, lam][:, None]
-        total = np.where(feasible, cs * (w * p1 + (1 - w) * p2), np.inf).min(axis=0).sum()
-        if total > best:
-            best, arg = total, w[:, 0]
-    return arg
+    lam = np.ones(cs.size)
+
+    def total(w):
+        return np.where(feasible, cs * (w[:, None] * p1 + (1 - w[:, None]) * p2), np.inf).min(0).sum()
+
+    for _ in range(rounds):
+        for e in range(1, cs.size):
+            trials = [np.r_[lam[:e], x, lam[e + 1:]] for x in np.linspace(0, 1, steps)]
+            lam = max(trials, key=total)
+    return lam
 
 
 def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
@@ -102,7 +106,7 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     lens = np.asarray(lengths, dtype=np.float64)
     n, m, N = lens.size, max_tokens_per_rank, pool
     k1, o = 1.0 + cost.bwd_factor, cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
-    f = _Fwd(cost)
+    f = GroupTime(cost)
     lam = best_weights(lens, cost, pool, m)
     p1, p2 = _pieces(lens, cost, pool)
     sizes = cp_sizes(pool).tolist()

@@ -26,7 +26,7 @@ from hcp.dcp.plan import Group, MicroBatch, Plan, fill_idle
 EPS = 1e-12
 
 
-class _Fwd:
+class GroupTime:
     """Scalar forward seconds of a group at pp = 1, equal to `CostModel.fwd` (no overhead)."""
 
     def __init__(self, cost: CostModel):
@@ -61,7 +61,7 @@ def _split(seqs: list[int], lens: list[int]) -> tuple[list[int], list[int]]:
 def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
             max_sweeps: int = 50) -> Plan:
     """A local optimum of the moves above, starting from `plan` (never slower than it)."""
-    f = _Fwd(cost)
+    f = GroupTime(cost)
     lens = [int(x) for x in np.asarray(lengths)]
     m, k1 = max_tokens_per_rank, 1.0 + cost.bwd_factor
     # groups: [mb, c, set of seqs, tokens, sq]; where[i] = group of sequence i
