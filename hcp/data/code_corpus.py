@@ -67,7 +67,3 @@ class CodeCorpus:
 
     def pixel_values(self, sample: Sample) -> torch.Tensor:
         return torch.zeros(0, 1, 1, 1)
-
-    def document_lengths(self) -> list[int]:
-        """Tokens per document (before splitting)."""
-        return [len(d) for d in self.docs]

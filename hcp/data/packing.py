@@ -12,8 +12,6 @@ from typing import Optional
 
 import torch
 
-from hcp.data.llava import IGNORE_INDEX
-
 
 @dataclass
 class Batch:
@@ -32,11 +30,6 @@ class Batch:
     pixel_values: Optional[torch.Tensor]
     image_mask: torch.Tensor
     sample_ids: list = field(default_factory=list)
-
-    @property
-    def num_label_tokens(self) -> int:
-        """Tokens that carry loss (labels != -100)."""
-        return int((self.labels != IGNORE_INDEX).sum())
 
     def to(self, device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
