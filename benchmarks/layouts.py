@@ -17,7 +17,6 @@ import argparse
 import multiprocessing as mp
 import os
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -25,6 +24,8 @@ from collections import Counter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+from hcp.train.launch import free_port  # noqa: E402
 
 SMALL = ["trainer.global_batch_size=8", "data.max_seq_len=512", "trainer.micro_batch_tokens=1024",
          "trainer.eval_every=0", "trainer.progress_bar=false", "logger=none"]
@@ -97,9 +98,7 @@ def _rank(rank, world, port, overrides, steps, warmup, queue):
 def run_layout(spec: str, nproc: int, steps: int, warmup: int) -> dict:
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, nproc, port, parse_layout(spec), steps, warmup, queue))
              for r in range(nproc)]
     for p in procs:

@@ -10,15 +10,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 
-
-def free_port() -> int:
-    """Return a TCP port that was free on localhost a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from hcp.train.launch import free_port
 
 
 def _child(fn, rank, world_size, port, args, queue):

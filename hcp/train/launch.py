@@ -95,7 +95,8 @@ def local_world_size(cfg, joined: Optional[dict]) -> int:
     return resolve_nproc(cfg.launcher.nproc_per_node)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port that was free on localhost a moment ago (local rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -113,7 +114,7 @@ def start_local_ranks(fn: Callable, nproc: int, payload, start_method: str = "fo
     other ranks are terminated (never a hang)."""
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    port = free_port()
     if nproc == 1:
         _rank_main(0, fn, 1, port, payload)
         return
