@@ -20,6 +20,9 @@ OmegaConf.register_new_resolver("hcp_run_name", lambda: run_name(os.environ), us
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig):
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
     from hcp.config.errors import ConfigError
     from hcp.data.llava import DataError
     from hcp.train.entry import run
@@ -28,6 +31,8 @@ def main(cfg: DictConfig):
         return run(cfg)
     except (ConfigError, DataError) as e:  # a user error: its message says what to fix
         print(f"hcp: error: {e}", file=sys.stderr)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise  # Hydra records the failed job and the sweep goes on
         sys.exit(2)
     except KeyboardInterrupt:
         print("hcp: interrupted (resume=auto continues from the last complete checkpoint)",
