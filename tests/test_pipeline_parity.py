@@ -106,6 +106,7 @@ CASES = {
     "dp2_cp2_dp_shard": (LLM, layout(cp=2, dp=2, dp_shard=True), TWO_LANES),
     "tp2_dp2_dp_shard": (LLM, layout(tp=2, dp=2, dp_shard=True), TWO_LANES),
     "pp2_dp2_dp_shard": (LLM, layout(pp=2, dp=2, dp_shard=True), TWO_LANES + TWO_LANES),
+    "tp2_pp2_dp2_dp_shard": (LLM, layout(tp=2, pp=2, dp=2, dp_shard=True), TWO_LANES + TWO_LANES),
     "full_recompute": (replace(LLM, layout=replace(LLM.layout, recompute="full")),
                        layout(pp=2, recompute="full"), THREE),
 }

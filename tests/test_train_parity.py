@@ -83,6 +83,22 @@ def test_resume_auto_continues_with_the_same_losses(tmp_path, layout):
     assert 0 <= first["bubble_fraction"] < 1
 
 
+@pytest.mark.timeout(300)
+def test_resume_under_tp2_pp2_dp_shard_continues_with_the_same_losses(tmp_path):
+    """8 ranks: dp2 x pp2 x tp2 with FSDP; optimizer state of both stages keyed by FQN."""
+    layout = [*TP2, *PP2, "llm.layout.dp_shard=true"]
+    whole = _cfg(tmp_path / "whole", ["trainer.max_steps=6", *layout])
+    run_ranks(_train, 8, whole, str(tmp_path / "whole"), timeout=280)
+    resumed = _cfg(tmp_path / "resumed", ["trainer.max_steps=6", "resume=auto", *layout])
+    run_ranks(_train, 8, resumed, str(tmp_path / "resumed"), 3, timeout=280)
+    assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints")) == ["step_00000003"]
+    run_ranks(_train, 8, resumed, str(tmp_path / "resumed"), timeout=280)
+    a, b = _losses(tmp_path / "whole"), _losses(tmp_path / "resumed")
+    assert sorted(b) == [4, 5, 6]
+    for step in (4, 5, 6):
+        assert b[step] == pytest.approx(a[step], rel=1e-6)
+
+
 def test_checkpoints_are_pruned_to_keep(tmp_path):
     container = _cfg(tmp_path, ["trainer.max_steps=4", "trainer.save_every=1", "checkpoint.keep=2"])
     run_ranks(_train, 2, container, str(tmp_path))

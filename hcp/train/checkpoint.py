@@ -35,11 +35,24 @@ def _options(model, tp_group) -> StateDictOptions:
     global shape would be the TP slice's, the same key on every TP rank, so they are first
     gathered whole over DP x CP (`full_state_dict`; a memory cost at save/load time) and then
     wrapped over TP like unsharded parameters. torch 2.13 cannot load a flattened optimizer
-    state in that mode, so TP x dp_shard keeps positional param_groups (hence no PP with it:
-    `hcp.train.support`)."""
+    state in that mode, so there torch returns positional param_groups and `_state` keys them
+    by FQN itself (`_by_fqn`)."""
     fsdp = any(isinstance(p, DTensor) for p in model.parameters())
     full = fsdp and tp_group is not None
     return StateDictOptions(flatten_optimizer_state_dict=not full, full_state_dict=full)
+
+
+def _by_fqn(groups: list[dict]) -> dict:
+    """Positional param_groups `[{"params": [fqn, ...], "lr": ..., ...}, ...]` as
+    `{fqn: {"lr": ..., ...}}`: the same DCP key on every rank holding the parameter, and
+    different keys on different pipeline stages."""
+    return {fqn: {k: v for k, v in g.items() if k != "params"} for g in groups for fqn in g["params"]}
+
+
+def _by_position(keyed: dict, groups: list[dict]) -> list[dict]:
+    """Inverse of `_by_fqn`: this rank's positional `groups` (their FQN lists) with the
+    hyperparameters loaded in `keyed`; a group without parameters keeps its own."""
+    return [{**(keyed[g["params"][0]] if g["params"] else g), "params": g["params"]} for g in groups]
 
 
 def step_dirs(root: str) -> list[tuple[int, str]]:
@@ -71,14 +84,15 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _state(model, optimizer, tp_group) -> dict:
-    """Model and optimizer state keyed by FQN. TP-sharded parameters (those with a
+def _state(model, optimizer, tp_group) -> tuple[dict, Optional[list[dict]]]:
+    """Model and optimizer state keyed by FQN, and the positional param_groups that `load`
+    restores (None when torch keyed them itself). TP-sharded parameters (those with a
     `shard_spec`) and their Adam moments become DTensors over the TP group, so DCP stores each
     shard once with its offset in the whole tensor (replicas over DP/CP are deduplicated) and
     could load it into another TP size. Every stage of a pipeline saves its own FQNs."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model, tp_group))
     if tp_group is None:
-        return {"model": model_sd, "optim": optim_sd}
+        return {"model": model_sd, "optim": optim_sd}, None
     specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
     mesh = DeviceMesh.from_group(tp_group, device_type=next(model.parameters()).device.type)
 
@@ -98,7 +112,10 @@ def _state(model, optimizer, tp_group) -> dict:
         t = holder[key]
         if name in specs and torch.is_tensor(t) and t.shape == model_sd[name].to_local().shape:
             holder[key] = wrap(t, specs[name])
-    return {"model": model_sd, "optim": optim_sd}
+    groups = optim_sd["param_groups"] if nested else None
+    if nested:
+        optim_sd["param_groups"] = _by_fqn(groups)
+    return {"model": model_sd, "optim": optim_sd}, groups
 
 
 def _local(tree, tp_group):
@@ -127,7 +144,7 @@ def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int,
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    dcp.save(_state(model, optimizer, tp_group), checkpoint_id=tmp)
+    dcp.save(_state(model, optimizer, tp_group)[0], checkpoint_id=tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     if rank == 0:
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
@@ -173,9 +190,11 @@ def load(path: str, model, optimizer, tp_group=None) -> dict:
     if not os.path.isfile(os.path.join(path, "trainer.json")):
         raise FileNotFoundError(f"resume={path!r}: not a complete checkpoint folder "
                                 "(expected trainer.json and DCP shards)")
-    state = _state(model, optimizer, tp_group)
+    state, groups = _state(model, optimizer, tp_group)
     dcp.load(state, checkpoint_id=path)
     state = _local(state, tp_group)
+    if groups is not None:
+        state["optim"]["param_groups"] = _by_position(state["optim"]["param_groups"], groups)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_options(model, tp_group))
     rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")

@@ -16,9 +16,8 @@ def check_trainable(cfg, layouts: dict) -> None:
     Not yet trained: FSDP and activation recompute set on modules other than the LLM (the
     LLM's `dp_shard` shards the encoder and projector with it), `packing=dynamic_cp`,
     non-colocated placement, pipelines of modules other than the LLM, tied embeddings across
-    LLM stages, TP x PP x dp_shard (checkpoints), and encoder/projector layouts that differ
-    from the LLM's lanes (they need the boundary communicators). Each can be planned with
-    `mode=plan`.
+    LLM stages, and encoder/projector layouts that differ from the LLM's lanes (they need the
+    boundary communicators). Each can be planned with `mode=plan`.
     """
     llm = layouts["llm"]
     if cfg.placement == "non_colocated":
@@ -29,10 +28,6 @@ def check_trainable(cfg, layouts: dict) -> None:
         raise ConfigError("llm.tie_embeddings", True, f"the embedding (first of {llm.pp} pipeline "
                           "stages) and the LM head (last stage) cannot share one table",
                           "set llm.tie_embeddings=false, or llm.layout.pp=1")
-    if llm.pp > 1 and llm.tp > 1 and llm.dp_shard:
-        raise ConfigError("llm.layout.dp_shard", True, "checkpoints of TP x PP x FSDP are not "
-                          "supported yet (hcp.train.checkpoint: positional optimizer param_groups "
-                          "of different stages would collide)", "use dp_shard=false, tp=1 or pp=1")
     for m, lay in layouts.items():
         if m == "llm":
             continue
