@@ -16,7 +16,9 @@ Method (deterministic, numpy + heaps, ~tens of ms for 2,048 sequences):
 4. Light rows (ramps of fill fractions, see `ramps`) open and close the pipeline; the body is
    ordered as built, ascending, descending or smallest at both ends, and every candidate (plus
    the packing-only plan, a cheap guard for degenerate batches) is replayed through the
-   pipeline simulator; the fastest plan wins.
+   pipeline simulator; the fastest plan wins. With p > 1 and a row slower than the level
+   (a sequence too long for it even on the whole pool), M near the minimum also tries p - 1
+   fuller "escort" rows per such row (see `ESCORT_LIFT`).
 5. With one stage (`pp = 1`, time = sum over micro-batches) and at most
    `LOCAL_SEARCH_MAX_SEQS` sequences, every candidate (and the greedy baseline's plan) is first
    improved by local search (hcp/dcp/local_search.py: move, swap, resize and split groups,
@@ -42,6 +44,14 @@ from hcp.schedule.simulator import simulate_1f1b
 ROW_FACTORS = (1.0, 1.1, 1.25, 1.5, 2.0)
 LOCAL_SEARCH_MAX_SEQS = 128  # pp = 1 local search is O(n^2) per sweep: small batches only
 DIVE_NODES_PER_SEQ = 2  # node budget of the branch-and-bound dive (pp = 1), per sequence
+# A micro-batch j much slower than the rest (one sequence longer than the level even on the
+# whole pool) stalls 1F1B: its backwards on stages s < p - 1 delay their forwards of j + p - s,
+# which the last stage waits for after running only j + 1 .. j + p - s - 1. Its p - 1
+# "escort" rows are filled up to ESCORT_LIFT x its excess above the level (the token cap
+# usually binds first); descending order puts them right after it, where they overlap the stall
+# with useful work (measured on the seed-sized benchmark: lifts 1-5 within 0.001, 0.5 worse).
+ESCORT_LIFT = 2.0
+ESCORT_ROW_FACTOR = 1.1  # escorted candidates only for M <= this x the memory minimum (time)
 
 
 @dataclass
@@ -162,12 +172,16 @@ def ramps(num_stages: int) -> tuple[np.ndarray, np.ndarray]:
             np.sqrt(np.arange(1, k_close + 1) / (k_close + 1)))
 
 
-def _level_plan(lens, heights, feasible, rows_target, pool, m, fractions,
-                n_open: int = 0) -> tuple[Plan, int, int]:
+def _level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open: int = 0,
+                escort: int = 0) -> tuple[Plan, int, int, bool]:
     """Steps 2-3 for one micro-batch count: `rows_target` row-equivalents of work, as one light
     row per entry of `fractions` (filled to that fraction of the level; the first `n_open` open
-    the pipeline) and full rows for the rest. Returns the plan (light rows first, in
-    `fractions` order), its opening-row and light-row counts (rows left empty are dropped)."""
+    the pipeline) and full rows for the rest. With `escort > 0`, each body row whose slowest
+    group exceeds the level `tau` by `e` seconds (a sequence too long for tau even on the whole
+    pool) gets `escort` body rows filled up to `ESCORT_LIFT * e` above the level (token cap
+    permitting; see `ESCORT_LIFT`). Returns the plan (light rows first, in `fractions` order),
+    its opening-row and light-row counts (rows left empty are dropped) and whether any row was
+    escorted."""
     cmin_idx = np.argmax(feasible, axis=0)
     n_idx = np.arange(lens.size)
     work = float((cp_sizes(pool)[cmin_idx] * heights[cmin_idx, n_idx]).sum())
@@ -186,6 +200,12 @@ def _level_plan(lens, heights, feasible, rows_target, pool, m, fractions,
     slots = sum(r.nfree for r in body) + pool * float(np.sum(fractions))
     level = float(height[single].sum()) / max(1.0, slots)
     offsets = [(1.0 - f) * level for f in fractions] + [0.0] * len(body)
+    excess = [max((g[4] for g in r.groups), default=0.0) - tau for r in body]
+    heavy = sum(e > 0 for e in excess)
+    if escort and heavy:
+        calm = [ri for ri, e in enumerate(excess) if e <= 0][:escort * heavy]
+        for ri in calm:
+            offsets[len(fractions) + ri] = -ESCORT_LIFT * max(excess)
     _place_single(rows, single.tolist(), lens, heights, pool, m, offsets)
     plan = Plan()
     opened = light = 0
@@ -195,7 +215,7 @@ def _level_plan(lens, heights, feasible, rows_target, pool, m, fractions,
             plan.micro_batches.append(MicroBatch(fill_idle(groups, pool)))
             opened += ri < n_open
             light += ri < len(fractions)
-    return plan, opened, light
+    return plan, opened, light, bool(escort and heavy)
 
 
 def _orderings(fwd: np.ndarray, bwd: np.ndarray, opening: int, light: int) -> list[np.ndarray]:
@@ -241,9 +261,13 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     fractions = np.concatenate([opening, closing])
     candidates = []
     for rows_target in targets:
-        plan, opened, light = _level_plan(lens, heights, feasible, rows_target, pool, m,
-                                          fractions, opening.size)
-        candidates.append((plan, opened, light, f"level(M~{rows_target})"))
+        escorts = {0, cost.pp - 1 if rows_target <= ESCORT_ROW_FACTOR * m_min else 0}
+        for escort in sorted(escorts, reverse=True):
+            plan, opened, light, escorted = _level_plan(lens, heights, feasible, rows_target,
+                                                        pool, m, fractions, opening.size, escort)
+            candidates.append((plan, opened, light, f"level(M~{rows_target},escort={escort})"))
+            if not escorted:
+                break
     # packing-only: a cheap guard for degenerate batches (e.g. one sequence)
     candidates.append((packing_only(lens, pool, m, max_len), 0, 0, "packing_only"))
     if cost.pp == 1 and lens.size <= LOCAL_SEARCH_MAX_SEQS:
