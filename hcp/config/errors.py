@@ -11,3 +11,9 @@ class ConfigError(ValueError):
     def __init__(self, field: str, value, problem: str, fix: str):
         self.field, self.value = field, value
         super().__init__(f"{field}={value!r}: {problem}. Fix: {fix}")
+
+
+def check_choice(field: str, value, allowed) -> None:
+    """Raise ConfigError unless `value` is one of `allowed` (the fix lists them)."""
+    if value not in allowed:
+        raise ConfigError(field, value, "unknown value", f"use one of {', '.join(allowed)}")

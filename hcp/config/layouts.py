@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hcp.config.errors import ConfigError
+from hcp.config.errors import ConfigError, check_choice
 from hcp.config.schema import MODULES
 
 PLACEMENTS = ("colocated", "non_colocated")
@@ -94,11 +94,6 @@ def world_size_of(cfg, auto_nproc: int = 4) -> int:
         raise ConfigError("launcher.nproc_per_node", nproc, "nodes and ranks per node must be >= 1",
                           "use positive values")
     return int(cfg.launcher.nnodes) * nproc
-
-
-def _choice(field: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(field, value, "unknown value", f"use one of {', '.join(allowed)}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -253,7 +248,7 @@ def resolve_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
     tp*cp*pp*dp differing from the module's rank count; layers not divisible by pp (or a bad
     `pp_layers`).
     """
-    _choice("placement", cfg.placement, PLACEMENTS)
+    check_choice("placement", cfg.placement, PLACEMENTS)
     modules = present_modules(cfg)
     edges = _edges(cfg, modules)
     if cfg.placement == "colocated":
@@ -345,10 +340,10 @@ def check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
     the global batch not divisible by a module's dp; an edge whose two dp sizes do not divide;
     under `packing=dynamic_cp` an LLM CP pool dp*cp that is not a power of two.
     """
-    _choice("packing", cfg.packing, PACKINGS)
+    check_choice("packing", cfg.packing, PACKINGS)
     for m in present_modules(cfg):
-        _choice(f"{m}.layout.cp_comm", cfg[m].layout.cp_comm, CP_COMMS)
-        _choice(f"{m}.layout.recompute", cfg[m].layout.recompute, RECOMPUTES)
+        check_choice(f"{m}.layout.cp_comm", cfg[m].layout.cp_comm, CP_COMMS)
+        check_choice(f"{m}.layout.recompute", cfg[m].layout.recompute, RECOMPUTES)
     _check_launcher(cfg, world_size)
     layouts = resolve_layouts(cfg, world_size)
     for lay in layouts.values():

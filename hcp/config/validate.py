@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import importlib.util
 
-from hcp.config.errors import ConfigError
+from omegaconf import OmegaConf
+
+from hcp.config.errors import ConfigError, check_choice
 from hcp.config.layouts import check_layouts
 
-_CHOICES = {
+_CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "mode": ("train", "plan"),
-    "placement": ("colocated", "non_colocated"),
-    "packing": ("first_fit", "dynamic_cp"),
     "precision": ("fp32", "bf16"),
     "logger.name": ("wandb", "none"),
     "data.on_error": ("error", "skip"),
@@ -25,18 +25,9 @@ _BACKEND_PACKAGES = {
 }
 
 
-def _get(cfg, dotted):
-    node = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
 def check_choices(cfg) -> None:
     for key, allowed in _CHOICES.items():
-        value = _get(cfg, key)
-        if value not in allowed:
-            raise ConfigError(key, value, "unknown value", f"use one of {', '.join(allowed)}")
+        check_choice(key, OmegaConf.select(cfg, key), allowed)
 
 
 def check_backends(cfg) -> None:
