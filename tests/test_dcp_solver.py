@@ -11,7 +11,7 @@ from hcp.dcp.cost_model import load_cost
 from hcp.dcp.exact import solve_exact
 from hcp.dcp.lower_bound import lower_bound
 from hcp.dcp.plan import prepare_lengths, validate_plan
-from hcp.dcp.solver import simulate_plan, solve
+from hcp.dcp.solver import ramps, simulate_plan, solve
 
 SAMPLE = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"
 COSTS = {pp: load_cost("h100-llama13b", pp) for pp in (1, 2, 4)}
@@ -67,6 +67,30 @@ def test_solver_beats_baselines_on_real_lengths():
     check_plan(sol.plan, lens, 8, 2048)
     for plan in (greedy(lens, 8, 2048), packing_only(lens, 8, 2048, 16384)):
         assert sol.time <= simulate_plan(plan, lens, cost).iteration_time
+
+
+def test_ramps_rise_geometrically_and_fall_linearly():
+    cost = load_cost("h100-llama13b", 8)  # k = 3 (full recompute), p = 8
+    opening, closing = ramps(cost, 2.0)
+    a_last = cost.mm_coef[-1] / cost.mm_coef[0]  # the last stage also runs the LM head
+    r = 1 + (4 * a_last - 1) / 7
+    assert np.allclose(opening[1:] / opening[:-1], r) and np.isclose(opening[-1], 1 / r)
+    assert opening[0] <= 0.05 < opening[1]
+    assert closing.size == 42 and np.allclose(np.diff(closing), 1 / 42) and closing[0] == 0
+    assert all(x.size == 0 for x in ramps(COSTS[1], 2.0))
+
+
+def test_seed_sized_batches_plan_near_the_bound():
+    """The issue's seed-sized setting (GBS 2048, pool 8, PP 8, cap 8192) on the benchmark's
+    first three batches (seed 0): 1.076, 1.080, 1.074 over the bound when written."""
+    all_lens = np.loadtxt(SAMPLE, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    cost = load_cost("h100-llama13b", 8)
+    for _ in range(3):
+        lens = rng.choice(all_lens[all_lens <= 65536], 2048, replace=False)
+        sol = solve(lens, cost, 8, 8192, 65536)
+        check_plan(sol.plan, lens, 8, 8192)
+        assert sol.time <= 1.09 * lower_bound(lens, cost, 8, 8192)
 
 
 def test_overlong_sequence_error_names_index_length_and_fix():

@@ -145,16 +145,20 @@ class CostModel:
         """Forward and backward seconds `[pp, M]` of each micro-batch on each stage: the slowest
         group of the micro-batch (the pool synchronizes per micro-batch) plus the overhead."""
         arr = np.asarray(lengths, dtype=np.float64)
-        tok, sq, cs, mbs = [], [], [], []
+        members, cs, mbs = [], [], []
         for j, mb in enumerate(plan.micro_batches):
             for g in mb.groups:
                 if g.seq_indices:
-                    x = arr[g.seq_indices]
-                    tok.append(x.sum())
-                    sq.append((x * x).sum())
+                    members.append(g.seq_indices)
                     cs.append(g.cp_size)
                     mbs.append(j)
-        f = self.fwd(np.array(tok), np.array(sq), np.array(cs))  # [pp, G]
+        sizes = np.fromiter(map(len, members), dtype=np.int64, count=len(members))
+        seqs = np.fromiter((i for idx in members for i in idx), dtype=np.int64, count=sizes.sum())
+        gid = np.repeat(np.arange(len(members)), sizes)
+        x = arr[seqs]
+        tok = np.bincount(gid, weights=x, minlength=len(members))
+        sq = np.bincount(gid, weights=x * x, minlength=len(members))
+        f = self.fwd(tok, sq, np.array(cs))  # [pp, G]
         worst = np.zeros((self.pp, plan.num_micro_batches))
         np.maximum.at(worst, (slice(None), np.array(mbs)), f)
         return (worst + self.hw.micro_batch_overhead_fwd,

@@ -4,21 +4,22 @@ simulated iteration time under the per-rank token cap.
 Method (deterministic, numpy + heaps, ~tens of ms for 2,048 sequences):
 1. Rank-time of a sequence at CP size c: `c * h(L, c)`, with `h` the forward seconds summed over
    stages (the backward is proportional). `W` = total rank-time at the smallest feasible c.
-2. For a few micro-batch counts M (from the memory minimum `ceil(sum L / (N m))` up to a few
-   times it: more micro-batches shrink the pipeline fill/drain, each costs a fixed overhead) the
-   target height is `tau = W / (N M)`. Each sequence takes the smallest feasible c whose height
-   `h(L, c) <= tau` (long sequences spread over more ranks rather than stall their micro-batch).
+2. For a micro-batch count M near the memory minimum `ceil(sum L / (N m))` (the ramps of
+   step 4 add light rows on top), the target height is `tau = W / (N M)`. Each sequence takes
+   the smallest feasible c whose height `h(L, c) <= tau` (long sequences spread over more ranks
+   rather than stall their micro-batch).
 3. Level packing over M rows of N ranks: sequences with c > 1, largest c first, join the fullest
    group of their size that stays under `tau` and the cap, else open an aligned block in the row
    with the fewest free ranks, else join the least loaded group with room, else open a new row;
    then sequences with c = 1, longest first, go to the least loaded free rank with token room
    (LPT), opening a new row only when every rank is full.
-4. Light rows (ramps of fill fractions, see `ramps`) open and close the pipeline; the body is
-   ordered as built, ascending, descending or smallest at both ends, and every candidate (plus
-   the packing-only plan, a cheap guard for degenerate batches) is replayed through the
-   pipeline simulator; the fastest plan wins. With p > 1 and a row slower than the level
-   (a sequence too long for it even on the whole pool), M near the minimum also tries p - 1
-   fuller "escort" rows per such row (see `ESCORT_LIFT`).
+4. With p > 1, light rows (a geometric opening ramp and a long linear closing one, a few
+   closing lengths, see `ramps`) open and close the pipeline; the rows are ordered as built,
+   smallest at both ends or unimodal (see `_orderings`), and every candidate (plus the
+   packing-only plan, a cheap guard for degenerate batches) is replayed through the pipeline
+   simulator; the fastest plan wins. With a row slower than the level (a sequence too long
+   for it even on the whole pool), M near the minimum also tries p - 1 fuller "escort" rows
+   per such row (see `ESCORT_LIFT`).
 5. With one stage (`pp = 1`, time = sum over micro-batches) and at most
    `LOCAL_SEARCH_MAX_SEQS` sequences, every candidate (and the greedy baseline's plan) is first
    improved by local search (hcp/dcp/local_search.py: move, swap, resize and split groups,
@@ -41,7 +42,11 @@ from hcp.dcp.lower_bound import cp_sizes
 from hcp.dcp.plan import Group, MicroBatch, Plan, fill_idle, prepare_lengths
 from hcp.schedule.simulator import simulate_1f1b
 
-ROW_FACTORS = (1.0, 1.1, 1.25, 1.5, 2.0)
+OPEN_FROM = 0.05  # the opening ramp starts at this fraction of a full row
+# Lengths of the closing ramp in units of k (p - 1) micro-batches (see `ramps`); each is a
+# candidate. Measured on the seed-sized benchmark (seeds 0 and 1): one span of 2.0 gives
+# 1.098 / 1.101 mean time over the bound, these three 1.096 / 1.099.
+CLOSING_SPANS = (1.5, 2.0, 2.5)
 LOCAL_SEARCH_MAX_SEQS = 128  # pp = 1 local search is O(n^2) per sweep: small batches only
 DIVE_NODES_PER_SEQ = 2  # node budget of the branch-and-bound dive (pp = 1), per sequence
 # A micro-batch j much slower than the rest (one sequence longer than the level even on the
@@ -52,6 +57,7 @@ DIVE_NODES_PER_SEQ = 2  # node budget of the branch-and-bound dive (pp = 1), per
 # with useful work (measured on the seed-sized benchmark: lifts 1-5 within 0.001, 0.5 worse).
 ESCORT_LIFT = 2.0
 ESCORT_ROW_FACTOR = 1.1  # escorted candidates only for M <= this x the memory minimum (time)
+UNIMODAL_STEP = 1.45  # largest ratio between consecutive rows on the climb (see `ramps`: r)
 
 
 @dataclass
@@ -126,9 +132,11 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
         heap += [(offsets[ri], ri, k, None) for k in r.free_ranks()]
     heapq.heapify(heap)
     shortest = int(lens[order].min()) if order else 0
-    for i in order:
+    waiting = []  # slots too full for the current sequence, by room: `order` is longest first,
+    for i in order:  # so a slot comes back once the sequences get short enough to fit it
         n = int(lens[i])
-        skipped = []
+        while waiting and -waiting[0][0] >= n:
+            heapq.heappush(heap, heapq.heappop(waiting)[1])
         while heap:
             key, ri, k, g = heapq.heappop(heap)
             if g is None:
@@ -140,7 +148,7 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
             if n <= room:
                 break
             if room >= shortest:  # full for this one; a shorter sequence may still fit
-                skipped.append((key, ri, k, g))
+                heapq.heappush(waiting, (-room, (key, ri, k, g)))
         else:
             r = _Row(pool)
             rows.append(r)
@@ -150,8 +158,6 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
             r.groups.append(g)
             for q in r.free_ranks():
                 heapq.heappush(heap, (0.0, ri, q, None))
-        for x in skipped:
-            heapq.heappush(heap, x)
         h = float(heights[int(g[1]).bit_length() - 1, i])
         g[2].append(int(i))
         g[3] += n
@@ -159,17 +165,27 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
         heapq.heappush(heap, (key + h, ri, g[0], g))
 
 
-def ramps(num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+def ramps(cost: CostModel, span: float) -> tuple[np.ndarray, np.ndarray]:
     """Fill fractions of the light micro-batches that open and close the pipeline, as
-    (opening, closing). 1F1B's fill waits on the first micro-batch's forwards and its drain on
-    the last ones' backwards (`2 + recompute` times longer), so the closing ramp is longer:
-    p rows open and 5p/2 close, each rising as sqrt((i + 1) / (k + 1)) (measured on the
-    seed-sized benchmark: best of 3-10 opening x 10-36 closing rows, sqrt and linear ramps)."""
-    if num_stages == 1:
+    (opening, closing), each ascending; none with one stage.
+
+    The shapes follow the optimum of a linear program over micro-batch sizes x_j (1F1B start
+    times as variables, stage times `o + a_s x_j`, total work fixed; solved with HiGHS for the
+    seed-sized batches while designing this): sizes rise geometrically, stay flat, then fall
+    almost linearly over many micro-batches. Opening: in 1F1B the last stage first waits for
+    micro-batch j's forwards on stages 0 .. p-2 while it has run only the rows before j, so
+    with `r = 1 + ((1 + k) a_L - 1) / (p - 1)` (k = backward/forward ratio, a_L = last stage's
+    matmul time over the first's) row j + 1 may be r times row j without stalling it; the ramp
+    starts at OPEN_FROM of a full row. Closing: the drain waits on backwards, k times the
+    forwards, so the fall is long: `round(span * k * (p - 1))` rows falling linearly to 0."""
+    p, k = cost.pp, cost.bwd_factor
+    if p == 1:
         return np.zeros(0), np.zeros(0)
-    k_open, k_close = num_stages, 5 * num_stages // 2
-    return (np.sqrt(np.arange(1, k_open + 1) / (k_open + 1)),
-            np.sqrt(np.arange(1, k_close + 1) / (k_close + 1)))
+    a_last = float(cost.mm_coef[-1] / cost.mm_coef[0])
+    r = 1.0 + ((1.0 + k) * a_last - 1.0) / (p - 1)
+    n_open = int(np.ceil(np.log(1.0 / OPEN_FROM) / np.log(r)))
+    n_close = max(1, int(round(span * k * (p - 1))))
+    return r ** -np.arange(n_open, 0, -1.0), np.arange(n_close) / n_close
 
 
 def _level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open: int = 0,
@@ -219,16 +235,28 @@ def _level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open
 
 
 def _orderings(fwd: np.ndarray, bwd: np.ndarray, opening: int, light: int) -> list[np.ndarray]:
-    """Candidate micro-batch orders. The `light` first rows are ramps: rows `[0, opening)`
-    ascending before the body, the rest descending after it; the body goes as built,
-    ascending, descending, or smallest at both ends."""
+    """Candidate micro-batch orders. Rows `[0, opening)` open ascending; every order then runs
+    the body as built, or smallest at both ends ("valley"), before the closing ramp rows
+    descending, or goes unimodal: from the opening ramp's top climb to the largest row with
+    steps of at most UNIMODAL_STEP x (largest remaining row that fits), then all the rest
+    descending (the linear program's shape when a few rows are heavier than the level)."""
     size = (fwd + bwd).sum(axis=0)
     up = np.argsort(size[:opening], kind="stable")
     down = opening + np.argsort(size[opening:light], kind="stable")[::-1]
     body = light + np.argsort(size[light:], kind="stable")
     valley = np.concatenate([body[0::2], body[1::2][::-1]])
-    bodies = [np.arange(light, size.size), body, body[::-1], valley]
-    return [np.concatenate([up, b, down]) for b in bodies]
+    orders = [np.concatenate([up, b, down]) for b in (np.arange(light, size.size), valley)]
+    rest = sorted(np.concatenate([body, down]).tolist(), key=lambda j: -size[j])
+    climb, top = [], size[up[-1]] if up.size else 0.0
+    while rest and size[rest[0]] > UNIMODAL_STEP * top:
+        fits = [j for j in rest if size[j] <= UNIMODAL_STEP * top]
+        if not fits:
+            break
+        climb.append(fits[0])
+        rest.remove(fits[0])
+        top = size[fits[0]]
+    orders.append(np.concatenate([up, np.array(climb + rest, dtype=np.int64)]))
+    return orders
 
 
 def _best_order(plan: Plan, lens, cost: CostModel, opening: int = 0,
@@ -254,20 +282,22 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     heights = cost.fwd(lens[None, :], lens[None, :] ** 2, cs[:, None]).sum(axis=0)  # [K, n]
     heights = np.where(feasible, heights, np.inf)
     m_min = int(np.ceil(lens.sum() / (pool * m)))
-    targets = sorted({max(1, int(round(m_min * f))) for f in ROW_FACTORS} | {m_min + 1})
-    if cost.pp == 1:
-        targets = [t for t in targets if t <= m_min + 2]
-    opening, closing = ramps(cost.pp)
-    fractions = np.concatenate([opening, closing])
+    # With p > 1 the ramps hold the extra micro-batches; with p = 1 (no pipeline) a row or two
+    # more than the memory minimum can pack better.
+    targets = range(m_min, m_min + (2 if cost.pp > 1 else 3))
     candidates = []
-    for rows_target in targets:
-        escorts = {0, cost.pp - 1 if rows_target <= ESCORT_ROW_FACTOR * m_min else 0}
-        for escort in sorted(escorts, reverse=True):
-            plan, opened, light, escorted = _level_plan(lens, heights, feasible, rows_target,
-                                                        pool, m, fractions, opening.size, escort)
-            candidates.append((plan, opened, light, f"level(M~{rows_target},escort={escort})"))
-            if not escorted:
-                break
+    for span in CLOSING_SPANS if cost.pp > 1 else (0.0,):
+        opening, closing = ramps(cost, span)
+        fractions = np.concatenate([opening, closing])
+        for rows_target in targets:
+            escorts = {0, cost.pp - 1 if rows_target <= ESCORT_ROW_FACTOR * m_min else 0}
+            for escort in sorted(escorts, reverse=True):
+                plan, opened, light, escorted = _level_plan(
+                    lens, heights, feasible, rows_target, pool, m, fractions, opening.size, escort)
+                candidates.append((plan, opened, light,
+                                   f"level(M~{rows_target},span={span},escort={escort})"))
+                if not escorted:
+                    break
     # packing-only: a cheap guard for degenerate batches (e.g. one sequence)
     candidates.append((packing_only(lens, pool, m, max_len), 0, 0, "packing_only"))
     if cost.pp == 1 and lens.size <= LOCAL_SEARCH_MAX_SEQS:
