@@ -26,6 +26,17 @@ def test_improve_gives_valid_plans_never_slower_and_deterministic(raw, pool, cap
         assert improve(start, lens, COST, pool, cap) == plan
 
 
+def test_move_budget_stops_early_and_stays_valid():
+    lens = np.random.default_rng(0).integers(100, 2048, 48)
+    start = packing_only(lens, 8, 2048)
+    full, capped = improve(start, lens, COST, 8, 2048), improve(start, lens, COST, 8, 2048,
+                                                                 max_evals=50)
+    validate_plan(capped, lens, 8, 2048)
+    times = [simulate_plan(p, lens, COST).iteration_time for p in (start, capped, full)]
+    assert times[0] > times[1] > times[2]  # some progress, less than without the budget
+    assert improve(start, lens, COST, 8, 2048, max_evals=50) == capped
+
+
 def test_split_mixes_cp_sizes():
     # packing-only puts everything at c = 4; splitting runs the short ones at c = 2, beside it
     lens = np.array([3000] + [300] * 12)

@@ -93,6 +93,20 @@ def test_seed_sized_batches_plan_near_the_bound():
         assert sol.time <= 1.09 * lower_bound(lens, cost, 8, 8192)
 
 
+@pytest.mark.parametrize("lens,pool,pp", [
+    ([5000], 64, 4),  # above a node: c = 64 over InfiniBand is slower than c = 8
+    ([65536] + [3000] * 40, 16, 4),  # the long one fastest at c = 8, not 16
+    ([1] * 2048, 8, 8),  # tiny batch: one micro-batch beats any ramp
+])
+def test_solver_no_worse_than_greedy_on_large_pools_and_tiny_batches(lens, pool, pp):
+    cost = load_cost("h100-llama13b", pp)
+    sol = solve(lens, cost, pool, 8192, 65536)  # max_len 65536 > 8 * 8192 is no error
+    check_plan(sol.plan, np.asarray(lens), pool, 8192)
+    assert sol.time <= simulate_plan(greedy(lens, pool, 8192), lens, cost).iteration_time
+    assert max(g.cp_size for mb in sol.plan.micro_batches for g in mb.groups
+               if g.seq_indices) <= 8
+
+
 def test_overlong_sequence_error_names_index_length_and_fix():
     with pytest.raises(ValueError, match=r"sequence 1 has 9000 tokens.*on_overlong=truncate"):
         prepare_lengths([10, 9000], 8, 1024)

@@ -66,26 +66,30 @@ def _greedy_micro_batch(order, lens, cps, pool, m):
         return (free >> o) & ((1 << c) - 1) == (1 << c) - 1
 
     groups: list[dict] = []
+    by_c: dict[int, list[dict]] = {}  # groups per CP size
+    room: dict[int, int] = {}  # per CP size, the most tokens one of its groups can still take
     deferred: list[int] = []
     shortest = int(lens[order[-1]])  # `order` is sorted by length, descending
     for k, i in enumerate(order):
         n, c = int(lens[i]), int(cps[i])
-        if not free and all(g["c"] * m - g["tok"] < shortest for g in groups):
+        if not free and max(room.values(), default=0) < shortest:
             deferred.extend(order[k:])  # nothing left fits anywhere in this micro-batch
             break
         o = next((o for o in range(0, pool, c) if block_free(o, c)), -1) if free else -1
         if o >= 0:
             free &= ~(((1 << c) - 1) << o)
-            groups.append({"seqs": [i], "c": c, "off": o, "tok": n, "load": n * n / c})
-            continue
-        room = [g for g in groups if g["c"] == c and g["tok"] + n <= c * m]
-        if room:
-            g = min(room, key=lambda g: g["load"])
+            g = {"seqs": [i], "c": c, "off": o, "tok": n, "load": n * n / c}
+            groups.append(g)
+            by_c.setdefault(c, []).append(g)
+        elif room.get(c, 0) >= n:
+            g = min((g for g in by_c[c] if g["tok"] + n <= c * m), key=lambda g: g["load"])
             g["seqs"].append(i)
             g["tok"] += n
             g["load"] += n * n / c
         else:
             deferred.append(i)
+            continue
+        room[c] = max(c * m - g["tok"] for g in by_c[c])
     doubled = True
     while free and doubled:
         doubled = False

@@ -59,58 +59,89 @@ def _split(seqs: list[int], lens: list[int]) -> tuple[list[int], list[int]]:
 
 
 def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
-            max_sweeps: int = 50) -> Plan:
-    """A local optimum of the moves above, starting from `plan` (never slower than it)."""
+            max_sweeps: int = 50, max_evals: int | None = None) -> Plan:
+    """A local optimum of the moves above, starting from `plan` (never slower than it). With
+    `max_evals`, the search stops after the sequence at which that many moves have been
+    evaluated (a deterministic budget: the same input gives the same plan)."""
     f = GroupTime(cost)
     lens = [int(x) for x in np.asarray(lengths)]
     m, k1 = max_tokens_per_rank, 1.0 + cost.bwd_factor
-    # groups: [mb, c, set of seqs, tokens, sq]; where[i] = group of sequence i
+    # groups: [mb, c, set of seqs, tokens, sq, forward seconds]; where[i] = group of sequence i
     groups: list[list] = []
+
+    def refresh(g):  # after any change of the group's c, tokens or sq
+        g[5] = f(g[3], g[4], g[1])
+
     for j, mb in enumerate(plan.micro_batches):
         for g in mb.groups:
             if g.seq_indices:
                 groups.append([j, g.cp_size, set(g.seq_indices),
                                sum(lens[i] for i in g.seq_indices),
-                               sum(lens[i] ** 2 for i in g.seq_indices)])
+                               sum(lens[i] ** 2 for i in g.seq_indices), 0.0])
+                refresh(groups[-1])
     where = {i: g for g in groups for i in g[2]}
     nmb = plan.num_micro_batches
     sizes = [1 << e for e in range(int(pool).bit_length())]
+    # every group ever made, per micro-batch in creation order (emptied ones stay, skipped),
+    # and by id: the deltas below touch one or two micro-batches, not every group
+    in_mb: list[list[list]] = [[] for _ in range(nmb)]
+    for g in groups:
+        in_mb[g[0]].append(g)
+    by_id = {id(g): g for g in groups}
+
+    def add_group(g):
+        groups.append(g)
+        in_mb[g[0]].append(g)
+        by_id[id(g)] = g
 
     def members(j):
-        return [g for g in groups if g[0] == j and g[2]]
+        return [g for g in in_mb[j] if g[2]]
 
     o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
 
     def used(j):
-        return sum(g[1] for g in groups if g[0] == j and g[2])
+        return sum(g[1] for g in in_mb[j] if g[2])
+
+    evals = [0]  # moves evaluated
+    mb_max = [0.0] * nmb  # slowest group's forward seconds per micro-batch (0 if empty)
+    mb_count = [0] * nmb  # non-empty groups per micro-batch
+
+    def sync(*js):  # after a move is applied in these micro-batches
+        for j in js:
+            times = [g[5] for g in in_mb[j] if g[2]]
+            mb_max[j], mb_count[j] = max(times, default=0.0), len(times)
+
+    sync(*range(nmb))
 
     def delta(changes: dict, *new: tuple):
         """(dT, d sum f^2) of giving the groups in `changes` {id: (tokens, sq, c)} new sums
-        and adding each of `new` = (micro-batch, tokens, sq, c) as a group."""
-        touched = {g[0] for g in groups if id(g) in changes} | {x[0] for x in new}
+        and adding each of `new` = (micro-batch, tokens, sq, c) as a group. Only the changed
+        groups are costed: the others' slowest is `mb_max` unless a changed group was it."""
+        evals[0] += 1
+        per: dict[int, list] = {x[0]: [] for x in new}
+        for k, v in changes.items():
+            g = by_id[k]
+            per.setdefault(g[0], []).append((g, *v))
         dt = dq = 0.0
-        for j in touched:
-            before = after = 0.0
-            had = has = False
-            for g in groups:
-                if g[0] != j or not g[2]:
-                    continue
-                fb = f(g[3], g[4], g[1])
-                before, had = max(before, fb), True
-                if id(g) in changes:
-                    t, s, c = changes[id(g)]
-                    fa = f(t, s, c)
-                    dq += fa * fa - fb * fb
-                    if t > 0:
-                        after, has = max(after, fa), True
-                else:
-                    after, has = max(after, fb), True
+        for j in sorted(per):
+            before, ch = mb_max[j], per[j]
+            if any(g[5] >= before for g, *_ in ch):  # the slowest changes: scan the others
+                after = max((g[5] for g in in_mb[j] if g[2] and id(g) not in changes),
+                            default=0.0)
+            else:
+                after = before
+            has = mb_count[j] > len(ch)
+            for g, t, sq, c in ch:
+                fa = f(t, sq, c)
+                dq += fa * fa - g[5] * g[5]
+                if t > 0:
+                    after, has = max(after, fa), True
             for x in new:
                 if x[0] == j:
                     fa = f(*x[1:])
                     dq += fa * fa
                     after, has = max(after, fa), True
-            dt += k1 * (after - before) + o * (has - had)
+            dt += k1 * (after - before) + o * (has - (mb_count[j] > 0))
         return dt, dq
 
     def better(d, best):
@@ -119,6 +150,8 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
     for _ in range(max_sweeps):
         improved = False
         for i in sorted(range(len(lens)), key=lambda i: -lens[i]):
+            if max_evals is not None and evals[0] >= max_evals:
+                break
             g0, n = where[i], lens[i]
             out = (g0[3] - n, g0[4] - n * n, g0[1])
             best, act = (0.0, 0.0), None
@@ -152,11 +185,12 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
             improved = True
             g0[2].discard(i)
             g0[3], g0[4] = out[0], out[1]
+            refresh(g0)
             if act[0] == "move":
                 g = act[1]
             elif act[0] == "new":
-                g = [act[1], act[2], set(), 0, 0]
-                groups.append(g)
+                g = [act[1], act[2], set(), 0, 0, 0.0]
+                add_group(g)
             else:
                 q = act[1]
                 g = where[q]
@@ -164,10 +198,13 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
                 g[3], g[4] = g[3] - lens[q], g[4] - lens[q] ** 2
                 g0[2].add(q)
                 g0[3], g0[4] = g0[3] + lens[q], g0[4] + lens[q] ** 2
+                refresh(g0)
                 where[q] = g0
             g[2].add(i)
             g[3], g[4] = g[3] + n, g[4] + n * n
+            refresh(g)
             where[i] = g
+            sync(g0[0], g[0])
             groups[:] = [g for g in groups if g[2]]
         for g in list(groups):  # resize
             j = g[0]
@@ -177,6 +214,8 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
                 d = delta({id(g): (g[3], g[4], c)})
                 if better(d, (0.0, 0.0)):
                     g[1], improved = c, True
+                    refresh(g)
+                    sync(j)
                     break
             halves = _split(sorted(g[2], key=lambda i: -lens[i]), lens)
             c = g[1] // 2
@@ -185,11 +224,14 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
                         for h in halves]
                 if better(delta({id(g): (0, 0, g[1])}, *sums), (0.0, 0.0)):
                     g[1], g[2], g[3], g[4] = c, set(halves[0]), sums[0][1], sums[0][2]
-                    h = [j, c, set(halves[1]), sums[1][1], sums[1][2]]
-                    groups.append(h)
+                    refresh(g)
+                    h = [j, c, set(halves[1]), sums[1][1], sums[1][2], 0.0]
+                    refresh(h)
+                    add_group(h)
                     where.update({i: h for i in h[2]})
+                    sync(j)
                     improved = True
-        if not improved:
+        if not improved or (max_evals is not None and evals[0] >= max_evals):
             break
     out_plan = Plan()
     for j in range(nmb):

@@ -1,32 +1,37 @@
 """Dynamic-CP solver: a global batch of lengths -> a plan of micro-batches with minimum
 simulated iteration time under the per-rank token cap.
 
-Method (deterministic, numpy + heaps, ~tens of ms for 2,048 sequences):
+Method (deterministic, numpy + heaps; planning time grows with the micro-batch count: ~70 ms
+for 2,048 Wikipedia-like sequences over 8 stages of an 8-rank pool (~60 micro-batches), ~0.7 s
+for 2,048 sequences of 8K tokens (~300), and up to ~0.5 s with pp = 1 and at most
+`LOCAL_SEARCH_MAX_SEQS` sequences, where a local search runs):
 1. Rank-time of a sequence at CP size c: `c * h(L, c)`, with `h` the forward seconds summed over
    stages (the backward is proportional). `W` = total rank-time at the smallest feasible c.
 2. For a micro-batch count M at or near the memory minimum `ceil(sum L / (N m))` (the ramps of
    step 4 add light rows on top), the target height is `tau = W / (N M)`. Each sequence takes
    the smallest feasible c whose height `h(L, c) <= tau` (long sequences spread over more ranks
-   rather than stall their micro-batch).
+   rather than stall their micro-batch), or if none, the c where it is fastest (not the
+   largest: above a node InfiniBand can make a larger group slower).
 3. Level packing over M rows of N ranks: sequences with c > 1, largest c first, join the fullest
    group of their size that stays under `tau` and the cap, else open an aligned block in the row
    with the fewest free ranks, else join the least loaded group with room, else open a new row;
    then sequences with c = 1, longest first, go to the least loaded free rank with token room
    (LPT), opening a new row only when every rank is full.
 4. With p > 1, light rows (a geometric opening ramp and a long linear closing one, a few
-   closing lengths, see `ramps`) open and close the pipeline; the rows are ordered as built,
-   smallest at both ends or unimodal (see `_orderings`), and every candidate (plus the
-   packing-only plan, a cheap guard for degenerate batches) is replayed through the pipeline
-   simulator; the fastest plan wins. Two passes: every closing length at the memory minimum,
-   then the best one at a few M around it (`_search_pipeline`). With a row slower than the level (a sequence too long
-   for it even on the whole pool), M near the minimum also tries p - 1 fuller "escort" rows
-   per such row (see `ESCORT_LIFT`).
+   closing lengths, see `ramps`) open and close the pipeline; rows are ordered as built,
+   smallest at both ends or unimodal (see `_orderings`). Two passes (`_search_pipeline`):
+   every closing length at the memory minimum M, then the best one at a few M around it. With
+   a row slower than the level (a sequence too long for it even on the whole pool), M near
+   the minimum also tries p - 1 fuller "escort" rows per such row (see `ESCORT_LIFT`). Every
+   candidate, plus one without ramps and the packing-only and greedy baselines' plans (guards
+   for degenerate batches), is replayed through the pipeline simulator; the fastest wins.
 5. With one stage (`pp = 1`, time = sum over micro-batches) and at most
-   `LOCAL_SEARCH_MAX_SEQS` sequences, every candidate (and the greedy baseline's plan) is first
+   `LOCAL_SEARCH_MAX_SEQS` sequences, every candidate (the baselines' plans included) is first
    improved by local search (hcp/dcp/local_search.py: move, swap, resize and split groups,
-   mixing CP sizes inside a micro-batch and emptying micro-batches). Then a truncated dive of
-   the exact branch and bound (hcp/dcp/exact.py: sequences placed one by one where its lower
-   bound grows least, `DIVE_NODES_PER_SEQ` nodes per sequence), locally improved, competes.
+   mixing CP sizes inside a micro-batch and emptying micro-batches; `LOCAL_SEARCH_EVALS` move
+   evaluations in all). Then a truncated dive of the exact branch and bound (hcp/dcp/exact.py:
+   sequences placed one by one where its lower bound grows least, `DIVE_NODES_PER_SEQ` nodes
+   per sequence), locally improved, competes.
 """
 from __future__ import annotations
 
@@ -51,6 +56,9 @@ OPEN_FROM = 0.05  # the opening ramp starts at this fraction of a full row
 CLOSING_SPANS = (1.5, 2.0, 2.5)
 TARGET_OFFSETS = (-2, -1, 1)  # second pass: micro-batch counts around the memory minimum
 LOCAL_SEARCH_MAX_SEQS = 128  # pp = 1 local search is O(n^2) per sweep: small batches only
+# ... and evaluates at most this many moves per batch, shared by its candidates (~7 us each;
+# the 32-sequence benchmark needs 14-20 thousand, 128 sequences on a pool of 64 ~900 thousand)
+LOCAL_SEARCH_EVALS = 60_000
 DIVE_NODES_PER_SEQ = 2  # node budget of the branch-and-bound dive (pp = 1), per sequence
 # A micro-batch j much slower than the rest (one sequence longer than the level even on the
 # whole pool) stalls 1F1B: its backwards on stages s < p - 1 delay their forwards of j + p - s,
@@ -206,7 +214,9 @@ def _level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open
     work = float((cp_sizes(pool)[cmin_idx] * heights[cmin_idx, n_idx]).sum())
     tau = work / (pool * rows_target)
     ok = feasible & (heights <= tau)
-    c_idx = np.where(ok.any(axis=0), np.argmax(ok, axis=0), feasible.shape[0] - 1)
+    # none under tau: the fastest feasible size (not the largest: above a node, InfiniBand can
+    # make a larger CP group slower)
+    c_idx = np.where(ok.any(axis=0), np.argmax(ok, axis=0), np.argmin(heights, axis=0))
     cs = cp_sizes(pool)[c_idx]
     height = heights[c_idx, n_idx]
     body = [_Row(pool) for _ in range(max(1, int(round(rows_target - np.sum(fractions)))))]
@@ -275,16 +285,17 @@ def _best_order(plan: Plan, lens, cost: CostModel, opening: int = 0,
 
 
 def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int, m_min: int,
-                     guard: Plan) -> Solution:
+                     baselines: list[tuple[Plan, str]]) -> Solution:
     """Step 4 (p > 1), in two passes: each closing span at the memory minimum M, then the best
     span at `M_min + TARGET_OFFSETS` (fewer body rows raise the level `tau`; measured on the
     seed-sized benchmark, seeds 0 and 1: 1.096 / 1.099 at the minimum alone, 1.094 / 1.097
     with these offsets, 1.094 / 1.097 also with -4 and -3)."""
-    best = Solution(*_best_order(guard, lens, cost), "packing_only")
+    best = min((Solution(*_best_order(plan, lens, cost), src) for plan, src in baselines),
+               key=lambda sol: sol.time)
 
-    def consider(span: float, rows_target: int) -> bool:
+    def consider(span: float | None, rows_target: int) -> bool:
         nonlocal best
-        opening, closing = ramps(cost, span)
+        opening, closing = ramps(cost, span) if span else (np.zeros(0), np.zeros(0))
         fractions = np.concatenate([opening, closing])
         improved = False
         escorts = {0, cost.pp - 1 if rows_target <= ESCORT_ROW_FACTOR * m_min else 0}
@@ -299,6 +310,7 @@ def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int
                 break
         return improved
 
+    consider(None, m_min)  # no ramps: tiny batches, where each micro-batch's overhead dominates
     span_best = CLOSING_SPANS[0]
     for span in CLOSING_SPANS:
         if consider(span, m_min):
@@ -320,18 +332,22 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     heights = cost.fwd(lens[None, :], lens[None, :] ** 2, cs[:, None]).sum(axis=0)  # [K, n]
     heights = np.where(feasible, heights, np.inf)
     m_min = int(np.ceil(lens.sum() / (pool * m)))
-    # packing-only: a cheap guard for degenerate batches (e.g. one sequence)
-    guard = packing_only(lens, pool, m, max_len)
+    # the baselines compete too: cheap guards for degenerate batches (e.g. one sequence)
+    if max_len is not None and max_len > pool * m:  # a run's max_len need not fit this pool
+        max_len = None
+    baselines = [(packing_only(lens, pool, m, max_len), "packing_only"),
+                 (greedy(lens, pool, m), "greedy")]
     if cost.pp > 1:
-        return _search_pipeline(lens, heights, feasible, cost, pool, m, m_min, guard)
+        return _search_pipeline(lens, heights, feasible, cost, pool, m, m_min, baselines)
     # one stage: no ramps; a row or two more than the memory minimum can pack better
-    candidates = [(guard, "packing_only")]
+    candidates = list(baselines)
     for rows_target in range(m_min, m_min + 3):
         plan = _level_plan(lens, heights, feasible, rows_target, pool, m, np.zeros(0))[0]
         candidates.append((plan, f"level(M~{rows_target})"))
+    budget = LOCAL_SEARCH_EVALS // (len(candidates) + 1)  # + 1: the dive below
     if lens.size <= LOCAL_SEARCH_MAX_SEQS:
-        candidates.append((greedy(lens, pool, m), "greedy"))
-        candidates = [(improve(p, lens, cost, pool, m), f"{src}+local") for p, src in candidates]
+        candidates = [(improve(p, lens, cost, pool, m, max_evals=budget), f"{src}+local")
+                      for p, src in candidates]
     best: Solution | None = None
     for plan, source in candidates:
         plan, t = _best_order(plan, lens, cost)
@@ -340,7 +356,7 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     if lens.size <= LOCAL_SEARCH_MAX_SEQS:
         dive = solve_exact(lens, cost, pool, m, (best.plan,), gap=0.0,
                            max_nodes=DIVE_NODES_PER_SEQ * lens.size).plan
-        plan, t = _best_order(improve(dive, lens, cost, pool, m), lens, cost)
+        plan, t = _best_order(improve(dive, lens, cost, pool, m, max_evals=budget), lens, cost)
         if t < best.time - 1e-12:
             best = Solution(plan, t, "dive+local")
     return best
