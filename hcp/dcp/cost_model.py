@@ -28,9 +28,36 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from hcp.config.errors import ConfigError
 from hcp.dcp.plan import Plan
 
 PROFILES = Path(__file__).parent / "profiles"
+
+
+def _positive(v) -> bool:
+    return v > 0
+
+
+def _power_of_two(v) -> bool:
+    return v >= 1 and not v & (v - 1)
+
+
+def check_fields(obj, rules: dict) -> None:
+    """Raise ConfigError naming the field and value unless every field of the dataclass `obj`
+    has its declared type (`int` fields a true integer: 8.9 is not 8; `float` fields a finite
+    number) and passes `rules[name] = (test, what a valid value is)`."""
+    for f in fields(obj):
+        v = getattr(obj, f.name)
+        test, valid = rules[f.name]
+        if f.type == "int":
+            typed = isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+            problem = "not an integer"
+        else:
+            typed = (isinstance(v, (int, float, np.integer, np.floating))
+                     and not isinstance(v, bool) and np.isfinite(v))
+            problem = "not a finite number"
+        if not typed or not test(v):
+            raise ConfigError(f.name, v, "invalid value" if typed else problem, f"use {valid}")
 
 
 @dataclass(frozen=True)
@@ -43,6 +70,12 @@ class ModelSpec:
     kv_heads: int
     ffn: int
     vocab: int
+
+    def __post_init__(self):
+        check_fields(self, {f.name: (_positive, "a positive integer") for f in fields(self)})
+        if self.heads % self.kv_heads:
+            raise ConfigError("kv_heads", self.kv_heads, f"does not divide heads={self.heads}",
+                              "use a divisor of heads (grouped-query attention)")
 
     @property
     def kv_dim(self) -> int:
@@ -58,10 +91,28 @@ class ModelSpec:
 
 LLAMA_13B = ModelSpec(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000)
 
+_FRACTION = (lambda v: 0 < v <= 1, "a fraction of the peak in (0, 1]")
+_BANDWIDTH = (_positive, "a positive bandwidth in bytes/s, e.g. 40.0e+9")
+_OVERHEAD = (lambda v: v >= 0, "seconds >= 0, e.g. 1.0e-3")
+HARDWARE_RULES = {
+    "peak_flops": (_positive, "a positive rate in FLOP/s, e.g. 989.0e+12"),
+    "matmul_efficiency": _FRACTION,
+    "attention_efficiency": _FRACTION,
+    "nvlink_bandwidth": _BANDWIDTH,
+    "ib_bandwidth": _BANDWIDTH,
+    "ranks_per_node": (_power_of_two, "a power of two (aligned CP blocks must not straddle "
+                                      "nodes), e.g. 8"),
+    "comm_overlap": (lambda v: 0 <= v <= 1, "a fraction in [0, 1]"),
+    "micro_batch_overhead_fwd": _OVERHEAD,
+    "micro_batch_overhead_bwd": _OVERHEAD,
+    "bytes_per_element": (_positive, "a positive integer number of bytes, e.g. 2 (BF16)"),
+}
+
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """Peak rates, efficiencies, bandwidths (bytes/s) and overheads (s): see profiles/h100.yaml."""
+    """Peak rates, efficiencies, bandwidths (bytes/s) and overheads (s): see profiles/h100.yaml;
+    valid values: HARDWARE_RULES."""
 
     peak_flops: float
     matmul_efficiency: float
@@ -74,17 +125,54 @@ class HardwareProfile:
     micro_batch_overhead_bwd: float
     bytes_per_element: int
 
+    def __post_init__(self):
+        check_fields(self, HARDWARE_RULES)
+
     @classmethod
     def from_yaml(cls, path: str | Path) -> "HardwareProfile":
-        """Load a profile; every field of the class must be present (unknown keys are errors)."""
-        data = yaml.safe_load(Path(path).read_text())
+        """Load a profile; every field of the class must be present (unknown keys are errors,
+        an optional `model:` entry is load_cost's)."""
+        data = dict(read_profile(path))
         data.pop("model", None)
-        names = {f.name for f in fields(cls)}
-        missing, extra = names - set(data), set(data) - names
-        if missing or extra:
-            raise ValueError(f"{path}: missing keys {sorted(missing)}, unknown keys {sorted(extra)}")
-        # PyYAML reads `989e12` (no exponent sign) as a string: convert to the declared type.
-        return cls(**{f.name: (int if f.type == "int" else float)(data[f.name]) for f in fields(cls)})
+        return _from_mapping(cls, data, path)
+
+
+def read_profile(path: str | Path) -> dict:
+    """The top-level mapping of a profile YAML; ValueError naming the file otherwise."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML ({err})") from None
+    if not isinstance(data, dict):
+        what = "the file is empty" if data is None else f"the top level is a {type(data).__name__}"
+        raise ValueError(f"{path}: {what}; it must be a mapping of HardwareProfile keys like "
+                         f"{PROFILES / 'h100.yaml'}")
+    return data
+
+
+def _from_mapping(cls, data, path, key: str = ""):
+    """`cls(**data)`, every error a ValueError naming the file, the key (nested under `key`,
+    e.g. "model") and the value."""
+    names = [f.name for f in fields(cls)]
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: {key}={data!r} is not a mapping. Fix: give all of {names}")
+    missing, extra = set(names) - set(data), set(data) - set(names)
+    if missing or extra:
+        raise ValueError(f"{path}: {key + ': ' if key else ''}missing keys {sorted(missing)}, "
+                         f"unknown keys {sorted(extra)}. Fix: give exactly {names}")
+    # PyYAML reads `989e12` (no dot, no exponent sign) as a string: parse such strings as floats.
+    floats = {f.name for f in fields(cls) if f.type == "float"}
+    try:
+        return cls(**{k: _yaml_float(v) if k in floats else v for k, v in data.items()})
+    except ConfigError as err:
+        raise ValueError(f"{path}: {key + '.' if key else ''}{err}") from None
+
+
+def _yaml_float(v):
+    try:
+        return float(v) if isinstance(v, str) else v
+    except ValueError:
+        return v  # check_fields names it
 
 
 class CostModel:
@@ -96,7 +184,8 @@ class CostModel:
 
     def __init__(self, model: ModelSpec, hw: HardwareProfile, pp: int = 1, recompute: bool = True):
         if pp < 1 or pp > model.layers:
-            raise ValueError(f"pp={pp}: need 1 <= pp <= layers={model.layers}")
+            raise ConfigError("pp", pp, f"every stage needs one of the {model.layers} layers",
+                              f"use 1 <= pp <= {model.layers}")
         self.model, self.hw, self.pp, self.recompute = model, hw, pp, recompute
         n = np.full(pp, model.layers // pp, dtype=np.float64)
         n[: model.layers % pp] += 1
@@ -165,12 +254,17 @@ class CostModel:
                 worst * self.bwd_factor + self.hw.micro_batch_overhead_bwd)
 
 
-def load_cost(spec: str, pp: int, recompute: bool = True) -> CostModel:
+def load_profile(spec: str) -> tuple[ModelSpec, HardwareProfile]:
     """`h100-llama13b` (shipped defaults) or a YAML file of HardwareProfile keys with an
-    optional `model:` mapping of ModelSpec fields (default LLaMA-13B)."""
+    optional `model:` mapping of all ModelSpec fields (default LLaMA-13B)."""
     path = PROFILES / "h100.yaml" if spec == "h100-llama13b" else Path(spec)
     if not path.is_file():
         raise ValueError(f"--cost {spec!r}: neither 'h100-llama13b' nor an existing YAML file")
-    model_data = (yaml.safe_load(path.read_text()) or {}).get("model")
-    model = ModelSpec(**model_data) if model_data else LLAMA_13B
-    return CostModel(model, HardwareProfile.from_yaml(path), pp=pp, recompute=recompute)
+    data = read_profile(path)
+    model = _from_mapping(ModelSpec, data["model"], path, "model") if "model" in data else LLAMA_13B
+    return model, HardwareProfile.from_yaml(path)
+
+
+def load_cost(spec: str, pp: int, recompute: bool = True) -> CostModel:
+    """The cost model of `load_profile(spec)` split over `pp` stages."""
+    return CostModel(*load_profile(spec), pp=pp, recompute=recompute)

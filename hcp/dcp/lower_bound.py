@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
+from hcp.dcp.plan import check_pool, prepare_lengths
 
 
 def cp_sizes(pool: int) -> np.ndarray:
@@ -34,9 +35,11 @@ def cp_sizes(pool: int) -> np.ndarray:
 
 
 def lower_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int) -> float:
-    """Seconds below which no valid plan of these lengths can finish an iteration (see module
-    docstring for the proof). Lengths must each fit the pool (`L <= pool * max_tokens_per_rank`)."""
-    lens = np.asarray(lengths, dtype=np.float64)
+    """Seconds below which no valid plan of these lengths (tokens) can finish an iteration (see
+    module docstring for the proof). The inputs must pass `prepare_lengths` as they are (so each
+    length fits the pool, `L <= pool * max_tokens_per_rank`); its errors are raised otherwise."""
+    pool, max_tokens_per_rank = check_pool(pool, max_tokens_per_rank)  # Python ints: no overflow
+    lens = prepare_lengths(lengths, pool, max_tokens_per_rank)[0].astype(np.float64)
     cs = cp_sizes(pool).astype(np.float64)[:, None]  # [K, 1]
     phi = cost.fwd_floor(lens[None, :], lens[None, :] ** 2, cs)  # [p, K, n]
     phi = np.where(lens[None, None, :] <= cs[None] * max_tokens_per_rank, phi, np.inf)

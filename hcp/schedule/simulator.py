@@ -6,8 +6,8 @@ backward, then drains the remaining backwards, all in micro-batch order. Depende
 `F(p - 1, j)`). A stage runs one op at a time, in its order, each as early as allowed.
 Inter-stage transfers take no time here (fold them into the per-micro-batch overhead).
 
-Durations in seconds: `fwd[s, j]`, `bwd[s, j]` (shape `[p, M]`). The iteration time is the end
-of the last op (`B(0, M - 1)`).
+Durations in seconds, finite and >= 0: `fwd[s, j]`, `bwd[s, j]` (shape `[p, M]`). The iteration
+time is the end of the last op (`B(0, M - 1)`).
 """
 from __future__ import annotations
 
@@ -56,6 +56,12 @@ def simulate_1f1b(fwd: np.ndarray, bwd: np.ndarray, record: bool = True) -> Time
     bwd = np.asarray(bwd, dtype=np.float64)
     if fwd.shape != bwd.shape or fwd.ndim != 2 or fwd.shape[1] == 0:
         raise ValueError(f"fwd {fwd.shape} and bwd {bwd.shape} must both be [stages, M>0]")
+    for name, d in (("fwd", fwd), ("bwd", bwd)):
+        bad = ~((d >= 0) & (d < np.inf))  # NaN fails both comparisons
+        if bad.any():
+            s, j = np.argwhere(bad)[0]
+            raise ValueError(f"{name}[stage {s}, micro-batch {j}] = {d[s, j]}: durations must "
+                             f"be finite seconds >= 0; check the cost model that produced it")
     p, m = fwd.shape
     f_end = [[-1.0] * m for _ in range(p)]
     b_end = [[-1.0] * m for _ in range(p)]
