@@ -1,5 +1,7 @@
-"""Dynamic-CP benchmark: packing-only vs the Megatron-style greedy vs our solver (vs the exact
-optimum on small instances), simulated on the LLaMA-13B / H100 cost model.
+"""Dynamic-CP benchmark: packing-only vs the Megatron-style greedy vs our solver, in simulation.
+
+The simulation uses the LLaMA-13B / H100 cost model; `--exact` adds the exact optimum (small
+instances, pp=1).
 
     # small instance, against the exact optimum (branch and bound)
     python benchmarks/dynamic_cp.py --global-batch 32 --cp-pool 8 --pp 1 \
@@ -12,8 +14,9 @@ Per batch and on average: simulated iteration time (s), its ratio to the provabl
 (hcp/dcp/lower_bound.py), micro-batches, CP-size histogram (sequences per CP size), planning
 wall time, and TFLOPS/GPU = model FLOPs of the real tokens (3 x forward, recompute not counted,
 ragged sum L^2 attention, LM head included) / (iteration time * GPUs), GPUs = pool * pp.
-Batches draw `--global-batch` lengths without replacement from `--lengths` after dropping
-lengths above `--max-len` (numpy default_rng(--seed)).
+Batches draw `--global-batch` lengths without replacement from `--lengths` (one positive integer
+per line; blank lines and `#` comments allowed) after dropping lengths above `--max-len` (numpy
+default_rng(--seed)). Bad arguments are parser errors (exit status 2).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from hcp.dcp.baselines import greedy, packing_only
-from hcp.dcp.cost_model import load_cost
+from hcp.dcp.cost_model import CostModel, load_profile
 from hcp.dcp.exact import solve_exact
 from hcp.dcp.lower_bound import lower_bound
 from hcp.dcp.plan import prepare_lengths, validate_plan
@@ -37,8 +40,11 @@ METHODS = ("packing_only", "greedy", "solver")
 
 
 def parse_args(argv=None):
+    """`(args, cost model, length pool)`; every bad argument, the cost profile and the
+    `--lengths` file included, is a parser error (exit 2) naming the value and the fix."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--lengths", default=str(DEFAULT_LENGTHS), help="one length per line")
+    p.add_argument("--lengths", default=str(DEFAULT_LENGTHS),
+                   help="one positive integer per line; blank lines and # comments allowed")
     p.add_argument("--global-batch", type=int, default=2048)
     p.add_argument("--cp-pool", type=int, default=8, help="dp * cp ranks per stage")
     p.add_argument("--pp", type=int, default=8)
@@ -52,15 +58,60 @@ def parse_args(argv=None):
     p.add_argument("--exact-time-limit", type=float, default=10.0, help="seconds per batch")
     p.add_argument("--timeline", help="PNG of the solver's timeline for the first batch")
     p.add_argument("--json", help="write the summary here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, low in (("--global-batch", 1), ("--cp-pool", 1), ("--pp", 1), ("--batches", 1),
+                      ("--seed", 0), ("--max-tokens-per-rank", 1), ("--max-len", 1)):
+        v = getattr(args, flag[2:].replace("-", "_"))
+        if v < low:
+            p.error(f"{flag} {v}: must be >= {low}")
+    if args.cp_pool & (args.cp_pool - 1):
+        ok = 1 << (args.cp_pool.bit_length() - 1)
+        p.error(f"--cp-pool {args.cp_pool}: not a power of two (aligned CP blocks); use {ok} or "
+                f"{2 * ok}")
+    if args.exact and args.pp > 1:
+        p.error(f"--exact solves single-stage plans only; drop it or use --pp 1 (not {args.pp})")
+    if not args.exact_time_limit > 0:
+        p.error(f"--exact-time-limit {args.exact_time_limit}: must be > 0 seconds")
+    limit = args.cp_pool * args.max_tokens_per_rank
+    if args.max_len > limit:
+        p.error(f"--max-len {args.max_len} exceeds --cp-pool * --max-tokens-per-rank = {limit}, "
+                f"so the longest sequences fit nowhere; lower --max-len to {limit} or raise "
+                f"--cp-pool / --max-tokens-per-rank")
+    if not Path(args.lengths).is_file():
+        p.error(f"--lengths {args.lengths}: no such file; give a text file, one length per line")
+    try:
+        model, hw = load_profile(args.cost)
+        lengths = read_lengths(args.lengths)
+    except ValueError as err:
+        p.error(str(err))
+    if args.pp > model.layers:
+        p.error(f"--pp {args.pp}: more stages than the {model.layers} layers of --cost "
+                f"{args.cost}; use --pp <= {model.layers}")
+    usable = int((lengths <= args.max_len).sum())
+    if usable < args.global_batch:
+        p.error(f"--lengths {args.lengths} has {usable} lengths <= --max-len {args.max_len}; "
+                f"lower --global-batch to <= {usable} or raise --max-len")
+    return args, CostModel(model, hw, pp=args.pp), lengths
 
 
-def draw_batches(args) -> list[np.ndarray]:
-    lens = np.loadtxt(args.lengths, dtype=np.int64, ndmin=1)
-    lens = lens[lens <= args.max_len]
-    if lens.size < args.global_batch:
-        raise SystemExit(f"only {lens.size} lengths <= --max-len {args.max_len}; "
-                         f"need --global-batch {args.global_batch}")
+def read_lengths(path) -> np.ndarray:
+    """Sequence lengths (tokens) from a text file: one positive integer per line, blank lines
+    and `#` comments allowed; ValueError naming the file, line number and text otherwise."""
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        if not text.isdecimal() or int(text) < 1:
+            raise ValueError(f"--lengths {path}, line {n}: {line.strip()!r} is not a positive "
+                             f"integer; give one token count per line (# starts a comment)")
+        out.append(int(text))
+    return np.array(out, dtype=np.int64)
+
+
+def draw_batches(args, lengths: np.ndarray) -> list[np.ndarray]:
+    """`--batches` batches of `--global-batch` lengths drawn from those <= `--max-len`."""
+    lens = lengths[lengths <= args.max_len]
     rng = np.random.default_rng(args.seed)
     return [rng.choice(lens, args.global_batch, replace=False) for _ in range(args.batches)]
 
@@ -81,29 +132,35 @@ def plan_batch(method, lens, cost, args):
 
 
 def draw_timeline(path, plan, lens, cost, pool):
-    """Ranks (stage-major) x time; each rank's share of every op, one colour per micro-batch
-    (forward solid, backward hatched-light); gaps are idle time."""
+    """Ranks (stage-major) x time (s); each rank's share of every op, one colour per micro-batch
+    (forward solid, backward lighter); gaps are idle time. One `broken_barh` per rank row."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
     tl = simulate_plan(plan, lens, cost, record=True)
     arr = np.asarray(lens, dtype=np.float64)
-    busy = {}
+    busy = np.zeros((cost.pp, plan.num_micro_batches, pool))  # forward s of [stage, mb, rank]
     for j, mb in enumerate(plan.micro_batches):
         for g in mb.groups:
-            x = arr[g.seq_indices] if g.seq_indices else np.zeros(1)
-            f = cost.fwd(x.sum(), (x * x).sum(), g.cp_size)
-            for r in range(g.rank_offset, g.rank_offset + g.cp_size):
-                busy[j, r] = f
+            x = arr[g.seq_indices]
+            f = cost.fwd(x.sum(), (x * x).sum(), g.cp_size)  # [pp]
+            busy[:, j, g.rank_offset:g.rank_offset + g.cp_size] = f[:, None]
     cmap = plt.get_cmap("tab20")
     fig, ax = plt.subplots(figsize=(14, 0.12 * pool * cost.pp + 2))
-    for op in tl.ops:
+    hw = cost.hw
+    for s in range(cost.pp):
+        ops = [o for o in tl.ops if o.stage == s]
+        fwd = np.array([o.kind == "F" for o in ops])
+        mbs = np.array([o.micro_batch for o in ops])
+        starts = np.array([o.start for o in ops])
+        spans = np.where(fwd[:, None], hw.micro_batch_overhead_fwd + busy[s, mbs],  # [ops, rank]
+                         hw.micro_batch_overhead_bwd + cost.bwd_factor * busy[s, mbs])
+        colours = [to_rgba(cmap(j % 20), 1.0 if f else 0.55) for j, f in zip(mbs, fwd)]
         for r in range(pool):
-            f = busy[op.micro_batch, r][op.stage]
-            span = (cost.hw.micro_batch_overhead_fwd + f if op.kind == "F"
-                    else cost.hw.micro_batch_overhead_bwd + cost.bwd_factor * f)
-            ax.barh(op.stage * pool + r, span, left=op.start, height=0.9,
-                    color=cmap(op.micro_batch % 20), alpha=1.0 if op.kind == "F" else 0.55)
+            ax.broken_barh(np.stack([starts, spans[:, r]], axis=1), (s * pool + r - 0.45, 0.9),
+                           facecolors=colours)
+    ax.set_xlim(left=0)
     ax.invert_yaxis()
     ax.set_xlabel("time (s)")
     ax.set_ylabel("rank (stage * pool + pool rank)")
@@ -115,14 +172,13 @@ def draw_timeline(path, plan, lens, cost, pool):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    cost = load_cost(args.cost, args.pp)
+    args, cost, lengths = parse_args(argv)
     gpus = args.cp_pool * args.pp
     methods = METHODS + (("exact",) if args.exact else ())
     rows = {k: [] for k in methods}
     print(f"{'batch':>5} {'method':>12} {'time_s':>8} {'/bound':>7} {'/opt':>7} {'M':>4} "
           f"{'plan_ms':>8} {'TFLOPS':>7}  cp histogram")
-    for b, raw in enumerate(draw_batches(args)):
+    for b, raw in enumerate(draw_batches(args, lengths)):
         lens, _ = prepare_lengths(raw, args.cp_pool, args.max_tokens_per_rank)
         bound = lower_bound(lens, cost, args.cp_pool, args.max_tokens_per_rank)
         flops = cost.model_flops(lens)
