@@ -1,7 +1,7 @@
 """Dynamic-CP solver: a global batch of lengths -> a plan of micro-batches with minimum
 simulated iteration time under the per-rank token cap.
 
-Method (deterministic, numpy + heaps; planning time grows with the micro-batch count: ~70 ms
+Method (deterministic, numpy + heaps; planning time grows with the micro-batch count: ~80 ms
 for 2,048 Wikipedia-like sequences over 8 stages of an 8-rank pool (~60 micro-batches), ~0.7 s
 for 2,048 sequences of 8K tokens (~300), and up to ~0.5 s with pp = 1 and at most
 `LOCAL_SEARCH_MAX_SEQS` sequences, where a local search runs):
@@ -23,8 +23,8 @@ for 2,048 sequences of 8K tokens (~300), and up to ~0.5 s with pp = 1 and at mos
    every closing length at the memory minimum M, then the best one at a few M around it. With
    a row slower than the level (a sequence too long for it even on the whole pool), M near
    the minimum also tries p - 1 fuller "escort" rows per such row (see `ESCORT_LIFT`). Every
-   candidate, plus one without ramps and the packing-only and greedy baselines' plans (guards
-   for degenerate batches), is replayed through the pipeline simulator; the fastest wins.
+   candidate, plus one without ramps and the packing-only baseline's plan (guards for
+   degenerate batches), is replayed through the pipeline simulator; the fastest wins.
 5. With one stage (`pp = 1`, time = sum over micro-batches) and at most
    `LOCAL_SEARCH_MAX_SEQS` sequences, every candidate (the baselines' plans included) is first
    improved by local search (hcp/dcp/local_search.py: move, swap, resize and split groups,
@@ -332,15 +332,16 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     heights = cost.fwd(lens[None, :], lens[None, :] ** 2, cs[:, None]).sum(axis=0)  # [K, n]
     heights = np.where(feasible, heights, np.inf)
     m_min = int(np.ceil(lens.sum() / (pool * m)))
-    # the baselines compete too: cheap guards for degenerate batches (e.g. one sequence)
+    # the baselines compete too: guards for degenerate batches (e.g. one sequence); greedy
+    # (~40 ms for 2,048 sequences) only with one stage, the only setting where it has won
+    # (a pool of 64; 0 of 96 runs at pools 8-64 x pp 2-8, seeds 0-7, without it)
     if max_len is not None and max_len > pool * m:  # a run's max_len need not fit this pool
         max_len = None
-    baselines = [(packing_only(lens, pool, m, max_len), "packing_only"),
-                 (greedy(lens, pool, m), "greedy")]
+    baselines = [(packing_only(lens, pool, m, max_len), "packing_only")]
     if cost.pp > 1:
         return _search_pipeline(lens, heights, feasible, cost, pool, m, m_min, baselines)
     # one stage: no ramps; a row or two more than the memory minimum can pack better
-    candidates = list(baselines)
+    candidates = baselines + [(greedy(lens, pool, m), "greedy")]
     for rows_target in range(m_min, m_min + 3):
         plan = _level_plan(lens, heights, feasible, rows_target, pool, m, np.zeros(0))[0]
         candidates.append((plan, f"level(M~{rows_target})"))
