@@ -2,8 +2,8 @@
 simulated iteration time under the per-rank token cap.
 
 Method (deterministic, numpy + heaps; planning time grows with the micro-batch count: ~80 ms
-for 2,048 Wikipedia-like sequences over 8 stages of an 8-rank pool (~60 micro-batches), ~0.7 s
-for 2,048 sequences of 8K tokens (~300), and up to ~0.5 s with pp = 1 and at most
+for 2,048 Wikipedia-like sequences over 8 stages of an 8-rank pool (~60 micro-batches), ~0.5 s
+for 2,048 sequences of 8K tokens (256), and up to ~0.5 s with pp = 1 and at most
 `LOCAL_SEARCH_MAX_SEQS` sequences, where a local search runs):
 1. Rank-time of a sequence at CP size c: `c * h(L, c)`, with `h` the forward seconds summed over
    stages (the backward is proportional). `W` = total rank-time at the smallest feasible c.
