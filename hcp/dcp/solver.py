@@ -176,9 +176,9 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
         heapq.heappush(heap, (key + h, ri, g[0], g))
 
 
-def ramps(cost: CostModel, span: float) -> tuple[np.ndarray, np.ndarray]:
+def ramps(cost: CostModel, span: float | None) -> tuple[np.ndarray, np.ndarray]:
     """Fill fractions of the light micro-batches that open and close the pipeline, as
-    (opening, closing), each ascending; none with one stage.
+    (opening, closing), each ascending; none with one stage or `span=None`.
 
     The shapes follow the optimum of a linear program over micro-batch sizes x_j (1F1B start
     times as variables, stage times `o + a_s x_j`, total work fixed; solved with HiGHS for the
@@ -190,7 +190,7 @@ def ramps(cost: CostModel, span: float) -> tuple[np.ndarray, np.ndarray]:
     starts at OPEN_FROM of a full row. Closing: the drain waits on backwards, k times the
     forwards, so the fall is long: `round(span * k * (p - 1))` rows falling linearly to 0."""
     p, k = cost.pp, cost.bwd_factor
-    if p == 1:
+    if p == 1 or span is None:
         return np.zeros(0), np.zeros(0)
     a_last = float(cost.mm_coef[-1] / cost.mm_coef[0])
     r = 1.0 + ((1.0 + k) * a_last - 1.0) / (p - 1)
@@ -295,7 +295,7 @@ def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int
 
     def consider(span: float | None, rows_target: int) -> bool:
         nonlocal best
-        opening, closing = ramps(cost, span) if span else (np.zeros(0), np.zeros(0))
+        opening, closing = ramps(cost, span)
         fractions = np.concatenate([opening, closing])
         improved = False
         escorts = {0, cost.pp - 1 if rows_target <= ESCORT_ROW_FACTOR * m_min else 0}
