@@ -8,7 +8,8 @@ instances, pp=1).
         --max-tokens-per-rank 2048 --max-len 16384 --exact --batches 20
     # seed-sized: 64 GPUs = PP 8 x CP pool 8, global batch 2048
     python benchmarks/dynamic_cp.py --global-batch 2048 --cp-pool 8 --pp 8 \
-        --max-tokens-per-rank 8192 --max-len 65536 --timeline timeline.png --json out.json
+        --max-tokens-per-rank 8192 --max-len 65536 --batches 10 --timeline timeline.png \
+        --json out.json
 
 Per batch and on average: simulated iteration time (s), its ratio to the provable lower bound
 (hcp/dcp/lower_bound.py), micro-batches, CP-size histogram (sequences per CP size), planning
@@ -42,7 +43,8 @@ METHODS = ("packing_only", "greedy", "solver")
 def parse_args(argv=None):
     """`(args, cost model, length pool)`; every bad argument, the cost profile and the
     `--lengths` file included, is a parser error (exit 2) naming the value and the fix."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--lengths", default=str(DEFAULT_LENGTHS),
                    help="one positive integer per line; blank lines and # comments allowed")
     p.add_argument("--global-batch", type=int, default=2048)
@@ -78,7 +80,11 @@ def parse_args(argv=None):
                 f"so the longest sequences fit nowhere; lower --max-len to {limit} or raise "
                 f"--cp-pool / --max-tokens-per-rank")
     if not Path(args.lengths).is_file():
-        p.error(f"--lengths {args.lengths}: no such file; give a text file, one length per line")
+        what = "a directory" if Path(args.lengths).is_dir() else "no such file"
+        p.error(f"--lengths {args.lengths}: {what}; give a text file, one length per line")
+    for flag, out in (("--json", args.json), ("--timeline", args.timeline)):
+        if out and not Path(out).resolve().parent.is_dir():
+            p.error(f"{flag} {out}: its directory does not exist; create it or pick another path")
     try:
         model, hw = load_profile(args.cost)
         lengths = read_lengths(args.lengths)
@@ -88,6 +94,10 @@ def parse_args(argv=None):
         p.error(f"--pp {args.pp}: more stages than the {model.layers} layers of --cost "
                 f"{args.cost}; use --pp <= {model.layers}")
     usable = int((lengths <= args.max_len).sum())
+    if lengths.size == 0:
+        p.error(f"--lengths {args.lengths} holds no lengths; give one token count per line")
+    if usable == 0:
+        p.error(f"--lengths {args.lengths}: no length <= --max-len {args.max_len}; raise --max-len")
     if usable < args.global_batch:
         p.error(f"--lengths {args.lengths} has {usable} lengths <= --max-len {args.max_len}; "
                 f"lower --global-batch to <= {usable} or raise --max-len")
@@ -257,7 +267,7 @@ def print_summary(s):
     print(f"solver never worse than packing-only and greedy on every batch: "
           f"{s['solver_never_worse']}")
     print(f"TFLOPS/GPU gain over packing-only: {s['tflops_gain_over_packing_only']:.2f}x "
-          f"(seed, Megatron GBS 2048 PP 8 CP 8: GitHub 1.48x, CommonCrawl 1.25x)")
+          f"(published Megatron-LM dynamic CP at GBS 2048 PP 8 CP 8, for comparison: GitHub 1.48x, CommonCrawl 1.25x)")
     if "exact" in s:
         print(f"exact: optimum proven within 1% on {s['exact']['optimum_proven_batches']} "
               f"batches; /opt is against the best plan found, opt<= against the larger of the "

@@ -186,9 +186,19 @@ def parser_error(argv, capsys) -> str:
     (["--exact", "--pp", "2"], r"--exact solves single-stage plans only"),
     (["--max-len", "70000"], r"--max-len 70000 exceeds .* 65536.*lower --max-len"),
     (["--global-batch", "60000"], r"lower --global-batch"),
+    (["--max-len", "1"], r"no length <= --max-len 1; raise --max-len"),
+    (["--lengths", "/"], r"--lengths /: a directory"),
+    (["--json", "/nonexistent/out.json"], r"--json /nonexistent/out\.json: its directory does not"),
+    (["--timeline", "/nonexistent/t.png"], r"--timeline /nonexistent/t\.png: its directory"),
 ])
 def test_bad_cli_arguments_are_parser_errors(argv, match, capsys):
     assert re.search(match, parser_error(argv, capsys))
+
+
+def test_lengths_file_without_lengths_is_a_parser_error(tmp_path, capsys):
+    path = tmp_path / "lengths.txt"
+    path.write_text("# no lengths yet\n\n")
+    assert "holds no lengths" in parser_error(["--lengths", str(path)], capsys)
 
 
 @pytest.mark.parametrize("line", ["0", "-5", "1.5", "1e3", "3 4", "ten"])
