@@ -60,6 +60,14 @@ class StepRunner:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _stage(self, batch, x, head=None):
+        """This stage's model forward under autocast. The activation travels in the compute
+        dtype (`wire_dtype`); a received one is widened back to the parameters' fp32, so the
+        residual stream keeps the precision it has without pipeline stages."""
+        with self._autocast():
+            out = self.model(batch, None if x is None else x.float(), head)
+        return out if self.stage.last else out.to(self.wire_dtype)
+
     def _act_spec(self, meta) -> tuple[tuple[int, int], torch.dtype]:
         """(shape, dtype) of the activation a stage sends for micro-batch `meta`."""
         return self.model.residual_shape(meta), self.wire_dtype
@@ -103,10 +111,9 @@ class StepRunner:
 
         def forward(batch, x):
             nonlocal loss_total
-            with self._autocast():
-                out = self.model(batch, x)
+            out = self._stage(batch, x)
             if not self.stage.last:
-                return out.to(self.wire_dtype)
+                return out
             loss_sum = out[0]
             loss_total = loss_total + loss_sum.detach().double()
             return loss_sum.float() / global_tokens
@@ -159,15 +166,11 @@ class StepRunner:
     def forward_outputs(self, batches, head) -> list:
         """Evaluation through the pipeline: `head(batch, hidden)` of every micro-batch, computed
         on the last stage and broadcast to every stage (a tensor each). Every stage passes the
-        same `batches` (the first stage reads them, the others their metadata)."""
-        def forward(batch, x):
-            with self._autocast():
-                out = self.model(batch, x, head)
-            return out if self.stage.last else out.to(self.wire_dtype)
-
-        metas = [StageMeta.of(b) for b in batches]  # the same batches on every stage
-        outs = forward_only(forward, self.link, self.stage.index, self.stage.num_stages,
-                            batches, metas, self._act_spec)
+        same number of `batches`; the first stage's are the ones run (the others get their
+        metadata from it, as in training)."""
+        metas = self._metas(batches if self.stage.first else None, len(batches))
+        outs = forward_only(lambda batch, x: self._stage(batch, x, head), self.link,
+                            self.stage.index, self.stage.num_stages, batches, metas, self._act_spec)
         if self.stage.num_stages == 1:
             return outs
         shared = []
