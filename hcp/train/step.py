@@ -17,6 +17,14 @@ reduced over DP x CP there and then shared with every stage.
 Gradient sync: plain DP sums the flat gradients over DP x CP after the schedule; under FSDP
 (`sharded=True`, the model is `fully_shard`-ed by `hcp.train.fsdp`) the reduce-scatter runs in
 the last micro-batch's backward and nothing is summed here.
+
+Uneven data, same collectives on every rank: under FSDP each micro-batch's forward and backward
+all-gather over DP x CP, so a lane that packs fewer micro-batches than another is padded with
+empty ones (`hcp.data.packing.pad_micro_batches`: zero loss, tokens and gradient); the per-lane
+counts come from the step's one DP all-reduce (the step plan will compute them locally). Every
+trainable parameter joins the gradient reduction, with zeros where a lane got no gradient (a
+text-only lane leaves the encoder and projector out of its graph); when no lane had an image,
+the encoder and projector get no gradient at all, as in one process.
 """
 from __future__ import annotations
 
@@ -102,7 +110,8 @@ class StepRunner:
     def forward_backward(self, batches) -> tuple[float, list[float], int, StageTimes]:
         """Gradients of the token-level loss of this lane's micro-batches `batches` (first
         stage; None elsewhere), synchronized over DP x CP. Returns (global loss, [global loss
-        tokens, global tokens], micro-batches per lane, this stage's timings)."""
+        tokens, global tokens, global sum of squared document lengths], micro-batches run per
+        lane (padded under FSDP), this stage's timings)."""
         counts = self._counts(batches)
         n_micro, global_tokens = int(counts[0]), counts[1].item()
         if self.stage.first:  # FSDP: a lane with fewer micro-batches still joins every collective
