@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from hcp.comm.boundary import RouteBytes, route_rows
 from hcp.parallel.routing import build_routes, min_route_rows
-from tests.dist_utils import run_ranks
-from tests.route_utils import Layout, image_route, random_batch
+from dist_utils import run_ranks
+from route_utils import Layout, image_route, random_batch
 
 H = 6
 
