@@ -209,7 +209,7 @@ def test_encoder_tp_replicas_split_the_rows_to_send():
     lays = layouts(2, 2, 1, 4, 1)            # encoder tp2 dp2, LLM cp4
     _, plans = check_plan(sizes, lays, mbt=16)
     sent = [len(plans[r].routes[EDGE].send_index) for r in range(4)]
-    assert sent == [3, 4, 2, 2]               # lane 0: 7 rows -> [0, 3) + [3, 7); lane 1: 2 + 2
+    assert sent == [4, 3, 2, 2]               # lane 0: 7 rows -> [0, 4) + [4, 7); lane 1: 2 + 2
     assert all(plans[r].routes[EDGE].grad_recv_splits for r in range(4))
 
 

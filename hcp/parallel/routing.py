@@ -8,9 +8,9 @@ communicators and the LLM stage):
 - Row keys: the image rows of sample s are rows 0..n_s-1 (n_s = its images x patches, images in
   order of appearance). An encoder rank's source tensor is its encoder lane's samples' rows
   concatenated in sample order (projector output flattened to `[rows, H_llm]`).
-- Encoder TP > 1: the TP replicas of one lane hold identical rows; replica t of tp sends the
-  contiguous part `[floor(t*R/tp), floor((t+1)*R/tp))` of the lane's R rows (balanced, disjoint)
-  and gets back the gradients of exactly those rows. The encoder output goes through an op whose
+- Encoder TP > 1: the TP replicas of one lane hold identical rows; row p of the lane's R rows
+  is sent by replica floor(p * tp / R) (contiguous, balanced, disjoint parts), which gets back
+  the gradients of exactly those rows. The encoder output goes through an op whose
   backward all-reduces over the encoder TP group (Megatron's copy-to-TP-region), which turns the
   replicas' partial gradients into the full one.
 - Destination: only LLM first-stage ranks (pp = 0) receive. Each receives exactly the image rows

@@ -280,14 +280,14 @@ def _route_into_llm(sizes, src_lay, llm, s_group, doc_start, group_at, mb_base, 
     img_first = _excl_cumsum(rows_each)
     pos_in_sample = np.repeat(sizes.image_starts - img_first[:-1], rows_each) + np.arange(R)
     sample = np.repeat(np.arange(B), per_sample)
-    # source: lane block, TP replicas split the lane's rows in contiguous balanced parts
+    # source: lane block; TP replica floor(p * tp / R) sends lane row p (contiguous, balanced)
     n = B // src_lay.dp
     lane = sample // n
     lane_first = row_off[np.arange(src_lay.dp) * n]
     lane_rows = row_off[np.arange(1, src_lay.dp + 1) * n] - lane_first
     src_row = np.arange(R) - lane_first[lane]
     tp = src_lay.tp
-    replica = ((src_row + 1) * tp - 1) // np.maximum(lane_rows[lane], 1)
+    replica = src_row * tp // np.maximum(lane_rows[lane], 1)
     src = Grid.of(src_lay).ranks[0, lane, 0, replica]
     # destination: the CP rank whose head-tail chunks hold the row's merged position
     g = s_group[sample]
