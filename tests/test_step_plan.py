@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hcp.data.packing import first_fit
 from hcp.parallel.cp_sharding import cp_shard
 from hcp.parallel.grid import Grid
+from hcp.parallel.routing import build_routes
 from hcp.plan.lengths import SampleSizes
 from hcp.plan.step import plan_step
 
@@ -140,6 +141,11 @@ def check_plan(sizes, lays, mbt):
                 want += local[local >= 0].tolist()
             assert mb.image_rows == (start, len(want))
         assert got[r].tolist() == want, f"rank {r}"
+    # the plan's routes equal the boundary's own builder from the same row keys
+    wants = [np.asarray(got[r]) if llm.coords(r)["pp"] == 0 else np.zeros(0, np.int64) for r in range(world)]
+    owner = [np.full(len(wants[r]), llm.coords(r)["tp"] == 0) for r in range(world)]
+    reference = build_routes([sources[r] for r in range(world)], wants, owner)
+    assert all(reference[r] == plans[r].routes[EDGE] for r in range(world))
     returned = np.zeros(int(sizes.image_rows.sum()), np.int64)
     for r in range(world):
         np.add.at(returned, sources[r], grads[r])
