@@ -89,5 +89,8 @@ def validate(cfg, world_size: int) -> dict:
     check_backends(cfg)
     check_model(cfg)
     layouts = check_layouts(cfg, world_size)
+    from hcp.plan.joins import check_joins  # the step plan's join rules (layer 7, imported late)
+
+    check_joins(cfg, layouts)
     check_trainer(cfg, layouts)
     return layouts
