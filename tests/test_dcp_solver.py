@@ -59,14 +59,17 @@ def test_edge_cases_give_valid_plans(raw):
 
 
 def test_solver_beats_baselines_on_real_lengths():
+    """By a margin, so it can fail (packing-only is one of the solver's candidates, so 'no
+    worse' would hold by construction; greedy competes only at pp = 1). Measured when
+    written: 0.875 x greedy's time, 0.788 x packing-only's."""
     rng = np.random.default_rng(1)
     all_lens = np.loadtxt(SAMPLE, dtype=np.int64)
     lens = rng.choice(all_lens[all_lens <= 16384], 256, replace=False)
     cost = COSTS[4]
     sol = solve(lens, cost, 8, 2048, 16384)
     check_plan(sol.plan, lens, 8, 2048)
-    for plan in (greedy(lens, 8, 2048), packing_only(lens, 8, 2048, 16384)):
-        assert sol.time <= simulate_plan(plan, lens, cost).iteration_time
+    for plan, margin in ((greedy(lens, 8, 2048), 0.92), (packing_only(lens, 8, 2048, 16384), 0.85)):
+        assert sol.time <= margin * simulate_plan(plan, lens, cost).iteration_time
 
 
 def test_ramps_rise_geometrically_and_fall_linearly():
