@@ -23,11 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hcp.config.layouts import CP_COMMS
 from hcp.model.attention import doc_slots, padded_attention, to_padded
 from hcp.model.collectives import gather_seq, group_rank, group_size
 from hcp.parallel.cp_sharding import cp_shard
-
-CP_COMMS = ("allgather", "p2p")
 
 
 @dataclass
