@@ -55,9 +55,9 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         return plan
     world = local_world_size(cfg, joined, overrides)
     layouts = validate(cfg, world)
-    check_trainable(cfg, layouts)
     if not joined:
         check_fits_here(cfg, layouts, world, overrides)
+    check_trainable(cfg, layouts)
     check_resume(cfg)
     container = OmegaConf.to_container(cfg, resolve=True)
     first = _is_first(joined)
