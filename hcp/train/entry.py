@@ -17,12 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from hcp.config.compose import CONF_DIR, config_groups
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import world_size_of
-from hcp.config.validate import validate
-from hcp.data.build import prepare_data
-from hcp.train.checkpoint import check_resume
 from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_env, local_world_size,
                               resolve_nproc, start_local_ranks)
-from hcp.train.support import check_trainable
 
 
 def _rank_entry(payload) -> None:
@@ -41,6 +37,11 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
 
     `overrides` are the command line's (for the commands error messages suggest)."""
     from hydra.core.hydra_config import HydraConfig
+
+    from hcp.config.validate import validate
+    from hcp.data.build import prepare_data
+    from hcp.train.checkpoint import check_resume
+    from hcp.train.support import check_trainable
 
     run_dir = HydraConfig.get().runtime.output_dir
     OmegaConf.resolve(cfg)
