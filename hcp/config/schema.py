@@ -55,7 +55,6 @@ class VisionConfig:
     norm_eps: float = 1e-5
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
-    offload: bool = False
 
 
 @dataclass
@@ -66,7 +65,6 @@ class ProjectorConfig:
     """`mlp2x_gelu` (Linear GELU Linear, LLaVA-1.5) or `linear`."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
-    offload: bool = False
 
 
 @dataclass
@@ -86,7 +84,6 @@ class LLMConfig:
     """`auto` (fastest installed), `torch` (pure torch, CPU reference), `te`, `flash`."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
-    offload: bool = False
 
 
 @dataclass
@@ -118,8 +115,11 @@ class TrainerConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"
+    """`adamw` (hcp.config.choices.OPTIMIZERS)."""
     lr: float = 1e-3
     weight_decay: float = 0.0
+    """Decoupled weight decay on weight matrices only (linear and projection weights); norms,
+    biases and embeddings (token, patch, position, CLS) never decay, as in Megatron-LM and LLaVA."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     warmup_ratio: float = 0.03
@@ -163,8 +163,6 @@ class LoggerConfig:
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"
-    """`local` (start ranks here) or `slurm`."""
     nproc_per_node: Any = "auto"
     """Ranks per node: `auto` = one per GPU on CUDA, 4 on CPU; or an int."""
     nnodes: int = 1

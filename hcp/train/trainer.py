@@ -26,10 +26,9 @@ from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
 from hcp.train.fsdp import shard_model
-from hcp.train.metrics_log import RunLogger
+from hcp.train.metrics_log import RunLogger, whole_step_metrics
 from hcp.train.optim import build_optimizer, build_scheduler
 from hcp.train.step import StepRunner
-from hcp.train.throughput import step_metrics
 
 
 class Trainer:
@@ -61,7 +60,7 @@ class Trainer:
         if llm.dp_shard:
             shard_model(self.model, self.groups)
         self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
         self.step, self.resume_note = 0, None
@@ -96,6 +95,8 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
         self.resume_note = f"resumed from {path} at step {self.step}"
+        if self.scheduler.change_note:  # a changed trainer.max_steps / optim.lr: said, and followed
+            self.resume_note += "\n" + self.scheduler.change_note
 
     def micro_batches(self, sample_indices):
         """This lane's samples packed first-fit into THD micro-batches of at most
@@ -118,10 +119,9 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
         self.step += 1
-        dt = time.perf_counter() - t0
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": counts[1] / dt,
-                "step_time_s": dt, "loss_tokens": int(counts[0]), "micro_batches": n_micro,
-                **step_metrics(self.cfg.llm, counts, dt, self.stage_times, self.device)}
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
+                "micro_batches": n_micro, **whole_step_metrics(self.cfg.llm, counts, t0,
+                                                               self.stage_times, self.device)}
 
     def forward_backward(self, global_batch: list[int]) -> tuple[float, list[float], int]:
         """Gradients of the token-level loss of `global_batch` (sample indices), synchronized
@@ -146,8 +146,10 @@ class Trainer:
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "sampler": self.sampler.state_dict()}
-        checkpoint.save(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
-                        self.cfg.checkpoint.keep, self.tp_group)
+        path = checkpoint.save(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
+                               self.cfg.checkpoint.keep, self.tp_group)
+        if self.log:
+            self.log.write(f"checkpoint step {self.step}: {path}")
 
     def fit(self) -> dict:
         """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
