@@ -11,14 +11,17 @@ from hcp.config.validate import validate
 from hcp.data.build import prepare_data
 from hcp.train.checkpoint import check_resume
 from hcp.train.launch import export_rank_env, launched_rank_env, local_world_size, start_local_ranks
+from hcp.train.slurm import check_slurm
 from hcp.train.support import check_trainable
 
 
 def _rank_entry(payload) -> None:
+    from hcp.train.failures import report_rank_failure
     from hcp.train.trainer import run_rank
 
     container, run_dir = payload
-    run_rank(OmegaConf.create(container), run_dir)
+    with report_rank_failure():  # names the failing rank in the log (hcp.train.failures)
+        run_rank(OmegaConf.create(container), run_dir)
 
 
 def run(cfg: DictConfig):
@@ -35,6 +38,7 @@ def run(cfg: DictConfig):
     joined = launched_rank_env(os.environ)
     world = local_world_size(cfg, joined)
     check_trainable(cfg, validate(cfg, world))
+    check_slurm(cfg)
     check_resume(cfg)
     container = OmegaConf.to_container(cfg, resolve=True)
     if not joined or joined["rank"] == 0:
