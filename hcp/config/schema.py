@@ -110,6 +110,9 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Max global gradient L2 norm (0 disables clipping)."""
     progress_bar: bool = True
+    on_nonfinite: str = "stop"
+    """A NaN/Inf loss or gradient norm: `stop` (raise, naming the step; no checkpoint is written)
+    or `skip` (drop that step's update, count it and go on). hcp.train.failures."""
 
 
 @dataclass
@@ -162,6 +165,34 @@ class LoggerConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """SLURM job settings for `python -m hcp.train.sbatch` and `hydra/launcher=submitit_slurm`
+    (launchers/README.md). Nodes and tasks per node are `launcher.nnodes` / `nproc_per_node`."""
+
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    gpus_per_node: int = 0
+    """GPUs to request per node (0: none, a CPU job); must equal launcher.nproc_per_node if > 0."""
+    cpus_per_task: Optional[int] = None
+    time_min: int = 60
+    """Job time limit in minutes."""
+    signal: str = "USR2"
+    """Signal SLURM sends before the time limit and on preemption: `USR2` or `TERM` (USR1 can
+    collide with NCCL). hcp also treats SIGTERM under SLURM as the same request."""
+    signal_lead_s: int = 120
+    """Seconds before the time limit that the signal comes: must cover a step plus a checkpoint."""
+    max_requeues: int = 3
+    """Times a job requeues itself after a signal (SLURM_RESTART_COUNT), then it stops."""
+    requeue_exit_code: int = 85
+    """Exit code when `scontrol` is missing: requeues only where slurm.conf has RequeueExit=85."""
+    launch: str = "srun"
+    """sbatch path: `srun` (one task per GPU) or `torchrun` (one per node, c10d rendezvous)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines the job runs before launching (module load, activating an environment)."""
+
+
+@dataclass
 class LauncherConfig:
     nproc_per_node: Any = "auto"
     """Ranks per node: `auto` = one per GPU on CUDA, 4 on CPU; or an int."""
@@ -172,6 +203,7 @@ class LauncherConfig:
     """`auto` (nccl on CUDA, gloo on CPU), `nccl` or `gloo`."""
     timeout_s: int = 600
     """Collective timeout in seconds: a stuck collective fails instead of hanging."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 
 @dataclass

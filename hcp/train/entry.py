@@ -19,13 +19,16 @@ from hcp.config.errors import ConfigError
 from hcp.config.layouts import world_size_of
 from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_env, local_world_size,
                               resolve_nproc, start_local_ranks)
+from hcp.train.slurm import check_slurm
 
 
 def _rank_entry(payload) -> None:
+    from hcp.train.failures import report_rank_failure
     from hcp.train.trainer import run_rank
 
     container, run_dir = payload
-    run_rank(OmegaConf.create(container), run_dir)
+    with report_rank_failure():  # names the failing rank in the log (hcp.train.failures)
+        run_rank(OmegaConf.create(container), run_dir)
 
 
 def _is_first(joined) -> bool:
@@ -59,6 +62,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     if not joined:
         check_fits_here(cfg, layouts, world, overrides)
     check_trainable(cfg, layouts)
+    check_slurm(cfg)
     check_resume(cfg)
     container = OmegaConf.to_container(cfg, resolve=True)
     first = _is_first(joined)
