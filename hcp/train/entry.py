@@ -9,6 +9,8 @@ from omegaconf import DictConfig, OmegaConf
 from hcp.config.layouts import world_size_of
 from hcp.config.validate import validate
 from hcp.data.build import prepare_data
+from hcp.model.hf_export import start_export
+from hcp.model.hf_load import apply_hf_configs, check_hf_weights, cli_keys
 from hcp.train.checkpoint import check_resume
 from hcp.train.launch import export_rank_env, launched_rank_env, local_world_size, start_local_ranks
 from hcp.train.support import check_trainable
@@ -27,6 +29,8 @@ def run(cfg: DictConfig):
 
     run_dir = HydraConfig.get().runtime.output_dir
     OmegaConf.resolve(cfg)
+    for line in apply_hf_configs(cfg, cli_keys(HydraConfig.get().overrides.task)):
+        print(f"hcp: {line}")
     if cfg.mode == "plan":
         from hcp.train.plan import run_plan
 
@@ -36,6 +40,10 @@ def run(cfg: DictConfig):
     world = local_world_size(cfg, joined)
     check_trainable(cfg, validate(cfg, world))
     check_resume(cfg)
+    for line in check_hf_weights(cfg):
+        print(f"hcp: {line}")
+    if cfg.mode == "export":
+        return start_export(cfg, run_dir, joined, world)
     container = OmegaConf.to_container(cfg, resolve=True)
     if not joined or joined["rank"] == 0:
         with open(os.path.join(run_dir, "config_resolved.yaml"), "w") as f:
