@@ -140,7 +140,8 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     name: str = "digits_vqa"
-    """`digits_vqa` (built in), `llava_json` (your data) or `code_corpus` (stdlib sources)."""
+    """`digits_vqa` (built in), `llava_json` (your data), `code_corpus` (stdlib sources) or
+    `tokens` (your Megatron .bin/.idx or JSONL text, blended)."""
     path: Optional[str] = None
     """LLaVA conversation JSON (data=llava_json)."""
     image_folder: Optional[str] = None
