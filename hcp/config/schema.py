@@ -55,6 +55,11 @@ class VisionConfig:
     norm_eps: float = 1e-5
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
+    init_from: Optional[str] = None
+    """A local Hugging Face CLIP checkpoint folder (config.json + safetensors); its architecture
+    fields replace this block's (a conflicting command-line value is an error)."""
+    arch: str = "vit"
+    """`vit` (the tiny default: GELU MLP) or `clip` (OpenAI CLIP: quick-GELU MLP)."""
 
 
 @dataclass
@@ -84,6 +89,10 @@ class LLMConfig:
     """`auto` (fastest installed), `torch` (pure torch, CPU reference), `te`, `flash`."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
+    init_from: Optional[str] = None
+    """A local Hugging Face LLaMA checkpoint folder (config.json + safetensors, one file or
+    sharded with its index); its architecture fields replace this block's (a conflicting
+    command-line value is an error)."""
 
 
 @dataclass
@@ -134,7 +143,8 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     name: str = "digits_vqa"
-    """`digits_vqa` (built in), `llava_json` (your data) or `code_corpus` (stdlib sources)."""
+    """`digits_vqa` (built in), `llava_json` (your data), `code_corpus` (stdlib sources) or
+    `tokens` (your Megatron .bin/.idx or JSONL text, blended)."""
     path: Optional[str] = None
     """LLaVA conversation JSON (data=llava_json)."""
     image_folder: Optional[str] = None
@@ -153,6 +163,14 @@ class DataConfig:
     """Bad records: `error` (stop, naming file and id) or `skip` (count and report)."""
     eval_fraction: float = 0.15
     """Held-out fraction of a built-in data set."""
+    sources: Optional[list[Any]] = None
+    """data=tokens: `[{path, weight}]`, each a Megatron indexed data set (`PREFIX` of
+    PREFIX.bin / PREFIX.idx) or a `.jsonl` file; samples are drawn in proportion to the weights."""
+    long_docs: str = "split"
+    """data=tokens: a document longer than `max_seq_len`: `split` into max_seq_len pieces or
+    `reject` (an error naming the file and document)."""
+    text_key: str = "text"
+    """data=tokens: the JSONL field holding a document's text."""
 
 
 @dataclass
@@ -214,6 +232,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class ExportConfig:
+    dir: Optional[str] = None
+    """mode=export: folder to write `llm/` (LlamaForCausalLM), `vision/` (CLIPVisionModel) and
+    `mm_projector.bin` (LLaVA-1.5 names) into."""
+    dtype: str = "auto"
+    """`auto` (the init_from checkpoint's dtype, else float32), `float32`, `bfloat16`, `float16`."""
+
+
+@dataclass
 class ClusterConfig:
     """The target machine for plan mode and memory checks."""
 
@@ -226,7 +253,8 @@ class ClusterConfig:
 class HCPConfig:
     seed: int = 1234
     mode: str = "train"
-    """`train` or `plan` (one process, no process groups: layouts, memory, plan.json/png)."""
+    """`train`, `plan` (one process, no process groups: layouts, memory, plan.json/png) or
+    `export` (write the model as the run would start it as a Hugging Face checkpoint)."""
     placement: str = "colocated"
     """`colocated` or `non_colocated`."""
     packing: str = "first_fit"
@@ -246,6 +274,10 @@ class HCPConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    init_from_checkpoint: Optional[str] = None
+    """Start a new stage from a checkpoint folder: model weights only, a fresh optimizer and
+    schedule at step 0 (LLaVA stage 2 from stage 1). `resume` continues the same run."""
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 MODULES = ("vision", "projector", "llm")

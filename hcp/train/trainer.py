@@ -19,6 +19,7 @@ from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler, lane_slice
 from hcp.data.packing import collate, first_fit
 from hcp.model import LlavaModel, init_parameters
+from hcp.model.hf_load import load_pretrained
 from hcp.model.stage import StageSpec
 from hcp.parallel.groups import ProcessGroupRegistry
 from hcp.parallel.roles import logging_rank
@@ -82,6 +83,7 @@ class Trainer:
         model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
                            cp_group=self.cp_group, stage=self.stage)
         init_parameters(model, cfg.seed)
+        load_pretrained(model, cfg)  # llm/vision.init_from: Hugging Face weights, this rank's slices
         for name in MODULES:
             if getattr(model, name, None) is not None and cfg[name].freeze:
                 model.get_submodule(name).requires_grad_(False)
@@ -89,9 +91,13 @@ class Trainer:
 
     def _resume(self) -> None:
         resume = self.cfg.resume
+        path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
+        if path is None and self.cfg.init_from_checkpoint:  # a new stage: weights only
+            self.resume_note = checkpoint.load_weights(self.cfg.init_from_checkpoint, self.model,
+                                                       self.tp_group)
+            return
         if not resume:
             return
-        path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
         if path is None:  # resume=auto with no checkpoint yet: a fresh start, said so
             self.resume_note = (f"resume=auto: no checkpoint in checkpoint.dir={self.cfg.checkpoint.dir}; "
                                 "starting at step 0")
@@ -100,7 +106,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
-        self.resume_note = f"resumed from {path} at step {self.step}"
+        self.resume_note = state["note"]
         if self.scheduler.change_note:  # a changed trainer.max_steps / optim.lr: said, and followed
             self.resume_note += "\n" + self.scheduler.change_note
 
