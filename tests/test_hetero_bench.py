@@ -1,6 +1,6 @@
 """benchmarks/hetero.py runs end to end on a tiny configuration: both layouts report the same
 loss, the heterogeneous route moves exactly the minimum bytes, each rank encodes a quarter of
-the images, and --json has the keys issue 12 names."""
+the images instead of all of them, and --json has the keys issue 12 names."""
 from __future__ import annotations
 
 import json
@@ -16,9 +16,9 @@ import hetero  # noqa: E402
 @pytest.mark.slow
 def test_hetero_benchmark_tiny(tmp_path):
     path = tmp_path / "out" / "hetero.json"
-    hetero.main(["--steps", "1", "--warmup", "0", "--vision-width", "64", "--llm-width", "128",
-                 "--image-size", "8", "--patch-size", "2", "--text-tokens", "8",
-                 "--json", str(path)])
+    hetero.main(["--steps", "1", "--warmup", "0", "--text-tokens", "8", "--json", str(path),
+                 "vision.image_size=8", "vision.patch_size=2", "vision.hidden_size=64",
+                 "vision.num_heads=2", "vision.ffn_hidden_size=128", "llm.num_layers=2"])
     layouts = json.loads(path.read_text())["layouts"]
     homo, het = layouts["homogeneous"], layouts["heterogeneous"]
     for r in (homo, het):
