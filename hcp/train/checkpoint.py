@@ -94,16 +94,18 @@ def _state(model, optimizer, tp_group) -> tuple[dict, Optional[list[dict]]]:
     if tp_group is None:
         return {"model": model_sd, "optim": optim_sd}, None
     specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
-    mesh = DeviceMesh.from_group(tp_group, device_type=next(model.parameters()).device.type)
+    device = next(model.parameters()).device.type
+    meshes = {id(g): DeviceMesh.from_group(g, device_type=device) for g in _tp_groups(tp_group)}
 
-    def wrap(t, spec):
+    def wrap(t, spec, name):
+        mesh = meshes[id(_tp_group_of(tp_group, name))]
         shape = tuple(spec.whole_shape(t.shape))
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(t, mesh, [Shard(spec.dim)], run_check=False, shape=shape, stride=stride)
 
     for name, spec in specs.items():
         if name in model_sd:
-            model_sd[name] = wrap(model_sd[name], spec)
+            model_sd[name] = wrap(model_sd[name], spec, name)
     nested = isinstance(optim_sd.get("state"), dict)  # full_state_dict: state[fqn][key]
     slots = ([(n, key, optim_sd["state"][n]) for n in optim_sd["state"] for key in optim_sd["state"][n]]
              if nested else [(k.removeprefix("state.").rpartition(".")[0], k, optim_sd)
@@ -111,11 +113,22 @@ def _state(model, optimizer, tp_group) -> tuple[dict, Optional[list[dict]]]:
     for name, key, holder in slots:
         t = holder[key]
         if name in specs and torch.is_tensor(t) and t.shape == model_sd[name].to_local().shape:
-            holder[key] = wrap(t, specs[name])
+            holder[key] = wrap(t, specs[name], name)
     groups = optim_sd["param_groups"] if nested else None
     if nested:
         optim_sd["param_groups"] = _by_fqn(groups)
     return {"model": model_sd, "optim": optim_sd}, groups
+
+
+def _tp_groups(tp_group) -> list:
+    """The distinct TP groups of `tp_group`: one group, or {module: group or None} when modules
+    have their own TP groups (heterogeneous layouts; module = first part of the FQN)."""
+    groups = tp_group.values() if isinstance(tp_group, dict) else [tp_group]
+    return list({id(g): g for g in groups if g is not None}.values())
+
+
+def _tp_group_of(tp_group, fqn: str):
+    return tp_group.get(fqn.split(".")[0]) if isinstance(tp_group, dict) else tp_group
 
 
 def _local(tree, tp_group):
@@ -125,7 +138,7 @@ def _local(tree, tp_group):
         return {k: _local(v, tp_group) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_local(v, tp_group) for v in tree]
-    if isinstance(tree, DTensor) and tp_group is not None and tree.device_mesh.get_group() is tp_group:
+    if isinstance(tree, DTensor) and any(tree.device_mesh.get_group() is g for g in _tp_groups(tp_group)):
         return tree.to_local()
     return tree
 
@@ -135,7 +148,8 @@ def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int,
     """Save on every rank (a collective); returns the final folder path.
 
     `trainer_state` is JSON-serializable (scheduler state, data position, step); `tp_group` is
-    the model's TP group (None when tp = 1).
+    the model's TP group (None when tp = 1), or {module: its TP group or None} when modules have
+    their own.
     """
     rank = dist.get_rank()
     final = os.path.join(root, f"step_{step:08d}")
