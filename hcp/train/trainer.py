@@ -171,8 +171,8 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over the next global batch; returns this step's metrics."""
         t0 = time.perf_counter()
-        _, (mine, pixels, batches), plan_stats = self.ahead.next()
-        loss, counts, n_micro = self.forward_backward(mine, pixels, batches)
+        indices, prepared, plan_stats = self.ahead.next()
+        loss, counts, n_micro = self.forward_backward(indices, prepared)
         grad_norm = self.clip(self.cfg.trainer.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -184,10 +184,12 @@ class Trainer:
                 "step_time_s": dt, "loss_tokens": int(counts[0]), "micro_batches": n_micro,
                 **plan_stats, **step_metrics(self.cfg.llm, counts, dt, self.stage_times, self.device)}
 
-    def forward_backward(self, mine, pixels, batches) -> tuple[float, list[float], int]:
-        """Gradients of the token-level loss of one global batch, summed over each module's
-        DP (x CP) group. Returns (global loss, [global loss tokens, global tokens, global sum of
-        squared document lengths], micro-batches per lane)."""
+    def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[float, list[float], int]:
+        """Gradients of the token-level loss of `global_batch` (sample indices), summed over each
+        module's DP (x CP) group; `prepared` is `prepare(global_batch)` when already computed.
+        Returns (global loss, [global loss tokens, global tokens, global sum of squared document
+        lengths], micro-batches per lane)."""
+        mine, pixels, batches = prepared if prepared is not None else self.prepare(global_batch)
         if self.colocated is None:
             loss, counts, n_micro, self.stage_times = self.runner.forward_backward(
                 [b for _, b in batches] if batches is not None else None)
@@ -201,6 +203,8 @@ class Trainer:
 
         route = mine.routes[next(e for e in mine.routes if e[1] == "llm")]
         (loss, counts, n_micro, self.stage_times), self.phase_times = self.colocated.run(pixels, route, llm_phase)
+        self.encoder_grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.encoder.parameters()
+                                   if p.grad is not None)   # this rank's own, before the DP sum
         sync_grads(self.encoder.parameters(), self.groups.group("vision", "dp"))
         return loss, counts, n_micro
 
