@@ -172,6 +172,16 @@ class LlavaModel(nn.Module):
         shard = cp_shard(batch.cu_seqlens, group_size(self.cp_group), group_rank(self.cp_group))
         return shard, batch.labels[shard.token_index].masked_fill(~shard.valid, -100)
 
+    def residual_shape(self, batch) -> tuple[int, int]:
+        """Shape [rows, H] of the residual stream `stage_forward` passes between stages for
+        `batch` (a micro-batch or its `StageMeta`): this CP rank's T_loc tokens, under sequence
+        parallelism padded to a multiple of tp and split over it. Lets a pipeline stage
+        allocate a receive buffer before the activation arrives."""
+        rows = self._shard(batch)[1].shape[0]
+        if self.llm.sequence_parallel:
+            rows = (rows + self.llm._sp_pad(rows)) // group_size(self.tp_group)
+        return rows, self.llm.cfg.hidden_size
+
     def stage_forward(self, batch, x: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's part of the forward pass over one micro-batch.
 

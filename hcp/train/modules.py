@@ -28,6 +28,7 @@ class RankModules(nn.Module):
         self.vision = encoder.vision if encoder is not None else None
         self.projector = encoder.projector if encoder is not None else None
         self.llm = llm_stage.llm
+        self.stage, self.cp_group = llm_stage.stage, llm_stage.cp_group  # what checkpoints label
 
 
 def sync_grads(params, group) -> None:

@@ -26,6 +26,7 @@ from hcp.data.build import build_datasets, num_image_tokens
 from hcp.data.loader import GlobalBatchSampler
 from hcp.data.packing import collate
 from hcp.model import LlavaModel, init_parameters
+from hcp.model.hf_load import load_pretrained
 from hcp.model.llava import LlavaEncoder
 from hcp.model.stage import StageSpec
 from hcp.parallel.groups import ProcessGroupRegistry
@@ -35,14 +36,15 @@ from hcp.plan.lengths import build_length_index
 from hcp.plan.step import plan_step
 from hcp.schedule.colocated import ColocatedStep
 from hcp.train import checkpoint
-from hcp.train.modules import RankModules, clip_, module_sq_norm, sync_grads
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
+from hcp.train.failures import NonFiniteGuard
 from hcp.train.fsdp import shard_model
-from hcp.train.metrics_log import RunLogger
+from hcp.train.metrics_log import RunLogger, whole_step_metrics
+from hcp.train.modules import RankModules, clip_, module_sq_norm, sync_grads
 from hcp.train.optim import build_optimizer, build_scheduler
+from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
-from hcp.train.throughput import step_metrics
 
 
 class Trainer:
@@ -55,6 +57,7 @@ class Trainer:
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.run_dir = cfg, run_dir
         self.device = init_distributed(cfg.launcher)
+        self.preempt = Preemption(cfg.launcher.slurm, self.device)  # signal -> flag (hcp.train.preempt)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layouts = resolve_layouts(cfg, self.world)
         self.groups = ProcessGroupRegistry(self.layouts)
@@ -71,13 +74,15 @@ class Trainer:
         self.edges = tuple(tuple(e) for e in cfg.graph.edges)
         self.encoder = self._build_encoder()
         self.model = self._build_model()
+        self.modules = RankModules(self.encoder, self.model)
+        load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's slices
         if llm.dp_shard:
             shard_model(self.model, self.groups)
-        self.modules = RankModules(self.encoder, self.model)
         self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
         self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full")
                           if self.encoder is not None else None)
-        self.optimizer = build_optimizer(self.modules.parameters(), cfg.optim)
+        self.optimizer = build_optimizer(self.modules, cfg.optim)
+        self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
         t0 = time.perf_counter()
@@ -87,6 +92,8 @@ class Trainer:
         self.step, self.resume_note = 0, None
         self._resume()
         self.ahead = PlanAhead(self.sampler, self.prepare)
+        if self.is_logging_rank:
+            continue_wandb_run(cfg, resumed=self.step > 0)
         self.log = (RunLogger(run_dir, cfg, cfg.trainer.max_steps, self.step)
                     if self.is_logging_rank else None)
         if self.log and self.resume_note:
@@ -119,9 +126,13 @@ class Trainer:
 
     def _resume(self) -> None:
         resume = self.cfg.resume
+        path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
+        if path is None and self.cfg.init_from_checkpoint:  # a new stage: weights only
+            self.resume_note = checkpoint.load_weights(self.cfg.init_from_checkpoint, self.modules,
+                                                       self._tp_groups())
+            return
         if not resume:
             return
-        path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
         if path is None:  # resume=auto with no checkpoint yet: a fresh start, said so
             self.resume_note = (f"resume=auto: no checkpoint in checkpoint.dir={self.cfg.checkpoint.dir}; "
                                 "starting at step 0")
@@ -130,7 +141,9 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
-        self.resume_note = f"resumed from {path} at step {self.step}"
+        self.resume_note = state["note"]
+        if self.scheduler.change_note:  # a changed trainer.max_steps / optim.lr: said, and followed
+            self.resume_note += "\n" + self.scheduler.change_note
 
     def _tp_groups(self):
         """TP group of each module's TP-sharded parameters, for checkpoints (None: no TP)."""
@@ -174,15 +187,17 @@ class Trainer:
         indices, prepared, plan_stats = self.ahead.next()
         loss, counts, n_micro = self.forward_backward(indices, prepared)
         grad_norm = self.clip(self.cfg.trainer.grad_clip)
-        self.optimizer.step()
+        update = self.guard.update_ok(self.step + 1, loss, grad_norm)  # NaN/Inf: stop or skip
+        if update:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if update:
+            self.scheduler.step()
         self.step += 1
-        dt = time.perf_counter() - t0
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": counts[1] / dt,
-                "step_time_s": dt, "loss_tokens": int(counts[0]), "micro_batches": n_micro,
-                **plan_stats, **step_metrics(self.cfg.llm, counts, dt, self.stage_times, self.device)}
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
+                "micro_batches": n_micro, **plan_stats,
+                **whole_step_metrics(self.cfg.llm, counts, t0, self.stage_times, self.device)}
 
     def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[float, list[float], int]:
         """Gradients of the token-level loss of `global_batch` (sample indices), summed over each
@@ -263,8 +278,10 @@ class Trainer:
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "sampler": self.sampler.state_dict()}
-        checkpoint.save(self.cfg.checkpoint.dir, self.step, self.modules, self.optimizer, state,
-                        self.cfg.checkpoint.keep, self._tp_groups())
+        path = checkpoint.save(self.cfg.checkpoint.dir, self.step, self.modules, self.optimizer, state,
+                               self.cfg.checkpoint.keep, self._tp_groups())
+        if self.log:
+            self.log.write(f"checkpoint step {self.step}: {path}")
 
     def fit(self) -> dict:
         """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
@@ -282,6 +299,10 @@ class Trainer:
                 self.log.advance()
             if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.max_steps:
                 self.save()
+            if self.step < tc.max_steps and self.preempt.should_stop():  # all ranks agree
+                self.save()
+                self.ahead.close()
+                self.preempt.requeue_and_exit(self.step, self.cfg.checkpoint.dir)
         evals = self.evaluate()
         self.save()
         self.ahead.close()
@@ -291,7 +312,8 @@ class Trainer:
                       for k in ("tokens_per_s", "tflops_per_gpu", "bubble_fraction")},
                    "peak_memory_gib": max((m["peak_memory_gib"] for m in history), default=0.0),
                    "world_size": self.world,
-                   "skipped_records": dict(self.train_set.skipped.counts)}
+                   "skipped_records": dict(self.train_set.skipped.counts),
+                   "nonfinite_skipped_steps": self.guard.skipped}
         if self.log:
             self.log.log(self.step, evals)
             self.log.finish(summary)
