@@ -107,6 +107,8 @@ class Counts:
     """Merged tokens, without CP padding."""
     sum_sq_lengths: float
     """Sum over documents of the squared merged length (attention FLOPs)."""
+    image_rows: int = 0
+    """Image rows (image tokens) of the whole batch."""
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,8 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
         row_counts = counts
     image_row_offsets = np.concatenate([np.zeros((pool, 1), np.int64), np.cumsum(row_counts, 1)], 1)
     tok = sizes.tokens
-    counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()), float((tok.astype(np.float64) ** 2).sum()))
+    counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()), float((tok.astype(np.float64) ** 2).sum()),
+                    int(sizes.image_rows_each.sum()))
     return StepPlan(sizes, layouts, plan, counts, encoder_lanes, tables, group_at, groups,
                     local_tokens, image_row_offsets)
 

@@ -32,13 +32,19 @@ class RankModules(nn.Module):
 
 
 def sync_grads(params, group) -> None:
-    """Sum the gradients of `params` over `group` in one flat buffer (no-op for size 1)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if group_size(group) > 1 and grads:
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            g.copy_(synced)
+    """Sum the gradients of the trainable `params` over `group` in one flat buffer (no-op for
+    size 1). A parameter without a gradient joins with zeros, so every rank's buffer is the same."""
+    params = [p for p in params if p.requires_grad]
+    if group_size(group) == 1 or not params:
+        return
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for p, synced in zip(params, _unflatten_dense_tensors(flat, grads)):
+        if p.grad is None:
+            p.grad = synced
+        else:
+            p.grad.copy_(synced)
 
 
 def _squares(params, device) -> torch.Tensor:

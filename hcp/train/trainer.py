@@ -24,7 +24,8 @@ from hcp.config.layouts import resolve_layouts
 from hcp.config.schema import MODULES
 from hcp.data.build import build_datasets, num_image_tokens
 from hcp.data.loader import GlobalBatchSampler
-from hcp.data.packing import collate
+from hcp.comm.p2p import StageMeta
+from hcp.data.packing import collate, empty_batch
 from hcp.model import LlavaModel, init_parameters
 from hcp.model.hf_load import load_pretrained
 from hcp.model.llava import LlavaEncoder
@@ -159,27 +160,44 @@ class Trainer:
 
     def prepare(self, indices):
         """On the plan-ahead thread: this rank's plan and data, (RankPlan, pixel values of its
-        encoder samples [I, C, H, W] or None, its LLM micro-batches (first stage) or None).
-        Only this rank's samples are read: images only for the encoder samples, text only on
-        the LLM's first stage. Empty micro-batches (padding) are skipped until the schedule runs
-        them."""
+        encoder samples [I, C, H, W] or None, its LLM micro-batches (first stage) or None, every
+        micro-batch's `StageMeta` for the pipeline). Only this rank's samples are read: images
+        only for its encoder samples, text only on the LLM's first stage (and the labels on the
+        last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
+        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives."""
         mine = self.plan(indices).rank(self.rank)
-        ds = self.train_set
+        ds, device = self.train_set, self.device
         pixels = None
         if self.encoder is not None:
             images = [ds.pixel_values(ds[indices[s]]) for s in mine.encoder_samples["vision"]]
-            pixels = torch.cat(images).to(self.device)
-        batches = None
-        if self.stage.first:
-            batches = []
-            for mb in mine.micro_batches:
-                if mb.empty:
-                    continue
+            pixels = torch.cat(images).to(device)
+        keep_empty = self.layouts["llm"].dp_shard
+        batches, metas = [] if self.stage.first else None, []
+        for mb in mine.micro_batches:
+            if mb.empty:
+                if keep_empty:
+                    empty = empty_batch(device)
+                    metas.append(StageMeta.of(empty))
+                    if batches is not None:
+                        batches.append((mb, empty))
+                continue
+            cu = torch.as_tensor(mb.cu_seqlens, device=device)
+            if self.stage.first or self.stage.last:
                 samples = [ds[indices[s]] for s in mb.samples]
-                batch = collate(samples, [], self.tok.image_token_id)
-                batch.pixel_values, batch.image_rows = None, None
-                batches.append((mb, batch.to(self.device)))
-        return mine, pixels, batches
+            if self.stage.first:
+                batch = collate(samples, [], self.tok.image_token_id).to(device)
+                if not torch.equal(batch.cu_seqlens, cu):
+                    raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
+                                       f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
+                batches.append((mb, batch))
+                metas.append(StageMeta.of(batch))
+                continue
+            lengths = (cu[1:] - cu[:-1]).tolist()
+            labels = (torch.tensor([t for s in samples for t in s.labels], device=device)
+                      if self.stage.last else torch.full((int(cu[-1]),), -100, device=device))
+            metas.append(StageMeta(cu, mb.max_seqlen, torch.cat([torch.arange(n, device=device)
+                                                                 for n in lengths]), labels))
+        return mine, pixels, batches, metas
 
     def train_step(self) -> dict:
         """One optimizer step over the next global batch; returns this step's metrics."""
@@ -204,24 +222,37 @@ class Trainer:
         module's DP (x CP) group; `prepared` is `prepare(global_batch)` when already computed.
         Returns (global loss, [global loss tokens, global tokens, global sum of squared document
         lengths], micro-batches per lane)."""
-        mine, pixels, batches = prepared if prepared is not None else self.prepare(global_batch)
-        if self.colocated is None:
-            loss, counts, n_micro, self.stage_times = self.runner.forward_backward(
-                [b for _, b in batches] if batches is not None else None)
-            return loss, counts, n_micro
+        mine, pixels, batches, metas = prepared if prepared is not None else self.prepare(global_batch)
 
         def llm_phase(leaf):
-            if batches is not None:
+            if batches is not None and leaf is not None:
                 for mb, batch in batches:
                     batch.image_rows = leaf[mb.image_rows[0]:mb.image_rows[1]]
-            return self.runner.forward_backward([b for _, b in batches] if batches is not None else None)
+            return self.runner.forward_backward([b for _, b in batches] if batches is not None else None,
+                                                metas)
+
+        if self.colocated is None:
+            loss, counts, n_micro, self.stage_times = llm_phase(None)
+            return loss, self._plan_counts(mine, counts), n_micro
 
         route = mine.routes[next(e for e in mine.routes if e[1] == "llm")]
         (loss, counts, n_micro, self.stage_times), self.phase_times = self.colocated.run(pixels, route, llm_phase)
         self.encoder_grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.encoder.parameters()
                                    if p.grad is not None)   # this rank's own, before the DP sum
         sync_grads(self.encoder.parameters(), self.groups.group("vision", "dp"))
-        return loss, counts, n_micro
+        if mine.counts.image_rows == 0:  # no image anywhere: as in one process, no encoder update
+            for p in self.encoder.parameters():
+                p.grad = None
+        return loss, self._plan_counts(mine, counts), n_micro
+
+    @staticmethod
+    def _plan_counts(mine, counted) -> list[float]:
+        """The plan's global counts, checked against the loss tokens the schedule counted."""
+        c = mine.counts
+        if counted[0] != c.loss_tokens:
+            raise RuntimeError(f"the step plan counts {c.loss_tokens} loss tokens, the micro-batches "
+                               f"{counted[0]:.0f}: the length index is stale")
+        return [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths]
 
     def clip(self, max_norm: float) -> float:
         """Clip every module's gradients by their global L2 norm; return the norm before."""
