@@ -24,6 +24,7 @@ Conventions of the routed rows (projector output, one row per image token): `hcp
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -123,6 +124,8 @@ class RankPlan:
     routes: dict[tuple[str, str], RankRoute]
     """Edge into the LLM -> this rank's part of its row exchange."""
     counts: Counts
+    checksum: int = 0
+    """`StepPlan.checksum()` of the whole plan (0: not computed)."""
 
 
 @dataclass
@@ -151,8 +154,20 @@ class StepPlan:
     def num_micro_batches(self) -> int:
         return self.group_at.shape[0]
 
-    def rank(self, rank: int) -> RankPlan:
-        """Global rank `rank`'s part (colocated: edge group rank = global rank)."""
+    def checksum(self) -> int:
+        """CRC-32 of the packing and every routing table: equal on two ranks iff (up to hash
+        collisions) they planned the same step."""
+        crc = zlib.crc32(self.group_at.tobytes())
+        for g in self.groups:
+            crc = zlib.crc32(np.asarray(g.seq_indices + [g.cp_size, g.rank_offset], np.int64).tobytes(), crc)
+        for t in self.tables.values():
+            for a in (t.src, t.src_row, t.shard, t.dst_row):
+                crc = zlib.crc32(a.tobytes(), crc)
+        return crc
+
+    def rank(self, rank: int, checksum: bool = False) -> RankPlan:
+        """Global rank `rank`'s part (colocated: edge group rank = global rank), with the plan's
+        `checksum()` when asked (`trainer.check_plan`)."""
         enc = {}
         for m, dp in self.encoder_lanes.items():
             grid = Grid.of(self.layouts[m])
@@ -177,7 +192,7 @@ class StepPlan:
                                           int(self.local_tokens[self.group_at[j, pos]]),
                                           (int(rows[j]), int(rows[j + 1]))))
         routes = {e: t.route(rank) for e, t in self.tables.items()}
-        return RankPlan(rank, enc, mbs, routes, self.counts)
+        return RankPlan(rank, enc, mbs, routes, self.counts, self.checksum() if checksum else 0)
 
 
 def _excl_cumsum(x: np.ndarray) -> np.ndarray:

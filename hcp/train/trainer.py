@@ -165,7 +165,7 @@ class Trainer:
         only for its encoder samples, text only on the LLM's first stage (and the labels on the
         last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
         Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives."""
-        mine = self.plan(indices).rank(self.rank)
+        mine = self.plan(indices).rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
         ds, device = self.train_set, self.device
         pixels = None
         if self.encoder is not None:
@@ -203,6 +203,8 @@ class Trainer:
         """One optimizer step over the next global batch; returns this step's metrics."""
         t0 = time.perf_counter()
         indices, prepared, plan_stats = self.ahead.next()
+        if self.cfg.trainer.get("check_plan"):
+            self._check_plan(prepared[0].checksum)
         loss, counts, n_micro = self.forward_backward(indices, prepared)
         grad_norm = self.clip(self.cfg.trainer.grad_clip)
         update = self.guard.update_ok(self.step + 1, loss, grad_norm)  # NaN/Inf: stop or skip
@@ -244,6 +246,16 @@ class Trainer:
             for p in self.encoder.parameters():
                 p.grad = None
         return loss, self._plan_counts(mine, counts), n_micro
+
+    def _check_plan(self, checksum: int) -> None:
+        """`trainer.check_plan`: every rank must have computed the same step plan."""
+        sums = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        sums[self.rank] = checksum
+        dist.all_reduce(sums)
+        if (sums != sums[0]).any():
+            bad = (sums != sums[0]).nonzero().flatten().tolist()
+            raise RuntimeError(f"step {self.step + 1}: ranks {bad} computed another step plan than "
+                               "rank 0 (different data, config or code on those ranks)")
 
     @staticmethod
     def _plan_counts(mine, counted) -> list[float]:
