@@ -122,6 +122,9 @@ class TrainerConfig:
     on_nonfinite: str = "stop"
     """A NaN/Inf loss or gradient norm: `stop` (raise, naming the step; no checkpoint is written)
     or `skip` (drop that step's update, count it and go on). hcp.train.failures."""
+    check_plan: bool = False
+    """Debug: all-reduce a checksum of every step's plan and fail, naming the ranks, when they
+    computed different plans (which would otherwise hang a collective). hcp.plan.step."""
 
 
 @dataclass
