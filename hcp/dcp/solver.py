@@ -366,8 +366,8 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
         if best is None or t < best.time - 1e-12:
             best = Solution(plan, t, source)
     if lens.size <= LOCAL_SEARCH_MAX_SEQS:
-        dive = solve_exact(lens, cost, pool, m, (best.plan,), gap=0.0,
-                           max_nodes=DIVE_NODES_PER_SEQ * lens.size).plan
+        dive = solve_exact(lens, cost, pool, m, (best.plan,), time_limit=float("inf"), gap=0.0,
+                           max_nodes=DIVE_NODES_PER_SEQ * lens.size).plan  # no clock: determinism
         plan, t = _best_order(improve(dive, lens, cost, pool, m, max_evals=budget), lens, cost)
         if t < best.time - 1e-12:
             best = Solution(plan, t, "dive+local")
