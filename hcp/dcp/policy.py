@@ -27,6 +27,7 @@ from hcp.config.errors import ConfigError
 from hcp.dcp.cost_model import CostModel, load_profile
 from hcp.dcp.plan import Group, Plan, Round, check_pool, max_length, prepare_lengths
 from hcp.dcp.solver import solve
+from hcp.parallel.groups import DYNAMIC_CP
 
 
 def rows(plan: Plan) -> Plan:
@@ -81,3 +82,21 @@ def check_dynamic_cp(cfg, llm) -> None:
     except ValueError as err:
         raise ConfigError("packing_profile", cfg.packing_profile, str(err),
                           "use h100 or the profile.yaml of mode=calibrate") from None
+
+
+def micro_batch_group(groups, mb, rank: int):
+    """The pre-built dynamic-CP group (hcp/parallel/groups.py, registry built with
+    `dynamic_cp_modules=("llm",)`) that global rank `rank` uses for micro-batch `mb` (a
+    `hcp.plan.step.MicroBatchPlan`); None at CP size 1. Never creates a group.
+
+    Raises:
+        ValueError: the plan's shard index disagrees with the rank's place in that group
+            (a plan computed from other inputs: running it would hang or mix shards).
+    """
+    if mb.cp_size == 1:
+        return None
+    ranks = groups.ranks("llm", DYNAMIC_CP, mb.cp_size)
+    if ranks.index(rank) != mb.cp_rank:
+        raise ValueError(f"rank {rank}: the step plan gives CP shard {mb.cp_rank} of a group of "
+                         f"{mb.cp_size}, but the rank is member {ranks.index(rank)} of {ranks}")
+    return groups.group("llm", DYNAMIC_CP, mb.cp_size)
