@@ -256,8 +256,9 @@ class ClusterConfig:
 class HCPConfig:
     seed: int = 1234
     mode: str = "train"
-    """`train`, `plan` (one process, no process groups: layouts, memory, plan.json/png) or
-    `export` (write the model as the run would start it as a Hugging Face checkpoint)."""
+    """`train`, `plan` (one process, no process groups: layouts, memory, plan.json/png),
+    `export` (write the model as the run would start it as a Hugging Face checkpoint) or
+    `calibrate` (fit the dynamic-CP cost model on this machine: hcp/dcp/calibrate.py)."""
     placement: str = "colocated"
     """`colocated` or `non_colocated`."""
     packing: str = "first_fit"
@@ -281,6 +282,9 @@ class HCPConfig:
     """Start a new stage from a checkpoint folder: model weights only, a fresh optimizer and
     schedule at step 0 (LLaVA stage 2 from stage 1). `resume` continues the same run."""
     export: ExportConfig = field(default_factory=ExportConfig)
+    packing_profile: str = "h100"
+    """Hardware profile of the dynamic-CP cost model: `h100` (analytic defaults,
+    hcp/dcp/profiles/h100.yaml) or a YAML file, e.g. the `profile.yaml` of `mode=calibrate`."""
 
 
 MODULES = ("vision", "projector", "llm")

@@ -61,6 +61,11 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         plan = run_plan(cfg, run_dir)
         print(f"hcp: plan written to {run_dir}")
         return plan
+    if cfg.mode == "calibrate":  # dynamic-CP cost-model profile: hcp/dcp/calibrate.py
+        from hcp.dcp.calibrate import run_calibrate
+
+        validate(cfg, world_size_of(cfg, resolve_nproc("auto")))
+        return run_calibrate(cfg, run_dir)
     world = local_world_size(cfg, joined, overrides)
     layouts = validate(cfg, world)
     if not joined:
