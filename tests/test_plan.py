@@ -87,3 +87,104 @@ def test_a_rank_that_does_not_fit_names_the_knob(tmp_path):
 def test_world_larger_than_the_cluster_is_rejected(tmp_path):
     with pytest.raises(ConfigError, match="exceed"):
         run_plan(composed("llama13b_dynamic_cp", "launcher.nnodes=16", "llm.layout.dp=2"), tmp_path)
+
+
+# ------------------------------------------------------------- which layout (issue 11, part 5)
+def test_plan_mode_plans_the_world_training_would_get(tmp_path):
+    from cfg_utils import compose_cfg
+    from hcp.train.launch import local_world_size
+
+    cfg = compose_cfg(["mode=plan"])
+    assert run_plan(cfg, tmp_path)["world_size"] == local_world_size(cfg, None) == 4
+
+
+def test_readable_parameter_counts():
+    from hcp.train.plan import readable_count
+
+    assert [readable_count(n) for n in (950, 12_345, 1_234_567, 290_900_000, 13_015_864_320, 1.1e12)] == [
+        "950", "12.3K", "1.2M", "290.9M", "13.0B", "1.1T"]
+
+
+def test_groups_crossing_a_node_boundary_are_named():
+    from hcp.config.layouts import check_layouts
+    from hcp.train.plan import node_warnings
+
+    cfg = composed("llama13b_dynamic_cp", "cluster.gpus_per_node=4", "cluster.num_nodes=16")
+    warnings = node_warnings(cfg, check_layouts(cfg, 64))
+    assert warnings == ["warning: llm: 8 of 8 dynamic-CP groups of size 8 cross a node boundary, e.g. "
+                        "ranks 0-7: their K/V exchange runs over the inter-node network"]
+    cfg = composed("llava_hetero", "cluster.gpus_per_node=4", "cluster.num_nodes=16")
+    (w,) = node_warnings(cfg, check_layouts(cfg, 64))
+    assert w.startswith("warning: llm: 8 of 8 TP groups cross a node boundary (cluster.gpus_per_node=4), "
+                        "e.g. ranks 0-7 on nodes 0-1")
+    assert node_warnings(composed("llava_hetero"), check_layouts(composed("llava_hetero"), 64)) == []
+
+
+@pytest.mark.slow
+def test_estimate_covers_the_step_and_dynamic_cp_beats_packing_only(tmp_path):
+    from hcp.train.estimate import batch_lengths
+    from hcp.dcp.cost_model import LLAMA_13B, CostModel, load_profile
+
+    dyn = run_plan(composed("llama13b_dynamic_cp"), tmp_path)["estimate"]
+    ff = run_plan(composed("llama13b_dynamic_cp", "packing=first_fit"), tmp_path)["estimate"]
+    flops = CostModel(LLAMA_13B, load_profile("h100-llama13b")[1]).model_flops(
+        batch_lengths(composed("llama13b_dynamic_cp")))
+    for est in (dyn, ff):
+        assert est["tflops_per_gpu"] * 1e12 * est["step_time_s"] * 64 == pytest.approx(flops)
+        assert 0 < est["bubble_fraction"] < 1 and est["fits"] and est["max_memory_gib"] < 80
+    assert dyn["step_time_s"] < ff["step_time_s"]
+    tp = run_plan(composed("llava_hetero"), tmp_path)["estimate"]
+    tp4 = run_plan(composed("llava_hetero", "llm.layout.tp=4"), tmp_path)["estimate"]
+    assert tp4["grad_sync_s"] > tp["grad_sync_s"] and tp4["max_memory_gib"] > tp["max_memory_gib"]
+
+
+def test_plan_figure_shows_node_boundaries_and_memory_against_the_device():
+    from hcp.config.layouts import check_layouts
+    from hcp.train.plan_figure import plan_figure
+
+    cfg = composed("llava_hetero")
+    mem = [10.0 + r for r in range(64)]
+    fig = plan_figure(check_layouts(cfg, 64), 64, 8, mem, 70.0)
+    placement, memory = fig.axes
+    for ax in (placement, memory):
+        xs = [l.get_xdata()[0] for l in ax.get_lines() if l.get_linestyle() == "--"]
+        assert xs == [8, 16, 24, 32, 40, 48, 56]
+    assert [p.get_height() for p in memory.patches] == mem
+    assert sum(p.get_facecolor()[0] > 0.8 for p in memory.patches) == 64 - 61  # 71-73 GiB do not fit
+    assert any(l.get_ydata()[0] == 70.0 for l in memory.get_lines())
+
+
+@pytest.mark.slow
+def test_a_plan_sweep_ends_with_one_comparison_table(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from hcp.train.plan_table import PlanSweepTable
+
+    sweeps = [["llm.layout.tp=8", "llm.layout.pp=2"], ["llm.layout.tp=4", "llm.layout.pp=2"],
+              ["llm.layout.tp=16", "llm.layout.pp=2"]]
+    for job, overrides in enumerate(sweeps):
+        d = tmp_path / str(job)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text("\n".join(f"- {o}" for o in ["+recipe=llava_hetero",
+                                                                                  "mode=plan", *overrides]))
+        try:
+            run_plan(composed("llava_hetero", *overrides), d)
+        except ConfigError as e:
+            (d / "plan_error.txt").write_text(str(e))
+    capsys.readouterr()
+    PlanSweepTable().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["layout", "max", "mem/rank", "GiB", "fits", "est.", "step", "s", "est.",
+                              "TFLOPS/GPU", "bubble"]
+    assert out[2].startswith("llm.layout.tp=8 ") and out[3].startswith("llm.layout.tp=4 ")
+    assert out[4].split()[:3] == ["llm.layout.tp=16", "-", "invalid"]
+    assert sum("<- fastest that fits" in line for line in out) == 1
+    assert out[5].startswith("invalid llm.layout.tp=16: llm.layout.tp=16: llm.num_heads=40")
+    assert (tmp_path / "plan_comparison.txt").read_text().splitlines() == out[:-1]
+
+
+def test_the_sweep_table_callback_is_registered():
+    register()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose("config", overrides=["mode=plan"], return_hydra_config=True)
+    assert cfg.hydra.callbacks.plan_table._target_ == "hcp.train.plan_table.PlanSweepTable"
