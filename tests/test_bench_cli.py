@@ -48,7 +48,8 @@ def _parser_of(module, monkeypatch):
 
 
 COLUMNS = {"layouts": ("loss", "tokens/s", "ratio", "cpu s/step", "MB/step"),
-           "dynamic_cp": ("time_s", "/bound", "/opt", "opt<=", "M ", "plan_ms", "TFLOPS", "cp histogram")}
+           "dynamic_cp": ("time_s", "/bound", "max/bound", "/opt", "opt<=", "M, rounds", "plan_ms", "TFLOPS",
+                          "cp histogram")}
 
 
 @pytest.mark.parametrize("name", ["layouts", "dynamic_cp"])

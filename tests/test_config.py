@@ -100,9 +100,8 @@ def test_missing_gpu_backend_says_how_to_install():
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["vision.layout.dp_shard=true"], "vision.layout.dp_shard"),
+    (["vision.layout.cp=2", "projector.layout.cp=2"], "vision.layout.cp"),
     (["llm.layout.pp=2", "llm.tie_embeddings=true"], "llm.tie_embeddings"),
-    (["llm.layout.tp=2", "vision.layout.tp=1"], "vision.layout"),
     (["placement=non_colocated", "vision.layout.num_ranks=2"], "placement"),
     (["packing=dynamic_cp"], "packing"),
 ])
@@ -123,12 +122,24 @@ def test_vocab_smaller_than_the_tokenizer_is_rejected_before_ranks_start():
     assert e.value.field == "llm.vocab_size" and "260" in str(e.value)
 
 
-def test_encoder_and_projector_follow_the_llm_tp_and_cp_by_default():
+def test_encoder_side_follows_the_llm_tp_by_default_and_trains_its_own_layout():
     from hcp.train.support import check_trainable
 
     cfg = compose_cfg(["llm.layout.tp=2", "llm.layout.cp=2"])
-    assert (cfg.vision.layout.tp, cfg.projector.layout.cp) == (2, 2)
+    assert (cfg.vision.layout.tp, cfg.projector.layout.tp, cfg.vision.layout.cp) == (2, 2, 1)
+    layouts = validate(cfg, world_size=4)
+    assert (layouts["vision"].dp, layouts["projector"].dp, layouts["llm"].dp) == (2, 2, 1)
+    check_trainable(cfg, layouts)
+    cfg = compose_cfg(["llm.layout.tp=2", "vision.layout.tp=1"])      # encoder dp4, LLM tp2 dp2
     check_trainable(cfg, validate(cfg, world_size=4))
+
+
+def test_a_projector_layout_apart_from_its_encoder_names_both_and_a_fix():
+    cfg = compose_cfg(["vision.layout.tp=1", "projector.layout.tp=2", "projector.layout.dp=-1"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=4)
+    assert e.value.field == "projector.layout" and "vision.layout tp1" in str(e.value)
+    assert "projector.layout tp2" in str(e.value) and "Fix: give it vision's layout" in str(e.value)
 
 
 def test_every_module_frozen_is_rejected():

@@ -122,13 +122,14 @@ def test_groups_crossing_a_node_boundary_are_named():
 
 @pytest.mark.slow
 def test_estimate_covers_the_step_and_dynamic_cp_beats_packing_only(tmp_path):
+    from hcp.model.flops import model_flops
     from hcp.train.estimate import batch_lengths
-    from hcp.dcp.cost_model import LLAMA_13B, CostModel, load_profile
 
     dyn = run_plan(composed("llama13b_dynamic_cp"), tmp_path)["estimate"]
     ff = run_plan(composed("llama13b_dynamic_cp", "packing=first_fit"), tmp_path)["estimate"]
-    flops = CostModel(LLAMA_13B, load_profile("h100-llama13b")[1]).model_flops(
-        batch_lengths(composed("llama13b_dynamic_cp")))
+    cfg = composed("llama13b_dynamic_cp")
+    lens = batch_lengths(cfg).astype(float)
+    flops = model_flops(cfg.llm, lens.sum(), (lens**2).sum())
     for est in (dyn, ff):
         assert est["tflops_per_gpu"] * 1e12 * est["step_time_s"] * 64 == pytest.approx(flops)
         assert 0 < est["bubble_fraction"] < 1 and est["fits"] and est["max_memory_gib"] < 80

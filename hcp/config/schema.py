@@ -55,6 +55,11 @@ class VisionConfig:
     norm_eps: float = 1e-5
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
+    init_from: Optional[str] = None
+    """A local Hugging Face CLIP checkpoint folder (config.json + safetensors); its architecture
+    fields replace this block's (a conflicting command-line value is an error)."""
+    arch: str = "vit"
+    """`vit` (the tiny default: GELU MLP) or `clip` (OpenAI CLIP: quick-GELU MLP)."""
 
 
 @dataclass
@@ -84,6 +89,10 @@ class LLMConfig:
     """`auto` (fastest installed), `torch` (pure torch, CPU reference), `te`, `flash`."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
+    init_from: Optional[str] = None
+    """A local Hugging Face LLaMA checkpoint folder (config.json + safetensors, one file or
+    sharded with its index); its architecture fields replace this block's (a conflicting
+    command-line value is an error)."""
 
 
 @dataclass
@@ -110,6 +119,9 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Max global gradient L2 norm (0 disables clipping)."""
     progress_bar: bool = True
+    on_nonfinite: str = "stop"
+    """A NaN/Inf loss or gradient norm: `stop` (raise, naming the step; no checkpoint is written)
+    or `skip` (drop that step's update, count it and go on). hcp.train.failures."""
 
 
 @dataclass
@@ -131,7 +143,8 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     name: str = "digits_vqa"
-    """`digits_vqa` (built in), `llava_json` (your data) or `code_corpus` (stdlib sources)."""
+    """`digits_vqa` (built in), `llava_json` (your data), `code_corpus` (stdlib sources) or
+    `tokens` (your Megatron .bin/.idx or JSONL text, blended)."""
     path: Optional[str] = None
     """LLaVA conversation JSON (data=llava_json)."""
     image_folder: Optional[str] = None
@@ -150,6 +163,14 @@ class DataConfig:
     """Bad records: `error` (stop, naming file and id) or `skip` (count and report)."""
     eval_fraction: float = 0.15
     """Held-out fraction of a built-in data set."""
+    sources: Optional[list[Any]] = None
+    """data=tokens: `[{path, weight}]`, each a Megatron indexed data set (`PREFIX` of
+    PREFIX.bin / PREFIX.idx) or a `.jsonl` file; samples are drawn in proportion to the weights."""
+    long_docs: str = "split"
+    """data=tokens: a document longer than `max_seq_len`: `split` into max_seq_len pieces or
+    `reject` (an error naming the file and document)."""
+    text_key: str = "text"
+    """data=tokens: the JSONL field holding a document's text."""
 
 
 @dataclass
@@ -159,6 +180,34 @@ class LoggerConfig:
     project: str = "hcp"
     entity: Optional[str] = None
     mode: str = "${oc.env:WANDB_MODE,offline}"
+
+
+@dataclass
+class SlurmConfig:
+    """SLURM job settings for `python -m hcp.train.sbatch` and `hydra/launcher=submitit_slurm`
+    (launchers/README.md). Nodes and tasks per node are `launcher.nnodes` / `nproc_per_node`."""
+
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    gpus_per_node: int = 0
+    """GPUs to request per node (0: none, a CPU job); must equal launcher.nproc_per_node if > 0."""
+    cpus_per_task: Optional[int] = None
+    time_min: int = 60
+    """Job time limit in minutes."""
+    signal: str = "USR2"
+    """Signal SLURM sends before the time limit and on preemption: `USR2` or `TERM` (USR1 can
+    collide with NCCL). hcp also treats SIGTERM under SLURM as the same request."""
+    signal_lead_s: int = 120
+    """Seconds before the time limit that the signal comes: must cover a step plus a checkpoint."""
+    max_requeues: int = 3
+    """Times a job requeues itself after a signal (SLURM_RESTART_COUNT), then it stops."""
+    requeue_exit_code: int = 85
+    """Exit code when `scontrol` is missing: requeues only where slurm.conf has RequeueExit=85."""
+    launch: str = "srun"
+    """sbatch path: `srun` (one task per GPU) or `torchrun` (one per node, c10d rendezvous)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines the job runs before launching (module load, activating an environment)."""
 
 
 @dataclass
@@ -172,6 +221,7 @@ class LauncherConfig:
     """`auto` (nccl on CUDA, gloo on CPU), `nccl` or `gloo`."""
     timeout_s: int = 600
     """Collective timeout in seconds: a stuck collective fails instead of hanging."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 
 @dataclass
@@ -179,6 +229,15 @@ class CheckpointConfig:
     dir: str = "${hydra:runtime.output_dir}/checkpoints"
     keep: int = 2
     """Checkpoints kept; older ones are pruned."""
+
+
+@dataclass
+class ExportConfig:
+    dir: Optional[str] = None
+    """mode=export: folder to write `llm/` (LlamaForCausalLM), `vision/` (CLIPVisionModel) and
+    `mm_projector.bin` (LLaVA-1.5 names) into."""
+    dtype: str = "auto"
+    """`auto` (the init_from checkpoint's dtype, else float32), `float32`, `bfloat16`, `float16`."""
 
 
 @dataclass
@@ -194,7 +253,8 @@ class ClusterConfig:
 class HCPConfig:
     seed: int = 1234
     mode: str = "train"
-    """`train` or `plan` (one process, no process groups: layouts, memory, plan.json/png)."""
+    """`train`, `plan` (one process, no process groups: layouts, memory, plan.json/png) or
+    `export` (write the model as the run would start it as a Hugging Face checkpoint)."""
     placement: str = "colocated"
     """`colocated` or `non_colocated`."""
     packing: str = "first_fit"
@@ -214,6 +274,10 @@ class HCPConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    init_from_checkpoint: Optional[str] = None
+    """Start a new stage from a checkpoint folder: model weights only, a fresh optimizer and
+    schedule at step 0 (LLaVA stage 2 from stage 1). `resume` continues the same run."""
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 MODULES = ("vision", "projector", "llm")

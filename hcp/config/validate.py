@@ -12,7 +12,9 @@ from hcp.config.keys import check_known_keys
 from hcp.config.layouts import check_layouts
 
 _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
-    "mode": ("train", "plan"),
+    "mode": ("train", "plan", "export"),
+    "export.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "data.long_docs": ("split", "reject"),
     "precision": ("fp32", "bf16"),
     "logger.name": ("wandb", "none"),
     "data.on_error": ("error", "skip"),
@@ -53,6 +55,8 @@ def check_model(cfg) -> None:
     if (v is None) != (cfg.projector is None):
         raise ConfigError("projector", cfg.projector, "vision and projector must both be set or both "
                           "be null", "set both (LLaVA) or `vision: null` and `projector: null` (text LM)")
+    if v is not None:
+        check_choice("vision.arch", v.arch, ("vit", "clip"))
     if v is not None and v.image_size % v.patch_size:
         raise ConfigError("vision.patch_size", v.patch_size, f"does not divide vision.image_size="
                           f"{v.image_size}", "pick a patch size that divides the image size")
@@ -101,5 +105,8 @@ def validate(cfg, world_size: int) -> dict:
     check_backends(cfg)
     check_model(cfg)
     layouts = check_layouts(cfg, world_size)
+    from hcp.plan.joins import check_joins  # the step plan's join rules (layer 7, imported late)
+
+    check_joins(cfg, layouts)
     check_trainer(cfg, layouts)
     return layouts

@@ -19,13 +19,18 @@ from hcp.config.errors import ConfigError
 from hcp.config.layouts import world_size_of
 from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_env, local_world_size,
                               resolve_nproc, start_local_ranks)
+from hcp.train.slurm import check_slurm
+from hcp.model.hf_export import start_export
+from hcp.model.hf_load import apply_hf_configs, check_hf_weights, cli_keys
 
 
 def _rank_entry(payload) -> None:
+    from hcp.train.failures import report_rank_failure
     from hcp.train.trainer import run_rank
 
     container, run_dir = payload
-    run_rank(OmegaConf.create(container), run_dir)
+    with report_rank_failure():  # names the failing rank in the log (hcp.train.failures)
+        run_rank(OmegaConf.create(container), run_dir)
 
 
 def _is_first(joined) -> bool:
@@ -46,6 +51,8 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     run_dir = HydraConfig.get().runtime.output_dir
     OmegaConf.resolve(cfg)
     joined = launched_rank_env(os.environ)
+    for line in apply_hf_configs(cfg, cli_keys(HydraConfig.get().overrides.task)):
+        print(f"hcp: {line}")
     if cfg.mode == "plan":
         from hcp.train.plan import run_plan
 
@@ -59,7 +66,12 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     if not joined:
         check_fits_here(cfg, layouts, world, overrides)
     check_trainable(cfg, layouts)
+    check_slurm(cfg)
     check_resume(cfg)
+    for line in check_hf_weights(cfg):
+        print(f"hcp: {line}")
+    if cfg.mode == "export":
+        return start_export(cfg, run_dir, joined, world)
     container = OmegaConf.to_container(cfg, resolve=True)
     first = _is_first(joined)
     for line in prepare_data(cfg):

@@ -10,14 +10,15 @@ What it assumes (printed with the estimate):
 - the hardware: the shipped H100 profile (`hcp/dcp/profiles/h100.yaml`: BF16 peak, achieved
   matmul/attention efficiencies, NVLink/InfiniBand bandwidths), with `cluster.gpus_per_node`
   ranks per node;
-- the LLM only: the encoder and projector are not timed; layers split evenly over PP stages;
-  full recompute when `llm.layout.recompute=full`, none otherwise;
+- the LLM only (the cost model of the run's `llm`, its tp, pp and `pp_layers`): the encoder and
+  projector are not timed; full recompute when `llm.layout.recompute=full`, none otherwise;
 - packing: `first_fit` packs each DP lane's samples into micro-batches of
   `micro_batch_tokens * cp` tokens, each on the layout's CP group; `dynamic_cp` runs the solver
   over the whole CP pool (dp * cp ranks);
-- TP of size t divides a micro-batch's compute and CP traffic by t and adds two ring all-reduces
-  of the activations per layer forward (`2 (t-1)/t * tokens/c * h * 2 B`), the same again in
-  backward and once more under full recompute, over NVLink inside a node, InfiniBand across;
+- TP of size t: the cost model divides compute and CP traffic by t; the estimate adds TP's own
+  two ring all-reduces of the activations per layer forward (`2 (t-1)/t * tokens/c * h * 2 B`),
+  the same again in backward and once more under full recompute, over NVLink inside a node,
+  InfiniBand across (the analytic profile's matmul efficiency does not include them);
 - the gradient all-reduce over each stage's DP x CP group (fp32 gradients of the stage's
   parameters / t, ring: `2 (n-1)/n` of them per rank) follows the pipeline, not overlapped.
 Step time = simulated 1F1B iteration + gradient sync; bubble = 1 - mean stage busy time / the
@@ -32,13 +33,13 @@ from pathlib import Path
 import numpy as np
 
 from hcp.data.packing import first_fit
-from hcp.dcp.cost_model import CostModel, ModelSpec, load_profile
-from hcp.dcp.plan import Group, MicroBatch, Plan
+from hcp.dcp.cost_model import CostModel, load_profile
+from hcp.dcp.plan import Group, Plan, Round
 from hcp.schedule.simulator import simulate_1f1b
 
 LENGTHS = Path(__file__).resolve().parents[1] / "data" / "lengths" / "wikipedia_sample.txt"
 ASSUMPTIONS = ("LLM only; Wikipedia-sample lengths clipped to data.max_seq_len; H100 profile; "
-               "even PP split; gradient sync not overlapped")
+               "gradient sync not overlapped")
 
 
 def batch_lengths(cfg) -> np.ndarray:
@@ -50,19 +51,17 @@ def batch_lengths(cfg) -> np.ndarray:
 
 
 def _cost(cfg, lay) -> CostModel:
-    c = cfg.llm
-    model = ModelSpec(layers=c.num_layers, hidden=c.hidden_size, heads=c.num_heads,
-                      kv_heads=c.num_kv_heads, ffn=c.ffn_hidden_size, vocab=c.vocab_size)
-    _, hw = load_profile("h100-llama13b")
+    hw = load_profile("h100")
     g = int(cfg.cluster.gpus_per_node)
     if g & (g - 1) == 0:
         hw = dataclasses.replace(hw, ranks_per_node=g)
-    return CostModel(model, hw, pp=lay.pp, recompute=lay.recompute == "full")
+    return CostModel(cfg.llm, hw, pp=lay.pp, tp=lay.tp, recompute=lay.recompute == "full",
+                     pp_layers=list(lay.pp_layers))
 
 
 def _plans(cfg, lay, cost: CostModel) -> list[tuple[Plan, np.ndarray]]:
     """The plans of the CP pools (one per DP lane under first_fit, one pool under dynamic_cp),
-    each with its lengths."""
+    each with its lengths; one micro-batch per round (the pipeline's unit)."""
     lens, m = batch_lengths(cfg), int(cfg.trainer.micro_batch_tokens)
     if cfg.packing == "dynamic_cp":
         from hcp.dcp.solver import solve
@@ -72,14 +71,14 @@ def _plans(cfg, lay, cost: CostModel) -> list[tuple[Plan, np.ndarray]]:
     plans = []
     for lane in np.split(lens, lay.dp):
         packs = first_fit((-(-lane // pad) * pad).tolist(), m * lay.cp)
-        plans.append((Plan([MicroBatch([Group(p, lay.cp, 0)]) for p in packs]), lane))
+        plans.append((Plan([Round([Group(p, lay.cp, 0)]) for p in packs]), lane))
     return plans
 
 
 def _tokens_per_rank(plan: Plan, lens: np.ndarray) -> np.ndarray:
-    """[M] the largest tokens per rank of any group of each micro-batch."""
-    return np.array([max((lens[g.seq_indices].sum() / g.cp_size for g in mb.groups if g.seq_indices),
-                         default=0.0) for mb in plan.micro_batches])
+    """[R] the largest tokens per rank of any group of each round."""
+    return np.array([max((lens[g.seq_indices].sum() / g.cp_size for g in r.groups if g.seq_indices),
+                         default=0.0) for r in plan.rounds])
 
 
 def _ring_s(nbytes, ranks: int, span: int, cost: CostModel) -> np.ndarray:
@@ -106,20 +105,19 @@ def estimate_step(cfg, lay, world: int, stage_params: list[int]) -> dict:
     flops = cost.model_flops(batch_lengths(cfg))
     return {"step_time_s": step, "tflops_per_gpu": flops / step / world / 1e12,
             "bubble_fraction": float(1 - busy.mean() / timeline.iteration_time),
-            "micro_batches": plan.num_micro_batches, "grad_sync_s": grad_sync}
+            "micro_batches": plan.num_rounds, "grad_sync_s": grad_sync}
 
 
 def _simulate(cfg, lay, cost: CostModel, plan: Plan, lens: np.ndarray):
     """(1F1B timeline, busy seconds per stage, plan) of one CP pool's plan under TP."""
-    fwd, bwd = cost.stage_times(plan, lens)  # [pp, M] seconds, per-micro-batch overhead included
+    fwd, bwd = cost.stage_times(plan, lens)  # [pp, R] seconds, per-micro-batch overhead included
     hw, t = cost.hw, lay.tp
     if t > 1:
-        layers = np.full(lay.pp, cost.model.layers // lay.pp, dtype=np.float64)
-        layers[: cost.model.layers % lay.pp] += 1
-        act = _tokens_per_rank(plan, lens) * cost.model.hidden * hw.bytes_per_element  # [M] bytes
+        layers = np.asarray(lay.pp_layers, dtype=np.float64)
+        act = _tokens_per_rank(plan, lens) * cfg.llm.hidden_size * hw.bytes_per_element  # [R] bytes
         comm = 2 * layers[:, None] * _ring_s(act, t, t, cost)[None, :]
         recompute = 1.0 if cost.recompute else 0.0
-        fwd = (fwd - hw.micro_batch_overhead_fwd) / t + comm + hw.micro_batch_overhead_fwd
-        bwd = (bwd - hw.micro_batch_overhead_bwd) / t + (1 + recompute) * comm + hw.micro_batch_overhead_bwd
+        fwd = fwd + comm
+        bwd = bwd + (1 + recompute) * comm
     timeline = simulate_1f1b(fwd, bwd)
     return timeline, np.array([timeline.busy(s) for s in range(lay.pp)]), plan

@@ -5,9 +5,9 @@ process is already one of several launched ranks:
 - torchrun / torch elastic: `TORCHELASTIC_RUN_ID` is set, or all of RANK, WORLD_SIZE,
   LOCAL_RANK, MASTER_ADDR and MASTER_PORT are;
 - SLURM: inside an `srun` step with more than one task (`SLURM_STEP_ID` and
-  `SLURM_STEP_NUM_TASKS` > 1 are set; an sbatch batch script has neither, so a plain
-  `python train.py` in an sbatch script starts its own local ranks instead of waiting for
-  N - 1 peers that never come).
+  `SLURM_STEP_NUM_TASKS` > 1 are set, rendezvous at the first host of the node list; an sbatch
+  batch script has neither, so a plain `python train.py` in an sbatch script starts its own
+  local ranks instead of waiting for N - 1 peers that never come).
 Otherwise `train.py` starts `launcher.nproc_per_node` local ranks itself (fork by default:
 ~0.2 s for 8 ranks here, against 12-15 s for spawn; DESIGN.md section 8).
 """
@@ -29,12 +29,14 @@ def launched_rank_env(env: Mapping[str, str]) -> Optional[dict]:
                 "local_rank": int(env["LOCAL_RANK"]), "master_addr": env.get("MASTER_ADDR"),
                 "master_port": env.get("MASTER_PORT")}
     if "SLURM_STEP_ID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
-        # Rendezvous defaults every task derives alike: the node srun ran on, a port from the job id.
-        port = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+        # Rendezvous every task derives alike: the first host of the node list, a port from the
+        # job id (hcp.train.slurm).
+        from hcp.train.slurm import rendezvous_host, rendezvous_port
+
         return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_STEP_NUM_TASKS"]),
                 "local_rank": int(env.get("SLURM_LOCALID", "0")),
-                "master_addr": env.get("MASTER_ADDR", env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")),
-                "master_port": env.get("MASTER_PORT", str(port))}
+                "master_addr": env.get("MASTER_ADDR", rendezvous_host(env) or "127.0.0.1"),
+                "master_port": env.get("MASTER_PORT", str(rendezvous_port(env)))}
     return None
 
 

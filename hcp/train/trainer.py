@@ -19,15 +19,18 @@ from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler, lane_slice
 from hcp.data.packing import collate, first_fit
 from hcp.model import LlavaModel, init_parameters
+from hcp.model.hf_load import load_pretrained
 from hcp.model.stage import StageSpec
 from hcp.parallel.groups import ProcessGroupRegistry
 from hcp.parallel.roles import logging_rank
 from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
+from hcp.train.failures import NonFiniteGuard
 from hcp.train.fsdp import shard_model
 from hcp.train.metrics_log import RunLogger, whole_step_metrics
 from hcp.train.optim import build_optimizer, build_scheduler
+from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
 
 
@@ -41,6 +44,7 @@ class Trainer:
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.run_dir = cfg, run_dir
         self.device = init_distributed(cfg.launcher)
+        self.preempt = Preemption(cfg.launcher.slurm, self.device)  # signal -> flag (hcp.train.preempt)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layouts = resolve_layouts(cfg, self.world)
         self.groups = ProcessGroupRegistry(self.layouts)
@@ -61,10 +65,13 @@ class Trainer:
             shard_model(self.model, self.groups)
         self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
         self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.model, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
         self.step, self.resume_note = 0, None
         self._resume()
+        if self.is_logging_rank:
+            continue_wandb_run(cfg, resumed=self.step > 0)
         self.log = (RunLogger(run_dir, cfg, cfg.trainer.max_steps, self.step)
                     if self.is_logging_rank else None)
         if self.log and self.resume_note:
@@ -76,6 +83,7 @@ class Trainer:
         model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
                            cp_group=self.cp_group, stage=self.stage)
         init_parameters(model, cfg.seed)
+        load_pretrained(model, cfg)  # llm/vision.init_from: Hugging Face weights, this rank's slices
         for name in MODULES:
             if getattr(model, name, None) is not None and cfg[name].freeze:
                 model.get_submodule(name).requires_grad_(False)
@@ -83,9 +91,13 @@ class Trainer:
 
     def _resume(self) -> None:
         resume = self.cfg.resume
+        path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
+        if path is None and self.cfg.init_from_checkpoint:  # a new stage: weights only
+            self.resume_note = checkpoint.load_weights(self.cfg.init_from_checkpoint, self.model,
+                                                       self.tp_group)
+            return
         if not resume:
             return
-        path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
         if path is None:  # resume=auto with no checkpoint yet: a fresh start, said so
             self.resume_note = (f"resume=auto: no checkpoint in checkpoint.dir={self.cfg.checkpoint.dir}; "
                                 "starting at step 0")
@@ -94,7 +106,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
-        self.resume_note = f"resumed from {path} at step {self.step}"
+        self.resume_note = state["note"]
         if self.scheduler.change_note:  # a changed trainer.max_steps / optim.lr: said, and followed
             self.resume_note += "\n" + self.scheduler.change_note
 
@@ -114,10 +126,13 @@ class Trainer:
         t0 = time.perf_counter()
         loss, counts, n_micro = self.forward_backward(self.sampler.next())
         grad_norm = self.runner.clip(self.cfg.trainer.grad_clip)
-        self.optimizer.step()
+        update = self.guard.update_ok(self.step + 1, loss, grad_norm)  # NaN/Inf: stop or skip
+        if update:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if update:
+            self.scheduler.step()
         self.step += 1
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
                 "micro_batches": n_micro, **whole_step_metrics(self.cfg.llm, counts, t0,
@@ -167,6 +182,9 @@ class Trainer:
                 self.log.advance()
             if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.max_steps:
                 self.save()
+            if self.step < tc.max_steps and self.preempt.should_stop():  # all ranks agree
+                self.save()
+                self.preempt.requeue_and_exit(self.step, self.cfg.checkpoint.dir)
         evals = self.evaluate()
         self.save()
         summary = {"steps": self.step, "final_loss": metrics.get("loss"), **evals,
@@ -175,7 +193,8 @@ class Trainer:
                       for k in ("tokens_per_s", "tflops_per_gpu", "bubble_fraction")},
                    "peak_memory_gib": max((m["peak_memory_gib"] for m in history), default=0.0),
                    "world_size": self.world,
-                   "skipped_records": dict(self.train_set.skipped.counts)}
+                   "skipped_records": dict(self.train_set.skipped.counts),
+                   "nonfinite_skipped_steps": self.guard.skipped}
         if self.log:
             self.log.log(self.step, evals)
             self.log.finish(summary)
