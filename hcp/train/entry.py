@@ -124,7 +124,14 @@ def _task(cfg: DictConfig):
         joined = launched_rank_env(os.environ)
         if _is_first(joined):
             print(f"hcp: error: {e}", file=sys.stderr, flush=True)
-        discard_run_dir(hydra_cfg.runtime.output_dir)
+        run_dir = hydra_cfg.runtime.output_dir
+        if hydra_cfg.mode == RunMode.MULTIRUN and cfg.mode == "plan":
+            # a plan sweep goes on and its table (hcp.train.plan_table) shows this layout's error
+            if not os.path.isfile(os.path.join(run_dir, "plan.json")):
+                with open(os.path.join(run_dir, "plan_error.txt"), "w") as f:
+                    f.write(f"{e}\n")
+            return None
+        discard_run_dir(run_dir)
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and the sweep goes on
         sys.exit(2)
