@@ -15,7 +15,7 @@ from dist_utils import run_ranks
 from hcp.config.errors import ConfigError
 from hcp.train.failures import NonFiniteError, NonFiniteGuard
 from hcp.train.launch import launched_rank_env
-from hcp.train.preempt import Preemption, continue_wandb_run
+from hcp.train.preempt import Preemption, continue_wandb_run, resume_after_requeue
 from hcp.train.sbatch import main as sbatch_main
 from hcp.train.slurm import LaunchCheck, check_job, first_host
 
@@ -165,3 +165,14 @@ def test_wandb_run_id_is_kept_across_a_resume_and_new_for_a_fresh_run(tmp_path, 
     assert os.environ["WANDB_RUN_ID"] == first and os.environ["WANDB_RESUME"] == "allow"
     continue_wandb_run(cfg, resumed=False)
     assert os.environ["WANDB_RUN_ID"] != first
+
+
+def test_a_requeued_job_resumes_unless_told_otherwise():
+    cfg = OmegaConf.create({"resume": None})
+    resume_after_requeue(cfg, {"SLURM_RESTART_COUNT": "0"})
+    assert cfg.resume is None
+    resume_after_requeue(cfg, {"SLURM_RESTART_COUNT": "1"})
+    assert cfg.resume == "auto"
+    cfg.resume = "/ckpt/step_00000010"
+    resume_after_requeue(cfg, {"SLURM_RESTART_COUNT": "2"})
+    assert cfg.resume == "/ckpt/step_00000010"

@@ -11,6 +11,7 @@ from hcp.config.validate import validate
 from hcp.data.build import prepare_data
 from hcp.train.checkpoint import check_resume
 from hcp.train.launch import export_rank_env, launched_rank_env, local_world_size, start_local_ranks
+from hcp.train.preempt import resume_after_requeue
 from hcp.train.slurm import check_slurm
 from hcp.train.support import check_trainable
 
@@ -39,6 +40,7 @@ def run(cfg: DictConfig):
     world = local_world_size(cfg, joined)
     check_trainable(cfg, validate(cfg, world))
     check_slurm(cfg)
+    resume_after_requeue(cfg)
     check_resume(cfg)
     container = OmegaConf.to_container(cfg, resolve=True)
     if not joined or joined["rank"] == 0:

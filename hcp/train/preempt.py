@@ -96,6 +96,14 @@ class Preemption:
         return 0, f"requeued job {job}; it resumes from this checkpoint"
 
 
+def resume_after_requeue(cfg, env=os.environ) -> None:
+    """A requeued SLURM job (`SLURM_RESTART_COUNT` > 0) with `resume` unset resumes from its
+    `checkpoint.dir` (`resume=auto`): the sbatch script passes resume=auto itself, a submitit
+    job re-runs the submitted overrides as they were."""
+    if cfg.resume is None and int(env.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
+        cfg.resume = "auto"
+
+
 def continue_wandb_run(cfg, resumed: bool) -> None:
     """Make the logging rank's wandb run continue across requeues: the run id is kept in
     `checkpoint.dir/wandb_run_id`; a resumed run reuses it, a fresh run writes a new one. Sets

@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from typing import Mapping, Optional
 
+from hydra.experimental.callback import Callback
+
 from hcp.config.errors import ConfigError, check_choice
 
 SIGNALS = ("USR2", "TERM")
@@ -88,7 +90,7 @@ def check_job(cfg, nodes: int, tasks_per_node, gpus_per_node, where: str = "laun
     return world
 
 
-class LaunchCheck:
+class LaunchCheck(Callback):
     """Hydra callback (conf/config.yaml `hydra.callbacks`): before a multirun with the submitit
     SLURM launcher submits anything, check its nodes / tasks / GPUs against the config; other
     launchers pass through. Sweep points are checked again in their jobs."""
