@@ -97,11 +97,13 @@ def test_sbatch_four_task_llama_tiny_completes_with_summary(reference):
 
 def test_preemption_checkpoints_requeues_and_resumes_with_the_same_losses(cluster, reference, tmp_path):
     """A real preemption: a job in the higher-priority partition takes every CPU; SLURM sends
-    SIGUSR2 (preempt_send_user_signal); hcp saves at the next step boundary, requeues, exits;
-    the requeued job resumes at that step with the same wandb run id."""
+    SIGUSR2 (preempt_send_user_signal) to every process of the step; hcp saves at the next step
+    boundary, requeues, exits; the requeued job resumes at that step with the same wandb run id.
+    Launched with torchrun per node (which must neither die of the signal nor kill its workers
+    mid-save); the reference ran under srun, so this also checks that both launches agree."""
     ref_dir, _, ref_losses = reference
     run_dir = tmp_path / "run"
-    job = submit(cluster, run_dir, [*TINY, "logger=wandb"])
+    job = submit(cluster, run_dir, [*TINY, "logger=wandb", "launcher.slurm.launch=torchrun"])
     wait_for_step(run_dir, 2, 180, cluster, job)
     cluster.run(["sbatch", "-p", "urgent", "-n", "8", "-o", "/dev/null", "--wrap", "sleep 1"])
     info = cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"}, 300)
