@@ -13,9 +13,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from hcp.config.schema import register
 from hcp.train.launch import run_name
+from hcp.train.slurm import slurm_tasks
 
 register()
 OmegaConf.register_new_resolver("hcp_run_name", lambda: run_name(os.environ), use_cache=True)
+OmegaConf.register_new_resolver("hcp_slurm_tasks", slurm_tasks)  # hydra/launcher=submitit_slurm
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
