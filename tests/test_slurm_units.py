@@ -177,3 +177,25 @@ def test_a_requeued_job_resumes_unless_told_otherwise():
     cfg.resume = "/ckpt/step_00000010"
     resume_after_requeue(cfg, {"SLURM_RESTART_COUNT": "2"})
     assert cfg.resume == "/ckpt/step_00000010"
+
+
+def test_a_sweep_directory_is_fixed_at_submission():
+    """A requeued submitit job unpickles the launcher's config: its `${now:}` sweep directory
+    is the one resolved at submission (OmegaConf pickles the resolver cache), not a new time."""
+    import pickle
+    import time
+
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.utils import setup_globals
+
+    from hcp.config.compose import CONF_DIR
+    from hcp.config.schema import register
+
+    register()
+    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
+        cfg = hydra_compose("config", return_hydra_config=True)
+    setup_globals()
+    at_submission = str(cfg.hydra.sweep.dir)
+    blob = pickle.dumps(cfg)
+    time.sleep(1.1)
+    assert str(pickle.loads(blob).hydra.sweep.dir) == at_submission
