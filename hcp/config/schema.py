@@ -55,7 +55,11 @@ class VisionConfig:
     norm_eps: float = 1e-5
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
-    offload: bool = False
+    init_from: Optional[str] = None
+    """A local Hugging Face CLIP checkpoint folder (config.json + safetensors); its architecture
+    fields replace this block's (a conflicting command-line value is an error)."""
+    arch: str = "vit"
+    """`vit` (the tiny default: GELU MLP) or `clip` (OpenAI CLIP: quick-GELU MLP)."""
 
 
 @dataclass
@@ -66,7 +70,6 @@ class ProjectorConfig:
     """`mlp2x_gelu` (Linear GELU Linear, LLaVA-1.5) or `linear`."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
-    offload: bool = False
 
 
 @dataclass
@@ -86,7 +89,10 @@ class LLMConfig:
     """`auto` (fastest installed), `torch` (pure torch, CPU reference), `te`, `flash`."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
-    offload: bool = False
+    init_from: Optional[str] = None
+    """A local Hugging Face LLaMA checkpoint folder (config.json + safetensors, one file or
+    sharded with its index); its architecture fields replace this block's (a conflicting
+    command-line value is an error)."""
 
 
 @dataclass
@@ -121,8 +127,11 @@ class TrainerConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"
+    """`adamw` (hcp.config.choices.OPTIMIZERS)."""
     lr: float = 1e-3
     weight_decay: float = 0.0
+    """Decoupled weight decay on weight matrices only (linear and projection weights); norms,
+    biases and embeddings (token, patch, position, CLS) never decay, as in Megatron-LM and LLaVA."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     warmup_ratio: float = 0.03
@@ -134,7 +143,8 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     name: str = "digits_vqa"
-    """`digits_vqa` (built in), `llava_json` (your data) or `code_corpus` (stdlib sources)."""
+    """`digits_vqa` (built in), `llava_json` (your data), `code_corpus` (stdlib sources) or
+    `tokens` (your Megatron .bin/.idx or JSONL text, blended)."""
     path: Optional[str] = None
     """LLaVA conversation JSON (data=llava_json)."""
     image_folder: Optional[str] = None
@@ -153,6 +163,14 @@ class DataConfig:
     """Bad records: `error` (stop, naming file and id) or `skip` (count and report)."""
     eval_fraction: float = 0.15
     """Held-out fraction of a built-in data set."""
+    sources: Optional[list[Any]] = None
+    """data=tokens: `[{path, weight}]`, each a Megatron indexed data set (`PREFIX` of
+    PREFIX.bin / PREFIX.idx) or a `.jsonl` file; samples are drawn in proportion to the weights."""
+    long_docs: str = "split"
+    """data=tokens: a document longer than `max_seq_len`: `split` into max_seq_len pieces or
+    `reject` (an error naming the file and document)."""
+    text_key: str = "text"
+    """data=tokens: the JSONL field holding a document's text."""
 
 
 @dataclass
@@ -194,8 +212,6 @@ class SlurmConfig:
 
 @dataclass
 class LauncherConfig:
-    name: str = "local"
-    """`local` (start ranks here) or `slurm`."""
     nproc_per_node: Any = "auto"
     """Ranks per node: `auto` = one per GPU on CUDA, 4 on CPU; or an int."""
     nnodes: int = 1
@@ -216,6 +232,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class ExportConfig:
+    dir: Optional[str] = None
+    """mode=export: folder to write `llm/` (LlamaForCausalLM), `vision/` (CLIPVisionModel) and
+    `mm_projector.bin` (LLaVA-1.5 names) into."""
+    dtype: str = "auto"
+    """`auto` (the init_from checkpoint's dtype, else float32), `float32`, `bfloat16`, `float16`."""
+
+
+@dataclass
 class ClusterConfig:
     """The target machine for plan mode and memory checks."""
 
@@ -228,7 +253,8 @@ class ClusterConfig:
 class HCPConfig:
     seed: int = 1234
     mode: str = "train"
-    """`train` or `plan` (one process, no process groups: layouts, memory, plan.json/png)."""
+    """`train`, `plan` (one process, no process groups: layouts, memory, plan.json/png) or
+    `export` (write the model as the run would start it as a Hugging Face checkpoint)."""
     placement: str = "colocated"
     """`colocated` or `non_colocated`."""
     packing: str = "first_fit"
@@ -248,6 +274,10 @@ class HCPConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    init_from_checkpoint: Optional[str] = None
+    """Start a new stage from a checkpoint folder: model weights only, a fresh optimizer and
+    schedule at step 0 (LLaVA stage 2 from stage 1). `resume` continues the same run."""
+    export: ExportConfig = field(default_factory=ExportConfig)
 
 
 MODULES = ("vision", "projector", "llm")

@@ -1,102 +1,158 @@
 """Causal THD attention across context-parallel ranks (head-tail shards of
-`hcp.parallel.cp_sharding`), pure torch, exact in values and gradients.
+`hcp.parallel.cp_sharding`), block-wise, exact in values and gradients.
 
 Two strategies (`cp_comm`), as Transformer Engine / torch users know them:
-- `allgather` (default): all-gather K/V of the CP group once, attend the local queries to all
-  keys with a position mask, and reduce-scatter the K/V gradients back to their owners (the
-  all-gather CP of Llama 3 / Megatron-LM `cp_comm_type=all_gather`).
+- `allgather` (default): all-gather K/V of the CP group once, attend the local queries to the
+  keys block by block, and reduce-scatter the K/V gradients back to their owners (the all-gather
+  CP of Llama 3 / Megatron-LM `cp_comm_type=all_gather`).
 - `p2p`: ring attention (Liu et al. 2023; Transformer Engine's `p2p` CP): K/V shards rotate
-  around the ring with `batch_isend_irecv` while the current block is computed; partial results
-  are merged with their log-sum-exp. A custom backward rotates K/V again together with their
-  accumulating gradients, which reach their owners after one more hop (the flash-attention
-  backward, Dao 2022: dS = P * (dP - rowsum(dO * O))).
+  around the ring with `batch_isend_irecv` while the current shard's blocks are computed, folded
+  into one online softmax. The backward rotates K/V again together with their fp32 gradient
+  accumulators, which reach their owners after one more hop.
 
-Every rank holds the same local document lengths (2 chunks of each document), so all shards share
-one padded layout `[N, H, S, D]`; masks come from each token's position in its document:
-key j is visible to query i iff it is real (not padding) and pos_k(j) <= pos_q(i).
+Both run the tiles of `hcp.model.block_attention` (fp32 running max, sum and output, flash
+backward). The tiles come from positions alone: CP size c cuts a document of L tokens into 2c
+chunks of k = ceil(L / 2c) positions, chunk i owned by rank min(i, 2c-1-i), stored in the
+owner's local rows as [head chunk, tail chunk]. A query in chunk i sees the whole chunks before i
+and the causal diagonal of chunk i; every later chunk is skipped, which the head-tail split
+balances (each rank computes the same number of tiles). Long documents are cut into blocks of
+`block_size` positions: full tiles need no mask, diagonal tiles share one `tril` mask. A short
+document (its whole local query x key tile within block_size^2) is one tile with a position mask;
+documents with the same k share that mask and run as one batch. The memory of a call is the
+(gathered or in-flight) K/V plus O(block_size^2 x heads).
+
+The CP group is an argument of each micro-batch's plan (dynamic CP gives every micro-batch its
+own group), never of a layer.
 """
 from __future__ import annotations
 
-import math
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from hcp.model.attention import doc_slots, padded_attention, to_padded
+from hcp.config.layouts import CP_COMMS
+from hcp.model.block_attention import (BlockAttention, SoftmaxState, TileBatch, acc_dtype,
+                                       backward_tiles, forward_tiles)
 from hcp.model.collectives import gather_seq, group_rank, group_size
-from hcp.parallel.cp_sharding import cp_shard
 
-CP_COMMS = ("allgather", "p2p")
-
+BLOCK_SIZE = 512
 
 @dataclass
 class CPAttentionPlan:
-    """Per micro-batch metadata shared by all layers. N documents, S longest local document."""
+    """Per micro-batch tiles shared by all layers of one rank."""
 
     group: object
     comm: str
-    doc: torch.Tensor
-    """long [T_loc]: document of each local slot."""
-    slot: torch.Tensor
-    """long [T_loc]: offset of each local slot within its local document."""
-    query_pos: torch.Tensor
-    """long [N, S]: this rank's positions; layout padding gets a position past every key."""
-    key_pos: torch.Tensor
-    """long [c, N, S]: positions of every CP rank's slots."""
-    key_real: torch.Tensor
-    """bool [c, N, S]: False at CP padding and at layout padding."""
-
-    def mask(self, ranks: slice | int) -> torch.Tensor:
-        """bool [N, S, S] (one rank) or [N, S, c * S] (all ranks, in rank order)."""
-        pos, real = self.key_pos[ranks], self.key_real[ranks]
-        if pos.dim() == 3:
-            pos, real = (t.permute(1, 0, 2).flatten(1) for t in (pos, real))
-        return real[:, None, :] & (pos[:, None, :] <= self.query_pos[:, :, None])
+    tiles: list[list[TileBatch]]
+    """allgather: one list, rows index the gathered K/V (rank-major, each rank's local rows);
+    p2p: tiles[j] index the K/V shard of rank j (its local rows)."""
 
 
-def build_cp_plan(cu_seqlens: torch.Tensor, group, comm: str = "allgather") -> CPAttentionPlan:
-    """Plan for this rank of `group` from the whole micro-batch's cu_seqlens (int32 [N + 1]).
+class _Collector:
+    """Tiles grouped by (shape, mask key) into TileBatches."""
 
-    Raises ValueError for an unknown `comm`.
+    def __init__(self):
+        self.rows: dict = defaultdict(lambda: ([], []))
+        self.masks: dict = {}
+
+    def add(self, key, q_rows: torch.Tensor, k_rows: torch.Tensor, mask) -> None:
+        """q_rows [n, bq], k_rows [n, bk] sharing `mask` (None or bool [bq, bk]) under `key`."""
+        qs, ks = self.rows[key]
+        qs.append(q_rows)
+        ks.append(k_rows)
+        self.masks[key] = mask
+
+    def batches(self) -> list[TileBatch]:
+        return [TileBatch(torch.cat(qs), torch.cat(ks), self.masks[key])
+                for key, (qs, ks) in self.rows.items()]
+
+
+def _chunk_positions(chunks, k: int) -> torch.Tensor:
+    return torch.cat([i * k + torch.arange(k) for i in chunks])
+
+
+def _short_docs(col: dict, starts: torch.Tensor, k: int, c: int, r: int, t_loc: int, comm: str):
+    """Documents of chunk size k (local rows starting at `starts` [n]) that fit one tile each:
+    all local rows against all key rows, masked by position (one mask for the n documents)."""
+    q_rows = starts[:, None] + torch.arange(2 * k)                               # [n, 2k]
+    q_pos = _chunk_positions((r, 2 * c - 1 - r), k)
+    own = [_chunk_positions((j, 2 * c - 1 - j), k) for j in range(c)]     # positions by rank
+    if comm == "allgather":
+        offsets = (torch.arange(c)[:, None] * t_loc + torch.arange(2 * k)).flatten()
+        mask = torch.cat(own)[None, :] <= q_pos[:, None]
+        col[0].add(("short", k), q_rows, starts[:, None] + offsets, mask)  # k_rows [n, 2ck]
+        return
+    for j in range(c):
+        mask = own[j][None, :] <= q_pos[:, None]
+        if mask.any():
+            col[j].add(("short", k), q_rows, q_rows, mask)
+
+
+def _long_doc(col: dict, start: int, k: int, c: int, r: int, t_loc: int, comm: str, block: int):
+    """Block tiles of one long document: full blocks before each query block, its diagonal."""
+    def blocks(stop):
+        return [(o, min(block, stop - o)) for o in range(0, stop, block)]
+
+    for chunk, q_off in ((r, 0), (2 * c - 1 - r, k)):
+        for o, b in blocks(k):
+            q_rows = start + q_off + o + torch.arange(b)
+            for i in range(chunk + 1):
+                owner = min(i, 2 * c - 1 - i)
+                base = (owner * t_loc if comm == "allgather" else 0) + start + (0 if i < c else k)
+                target = col[0 if comm == "allgather" else owner]
+                for ko, kb in blocks(k if i < chunk else o):
+                    target.add(("full", b, kb), q_rows[None], (base + ko + torch.arange(kb))[None], None)
+                if i == chunk:
+                    target.add(("diag", b), q_rows[None], (base + o + torch.arange(b))[None],
+                               torch.ones(b, b, dtype=torch.bool).tril())
+
+
+def cp_tiles(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, comm: str = "allgather",
+             block_size: int = BLOCK_SIZE) -> list[list[TileBatch]]:
+    """The tiles of CP rank `cp_rank` of `cp_size` (see `CPAttentionPlan.tiles`) for the whole
+    micro-batch's cu_seqlens (int [N + 1]); indices on cu_seqlens' device. Pure function.
+
+    Raises ValueError for an unknown `comm` or a block_size < 1.
     """
     if comm not in CP_COMMS:
         raise ValueError(f"cp_comm={comm!r} is unknown: use one of {CP_COMMS}")
-    size, rank = group_size(group), group_rank(group)
-    shards = [cp_shard(cu_seqlens, size, r) for r in range(size)]
-    local_cu = shards[0].cu_seqlens
-    doc, slot = doc_slots(local_cu)
-    n, s = len(local_cu) - 1, shards[0].max_seqlen
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    c, r = cp_size, cp_rank
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
+    chunk = (lengths + 2 * c - 1) // (2 * c)                                     # k per document
+    starts = torch.cumsum(2 * chunk, 0) - 2 * chunk                               # local rows
+    t_loc = int(2 * chunk.sum())
+    col = {j: _Collector() for j in range(c if comm == "p2p" else 1)}
+    short = (2 * chunk) * (2 * c * chunk) <= block_size * block_size
+    for k in chunk[short & (chunk > 0)].unique().tolist():
+        _short_docs(col, starts[short & (chunk == k)], k, c, r, t_loc, comm)
+    for d in (~short).nonzero().flatten().tolist():
+        _long_doc(col, int(starts[d]), int(chunk[d]), c, r, t_loc, comm, block_size)
+    device = cu_seqlens.device
+    return [[TileBatch(b.q_rows.to(device), b.k_rows.to(device),
+                       None if b.mask is None else b.mask.to(device)) for b in col[j].batches()]
+            for j in sorted(col)]
 
-    def padded(values: torch.Tensor, fill) -> torch.Tensor:
-        out = torch.full((n, s), fill, dtype=values.dtype, device=values.device)
-        return out.index_put((doc, slot), values)
 
-    key_pos = torch.stack([padded(sh.position_ids, 0) for sh in shards])
-    key_real = torch.stack([padded(sh.valid, False) for sh in shards])
-    query_pos = padded(shards[rank].position_ids, torch.iinfo(torch.long).max)
-    return CPAttentionPlan(group, comm, doc, slot, query_pos, key_pos, key_real)
+def build_cp_plan(cu_seqlens: torch.Tensor, group, comm: str = "allgather",
+                  block_size: int = BLOCK_SIZE) -> CPAttentionPlan:
+    """Plan for this rank of `group` (the micro-batch's CP group; None = size 1) from the whole
+    micro-batch's cu_seqlens (int32 [N + 1]). Raises ValueError as `cp_tiles`."""
+    return CPAttentionPlan(group, comm, cp_tiles(cu_seqlens, group_size(group), group_rank(group),
+                                                 comm, block_size))
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  plan: CPAttentionPlan) -> torch.Tensor:
     """Local queries q [T_loc, Hq, D] attend to the keys/values k, v [T_loc, Hkv, D] of every
-    CP rank. Returns [T_loc, Hq, D]."""
-    n, s = plan.query_pos.shape
-    qp = to_padded(q, plan.doc, plan.slot, n, s)                          # [N, Hq, S, D]
+    CP rank of `plan.group`. Returns [T_loc, Hq, D] in q's dtype."""
     if plan.comm == "allgather":
-        c = group_size(plan.group)
         kv = gather_seq(torch.stack([k, v], dim=1), plan.group)           # [c * T_loc, 2, Hkv, D]
-        kv = kv.view(c, -1, *kv.shape[1:])
-        ranks = torch.arange(c, device=q.device)[:, None]
-        kv_pad = kv.new_zeros(c, n, s, *kv.shape[2:]).index_put(
-            (ranks, plan.doc[None], plan.slot[None]), kv)                  # [c, N, S, 2, Hkv, D]
-        kv_pad = kv_pad.permute(3, 1, 4, 0, 2, 5).flatten(3, 4)          # [2, N, Hkv, c*S, D]
-        out = padded_attention(qp, kv_pad[0], kv_pad[1], plan.mask(slice(None))[:, None])
-    else:
-        kp, vp = (to_padded(t, plan.doc, plan.slot, n, s) for t in (k, v))
-        out = _RingAttention.apply(qp, kp, vp, plan)
-    return out.transpose(1, 2)[plan.doc, plan.slot]
+        return BlockAttention.apply(q, kv[:, 0], kv[:, 1], plan.tiles[0])
+    return _RingAttention.apply(q, k, v, plan)
 
 
 def _ring_shift(x: torch.Tensor, group, tag: int):
@@ -116,73 +172,50 @@ def _wait(reqs) -> None:
         req.wait()
 
 
-def _block_scores(q5, k, mask, scale):
-    """q5 [N, Hkv, g, Sq, D], k [N, Hkv, Sk, D], mask [N, Sq, Sk] -> masked scores."""
-    scores = torch.einsum("nhgqd,nhkd->nhgqk", q5, k) * scale
-    return scores.masked_fill(~mask[:, None, None], float("-inf"))
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """Log-sum-exp with -inf (rows that see no key) replaced by 0, so exp(-inf - 0) = 0."""
-    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-
-
 class _RingAttention(torch.autograd.Function):
-    """Ring attention on padded shards: q [N, Hq, S, D], k, v [N, Hkv, S, D] -> [N, Hq, S, D]."""
+    """Ring attention: q [T_loc, Hq, D], k, v [T_loc, Hkv, D] -> [T_loc, Hq, D]."""
 
     @staticmethod
-    def forward(ctx, qp, kp, vp, plan):
+    def forward(ctx, q, k, v, plan):
         group = plan.group
         size, rank = group_size(group), group_rank(group)
-        n, hkv, s, d = kp.shape
-        scale = 1.0 / math.sqrt(d)
-        q5 = qp.view(n, hkv, -1, s, d)
-        out = torch.zeros_like(q5)
-        lse = torch.full(q5.shape[:-1], float("-inf"), dtype=q5.dtype, device=q5.device)
-        kv = torch.stack([kp, vp])
+        state = SoftmaxState.empty(q)
+        kv = torch.stack([k, v])
         for step in range(size):
             if step < size - 1:
                 nxt_kv, reqs = _ring_shift(kv, group, tag=0)
-            scores = _block_scores(q5, kv[0], plan.mask((rank - step) % size), scale)
-            blk_lse = torch.logsumexp(scores, dim=-1)
-            blk_out = torch.einsum("nhgqk,nhkd->nhgqd", torch.exp(scores - _finite(blk_lse)[..., None]), kv[1])
-            new_lse = _finite(torch.logaddexp(lse, blk_lse))
-            out = (out * torch.exp(lse - new_lse)[..., None]
-                   + blk_out * torch.exp(blk_lse - new_lse)[..., None])
-            lse = torch.logaddexp(lse, blk_lse)
+            forward_tiles(state, q, kv[0], kv[1], plan.tiles[(rank - step) % size])
             if step < size - 1:
                 _wait(reqs)
                 kv = nxt_kv
-        ctx.plan, ctx.scale = plan, scale
-        ctx.save_for_backward(q5, kp, vp, out, lse)
-        return out.view_as(qp)
+        out, lse = state.result(q.dtype)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out):
-        q5, kp, vp, out, lse = ctx.saved_tensors
-        plan, scale = ctx.plan, ctx.scale
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan = ctx.plan
         group = plan.group
         size, rank = group_size(group), group_rank(group)
-        dout = grad_out.reshape(out.shape)
-        delta = (dout * out).sum(-1, keepdim=True)                        # [N, Hkv, g, S, 1]
-        lse = _finite(lse)[..., None]
-        dq = torch.zeros_like(q5)
-        kv = torch.stack([kp, vp])
+        acc = acc_dtype(q.dtype)
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv = torch.stack([k, v])
         for step in range(size):
             if step < size - 1:
                 nxt_kv, kv_reqs = _ring_shift(kv, group, tag=0)
-            probs = torch.exp(_block_scores(q5, kv[0], plan.mask((rank - step) % size), scale) - lse)
-            dscores = probs * (torch.einsum("nhgqd,nhkd->nhgqk", dout, kv[1]) - delta)
-            dq += torch.einsum("nhgqk,nhkd->nhgqd", dscores, kv[0]) * scale
-            dkv = torch.stack([torch.einsum("nhgqk,nhgqd->nhkd", dscores, q5) * scale,
-                               torch.einsum("nhgqk,nhgqd->nhkd", probs, dout)])
+            dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
+            backward_tiles(q, kv[0], kv[1], dout, lse, delta, plan.tiles[(rank - step) % size],
+                           dq, dkv[0], dkv[1])
             if step > 0:
                 _wait(dkv_reqs)
-                dkv = dkv + recv_dkv
-            # the gradient travels with its K/V; one hop after the last step it is home
+                dkv += recv_dkv
+            # the fp32 gradient travels with its K/V; one hop after the last step it is home
             recv_dkv, dkv_reqs = _ring_shift(dkv, group, tag=1)
             if step < size - 1:
                 _wait(kv_reqs)
                 kv = nxt_kv
         _wait(dkv_reqs)
-        return dq.view_as(grad_out), recv_dkv[0], recv_dkv[1], None
+        return dq.to(q.dtype), recv_dkv[0].to(k.dtype), recv_dkv[1].to(v.dtype), None

@@ -32,20 +32,30 @@ class RMSNorm(nn.Module):
         return xf.to(x.dtype) * copy_to_group(self.weight, self.grad_sync_group)
 
 
+def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 1, head_dim] in `dtype` for integer positions [T] (computed in fp32).
+    Compute once per micro-batch; every layer's `rotate` reuses them."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
+                                            dtype=torch.float32) / head_dim)
+    freqs = position_ids.to(torch.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]                     # [T, 1, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate query/key heads x [T, heads, D] by tables cos, sin [T, 1, D] (`rope_tables`)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
 def apply_rope(x: torch.Tensor, position_ids: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotate query/key heads by their positions.
 
     x: [T, heads, D] (D even); position_ids: [T] integer positions within each document;
     theta: base of the frequencies (10000 for LLaMA). Returns [T, heads, D].
     """
-    dim = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    freqs = position_ids.to(torch.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]                     # [T, 1, D]
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
+    return rotate(x, *rope_tables(position_ids, x.shape[-1], theta, x.dtype))
 
 
 class SwiGLU(nn.Module):

@@ -35,9 +35,13 @@ from hcp.config.schema import LLMConfig
 from hcp.model.backends import attention_fn, resolve_backend
 from hcp.model.collectives import copy_to_group, gather_from_group, group_size, split_seq
 from hcp.model.cp_attention import build_cp_plan, cp_attention
-from hcp.model.layers import RMSNorm, SwiGLU, apply_rope
+from hcp.model.layers import RMSNorm, SwiGLU, rope_tables, rotate
 from hcp.model.stage import StageSpec
 from hcp.model.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+
+_DECODER_GROUP = object()
+"""run_layers' default cp_group: the decoder's own."""
 
 
 class Attention(nn.Module):
@@ -64,12 +68,13 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, **par)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, h, **par)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, attend) -> torch.Tensor:
-        """attend(q [T, hq, D], k [T, hkv, D], v) -> [T, hq, D] (built by LlamaDecoder)."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend) -> torch.Tensor:
+        """rope: (cos, sin) [T, 1, D] of this micro-batch (`rope_tables`); attend(q [T, hq, D],
+        k [T, hkv, D], v) -> [T, hq, D] (both built once per micro-batch by LlamaDecoder)."""
         q, k, v = (p(x) for p in (self.q_proj, self.k_proj, self.v_proj))
         t = q.shape[0]
-        q = apply_rope(q.view(t, -1, self.head_dim), position_ids, self.theta)
-        k = apply_rope(k.view(t, -1, self.head_dim), position_ids, self.theta)
+        q = rotate(q.view(t, -1, self.head_dim), *rope)
+        k = rotate(k.view(t, -1, self.head_dim), *rope)
         v = v.view(t, -1, self.head_dim)
         out = checkpoint(attend, q, k, v, use_reentrant=False) if self.recompute_core else attend(q, k, v)
         return self.o_proj(out.reshape(t, -1))
@@ -91,13 +96,14 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, grad_sync_group=sync)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size, tp_group, sequence_parallel)
 
-    def forward(self, x, position_ids, attend):
+    def forward(self, x, rope, attend):
+        """x [T, H]; rope (cos, sin) and attend: see `Attention.forward`."""
         if self.full_recompute and torch.is_grad_enabled():
-            return checkpoint(self._block, x, position_ids, attend, use_reentrant=False)
-        return self._block(x, position_ids, attend)
+            return checkpoint(self._block, x, rope, attend, use_reentrant=False)
+        return self._block(x, rope, attend)
 
-    def _block(self, x, position_ids, attend):
-        x = x + self.attn(self.attn_norm(x), position_ids, attend)
+    def _block(self, x, rope, attend):
+        x = x + self.attn(self.attn_norm(x), rope, attend)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -134,10 +140,10 @@ class LlamaDecoder(nn.Module):
         self.cp_comm = cfg.layout.cp_comm if cp_comm is None else cp_comm
         sp = cfg.layout.sequence_parallel if sequence_parallel is None else sequence_parallel
         self.sequence_parallel = sp and group_size(tp_group) > 1
-        backend = resolve_backend(cfg.attention_backend)  # te/flash missing: fails here, early
-        if backend != "torch" and group_size(cp_group) > 1:
-            raise ValueError(f"llm.attention_backend={backend} does not run with CP yet: "
-                             "use llm.attention_backend=torch (or auto)")
+        self.attention_backend = resolve_backend(cfg.attention_backend)  # te/flash missing: fails here
+        if self.attention_backend != "torch" and group_size(cp_group) > 1:
+            raise ValueError(f"llm.attention_backend={self.attention_backend} does not run with CP "
+                             "yet: use llm.attention_backend=torch (or auto)")
         sp = self.sequence_parallel
         first, last = self.stage.first, self.stage.last
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group)
@@ -153,18 +159,21 @@ class LlamaDecoder(nn.Module):
         """input_ids: long [T] -> [T, H]."""
         return self.embed_tokens(input_ids)
 
-    def _attend(self, num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int, like: torch.Tensor):
+    def _attend(self, num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int, like: torch.Tensor,
+                cp_group):
         """Attention over the first `num_tokens` rows (later rows are SP padding: zeros out)."""
-        if group_size(self.cp_group) > 1:
-            plan = build_cp_plan(cu_seqlens, self.cp_group, self.cp_comm)
+        if group_size(cp_group) > 1:
+            plan = build_cp_plan(cu_seqlens, cp_group, self.cp_comm)
             core = lambda q, k, v: cp_attention(q, k, v, plan)  # noqa: E731
         else:
             fn = attention_fn(resolve_backend(self.cfg.attention_backend, like.device, like.dtype))
             core = lambda q, k, v: fn(q, k, v, cu_seqlens, max_seqlen)  # noqa: E731
+        pad = self._sp_pad(num_tokens)
+        if not pad:
+            return core
 
         def attend(q, k, v):
-            out = core(q[:num_tokens], k[:num_tokens], v[:num_tokens])
-            return F.pad(out, (0, 0, 0, 0, 0, q.shape[0] - num_tokens))
+            return F.pad(core(q[:num_tokens], k[:num_tokens], v[:num_tokens]), (0, 0, 0, 0, 0, pad))
         return attend
 
     def _sp_pad(self, t: int) -> int:
@@ -178,14 +187,22 @@ class LlamaDecoder(nn.Module):
                          self.tp_group)
 
     def run_layers(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                   max_seqlen: int) -> torch.Tensor:
+                   max_seqlen: int, cp_group=_DECODER_GROUP) -> torch.Tensor:
         """This stage's layers over the residual stream x (see `enter`); position_ids long [T]
-        (this rank's T tokens before the SP split). Returns the same shape as x."""
+        (this rank's T tokens before the SP split). `cp_group`: this micro-batch's CP group
+        (default: the decoder's `cp_group`; dynamic CP passes one per micro-batch). The RoPE
+        tables and the attention plan are built here, once per micro-batch, for every layer.
+        Returns the same shape as x."""
         t = position_ids.shape[0]
-        attend = self._attend(t, cu_seqlens, max_seqlen, x)
-        position_ids = F.pad(position_ids, (0, self._sp_pad(t)))
+        cp_group = self.cp_group if cp_group is _DECODER_GROUP else cp_group
+        if group_size(cp_group) > 1 and self.attention_backend != "torch":
+            raise ValueError(f"llm.attention_backend={self.attention_backend} does not run with "
+                             "CP yet: use llm.attention_backend=torch (or auto)")
+        attend = self._attend(t, cu_seqlens, max_seqlen, x, cp_group)
+        rope = rope_tables(F.pad(position_ids, (0, self._sp_pad(t))), self.cfg.hidden_size //
+                           self.cfg.num_heads, self.cfg.rope_theta, x.dtype)
         for layer in self.layers:
-            x = layer(x, position_ids, attend)
+            x = layer(x, rope, attend)
         return x
 
     def exit(self, x: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler, lane_slice
 from hcp.data.packing import collate, first_fit
 from hcp.model import LlavaModel, init_parameters
+from hcp.model.hf_load import load_pretrained
 from hcp.model.stage import StageSpec
 from hcp.parallel.groups import ProcessGroupRegistry
 from hcp.parallel.roles import logging_rank
@@ -27,11 +28,10 @@ from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
 from hcp.train.failures import NonFiniteGuard
 from hcp.train.fsdp import shard_model
-from hcp.train.metrics_log import RunLogger
+from hcp.train.metrics_log import RunLogger, whole_step_metrics
 from hcp.train.optim import build_optimizer, build_scheduler
 from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
-from hcp.train.throughput import step_metrics
 
 
 class Trainer:
@@ -64,7 +64,7 @@ class Trainer:
         if llm.dp_shard:
             shard_model(self.model, self.groups)
         self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
         self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.model, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
@@ -83,6 +83,7 @@ class Trainer:
         model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
                            cp_group=self.cp_group, stage=self.stage)
         init_parameters(model, cfg.seed)
+        load_pretrained(model, cfg)  # llm/vision.init_from: Hugging Face weights, this rank's slices
         for name in MODULES:
             if getattr(model, name, None) is not None and cfg[name].freeze:
                 model.get_submodule(name).requires_grad_(False)
@@ -90,9 +91,13 @@ class Trainer:
 
     def _resume(self) -> None:
         resume = self.cfg.resume
+        path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
+        if path is None and self.cfg.init_from_checkpoint:  # a new stage: weights only
+            self.resume_note = checkpoint.load_weights(self.cfg.init_from_checkpoint, self.model,
+                                                       self.tp_group)
+            return
         if not resume:
             return
-        path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
         if path is None:  # resume=auto with no checkpoint yet: a fresh start, said so
             self.resume_note = (f"resume=auto: no checkpoint in checkpoint.dir={self.cfg.checkpoint.dir}; "
                                 "starting at step 0")
@@ -101,7 +106,9 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
-        self.resume_note = f"resumed from {path} at step {self.step}"
+        self.resume_note = state["note"]
+        if self.scheduler.change_note:  # a changed trainer.max_steps / optim.lr: said, and followed
+            self.resume_note += "\n" + self.scheduler.change_note
 
     def micro_batches(self, sample_indices):
         """This lane's samples packed first-fit into THD micro-batches of at most
@@ -127,10 +134,9 @@ class Trainer:
         if update:
             self.scheduler.step()
         self.step += 1
-        dt = time.perf_counter() - t0
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": counts[1] / dt,
-                "step_time_s": dt, "loss_tokens": int(counts[0]), "micro_batches": n_micro,
-                **step_metrics(self.cfg.llm, counts, dt, self.stage_times, self.device)}
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
+                "micro_batches": n_micro, **whole_step_metrics(self.cfg.llm, counts, t0,
+                                                               self.stage_times, self.device)}
 
     def forward_backward(self, global_batch: list[int]) -> tuple[float, list[float], int]:
         """Gradients of the token-level loss of `global_batch` (sample indices), synchronized
@@ -155,8 +161,10 @@ class Trainer:
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "sampler": self.sampler.state_dict()}
-        checkpoint.save(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
-                        self.cfg.checkpoint.keep, self.tp_group)
+        path = checkpoint.save(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
+                               self.cfg.checkpoint.keep, self.tp_group)
+        if self.log:
+            self.log.write(f"checkpoint step {self.step}: {path}")
 
     def fit(self) -> dict:
         """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
