@@ -2,6 +2,9 @@
 patch embedding (a bias-free linear map of each flattened patch, equal to CLIP's strided conv),
 a CLS token, learned position embeddings, a LayerNorm before the blocks, pre-norm blocks with
 bidirectional multi-head attention and a GELU MLP. Sizes come from `VisionConfig`.
+`arch: clip` makes the MLP's activation quick-GELU, `x * sigmoid(1.702 x)`, as in OpenAI's CLIP:
+with it the encoder computes exactly what transformers' CLIPVisionModel does (pre-LayerNorm
+blocks with biases, a class token, `pre_layrnorm`; weights via `vision.init_from`).
 
 `select_layer` picks the hidden state fed to the projector: -1 the last block's output, -2 the
 penultimate (LLaVA). Only the blocks that feed that state are built, so no parameter goes unused
@@ -14,6 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hcp.config.schema import VisionConfig
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's activation: `x * sigmoid(1.702 x)` (Radford et al. 2021)."""
+    return x * torch.sigmoid(1.702 * x)
 
 
 class VisionBlock(nn.Module):
@@ -30,6 +38,7 @@ class VisionBlock(nn.Module):
         self.ln2 = nn.LayerNorm(d, eps=cfg.norm_eps)
         self.fc1 = nn.Linear(d, cfg.ffn_hidden_size)
         self.fc2 = nn.Linear(cfg.ffn_hidden_size, d)
+        self.act = quick_gelu if getattr(cfg, "arch", "vit") == "clip" else F.gelu
 
     def _attn(self, x: torch.Tensor) -> torch.Tensor:
         i, s, d = x.shape
@@ -40,7 +49,7 @@ class VisionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._attn(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 
 
 class ViTEncoder(nn.Module):
