@@ -238,7 +238,7 @@ def check_resume(cfg) -> None:
     _check_folder("resume", cfg.resume)
     _check_folder("init_from_checkpoint", cfg.get("init_from_checkpoint"))
     path = latest(cfg.checkpoint.dir) if cfg.resume == "auto" else cfg.resume
-    if path is None:
+    if path is None or cfg.mode == "export":  # export reads the weights, whatever trained them
         return
     saved = _trainer_json(path).get("trainable")
     if saved is None:
