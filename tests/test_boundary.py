@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from hcp.comm.boundary import RouteBytes, route_rows
 from hcp.parallel.routing import build_routes, min_route_rows
-from tests.dist_utils import run_ranks
-from tests.route_utils import Layout, image_route, random_batch
+from dist_utils import run_ranks
+from route_utils import Layout, image_route, random_batch
 
 H = 6
 
@@ -108,17 +108,18 @@ def test_build_routes_errors():
         build_routes([np.arange(2)], [np.arange(2), np.arange(0)])
 
 
+@pytest.mark.slow
 def test_build_routes_at_cluster_scale():
     """4096 ranks, a global batch of 2048 samples x 576 image rows, encoder tp2 dp2048 -> LLM
-    tp8 dp512 (fan-in 4): one rank's route in well under a second, rows conserved."""
+    tp8 dp512 (fan-in 4): three ranks' routes in about a second of CPU, rows conserved."""
     world, rows = 4096, 576
     keys = np.arange(2048 * rows, dtype=np.int64).reshape(2048, rows)
     src = [keys[r // 2].ravel() for r in range(world)]
     dst = [keys[(r // 8) * 4:(r // 8) * 4 + 4].ravel() for r in range(world)]
     owner = [np.full(4 * rows, r % 8 == 0) for r in range(world)]
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: 8 helpers share 2 cores, wall time is noise
     routes = build_routes(src, dst, owner, ranks=[0, 1, 8])
-    elapsed = time.perf_counter() - t0
+    elapsed = time.process_time() - t0
     assert sum(routes[0].send_splits) + sum(routes[1].send_splits) == 8 * rows
     assert sum(routes[8].recv_splits) == 4 * rows and sum(routes[8].grad_send_splits) == 4 * rows
     assert elapsed < 5.0, elapsed

@@ -55,7 +55,6 @@ class VisionConfig:
     norm_eps: float = 1e-5
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
-    offload: bool = False
     init_from: Optional[str] = None
     """A local Hugging Face CLIP checkpoint folder (config.json + safetensors); its architecture
     fields replace this block's (a conflicting command-line value is an error)."""
@@ -71,7 +70,6 @@ class ProjectorConfig:
     """`mlp2x_gelu` (Linear GELU Linear, LLaVA-1.5) or `linear`."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
-    offload: bool = False
 
 
 @dataclass
@@ -91,7 +89,6 @@ class LLMConfig:
     """`auto` (fastest installed), `torch` (pure torch, CPU reference), `te`, `flash`."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
-    offload: bool = False
     init_from: Optional[str] = None
     """A local Hugging Face LLaMA checkpoint folder (config.json + safetensors, one file or
     sharded with its index); its architecture fields replace this block's (a conflicting
@@ -122,13 +119,19 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Max global gradient L2 norm (0 disables clipping)."""
     progress_bar: bool = True
+    on_nonfinite: str = "stop"
+    """A NaN/Inf loss or gradient norm: `stop` (raise, naming the step; no checkpoint is written)
+    or `skip` (drop that step's update, count it and go on). hcp.train.failures."""
 
 
 @dataclass
 class OptimConfig:
     name: str = "adamw"
+    """`adamw` (hcp.config.choices.OPTIMIZERS)."""
     lr: float = 1e-3
     weight_decay: float = 0.0
+    """Decoupled weight decay on weight matrices only (linear and projection weights); norms,
+    biases and embeddings (token, patch, position, CLS) never decay, as in Megatron-LM and LLaVA."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     warmup_ratio: float = 0.03
@@ -180,9 +183,35 @@ class LoggerConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """SLURM job settings for `python -m hcp.train.sbatch` and `hydra/launcher=submitit_slurm`
+    (launchers/README.md). Nodes and tasks per node are `launcher.nnodes` / `nproc_per_node`."""
+
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    gpus_per_node: int = 0
+    """GPUs to request per node (0: none, a CPU job); must equal launcher.nproc_per_node if > 0."""
+    cpus_per_task: Optional[int] = None
+    time_min: int = 60
+    """Job time limit in minutes."""
+    signal: str = "USR2"
+    """Signal SLURM sends before the time limit and on preemption: `USR2` or `TERM` (USR1 can
+    collide with NCCL). hcp also treats SIGTERM under SLURM as the same request."""
+    signal_lead_s: int = 120
+    """Seconds before the time limit that the signal comes: must cover a step plus a checkpoint."""
+    max_requeues: int = 3
+    """Times a job requeues itself after a signal (SLURM_RESTART_COUNT), then it stops."""
+    requeue_exit_code: int = 85
+    """Exit code when `scontrol` is missing: requeues only where slurm.conf has RequeueExit=85."""
+    launch: str = "srun"
+    """sbatch path: `srun` (one task per GPU) or `torchrun` (one per node, c10d rendezvous)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines the job runs before launching (module load, activating an environment)."""
+
+
+@dataclass
 class LauncherConfig:
-    name: str = "local"
-    """`local` (start ranks here) or `slurm`."""
     nproc_per_node: Any = "auto"
     """Ranks per node: `auto` = one per GPU on CUDA, 4 on CPU; or an int."""
     nnodes: int = 1
@@ -192,6 +221,7 @@ class LauncherConfig:
     """`auto` (nccl on CUDA, gloo on CPU), `nccl` or `gloo`."""
     timeout_s: int = 600
     """Collective timeout in seconds: a stuck collective fails instead of hanging."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 
 @dataclass

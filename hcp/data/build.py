@@ -21,12 +21,14 @@ def prepare_data(cfg) -> list[str]:
     """In the launching process, before ranks start: check that the LLM's vocabulary holds the
     tokenizer's ids, write built-in data sets once and read every record (so a bad record stops
     the run here, naming its file and id, instead of inside N ranks). Returns the lines that
-    report skipped records (`data.on_error=skip`).
+    report skipped records (`data.on_error=skip`) and conversations whose leading `gpt` turn
+    was dropped.
 
     Raises:
         ConfigError: `llm.vocab_size` is smaller than the tokenizer's vocabulary, or the global
             batch is larger than the training set.
-        hcp.data.llava.DataError: a bad record under `data.on_error=error`.
+        hcp.data.llava.DataError: a bad record under `data.on_error=error`, an empty file, or a
+            file none of whose records is usable.
     """
     tok = build_tokenizer(cfg.data.tokenizer)
     if cfg.llm.vocab_size < tok.vocab_size:
@@ -39,10 +41,13 @@ def prepare_data(cfg) -> list[str]:
     if len(train) < cfg.trainer.global_batch_size:
         raise ConfigError("trainer.global_batch_size", cfg.trainer.global_batch_size,
                           f"exceeds the {len(train)} training samples", "lower it or add data")
+    sets = [(name, ds) for name, ds in (("train", train), ("held-out", held_out)) if ds is not None]
     stated = train.describe(cfg.data.max_seq_len, cfg.data.long_docs) if cfg.data.name == "tokens" else []
-    return stated + [f"data.on_error=skip: skipped {sum(ds.skipped.counts.values())} {name} records: "
-            f"{ds.skipped.summary()}" for name, ds in (("train", train), ("held-out", held_out))
-            if ds is not None and ds.skipped.counts]
+    return stated + ([f"data.on_error=skip: skipped {sum(ds.skipped.counts.values())} {name} records: "
+             f"{ds.skipped.summary()}" for name, ds in sets if ds.skipped.counts] +
+            [f"data: dropped the leading `gpt` turn of {ds.leading_turns_dropped} {name} records "
+             f"of {ds.path} (a conversation opens with the human turn; LLaVA drops it too)"
+             for name, ds in sets if getattr(ds, "leading_turns_dropped", 0)])
 
 
 def build_datasets(cfg):

@@ -109,6 +109,10 @@ class LlavaDataset:
             raise DataError(path, None, "unreadable file", str(e)) from e
         if not isinstance(records, list):
             raise DataError(path, None, "malformed file", "expected a JSON list of records")
+        if not records:
+            raise DataError(path, None, "empty file", "the JSON list holds no records")
+        self.leading_turns_dropped = 0
+        """Records whose conversation opened with a `gpt` turn, dropped as LLaVA does."""
         self.samples: list[Sample] = []
         for i, rec in enumerate(records):
             try:
@@ -117,6 +121,9 @@ class LlavaDataset:
                 if on_error == "error":
                     raise
                 self.skipped.add(err)
+        if not self.samples:
+            raise DataError(path, None, "no usable records", f"all {len(records)} records were "
+                            f"skipped under data.on_error=skip: {self.skipped.summary()}")
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -139,6 +146,11 @@ class LlavaDataset:
                 for t in convs):
             raise fail("malformed record", "`conversations` must be a non-empty list of "
                        "{'from': 'human'|'gpt', 'value': str}")
+        if convs[0]["from"] != "human":
+            # LLaVA's preprocess drops a conversation's leading non-human turn: it would otherwise
+            # become a training target with no prompt, and evaluation's expected answer.
+            convs = convs[1:]
+            self.leading_turns_dropped += 1
         if not any(t["from"] == "gpt" for t in convs):
             raise fail("no assistant turn", "no turn has from='gpt'")
         images = rec.get("image")

@@ -34,8 +34,10 @@ def _whole(param, tp_group) -> torch.Tensor:
     """The unsharded tensor of a parameter: FSDP shards gathered, then TP slices (collectives)."""
     t = param.full_tensor() if isinstance(param, DTensor) else param.detach()
     spec = getattr(param, "shard_spec", None)
-    if spec is None or tp_group is None:
+    if spec is None or spec.world == 1:
         return t
+    if tp_group is None:
+        raise ValueError("export: a TP-sharded parameter whose module names no TP group")
     parts = [torch.empty_like(t) for _ in range(spec.world)]
     dist.all_gather(parts, t.contiguous(), group=tp_group)
     return torch.cat(parts, dim=spec.dim)

@@ -74,6 +74,20 @@ def _fix_for(cfg, layout, stage_mem) -> tuple[str, object, str]:
     return f"{m}.layout.pp", layout.pp, "raise pp or tp"
 
 
+def memory_per_rank(cfg, layouts, world: int, stage_mem=None) -> list[dict]:
+    """Each rank's estimated memory in GiB, `[{rank, weights, grads, optimizer, activations,
+    total}]` (`hcp.train.memory`); `stage_mem` ({module: [StageMemory per stage]}) if known."""
+    if stage_mem is None:
+        shapes = named_shapes(cfg)
+        stage_mem = {m: module_memory(cfg, lay, shapes[m]) for m, lay in layouts.items()}
+    per_rank = []
+    for role in role_table(layouts, world):
+        parts = [stage_mem[m][role.stage(m)] for m in role.modules]
+        per_rank.append({"rank": role.rank, **{k: sum(getattr(p, k) for p in parts) / GIB for k in
+                                                ("weights", "grads", "optimizer", "activations", "total")}})
+    return per_rank
+
+
 def run_plan(cfg, out_dir) -> dict:
     """Plan the configured layout; print it, write `plan.json` and `plan.png`, return the plan.
 
@@ -89,11 +103,7 @@ def run_plan(cfg, out_dir) -> dict:
     shapes = named_shapes(cfg)
     stage_mem = {m: module_memory(cfg, lay, shapes[m]) for m, lay in layouts.items()}
     roles = role_table(layouts, world)
-    per_rank = []
-    for role in roles:
-        parts = [stage_mem[m][role.stage(m)] for m in role.modules]
-        per_rank.append({"rank": role.rank, **{k: sum(getattr(p, k) for p in parts) / GIB for k in
-                                                ("weights", "grads", "optimizer", "activations", "total")}})
+    per_rank = memory_per_rank(cfg, layouts, world, stage_mem)
     plan = {
         "world_size": world,
         "placement": cfg.placement,

@@ -26,11 +26,12 @@ from hcp.parallel.roles import logging_rank
 from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
+from hcp.train.failures import NonFiniteGuard
 from hcp.train.fsdp import shard_model
-from hcp.train.metrics_log import RunLogger
+from hcp.train.metrics_log import RunLogger, whole_step_metrics
 from hcp.train.optim import build_optimizer, build_scheduler
+from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
-from hcp.train.throughput import step_metrics
 
 
 class Trainer:
@@ -43,6 +44,7 @@ class Trainer:
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.run_dir = cfg, run_dir
         self.device = init_distributed(cfg.launcher)
+        self.preempt = Preemption(cfg.launcher.slurm, self.device)  # signal -> flag (hcp.train.preempt)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layouts = resolve_layouts(cfg, self.world)
         self.groups = ProcessGroupRegistry(self.layouts)
@@ -62,11 +64,14 @@ class Trainer:
         if llm.dp_shard:
             shard_model(self.model, self.groups)
         self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
-        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.model, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
         self.step, self.resume_note = 0, None
         self._resume()
+        if self.is_logging_rank:
+            continue_wandb_run(cfg, resumed=self.step > 0)
         self.log = (RunLogger(run_dir, cfg, cfg.trainer.max_steps, self.step)
                     if self.is_logging_rank else None)
         if self.log and self.resume_note:
@@ -102,6 +107,8 @@ class Trainer:
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
         self.resume_note = state["note"]
+        if self.scheduler.change_note:  # a changed trainer.max_steps / optim.lr: said, and followed
+            self.resume_note += "\n" + self.scheduler.change_note
 
     def micro_batches(self, sample_indices):
         """This lane's samples packed first-fit into THD micro-batches of at most
@@ -119,15 +126,17 @@ class Trainer:
         t0 = time.perf_counter()
         loss, counts, n_micro = self.forward_backward(self.sampler.next())
         grad_norm = self.runner.clip(self.cfg.trainer.grad_clip)
-        self.optimizer.step()
+        update = self.guard.update_ok(self.step + 1, loss, grad_norm)  # NaN/Inf: stop or skip
+        if update:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
+        if update:
+            self.scheduler.step()
         self.step += 1
-        dt = time.perf_counter() - t0
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": counts[1] / dt,
-                "step_time_s": dt, "loss_tokens": int(counts[0]), "micro_batches": n_micro,
-                **step_metrics(self.cfg.llm, counts, dt, self.stage_times, self.device)}
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
+                "micro_batches": n_micro, **whole_step_metrics(self.cfg.llm, counts, t0,
+                                                               self.stage_times, self.device)}
 
     def forward_backward(self, global_batch: list[int]) -> tuple[float, list[float], int]:
         """Gradients of the token-level loss of `global_batch` (sample indices), synchronized
@@ -152,8 +161,10 @@ class Trainer:
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "sampler": self.sampler.state_dict()}
-        checkpoint.save(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
-                        self.cfg.checkpoint.keep, self.tp_group)
+        path = checkpoint.save(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
+                               self.cfg.checkpoint.keep, self.tp_group)
+        if self.log:
+            self.log.write(f"checkpoint step {self.step}: {path}")
 
     def fit(self) -> dict:
         """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
@@ -171,6 +182,9 @@ class Trainer:
                 self.log.advance()
             if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.max_steps:
                 self.save()
+            if self.step < tc.max_steps and self.preempt.should_stop():  # all ranks agree
+                self.save()
+                self.preempt.requeue_and_exit(self.step, self.cfg.checkpoint.dir)
         evals = self.evaluate()
         self.save()
         summary = {"steps": self.step, "final_loss": metrics.get("loss"), **evals,
@@ -179,7 +193,8 @@ class Trainer:
                       for k in ("tokens_per_s", "tflops_per_gpu", "bubble_fraction")},
                    "peak_memory_gib": max((m["peak_memory_gib"] for m in history), default=0.0),
                    "world_size": self.world,
-                   "skipped_records": dict(self.train_set.skipped.counts)}
+                   "skipped_records": dict(self.train_set.skipped.counts),
+                   "nonfinite_skipped_steps": self.guard.skipped}
         if self.log:
             self.log.log(self.step, evals)
             self.log.finish(summary)
