@@ -63,16 +63,21 @@ def _vision_under(rank, world, folder, kind):
 
     from hcp.model.stage import StageSpec
 
+    from hcp.model.llava import LlavaEncoder
+
     cfg = _cfg(folder, "vision.select_layer=-2")
     group = dist.new_group([0, 1])
-    model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=group if kind == "tp" else None,
-                       cp_group=group if kind == "cp" else None,
-                       stage=StageSpec.of([1, 1], rank) if kind == "pp" else None)
+    if kind == "tp":  # the encoder's own TP: heads and MLP columns split, each rank reads its slices
+        model = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=group)
+    else:
+        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, cp_group=group if kind == "cp" else None,
+                           stage=StageSpec.of([1, 1], rank) if kind == "pp" else None)
     init_parameters(model, 0)
-    load_pretrained(model, cfg)
+    read = load_pretrained(model, cfg).get("vision")
     if model.vision is None:
-        return None
-    return model.vision(torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))).detach()
+        return None, read
+    pixels = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    return model.vision(pixels).detach(), read
 
 
 @pytest.mark.parametrize("kind", ["tp", "pp", "cp"])
@@ -80,8 +85,11 @@ def test_hidden_states_equal_transformers_under_tp2_pp2_cp2(clip_dir, kind):
     folder, hf = clip_dir
     ref = _hf_states(hf, torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1)), -2)
     out = run_ranks(_vision_under, 2, folder, kind)
-    for states in out if kind != "pp" else out[:1]:  # under pp the encoder is on the first stage
+    for states, _ in out if kind != "pp" else out[:1]:  # under pp the encoder is on the first stage
         torch.testing.assert_close(states, ref, rtol=1e-5, atol=1e-5)
+    if kind == "tp":
+        whole = sum(p.numel() * 4 for n, p in hf.named_parameters() if "layers.2" not in n and "post" not in n)
+        assert all(r < 0.6 * whole for _, r in out) and sum(r for _, r in out) > whole
 
 
 def test_clip_model_text_tower_is_listed_and_a_mismatch_is_an_error(clip_dir, tmp_path):
