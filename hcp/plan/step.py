@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 
 from hcp.data.packing import first_fit
-from hcp.dcp.plan import Group, MicroBatch, Plan
+from hcp.dcp.plan import Group, Plan, Round
 from hcp.parallel.grid import Grid
 from hcp.parallel.routing import RankRoute, RowTable, cp_slot
 from hcp.plan.lengths import SampleSizes
@@ -59,7 +59,7 @@ def first_fit_policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Plan:
     n, pad = len(tokens) // dp, 2 * cp
     padded = (-(-tokens // pad) * pad).tolist()
     lanes = [first_fit(padded[lane * n:(lane + 1) * n], micro_batch_tokens * cp) for lane in range(dp)]
-    return Plan([MicroBatch([Group([lane * n + i for i in packs[j]] if j < len(packs) else [], cp,
+    return Plan([Round([Group([lane * n + i for i in packs[j]] if j < len(packs) else [], cp,
                                    lane * cp) for lane, packs in enumerate(lanes)])
                  for j in range(max(map(len, lanes)))])
 
@@ -186,8 +186,11 @@ def _excl_cumsum(x: np.ndarray) -> np.ndarray:
 
 def _flatten(plan: Plan, pool: int, batch: int):
     """Groups as flat arrays; checks that every sample appears once and groups tile the pool."""
-    groups = [g for mb in plan.micro_batches for g in mb.groups]
-    mb_of_group = np.repeat(np.arange(len(plan.micro_batches)), [len(mb.groups) for mb in plan.micro_batches])
+    if any(g.micro_batch_sizes is not None for r in plan.rounds for g in r.groups):
+        raise ValueError("the step plan runs one micro-batch per group and round; a plan whose "
+                         "groups run several micro-batches per round is not supported yet")
+    groups = [g for r in plan.rounds for g in r.groups]
+    mb_of_group = np.repeat(np.arange(len(plan.rounds)), [len(r.groups) for r in plan.rounds])
     size = np.array([g.cp_size for g in groups], dtype=np.int64)
     off = np.array([g.rank_offset for g in groups], dtype=np.int64)
     n_seq = np.array([len(g.seq_indices) for g in groups], dtype=np.int64)
@@ -197,7 +200,7 @@ def _flatten(plan: Plan, pool: int, batch: int):
         bad = int(np.argmax(seen != 1)) if len(seen) == batch else batch
         raise ValueError(f"packing placed sample {bad} {int(seen[bad]) if bad < batch else 'out of range'} "
                          "times; every sample of the global batch must be in exactly one micro-batch")
-    J = len(plan.micro_batches)
+    J = len(plan.rounds)
     first = _excl_cumsum(size)
     cover_pos = np.repeat(off, size) + np.arange(first[-1]) - np.repeat(first[:-1], size)
     cover_mb = np.repeat(mb_of_group, size)
