@@ -163,3 +163,21 @@ def test_stage1_from_imported_llama_and_clip_trains_only_the_projector_and_expor
     reloaded = CLIPVisionModel.from_pretrained(str(out / "vision")).eval()
     pixels = torch.randn(2, 3, 8, 8)
     torch.testing.assert_close(_hf_states(reloaded, pixels, -2), _hf_states(hf, pixels, -2), rtol=0, atol=0)
+
+
+def test_clip_images_are_preprocessed_as_llava_15_pads_and_clip_normalizes(tmp_path):
+    import numpy as np
+    import transformers
+    from PIL import Image
+
+    from hcp.data.clip_image import MEAN, load_clip_image
+
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (30, 50, 3), dtype=np.uint8)).save(tmp_path / "x.png")
+    im = Image.open(tmp_path / "x.png").convert("RGB")
+    square = Image.new("RGB", (50, 50), tuple(int(m * 255) for m in MEAN))  # LLaVA's expand2square
+    square.paste(im, (0, 10))
+    processor = getattr(transformers, "CLIPImageProcessorPil", None) or transformers.CLIPImageProcessor
+    ref = processor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})(
+        images=square, return_tensors="pt")["pixel_values"][0]
+    torch.testing.assert_close(load_clip_image(str(tmp_path / "x.png"), 16), ref, rtol=0, atol=1e-6)
