@@ -225,7 +225,7 @@ def _trainer_json(path: str) -> dict:
 
 
 def _check_folder(key: str, path) -> None:
-    if path in (None, "auto") or os.path.isfile(os.path.join(path, "trainer.json")):
+    if path is None or (path == "auto" and key == "resume") or os.path.isfile(os.path.join(path, "trainer.json")):
         return
     raise ConfigError(key, path, "not a complete checkpoint folder (trainer.json and DCP shards)",
                       "use resume=auto with checkpoint.dir=DIR, or a step_XXXXXXXX folder")
@@ -254,7 +254,7 @@ def check_resume(cfg) -> None:
     _check_folder("resume", cfg.resume)
     _check_folder("init_from_checkpoint", cfg.get("init_from_checkpoint"))
     path = latest(cfg.checkpoint.dir) if cfg.resume == "auto" else cfg.resume
-    if path is None:
+    if path is None or cfg.mode == "export":  # export reads the weights, whatever trained them
         return
     saved = _trainer_json(path).get("trainable")
     if saved is None:
