@@ -107,11 +107,12 @@ class StepRunner:
             dist.broadcast(counts, self.first_rank, group=self.pp_group)
         return counts
 
-    def forward_backward(self, batches) -> tuple[float, list[float], int, StageTimes]:
+    def forward_backward(self, batches, metas=None) -> tuple[float, list[float], int, StageTimes]:
         """Gradients of the token-level loss of this lane's micro-batches `batches` (first
-        stage; None elsewhere), synchronized over DP x CP. Returns (global loss, [global loss
-        tokens, global tokens, global sum of squared document lengths], micro-batches run per
-        lane (padded under FSDP), this stage's timings)."""
+        stage; None elsewhere), synchronized over DP x CP. `metas`: every micro-batch's
+        `StageMeta` when the caller knows them (the step plan), else broadcast from the first
+        stage. Returns (global loss, [global loss tokens, global tokens, global sum of squared document lengths], micro-batches run
+        per lane (padded under FSDP), this stage's timings)."""
         counts = self._counts(batches)
         n_micro, global_tokens = int(counts[0]), counts[1].item()
         if self.stage.first:  # FSDP: a lane with fewer micro-batches still joins every collective
@@ -129,7 +130,8 @@ class StepRunner:
 
         sync = self.model.set_requires_gradient_sync if self.sharded else None
         times = one_f_one_b(forward, self.link, self.stage.index, self.stage.num_stages, batches,
-                            self._metas(batches, n_micro), self._act_spec, sync)
+                            metas if metas is not None else self._metas(batches, n_micro),
+                            self._act_spec, sync)
         if not self.sharded:
             self._sync_grads()
         if counts[4] == 0:
