@@ -136,19 +136,16 @@ def test_greedy_eval_with_uneven_and_empty_lanes_matches_one_process(lay):
 
 
 def _train_steps(rank, world, container, run_dir, steps):
-    """(loss, this lane's micro-batches before padding) of each of `steps` trainer steps."""
+    """(loss, this lane's non-empty micro-batches in the step plan) of each of `steps` trainer
+    steps from a fresh start (global batches 0, 1, ...)."""
     from omegaconf import OmegaConf
 
-    from hcp.data.loader import lane_slice
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
-    out = []
-    for _ in range(steps):
-        batch = tr.sampler.batch(tr.sampler.position)
-        lane = len(tr.micro_batches(lane_slice(batch, tr.dp, tr.lane))) if tr.stage.first else None
-        out.append((tr.train_step()["loss"], lane))
-    return out
+    lanes = [sum(not mb.empty for mb in tr.plan(tr.sampler.batch(k)).rank(rank).micro_batches)
+             for k in range(steps)]
+    return [(tr.train_step()["loss"], lanes[k]) for k in range(steps)]
 
 
 def _config(tmp_path, overrides):
