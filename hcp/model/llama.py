@@ -199,8 +199,10 @@ class LlamaDecoder(nn.Module):
             raise ValueError(f"llm.attention_backend={self.attention_backend} does not run with "
                              "CP yet: use llm.attention_backend=torch (or auto)")
         attend = self._attend(t, cu_seqlens, max_seqlen, x, cp_group)
+        kind = x.device.type   # q and k come out of the projections in autocast's dtype
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
         rope = rope_tables(F.pad(position_ids, (0, self._sp_pad(t))), self.cfg.hidden_size //
-                           self.cfg.num_heads, self.cfg.rope_theta, x.dtype)
+                           self.cfg.num_heads, self.cfg.rope_theta, dtype)
         for layer in self.layers:
             x = layer(x, rope, attend)
         return x
