@@ -14,7 +14,9 @@ so data costs the same). The two loops alternate step by step, so both see the s
 load; each step's wall time and every rank's thread CPU time are measured.
 
 Prints tokens/s of each (global tokens / mean step wall time), the ratio hcp / plain, the
-critical path (largest per-rank CPU seconds per step) of each, and the largest difference of
+critical path (largest per-rank CPU seconds per step) of each, thread CPU time per step in the
+sections of a step (data, forward + backward with gradient sync, clipping, optimizer, hcp's
+metrics), and the largest difference of
 their per-step losses (they must be identical up to fp32 summation order: checked against
 `--loss-rtol`). `--profile N` adds a torch.profiler table of N more steps of each on rank 0 (the
 operators where hcp spends more CPU time than the plain loop).
@@ -125,6 +127,49 @@ def plain_model(cfg):
     return Llama()
 
 
+class Sections:
+    """Thread CPU and wall seconds per named section of a step, summed over steps."""
+
+    def __init__(self):
+        self.total: dict = {}
+        self.t = (0.0, 0.0)
+
+    def start(self) -> None:
+        self.t = (time.thread_time(), time.perf_counter())
+
+    def mark(self, name: str) -> None:
+        now = (time.thread_time(), time.perf_counter())
+        cpu, wall = self.total.get(name, (0.0, 0.0))
+        self.total[name] = (cpu + now[0] - self.t[0], wall + now[1] - self.t[1])
+        self.t = now
+
+    def wrap(self, obj, attr: str, name: str, start: bool = False) -> None:
+        """Time obj.attr(...) as section `name` (from the last mark; `start`: from its call)."""
+        fn = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            if start:
+                self.start()
+            out = fn(*args, **kwargs)
+            self.mark(name)
+            return out
+        setattr(obj, attr, timed)
+
+
+def instrument(trainer) -> Sections:
+    """Sections of hcp's `Trainer.train_step` (its data, forward/backward with gradient sync,
+    clipping, optimizer and metrics), by wrapping the calls it makes."""
+    import hcp.train.trainer as trainer_module
+
+    sec = Sections()
+    sec.wrap(trainer, "micro_batches", "data", start=True)
+    sec.wrap(trainer.runner, "forward_backward", "forward_backward")
+    sec.wrap(trainer.runner, "clip", "clip")
+    sec.wrap(trainer.scheduler, "step", "optimizer")
+    sec.wrap(trainer_module, "step_metrics", "metrics")
+    return sec
+
+
 class PlainLoop:
     """A plain DDP training loop over the same batches as `trainer` (an hcp Trainer)."""
 
@@ -153,7 +198,7 @@ class PlainLoop:
             progress = min(1.0, (s - warmup) / max(1, steps - warmup))
             return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
-        self.step = 0
+        self.step, self.sections = 0, Sections()
 
     def train_step(self) -> tuple[float, int]:
         """One step on global batch `self.step`: (global mean loss, global tokens)."""
@@ -162,8 +207,10 @@ class PlainLoop:
 
         from hcp.data.loader import lane_slice
 
-        t = self.trainer
+        t, sec = self.trainer, self.sections
+        sec.start()
         batches = t.micro_batches(lane_slice(t.sampler.batch(self.step), t.dp, t.lane))
+        sec.mark("data")
         counts = torch.tensor([float(sum(int((b.labels != -100).sum()) for b in batches)),
                                float(sum(b.labels.numel() for b in batches))], dtype=torch.float64)
         dist.all_reduce(counts)
@@ -177,11 +224,14 @@ class PlainLoop:
                 (loss_sum * (dist.get_world_size() / counts[0].item())).backward()
             loss_total += loss_sum.detach().double()
         dist.all_reduce(loss_total)
+        sec.mark("forward_backward")
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.trainer.grad_clip)
+        sec.mark("clip")
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
+        sec.mark("optimizer")
         return (loss_total / counts[0]).item(), int(counts[1])
 
 
@@ -201,8 +251,12 @@ def _rank(rank, world, port, overrides, steps, warmup, profile, queue):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     hcp = Trainer(OmegaConf.create(OmegaConf.to_container(cfg)), run_dir)
     plain = PlainLoop(hcp)
+    sections = {"hcp": instrument(hcp), "plain": plain.sections}
     rows = {"hcp": [], "plain": []}
     for i in range(warmup + steps):
+        if i == warmup:
+            for sec in sections.values():
+                sec.total.clear()
         for name in ("hcp", "plain"):
             dist.barrier()
             cpu0, t0 = time.thread_time(), time.perf_counter()
@@ -222,7 +276,7 @@ def _rank(rank, world, port, overrides, steps, warmup, profile, queue):
             hcp.train_step()
             plain.train_step()
     dist.barrier()
-    queue.put((rank, rows, table))
+    queue.put((rank, rows, table, {k: v.total for k, v in sections.items()}))
     dist.destroy_process_group()
 
 
@@ -268,12 +322,12 @@ def main(argv=None) -> dict:
              for r in range(args.nproc)]
     for p in procs:
         p.start()
-    results = sorted(queue.get(timeout=1800) for _ in procs)
+    results = sorted((queue.get(timeout=1800) for _ in procs), key=lambda r: r[0])
     for p in procs:
         p.join()
     out = {}
     for name in ("hcp", "plain"):
-        per_rank = [rows[name] for _, rows, _ in results]
+        per_rank = [rows[name] for _, rows, _, _ in results]
         wall = [max(r[i][0] for r in per_rank) for i in range(args.steps)]
         out[name] = dict(tokens_per_s=sum(r[3] for r in per_rank[0]) / sum(wall),
                          critical_cpu_s=sum(max(r[i][1] for r in per_rank) for i in range(args.steps)) / args.steps,
@@ -291,6 +345,12 @@ def main(argv=None) -> dict:
     print(f"hcp / plain tokens/s: {ratio:.3f}x (critical-path CPU: {cpu_ratio:.3f}x); "
           f"largest relative loss difference {diff:.2e} (rtol {args.loss_rtol:g}): "
           f"{'identical' if diff <= args.loss_rtol else 'DIFFERENT'}")
+    names = ["data", "forward_backward", "clip", "optimizer", "metrics"]
+    for i, what in enumerate(("thread CPU", "wall")):
+        mean = lambda loop, n: sum(r[3][loop].get(n, (0, 0))[i] for r in results) / len(results)  # noqa: E731
+        print(f"{what} ms per step by section, mean over ranks (hcp / plain): " + ", ".join(
+            f"{n} {mean('hcp', n) / args.steps * 1e3:.1f} / {mean('plain', n) / args.steps * 1e3:.1f}"
+            for n in names))
     if results[0][2]:
         print(results[0][2])
     out.update(ratio=ratio, cpu_ratio=cpu_ratio, loss_rel_diff=diff)

@@ -8,8 +8,8 @@
    (`cp_tiles`, both strategies, cp 1, 2, 4) computed on this one device, the all-gather and the
    ring emulated without a process group (allgather: each rank's queries against the
    concatenated shards; p2p: each source shard folded into one online softmax in ring order).
-   Outputs and q/k/v gradients: fp32 (TF32 off) within rtol 1e-4 / atol 1e-5, bf16 within rtol
-   2e-2 / atol 2e-2. Also the non-CP THD path (`thd_attention`, the backend `auto` picks).
+   Outputs and q/k/v gradients: fp32 (TF32 off) within rtol 1e-4 / atol 1e-5, bf16 within
+   2e-2 of the largest reference value. Also the non-CP THD path (`thd_attention`, the backend `auto` picks).
 2. One training step (forward, backward, AdamW) of a ~1B LLaMA (hidden 2048, 22 layers, 32 query
    and 4 kv heads, SwiGLU 5632, vocab 32000: TinyLlama-1.1B's shape) on one THD micro-batch of
    `--tokens` (default 32768) tokens in documents of mixed lengths, bf16 autocast with fp32
@@ -121,6 +121,15 @@ def _ring_out(q, ks, vs, tiles, order):
     return out
 
 
+def close(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
+    """fp32: allclose(rtol 1e-4, atol 1e-5); bf16: max |x - ref| <= 2e-2 * max |ref| (bf16
+    inputs alone are rounded by 2^-9 relative, and gradients sum many such terms)."""
+    ref = ref.float()
+    if dtype == torch.bfloat16:
+        return bool((x - ref).abs().max() <= 2e-2 * ref.abs().max())
+    return torch.allclose(x, ref, rtol=1e-4, atol=1e-5)
+
+
 def check_attention(device, lengths) -> bool:
     g = torch.Generator().manual_seed(0)
     cu = cu_of(lengths)
@@ -131,15 +140,14 @@ def check_attention(device, lengths) -> bool:
     w = torch.randn(q.shape, generator=g, dtype=torch.float64)
     ref_grads = torch.autograd.grad((ref * w).sum(), (qr, kr, vr))
     ok = True
-    for dtype, tol in ((torch.float32, dict(rtol=1e-4, atol=1e-5)),
-                       (torch.bfloat16, dict(rtol=2e-2, atol=2e-2))):
+    for dtype in (torch.float32, torch.bfloat16):
         for c, comm in ((1, "allgather"), (2, "allgather"), (2, "p2p"), (4, "allgather"), (4, "p2p")):
             start = time.perf_counter()
             out, grads = emulated_cp(q, k, v, w, cu, c, comm, device, dtype)
             errs = [(out - ref.detach().float()).abs().max().item()] + \
                    [(a - b.float()).abs().max().item() for a, b in zip(grads, ref_grads)]
-            good = torch.allclose(out, ref.detach().float(), **tol) and all(
-                torch.allclose(a, b.float(), **tol) for a, b in zip(grads, ref_grads))
+            good = close(out, ref.detach(), dtype) and all(
+                close(a, b, dtype) for a, b in zip(grads, ref_grads))
             ok &= good
             print(f"block attention {device} {str(dtype)[6:]:>8} cp{c} {comm:<9} max |err| out "
                   f"{errs[0]:.2e} dq {errs[1]:.2e} dk {errs[2]:.2e} dv {errs[3]:.2e} "
@@ -150,8 +158,8 @@ def check_attention(device, lengths) -> bool:
         out = fn(*x, cu.to(device), max(lengths))
         (out.float() * w.to(device, torch.float32)).sum().backward()
         errs = [(out.float().cpu() - ref.detach().float()).abs().max().item()]
-        good = torch.allclose(out.float().cpu(), ref.detach().float(), **tol) and all(
-            torch.allclose(a.grad.float().cpu(), b.float(), **tol) for a, b in zip(x, ref_grads))
+        good = close(out.float().cpu(), ref.detach(), dtype) and all(
+            close(a.grad.float().cpu(), b, dtype) for a, b in zip(x, ref_grads))
         ok &= good
         print(f"thd attention   {device} {str(dtype)[6:]:>8} backend {backend}: max |err| out "
               f"{errs[0]:.2e} {'OK' if good else 'FAIL'}")
