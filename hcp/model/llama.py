@@ -60,7 +60,6 @@ class Attention(nn.Module):
             raise ValueError(f"llm: num_kv_heads {cfg.num_kv_heads} must be divisible by the TP "
                              f"size {tp} (each TP rank holds whole kv heads)")
         self.head_dim = cfg.hidden_size // cfg.num_heads
-        self.theta = cfg.rope_theta
         h, d = cfg.hidden_size, self.head_dim
         par = dict(bias=False, tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.q_proj = ColumnParallelLinear(h, cfg.num_heads * d, **par)
