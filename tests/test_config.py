@@ -19,11 +19,37 @@ def test_recipe_llava_tiny_names_the_same_run():
     assert compose_cfg(["+recipe=llava_tiny"]) == compose_cfg()
 
 
-@pytest.mark.parametrize("override", ["trainer.max_stepz=3", "llm.hiden_size=8"])
-def test_misspelled_key_fails_with_its_name(override):
-    with pytest.raises((ConfigCompositionException, ConfigKeyError, ConfigAttributeError)) as e:
+@pytest.mark.parametrize("override, closest", [
+    ("trainer.max_step=10", "trainer.max_steps"), ("+trainer.max_step=10", "trainer.max_steps"),
+    ("llm.hiden_size=8", "llm.hidden_size"), ("++llm.layout.tpp=2", "llm.layout.tp"),
+    ("+optim.weightdecay=0.1", "optim.weight_decay")])
+def test_misspelled_key_fails_naming_the_closest_key_with_or_without_plus(override, closest):
+    with pytest.raises(ConfigError) as e:
         compose_cfg([override])
-    assert override.split("=")[0].split(".")[-1] in str(e.value) + str(e.value.__cause__)
+    assert e.value.field == override.lstrip("+").split("=")[0] and f"`{closest}`" in str(e.value)
+
+
+def test_a_key_added_past_the_schema_fails_validation():
+    from omegaconf import OmegaConf
+
+    cfg = compose_cfg()
+    OmegaConf.update(cfg, "trainer.max_step", 10, force_add=True)  # what Hydra's `+` does
+    with pytest.raises(ConfigError, match="did you mean `trainer.max_steps`"):
+        validate(cfg, world_size=4)
+
+
+def test_group_choices_and_hydra_keys_are_not_schema_keys():
+    from hcp.config.compose import config_groups
+    from hcp.config.keys import check_overrides
+
+    check_overrides(["data=llava_json", "+recipe=llama_tiny", "hydra.run.dir=/x", "hydra/launcher=basic",
+                     "~vision", "llm.layout.pp_layers=[1,1]", "optim.lr=1e-3,3e-3"], config_groups())
+
+
+def test_removed_keys_nothing_reads_are_unknown():
+    for override in ("vision.offload=true", "launcher.name=slurm"):
+        with pytest.raises(ConfigError):
+            compose_cfg([override])
 
 
 def test_wrong_type_fails():
@@ -43,11 +69,29 @@ def test_wrong_type_fails():
     (["optim.lr=0"], "optim.lr"),
     (["data.on_error=ignore"], "data.on_error"),
     (["graph.edges=[[vision,decoder]]"], "graph.edges"),
+    (["optim.name=sgd"], "optim.name"),
+    (["projector.type=mlp3x_gelu"], "projector.type"),
+    (["llm.attention_backend=te", "llm.layout.cp=2"], "llm.attention_backend"),
+    (["llm.attention_backend=flash", "llm.layout.cp=2"], "llm.attention_backend"),
+    (["data.eval_fraction=1.5"], "data.eval_fraction"),
 ])
 def test_validation_names_field_value_and_fix(overrides, field):
     with pytest.raises(ConfigError) as e:
         validate(compose_cfg(overrides), world_size=4)
     assert e.value.field == field and "Fix:" in str(e.value)
+
+
+def test_gpu_backend_with_cp_is_rejected_before_the_install_check():
+    with pytest.raises(ConfigError, match="context parallelism"):
+        validate(compose_cfg(["llm.attention_backend=te", "llm.layout.cp=2"]), world_size=4)
+
+
+def test_backend_names_and_cp_strategies_are_defined_once():
+    from hcp.config import choices, layouts
+    from hcp.model import backends, cp_attention
+
+    assert backends.BACKENDS is choices.ATTENTION_BACKENDS and backends._MODULES is choices.BACKEND_MODULES
+    assert cp_attention.CP_COMMS is layouts.CP_COMMS
 
 
 def test_missing_gpu_backend_says_how_to_install():
@@ -56,9 +100,8 @@ def test_missing_gpu_backend_says_how_to_install():
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["vision.layout.dp_shard=true"], "vision.layout.dp_shard"),
+    (["vision.layout.cp=2", "projector.layout.cp=2"], "vision.layout.cp"),
     (["llm.layout.pp=2", "llm.tie_embeddings=true"], "llm.tie_embeddings"),
-    (["llm.layout.tp=2", "vision.layout.tp=1"], "vision.layout"),
     (["placement=non_colocated", "vision.layout.num_ranks=2"], "placement"),
     (["packing=dynamic_cp"], "packing"),
 ])
@@ -79,12 +122,24 @@ def test_vocab_smaller_than_the_tokenizer_is_rejected_before_ranks_start():
     assert e.value.field == "llm.vocab_size" and "260" in str(e.value)
 
 
-def test_encoder_and_projector_follow_the_llm_tp_and_cp_by_default():
+def test_encoder_side_follows_the_llm_tp_by_default_and_trains_its_own_layout():
     from hcp.train.support import check_trainable
 
     cfg = compose_cfg(["llm.layout.tp=2", "llm.layout.cp=2"])
-    assert (cfg.vision.layout.tp, cfg.projector.layout.cp) == (2, 2)
+    assert (cfg.vision.layout.tp, cfg.projector.layout.tp, cfg.vision.layout.cp) == (2, 2, 1)
+    layouts = validate(cfg, world_size=4)
+    assert (layouts["vision"].dp, layouts["projector"].dp, layouts["llm"].dp) == (2, 2, 1)
+    check_trainable(cfg, layouts)
+    cfg = compose_cfg(["llm.layout.tp=2", "vision.layout.tp=1"])      # encoder dp4, LLM tp2 dp2
     check_trainable(cfg, validate(cfg, world_size=4))
+
+
+def test_a_projector_layout_apart_from_its_encoder_names_both_and_a_fix():
+    cfg = compose_cfg(["vision.layout.tp=1", "projector.layout.tp=2", "projector.layout.dp=-1"])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world_size=4)
+    assert e.value.field == "projector.layout" and "vision.layout tp1" in str(e.value)
+    assert "projector.layout tp2" in str(e.value) and "Fix: give it vision's layout" in str(e.value)
 
 
 def test_every_module_frozen_is_rejected():

@@ -151,3 +151,42 @@ def test_an_unreadable_file_is_named_without_the_per_record_hint(tmp_path):
     with pytest.raises(DataError) as e:
         _ds(str(tmp_path / "broken.json"), tmp_path, on_error="skip")
     assert "broken.json: unreadable file" in str(e.value) and "on_error" not in str(e.value)
+
+
+def test_changing_eval_fraction_rebuilds_the_digits_split(tmp_path):
+    default = build_digits_vqa(str(tmp_path), 0.15)
+    other = build_digits_vqa(str(tmp_path), 0.25)
+    assert other != default
+    with open(os.path.join(other, "eval.json")) as f:
+        assert len(json.load(f)) == round(1797 * 0.25)
+
+
+def test_a_conversation_opening_with_gpt_drops_that_turn_and_counts_it(tmp_path):
+    opening = {"id": "g", "image": "a.png", "conversations": [
+        {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "<image>\nWhat is it?"},
+        {"from": "gpt", "value": "seven"}]}
+    ds = _ds(_write(tmp_path, [rec("ok"), opening]), tmp_path)
+    assert ds.leading_turns_dropped == 1
+    plain = _ds(_write(tmp_path, [rec("ok"), rec("g")]), tmp_path)
+    assert ds[1].answer == "seven" and ds[1].input_ids == plain[1].input_ids
+    assert ds[1].labels == plain[1].labels  # "Hello!" is neither prompt nor target
+
+
+def test_leading_gpt_turns_are_reported_before_ranks_start(tmp_path):
+    from cfg_utils import compose_cfg
+    from hcp.data.build import prepare_data
+
+    opening = {"id": "g", "image": "a.png", "conversations": [
+        {"from": "gpt", "value": "Hi"}, {"from": "human", "value": "<image>\nq"}, {"from": "gpt", "value": "a"}]}
+    path = _write(tmp_path, [rec(str(i)) for i in range(4)] + [opening])
+    lines = prepare_data(compose_cfg(["data=llava_json", f"data.path={path}", "trainer.global_batch_size=4"]))
+    assert any("dropped the leading `gpt` turn of 1 train records" in line and path in line for line in lines)
+
+
+def test_an_empty_file_says_so_and_names_it(tmp_path):
+    path = _write(tmp_path, [])
+    with pytest.raises(DataError, match=f"{path}: empty file"):
+        _ds(path, tmp_path)
+    path = _write(tmp_path, [rec("m", image="missing.png")])
+    with pytest.raises(DataError, match=f"{path}: no usable records: all 1 records were skipped"):
+        _ds(path, tmp_path, on_error="skip")

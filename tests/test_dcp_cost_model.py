@@ -2,13 +2,14 @@
 import numpy as np
 import pytest
 
-from hcp.dcp.cost_model import LLAMA_13B, CostModel, HardwareProfile, load_cost
-from hcp.dcp.plan import Group, MicroBatch, Plan
+from hcp.dcp.cost_model import CostModel, HardwareProfile, load_cost, load_profile, recipe_llm
+from hcp.dcp.plan import Group, Round, Plan
 
 
 def test_llama13b_shape_and_model_flops():
-    assert LLAMA_13B.layer_params == 4 * 5120**2 + 3 * 5120 * 13824
-    cost = load_cost("h100-llama13b", pp=1)
+    llm = recipe_llm()
+    assert (llm.num_layers, llm.hidden_size, llm.ffn_hidden_size) == (40, 5120, 13824)
+    cost = load_cost(llm, pp=1)
     # Megatron per layer: 4 T h (h + h g / n) + 6 T h f + 2 h sum L^2, head 2 T h V; x3.
     L = np.array([1000, 3000])
     t, s, h = 4000, 1000**2 + 3000**2, 5120
@@ -17,18 +18,18 @@ def test_llama13b_shape_and_model_flops():
 
 
 def test_profile_yaml_loads_and_rejects_missing_keys(tmp_path):
-    hw = load_cost("h100-llama13b", pp=8).hw
+    hw = load_profile("h100")
     assert hw.peak_flops == 989e12 and hw.ranks_per_node == 8
     bad = tmp_path / "bad.yaml"
     bad.write_text("peak_flops: 1.0e+15\n")
     with pytest.raises(ValueError, match="missing keys"):
         HardwareProfile.from_yaml(bad)
     with pytest.raises(ValueError, match="neither"):
-        load_cost(str(tmp_path / "nope.yaml"), pp=1)
+        load_profile(str(tmp_path / "nope.yaml"))
 
 
 def test_compute_divides_by_cp_and_comm_grows_with_it():
-    cost = load_cost("h100-llama13b", pp=2)
+    cost = load_cost(recipe_llm(), pp=2)
     L = 16384
     f1, f2, f8 = (cost.fwd(L, L * L, c) for c in (1, 2, 8))
     assert f1.shape == (2,)
@@ -38,7 +39,7 @@ def test_compute_divides_by_cp_and_comm_grows_with_it():
 
 
 def test_inter_node_cp_is_slower_than_intra_node():
-    cost = load_cost("h100-llama13b", pp=1)
+    cost = load_cost(recipe_llm(), pp=1)
     L = 131072
     _, _, comm8 = cost._parts(L, L * L, 8)
     _, _, comm16 = cost._parts(L, L * L, 16)
@@ -47,7 +48,7 @@ def test_inter_node_cp_is_slower_than_intra_node():
 
 
 def test_floor_is_additive_lower_envelope_of_group_time():
-    cost = load_cost("h100-llama13b", pp=4)
+    cost = load_cost(recipe_llm(), pp=4)
     lens = np.array([300, 5000, 12000, 40000], dtype=float)
     for c in (1, 2, 4, 8):
         group = cost.fwd(lens.sum(), (lens**2).sum(), c)
@@ -56,10 +57,54 @@ def test_floor_is_additive_lower_envelope_of_group_time():
 
 
 def test_stage_times_take_slowest_group_plus_overhead():
-    cost = CostModel(LLAMA_13B, load_cost("h100-llama13b", 1).hw, pp=1, recompute=False)
+    cost = CostModel(recipe_llm(), load_profile("h100"), pp=1, recompute=False)
     lens = [4000, 100, 100]
-    plan = Plan([MicroBatch([Group([0], 2, 0), Group([1, 2], 2, 2)])])
+    plan = Plan([Round([Group([0], 2, 0), Group([1, 2], 2, 2)])])
     fwd, bwd = cost.stage_times(plan, lens)
     slow = cost.fwd(4000, 4000**2, 2)[0]
     assert fwd[0, 0] == pytest.approx(slow + cost.hw.micro_batch_overhead_fwd)
     assert bwd[0, 0] == pytest.approx(2 * slow + cost.hw.micro_batch_overhead_bwd)
+
+
+def test_cost_model_takes_the_run_config_layout():
+    """pp, tp, recompute and pp_layers come from `llm.layout` (the recipe: pp 8, full
+    recompute); tp divides compute and K/V traffic per GPU."""
+    llm = recipe_llm()
+    cost = CostModel(llm, load_profile("h100"))
+    assert (cost.pp, cost.tp, cost.bwd_factor) == (8, 1, 3.0)
+    tp2 = CostModel(llm, load_profile("h100"), tp=2)
+    L = 8192
+    _, _, comm1 = cost._parts(L, L * L, 2)
+    compute1, _, _ = cost._parts(L, L * L, 2)
+    compute2, _, comm2 = tp2._parts(L, L * L, 2)
+    np.testing.assert_allclose(compute2, compute1 / 2)
+    np.testing.assert_allclose(comm2, comm1 / 2)  # c * tp = 4 <= 8: still NVLink
+    uneven = CostModel(llm, load_profile("h100"), pp=2, pp_layers=[30, 10])
+    f = uneven.fwd(L, L * L, 1)
+    assert f[0] > 2 * f[1]  # 30 layers against 10 plus the head
+
+
+def test_cp_group_strided_by_tp_leaves_the_node_at_c_times_tp():
+    """A CP group of c ranks spans c * tp GPUs: at tp 2 a group of 8 crosses InfiniBand
+    (it did not before: the check was c <= ranks_per_node)."""
+    hw = load_profile("h100")
+    tp1 = CostModel(recipe_llm(), hw, pp=1, tp=1)
+    tp2 = CostModel(recipe_llm(), hw, pp=1, tp=2)
+    assert tp1.bandwidth(8) == hw.nvlink_bandwidth
+    assert tp2.bandwidth(4) == hw.nvlink_bandwidth
+    assert tp2.bandwidth(8) == hw.ib_bandwidth
+    L = 65536
+    _, _, c4 = tp2._parts(L, L * L, 4)
+    _, _, c8 = tp2._parts(L, L * L, 8)
+    assert c8 / c4 == pytest.approx(hw.nvlink_bandwidth / hw.ib_bandwidth * (7 / 8) / (3 / 4))
+
+
+def test_one_model_flops_implementation():
+    """The trainer's TFLOPS and the cost model count the same FLOPs (hcp/model/flops.py)."""
+    from hcp.config.compose import compose_config
+    from hcp.train.throughput import model_flops
+
+    llm = compose_config(["+recipe=llama_tiny"]).llm
+    lens = np.array([5, 100, 37])
+    cost = CostModel(llm, load_profile("h100"), pp=1)
+    assert cost.model_flops(lens) == model_flops(llm, lens.sum(), (lens**2).sum())

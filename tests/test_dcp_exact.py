@@ -6,13 +6,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hcp.dcp.baselines import greedy
-from hcp.dcp.cost_model import load_cost
+from hcp.dcp.cost_model import load_cost, recipe_llm
 from hcp.dcp.exact import best_weights, solve_exact
 from hcp.dcp.lower_bound import lower_bound
 from hcp.dcp.plan import validate_plan
 from hcp.dcp.solver import simulate_plan
 
-COST = load_cost("h100-llama13b", 1)
+COST = load_cost(recipe_llm(), pp=1)
 
 
 def set_partitions(items):
@@ -76,4 +76,4 @@ def test_root_bound_is_at_least_the_area_bound(seed):
 
 def test_exact_rejects_pipelines():
     with pytest.raises(ValueError, match="pp=1"):
-        solve_exact([10], load_cost("h100-llama13b", 2), 4, 1024, ())
+        solve_exact([10], load_cost(recipe_llm(), pp=2), 4, 1024, ())

@@ -5,12 +5,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hcp.dcp.baselines import greedy, packing_only
-from hcp.dcp.cost_model import load_cost
+from hcp.dcp.cost_model import load_cost, recipe_llm
 from hcp.dcp.local_search import GroupTime, improve
 from hcp.dcp.plan import prepare_lengths, validate_plan
 from hcp.dcp.solver import simulate_plan
 
-COST = load_cost("h100-llama13b", 1)
+COST = load_cost(recipe_llm(), pp=1)
 
 
 @settings(max_examples=25, derandomize=True, deadline=None)
@@ -42,7 +42,7 @@ def test_split_mixes_cp_sizes():
     lens = np.array([3000] + [300] * 12)
     start = packing_only(lens, 4, 1024)
     plan = improve(start, lens, COST, 4, 1024)
-    sizes = [sorted(g.cp_size for g in mb.groups if g.seq_indices) for mb in plan.micro_batches]
+    sizes = [sorted(g.cp_size for g in mb.groups if g.seq_indices) for mb in plan.rounds]
     assert [4] in sizes and [2, 2] in sizes
     assert (simulate_plan(plan, lens, COST).iteration_time
             < simulate_plan(start, lens, COST).iteration_time)

@@ -7,19 +7,19 @@ from hypothesis import given, settings, strategies as st
 
 from hcp.config.errors import ConfigError
 from hcp.dcp.baselines import greedy, packing_only
-from hcp.dcp.cost_model import load_cost
+from hcp.dcp.cost_model import load_cost, recipe_llm
 from hcp.dcp.exact import solve_exact
 from hcp.dcp.lower_bound import lower_bound
 from hcp.dcp.plan import prepare_lengths, validate_plan
 from hcp.dcp.solver import ramps, simulate_plan, solve
 
 SAMPLE = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"
-COSTS = {pp: load_cost("h100-llama13b", pp) for pp in (1, 2, 4)}
+COSTS = {pp: load_cost(recipe_llm(), pp=pp) for pp in (1, 2, 4)}
 
 
 def check_plan(plan, lens, pool, cap):
     validate_plan(plan, lens, pool, cap)  # once each, aligned pow2 tiling, cap, no empty mb
-    for j in range(plan.num_micro_batches):
+    for j in range(plan.num_rounds):
         for r in range(pool):  # every rank has a group in every micro-batch
             g = plan.group_of(r, j)
             assert g.rank_offset <= r < g.rank_offset + g.cp_size
@@ -59,18 +59,21 @@ def test_edge_cases_give_valid_plans(raw):
 
 
 def test_solver_beats_baselines_on_real_lengths():
+    """By a margin, so it can fail (packing-only is one of the solver's candidates, so 'no
+    worse' would hold by construction; greedy competes only at pp = 1). Measured when
+    written: 0.875 x greedy's time, 0.788 x packing-only's."""
     rng = np.random.default_rng(1)
     all_lens = np.loadtxt(SAMPLE, dtype=np.int64)
     lens = rng.choice(all_lens[all_lens <= 16384], 256, replace=False)
     cost = COSTS[4]
     sol = solve(lens, cost, 8, 2048, 16384)
     check_plan(sol.plan, lens, 8, 2048)
-    for plan in (greedy(lens, 8, 2048), packing_only(lens, 8, 2048, 16384)):
-        assert sol.time <= simulate_plan(plan, lens, cost).iteration_time
+    for plan, margin in ((greedy(lens, 8, 2048), 0.92), (packing_only(lens, 8, 2048, 16384), 0.85)):
+        assert sol.time <= margin * simulate_plan(plan, lens, cost).iteration_time
 
 
 def test_ramps_rise_geometrically_and_fall_linearly():
-    cost = load_cost("h100-llama13b", 8)  # k = 3 (full recompute), p = 8
+    cost = load_cost(recipe_llm(), pp=8)  # k = 3 (full recompute), p = 8
     opening, closing = ramps(cost, 2.0)
     a_last = cost.mm_coef[-1] / cost.mm_coef[0]  # the last stage also runs the LM head
     r = 1 + (4 * a_last - 1) / 7
@@ -85,7 +88,7 @@ def test_seed_sized_batches_plan_near_the_bound():
     first three batches (seed 0): 1.074, 1.080, 1.074 over the bound when written (cap 1.09)."""
     all_lens = np.loadtxt(SAMPLE, dtype=np.int64)
     rng = np.random.default_rng(0)
-    cost = load_cost("h100-llama13b", 8)
+    cost = load_cost(recipe_llm(), pp=8)
     for _ in range(3):
         lens = rng.choice(all_lens[all_lens <= 65536], 2048, replace=False)
         sol = solve(lens, cost, 8, 8192, 65536)
@@ -99,11 +102,11 @@ def test_seed_sized_batches_plan_near_the_bound():
     ([1] * 2048, 8, 8),  # tiny batch: one micro-batch beats any ramp
 ])
 def test_solver_no_worse_than_greedy_on_large_pools_and_tiny_batches(lens, pool, pp):
-    cost = load_cost("h100-llama13b", pp)
+    cost = load_cost(recipe_llm(), pp=pp)
     sol = solve(lens, cost, pool, 8192, 65536)  # max_len 65536 > 8 * 8192 is no error
     check_plan(sol.plan, np.asarray(lens), pool, 8192)
     assert sol.time <= simulate_plan(greedy(lens, pool, 8192), lens, cost).iteration_time
-    assert max(g.cp_size for mb in sol.plan.micro_batches for g in mb.groups
+    assert max(g.cp_size for mb in sol.plan.rounds for g in mb.groups
                if g.seq_indices) <= 8
 
 

@@ -25,7 +25,15 @@ def _run(args, timeout=300):
 @pytest.mark.timeout(300)
 def test_short_run_writes_metrics_summary_checkpoint_config_and_wandb(tmp_path):
     run_dir = tmp_path / "run"
-    _run([*QUICK, f"hydra.run.dir={run_dir}"])
+    out = _run([*QUICK, "trainer.progress_bar=true", f"hydra.run.dir={run_dir}"]).stdout.splitlines()
+    # stdout is a pipe here (a SLURM .out file): plain lines, no bar; where the run went, twice
+    assert out[0] == f"hcp: run directory {run_dir}" and out[-1] == f"hcp: run finished; outputs in {run_dir}"
+    assert [l.split(" | ")[0] for l in out if l.startswith("step ")] == ["step 2/4", "step 4/4", "step 4/4"]
+    assert all(k in out[2] or k in "".join(out) for k in ("loss", "lr", "grad_norm", "tokens/s", "step_time", "mem"))
+    assert f"checkpoint step 4: {run_dir}/checkpoints/step_00000004" in out
+    assert any(l.startswith("wandb: offline") for l in out) and out[-2].startswith(f"wandb: offline run; upload "
+                                                                                     f"it with: wandb sync {run_dir}/wandb/")
+    assert "\r" not in "".join(out)
     metrics = [json.loads(l) for l in open(run_dir / "metrics.jsonl")]
     steps = [m["step"] for m in metrics if "loss" in m]
     assert steps == [2, 4] and all(m["loss"] > 0 and m["tokens_per_s"] > 0 for m in metrics if "loss" in m)
@@ -54,10 +62,10 @@ def test_multirun_sweep_gives_each_job_its_own_ranks_and_run_dir(tmp_path):
 def test_bad_config_fails_before_ranks_start_with_field_name(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline"}
     proc = subprocess.run([sys.executable, "train.py", "trainer.micro_batch_tokens=10",
-                           f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env, capture_output=True,
+                           f"hydra.run.dir={tmp_path}/run"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0 and "trainer.micro_batch_tokens=10" in proc.stderr
-    assert not (tmp_path / "metrics.jsonl").exists()
+    assert not (tmp_path / "run").exists()  # a failed start leaves no run directory behind
 
 
 @pytest.mark.slow

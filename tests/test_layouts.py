@@ -85,9 +85,11 @@ def test_full_size_recipes_resolve():
 # ----------------------------------------------------------------------------- world size
 def test_world_size_of_launcher():
     assert world_size_of(cfg_of("launcher.nnodes=2", "launcher.nproc_per_node=3")) == 6
-    assert world_size_of(cfg_of("launcher.nnodes=2"), auto_nproc=4) == 8
+    # auto: the cluster's GPUs per node on several nodes, on one node what `python train.py`
+    # starts here (4 on CPU): plan mode plans the world training would get
+    assert world_size_of(cfg_of("launcher.nnodes=2"), auto_nproc=4) == 16
     assert world_size_of(cfg_of("mode=plan", recipe="llama13b_dynamic_cp")) == 64
-    assert world_size_of(cfg_of("mode=plan", "launcher.nproc_per_node=auto", "cluster.gpus_per_node=4")) == 4
+    assert world_size_of(cfg_of("mode=plan", "cluster.gpus_per_node=16"), auto_nproc=4) == 4
 
 
 def test_world_size_must_match_the_launcher():
@@ -103,8 +105,19 @@ def test_product_of_sizes_must_equal_rank_count():
     assert "2*1*1" in str(err) and "8 ranks" in str(err)
 
 
-def test_inferred_dp_needs_divisible_rank_count():
-    fails("llm.layout.dp", 8, "llm.layout.cp=3", match="not divisible")
+def test_inferred_dp_error_names_the_size_the_user_set_and_its_valid_values():
+    err = fails("llm.layout.cp", 8, "llm.layout.cp=3", match="not divisible")
+    assert "use llm.layout.cp in [1, 2, 4, 8]" in str(err)
+    err = fails("llm.layout.tp", 8, "llm.layout.tp=3", "llm.layout.cp=2", match="not divisible")
+    assert "use llm.layout.tp in [1, 2, 4]" in str(err)
+
+
+def test_tiny_llava_tp_error_names_the_llm_key_the_encoders_follow():
+    from cfg_utils import compose_cfg
+
+    with pytest.raises(ConfigError) as e:
+        check_layouts(compose_cfg(["llm.layout.tp=3"]), 4)
+    assert e.value.field == "llm.layout.tp" and "[1, 2, 4]" in str(e.value)
 
 
 def test_colocated_modules_must_span_identical_ranks():

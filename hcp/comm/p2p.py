@@ -1,17 +1,18 @@
-"""Point-to-point links between neighbouring pipeline stages; shapes travel before tensors.
+"""Point-to-point links between pipeline stages: batched exchanges of tensors of known shapes.
 
-A forward message from stage s to s+1 is three non-blocking sends on the module's `pp` group:
-a fixed-size header (long [6]: number of cu_seqlens entries, micro-batch tokens T, max_seqlen,
-activation rows, activation columns, activation dtype code), the micro-batch metadata (long
-[N + 1 + 2T], `StageMeta.flat`) and the activation itself. The receiver reads the
-header first and then allocates exactly the announced sizes: no buffer is sized by a maximum
-length, so the number of tokens may change with every micro-batch. A backward message (the
-gradient of an activation, s+1 -> s) needs no header: its receiver sent that activation.
+Every stage learns all micro-batches' metadata once per step, before the schedule
+(`broadcast_metas`: the first stage, which holds the data, broadcasts every micro-batch's
+cu_seqlens, position ids and labels over the `pp` group), so every receive in the schedule can
+allocate its buffer up front and no header travels ahead of a tensor. That is what lets a
+schedule post a step's sends and receives together in one `dist.batch_isend_irecv`
+(`StageLink.exchange`), which NCCL needs: it runs one pair of ranks' operations in order on one
+stream, and a send larger than its buffers waits for the matching receive, so a lone send each
+way between two stages deadlocks (`hcp.schedule.actions`).
 
-Sends are posted with `isend` and waited only in `flush()` (at the end of a schedule); receives
-block. With every send non-blocking, any schedule whose receives each match a send the peer
-posts earlier in its own order cannot deadlock (1F1B, Narayanan et al. 2021, is such a
-schedule). Tags separate the message kinds.
+The step plan (issue 12) will compute the same metadata on every rank locally; that swap
+replaces `broadcast_metas` at its one call site (`hcp.train.step.StepRunner._metas`).
+NCCL: the first point-to-point call on a group must come after a collective on it (here the
+metadata broadcast), and each rank must have set its CUDA device.
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ import torch.distributed as dist
 
 @dataclass
 class StageMeta:
-    """What a non-first stage knows of a micro-batch (sent with its activations by the first
-    stage, which holds the data): cu_seqlens int32 [N + 1], max_seqlen int, position_ids long [T]
-    and labels long [T] (already shifted, -100 = ignore) of the WHOLE micro-batch (before CP)."""
+    """What a non-first stage knows of a micro-batch: cu_seqlens int32 [N + 1], max_seqlen int,
+    position_ids long [T] and labels long [T] (already shifted, -100 = ignore) of the WHOLE
+    micro-batch (before CP)."""
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
@@ -35,6 +36,10 @@ class StageMeta:
     @classmethod
     def of(cls, batch) -> "StageMeta":
         return cls(batch.cu_seqlens, int(batch.max_seqlen), batch.position_ids, batch.labels)
+
+    def sizes(self) -> list[int]:
+        """[N + 1, T, max_seqlen]: what a receiver needs to split `flat`."""
+        return [self.cu_seqlens.numel(), self.labels.numel(), self.max_seqlen]
 
     def flat(self) -> torch.Tensor:
         """long [N + 1 + 2T]: the tensors in one message."""
@@ -47,61 +52,54 @@ class StageMeta:
         return cls(cu.to(torch.int32), max_seqlen, pos, labels)
 
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HEADER, _META, _ACT, _GRAD = range(4)
+def broadcast_metas(batches, num_micro: int, group, src: int, device) -> list[StageMeta]:
+    """Every micro-batch's `StageMeta` on every stage of `group`, from global rank `src` (the
+    first stage, which passes its `num_micro` micro-batches as `batches`; None elsewhere).
+
+    Two broadcasts: sizes long [num_micro, 3], then all metadata long [sum of N + 1 + 2T].
+    """
+    if batches is not None:
+        metas = [StageMeta.of(b) for b in batches]
+        sizes = torch.tensor([m.sizes() for m in metas], dtype=torch.long, device=device).view(-1, 3)
+    else:
+        sizes = torch.empty(num_micro, 3, dtype=torch.long, device=device)
+    if num_micro == 0:
+        return []
+    dist.broadcast(sizes, src, group=group)
+    if batches is not None:
+        flat = torch.cat([m.flat().to(device) for m in metas])
+    else:
+        flat = torch.empty(int(sizes[:, 0].sum() + 2 * sizes[:, 1].sum()), dtype=torch.long,
+                           device=device)
+    dist.broadcast(flat, src, group=group)
+    if batches is not None:
+        return metas
+    rows = sizes.tolist()
+    parts = flat.split([cu + 2 * t for cu, t, _ in rows])
+    return [StageMeta.unflat(part, cu, max_seqlen) for part, (cu, _, max_seqlen) in zip(parts, rows)]
+
+
+_TAGS = {"F": 0, "B": 1}  # activations and gradients (gloo matches tags; NCCL ignores them)
 
 
 class StageLink:
-    """This rank's links to the previous and next stage of its pipeline.
+    """This rank's point-to-point link to the other stages of its pipeline.
 
     Args:
-        pp_ranks: global ranks of this rank's `pp` group, stage order.
-        stage: this rank's stage index; device: where received tensors are allocated.
+        pp_ranks: global ranks of this rank's `pp` group, stage order; stage: this rank's stage
+        index; device: where receive buffers live; group: the `pp` process group.
     """
 
     def __init__(self, pp_ranks, stage: int, device, group=None):
-        self.prev = pp_ranks[stage - 1] if stage > 0 else None
-        self.next = pp_ranks[stage + 1] if stage + 1 < len(pp_ranks) else None
-        self.device, self.group = device, group
-        self._pending: list = []
+        self.ranks, self.stage, self.device, self.group = list(pp_ranks), stage, device, group
 
-    def send_forward(self, x: torch.Tensor, meta: StageMeta) -> None:
-        """Post the header, the metadata and the activation x [rows, cols] to the next stage.
+    def exchange(self, ops) -> None:
+        """Post every op of one schedule step in one `batch_isend_irecv` and wait for all.
 
-        Raises ValueError for an activation that is not 2-D or has an unsupported dtype.
+        ops: (is_send, tensor, peer stage, "F" | "B") each; a receive fills its (preallocated,
+        contiguous) tensor in place.
         """
-        if x.dim() != 2 or x.dtype not in _DTYPES:
-            raise ValueError(f"stage activations must be 2-D {_DTYPES}, got {x.dtype} {tuple(x.shape)}")
-        flat = meta.flat().to(self.device)
-        header = torch.tensor([meta.cu_seqlens.numel(), meta.labels.numel(), meta.max_seqlen,
-                               x.shape[0], x.shape[1], _DTYPES.index(x.dtype)], dtype=torch.long,
-                              device=self.device)
-        for tensor, tag in ((header, _HEADER), (flat, _META), (x.detach().contiguous(), _ACT)):
-            self._pending.append(dist.isend(tensor, self.next, group=self.group, tag=tag))
-
-    def recv_forward(self) -> tuple[torch.Tensor, StageMeta]:
-        """Receive (activation [rows, cols] requiring grad, its micro-batch's metadata)."""
-        header = torch.empty(6, dtype=torch.long, device=self.device)
-        dist.recv(header, self.prev, group=self.group, tag=_HEADER)
-        num_cu, tokens, max_seqlen, rows, cols, dtype = header.tolist()
-        flat = torch.empty(num_cu + 2 * tokens, dtype=torch.long, device=self.device)
-        x = torch.empty(rows, cols, dtype=_DTYPES[dtype], device=self.device)
-        dist.recv(flat, self.prev, group=self.group, tag=_META)
-        dist.recv(x, self.prev, group=self.group, tag=_ACT)
-        return x.requires_grad_(), StageMeta.unflat(flat, num_cu, max_seqlen)
-
-    def send_backward(self, grad: torch.Tensor) -> None:
-        """Post the gradient of the activation received from the previous stage."""
-        self._pending.append(dist.isend(grad.contiguous(), self.prev, group=self.group, tag=_GRAD))
-
-    def recv_backward(self, like: torch.Tensor) -> torch.Tensor:
-        """Receive the gradient of the activation `like` sent to the next stage."""
-        grad = torch.empty_like(like, memory_format=torch.contiguous_format)
-        dist.recv(grad, self.next, group=self.group, tag=_GRAD)
-        return grad
-
-    def flush(self) -> None:
-        """Wait for every posted send (their buffers may then be freed)."""
-        for work in self._pending:
+        p2p = [dist.P2POp(dist.isend if is_send else dist.irecv, tensor, self.ranks[peer],
+                          self.group, _TAGS[kind]) for is_send, tensor, peer, kind in ops]
+        for work in dist.batch_isend_irecv(p2p):
             work.wait()
-        self._pending.clear()

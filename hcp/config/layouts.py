@@ -77,15 +77,17 @@ def num_layers(cfg, module: str) -> int:
 
 
 def world_size_of(cfg, auto_nproc: int = 4) -> int:
-    """Ranks the launcher provides: `launcher.nnodes * launcher.nproc_per_node`.
+    """Ranks the launcher provides: `launcher.nnodes * launcher.nproc_per_node`, the same in plan
+    mode as in training.
 
-    `nproc_per_node=auto` means `cluster.gpus_per_node` in plan mode and `auto_nproc` otherwise
-    (the launcher passes its device count; 4 on CPU).
+    `nproc_per_node=auto` means `auto_nproc` on one node (what `python train.py` starts here: the
+    launcher passes its device count, 4 on CPU) and `cluster.gpus_per_node` on several (each
+    node of the cluster starts one rank per GPU).
     Raises ConfigError for a non-integer, non-`auto` nproc_per_node or a size below 1.
     """
     nproc = cfg.launcher.nproc_per_node
     if nproc == "auto":
-        nproc = cfg.cluster.gpus_per_node if cfg.mode == "plan" else auto_nproc
+        nproc = cfg.cluster.gpus_per_node if cfg.launcher.nnodes > 1 else auto_nproc
     try:
         nproc = int(nproc)
     except (TypeError, ValueError):
@@ -206,6 +208,22 @@ def _non_colocated_spans(cfg, modules, edges, world_size) -> dict[str, tuple[int
     return {m: (offsets[head[m]], sizes[head[m]]) for m in modules}
 
 
+def _indivisible(m: str, lay, count: int, product: str) -> ConfigError:
+    """The error for tp*cp*pp not dividing a module's `count` ranks under an inferred dp: it names
+    the size the user set (the largest axis other than 1 that a valid value could replace) and
+    lists that axis's valid values given the others."""
+    sizes = {axis: int(lay[axis]) for axis in ("tp", "cp", "pp")}
+    model = sizes["tp"] * sizes["cp"] * sizes["pp"]
+    fixable = [a for a, v in sizes.items() if v > 1 and count % (model // v) == 0]
+    axis = max(fixable or [a for a, v in sizes.items() if v > 1] or ["tp"], key=lambda a: sizes[a])
+    others = model // sizes[axis]
+    valid = _divisors(count // others) if count % others == 0 else []
+    fix = (f"use {m}.layout.{axis} in {valid}" if valid else
+           f"choose tp, cp, pp whose product divides {count}")
+    return ConfigError(f"{m}.layout.{axis}", sizes[axis], f"{m} spans {count} ranks, not divisible "
+                       f"by {product} (dp=-1 is inferred from the rest)", fix)
+
+
 def _resolve_one(cfg, m: str, offset: int, count: int) -> ResolvedLayout:
     lay = cfg[m].layout
     for axis in ("tp", "cp", "pp"):
@@ -215,8 +233,7 @@ def _resolve_one(cfg, m: str, offset: int, count: int) -> ResolvedLayout:
     product = f"tp*cp*pp = {lay.tp}*{lay.cp}*{lay.pp} = {model}"
     if lay.dp == -1:
         if count % model:
-            raise ConfigError(f"{m}.layout.dp", -1, f"{m} spans {count} ranks, not divisible by {product}",
-                              f"choose tp, cp, pp whose product divides {count}")
+            raise _indivisible(m, lay, count, product)
         dp = count // model
     elif lay.dp < 1 or lay.dp * model != count:
         raise ConfigError(f"{m}.layout.dp", lay.dp,
@@ -255,7 +272,10 @@ def resolve_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
         spans = _colocated_spans(cfg, modules, world_size)
     else:
         spans = _non_colocated_spans(cfg, modules, edges, world_size)
-    return {m: _resolve_one(cfg, m, *spans[m]) for m in modules}
+    # The LLM first: the tiny LLaVA's encoder layouts follow llm.layout by interpolation, so a
+    # bad size is reported under the key the user typed.
+    resolved = {m: _resolve_one(cfg, m, *spans[m]) for m in sorted(modules, key=lambda m: m != "llm")}
+    return {m: resolved[m] for m in modules}
 
 
 def _tp_divides(m: str, tp: int, quantities: dict[str, int], padding: tuple[str, ...] = ()) -> None:
@@ -346,7 +366,7 @@ def check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
         check_choice(f"{m}.layout.recompute", cfg[m].layout.recompute, RECOMPUTES)
     _check_launcher(cfg, world_size)
     layouts = resolve_layouts(cfg, world_size)
-    for lay in layouts.values():
+    for lay in sorted(layouts.values(), key=lambda lay: lay.module != "llm"):
         _check_tensor_parallel(cfg, lay)
         _check_tokens(cfg, lay)
     _check_lanes(cfg, layouts)

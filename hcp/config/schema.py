@@ -55,7 +55,11 @@ class VisionConfig:
     norm_eps: float = 1e-5
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
-    offload: bool = False
+    init_from: Optional[str] = None
+    """A local Hugging Face CLIP checkpoint folder (config.json + safetensors); its architecture
+    fields replace this block's (a conflicting command-line value is an error)."""
+    arch: str = "vit"
+    """`vit` (the tiny default: GELU MLP) or `clip` (OpenAI CLIP: quick-GELU MLP)."""
 
 
 @dataclass
@@ -66,7 +70,6 @@ class ProjectorConfig:
     """`mlp2x_gelu` (Linear GELU Linear, LLaVA-1.5) or `linear`."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
-    offload: bool = False
 
 
 @dataclass
@@ -86,7 +89,10 @@ class LLMConfig:
     """`auto` (fastest installed), `torch` (pure torch, CPU reference), `te`, `flash`."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
-    offload: bool = False
+    init_from: Optional[str] = None
+    """A local Hugging Face LLaMA checkpoint folder (config.json + safetensors, one file or
+    sharded with its index); its architecture fields replace this block's (a conflicting
+    command-line value is an error)."""
 
 
 @dataclass
@@ -113,13 +119,22 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Max global gradient L2 norm (0 disables clipping)."""
     progress_bar: bool = True
+    on_nonfinite: str = "stop"
+    """A NaN/Inf loss or gradient norm: `stop` (raise, naming the step; no checkpoint is written)
+    or `skip` (drop that step's update, count it and go on). hcp.train.failures."""
+    check_plan: bool = False
+    """Debug: all-reduce a checksum of every step's plan and fail, naming the ranks, when they
+    computed different plans (which would otherwise hang a collective). hcp.plan.step."""
 
 
 @dataclass
 class OptimConfig:
     name: str = "adamw"
+    """`adamw` (hcp.config.choices.OPTIMIZERS)."""
     lr: float = 1e-3
     weight_decay: float = 0.0
+    """Decoupled weight decay on weight matrices only (linear and projection weights); norms,
+    biases and embeddings (token, patch, position, CLS) never decay, as in Megatron-LM and LLaVA."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     warmup_ratio: float = 0.03
@@ -131,7 +146,8 @@ class OptimConfig:
 @dataclass
 class DataConfig:
     name: str = "digits_vqa"
-    """`digits_vqa` (built in), `llava_json` (your data) or `code_corpus` (stdlib sources)."""
+    """`digits_vqa` (built in), `llava_json` (your data), `code_corpus` (stdlib sources) or
+    `tokens` (your Megatron .bin/.idx or JSONL text, blended)."""
     path: Optional[str] = None
     """LLaVA conversation JSON (data=llava_json)."""
     image_folder: Optional[str] = None
@@ -150,6 +166,14 @@ class DataConfig:
     """Bad records: `error` (stop, naming file and id) or `skip` (count and report)."""
     eval_fraction: float = 0.15
     """Held-out fraction of a built-in data set."""
+    sources: Optional[list[Any]] = None
+    """data=tokens: `[{path, weight}]`, each a Megatron indexed data set (`PREFIX` of
+    PREFIX.bin / PREFIX.idx) or a `.jsonl` file; samples are drawn in proportion to the weights."""
+    long_docs: str = "split"
+    """data=tokens: a document longer than `max_seq_len`: `split` into max_seq_len pieces or
+    `reject` (an error naming the file and document)."""
+    text_key: str = "text"
+    """data=tokens: the JSONL field holding a document's text."""
 
 
 @dataclass
@@ -162,9 +186,35 @@ class LoggerConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """SLURM job settings for `python -m hcp.train.sbatch` and `hydra/launcher=submitit_slurm`
+    (launchers/README.md). Nodes and tasks per node are `launcher.nnodes` / `nproc_per_node`."""
+
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    gpus_per_node: Optional[int] = None
+    """GPUs to request per node (None: none, a CPU job); must equal launcher.nproc_per_node."""
+    cpus_per_task: Optional[int] = None
+    time_min: int = 60
+    """Job time limit in minutes."""
+    signal: str = "USR2"
+    """Signal SLURM sends before the time limit and on preemption: `USR2` or `TERM` (USR1 can
+    collide with NCCL). hcp also treats SIGTERM under SLURM as the same request."""
+    signal_lead_s: int = 120
+    """Seconds before the time limit that the signal comes: must cover a step plus a checkpoint."""
+    max_requeues: int = 3
+    """Times a job requeues itself after a signal (SLURM_RESTART_COUNT), then it stops."""
+    requeue_exit_code: int = 85
+    """Exit code when `scontrol` is missing: requeues only where slurm.conf has RequeueExit=85."""
+    launch: str = "srun"
+    """sbatch path: `srun` (one task per GPU) or `torchrun` (one per node, c10d rendezvous)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines the job runs before launching (module load, activating an environment)."""
+
+
+@dataclass
 class LauncherConfig:
-    name: str = "local"
-    """`local` (start ranks here) or `slurm`."""
     nproc_per_node: Any = "auto"
     """Ranks per node: `auto` = one per GPU on CUDA, 4 on CPU; or an int."""
     nnodes: int = 1
@@ -174,6 +224,7 @@ class LauncherConfig:
     """`auto` (nccl on CUDA, gloo on CPU), `nccl` or `gloo`."""
     timeout_s: int = 600
     """Collective timeout in seconds: a stuck collective fails instead of hanging."""
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
 
 
 @dataclass
@@ -181,6 +232,15 @@ class CheckpointConfig:
     dir: str = "${hydra:runtime.output_dir}/checkpoints"
     keep: int = 2
     """Checkpoints kept; older ones are pruned."""
+
+
+@dataclass
+class ExportConfig:
+    dir: Optional[str] = None
+    """mode=export: folder to write `llm/` (LlamaForCausalLM), `vision/` (CLIPVisionModel) and
+    `mm_projector.bin` (LLaVA-1.5 names) into."""
+    dtype: str = "auto"
+    """`auto` (the init_from checkpoint's dtype, else float32), `float32`, `bfloat16`, `float16`."""
 
 
 @dataclass
@@ -196,7 +256,9 @@ class ClusterConfig:
 class HCPConfig:
     seed: int = 1234
     mode: str = "train"
-    """`train` or `plan` (one process, no process groups: layouts, memory, plan.json/png)."""
+    """`train`, `plan` (one process, no process groups: layouts, memory, plan.json/png),
+    `export` (write the model as the run would start it as a Hugging Face checkpoint) or
+    `calibrate` (fit the dynamic-CP cost model on this machine: hcp/dcp/calibrate.py)."""
     placement: str = "colocated"
     """`colocated` or `non_colocated`."""
     packing: str = "first_fit"
@@ -216,6 +278,13 @@ class HCPConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    init_from_checkpoint: Optional[str] = None
+    """Start a new stage from a checkpoint folder: model weights only, a fresh optimizer and
+    schedule at step 0 (LLaVA stage 2 from stage 1). `resume` continues the same run."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    packing_profile: str = "h100"
+    """Hardware profile of the dynamic-CP cost model: `h100` (analytic defaults,
+    hcp/dcp/profiles/h100.yaml) or a YAML file, e.g. the `profile.yaml` of `mode=calibrate`."""
 
 
 MODULES = ("vision", "projector", "llm")

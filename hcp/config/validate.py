@@ -6,36 +6,45 @@ import importlib.util
 
 from omegaconf import OmegaConf
 
+from hcp.config.choices import ATTENTION_BACKENDS, BACKEND_MODULES, CP_BACKENDS, OPTIMIZERS, PROJECTOR_TYPES
 from hcp.config.errors import ConfigError, check_choice
+from hcp.config.keys import check_known_keys
 from hcp.config.layouts import check_layouts
 
 _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
-    "mode": ("train", "plan"),
+    "mode": ("train", "plan", "export", "calibrate"),
+    "export.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "data.long_docs": ("split", "reject"),
     "precision": ("fp32", "bf16"),
     "logger.name": ("wandb", "none"),
     "data.on_error": ("error", "skip"),
     "launcher.backend": ("auto", "nccl", "gloo"),
     "launcher.start_method": ("fork", "spawn", "forkserver"),
-    "llm.attention_backend": ("auto", "torch", "te", "flash"),
-}
-_BACKEND_PACKAGES = {
-    "te": ("transformer_engine", "pip install --no-build-isolation 'transformer_engine[pytorch]' "
-                                 "on a CUDA machine (NVIDIA's package)"),
-    "flash": ("flash_attn", "pip install flash-attn --no-build-isolation on a CUDA machine"),
+    "llm.attention_backend": ATTENTION_BACKENDS,
+    "optim.name": OPTIMIZERS,
+    "projector.type": PROJECTOR_TYPES,
 }
 
 
 def check_choices(cfg) -> None:
     for key, allowed in _CHOICES.items():
+        if key.split(".")[0] in ("projector",) and cfg.get("projector") is None:
+            continue
         check_choice(key, OmegaConf.select(cfg, key), allowed)
 
 
 def check_backends(cfg) -> None:
-    """An optional GPU backend asked for by name must be importable (checked without importing
-    it: `import transformer_engine` raises on machines without CUDA)."""
-    backend = cfg.llm.attention_backend
-    if backend in _BACKEND_PACKAGES:
-        package, how = _BACKEND_PACKAGES[backend]
+    """An optional GPU backend asked for by name must run with the LLM's CP size and be
+    importable (checked without importing it: `import transformer_engine` raises on machines
+    without CUDA)."""
+    backend, cp = cfg.llm.attention_backend, cfg.llm.layout.cp
+    if cp > 1 and backend not in CP_BACKENDS:
+        raise ConfigError("llm.attention_backend", backend, f"does not run with context parallelism "
+                          f"yet (llm.layout.cp={cp}); CP attention is hcp's own torch code",
+                          "set llm.attention_backend=auto (or torch), or llm.layout.cp=1")
+    if backend in BACKEND_MODULES:
+        package, how = BACKEND_MODULES[backend]
+        package = package.split(".")[0]
         if importlib.util.find_spec(package) is None:
             raise ConfigError("llm.attention_backend", backend, f"the `{package}` package is not "
                               "installed", f"{how}, or set llm.attention_backend=auto")
@@ -46,6 +55,8 @@ def check_model(cfg) -> None:
     if (v is None) != (cfg.projector is None):
         raise ConfigError("projector", cfg.projector, "vision and projector must both be set or both "
                           "be null", "set both (LLaVA) or `vision: null` and `projector: null` (text LM)")
+    if v is not None:
+        check_choice("vision.arch", v.arch, ("vit", "clip"))
     if v is not None and v.image_size % v.patch_size:
         raise ConfigError("vision.patch_size", v.patch_size, f"does not divide vision.image_size="
                           f"{v.image_size}", "pick a patch size that divides the image size")
@@ -65,6 +76,9 @@ def check_trainer(cfg, layouts) -> None:
     for key in ("max_steps", "global_batch_size", "micro_batch_tokens", "log_every"):
         if t[key] < 1:
             raise ConfigError(f"trainer.{key}", t[key], "must be >= 1", "use a positive value")
+    if not 0 <= cfg.data.eval_fraction < 1:
+        raise ConfigError("data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)",
+                          "use e.g. data.eval_fraction=0.15")
     if cfg.optim.lr <= 0:
         raise ConfigError("optim.lr", cfg.optim.lr, "must be > 0", "use e.g. optim.lr=1e-3")
     # micro_batch_tokens is a per-rank capacity: a document may span the CP group (or, under
@@ -83,11 +97,16 @@ def validate(cfg, world_size: int) -> dict:
     ({module: `hcp.config.layouts.ResolvedLayout`}).
 
     Raises:
-        ConfigError: the first rule broken, naming the field, the value and a fix.
+        ConfigError: the first rule broken, naming the field, the value and a fix (a key the
+            schema does not declare names the closest one).
     """
+    check_known_keys(cfg)
     check_choices(cfg)
     check_backends(cfg)
     check_model(cfg)
     layouts = check_layouts(cfg, world_size)
+    from hcp.plan.joins import check_joins  # the step plan's join rules (layer 7, imported late)
+
+    check_joins(cfg, layouts)
     check_trainer(cfg, layouts)
     return layouts

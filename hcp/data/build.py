@@ -5,10 +5,12 @@ import os
 import sysconfig
 
 from hcp.config.errors import ConfigError
+from hcp.data.clip_image import load_clip_image
 from hcp.data.code_corpus import CodeCorpus, stdlib_sources
 from hcp.data.digits import build_digits_vqa
-from hcp.data.llava import LlavaDataset
+from hcp.data.llava import LlavaDataset, load_image
 from hcp.data.tokenizer import build_tokenizer
+from hcp.data.tokens import build_tokens
 
 
 def num_image_tokens(vision_cfg) -> int:
@@ -20,12 +22,14 @@ def prepare_data(cfg) -> list[str]:
     """In the launching process, before ranks start: check that the LLM's vocabulary holds the
     tokenizer's ids, write built-in data sets once and read every record (so a bad record stops
     the run here, naming its file and id, instead of inside N ranks). Returns the lines that
-    report skipped records (`data.on_error=skip`).
+    report skipped records (`data.on_error=skip`) and conversations whose leading `gpt` turn
+    was dropped.
 
     Raises:
         ConfigError: `llm.vocab_size` is smaller than the tokenizer's vocabulary, or the global
             batch is larger than the training set.
-        hcp.data.llava.DataError: a bad record under `data.on_error=error`.
+        hcp.data.llava.DataError: a bad record under `data.on_error=error`, an empty file, or a
+            file none of whose records is usable.
     """
     tok = build_tokenizer(cfg.data.tokenizer)
     if cfg.llm.vocab_size < tok.vocab_size:
@@ -38,9 +42,13 @@ def prepare_data(cfg) -> list[str]:
     if len(train) < cfg.trainer.global_batch_size:
         raise ConfigError("trainer.global_batch_size", cfg.trainer.global_batch_size,
                           f"exceeds the {len(train)} training samples", "lower it or add data")
-    return [f"data.on_error=skip: skipped {sum(ds.skipped.counts.values())} {name} records: "
-            f"{ds.skipped.summary()}" for name, ds in (("train", train), ("held-out", held_out))
-            if ds is not None and ds.skipped.counts]
+    sets = [(name, ds) for name, ds in (("train", train), ("held-out", held_out)) if ds is not None]
+    stated = train.describe(cfg.data.max_seq_len, cfg.data.long_docs) if cfg.data.name == "tokens" else []
+    return stated + ([f"data.on_error=skip: skipped {sum(ds.skipped.counts.values())} {name} records: "
+             f"{ds.skipped.summary()}" for name, ds in sets if ds.skipped.counts] +
+            [f"data: dropped the leading `gpt` turn of {ds.leading_turns_dropped} {name} records "
+             f"of {ds.path} (a conversation opens with the human turn; LLaVA drops it too)"
+             for name, ds in sets if getattr(ds, "leading_turns_dropped", 0)])
 
 
 def build_datasets(cfg):
@@ -61,16 +69,21 @@ def build_datasets(cfg):
         files = stdlib_sources(root)
         make = lambda held: CodeCorpus(files, root, tok, d.max_seq_len, held, d.eval_fraction)  # noqa: E731
         return tok, make(False), make(True)
+    elif d.name == "tokens":  # text only: no id may stand for an image position
+        tok.image_token_id = -1
+        return tok, build_tokens(d, tok, cfg.llm.vocab_size), None
     elif d.name == "llava_json":
         if not d.path:
             raise ConfigError("data.path", d.path, "data=llava_json needs the JSON file",
                               "add data.path=FILE.json (and data.image_folder=DIR)")
         train_path, eval_path, folder = d.path, d.eval_path, d.image_folder
     else:
-        raise ConfigError("data.name", d.name, "unknown data set", "use digits_vqa, llava_json or code_corpus")
+        raise ConfigError("data.name", d.name, "unknown data set", "use digits_vqa, llava_json, "
+                          "code_corpus or tokens")
     if v is None:
         raise ConfigError("data.name", d.name, "LLaVA data has images but the config has no vision "
                           "encoder", "use a LLaVA model config, or data=code_corpus for a text-only LM")
+    loader = load_clip_image if v.arch == "clip" else load_image  # CLIP: LLaVA-1.5's pad + normalize
     make = lambda p: LlavaDataset(p, folder, tok, num_image_tokens(v), v.image_size,  # noqa: E731
-                                  v.num_channels, d.max_seq_len, d.system_prompt, d.on_error)
+                                  v.num_channels, d.max_seq_len, d.system_prompt, d.on_error, loader)
     return tok, make(train_path), (make(eval_path) if eval_path else None)

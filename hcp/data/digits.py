@@ -21,12 +21,14 @@ SPLIT_SEED = 0
 
 
 def build_digits_vqa(root: str, eval_fraction: float = 0.15) -> str:
-    """Write the data set under `root/digits_vqa` unless it is already there; return that folder.
+    """Write the data set under `root/digits_vqa-eval{eval_fraction}` unless it is already there;
+    return that folder. Each held-out fraction has its own folder, so changing
+    `data.eval_fraction` builds a new split instead of reading the old one.
 
     The write goes to a temporary sibling folder renamed into place, so concurrent runs and a
     crash never leave a half-written set.
     """
-    out = os.path.join(root, "digits_vqa")
+    out = os.path.join(root, f"digits_vqa-eval{eval_fraction:g}")
     if os.path.isfile(os.path.join(out, "eval.json")):
         return out
     from sklearn.datasets import load_digits

@@ -82,3 +82,26 @@ def collate(samples, pixel_values: list[torch.Tensor], image_token_id: int) -> B
     return Batch(input_ids, labels, position_ids, cu, max(lengths),
                  torch.cat(images) if images else None, input_ids == image_token_id,
                  [s.id for s in samples])
+
+
+def empty_batch(device=None) -> Batch:
+    """A micro-batch that contributes nothing: one 1-token document (token 0, label -100, no
+    image). It still runs every layer, so it joins every collective of a forward and backward
+    (FSDP all-gathers and reduce-scatters, TP and CP collectives, pipeline sends) while adding
+    zero loss, zero loss tokens and zero gradient. Under CP the head-tail sharding pads it to
+    2 * cp slots (one per chunk)."""
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    return Batch(one, torch.full_like(one, -100), one.clone(),
+                 torch.tensor([0, 1], dtype=torch.int32, device=device), 1, None,
+                 torch.zeros(1, dtype=torch.bool, device=device), [])
+
+
+def pad_micro_batches(batches: list[Batch], n: int, device=None) -> list[Batch]:
+    """`batches` followed by `empty_batch`es up to `n` micro-batches, so every rank sharing a
+    collective runs the same number of micro-batches whatever its data.
+
+    Raises ValueError when there are already more than `n`.
+    """
+    if len(batches) > n:
+        raise ValueError(f"{len(batches)} micro-batches cannot be padded to {n}")
+    return list(batches) + [empty_batch(device) for _ in range(n - len(batches))]

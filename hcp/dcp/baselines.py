@@ -1,8 +1,8 @@
 """Baseline planners the solver is measured against (our own code, from published descriptions).
 
 - `packing_only`: what a run without dynamic CP does. Every pack uses the static CP size
-  `c_static = pow2ceil(max_len / m)` (fixed per run from its configured maximum length), packs
-  of `c_static * m` tokens are filled first-fit in arrival order, and each micro-batch runs
+  `c_static = min_cp(max_len)` (fixed per run from its configured maximum length), packs of
+  `m` tokens per rank (head-tail padding counted) are filled first-fit in arrival order, and each micro-batch runs
   `pool / c_static` consecutive packs side by side (one per DP lane).
 - `greedy`: Megatron-LM's dynamic ("hybrid") CP as described in DESIGN.md section 5: sort by
   length descending; CP size per sequence `max(1, pow2ceil(L / m))`; workload `L^2 / c`; place
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hcp.dcp.plan import Group, MicroBatch, Plan, fill_idle
+from hcp.dcp.plan import Group, Round, Plan, fill_idle, rank_tokens
 
 
 def pow2ceil(x) -> np.ndarray:
@@ -24,9 +24,15 @@ def pow2ceil(x) -> np.ndarray:
 
 
 def min_cp(lengths, max_tokens_per_rank: int) -> np.ndarray:
-    """Smallest power-of-two CP size that holds each length under the cap."""
+    """Smallest power-of-two CP size that holds each length under the per-rank cap, head-tail
+    padding counted (`plan.rank_tokens`); Megatron's `pow2ceil(L / m)` when that fits."""
     lens = np.asarray(lengths, dtype=np.int64)
-    return pow2ceil(-(-lens // max_tokens_per_rank))
+    c = pow2ceil(-(-lens // max_tokens_per_rank))
+    over = rank_tokens(lens, c) > max_tokens_per_rank
+    while over.any() and c.max() < 2**40:  # padding pushed it over: the next size
+        c = np.where(over, 2 * c, c)
+        over = rank_tokens(lens, c) > max_tokens_per_rank
+    return c
 
 
 def packing_only(lengths, pool: int, max_tokens_per_rank: int, max_len: int | None = None) -> Plan:
@@ -37,10 +43,10 @@ def packing_only(lengths, pool: int, max_tokens_per_rank: int, max_len: int | No
     if c > pool:
         raise ValueError(f"max_len {max_len} needs CP {c} > pool {pool} at "
                          f"{max_tokens_per_rank} tokens per rank; lower --max-len")
-    cap = c * max_tokens_per_rank
+    cap = max_tokens_per_rank
     free = np.empty(0, dtype=np.int64)
     packs: list[list[int]] = []
-    for i, n in enumerate(lens.tolist()):
+    for i, n in enumerate(rank_tokens(lens, c).tolist()):
         fits = np.flatnonzero(free >= n)
         if fits.size:
             k = int(fits[0])
@@ -54,12 +60,13 @@ def packing_only(lengths, pool: int, max_tokens_per_rank: int, max_len: int | No
     plan = Plan()
     for start in range(0, len(packs), lanes):
         groups = [Group(p, c, k * c) for k, p in enumerate(packs[start:start + lanes])]
-        plan.micro_batches.append(MicroBatch(fill_idle(groups, pool)))
+        plan.rounds.append(Round(fill_idle(groups, pool)))
     return plan
 
 
 def _greedy_micro_batch(order, lens, cps, pool, m):
-    """Fill one micro-batch from `order`; return its groups and the deferred indices."""
+    """Fill one micro-batch from `order`; return its groups and the deferred indices. Group
+    tokens are per rank (`rank_tokens` at the group's size), loads `L^2 / c`."""
     free = (1 << pool) - 1  # bit k set: rank k idle
 
     def block_free(o, c):
@@ -69,27 +76,29 @@ def _greedy_micro_batch(order, lens, cps, pool, m):
     by_c: dict[int, list[dict]] = {}  # groups per CP size
     room: dict[int, int] = {}  # per CP size, the most tokens one of its groups can still take
     deferred: list[int] = []
-    shortest = int(lens[order[-1]])  # `order` is sorted by length, descending
+    idx = np.asarray(order, dtype=np.int64)
+    shortest = int(rank_tokens(lens[idx], cps[idx]).min())  # fewest per-rank tokens of any
     for k, i in enumerate(order):
-        n, c = int(lens[i]), int(cps[i])
+        L, c = int(lens[i]), int(cps[i])
+        n = int(rank_tokens(L, c))  # per-rank tokens at c
         if not free and max(room.values(), default=0) < shortest:
             deferred.extend(order[k:])  # nothing left fits anywhere in this micro-batch
             break
         o = next((o for o in range(0, pool, c) if block_free(o, c)), -1) if free else -1
         if o >= 0:
             free &= ~(((1 << c) - 1) << o)
-            g = {"seqs": [i], "c": c, "off": o, "tok": n, "load": n * n / c}
+            g = {"seqs": [i], "c": c, "off": o, "tok": n, "load": L * L / c}
             groups.append(g)
             by_c.setdefault(c, []).append(g)
         elif room.get(c, 0) >= n:
-            g = min((g for g in by_c[c] if g["tok"] + n <= c * m), key=lambda g: g["load"])
+            g = min((g for g in by_c[c] if g["tok"] + n <= m), key=lambda g: g["load"])
             g["seqs"].append(i)
             g["tok"] += n
-            g["load"] += n * n / c
+            g["load"] += L * L / c
         else:
             deferred.append(i)
             continue
-        room[c] = max(c * m - g["tok"] for g in by_c[c])
+        room[c] = max(m - g["tok"] for g in by_c[c])
     doubled = True
     while free and doubled:
         doubled = False
@@ -98,7 +107,8 @@ def _greedy_micro_batch(order, lens, cps, pool, m):
             base = g["off"] - g["off"] % c2
             mine = ((1 << g["c"]) - 1) << g["off"]
             want = ((1 << c2) - 1) << base
-            if c2 <= pool and (free | mine) & want == want:
+            if (c2 <= pool and (free | mine) & want == want
+                    and rank_tokens(lens[g["seqs"]], c2).sum() <= m):  # padding at c = 1 -> 2
                 free &= ~want
                 g["c"], g["off"], doubled = c2, base, True
                 break
@@ -113,5 +123,5 @@ def greedy(lengths, pool: int, max_tokens_per_rank: int) -> Plan:
     plan = Plan()
     while order:
         groups, order = _greedy_micro_batch(order, lens, cps, pool, max_tokens_per_rank)
-        plan.micro_batches.append(MicroBatch(fill_idle(groups, pool)))
+        plan.rounds.append(Round(fill_idle(groups, pool)))
     return plan

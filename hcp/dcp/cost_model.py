@@ -1,18 +1,20 @@
 """Cost model: time of a packed group of sequences on `c` CP ranks, per pipeline stage.
 
-FLOPs per transformer layer, forward, for a group of documents of lengths `L_i` (T = sum L_i
-tokens), following Megatron-LM's per-layer count (`num_floating_point_operations` in
-`megatron/training/training.py`) with the causal attention term made ragged:
-    matmuls   2 * T * P_layer,  P_layer = 2 h^2 + 2 h d_kv + 3 h f  (Q, O; K, V; SwiGLU)
-              (= Megatron's 4 T h (h + h g / n) + 6 T h f, g KV heads of n, d_kv = h g / n)
-    attention 2 * h * sum_i L_i^2  (QK^T and AV, each 2 L^2 h halved by the causal mask)
-and the LM head `2 T h V` on the last stage. Under CP of size c every rank holds T / c tokens
-(zigzag chunks balance the causal work) so compute divides by c. Ring attention moves each
-rank's K and V shards to the c - 1 others: `T (c - 1) / c * 2 d_kv * bytes` per rank and layer
-over NVLink (c <= ranks_per_node) or InfiniBand (above). A fraction `comm_overlap` of it can
-hide behind the attention kernels (ring attention overlaps block transfers with block compute;
-FlexSP and ByteScale model CP time the same way: `(a L^2 + b L) / c + comm`), never more
-than the attention time itself:  exposed = max((1 - overlap) * comm, comm - attention).
+Built from the run's own LLM config (`llm.*`: shape and `llm.layout` tp, pp, pp_layers,
+recompute) and a hardware profile (profiles/h100.yaml, or one fitted by `mode=calibrate`).
+FLOPs per layer and of the LM head come from hcp/model/flops.py (the one implementation):
+matmuls `2 T P_layer`, ragged causal attention `2 h sum_i L_i^2`, head `2 T h V` on the last
+stage. TP of size tp splits every matmul and every head's attention over tp GPUs, so compute
+divides by tp; under CP of size c every rank holds T / c tokens (zigzag chunks balance the
+causal work), so compute divides by c. Ring attention moves each rank's K and V shards to the
+c - 1 others: `T (c - 1) / c * 2 d_kv / tp * bytes` per GPU and layer. The ranks of a CP pool
+are strided by TP (DESIGN.md section 3: tp fastest), so a CP group of c ranks spans c * tp GPUs
+and stays on NVLink only when `c * tp <= ranks_per_node`; above, InfiniBand. A fraction
+`comm_overlap` of the traffic can hide behind the attention kernels (ring attention overlaps
+block transfers with block compute; FlexSP and ByteScale model CP time the same way:
+`(a L^2 + b L) / c + comm`), never more than the attention time itself:
+exposed = max((1 - overlap) * comm, comm - attention). TP's own collectives are linear in the
+tokens and left to the matmul coefficient (a calibrated profile absorbs them).
 Backward is twice the forward (compute and K/V plus dK/dV traffic), full recompute adds one
 forward: `bwd = (2 + recompute) * fwd`. Each micro-batch also pays a fixed overhead per stage.
 
@@ -22,6 +24,7 @@ results of shape `[pp, *S]`.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -30,6 +33,8 @@ import yaml
 
 from hcp.config.errors import ConfigError
 from hcp.dcp.plan import Plan
+from hcp.model.flops import (head_flops_per_token, kv_dim, layer_attention_flops_per_sq_token,
+                             layer_matmul_flops_per_token, model_flops)
 
 PROFILES = Path(__file__).parent / "profiles"
 
@@ -59,37 +64,6 @@ def check_fields(obj, rules: dict) -> None:
         if not typed or not test(v):
             raise ConfigError(f.name, v, "invalid value" if typed else problem, f"use {valid}")
 
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Decoder shape: layers, hidden h, attention heads n, KV heads g, SwiGLU FFN f, vocab V."""
-
-    layers: int
-    hidden: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    vocab: int
-
-    def __post_init__(self):
-        check_fields(self, {f.name: (_positive, "a positive integer") for f in fields(self)})
-        if self.heads % self.kv_heads:
-            raise ConfigError("kv_heads", self.kv_heads, f"does not divide heads={self.heads}",
-                              "use a divisor of heads (grouped-query attention)")
-
-    @property
-    def kv_dim(self) -> int:
-        """Width of K (and of V) per token: `h * g / n`."""
-        return self.hidden * self.kv_heads // self.heads
-
-    @property
-    def layer_params(self) -> int:
-        """Matmul weights of one layer, `P_layer` (norms ignored)."""
-        h = self.hidden
-        return 2 * h * h + 2 * h * self.kv_dim + 3 * h * self.ffn
-
-
-LLAMA_13B = ModelSpec(layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, vocab=32000)
 
 _FRACTION = (lambda v: 0 < v <= 1, "a fraction of the peak in (0, 1]")
 _BANDWIDTH = (_positive, "a positive bandwidth in bytes/s, e.g. 40.0e+9")
@@ -130,10 +104,10 @@ class HardwareProfile:
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "HardwareProfile":
-        """Load a profile; every field of the class must be present (unknown keys are errors,
-        an optional `model:` entry is load_cost's)."""
+        """Load a profile; every field of the class must be present, unknown keys are errors
+        (a `fit:` entry, the calibration's report, is ignored)."""
         data = dict(read_profile(path))
-        data.pop("model", None)
+        data.pop("fit", None)
         return _from_mapping(cls, data, path)
 
 
@@ -150,22 +124,19 @@ def read_profile(path: str | Path) -> dict:
     return data
 
 
-def _from_mapping(cls, data, path, key: str = ""):
-    """`cls(**data)`, every error a ValueError naming the file, the key (nested under `key`,
-    e.g. "model") and the value."""
+def _from_mapping(cls, data, path):
+    """`cls(**data)`, every error a ValueError naming the file, the key and the value."""
     names = [f.name for f in fields(cls)]
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: {key}={data!r} is not a mapping. Fix: give all of {names}")
     missing, extra = set(names) - set(data), set(data) - set(names)
     if missing or extra:
-        raise ValueError(f"{path}: {key + ': ' if key else ''}missing keys {sorted(missing)}, "
-                         f"unknown keys {sorted(extra)}. Fix: give exactly {names}")
+        raise ValueError(f"{path}: missing keys {sorted(missing)}, unknown keys {sorted(extra)}. "
+                         f"Fix: give exactly {names}")
     # PyYAML reads `989e12` (no dot, no exponent sign) as a string: parse such strings as floats.
     floats = {f.name for f in fields(cls) if f.type == "float"}
     try:
         return cls(**{k: _yaml_float(v) if k in floats else v for k, v in data.items()})
     except ConfigError as err:
-        raise ValueError(f"{path}: {key + '.' if key else ''}{err}") from None
+        raise ValueError(f"{path}: {err}") from None
 
 
 def _yaml_float(v):
@@ -176,35 +147,62 @@ def _yaml_float(v):
 
 
 class CostModel:
-    """Per-stage forward/backward time of packed groups for a model split over `pp` stages.
+    """Per-stage forward/backward time of packed groups for the LLM `llm` (an `LLMConfig`, or
+    any object with its shape fields and a `layout` with tp, pp, pp_layers, recompute).
 
-    Layers are split as evenly as possible (earlier stages take the remainder); the last stage
-    also runs the LM head. `recompute=True` is full activation recompute (the seed's setting).
+    `pp`, `tp`, `recompute` (bool, full recompute) and `pp_layers` (layers per stage) default
+    to `llm.layout`'s; give them to model another layout of the same model. Layers are split
+    by `pp_layers`, else as evenly as possible (earlier stages take the remainder); the last
+    stage also runs the LM head.
+
+    Raises:
+        ConfigError: pp outside [1, num_layers], tp < 1, or pp_layers not summing to num_layers.
     """
 
-    def __init__(self, model: ModelSpec, hw: HardwareProfile, pp: int = 1, recompute: bool = True):
-        if pp < 1 or pp > model.layers:
-            raise ConfigError("pp", pp, f"every stage needs one of the {model.layers} layers",
-                              f"use 1 <= pp <= {model.layers}")
-        self.model, self.hw, self.pp, self.recompute = model, hw, pp, recompute
-        n = np.full(pp, model.layers // pp, dtype=np.float64)
-        n[: model.layers % pp] += 1
+    def __init__(self, llm, hw: HardwareProfile, pp: int | None = None, tp: int | None = None,
+                 recompute: bool | None = None, pp_layers: list[int] | None = None):
+        layout = getattr(llm, "layout", None)
+        pp = int(pp if pp is not None else getattr(layout, "pp", 1))
+        tp = int(tp if tp is not None else getattr(layout, "tp", 1))
+        if recompute is None:
+            recompute = getattr(layout, "recompute", "none") == "full"
+        if pp_layers is None and layout is not None and getattr(layout, "pp", None) == pp:
+            pp_layers = getattr(layout, "pp_layers", None)
+        layers = llm.num_layers
+        if pp < 1 or pp > layers:
+            raise ConfigError("pp", pp, f"every stage needs one of the {layers} layers",
+                              f"use 1 <= pp <= {layers}")
+        if tp < 1:
+            raise ConfigError("tp", tp, "TP size must be >= 1", "use a positive integer")
+        if pp_layers is not None:
+            n = np.asarray(list(pp_layers), dtype=np.float64)
+            if n.size != pp or n.sum() != layers or (n < 1).any():
+                raise ConfigError("pp_layers", list(pp_layers), f"must give {pp} positive "
+                                  f"counts summing to num_layers={layers}", "fix llm.layout.pp_layers")
+        else:
+            n = np.full(pp, layers // pp, dtype=np.float64)
+            n[: layers % pp] += 1
+        self.llm, self.hw, self.pp, self.tp, self.recompute = llm, hw, pp, tp, bool(recompute)
         head = np.zeros(pp)
         head[-1] = 1.0
-        h = model.hidden
-        mm_flops = n * 2 * model.layer_params + head * 2 * h * model.vocab  # FLOPs / token
-        self.mm_coef = mm_flops / (hw.peak_flops * hw.matmul_efficiency)  # s / token
-        self.attn_coef = n * 2 * h / (hw.peak_flops * hw.attention_efficiency)  # s / token^2
-        self.comm_coef = n * 2 * model.kv_dim * hw.bytes_per_element  # bytes / token
+        mm_flops = n * layer_matmul_flops_per_token(llm) + head * head_flops_per_token(llm)
+        self.mm_coef = mm_flops / tp / (hw.peak_flops * hw.matmul_efficiency)  # s / token
+        self.attn_coef = (n * layer_attention_flops_per_sq_token(llm) / tp
+                          / (hw.peak_flops * hw.attention_efficiency))  # s / token^2
+        self.comm_coef = n * 2 * kv_dim(llm) / tp * hw.bytes_per_element  # bytes / token / GPU
         self.bwd_factor = 2.0 + float(recompute)
+
+    def bandwidth(self, c):
+        """Bytes/s of a CP group of c ranks: NVLink while its c * tp GPUs fit in one node."""
+        return np.where(np.asarray(c) * self.tp <= self.hw.ranks_per_node,
+                        self.hw.nvlink_bandwidth, self.hw.ib_bandwidth)
 
     def _parts(self, tokens, sq, c):
         t, s, c = (np.asarray(x, dtype=np.float64) for x in (tokens, sq, c))
-        col = (slice(None),) + (None,) * t.ndim
+        col = (slice(None),) + (None,) * max(t.ndim, s.ndim, c.ndim)
         compute = (self.mm_coef[col] * t + self.attn_coef[col] * s) / c
         attn = self.attn_coef[col] * s / c
-        bw = np.where(c <= self.hw.ranks_per_node, self.hw.nvlink_bandwidth, self.hw.ib_bandwidth)
-        comm = self.comm_coef[col] * t * (c - 1) / c / bw
+        comm = self.comm_coef[col] * t * (c - 1) / c / self.bandwidth(c)
         return compute, attn, comm
 
     def fwd(self, tokens, sq, c) -> np.ndarray:
@@ -223,48 +221,72 @@ class CostModel:
         return compute + (1.0 - self.hw.comm_overlap) * comm
 
     def model_flops(self, lengths) -> float:
-        """Model FLOPs of one training step on these sequences: 3 x forward (recompute not
-        counted), ragged causal attention `2 h sum L^2` per layer, LM head included."""
+        """Model FLOPs of one training step on these sequences (hcp/model/flops.py)."""
         arr = np.asarray(lengths, dtype=np.float64)
-        m, t, s = self.model, arr.sum(), (arr**2).sum()
-        fwd = m.layers * (2 * m.layer_params * t + 2 * m.hidden * s) + 2 * m.hidden * m.vocab * t
-        return 3.0 * fwd
+        return model_flops(self.llm, float(arr.sum()), float((arr**2).sum()))
 
     def stage_times(self, plan: Plan, lengths) -> tuple[np.ndarray, np.ndarray]:
-        """Forward and backward seconds `[pp, M]` of each micro-batch on each stage: the slowest
-        group of the micro-batch (the pool synchronizes per micro-batch) plus the overhead."""
+        """Forward and backward seconds `[pp, R]` of each round on each stage.
+
+        A group's time in a round is the sum over its micro-batches q of `(1 + k) f(q)` plus
+        the overheads `o_f + o_b` of each; the round lasts as long as its slowest group (the
+        pool synchronises between rounds). Forward: the largest `sum_q f(q) + o_f` of a group,
+        backward: the round's length minus that; with one micro-batch per group (PP,
+        dp_shard) these are the slowest group's forward and backward exactly, and at pp = 1
+        their sum is the round's length."""
         arr = np.asarray(lengths, dtype=np.float64)
-        members, cs, mbs = [], [], []
-        for j, mb in enumerate(plan.micro_batches):
-            for g in mb.groups:
-                if g.seq_indices:
-                    members.append(g.seq_indices)
-                    cs.append(g.cp_size)
-                    mbs.append(j)
+        members, cs, gids, rounds = [], [], [], []
+        ngroups = 0
+        for j, r in enumerate(plan.rounds):
+            for g in r.groups:
+                mbs = g.micro_batches
+                if mbs:
+                    members += mbs
+                    cs += [g.cp_size] * len(mbs)
+                    gids += [ngroups] * len(mbs)
+                    rounds.append(j)
+                    ngroups += 1
         sizes = np.fromiter(map(len, members), dtype=np.int64, count=len(members))
         seqs = np.fromiter((i for idx in members for i in idx), dtype=np.int64, count=sizes.sum())
-        gid = np.repeat(np.arange(len(members)), sizes)
+        qid = np.repeat(np.arange(len(members)), sizes)
         x = arr[seqs]
-        tok = np.bincount(gid, weights=x, minlength=len(members))
-        sq = np.bincount(gid, weights=x * x, minlength=len(members))
-        f = self.fwd(tok, sq, np.array(cs))  # [pp, G]
-        worst = np.zeros((self.pp, plan.num_micro_batches))
-        np.maximum.at(worst, (slice(None), np.array(mbs)), f)
-        return (worst + self.hw.micro_batch_overhead_fwd,
-                worst * self.bwd_factor + self.hw.micro_batch_overhead_bwd)
+        tok = np.bincount(qid, weights=x, minlength=len(members))
+        sq = np.bincount(qid, weights=x * x, minlength=len(members))
+        f = self.fwd(tok, sq, np.array(cs))  # [pp, Q]
+        gid = np.array(gids)
+        fsum = np.zeros((self.pp, ngroups))
+        np.add.at(fsum, (slice(None), gid), f)
+        nmb = np.bincount(gid, minlength=ngroups)
+        o_f, o_b = self.hw.micro_batch_overhead_fwd, self.hw.micro_batch_overhead_bwd
+        g_fwd = fsum + nmb * o_f
+        g_all = (1.0 + self.bwd_factor) * fsum + nmb * (o_f + o_b)
+        fwd = np.zeros((self.pp, plan.num_rounds))
+        total = np.zeros((self.pp, plan.num_rounds))
+        rid = np.array(rounds)
+        np.maximum.at(fwd, (slice(None), rid), g_fwd)
+        np.maximum.at(total, (slice(None), rid), g_all)
+        return fwd, total - fwd
 
 
-def load_profile(spec: str) -> tuple[ModelSpec, HardwareProfile]:
-    """`h100-llama13b` (shipped defaults) or a YAML file of HardwareProfile keys with an
-    optional `model:` mapping of all ModelSpec fields (default LLaMA-13B)."""
-    path = PROFILES / "h100.yaml" if spec == "h100-llama13b" else Path(spec)
+def load_profile(spec: str | Path) -> HardwareProfile:
+    """`h100` (the shipped analytic defaults, profiles/h100.yaml) or a profile YAML file (e.g.
+    one written by `mode=calibrate`); ValueError naming the file otherwise."""
+    path = PROFILES / "h100.yaml" if str(spec) == "h100" else Path(spec)
     if not path.is_file():
-        raise ValueError(f"--cost {spec!r}: neither 'h100-llama13b' nor an existing YAML file")
-    data = read_profile(path)
-    model = _from_mapping(ModelSpec, data["model"], path, "model") if "model" in data else LLAMA_13B
-    return model, HardwareProfile.from_yaml(path)
+        raise ValueError(f"cost profile {spec!r}: neither 'h100' nor an existing YAML file")
+    return HardwareProfile.from_yaml(path)
 
 
-def load_cost(spec: str, pp: int, recompute: bool = True) -> CostModel:
-    """The cost model of `load_profile(spec)` split over `pp` stages."""
-    return CostModel(*load_profile(spec), pp=pp, recompute=recompute)
+@functools.lru_cache(maxsize=None)
+def recipe_llm(recipe: str = "llama13b_dynamic_cp"):
+    """The `llm` config (shape and layout) of `python train.py +recipe=RECIPE`: the benchmark's
+    and the tests' model comes from the recipe, not from a copy of its numbers."""
+    from hcp.config.compose import compose_config
+
+    return compose_config([f"+recipe={recipe}"]).llm
+
+
+def load_cost(llm, profile: str | Path = "h100", **layout) -> CostModel:
+    """`CostModel(llm, load_profile(profile), **layout)`; `layout` overrides pp, tp,
+    recompute, pp_layers."""
+    return CostModel(llm, load_profile(profile), **layout)

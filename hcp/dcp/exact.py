@@ -4,7 +4,7 @@ With one pipeline stage the simulated time is order-free (hcp/schedule/simulator
     T = sum_j ((1 + k) H_j + o),   H_j = max_{g in j} f(g),  o = o_f + o_b,
 a bin-packing-like problem: micro-batches j of groups g (sequences, CP size c_g) with
 `sum_g c_g <= N` (any multiset of power-of-two sizes summing to <= N tiles the pool with aligned
-blocks, largest first) and tokens `<= c_g m`. f(g) = compute_g + max((1 - overlap) comm_g,
+blocks, largest first) and tokens per rank, head-tail padding counted, `<= m`. f(g) = compute_g + max((1 - overlap) comm_g,
 comm_g - attn_g) (cost_model.fwd) is the larger of two pieces P1, P2 that are sums over the
 group's sequences: p1_i(c) = compute + (1 - overlap) comm, p2_i(c) = compute + comm - attn
 (= compute at c = 1, where nothing is communicated).
@@ -14,7 +14,7 @@ Bound (seconds). For weights lam_c in [0, 1] (one per CP size), every group has
 tile at most N ranks, so `N H_j >= sum_g c_g f(g) >= A_j + sum_{i added later to j} a_i` with
 A_j the lam-area of j's current groups and `a_i = min_c c (lam_c p1_i + (1 - lam_c) p2_i)`
 over feasible c (the sequence may still open a new group). Micro-batch j takes at most
-`N m - tokens_j` more tokens, so the a-mass it can absorb below its level is at most
+`N m - tokens_j` more (real) tokens, so the a-mass it can absorb below its level is at most
 `K(N m - tokens_j)`, K the fractional knapsack of the remaining sequences (weights L_i, values
 a_i: the best a per token first). Hence, for a partial plan with micro-batch levels H_j and
 remaining sequences R (the mass not absorbed raises some level, at rate 1 / N),
@@ -42,7 +42,7 @@ import numpy as np
 from hcp.dcp.cost_model import CostModel
 from hcp.dcp.local_search import GroupTime
 from hcp.dcp.lower_bound import cp_sizes, lower_bound
-from hcp.dcp.plan import Group, MicroBatch, Plan, fill_idle
+from hcp.dcp.plan import Group, Round, Plan, fill_idle, rank_tokens
 
 
 @dataclass
@@ -79,7 +79,7 @@ def best_weights(lens, cost: CostModel, pool: int, m: int, steps: int = 11,
     `steps` values per size, `rounds` passes (any lam gives a valid bound)."""
     p1, p2 = _pieces(lens, cost, pool)
     cs = cp_sizes(pool).astype(np.float64)[:, None]
-    feasible = lens[None, :] <= cs * m
+    feasible = rank_tokens(lens[None, :], cs) <= m
     lam = np.ones(cs.size)
 
     def total(w):
@@ -111,7 +111,8 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     p1, p2 = _pieces(lens, cost, pool)
     sizes = cp_sizes(pool).tolist()
     lam_area = [c * (lam[e] * p1[e] + (1 - lam[e]) * p2[e]) for e, c in enumerate(sizes)]
-    a = np.where(lens[None, :] <= cp_sizes(pool)[:, None] * m, np.array(lam_area), np.inf).min(0)
+    fits = rank_tokens(lens[None, :], cp_sizes(pool)[:, None]) <= m  # [K, n]
+    a = np.where(fits, np.array(lam_area), np.inf).min(0)
     order = np.argsort(-a, kind="stable").tolist()
     tail = np.r_[np.cumsum(a[order][::-1])[::-1], 0.0]  # tail[d]: sum of a over order[d:]
     knap = [_knapsack_table(lens[order[d:]], a[order[d:]]) for d in range(n + 1)]
@@ -120,7 +121,9 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     best_plan = min(plans, key=lambda p: plan_time(p, lens, cost))
     state = {"ub": plan_time(best_plan, lens, cost), "plan": best_plan, "nodes": 0,
              "stopped": False}
-    # micro-batch: [H, lam-area, used ranks, groups, tokens]; group: [c, tokens, sq, seqs]
+    # micro-batch: [H, lam-area, used ranks, groups, tokens]; group: [c, tokens, sq, seqs,
+    # tokens per rank with padding]
+    rt = rank_tokens(lens[None, :], cp_sizes(pool)[:, None]).tolist()  # [K][n]
     mbs: list[list] = []
 
     def bound(depth: int) -> float:
@@ -141,7 +144,7 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
             t = k1 * sum(mb[0] for mb in mbs) + o * len(mbs)
             if t < state["ub"] * (1 - 1e-12):
                 state["ub"] = t
-                state["plan"] = Plan([MicroBatch(_tile([(list(g[3]), g[0]) for g in mb[3]], N))
+                state["plan"] = Plan([Round(_tile([(list(g[3]), g[0]) for g in mb[3]], N))
                                       for mb in mbs])
             return t
         i = order[depth]
@@ -149,12 +152,12 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
         children = []
         for j, mb in enumerate(mbs):
             for g in mb[3]:
-                if g[1] + n_i <= g[0] * m:
+                if g[4] + rt[g[0].bit_length() - 1][i] <= m:
                     children.append((j, g, g[0]))
             for c in sizes:
-                if c <= N - mb[2] and n_i <= c * m:
+                if c <= N - mb[2] and rt[c.bit_length() - 1][i] <= m:
                     children.append((j, None, c))
-        children += [(len(mbs), None, c) for c in sizes if n_i <= c * m]
+        children += [(len(mbs), None, c) for c in sizes if rt[c.bit_length() - 1][i] <= m]
         scored = []
         for j, g, c in children:
             e = c.bit_length() - 1
@@ -184,7 +187,7 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
             saved = (mb[0], mb[1], mb[2], mb[4])
             mb[4] += n_i
             if g is None:
-                g_new = [c, 0, 0, []]
+                g_new = [c, 0, 0, [], 0]
                 mb[3].append(g_new)
                 mb[2] += c
             else:
@@ -192,12 +195,14 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
             g_new[1] += n_i
             g_new[2] += n_i * n_i
             g_new[3].append(i)
+            g_new[4] += rt[e][i]
             mb[0] = max(mb[0], f(g_new[1], g_new[2], c))
             mb[1] += lam_area[e][i]
             sub = min(sub, dfs(depth + 1, lb))
             g_new[1] -= n_i
             g_new[2] -= n_i * n_i
             g_new[3].pop()
+            g_new[4] -= rt[e][i]
             mb[0], mb[1], mb[2], mb[4] = saved
             if g is None:
                 mb[3].pop()

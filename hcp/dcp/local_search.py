@@ -10,6 +10,7 @@ the cost model in O(1) from the groups' token and squared-token sums:
   dropped and its overhead saved);
 - swap two sequences of different groups;
 - resize a group to 2c (if idle ranks allow) or c/2 (if the cap allows);
+(the cap counts each group's tokens per rank with head-tail padding, `plan.rank_tokens`)
 - split a group of c ranks into two of c/2, its sequences halved by tokens (longest first):
   short sequences stop paying CP communication (a coordinated move that single moves miss).
 A move is taken when it lowers T, or keeps T and lowers the sum of squared group times (which
@@ -21,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
-from hcp.dcp.plan import Group, MicroBatch, Plan, fill_idle
+from hcp.dcp.plan import Group, Round, Plan, fill_idle
 
 EPS = 1e-12
 
@@ -34,14 +35,13 @@ class GroupTime:
             raise ValueError("local search is for pp=1")
         self.mm, self.attn = float(cost.mm_coef[0]), float(cost.attn_coef[0])
         self.comm, self.ov = float(cost.comm_coef[0]), cost.hw.comm_overlap
-        self.nodes, self.nv, self.ib = (cost.hw.ranks_per_node, cost.hw.nvlink_bandwidth,
-                                        cost.hw.ib_bandwidth)
+        self.bw = {c: float(cost.bandwidth(c)) for c in (1 << e for e in range(40))}
 
     def __call__(self, t: float, s: float, c: int) -> float:
         if t <= 0:
             return 0.0
         attn = self.attn * s / c
-        comm = self.comm * t * (c - 1) / c / (self.nv if c <= self.nodes else self.ib)
+        comm = self.comm * t * (c - 1) / c / self.bw[c]
         return self.mm * t / c + attn + max((1.0 - self.ov) * comm, comm - attn)
 
 
@@ -66,21 +66,26 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
     f = GroupTime(cost)
     lens = [int(x) for x in np.asarray(lengths)]
     m, k1 = max_tokens_per_rank, 1.0 + cost.bwd_factor
-    # groups: [mb, c, set of seqs, tokens, sq, forward seconds]; where[i] = group of sequence i
+    # groups: [mb, c, set of seqs, tokens, sq, forward seconds, tokens per rank (padding
+    # counted)]; where[i] = group of sequence i
     groups: list[list] = []
 
-    def refresh(g):  # after any change of the group's c, tokens or sq
-        g[5] = f(g[3], g[4], g[1])
+    def rt(n, c):  # plan.rank_tokens for one document (scalar, fast): tokens per rank at c
+        return n if c == 1 else 2 * (-(-n // (2 * c)))
 
-    for j, mb in enumerate(plan.micro_batches):
+    def refresh(g):  # after any change of the group's c, members, tokens or sq
+        g[5] = f(g[3], g[4], g[1])
+        g[6] = sum(rt(lens[i], g[1]) for i in g[2])
+
+    for j, mb in enumerate(plan.rounds):
         for g in mb.groups:
             if g.seq_indices:
                 groups.append([j, g.cp_size, set(g.seq_indices),
                                sum(lens[i] for i in g.seq_indices),
-                               sum(lens[i] ** 2 for i in g.seq_indices), 0.0])
+                               sum(lens[i] ** 2 for i in g.seq_indices), 0.0, 0])
                 refresh(groups[-1])
     where = {i: g for g in groups for i in g[2]}
-    nmb = plan.num_micro_batches
+    nmb = plan.num_rounds
     sizes = [1 << e for e in range(int(pool).bit_length())]
     # every group ever made, per micro-batch in creation order (emptied ones stay, skipped),
     # and by id: the deltas below touch one or two micro-batches, not every group
@@ -156,7 +161,7 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
             out = (g0[3] - n, g0[4] - n * n, g0[1])
             best, act = (0.0, 0.0), None
             for g in groups:  # move to an existing group
-                if g is g0 or not g[2] or g[3] + n > g[1] * m:
+                if g is g0 or not g[2] or g[6] + rt(n, g[1]) > m:
                     continue
                 d = delta({id(g0): out, id(g): (g[3] + n, g[4] + n * n, g[1])})
                 if better(d, best):
@@ -164,7 +169,7 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
             for j in range(nmb):  # move to a new group
                 idle = pool - used(j) + (g0[1] if g0[0] == j and len(g0[2]) == 1 else 0)
                 for c in sizes:
-                    if c <= idle and n <= c * m:
+                    if c <= idle and rt(n, c) <= m:
                         d = delta({id(g0): out}, (j, n, n * n, c))
                         if better(d, best):
                             best, act = d, ("new", j, c)
@@ -173,7 +178,9 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
                 if g is g0 or lens[q] == n:
                     continue
                 dn = lens[q] - n
-                if g0[3] + dn > g0[1] * m or g[3] - dn > g[1] * m:
+                q_n = lens[q]
+                if (g0[6] - rt(n, g0[1]) + rt(q_n, g0[1]) > m
+                        or g[6] - rt(q_n, g[1]) + rt(n, g[1]) > m):
                     continue
                 ch = {id(g0): (g0[3] + dn, g0[4] - n * n + lens[q] ** 2, g0[1]),
                       id(g): (g[3] - dn, g[4] - lens[q] ** 2 + n * n, g[1])}
@@ -189,7 +196,7 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
             if act[0] == "move":
                 g = act[1]
             elif act[0] == "new":
-                g = [act[1], act[2], set(), 0, 0, 0.0]
+                g = [act[1], act[2], set(), 0, 0, 0.0, 0]
                 add_group(g)
             else:
                 q = act[1]
@@ -209,7 +216,8 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
         for g in list(groups):  # resize
             j = g[0]
             for c in (2 * g[1], g[1] // 2):
-                if c < 1 or c > pool or g[3] > c * m or (c > g[1] and used(j) + g[1] > pool):
+                if (c < 1 or c > pool or sum(rt(lens[i], c) for i in g[2]) > m
+                        or (c > g[1] and used(j) + g[1] > pool)):
                     continue
                 d = delta({id(g): (g[3], g[4], c)})
                 if better(d, (0.0, 0.0)):
@@ -219,13 +227,13 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
                     break
             halves = _split(sorted(g[2], key=lambda i: -lens[i]), lens)
             c = g[1] // 2
-            if c and all(sum(lens[i] for i in h) <= c * m for h in halves):
+            if c and all(sum(rt(lens[i], c) for i in h) <= m for h in halves):
                 sums = [(j, sum(lens[i] for i in h), sum(lens[i] ** 2 for i in h), c)
                         for h in halves]
                 if better(delta({id(g): (0, 0, g[1])}, *sums), (0.0, 0.0)):
                     g[1], g[2], g[3], g[4] = c, set(halves[0]), sums[0][1], sums[0][2]
                     refresh(g)
-                    h = [j, c, set(halves[1]), sums[1][1], sums[1][2], 0.0]
+                    h = [j, c, set(halves[1]), sums[1][1], sums[1][2], 0.0, 0]
                     refresh(h)
                     add_group(h)
                     where.update({i: h for i in h[2]})
@@ -241,5 +249,5 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
             blocks.append(Group(sorted(g[2]), g[1], off))
             off += g[1]
         if blocks:
-            out_plan.micro_batches.append(MicroBatch(fill_idle(blocks, pool)))
+            out_plan.rounds.append(Round(fill_idle(blocks, pool)))
     return out_plan

@@ -9,7 +9,8 @@ micro-batch j takes `F_sj = o_f + max_g f_s(g)` and `B_sj = o_b + k max_g f_s(g)
    and `f_s(g) >= sum_{i in g} phi_s(L_i, c_g)` with `phi_s` the additive floor
    (CostModel.fwd_floor). Hence stage s is busy at least
        W_s = (1 + k) / N * sum_i min_{c feasible} c * phi_s(L_i, c) + M_min (o_f + o_b),
-   c ranging over powers of two <= N with L_i <= c m, and `M >= M_min = ceil(sum L / (N m))`
+   c ranging over powers of two <= N that hold L_i under the cap (`rank_tokens`, padding
+   counted), and `M >= M_min = ceil(sum L / (N m))`
    because a micro-batch holds at most N m tokens.
 2. Fill and drain. In 1F1B stage s starts with F(s, 0), which waits for F(s', 0) on every
    s' < s, and ends with B(s, M - 1), after which B(s', M - 1) still runs on every s' < s. A
@@ -19,6 +20,14 @@ micro-batch j takes `F_sj = o_f + max_g f_s(g)` and `B_sj = o_b + k max_g f_s(g)
    micro-batches first and last.)
 3. Critical path. Each sequence's micro-batch passes forward through all stages and back, so
    T >= max_i min_c sum_s (1 + k) phi_s(L_i, c) + p (o_f + o_b).
+4. Several micro-batches per round (pp = 1 without dp_shard, hcp/dcp/plan.py). Rounds no longer
+   tile the pool per micro-batch, so replace M_min in 1: each micro-batch of a group of c ranks
+   puts at most m tokens on each of its ranks, so the groups' micro-batches occupy at least
+   `sum L / m` rank-micro-batches in all, each paying o_f + o_b on each of its ranks; the
+   busiest rank works at least the average, so
+       T >= (1 + k) / N * sum_i min_c c * phi(L_i, c) + (o_f + o_b) * sum L / (N m).
+   Term 3 holds as it stands (a group runs each of its sequences' micro-batches through the
+   stage); term 2 is void at p = 1.
 The bound is the largest of these. Seconds throughout.
 """
 from __future__ import annotations
@@ -26,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
-from hcp.dcp.plan import check_pool, prepare_lengths
+from hcp.dcp.plan import check_pool, prepare_lengths, rank_tokens
 
 
 def cp_sizes(pool: int) -> np.ndarray:
@@ -34,18 +43,23 @@ def cp_sizes(pool: int) -> np.ndarray:
     return 1 << np.arange(int(pool).bit_length())
 
 
-def lower_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int) -> float:
+def lower_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
+                several_per_round: bool = False) -> float:
     """Seconds below which no valid plan of these lengths (tokens) can finish an iteration (see
-    module docstring for the proof). The inputs must pass `prepare_lengths` as they are (so each
-    length fits the pool, `L <= pool * max_tokens_per_rank`); its errors are raised otherwise."""
+    module docstring for the proof); `several_per_round` for plans whose groups may run
+    several micro-batches per round (pp = 1 without dp_shard; proof step 4). The inputs must pass `prepare_lengths` as they are (so each
+    length fits the pool, `plan.max_length`); its errors are raised otherwise."""
     pool, max_tokens_per_rank = check_pool(pool, max_tokens_per_rank)  # Python ints: no overflow
     lens = prepare_lengths(lengths, pool, max_tokens_per_rank)[0].astype(np.float64)
     cs = cp_sizes(pool).astype(np.float64)[:, None]  # [K, 1]
     phi = cost.fwd_floor(lens[None, :], lens[None, :] ** 2, cs)  # [p, K, n]
-    phi = np.where(lens[None, None, :] <= cs[None] * max_tokens_per_rank, phi, np.inf)
+    feasible = rank_tokens(lens[None, :], cs) <= max_tokens_per_rank  # [K, n]
+    phi = np.where(feasible[None], phi, np.inf)
     k = cost.bwd_factor
     o_f, o_b = cost.hw.micro_batch_overhead_fwd, cost.hw.micro_batch_overhead_bwd
-    m_min = np.ceil(lens.sum() / (pool * max_tokens_per_rank))
+    m_min = lens.sum() / (pool * max_tokens_per_rank)
+    if not several_per_round:
+        m_min = np.ceil(m_min)
     work = (1 + k) / pool * (cs[None] * phi).min(axis=1).sum(axis=1) + m_min * (o_f + o_b)  # [p]
     smallest = phi.min(axis=(1, 2))  # [p]
     ends = np.concatenate([[0.0], np.cumsum((1 + k) * smallest + o_f + o_b)[:-1]])

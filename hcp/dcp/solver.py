@@ -32,6 +32,10 @@ for 2,048 sequences of 8K tokens (256), and up to ~0.5 s with pp = 1 and at most
    evaluations in all). Then a truncated dive of the exact branch and bound (hcp/dcp/exact.py:
    sequences placed one by one where its lower bound grows least, `DIVE_NODES_PER_SEQ` nodes
    per sequence), locally improved, competes.
+6. With `several_per_round` (pp = 1 without dp_shard), the best plan and the two fastest
+   candidates are also turned into rounds of several micro-batches per group
+   (hcp/dcp/rounds.py: merge rounds of the same grouping, re-balance, fill slack across
+   rounds); the fastest of all wins.
 """
 from __future__ import annotations
 
@@ -44,8 +48,10 @@ from hcp.dcp.baselines import greedy, packing_only
 from hcp.dcp.cost_model import CostModel
 from hcp.dcp.exact import solve_exact
 from hcp.dcp.local_search import improve
+from hcp.dcp.rounds import merge_rounds
 from hcp.dcp.lower_bound import cp_sizes
-from hcp.dcp.plan import Group, MicroBatch, Plan, fill_idle, prepare_lengths
+from hcp.dcp.plan import (Group, Round, Plan, fill_idle, max_length, prepare_lengths,
+                          rank_tokens)
 from hcp.schedule.simulator import simulate_1f1b
 
 OPEN_FROM = 0.05  # the opening ramp starts at this fraction of a full row
@@ -88,7 +94,7 @@ def simulate_plan(plan: Plan, lengths, cost: CostModel, record: bool = False):
 
 class _Row:
     """One micro-batch under construction: a free-rank bit mask, `nfree` and groups as
-    `[offset, c, seq indices, tokens, load (s)]`."""
+    `[offset, c, seq indices, tokens per rank (padding counted), load (s)]`."""
 
     def __init__(self, pool: int):
         self.pool, self.mask, self.nfree = pool, (1 << pool) - 1, pool
@@ -112,8 +118,9 @@ def _place_multi(rows, order, cs, lens, height, tau, pool, m):
     """Step 3 for sequences with c > 1 (`order` sorted by c, then height, descending; sizes
     only shrink, so a row with >= c free ranks always has a free aligned block of c)."""
     for i in order:
-        c, n, h = int(cs[i]), int(lens[i]), float(height[i])
-        groups = [g for r in rows for g in r.groups if g[1] == c and g[3] + n <= c * m]
+        c, h = int(cs[i]), float(height[i])
+        n = int(rank_tokens(lens[i], c))
+        groups = [g for r in rows for g in r.groups if g[1] == c and g[3] + n <= m]
         under = [g for g in groups if g[4] + h <= tau]
         if under:
             g = max(under, key=lambda g: g[4])
@@ -132,11 +139,16 @@ def _place_multi(rows, order, cs, lens, height, tau, pool, m):
         g[4] += h
 
 
+def _fit_len(room: int, c: int) -> int:
+    """The longest document that fits `room` free tokens per rank of a group of c ranks."""
+    return room if c == 1 else 2 * c * (room // 2)
+
+
 def _place_single(rows, order, lens, heights, pool, m, offsets):
     """Step 3 for sequences with c = 1: LPT over the free ranks and the open groups (a short
     sequence may join a group of size c at its per-rank cost `heights[log2 c, i]`), tokens
-    capped. A free rank of row r starts at load `offsets[r]` (seconds) so ramp rows end up
-    lighter; the recorded loads exclude it."""
+    per rank capped (padding counted). A free rank of row r starts at load `offsets[r]`
+    (seconds) so ramp rows end up lighter; the recorded loads exclude it."""
     heap = []
     for ri, r in enumerate(rows):
         heap += [(offsets[ri] + g[4], ri, g[0], g) for g in r.groups]
@@ -155,7 +167,7 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
                 rows[ri].mask &= ~(1 << k)
                 rows[ri].nfree -= 1
                 rows[ri].groups.append(g)
-            room = g[1] * m - g[3]
+            room = _fit_len(m - g[3], g[1])
             if n <= room:
                 break
             if room >= shortest:  # full for this one; a shorter sequence may still fit
@@ -171,7 +183,7 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
                 heapq.heappush(heap, (0.0, ri, q, None))
         h = float(heights[int(g[1]).bit_length() - 1, i])
         g[2].append(int(i))
-        g[3] += n
+        g[3] += int(rank_tokens(n, g[1]))
         g[4] += h
         heapq.heappush(heap, (key + h, ri, g[0], g))
 
@@ -241,7 +253,7 @@ def _level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open
     for ri, r in enumerate(rows):
         groups = [Group(sorted(g[2]), g[1], g[0]) for g in r.groups if g[2]]
         if groups:
-            plan.micro_batches.append(MicroBatch(fill_idle(groups, pool)))
+            plan.rounds.append(Round(fill_idle(groups, pool)))
             opened += ri < n_open
             light += ri < len(fractions)
     return plan, opened, light, bool(escort and heavy)
@@ -280,7 +292,7 @@ def _best_order(plan: Plan, lens, cost: CostModel, opening: int = 0,
         t = simulate_1f1b(fwd[:, order], bwd[:, order], record=False).iteration_time
         if best is None or t < best[0] - 1e-12:
             best = (t, order)
-    ordered = Plan([plan.micro_batches[j] for j in best[1].tolist()])
+    ordered = Plan([plan.rounds[j] for j in best[1].tolist()])
     return ordered, best[0]
 
 
@@ -322,20 +334,23 @@ def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int
 
 
 def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
-          max_len: int | None = None) -> Solution:
+          max_len: int | None = None, several_per_round: bool = False) -> Solution:
     """Plan one global batch (see module docstring). `lengths` must already fit the pool (use
-    plan.prepare_lengths); `max_len` only configures the packing-only fallback candidate."""
+    plan.prepare_lengths); `max_len` only configures the packing-only fallback candidate.
+    With `several_per_round` (pp = 1 without dp_shard: a group may run several micro-batches
+    between two synchronisations of the pool, hcp/dcp/plan.py) every pp = 1 candidate is also
+    turned into such rounds (hcp/dcp/rounds.py) and competes."""
     lens, _ = prepare_lengths(lengths, pool, max_tokens_per_rank)
     m = max_tokens_per_rank
     cs = cp_sizes(pool)
-    feasible = lens[None, :] <= cs[:, None] * m  # [K, n]
+    feasible = rank_tokens(lens[None, :], cs[:, None]) <= m  # [K, n], padding counted
     heights = cost.fwd(lens[None, :], lens[None, :] ** 2, cs[:, None]).sum(axis=0)  # [K, n]
     heights = np.where(feasible, heights, np.inf)
     m_min = int(np.ceil(lens.sum() / (pool * m)))
     # the baselines compete too: guards for degenerate batches (e.g. one sequence); greedy
     # (~40 ms for 2,048 sequences) only with one stage, the only setting where it has won
     # (a pool of 64; 0 of 96 runs at pools 8-64 x pp 2-8, seeds 0-7, without it)
-    if max_len is not None and max_len > pool * m:  # a run's max_len need not fit this pool
+    if max_len is not None and max_len > max_length(pool, m):  # a run's max_len need not fit
         max_len = None
     baselines = [(packing_only(lens, pool, m, max_len), "packing_only")]
     if cost.pp > 1:
@@ -355,9 +370,17 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
         if best is None or t < best.time - 1e-12:
             best = Solution(plan, t, source)
     if lens.size <= LOCAL_SEARCH_MAX_SEQS:
-        dive = solve_exact(lens, cost, pool, m, (best.plan,), gap=0.0,
-                           max_nodes=DIVE_NODES_PER_SEQ * lens.size).plan
+        dive = solve_exact(lens, cost, pool, m, (best.plan,), time_limit=float("inf"), gap=0.0,
+                           max_nodes=DIVE_NODES_PER_SEQ * lens.size).plan  # no clock: determinism
         plan, t = _best_order(improve(dive, lens, cost, pool, m, max_evals=budget), lens, cost)
         if t < best.time - 1e-12:
             best = Solution(plan, t, "dive+local")
+        candidates.append((plan, "dive+local"))
+    if several_per_round:  # the best plan and the two fastest candidates become rounds
+        timed = sorted(candidates, key=lambda c: simulate_plan(c[0], lens, cost).iteration_time)
+        for plan, source in [(best.plan, best.source)] + timed[:2]:
+            merged = merge_rounds(plan, lens, cost, m)
+            t = simulate_plan(merged, lens, cost).iteration_time
+            if t < best.time - 1e-12:
+                best = Solution(merged, t, f"{source}+rounds")
     return best

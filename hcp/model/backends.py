@@ -10,12 +10,9 @@ from typing import Callable
 
 import torch
 
+from hcp.config.choices import ATTENTION_BACKENDS as BACKENDS
+from hcp.config.choices import BACKEND_MODULES as _MODULES
 from hcp.model.attention import thd_attention
-
-BACKENDS = ("auto", "torch", "te", "flash")
-_MODULES = {"flash": ("flash_attn", "pip install flash-attn --no-build-isolation"),
-            "te": ("transformer_engine.pytorch",
-                   "pip install --no-build-isolation transformer_engine[pytorch] (needs CUDA)")}
 
 
 def _importable(name: str) -> bool:

@@ -32,13 +32,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hcp.config.layouts import CP_COMMS
 from hcp.model.block_attention import (BlockAttention, SoftmaxState, TileBatch, acc_dtype,
                                        backward_tiles, forward_tiles)
 from hcp.model.collectives import gather_seq, group_rank, group_size
 
-CP_COMMS = ("allgather", "p2p")
 BLOCK_SIZE = 512
-
 
 @dataclass
 class CPAttentionPlan:

@@ -4,28 +4,38 @@ Submodules are named after the config keys (`vision`, `projector`, `llm`) so eve
 with its module key: per-module freeze, optimizers and process groups select parameters by it.
 With `vision_cfg=None` (and `projector_cfg=None`) it is a plain language model.
 
+Two ways to run the encoder (DESIGN.md 4.2, 4.4):
+- inside the LLM's first stage (`LlavaModel(..., encoder=True)`, the default and the
+  single-process reference): every rank of the LLM's TP x CP group encodes the micro-batch's
+  images (replicated, not TP-sharded);
+- as its own module (`LlavaEncoder`, with its own TP group and DP lanes) whose output rows a
+  boundary route (`hcp.comm.boundary`) delivers to the LLM's first-stage ranks; the LLM stage
+  is then built with `encoder=False` and reads `batch.image_rows`.
+
 The micro-batch `batch` is any object with these attributes (shapes per micro-batch):
     input_ids     long [T]      token ids; ignored where image_mask is True
     labels        long [T]      ALREADY shifted targets (labels[t] is the target of position t),
                                 -100 = ignore; never shifted again here
     position_ids  long [T]      restart at 0 in each document
     cu_seqlens    int32 [N + 1] document boundaries; max_seqlen: int
-    pixel_values  float [I, C, H, W] or None (images in order of appearance)
+    pixel_values  float [I, C, H, W] or None (images in order of appearance; `encoder=True`)
     image_mask    bool [T] or None: positions replaced, in order, by the I * P image embeddings
+    image_rows    float [R, H] or None (`encoder=False`): the image embeddings of THIS rank's
+                                CP shard, in local slot order (all I * P of them without CP)
 
 Parallelism of the LLM (`tp_group`, `cp_group`, `cp_comm`, `sequence_parallel`: see
-`hcp.model.llama`). Every rank of a TP x CP group gets the SAME whole micro-batch; the image
-embeddings are merged into the text embeddings first and the combined sequence is then cut into
-this rank's CP shard (DESIGN.md section 4). Under CP, `forward` returns this rank's share of the
-loss and of the token count: summed over the CP (and DP) ranks they give the single-process
+`hcp.model.llama`). Every rank of a TP x CP group gets the SAME whole micro-batch (text); the
+image embeddings are written at the image positions of this rank's CP shard of the combined
+(text + image) sequence (DESIGN.md section 4). Under CP, `forward` returns this rank's share of
+the loss and of the token count: summed over the CP (and DP) ranks they give the single-process
 numbers. Gradients: the trainer sums them over DP x CP; parameters replicated over TP (norms,
-vision, projector) already carry the full gradient on every TP rank.
+and with `encoder=True` vision and projector) already carry the full gradient on every TP rank.
 
-Pipeline stages (`stage`, `hcp.model.stage.StageSpec`): the vision encoder and projector are
-built on the first stage only (colocated with the embedding). `forward(batch, x, head)` runs
-this stage's part; on the last stage `loss(batch, hidden)` (default) or another head such as
-`logits(batch, hidden)` finishes it. A non-first stage gets a `hcp.comm.p2p.StageMeta`
-instead of the batch.
+Pipeline stages (`stage`, `hcp.model.stage.StageSpec`): with `encoder=True` the vision encoder
+and projector are built on the first stage only (colocated with the embedding). `forward(batch,
+x, head)` runs this stage's part; on the last stage `loss(batch, hidden)` (default) or another
+head such as `logits(batch, hidden)` finishes it. A non-first stage gets a
+`hcp.comm.p2p.StageMeta` instead of the batch.
 """
 from __future__ import annotations
 
@@ -34,26 +44,67 @@ import torch.nn.functional as F
 from torch import nn
 
 from hcp.config.schema import LLMConfig, ProjectorConfig, VisionConfig
-from hcp.model.collectives import gather_from_group, gather_seq, group_rank, group_size
+from hcp.model.collectives import (copy_to_group, gather_from_group, gather_seq, group_rank,
+                                   group_size)
 from hcp.model.llama import LlamaDecoder
 from hcp.model.projector import Projector
 from hcp.model.stage import StageSpec
 from hcp.model.tp import vocab_parallel_cross_entropy
 from hcp.model.vit import ViTEncoder
-from hcp.parallel.cp_sharding import cp_shard
+from hcp.parallel.cp_sharding import CPShard, cp_shard
+
+
+class LlavaEncoder(nn.Module):
+    """The encoder side as its own module: vision + projector, pixel_values [I, C, H, W] ->
+    image rows [I * P, H_llm] (images in order, P patches each), whole on every rank of
+    `tp_group` (the encoder's TP group: ViT blocks and projector split over it).
+
+    The output passes through Megatron's copy-to-tensor-parallel-region (identity forward,
+    all-reduce of the gradient over `tp_group` backward): the boundary route sends each row
+    from one TP replica only and returns its gradient there, so the all-reduce gives every
+    replica the whole gradient. FQNs (`vision.*`, `projector.*`) equal `LlavaModel`'s, so
+    `init_parameters(encoder, seed)` gives the same weights as the single-process model.
+
+    Raises ValueError for an encoder layout with CP or PP > 1 (not supported yet: the encoder
+    scales by TP and DP; encoder PP comes with non-colocated placement).
+    """
+
+    def __init__(self, vision_cfg: VisionConfig, projector_cfg: ProjectorConfig, llm_hidden: int,
+                 tp_group=None):
+        super().__init__()
+        for name, layout in (("vision", vision_cfg.layout), ("projector", projector_cfg.layout)):
+            for axis in ("cp", "pp"):
+                if getattr(layout, axis) != 1:
+                    raise ValueError(f"{name}.layout.{axis}={getattr(layout, axis)}: the encoder "
+                                     f"does not support {axis.upper()} yet; set {name}.layout."
+                                     f"{axis}=1 and scale the encoder with {name}.layout.tp/dp")
+        self.tp_group = tp_group
+        self.vision = ViTEncoder(vision_cfg, tp_group)
+        self.projector = Projector(projector_cfg, vision_cfg.hidden_size, llm_hidden, tp_group)
+
+    @property
+    def num_patches(self) -> int:
+        return self.vision.num_patches
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        feats = self.projector(self.vision(pixel_values))                # [I, P, H]
+        return copy_to_group(feats.reshape(-1, feats.shape[-1]), self.tp_group)
 
 
 class LlavaModel(nn.Module):
     def __init__(self, vision_cfg: VisionConfig | None, projector_cfg: ProjectorConfig | None,
                  llm_cfg: LLMConfig, tp_group=None, cp_group=None, cp_comm: str | None = None,
                  sequence_parallel: bool | None = None, stage: StageSpec | None = None,
-                 recompute: str | None = None):
-        """Raises ValueError when exactly one of vision_cfg / projector_cfg is given."""
+                 recompute: str | None = None, encoder: bool = True):
+        """`encoder=False`: build no vision encoder and projector; image embeddings come routed
+        in `batch.image_rows` (module docstring).
+
+        Raises ValueError when exactly one of vision_cfg / projector_cfg is given."""
         super().__init__()
         if (vision_cfg is None) != (projector_cfg is None):
             raise ValueError("vision and projector must be given together (or both None for a "
                              "text-only LM)")
-        first = stage is None or stage.first
+        first = (stage is None or stage.first) and encoder
         self.vision = ViTEncoder(vision_cfg) if vision_cfg is not None and first else None
         self.projector = (Projector(projector_cfg, vision_cfg.hidden_size, llm_cfg.hidden_size)
                           if projector_cfg is not None and first else None)
@@ -62,28 +113,57 @@ class LlavaModel(nn.Module):
         self.stage = self.llm.stage
         self.tp_group, self.cp_group = tp_group, cp_group
 
-    def embed(self, batch) -> torch.Tensor:
-        """Text embeddings with the image embeddings written over the image positions: [T, H].
+    def embed(self, batch, shard: CPShard | None = None) -> torch.Tensor:
+        """Text embeddings of this rank's tokens (the CP shard's slots, or all T) with the image
+        embeddings written over the image positions: [T_loc, H] (T without CP).
 
-        Raises ValueError when image_mask's count is not I * P, or images reach a text-only model.
+        Image embeddings: `batch.image_rows` when set (routed, already this shard's, in slot
+        order), else this model's encoder over `batch.pixel_values`.
+
+        Raises ValueError when the image embeddings do not match the image positions, or images
+        reach a model without an encoder.
         """
-        embeds = self.llm.embed(batch.input_ids)
+        ids = batch.input_ids if shard is None else batch.input_ids[shard.token_index]
+        embeds = self.llm.embed(ids)
         image_mask = getattr(batch, "image_mask", None)
+        if image_mask is None:
+            local = None
+        else:
+            local = image_mask if shard is None else image_mask[shard.token_index] & shard.valid
+        slots = (local.nonzero().squeeze(1) if local is not None
+                 else torch.zeros(0, dtype=torch.long, device=embeds.device))
+        rows = getattr(batch, "image_rows", None)
+        if rows is None:
+            rows = self._encode(batch, image_mask, shard, slots)
+        elif rows.shape[0] != slots.shape[0]:
+            raise ValueError(f"batch.image_rows has {rows.shape[0]} rows but this rank's "
+                             f"tokens hold {slots.shape[0]} image positions: they must be equal")
+        if rows is None:
+            return embeds
+        return embeds.index_put((slots,), rows.to(embeds.dtype))
+
+    def _encode(self, batch, image_mask, shard, slots) -> torch.Tensor | None:
+        """This rank's image embeddings [R, H] from the micro-batch's images (None: no images)."""
         pixel_values = getattr(batch, "pixel_values", None)
         num_slots = int(image_mask.sum()) if image_mask is not None else 0
         if pixel_values is None or pixel_values.shape[0] == 0:
             if num_slots:
                 raise ValueError(f"image_mask marks {num_slots} positions but the batch has no images")
-            return embeds
+            return None
         if self.vision is None:
-            raise ValueError("the batch has pixel_values but the model has no vision encoder")
+            raise ValueError("the batch has pixel_values but the model has no vision encoder "
+                             "(built with encoder=False: pass the routed batch.image_rows)")
         feats = self.projector(self.vision(pixel_values))                # [I, P, H]
-        feats = feats.reshape(-1, feats.shape[-1]).to(embeds.dtype)
+        feats = feats.reshape(-1, feats.shape[-1])
         if num_slots != feats.shape[0]:
             raise ValueError(f"image_mask marks {num_slots} positions but {pixel_values.shape[0]} "
                              f"images x {self.vision.num_patches} patches = {feats.shape[0]} "
                              "image embeddings: they must be equal")
-        return embeds.index_put((image_mask.nonzero().squeeze(1),), feats)
+        if shard is None:
+            return feats
+        # each image position's row in the whole sequence, read at this shard's image slots
+        row_of = torch.cumsum(image_mask.long(), 0) - 1
+        return feats[row_of[shard.token_index[slots]]]
 
     def _shard(self, batch):
         """(this CP rank's shard or None, labels of its slots [T_loc] with padding -100)."""
@@ -91,6 +171,16 @@ class LlavaModel(nn.Module):
             return None, batch.labels
         shard = cp_shard(batch.cu_seqlens, group_size(self.cp_group), group_rank(self.cp_group))
         return shard, batch.labels[shard.token_index].masked_fill(~shard.valid, -100)
+
+    def residual_shape(self, batch) -> tuple[int, int]:
+        """Shape [rows, H] of the residual stream `stage_forward` passes between stages for
+        `batch` (a micro-batch or its `StageMeta`): this CP rank's T_loc tokens, under sequence
+        parallelism padded to a multiple of tp and split over it. Lets a pipeline stage
+        allocate a receive buffer before the activation arrives."""
+        rows = self._shard(batch)[1].shape[0]
+        if self.llm.sequence_parallel:
+            rows = (rows + self.llm._sp_pad(rows)) // group_size(self.tp_group)
+        return rows, self.llm.cfg.hidden_size
 
     def stage_forward(self, batch, x: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's part of the forward pass over one micro-batch.
@@ -103,8 +193,7 @@ class LlavaModel(nn.Module):
         shard, labels = self._shard(batch)
         positions = batch.position_ids if shard is None else shard.position_ids
         if self.stage.first:
-            embeds = self.embed(batch)
-            x = self.llm.enter(embeds if shard is None else embeds[shard.token_index])
+            x = self.llm.enter(self.embed(batch, shard))
         x = self.llm.run_layers(x, positions, batch.cu_seqlens, batch.max_seqlen)
         return self.llm.exit(x, labels.shape[0]) if self.stage.last else x
 

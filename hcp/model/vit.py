@@ -2,10 +2,20 @@
 patch embedding (a bias-free linear map of each flattened patch, equal to CLIP's strided conv),
 a CLS token, learned position embeddings, a LayerNorm before the blocks, pre-norm blocks with
 bidirectional multi-head attention and a GELU MLP. Sizes come from `VisionConfig`.
+`arch: clip` makes the MLP's activation quick-GELU, `x * sigmoid(1.702 x)`, as in OpenAI's CLIP:
+with it the encoder computes exactly what transformers' CLIPVisionModel does (pre-LayerNorm
+blocks with biases, a class token, `pre_layrnorm`; weights via `vision.init_from`).
 
 `select_layer` picks the hidden state fed to the projector: -1 the last block's output, -2 the
 penultimate (LLaVA). Only the blocks that feed that state are built, so no parameter goes unused
 (CLIP ViT-L/14 with select_layer -2 holds 23 blocks).
+
+Tensor parallelism over `tp_group` (Megatron-LM, Shoeybi et al. 2019; None = TP size 1): in
+each block q/k/v and fc1 are column-parallel (attention heads and MLP columns split over the TP
+ranks), o_proj and fc2 row-parallel (their outputs all-reduced), so the residual stream, the
+norms, the patch and position embeddings stay replicated and every TP rank returns the whole
+output. Parameter names and whole shapes are those of the unsharded model (`nn.Linear`'s
+`weight [out, in]` and `bias`), so init and checkpoints do not depend on the TP size.
 """
 from __future__ import annotations
 
@@ -14,40 +24,60 @@ import torch.nn.functional as F
 from torch import nn
 
 from hcp.config.schema import VisionConfig
+from hcp.model.collectives import group_size
+from hcp.model.tp import ColumnParallelLinear, RowParallelLinear
+
+
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's activation: `x * sigmoid(1.702 x)` (Radford et al. 2021)."""
+    return x * torch.sigmoid(1.702 * x)
 
 
 class VisionBlock(nn.Module):
-    """Pre-norm block: `x + attn(ln1(x))`, `x + fc2(gelu(fc1(ln2(x))))`. x: [I, S, D]."""
+    """Pre-norm block: `x + attn(ln1(x))`, `x + fc2(act(fc1(ln2(x))))` (act: GELU, or quick-GELU
+    with `arch: clip`). x: [I, S, D]
+    (replicated over `tp_group`; each TP rank runs num_heads / tp heads and ffn / tp columns).
 
-    def __init__(self, cfg: VisionConfig):
+    Raises ValueError when hidden_size does not split into num_heads, or num_heads or
+    ffn_hidden_size does not split over the TP size."""
+
+    def __init__(self, cfg: VisionConfig, tp_group=None):
         super().__init__()
-        d = cfg.hidden_size
+        d, tp = cfg.hidden_size, group_size(tp_group)
         if d % cfg.num_heads:
             raise ValueError(f"vision: hidden_size {d} must be divisible by num_heads {cfg.num_heads}")
-        self.num_heads = cfg.num_heads
+        if cfg.num_heads % tp or cfg.ffn_hidden_size % tp:
+            raise ValueError(f"vision.layout.tp={tp} must divide vision.num_heads={cfg.num_heads} "
+                             f"and vision.ffn_hidden_size={cfg.ffn_hidden_size}: pick a TP size "
+                             "that divides both")
+        self.local_heads, self.head_dim = cfg.num_heads // tp, d // cfg.num_heads
+        par = dict(bias=True, tp_group=tp_group)
         self.ln1 = nn.LayerNorm(d, eps=cfg.norm_eps)
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(d, d) for _ in range(4))
+        self.q_proj, self.k_proj, self.v_proj = (ColumnParallelLinear(d, d, **par) for _ in range(3))
+        self.o_proj = RowParallelLinear(d, d, **par)
         self.ln2 = nn.LayerNorm(d, eps=cfg.norm_eps)
-        self.fc1 = nn.Linear(d, cfg.ffn_hidden_size)
-        self.fc2 = nn.Linear(cfg.ffn_hidden_size, d)
+        self.fc1 = ColumnParallelLinear(d, cfg.ffn_hidden_size, **par)
+        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, d, **par)
+        self.act = quick_gelu if getattr(cfg, "arch", "vit") == "clip" else F.gelu
 
     def _attn(self, x: torch.Tensor) -> torch.Tensor:
-        i, s, d = x.shape
-        q, k, v = (p(x).view(i, s, self.num_heads, -1).transpose(1, 2)
+        i, s, _ = x.shape
+        q, k, v = (p(x).view(i, s, self.local_heads, self.head_dim).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v)                    # [I, heads, S, Dh]
-        return self.o_proj(out.transpose(1, 2).reshape(i, s, d))
+        out = F.scaled_dot_product_attention(q, k, v)                    # [I, heads / tp, S, Dh]
+        return self.o_proj(out.transpose(1, 2).reshape(i, s, self.local_heads * self.head_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._attn(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 
 
 class ViTEncoder(nn.Module):
     """pixel_values [I, C, H, W] (H = W = image_size) -> patch features [I, P, D], with
-    P = (image_size / patch_size)^2 (the CLS token is dropped from the output)."""
+    P = (image_size / patch_size)^2 (the CLS token is dropped from the output). `tp_group`:
+    the blocks' TP group (module docstring); the output is whole on every TP rank."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, tp_group=None):
         super().__init__()
         if cfg.image_size % cfg.patch_size:
             raise ValueError(f"vision: image_size {cfg.image_size} must be a multiple of "
@@ -63,7 +93,7 @@ class ViTEncoder(nn.Module):
         self.position_embedding = nn.Parameter(torch.zeros(self.num_patches + 1, d))
         self.pre_norm = nn.LayerNorm(d, eps=cfg.norm_eps)
         used = cfg.num_layers + cfg.select_layer + 1
-        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(used))
+        self.blocks = nn.ModuleList(VisionBlock(cfg, tp_group) for _ in range(used))
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Raises ValueError when the images are not [I, num_channels, image_size, image_size]."""

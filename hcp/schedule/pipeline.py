@@ -1,32 +1,31 @@
-"""Pipeline executors of one module: 1F1B for training, all-forward for evaluation.
+"""Executor of one stage's action list (`hcp.schedule.actions`): 1F1B for training, all-forward
+for evaluation, and any other schedule expressed as actions.
 
-1F1B (one forward, one backward; PipeDream-Flush, Narayanan et al. 2021, as in Megatron-LM's
-`forward_backward_pipelining_without_interleaving`): with p stages and m micro-batches, stage s
-runs `w = min(p - s - 1, m)` warm-up forwards, then m - w steady pairs (forward of micro-batch
-i, backward of micro-batch i - w), then w cool-down backwards. At most w + 1 micro-batches'
-activations are alive on a stage, and all weights are updated once after the flush (synchronous
-semantics: the result equals running the m micro-batches one after another).
+The executor sees micro-batches and a `forward` callable, never datasets or models:
+`forward(batch, x)` takes the first stage's micro-batch (or a later stage's `StageMeta`) and
+the received activation (None on the first stage) and returns the activation for the next stage
+(in the dtype it travels in), or on the last stage a 0-d tensor to differentiate (the scaled
+loss) or, in evaluation, any output. Every stage knows every micro-batch's `StageMeta` before
+the schedule starts (`hcp.comm.p2p.broadcast_metas`), so `act_spec(meta) -> (shape, dtype)`
+gives each receive buffer up front and each step's sends and receives are posted together
+(`StageLink.exchange`). A send whose tensor does not have that shape raises instead of letting
+the peer read a wrong-sized message.
 
-m may change every iteration: the caller tells every stage (e.g. by a broadcast from the first
-stage, which holds the data). The micro-batches' shapes travel with their activations
-(`hcp.comm.p2p.StageLink`). With p = 1 this is plain gradient accumulation (forward, backward,
-per micro-batch) and nothing is sent.
-
-The schedule sees micro-batches and a `forward` callable, never datasets or models:
-`forward(batch, x)` takes the first stage's micro-batch (or a later stage's received
-`StageMeta`) and the received activation (None on the first stage) and returns the activation
-for the next stage, or on the last stage a 0-d tensor to differentiate (the scaled loss).
+1F1B (PipeDream-Flush, Narayanan et al. 2021): at most `p - s` micro-batches' activations are
+alive on stage s, and all weights are updated once after the flush (synchronous semantics: the
+result equals running the micro-batches one after another). The number of micro-batches may
+change every step.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
-from hcp.comm.p2p import StageLink, StageMeta
+from hcp.comm.p2p import StageLink
+from hcp.schedule import actions as A
 
 
 @dataclass
@@ -43,12 +42,27 @@ def _now() -> float:
     return time.perf_counter()
 
 
-class _Runner:
-    def __init__(self, forward, link: StageLink, stage: int, num_stages: int, batches):
-        self.forward, self.link, self.batches = forward, link, batches
+class StageExecutor:
+    """Runs action lists on one stage.
+
+    Args:
+        forward: see the module docstring; link: this rank's `StageLink`; stage, num_stages:
+            this stage's index and the pipeline depth; batches: the first stage's micro-batches
+            (None elsewhere); metas: every micro-batch's `StageMeta` (every stage);
+            act_spec(meta) -> (shape, dtype) of the activation sent between stages.
+    """
+
+    def __init__(self, forward: Callable, link: StageLink, stage: int, num_stages: int, batches,
+                 metas, act_spec: Callable):
+        self.forward, self.link, self.batches, self.metas = forward, link, batches, metas
+        self.act_spec = act_spec
         self.first, self.last = stage == 0, stage == num_stages - 1
         self.times = StageTimes()
-        self.alive: deque = deque()
+        self.inputs: dict = {}     # micro -> received activation (a leaf)
+        self.outputs: dict = {}    # micro -> this stage's output (kept for backward or sending)
+        self.grads: dict = {}      # micro -> received gradient of the output
+        self.input_grads: dict = {}  # micro -> gradient of the input, to send back
+        self.results: list = []    # last stage, evaluation: outputs in order
 
     def _timed(self, fn, *args):
         t0 = _now()
@@ -56,67 +70,83 @@ class _Runner:
         self.times.busy_s += _now() - t0
         return out
 
-    def run_forward(self, i: int, keep: bool):
-        if self.first:
-            x, batch = None, self.batches[i]
-            meta = StageMeta.of(batch) if not self.last else None
+    def run(self, actions, train: bool,
+            grad_sync: Optional[Callable[[bool], None]] = None) -> StageTimes:
+        """Run `actions` in order. train: keep activations for the backward actions;
+        grad_sync(enabled) is called before each backward, True only before the last one."""
+        t0 = time.perf_counter()
+        backwards = [a for a in actions if isinstance(a, A.Compute) and a.kind == "B"]
+        for action in actions:
+            if isinstance(action, A.Exchange):
+                self._exchange(action.ops, train)
+            elif action.kind == "F":
+                self._forward(action.micro, train)
+            else:
+                if grad_sync is not None:
+                    grad_sync(action is backwards[-1])
+                self._backward(action.micro)
+        self.times.wall_s = time.perf_counter() - t0
+        return self.times
+
+    def _forward(self, i: int, train: bool) -> None:
+        x = self.inputs.get(i) if train else self.inputs.pop(i, None)
+        out = self._timed(self.forward, self.batches[i] if self.first else self.metas[i], x)
+        if self.last and not train:
+            self.results.append(out)
         else:
-            x, meta = self.link.recv_forward()
-            batch = meta
-        out = self._timed(self.forward, batch, x)
-        if not self.last:
-            self.link.send_forward(out, meta)
-        if keep:
-            self.alive.append((x, out))
-        return out
+            self.outputs[i] = out
 
-    def run_backward(self) -> None:
-        x, out = self.alive.popleft()
-        grad = None if self.last else self.link.recv_backward(out)
-        self._timed(torch.autograd.backward, out, grad)
-        if not self.first:
-            self.link.send_backward(x.grad)
+    def _backward(self, i: int) -> None:
+        out = self.outputs.pop(i)
+        self._timed(torch.autograd.backward, out, self.grads.pop(i, None))
+        x = self.inputs.pop(i, None)
+        if x is not None:
+            self.input_grads[i] = x.grad
+
+    def _exchange(self, ops, train: bool) -> None:
+        posted, received = [], []
+        for op in ops:
+            if op.kind == "SEND_F":
+                out = self.outputs[op.micro] if train else self.outputs.pop(op.micro)
+                self._check(out, op.micro)
+                tensor = out.detach().contiguous()
+            elif op.kind == "SEND_B":
+                tensor = self.input_grads.pop(op.micro).contiguous()
+            elif op.kind == "RECV_F":
+                shape, dtype = self.act_spec(self.metas[op.micro])
+                tensor = torch.empty(shape, dtype=dtype, device=self.link.device)
+                received.append((self.inputs, op.micro, tensor))
+            else:
+                out = self.outputs[op.micro]
+                tensor = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+                received.append((self.grads, op.micro, tensor))
+            posted.append((op.is_send, tensor, op.peer, op.kind[-1]))
+        self.link.exchange(posted)
+        for table, i, tensor in received:
+            table[i] = tensor.requires_grad_(train and table is self.inputs)
+
+    def _check(self, out: torch.Tensor, i: int) -> None:
+        shape, dtype = self.act_spec(self.metas[i])
+        if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+            raise RuntimeError(f"micro-batch {i}: this stage's output is {out.dtype} "
+                               f"{tuple(out.shape)} but the next stage expects {dtype} "
+                               f"{tuple(shape)} (act_spec and the model disagree)")
 
 
-def one_f_one_b(forward: Callable, link: StageLink, stage: int, num_stages: int, batches,
-                num_micro: int, grad_sync: Optional[Callable[[bool], None]] = None) -> StageTimes:
-    """Run forward and backward of `num_micro` micro-batches on this stage; gradients accumulate
-    in the parameters' `.grad`.
-
-    batches: the micro-batches on the first stage (None elsewhere). grad_sync(enabled) is called
-    before each backward, with True only before the last one, so a sharded-DP wrapper reduces
-    gradients once per step (after the last micro-batch). Returns this stage's timings.
-    """
-    run = _Runner(forward, link, stage, num_stages, batches)
-    t0 = time.perf_counter()
-    warmup = min(num_stages - stage - 1, num_micro)
-    done = 0
-
-    def backward():
-        nonlocal done
-        done += 1
-        if grad_sync is not None:
-            grad_sync(done == num_micro)
-        run.run_backward()
-
-    for i in range(warmup):
-        run.run_forward(i, keep=True)
-    for i in range(warmup, num_micro):
-        run.run_forward(i, keep=True)
-        backward()
-    for _ in range(warmup):
-        backward()
-    link.flush()
-    run.times.wall_s = time.perf_counter() - t0
-    return run.times
+def one_f_one_b(forward: Callable, link: StageLink, stage: int, num_stages: int, batches, metas,
+                act_spec: Callable, grad_sync: Optional[Callable[[bool], None]] = None) -> StageTimes:
+    """Forward and backward of the `len(metas)` micro-batches on this stage in 1F1B order
+    (`hcp.schedule.actions.one_f_one_b`); gradients accumulate in the parameters' `.grad`.
+    Arguments as `StageExecutor` and `StageExecutor.run`. Returns this stage's timings."""
+    run = StageExecutor(forward, link, stage, num_stages, batches, metas, act_spec)
+    return run.run(A.one_f_one_b(stage, num_stages, len(metas)), train=True, grad_sync=grad_sync)
 
 
 @torch.no_grad()
-def forward_only(forward: Callable, link: StageLink, stage: int, num_stages: int, batches,
-                 num_micro: int) -> list:
-    """Forward `num_micro` micro-batches through the pipeline without gradients; returns the
-    last stage's outputs in order (an empty list on other stages)."""
-    run = _Runner(forward, link, stage, num_stages, batches)
-    outputs = [run.run_forward(i, keep=False) for i in range(num_micro)]
-    link.flush()
-    return outputs if run.last else []
+def forward_only(forward: Callable, link: StageLink, stage: int, num_stages: int, batches, metas,
+                 act_spec: Callable) -> list:
+    """Forward the `len(metas)` micro-batches through the pipeline without gradients; returns
+    the last stage's outputs in order (an empty list on other stages)."""
+    run = StageExecutor(forward, link, stage, num_stages, batches, metas, act_spec)
+    run.run(A.forward_only(stage, num_stages, len(metas)), train=False)
+    return run.results

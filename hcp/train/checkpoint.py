@@ -2,7 +2,8 @@
 
 Layout of `checkpoint.dir`: one folder per saved step, `step_00000100/`, holding the DCP shards
 of the model and optimizer state, `trainer.json` (step, scheduler and data-loader position,
-written by rank 0) and `rng_rank{r}.pt` (each rank's RNG states). A save goes to
+the layout it was saved at and the FQNs it trained; written by rank 0) and `rng_rank{r}.pt`
+(each rank's RNG states; restored only under the same layout). A save goes to
 `.tmp-step_XXXXXXXX/` and is renamed into place by rank 0 only after every rank finished
 writing, so a crash mid-save never leaves a step folder that cannot load. Only complete
 folders count for `resume=auto`; the oldest are pruned down to `checkpoint.keep`.
@@ -14,12 +15,14 @@ import os
 import random
 import re
 import shutil
+import zlib
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -84,6 +87,32 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _tp_groups(tp_group) -> list:
+    """The distinct TP groups of `tp_group`: one group, or {module: group or None} when modules
+    have their own TP groups (heterogeneous layouts; module = first part of the FQN)."""
+    groups = tp_group.values() if isinstance(tp_group, dict) else [tp_group]
+    return list({id(g): g for g in groups if g is not None}.values())
+
+
+def _tp_group_of(tp_group, fqn: str):
+    return tp_group.get(fqn.split(".")[0]) if isinstance(tp_group, dict) else tp_group
+
+
+def _tp_wrapper(model, tp_group):
+    """(FQN -> ShardSpec of TP-sharded parameters, wrap(tensor, spec, fqn) -> DTensor over the
+    parameter's TP group)."""
+    specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
+    device = next(model.parameters()).device.type
+    meshes = {id(g): DeviceMesh.from_group(g, device_type=device) for g in _tp_groups(tp_group)}
+
+    def wrap(t, spec, fqn):
+        mesh = meshes[id(_tp_group_of(tp_group, fqn))]
+        shape = tuple(spec.whole_shape(t.shape))
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(t, mesh, [Shard(spec.dim)], run_check=False, shape=shape, stride=stride)
+    return specs, wrap
+
+
 def _state(model, optimizer, tp_group) -> tuple[dict, Optional[list[dict]]]:
     """Model and optimizer state keyed by FQN, and the positional param_groups that `load`
     restores (None when torch keyed them itself). TP-sharded parameters (those with a
@@ -93,17 +122,10 @@ def _state(model, optimizer, tp_group) -> tuple[dict, Optional[list[dict]]]:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model, tp_group))
     if tp_group is None:
         return {"model": model_sd, "optim": optim_sd}, None
-    specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
-    mesh = DeviceMesh.from_group(tp_group, device_type=next(model.parameters()).device.type)
-
-    def wrap(t, spec):
-        shape = tuple(spec.whole_shape(t.shape))
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(t, mesh, [Shard(spec.dim)], run_check=False, shape=shape, stride=stride)
-
+    specs, wrap = _tp_wrapper(model, tp_group)
     for name, spec in specs.items():
         if name in model_sd:
-            model_sd[name] = wrap(model_sd[name], spec)
+            model_sd[name] = wrap(model_sd[name], spec, name)
     nested = isinstance(optim_sd.get("state"), dict)  # full_state_dict: state[fqn][key]
     slots = ([(n, key, optim_sd["state"][n]) for n in optim_sd["state"] for key in optim_sd["state"][n]]
              if nested else [(k.removeprefix("state.").rpartition(".")[0], k, optim_sd)
@@ -111,11 +133,20 @@ def _state(model, optimizer, tp_group) -> tuple[dict, Optional[list[dict]]]:
     for name, key, holder in slots:
         t = holder[key]
         if name in specs and torch.is_tensor(t) and t.shape == model_sd[name].to_local().shape:
-            holder[key] = wrap(t, specs[name])
+            holder[key] = wrap(t, specs[name], name)
     groups = optim_sd["param_groups"] if nested else None
     if nested:
         optim_sd["param_groups"] = _by_fqn(groups)
     return {"model": model_sd, "optim": optim_sd}, groups
+
+
+def _model_state(model, tp_group) -> dict:
+    """The model half of `_state` (the same DCP keys), without an optimizer."""
+    model_sd = get_model_state_dict(model, options=_options(model, tp_group))
+    if tp_group is not None:
+        specs, wrap = _tp_wrapper(model, tp_group)
+        model_sd = {n: wrap(t, specs[n], n) if n in specs else t for n, t in model_sd.items()}
+    return {"model": model_sd}
 
 
 def _local(tree, tp_group):
@@ -125,7 +156,7 @@ def _local(tree, tp_group):
         return {k: _local(v, tp_group) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_local(v, tp_group) for v in tree]
-    if isinstance(tree, DTensor) and tp_group is not None and tree.device_mesh.get_group() is tp_group:
+    if isinstance(tree, DTensor) and any(tree.device_mesh.get_group() is g for g in _tp_groups(tp_group)):
         return tree.to_local()
     return tree
 
@@ -135,9 +166,14 @@ def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int,
     """Save on every rank (a collective); returns the final folder path.
 
     `trainer_state` is JSON-serializable (scheduler state, data position, step); `tp_group` is
-    the model's TP group (None when tp = 1).
+    the model's TP group (None when tp = 1), or {module: its TP group or None} when modules have
+    their own.
     """
     rank = dist.get_rank()
+    trainable = [None] * dist.get_world_size()
+    dist.all_gather_object(trainable, [n for n, p in model.named_parameters() if p.requires_grad])
+    trainer_state = {**trainer_state, "layout": layout_label(model, tp_group),
+                     "trainable": sorted(set().union(*trainable))}
     final = os.path.join(root, f"step_{step:08d}")
     tmp = os.path.join(root, f".tmp-step_{step:08d}")
     if rank == 0:
@@ -169,20 +205,93 @@ def _remove(path: str) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+def layout_label(model, tp_group) -> str:
+    """This run's LLM layout as users write it, e.g. `dp4`, `tp2 x dp2`, `pp2 x dp2 (dp_shard)`."""
+    tp = _size(tp_group.get("llm") if isinstance(tp_group, dict) else tp_group)
+    cp = _size(getattr(model, "cp_group", None))
+    pp = model.stage.num_stages if hasattr(model, "stage") else 1
+    sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dist.get_world_size() // (tp * cp * pp)}
+    label = " x ".join(f"{k}{v}" for k, v in sizes.items() if v > 1) or "1 rank"
+    return label + (" (dp_shard)" if any(isinstance(p, DTensor) for p in model.parameters()) else "")
+
+
+def _size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _trainer_json(path: str) -> dict:
+    with open(os.path.join(path, "trainer.json")) as f:
+        return json.load(f)
+
+
+def _check_folder(key: str, path) -> None:
+    if path is None or (path == "auto" and key == "resume") or os.path.isfile(os.path.join(path, "trainer.json")):
+        return
+    raise ConfigError(key, path, "not a complete checkpoint folder (trainer.json and DCP shards)",
+                      "use resume=auto with checkpoint.dir=DIR, or a step_XXXXXXXX folder")
+
+
+def expected_trainable(cfg) -> set[str]:
+    """FQNs this config trains (the whole model, every stage; built on the meta device)."""
+    from hcp.config.schema import MODULES
+    from hcp.model.llava import LlavaModel
+
+    with torch.device("meta"):
+        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm)
+    return {n for n, _ in model.named_parameters()
+            if not cfg[n.split(".")[0]].freeze and n.split(".")[0] in MODULES}
+
+
 def check_resume(cfg) -> None:
-    """Before ranks start: `resume` must be None, `auto` or a complete checkpoint folder.
+    """Before ranks start: `resume` and `init_from_checkpoint` must be None, (`auto`,) or complete
+    checkpoint folders, and the checkpoint `resume` continues must have trained the same
+    parameters this config trains (else it is a new stage: `init_from_checkpoint`).
 
     Raises:
-        ConfigError: `resume` names a folder that is not a complete checkpoint.
+        ConfigError: a folder that is not a complete checkpoint; trainable parameters that differ
+            (names the parameters on each side and the key to use instead).
     """
-    if cfg.resume in (None, "auto") or os.path.isfile(os.path.join(cfg.resume, "trainer.json")):
+    _check_folder("resume", cfg.resume)
+    _check_folder("init_from_checkpoint", cfg.get("init_from_checkpoint"))
+    path = latest(cfg.checkpoint.dir) if cfg.resume == "auto" else cfg.resume
+    if path is None or cfg.mode == "export":  # export reads the weights, whatever trained them
         return
-    raise ConfigError("resume", cfg.resume, "not a complete checkpoint folder (trainer.json and DCP "
-                      "shards)", "use resume=auto with checkpoint.dir=DIR, or a step_XXXXXXXX folder")
+    saved = _trainer_json(path).get("trainable")
+    if saved is None:
+        return
+    now = expected_trainable(cfg)
+    gone, new = sorted(set(saved) - now), sorted(now - set(saved))
+    if gone or new:
+        what = "; ".join(f"{label} ({len(v)}): {', '.join(v[:6])}{', ...' if len(v) > 6 else ''}"
+                         for label, v in (("trained there, frozen now", gone),
+                                          ("frozen there, trained now", new)) if v)
+        raise ConfigError("resume", cfg.resume, f"{path} trained other parameters than this config "
+                          f"does ({what}), so it is not the same run", f"to start a new stage from "
+                          f"its weights (fresh optimizer and schedule), use init_from_checkpoint={path} "
+                          "instead of resume")
+
+
+def load_weights(path: str, model, tp_group=None) -> str:
+    """Model weights only from a checkpoint folder into `model` (any layout; every rank): a new
+    stage starts here with a fresh optimizer, schedule and data position. Returns a log line.
+
+    Raises:
+        FileNotFoundError: `path` is not a complete checkpoint folder.
+    """
+    if not os.path.isfile(os.path.join(path, "trainer.json")):
+        raise FileNotFoundError(f"init_from_checkpoint={path!r}: not a complete checkpoint folder")
+    state = _model_state(model, tp_group)
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, _local(state, tp_group)["model"], options=_options(model, tp_group))
+    saved = _trainer_json(path)
+    return (f"init_from_checkpoint: model weights of step {saved['step']} from {path} (saved at "
+            f"{saved.get('layout', '?')}); optimizer, schedule and data start fresh at step 0")
 
 
 def load(path: str, model, optimizer, tp_group=None) -> dict:
-    """Load a checkpoint folder into `model` and `optimizer` (every rank); return trainer state.
+    """Load a checkpoint folder into `model` and `optimizer` (every rank); return trainer state
+    with `note`: the log line, saying when the layout differs from the checkpoint's and that the
+    per-rank RNG streams were then derived from (seed, step, rank) instead of restored.
 
     Raises:
         FileNotFoundError: `path` is not a complete checkpoint folder.
@@ -197,8 +306,22 @@ def load(path: str, model, optimizer, tp_group=None) -> dict:
         state["optim"]["param_groups"] = _by_position(state["optim"]["param_groups"], groups)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_options(model, tp_group))
-    rng_file = os.path.join(path, f"rng_rank{dist.get_rank()}.pt")
-    if os.path.isfile(rng_file):
+    saved = _trainer_json(path)
+    now, then = layout_label(model, tp_group), saved.get("layout", "?")
+    rank, step = dist.get_rank(), saved["step"]
+    rng_file = os.path.join(path, f"rng_rank{rank}.pt")
+    if now == then and os.path.isfile(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    with open(os.path.join(path, "trainer.json")) as f:
-        return json.load(f)
+        saved["note"] = f"resumed from step {step} saved at {then} ({path})"
+    else:
+        seed = derived_seed(torch.initial_seed(), step, rank)
+        torch.manual_seed(seed)
+        random.seed(seed)
+        saved["note"] = (f"resumed from step {step} saved at {then}, now {now} ({path}); per-rank "
+                         "RNG streams do not carry over to another layout: derived from (seed, step, rank)")
+    return saved
+
+
+def derived_seed(seed: int, step: int, rank: int) -> int:
+    """A rank's RNG seed after a resume under another layout (stable across processes)."""
+    return zlib.crc32(f"{seed}:{step}:{rank}".encode())

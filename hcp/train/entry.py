@@ -1,51 +1,173 @@
-"""What `python train.py` does in the launching process: resolve the config once, validate it,
-then plan, or start (or join) the ranks that train."""
+"""What `python train.py` (and the `hcp-train` console command) does in the launching process:
+check the command line's keys, compose and resolve the config once, validate it, then plan, or
+start (or join) the ranks that train.
+
+A user error (`ConfigError`, `DataError`) prints one line `hcp: error: ...` (under torchrun or
+srun only from rank 0), exits with status 2 and removes the run directory Hydra made for the run
+when nothing but Hydra's own `.hydra/` went into it.
+"""
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 
 from omegaconf import DictConfig, OmegaConf
 
+from hcp.config.compose import CONF_DIR, config_groups
+from hcp.config.errors import ConfigError
 from hcp.config.layouts import world_size_of
-from hcp.config.validate import validate
-from hcp.data.build import prepare_data
-from hcp.train.checkpoint import check_resume
-from hcp.train.launch import export_rank_env, launched_rank_env, local_world_size, start_local_ranks
-from hcp.train.support import check_trainable
+from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_env, local_world_size,
+                              resolve_nproc, start_local_ranks)
+from hcp.train.slurm import check_slurm
+from hcp.model.hf_export import start_export
+from hcp.model.hf_load import apply_hf_configs, check_hf_weights, cli_keys
 
 
 def _rank_entry(payload) -> None:
+    from hcp.train.failures import report_rank_failure
     from hcp.train.trainer import run_rank
 
     container, run_dir = payload
-    run_rank(OmegaConf.create(container), run_dir)
+    with report_rank_failure():  # names the failing rank in the log (hcp.train.failures)
+        run_rank(OmegaConf.create(container), run_dir)
 
 
-def run(cfg: DictConfig):
-    """Resolve `cfg` (Hydra's run directory included) once, validate, and run `mode`."""
+def _is_first(joined) -> bool:
+    return not joined or joined["rank"] == 0
+
+
+def run(cfg: DictConfig, overrides: list[str] = ()):
+    """Resolve `cfg` (Hydra's run directory included) once, validate, and run `mode`.
+
+    `overrides` are the command line's (for the commands error messages suggest)."""
     from hydra.core.hydra_config import HydraConfig
+
+    from hcp.config.validate import validate
+    from hcp.data.build import prepare_data
+    from hcp.train.checkpoint import check_resume
+    from hcp.train.preempt import resume_after_requeue
+    from hcp.train.support import check_trainable
 
     run_dir = HydraConfig.get().runtime.output_dir
     OmegaConf.resolve(cfg)
+    joined = launched_rank_env(os.environ)
+    for line in apply_hf_configs(cfg, cli_keys(HydraConfig.get().overrides.task)):
+        print(f"hcp: {line}")
     if cfg.mode == "plan":
         from hcp.train.plan import run_plan
 
-        validate(cfg, world_size_of(cfg))
-        return run_plan(cfg, run_dir)
-    joined = launched_rank_env(os.environ)
-    world = local_world_size(cfg, joined)
-    check_trainable(cfg, validate(cfg, world))
+        validate(cfg, world_size_of(cfg, resolve_nproc("auto")))
+        print(f"hcp: run directory {run_dir}")
+        plan = run_plan(cfg, run_dir)
+        print(f"hcp: plan written to {run_dir}")
+        return plan
+    if cfg.mode == "calibrate":  # dynamic-CP cost-model profile: hcp/dcp/calibrate.py
+        from hcp.dcp.calibrate import run_calibrate
+
+        validate(cfg, world_size_of(cfg, resolve_nproc("auto")))
+        return run_calibrate(cfg, run_dir)
+    world = local_world_size(cfg, joined, overrides)
+    layouts = validate(cfg, world)
+    if not joined:
+        check_fits_here(cfg, layouts, world, overrides)
+    check_trainable(cfg, layouts)
+    check_slurm(cfg)
+    resume_after_requeue(cfg)
     check_resume(cfg)
+    for line in check_hf_weights(cfg):
+        print(f"hcp: {line}")
+    if cfg.mode == "export":
+        return start_export(cfg, run_dir, joined, world)
     container = OmegaConf.to_container(cfg, resolve=True)
-    if not joined or joined["rank"] == 0:
+    first = _is_first(joined)
+    for line in prepare_data(cfg):
+        if first:
+            print(line)
+    if first:
+        print(f"hcp: run directory {run_dir}", flush=True)
         with open(os.path.join(run_dir, "config_resolved.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(container))
-    for line in prepare_data(cfg):
-        if not joined or joined["rank"] == 0:
-            print(line)
     if joined:
         export_rank_env(joined)
         _rank_entry((container, run_dir))
     else:
         start_local_ranks(_rank_entry, world, (container, run_dir), cfg.launcher.start_method)
+    if first:
+        print(f"hcp: run finished; outputs in {run_dir}", flush=True)
     return None
+
+
+def discard_run_dir(run_dir: str) -> None:
+    """Remove `run_dir` if it holds nothing but Hydra's `.hydra/` (a run that failed before it
+    wrote anything), and then its parents below the working directory that became empty."""
+    try:
+        if not os.path.isdir(run_dir) or set(os.listdir(run_dir)) - {".hydra"}:
+            return
+        shutil.rmtree(run_dir, ignore_errors=True)
+        cwd, parent = os.path.realpath(os.getcwd()), os.path.dirname(os.path.realpath(run_dir))
+        while parent.startswith(cwd + os.sep) and not os.listdir(parent):
+            os.rmdir(parent)
+            parent = os.path.dirname(parent)
+    except OSError:  # another rank of the launch removed it first
+        pass
+
+
+def _task(cfg: DictConfig):
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from hcp.data.llava import DataError
+
+    hydra_cfg = HydraConfig.get()
+    try:
+        return run(cfg, list(hydra_cfg.overrides.task))
+    except (ConfigError, DataError) as e:  # a user error: its message says what to fix
+        joined = launched_rank_env(os.environ)
+        if _is_first(joined):
+            print(f"hcp: error: {e}", file=sys.stderr, flush=True)
+        run_dir = hydra_cfg.runtime.output_dir
+        if hydra_cfg.mode == RunMode.MULTIRUN and cfg.mode == "plan":
+            # a plan sweep goes on and its table (hcp.train.plan_table) shows this layout's error
+            if not os.path.isfile(os.path.join(run_dir, "plan.json")):
+                with open(os.path.join(run_dir, "plan_error.txt"), "w") as f:
+                    f.write(f"{e}\n")
+            return None
+        discard_run_dir(run_dir)
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            raise  # Hydra records the failed job and the sweep goes on
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("hcp: interrupted (resume=auto continues from the last complete checkpoint)",
+              file=sys.stderr)
+        sys.exit(130)
+
+
+def command_line_overrides(argv: list[str]) -> list[str]:
+    """The `key=value` overrides among Hydra's command-line arguments (flags left out)."""
+    return [a for a in argv if "=" in a and not a.startswith("-")]
+
+
+def main() -> None:
+    """`python train.py ...` and the `hcp-train` console command: the same Hydra app, its configs
+    found from the package (`hcp.config.compose.CONF_DIR`) wherever it runs from."""
+    import hydra
+
+    from hcp.config.keys import check_overrides
+    from hcp.config.schema import register
+    from hcp.train.launch import run_name
+
+    try:
+        check_overrides(command_line_overrides(sys.argv[1:]), config_groups())
+    except ConfigError as e:
+        if _is_first(launched_rank_env(os.environ)):
+            print(f"hcp: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    register()
+    if not OmegaConf.has_resolver("hcp_run_name"):
+        OmegaConf.register_new_resolver("hcp_run_name", lambda: run_name(os.environ), use_cache=True)
+    if not OmegaConf.has_resolver("hcp_slurm_tasks"):  # hydra/launcher=submitit_slurm's tasks_per_node
+        from hcp.train.slurm import slurm_tasks
+
+        OmegaConf.register_new_resolver("hcp_slurm_tasks", slurm_tasks)
+    hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(_task)()

@@ -5,6 +5,11 @@ Micro-batches run through `run(batches, head) -> [tensor per micro-batch]` (the 
 `head` is applied on the last stage and its result reaches every stage, so the first stage can
 extend the prompts with the decoded tokens. Every stage builds the same packs from the held-out
 set (deterministic), so the decoding loop runs in lock-step on all ranks.
+
+DP lanes also run in lock-step, whatever their data: under FSDP every forward all-gathers over
+DP x CP, so every call of `run` gets the same number of micro-batches on every lane (a lane
+with fewer, or with no sample at all, is padded with `empty_batch`es), and greedy decoding goes
+on until the last prompt of every lane is done (one all-reduce of the active count per token).
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hcp.data.llava import IGNORE_INDEX
-from hcp.data.packing import collate, first_fit
+from hcp.data.packing import collate, first_fit, pad_micro_batches
 
 
 def _packs(samples, capacity):
@@ -28,7 +33,8 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
     module docstring); `model` is this rank's stage (`LlavaModel`).
 
     Loss sums are reduced over `loss_group` (DP x CP: each CP rank holds part of the tokens),
-    sample counts over `lane_group` (DP).
+    sample counts over `lane_group` (DP), which also keeps the lanes in lock-step (module
+    docstring); `indices` may be empty.
 
     Returns {"eval/loss": token-level mean cross-entropy, "eval/answer_accuracy": fraction of
     samples whose greedy answer (decoded from the prompt until EOS or `max_new_tokens`) equals
@@ -36,12 +42,23 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
     """
     was_training = model.training
     model.eval()
+
+    def lane_max(n: int) -> int:
+        count = torch.tensor([n], dtype=torch.long, device=device)
+        if dist.is_initialized() and lane_group is not None:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=lane_group)
+        return int(count)
+
+    def lockstep(batches, head) -> list:
+        """`run` over as many micro-batches as the fullest lane; this lane's outputs."""
+        return run(pad_micro_batches(batches, lane_max(len(batches)), device), head)[:len(batches)]
+
     samples = [dataset[i] for i in indices]
     loss_sum = torch.zeros(3, dtype=torch.float64)  # loss, tokens, correct
     batches = [collate(pack, [dataset.pixel_values(s) for s in pack], tokenizer.image_token_id).to(device)
                for pack in _packs(samples, capacity)]
-    for out in run(batches, lambda b, h: torch.tensor([float(t) for t in model.loss(b, h)],
-                                                     dtype=torch.float64, device=device)):
+    for out in lockstep(batches, lambda b, h: torch.tensor([float(t) for t in model.loss(b, h)],
+                                                          dtype=torch.float64, device=device)):
         loss_sum[0] += float(out[0])
         loss_sum[1] += float(out[1])
     if not getattr(dataset, "has_answers", False):
@@ -52,13 +69,14 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
     generated = {p.id: [] for p in prompts}
     active = list(prompts)
     for _ in range(max_new_tokens):
-        if not active:
+        if lane_max(len(active)) == 0:  # every lane is done
             break
         still = []
         packs = _packs(active, capacity + max_new_tokens)
         batches = [collate(pack, [dataset.pixel_values(p.src) for p in pack],
                            tokenizer.image_token_id).to(device) for pack in packs]
-        next_tokens = run(batches, lambda b, h: model.logits(b, h)[b.cu_seqlens[1:].long() - 1].argmax(-1))
+        next_tokens = lockstep(batches, lambda b, h: model.logits(b, h)[b.cu_seqlens[1:].long() - 1]
+                               .argmax(-1))
         for pack, toks in zip(packs, next_tokens):
             for p, tok in zip(pack, [int(t) for t in toks.tolist()]):
                 if tok == tokenizer.eos_id:

@@ -14,6 +14,9 @@ Composition with the other parallelisms:
   must be SUMMED over DP x CP, never averaged: the divide factor is 1 and the reduction a sum.
 - PP / gradient accumulation: `StepRunner` turns gradient sync off for every micro-batch but the
   last (`set_requires_gradient_sync`), so each step reduce-scatters once.
+- Unused parameters: a lane whose samples carry no image leaves the encoder and projector out
+  of its graph; every unit reduce-scatters them anyway (zeros there,
+  `set_reduce_scatter_unused_params`), so every rank's reduce-scatter has the same size.
 - bf16: compute runs under autocast (`hcp.train.step`), so parameters, gradients and their
   reduction stay fp32.
 """
@@ -35,6 +38,7 @@ def shard_model(model, groups) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+            module.set_reduce_scatter_unused_params(True)
     for name, p in model.named_parameters():
         if name in specs:
             p.shard_spec = specs[name]

@@ -5,9 +5,9 @@ process is already one of several launched ranks:
 - torchrun / torch elastic: `TORCHELASTIC_RUN_ID` is set, or all of RANK, WORLD_SIZE,
   LOCAL_RANK, MASTER_ADDR and MASTER_PORT are;
 - SLURM: inside an `srun` step with more than one task (`SLURM_STEP_ID` and
-  `SLURM_STEP_NUM_TASKS` > 1 are set; an sbatch batch script has neither, so a plain
-  `python train.py` in an sbatch script starts its own local ranks instead of waiting for
-  N - 1 peers that never come).
+  `SLURM_STEP_NUM_TASKS` > 1 are set, rendezvous at the first host of the node list; an sbatch
+  batch script has neither, so a plain `python train.py` in an sbatch script starts its own
+  local ranks instead of waiting for N - 1 peers that never come).
 Otherwise `train.py` starts `launcher.nproc_per_node` local ranks itself (fork by default:
 ~0.2 s for 8 ranks here, against 12-15 s for spawn; DESIGN.md section 8).
 """
@@ -29,12 +29,14 @@ def launched_rank_env(env: Mapping[str, str]) -> Optional[dict]:
                 "local_rank": int(env["LOCAL_RANK"]), "master_addr": env.get("MASTER_ADDR"),
                 "master_port": env.get("MASTER_PORT")}
     if "SLURM_STEP_ID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
-        # Rendezvous defaults every task derives alike: the node srun ran on, a port from the job id.
-        port = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+        # Rendezvous every task derives alike: the first host of the node list, a port from the
+        # job id (hcp.train.slurm).
+        from hcp.train.slurm import rendezvous_host, rendezvous_port
+
         return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_STEP_NUM_TASKS"]),
                 "local_rank": int(env.get("SLURM_LOCALID", "0")),
-                "master_addr": env.get("MASTER_ADDR", env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1")),
-                "master_port": env.get("MASTER_PORT", str(port))}
+                "master_addr": env.get("MASTER_ADDR", rendezvous_host(env) or "127.0.0.1"),
+                "master_port": env.get("MASTER_PORT", str(rendezvous_port(env)))}
     return None
 
 
@@ -79,20 +81,69 @@ def resolve_nproc(nproc_per_node) -> int:
     return n
 
 
-def local_world_size(cfg, joined: Optional[dict]) -> int:
+def _command(overrides, *extra: str) -> str:
+    return " ".join(["python train.py", *[o for o in overrides if not o.startswith("mode=")], *extra])
+
+
+def local_world_size(cfg, joined: Optional[dict], overrides=()) -> int:
     """Ranks of this launch: the joined launch's world, or the local ranks to start.
 
     Raises:
         ConfigError: `launcher.nnodes` > 1 for a plain `python train.py`, which can start ranks
-            on this machine only (checked before any rank starts).
+            on this machine only (checked before any rank starts); the message offers plan mode
+            and the multi-node launch.
     """
     if joined:
         return joined["world_size"]
     if cfg.launcher.nnodes > 1:
-        raise ConfigError("launcher.nnodes", cfg.launcher.nnodes, "a plain `python train.py` starts "
-                          "ranks on this machine only", "start one process per node with torchrun or "
-                          "srun (each joins the launch), or set launcher.nnodes=1")
+        c = cfg.cluster
+        raise ConfigError("launcher.nnodes", cfg.launcher.nnodes,
+                          f"this config is sized for a cluster ({cfg.launcher.nnodes} nodes x "
+                          f"{cfg.launcher.nproc_per_node} ranks; cluster.* {c.num_nodes} x "
+                          f"{c.gpus_per_node} GPUs of {c.device_memory_gib:g} GiB) and a plain "
+                          "`python train.py` starts ranks on this machine only",
+                          f"plan it here with `{_command(overrides, 'mode=plan')}`, or launch it "
+                          "on the cluster with one process per node joining the ranks, e.g. "
+                          f"`srun --nodes {cfg.launcher.nnodes} --ntasks-per-node "
+                          f"{cfg.launcher.nproc_per_node} {_command(overrides)}` inside an "
+                          "allocation (launchers/README.md)")
     return resolve_nproc(cfg.launcher.nproc_per_node)
+
+
+def machine_memory_gib() -> tuple[float, str, bool]:
+    """(GiB available to ONE rank's model state, what it is, whether ranks share it): the first
+    CUDA device's memory, else this machine's physical memory (shared by all local ranks)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 2**30, "GPU memory", False
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, "memory", True
+
+
+def check_fits_here(cfg, layouts: dict, world: int, overrides=(), memory=None) -> None:
+    """Before local ranks start: the estimated memory of the run (plan mode's per-rank estimate,
+    `hcp.train.memory`) must fit this machine, else one error that offers plan mode and the
+    cluster launch. `memory` overrides `machine_memory_gib()` (tests).
+
+    Raises:
+        ConfigError: the local ranks would need more memory than this machine has.
+    """
+    from hcp.train.plan import memory_per_rank
+
+    gib, what, shared = memory or machine_memory_gib()
+    per_rank = [r["total"] for r in memory_per_rank(cfg, layouts, world)]
+    need = sum(per_rank) if shared else max(per_rank)
+    if need <= gib:
+        return
+    c = cfg.cluster
+    raise ConfigError("launcher.nproc_per_node", cfg.launcher.nproc_per_node,
+                      f"{world} local ranks need an estimated {need:.1f} GiB "
+                      f"({'in all' if shared else 'on the largest rank'}), more than this machine's "
+                      f"{gib:.1f} GiB of {what}: this config is sized for a cluster "
+                      f"(cluster.* {c.num_nodes} x {c.gpus_per_node} GPUs of {c.device_memory_gib:g} GiB)",
+                      f"plan it here with `{_command(overrides, 'mode=plan')}`, or launch it on "
+                      "the cluster with one process per node joining the ranks (srun or torchrun, "
+                      "launchers/README.md)")
 
 
 def free_port() -> int:

@@ -9,25 +9,67 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 
 from tqdm import tqdm
 
+from hcp.train.throughput import step_metrics
+
+
+def whole_step_metrics(llm_cfg, counts: list[float], t0: float, times, device) -> dict:
+    """`tokens_per_s`, `step_time_s` and `hcp.train.throughput.step_metrics` of a step that
+    started at `time.perf_counter() == t0`, timed AFTER the metrics' own collectives (peak
+    memory, bubble), so the figures cover the whole step. A collective over the world.
+
+    counts: [global loss tokens, global tokens, global sum of squared document lengths]."""
+    per_second = step_metrics(llm_cfg, counts, 1.0, times, device)  # TFLOP per GPU over 1 s
+    dt = time.perf_counter() - t0
+    return {**per_second, "tokens_per_s": counts[1] / dt, "step_time_s": dt,
+            "tflops_per_gpu": per_second["tflops_per_gpu"] / dt}
+
+
+CONSOLE = (("loss", "loss", "{:.4f}"), ("lr", "lr", "{:.3e}"), ("grad_norm", "grad_norm", "{:.3f}"),
+           ("tokens_per_s", "tokens/s", "{:,.0f}"), ("step_time_s", "step_time", "{:.3f}s"),
+           ("peak_memory_gib", "mem", "{:.2f}GiB"))
+"""Per-step console fields: metrics key, label, format."""
+
+
+def step_line(step: int, max_steps: int, metrics: dict) -> str:
+    """One plain console line of a logged step: `step 10/300 | loss 2.3456 | lr 5.000e-04 | ...`,
+    then any evaluation metrics of that step."""
+    parts = [f"step {step}/{max_steps}"]
+    parts += [f"{label} {fmt.format(metrics[k])}" for k, label, fmt in CONSOLE if k in metrics]
+    parts += [f"{k} {v:.4g}" for k, v in metrics.items() if k.startswith("eval/")]
+    return " | ".join(parts)
+
 
 class RunLogger:
-    """Writes `metrics.jsonl` (one JSON object per logged step), `summary.json`, a tqdm bar,
-    and mirrors both to wandb when `logger.name=wandb`."""
+    """Writes `metrics.jsonl` (one JSON object per logged step), `summary.json` and the console
+    progress, and mirrors them to wandb when `logger.name=wandb`.
+
+    Console: a tqdm bar when stdout is a terminal and `trainer.progress_bar` is true; otherwise
+    (a SLURM `.out` file, a pipe) one plain line per logged step (`step_line`), every
+    `trainer.log_every` steps. An offline wandb run says so at the start, and `finish` prints
+    its `wandb sync` command.
+    """
 
     def __init__(self, run_dir: str, cfg, max_steps: int, start_step: int = 0):
-        self.run_dir = run_dir
+        self.run_dir, self.max_steps = run_dir, max_steps
         os.makedirs(run_dir, exist_ok=True)
         # A resumed run continues its metrics.jsonl; a fresh run in the same folder replaces it.
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a" if start_step else "w")
-        # Not a terminal (a SLURM log): redraw rarely instead of a carriage return per step.
+        self.plain = not (cfg.trainer.progress_bar and sys.stdout.isatty())
         self._bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True,
-                         disable=not cfg.trainer.progress_bar, file=sys.stdout,
-                         mininterval=0.1 if sys.stdout.isatty() else 30.0)
+                         disable=self.plain, file=sys.stdout, mininterval=0.1)
         self._wandb = self._init_wandb(cfg) if cfg.logger.name == "wandb" else None
+        self.sync_dir = None
+        if self._wandb is not None and (cfg.logger.mode == "offline"
+                                        or getattr(self._wandb.settings, "_offline", False)):
+            self.sync_dir = (getattr(self._wandb.settings, "sync_dir", None)  # wandb/offline-run-*
+                             or os.path.dirname(self._wandb.dir.rstrip(os.sep)))
+            self.write(f"wandb: offline (logger.mode=offline; WANDB_MODE=online to stream); "
+                       f"the run is stored in {self.sync_dir}")
 
     def _init_wandb(self, cfg):
         try:
@@ -50,18 +92,25 @@ class RunLogger:
         self._metrics.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
-        self._bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()
-                               if k in ("loss", "lr", "tokens_per_s", "eval/answer_accuracy")})
+        if self.plain:
+            if metrics:
+                print(step_line(step, self.max_steps, metrics), flush=True)
+        else:
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()
+                                   if k in ("loss", "lr", "tokens_per_s", "eval/answer_accuracy")})
 
     def advance(self, steps: int = 1) -> None:
         self._bar.update(steps)
 
     def write(self, text: str) -> None:
         """Print a line without breaking the progress bar."""
-        self._bar.write(text)
+        if self.plain:
+            print(text, flush=True)
+        else:
+            self._bar.write(text)
 
     def finish(self, summary: dict) -> None:
-        """Write summary.json, print it, close wandb."""
+        """Write summary.json, print it, close wandb (an offline run: print its sync command)."""
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         self._bar.close()
@@ -73,3 +122,5 @@ class RunLogger:
                 self._wandb.finish()
             except Exception as e:  # noqa: BLE001
                 warnings.warn(f"wandb finish failed: {e}")
+        if self.sync_dir is not None:
+            print(f"wandb: offline run; upload it with: wandb sync {self.sync_dir}", flush=True)

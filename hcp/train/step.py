@@ -6,15 +6,25 @@ with one all-reduce over the first stage's DP group before any forward pass, so 
 over DP x CP equal the single-process gradient of the same global batch.
 
 Pipeline: the first stage holds the data; it broadcasts [number of micro-batches, global loss
-tokens, global tokens] over the `pp` group (the number may change every step), and each
-micro-batch's shapes and metadata travel with its activations (`hcp.comm.p2p`). Every step runs
-the 1F1B schedule (`hcp.schedule.pipeline`; with pp = 1 it is plain gradient accumulation). Only
-the last stage computes the loss; the reported loss is reduced over DP x CP there and then
-shared with every stage.
+tokens, global tokens] over the `pp` group (the number may change every step), then every
+micro-batch's metadata (`_metas`, `hcp.comm.p2p.broadcast_metas`), so every point-to-point
+receive of the schedule has a known shape and each schedule step's sends and receives are posted
+together. Activations and their gradients travel in the compute dtype (bf16 under
+`precision=bf16`). Every step runs the 1F1B schedule (`hcp.schedule.pipeline`; with pp = 1 it is
+plain gradient accumulation). Only the last stage computes the loss; the reported loss is
+reduced over DP x CP there and then shared with every stage.
 
 Gradient sync: plain DP sums the flat gradients over DP x CP after the schedule; under FSDP
 (`sharded=True`, the model is `fully_shard`-ed by `hcp.train.fsdp`) the reduce-scatter runs in
 the last micro-batch's backward and nothing is summed here.
+
+Uneven data, same collectives on every rank: under FSDP each micro-batch's forward and backward
+all-gather over DP x CP, so a lane that packs fewer micro-batches than another is padded with
+empty ones (`hcp.data.packing.pad_micro_batches`: zero loss, tokens and gradient); the per-lane
+counts come from the step's one DP all-reduce (the step plan will compute them locally). Every
+trainable parameter joins the gradient reduction, with zeros where a lane got no gradient (a
+text-only lane leaves the encoder and projector out of its graph); when no lane had an image,
+the encoder and projector get no gradient at all, as in one process.
 """
 from __future__ import annotations
 
@@ -25,8 +35,9 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
-from hcp.comm.p2p import StageLink
-from hcp.model.collectives import group_size
+from hcp.comm.p2p import StageLink, StageMeta, broadcast_metas
+from hcp.data.packing import pad_micro_batches
+from hcp.model.collectives import group_rank, group_size
 from hcp.schedule.pipeline import StageTimes, forward_only, one_f_one_b
 
 
@@ -50,39 +61,67 @@ class StepRunner:
         self.first_rank, self.last_rank = pp_ranks[0], pp_ranks[-1]
         self.link = StageLink(pp_ranks, self.stage.index, device, self.pp_group)
         self.precision = precision
+        self.wire_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
 
     def _autocast(self):
         if self.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _stage(self, batch, x, head=None):
+        """This stage's model forward under autocast. The activation travels in the compute
+        dtype (`wire_dtype`); a received one is widened back to the parameters' fp32, so the
+        residual stream keeps the precision it has without pipeline stages."""
+        with self._autocast():
+            out = self.model(batch, None if x is None else x.float(), head)
+        return out if self.stage.last else out.to(self.wire_dtype)
+
+    def _act_spec(self, meta) -> tuple[tuple[int, int], torch.dtype]:
+        """(shape, dtype) of the activation a stage sends for micro-batch `meta`."""
+        return self.model.residual_shape(meta), self.wire_dtype
+
+    def _metas(self, batches, n_micro: int) -> list:
+        """Every micro-batch's `StageMeta` on every stage (from the first stage). The step plan
+        will compute them locally on each rank instead: this is the one place to change."""
+        if self.stage.num_stages == 1:
+            return [StageMeta.of(b) for b in batches]
+        return broadcast_metas(batches, n_micro, self.pp_group, self.first_rank, self.device)
+
     def _counts(self, batches) -> torch.Tensor:
-        """[micro-batches of this lane, global loss tokens, global tokens, global sum of squared
-        document lengths] (float64), from the first stage to every stage."""
-        counts = torch.zeros(4, dtype=torch.float64, device=self.device)
+        """[micro-batches per lane, global loss tokens, global tokens, global sum of squared
+        document lengths, global images, then each DP lane's micro-batches] (float64), from the
+        first stage to every stage. One all-reduce over DP: each lane writes its own count in
+        its own slot. Under FSDP every lane runs the largest count (`pad_micro_batches`)."""
+        lanes = group_size(self.dp_group)
+        counts = torch.zeros(5 + lanes, dtype=torch.float64, device=self.device)
         if self.stage.first:
             counts[1] = sum(int((b.labels != -100).sum()) for b in batches)
             counts[2] = sum(b.labels.numel() for b in batches)
             counts[3] = sum(float((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).double().pow(2).sum())
                             for b in batches)
+            counts[4] = sum(0 if b.pixel_values is None else b.pixel_values.shape[0] for b in batches)
+            counts[5 + group_rank(self.dp_group)] = len(batches)
             dist.all_reduce(counts, group=self.dp_group)  # whole micro-batches: once per lane
-            counts[0] = len(batches)
+            counts[0] = counts[5:].max() if self.sharded else len(batches)
         if self.stage.num_stages > 1:
             dist.broadcast(counts, self.first_rank, group=self.pp_group)
         return counts
 
-    def forward_backward(self, batches) -> tuple[float, list[float], int, StageTimes]:
+    def forward_backward(self, batches, metas=None) -> tuple[float, list[float], int, StageTimes]:
         """Gradients of the token-level loss of this lane's micro-batches `batches` (first
-        stage; None elsewhere), synchronized over DP x CP. Returns (global loss, [global loss
-        tokens, global tokens], micro-batches per lane, this stage's timings)."""
+        stage; None elsewhere), synchronized over DP x CP. `metas`: every micro-batch's
+        `StageMeta` when the caller knows them (the step plan), else broadcast from the first
+        stage. Returns (global loss, [global loss tokens, global tokens, global sum of squared document lengths], micro-batches run
+        per lane (padded under FSDP), this stage's timings)."""
         counts = self._counts(batches)
         n_micro, global_tokens = int(counts[0]), counts[1].item()
+        if self.stage.first:  # FSDP: a lane with fewer micro-batches still joins every collective
+            batches = pad_micro_batches(batches, n_micro, self.device)
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
 
         def forward(batch, x):
             nonlocal loss_total
-            with self._autocast():
-                out = self.model(batch, x)
+            out = self._stage(batch, x)
             if not self.stage.last:
                 return out
             loss_sum = out[0]
@@ -91,11 +130,14 @@ class StepRunner:
 
         sync = self.model.set_requires_gradient_sync if self.sharded else None
         times = one_f_one_b(forward, self.link, self.stage.index, self.stage.num_stages, batches,
-                            n_micro, sync)
+                            metas if metas is not None else self._metas(batches, n_micro),
+                            self._act_spec, sync)
         if not self.sharded:
             self._sync_grads()
+        if counts[4] == 0:
+            self._drop_unused_image_grads()
         loss = self._share_loss(loss_total)
-        return loss / global_tokens, counts[1:].tolist(), n_micro, times
+        return loss / global_tokens, counts[1:4].tolist(), n_micro, times
 
     def _share_loss(self, loss_total: torch.Tensor) -> float:
         """Sum over DP x CP on the last stage (each CP rank holds part of the loss), then give
@@ -107,24 +149,39 @@ class StepRunner:
 
     def _sync_grads(self) -> None:
         """Sum gradients over DP x CP in one flat buffer (each already scaled by 1/global
-        tokens). Never over TP: TP shards are distinct, TP replicas already hold full grads."""
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if group_size(self.grad_group) > 1 and grads:
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=self.grad_group)
-            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(synced)
+        tokens). Every parameter that requires grad joins, with zeros where this rank got no
+        gradient (a lane without images leaves the encoder and projector out of its graph), so
+        the buffers are the same on every rank; frozen parameters stay out on every rank.
+        Never over TP: TP shards are distinct, TP replicas already hold full grads."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if group_size(self.grad_group) == 1 or not params:
+            return
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.grad_group)
+        for p, synced in zip(params, _unflatten_dense_tensors(flat, grads)):
+            if p.grad is None:
+                p.grad = synced
+            else:
+                p.grad.copy_(synced)
+
+    def _drop_unused_image_grads(self) -> None:
+        """No image anywhere in the global batch: the encoder and projector got no gradient on
+        any rank (only the zeros of `_sync_grads`, or FSDP's reduce-scatter of unused
+        parameters). Set them to None, as in one process, so AdamW leaves them untouched."""
+        for name in ("vision", "projector"):
+            module = getattr(self.model, name, None)
+            for p in module.parameters() if module is not None else ():
+                p.grad = None
 
     def forward_outputs(self, batches, head) -> list:
         """Evaluation through the pipeline: `head(batch, hidden)` of every micro-batch, computed
         on the last stage and broadcast to every stage (a tensor each). Every stage passes the
-        same `batches` (only the first stage's are read; the others get their metadata by P2P)."""
-        def forward(batch, x):
-            with self._autocast():
-                return self.model(batch, x, head)
-
-        outs = forward_only(forward, self.link, self.stage.index, self.stage.num_stages,
-                            batches, len(batches))
+        same number of `batches`; the first stage's are the ones run (the others get their
+        metadata from it, as in training)."""
+        metas = self._metas(batches if self.stage.first else None, len(batches))
+        outs = forward_only(lambda batch, x: self._stage(batch, x, head), self.link,
+                            self.stage.index, self.stage.num_stages, batches, metas, self._act_spec)
         if self.stage.num_stages == 1:
             return outs
         shared = []

@@ -1,12 +1,8 @@
 """Per-step throughput metrics: model FLOPs, TFLOPS/GPU, peak memory, pipeline bubble.
 
-Model FLOPs (DESIGN.md section 5) count the REAL tokens of the global batch through the LLM
-decoder and its LM head, 3 x forward (backward = 2 x forward); activation recompute is NOT
-counted (it is extra work, not model progress), CP/SP padding is not counted, the vision encoder
-and projector are not counted (small next to the decoder in LLaVA). Per layer, forward:
-`2 * T * P_layer` for the matrix multiplies (P_layer = q, k, v, o and the SwiGLU weights) plus
-`2 * h * sum_i L_i^2` for causal attention scores and values over the documents' lengths L_i
-(ragged: each document attends only to itself); plus `2 * T * h * V` for the LM head.
+Model FLOPs: hcp/model/flops.py (the one implementation; DESIGN.md section 5): the REAL
+tokens of the global batch through the LLM decoder and its LM head, 3 x forward, ragged causal
+attention; recompute, padding and the vision encoder are not counted.
 A ratio of TFLOPS for the same batch is the inverse ratio of step time.
 """
 from __future__ import annotations
@@ -16,15 +12,7 @@ import resource
 import torch
 import torch.distributed as dist
 
-
-def model_flops(llm_cfg, tokens: float, sum_sq_lengths: float) -> float:
-    """Training FLOPs (3 x forward) of `tokens` real tokens whose documents have
-    sum of squared lengths `sum_sq_lengths` (tokens^2)."""
-    h, f, v = llm_cfg.hidden_size, llm_cfg.ffn_hidden_size, llm_cfg.vocab_size
-    kv = h * llm_cfg.num_kv_heads // llm_cfg.num_heads
-    layer_params = 2 * h * h + 2 * h * kv + 3 * h * f          # q, o; k, v; gate, up, down
-    layer = 2 * tokens * layer_params + 2 * h * sum_sq_lengths
-    return 3.0 * (llm_cfg.num_layers * layer + 2 * tokens * h * v)
+from hcp.model.flops import model_flops
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -1,0 +1,108 @@
+"""Colocated boundary communicator (DESIGN.md 4.2): moves rows between the ranks of one group by
+a routing table (`hcp.parallel.routing.RankRoute`) with one `all_to_all_single` per direction.
+
+Forward: rank r sends `src[send_index]` (`send_splits[j]` rows to group rank j), receives
+`recv_splits` rows and scatters them into a destination tensor `[dst_rows, H]` at `recv_index`.
+Backward: each received row whose `grad_owner` is True sends its gradient back to the rank it
+came from (so a row delivered to several replicas of one destination shard, e.g. the LLM's TP
+ranks, returns its gradient once); the source sums what comes back into its rows
+(`index_add_` at the `send_index` entries whose `grad_returns` is True). Rows no route sends get
+a zero gradient.
+
+`all_to_all_single` with uneven splits runs on gloo and NCCL (the list form `all_to_all` with
+uneven sizes fails on gloo, DESIGN.md section 8). Both directions are collectives over the whole
+group: every rank of the group must call them, in the same order, also ranks that send and
+receive nothing (their tensors have 0 rows but the same hidden size H and dtype). That is why the
+two directions are also exposed as plain functions (`route_forward`, `route_backward`): a
+schedule that holds the destination rows as a leaf (the colocated three-phase schedule) calls
+them explicitly, so the backward collective runs on every rank even where autograd would skip
+it (a rank whose source tensor does not require grad).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hcp.parallel.routing import RankRoute
+
+
+@dataclass
+class RouteBytes:
+    """Bytes this rank sent through boundary routes, per direction (rows sent to itself
+    included: `all_to_all_single` copies them too). Summed over the group's ranks they compare
+    with `hcp.parallel.routing.min_route_rows` times H times the element size."""
+
+    forward: int = 0
+    backward: int = 0
+
+
+def _index(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _exchange(send: torch.Tensor, send_splits, recv_splits, group) -> torch.Tensor:
+    """One all_to_all_single: send [sum(send_splits), H] -> received [sum(recv_splits), H]."""
+    recv = send.new_empty(sum(recv_splits), send.shape[1])
+    dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=list(recv_splits),
+                           input_split_sizes=list(send_splits), group=group)
+    return recv
+
+
+def route_forward(src: torch.Tensor, route: RankRoute, group=None,
+                  counter: RouteBytes | None = None) -> torch.Tensor:
+    """Forward move, no autograd: src [rows, H] -> dst [route.dst_rows, H] (zeros where no row
+    arrives). Every rank of `group` must call it. Raises ValueError when src is not 2-D or the
+    route indexes rows src does not have."""
+    if src.dim() != 2:
+        raise ValueError(f"route_forward: src must be [rows, H], got {list(src.shape)}")
+    if route.send_index and max(route.send_index) >= src.shape[0]:
+        raise ValueError(f"route_forward: the route sends row {max(route.send_index)} but src "
+                         f"has {src.shape[0]} rows")
+    send = src.index_select(0, _index(route.send_index, src.device))
+    recv = _exchange(send, route.send_splits, route.recv_splits, group)
+    if counter is not None:
+        counter.forward += send.numel() * send.element_size()
+    dst = src.new_zeros(route.dst_rows, src.shape[1])
+    return dst.index_copy_(0, _index(route.recv_index, src.device), recv)
+
+
+def route_backward(grad_dst: torch.Tensor, route: RankRoute, src_rows: int, group=None,
+                   counter: RouteBytes | None = None) -> torch.Tensor:
+    """Backward move, no autograd: the destination's gradient [route.dst_rows, H] -> the
+    gradient of the source tensor [src_rows, H] (the sum of what each destination shard
+    returned for each row; zeros for rows sent nowhere). Every rank of `group` must call it."""
+    device = grad_dst.device
+    received = grad_dst.index_select(0, _index(route.recv_index, device))
+    send = received[torch.tensor(route.grad_owner, dtype=torch.bool, device=device)]
+    back = _exchange(send, route.grad_send_splits, route.grad_recv_splits, group)
+    if counter is not None:
+        counter.backward += send.numel() * send.element_size()
+    returns = torch.tensor(route.grad_returns, dtype=torch.bool, device=device)
+    index = _index(route.send_index, device)[returns]
+    return grad_dst.new_zeros(src_rows, grad_dst.shape[1]).index_add_(0, index, back)
+
+
+class _Route(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, src, route, group, counter):
+        ctx.route, ctx.group, ctx.counter, ctx.rows = route, group, counter, src.shape[0]
+        return route_forward(src, route, group, counter)
+
+    @staticmethod
+    def backward(ctx, grad_dst):
+        grad = route_backward(grad_dst.contiguous(), ctx.route, ctx.rows, ctx.group, ctx.counter)
+        return grad, None, None, None
+
+
+def route_rows(src: torch.Tensor, route: RankRoute, group=None,
+               counter: RouteBytes | None = None) -> torch.Tensor:
+    """Differentiable row move: src [rows, H] -> dst [route.dst_rows, H]; backward returns to
+    each source row the gradients of its deliveries (once per destination shard).
+
+    Autograd runs the backward collective only where the output's graph reaches it: use it
+    when every rank of `group` differentiates through its output (e.g. every rank's src requires
+    grad), otherwise call `route_forward` / `route_backward` explicitly.
+    """
+    return _Route.apply(src, route, group, counter)

@@ -1,0 +1,18 @@
+"""Named options that several layers check: defined once here (config is the top layer, so the
+model and training code import these, never the other way round)."""
+from __future__ import annotations
+
+OPTIMIZERS = ("adamw",)
+"""`optim.name` values (hcp.train.optim)."""
+PROJECTOR_TYPES = ("mlp2x_gelu", "linear")
+"""`projector.type` values (hcp.model.projector)."""
+ATTENTION_BACKENDS = ("auto", "torch", "te", "flash")
+"""`llm.attention_backend` values (hcp.model.backends)."""
+BACKEND_MODULES = {
+    "te": ("transformer_engine.pytorch", "pip install --no-build-isolation 'transformer_engine[pytorch]' "
+                                         "on a CUDA machine (NVIDIA's package)"),
+    "flash": ("flash_attn", "pip install flash-attn --no-build-isolation on a CUDA machine"),
+}
+"""Optional GPU attention backends: name -> (module to import, how to install it)."""
+CP_BACKENDS = ("auto", "torch")
+"""Backends that run context parallelism (CP > 1) today: `auto` falls back to `torch` under CP."""

@@ -1,0 +1,105 @@
+"""Unknown config keys: fail naming the closest known key, with or without Hydra's `+`.
+
+Hydra's structured config rejects `trainer.max_step=10` itself, but its hint (`+trainer.max_step=10`)
+adds the key past the schema and the run trains with the typo ignored. Two checks close both paths:
+`check_overrides` reads the command line before Hydra composes (so the typo's message names
+the closest key instead of Hydra's `+` hint) and `check_known_keys` walks the composed config
+against the schema (a key added with `+`, or by a YAML file, that no field declares).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+
+from hcp.config.errors import ConfigError
+from hcp.config.schema import HCPConfig
+
+
+def _dataclass_of(tp):
+    """The dataclass inside `tp` (`Optional[X]`, `X`), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _fields(cls) -> dict:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def known_keys(cls=HCPConfig, prefix: str = "") -> list[str]:
+    """Every dotted key the schema declares, nested sections included (`trainer.max_steps`)."""
+    keys = []
+    for name, tp in _fields(cls).items():
+        keys.append(prefix + name)
+        sub = _dataclass_of(tp)
+        if sub is not None:
+            keys += known_keys(sub, f"{prefix}{name}.")
+    return keys
+
+
+def _unknown(key: str, value) -> ConfigError:
+    close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.6)
+    if not close:  # compare the last part with the section's own keys
+        section, _, leaf = key.rpartition(".")
+        siblings = [k for k in known_keys() if k.rpartition(".")[0] == section]
+        close = [k for k in siblings if k.rpartition(".")[2] in difflib.get_close_matches(
+            leaf, [s.rpartition(".")[2] for s in siblings], n=1, cutoff=0.5)]
+    fix = f"did you mean `{close[0]}`?" if close else "see hcp/config/schema.py for the keys"
+    return ConfigError(key, value, "no such config key (a `+` does not make it one)", fix)
+
+
+def lookup(key: str, value=None):
+    """The schema field type of dotted `key`, or raise ConfigError naming the closest key.
+
+    A key below a field that is not a dataclass (a list index, `launcher.nproc_per_node`) is
+    left to Hydra's own type checks."""
+    cls, parts = HCPConfig, key.split(".")
+    for i, part in enumerate(parts):
+        fields = _fields(cls)
+        if part not in fields:
+            raise _unknown(key, value)
+        sub = _dataclass_of(fields[part])
+        if sub is None:
+            return fields[part]
+        if i == len(parts) - 1:
+            return sub
+        cls = sub
+    return cls
+
+
+def check_known_keys(cfg, cls=HCPConfig, prefix: str = "") -> None:
+    """Raise ConfigError for any key of the composed `cfg` the schema does not declare."""
+    fields = _fields(cls)
+    for key in cfg:
+        value = cfg._get_node(key)
+        if key not in fields:
+            raise _unknown(prefix + str(key), value._value() if hasattr(value, "_value") else value)
+        sub = _dataclass_of(fields[key])
+        if sub is not None and hasattr(value, "keys") and not value._is_none():
+            check_known_keys(value, sub, f"{prefix}{key}.")
+
+
+def check_overrides(overrides: list[str], config_groups: set[str]) -> None:
+    """Check the keys of command-line overrides (`a.b=1`, `+a.b=1`, `++a.b=1`, `~a.b`) against
+    the schema before Hydra composes. Group choices (`data=llava_json`, `+recipe=x`, `hydra/...`)
+    and Hydra's own keys (`hydra.*`) are left to Hydra.
+
+    Raises:
+        ConfigError: an override names a key no schema field declares (the fix names the closest).
+    """
+    for raw in overrides:
+        key, _, value = raw.lstrip("~+").partition("=")
+        key = key.strip()
+        if key.startswith("@"):
+            continue
+        key = key.split("@", 1)[0]
+        if not key or key == "hydra" or key.startswith(("hydra.", "hydra/")) or "/" in key:
+            continue
+        if key in config_groups:
+            continue
+        lookup(key, value)

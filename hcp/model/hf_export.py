@@ -1,0 +1,187 @@
+"""`mode=export export.dir=OUT`: the model as the run would start it (random init, `init_from`,
+`init_from_checkpoint` or the checkpoint `resume` names) written as Hugging Face checkpoints:
+
+    OUT/llm/              LlamaForCausalLM (config.json, safetensors; one shard per pipeline stage
+                          with model.safetensors.index.json when pp > 1)
+    OUT/vision/           CLIPVisionModel (`vision_model.` names, transformers 4.x and 5.x load it)
+    OUT/mm_projector.bin  the projector in LLaVA-1.5's names (`model.mm_projector.0.weight`, ...
+                          for mlp2x_gelu, `model.mm_projector.weight` for linear), as LLaVA's
+                          `--pretrain_mm_mlp_adapter` reads it
+
+Every rank of the layout builds its part of the model; FSDP shards are gathered over DP x CP and
+TP slices over TP (collectives in parameter order, the same on every rank of a stage); the
+first DP x CP x TP rank of each pipeline stage writes that stage's shard and rank 0 the index and
+configs. Tensors a vision checkpoint holds that the model does not (blocks after `select_layer`,
+`post_layernorm`) are copied through from `vision.init_from` unchanged.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from hcp.model import hf_clip, hf_llama
+from hcp.model.hf_io import DTYPES, INDEX, HFCheckpoint, Source, write_folder
+
+PROJECTOR_NAMES = {"fc1": "model.mm_projector.0", "fc2": "model.mm_projector.2", "fc": "model.mm_projector"}
+"""Our projector submodules -> LLaVA-1.5's names (nn.Sequential(Linear, GELU, Linear))."""
+
+
+def _whole(param, tp_group) -> torch.Tensor:
+    """The unsharded tensor of a parameter: FSDP shards gathered, then TP slices (collectives)."""
+    t = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+    spec = getattr(param, "shard_spec", None)
+    if spec is None or spec.world == 1:
+        return t
+    if tp_group is None:
+        raise ValueError("export: a TP-sharded parameter whose module names no TP group")
+    parts = [torch.empty_like(t) for _ in range(spec.world)]
+    dist.all_gather(parts, t.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=spec.dim)
+
+
+def _dtype(cfg, m: str) -> torch.dtype:
+    name = cfg.export.dtype
+    if name == "auto":
+        name = HFCheckpoint(cfg[m].init_from).dtype() if cfg[m].get("init_from") else "float32"
+    return DTYPES[name]
+
+
+def module_tensors(model, cfg, m: str) -> dict[str, torch.Tensor]:
+    """This stage's whole tensors of module `m` under their transformers names, in the export
+    dtype (a collective over the module's TP and DP x CP groups)."""
+    module = getattr(model, m, None)
+    if module is None:
+        return {}
+    names = hf_llama.hf_names(cfg.llm) if m == "llm" else hf_clip.hf_names(cfg.vision)
+    tp_group = getattr(module, "tp_group", None)
+    dtype = _dtype(cfg, m)
+    out = {}
+    for name, p in module.named_parameters():
+        t = _whole(p, tp_group).to("cpu", dtype)
+        out[names[name]] = t.reshape(t.shape[0], cfg.vision.num_channels, cfg.vision.patch_size,
+                                     cfg.vision.patch_size) if name == "patch_embed.weight" else t
+    return out
+
+
+def projector_tensors(model) -> dict[str, torch.Tensor]:
+    """The projector's tensors in LLaVA-1.5's names (first stage only; replicated, no collective)."""
+    if getattr(model, "projector", None) is None:
+        return {}
+    return {f"{PROJECTOR_NAMES[n.split('.')[0]]}.{n.split('.')[1]}": p.detach().cpu().float().clone()
+            for n, p in model.projector.named_parameters()}
+
+
+def _vision_passthrough(cfg) -> tuple[dict[str, torch.Tensor], int]:
+    """Tensors of `vision.init_from` the model does not hold (after select_layer), and the
+    checkpoint's block count; ({}, built blocks) without init_from."""
+    if not cfg.vision.get("init_from"):
+        return {}, hf_clip.used_blocks(cfg.vision)
+    ckpt = HFCheckpoint(cfg.vision.init_from)
+    p = hf_clip.prefix_of(ckpt.files)
+    keep = [k for k, why in hf_clip.ignored(cfg.vision, ckpt.keys()).items() if why == "after select_layer"]
+    return ({hf_clip.PREFIX + k[len(p):]: ckpt.read(Source(k)) for k in keep}, cfg.vision.num_layers)
+
+
+def export(model, cfg, out: str, stage, writer: bool) -> list[str]:
+    """Write `out` (see the module docstring) from every rank's part of `model`. `stage` is this
+    rank's `StageSpec`; `writer` is True on one rank per pipeline stage. Returns the files written
+    (on rank 0: all of them)."""
+    llm = module_tensors(model, cfg, "llm")
+    vision = module_tensors(model, cfg, "vision") if cfg.get("vision") is not None else {}
+    name = (f"model-{stage.index + 1:05d}-of-{stage.num_stages:05d}.safetensors"
+            if stage.num_stages > 1 else "model.safetensors")
+    if writer:
+        write_folder(os.path.join(out, "llm"), name, llm, hf_llama.hf_config(cfg.llm, str(
+            _dtype(cfg, "llm")).removeprefix("torch.")))
+        if stage.first and vision:
+            extra, layers = _vision_passthrough(cfg)
+            vcfg = hf_clip.hf_config(cfg.vision, str(_dtype(cfg, "vision")).removeprefix("torch."))
+            vcfg["num_hidden_layers"] = layers
+            write_folder(os.path.join(out, "vision"), "model.safetensors", {
+                **vision, **{k: t.to(_dtype(cfg, "vision")) for k, t in extra.items()}}, vcfg)
+        if stage.first and getattr(model, "projector", None) is not None:
+            torch.save(projector_tensors(model), os.path.join(out, "mm_projector.bin"))
+    shards = [None] * dist.get_world_size()
+    dist.all_gather_object(shards, (name, sorted(llm), sum(t.numel() * t.element_size()
+                                                         for t in llm.values())) if writer else None)
+    files = sorted({s[0] for s in shards if s})
+    if dist.get_rank() == 0 and len(files) > 1:
+        index = {"metadata": {"total_size": sum(s[2] for s in {s[0]: s for s in shards if s}.values())},
+                 "weight_map": {k: s[0] for s in shards if s for k in s[1]}}
+        with open(os.path.join(out, "llm", INDEX), "w") as f:
+            json.dump(index, f, indent=2)
+    dist.barrier()
+    return [os.path.join(out, "llm", f) for f in files]
+
+
+def start_export(cfg, run_dir: str, joined, world: int) -> None:
+    """`mode=export` in the launching process: check `export.dir`, then run `run_export_rank`
+    on this launch's ranks (joined, or started locally like training's).
+
+    Raises:
+        ConfigError: no `export.dir`.
+    """
+    from omegaconf import OmegaConf
+
+    from hcp.config.errors import ConfigError
+    from hcp.train.launch import export_rank_env, start_local_ranks
+
+    if not cfg.export.dir:
+        raise ConfigError("export.dir", cfg.export.dir, "mode=export needs a folder to write",
+                          "add export.dir=OUT")
+    payload = (OmegaConf.to_container(cfg, resolve=True), run_dir)
+    if joined:
+        export_rank_env(joined)
+        _export_entry(payload)
+    else:
+        start_local_ranks(_export_entry, world, payload, cfg.launcher.start_method)
+
+
+def _export_entry(payload) -> None:
+    from omegaconf import OmegaConf
+
+    container, run_dir = payload
+    run_export_rank(OmegaConf.create(container), run_dir)
+
+
+def run_export_rank(cfg, run_dir: str) -> None:
+    """One rank of `mode=export`: build this rank's part of the model as training would start
+    it (init, `init_from`, then the weights of `init_from_checkpoint` or of the checkpoint
+    `resume` names), then `export`."""
+    from hcp.config.layouts import resolve_layouts
+    from hcp.model import LlavaModel, init_parameters
+    from hcp.model.hf_load import load_pretrained
+    from hcp.model.stage import StageSpec
+    from hcp.parallel.groups import ProcessGroupRegistry
+    from hcp.train import checkpoint
+    from hcp.train.distributed import init_distributed
+
+    device = init_distributed(cfg.launcher)
+    try:
+        rank = dist.get_rank()
+        llm = resolve_layouts(cfg, dist.get_world_size())["llm"]
+        groups = ProcessGroupRegistry(resolve_layouts(cfg, dist.get_world_size()))
+        coords = groups.grids["llm"].coords(rank)
+        stage = StageSpec.of(llm.pp_layers, coords["pp"])
+        tp_group = groups.group("llm", "tp") if llm.tp > 1 else None
+        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=tp_group, stage=stage,
+                           cp_group=groups.group("llm", "cp") if llm.cp > 1 else None)
+        init_parameters(model, cfg.seed)
+        load_pretrained(model, cfg)
+        model.to(device)
+        path = checkpoint.latest(cfg.checkpoint.dir) if cfg.resume == "auto" else cfg.resume
+        path = path or cfg.get("init_from_checkpoint")
+        source = (checkpoint.load_weights(path, model, tp_group) if path else
+                  "the model as initialised" + "".join(f" + {m}.init_from" for m in ("llm", "vision")
+                                                        if cfg.get(m) is not None and cfg[m].get("init_from")))
+        writer = coords["tp"] == coords["cp"] == coords["dp"] == 0
+        written = export(model, cfg, cfg.export.dir, stage, writer)
+        if rank == 0:
+            print(f"hcp: exported ({source}) to {cfg.export.dir}: {len(written)} LLM shard(s)"
+                  + (", vision/, mm_projector.bin" if cfg.get("vision") is not None else ""))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,37 @@
+"""Whether the layouts of a module-graph edge can be joined (checked at validation, before ranks).
+
+Colocated LLaVA runs the encoder side (vision encoder, then projector) on its own layout and
+routes the projector's rows into the LLM's layout (`hcp.plan.step`). The projector follows its
+encoder on the same ranks with no route between them, so the two must share one layout. The
+other join rules live with the layouts (`hcp.config.layouts`): DP sizes of an edge divide one
+another (lanes map in blocks), every module's dp divides the global batch, and under `colocated`
+every module spans all ranks (so the encoder's ranks cover the LLM's).
+"""
+from __future__ import annotations
+
+from hcp.config.errors import ConfigError
+from hcp.config.layouts import NON_ENCODERS
+
+
+def _describe(lay) -> str:
+    return f"{lay.module}.layout tp{lay.tp} cp{lay.cp} pp{lay.pp} dp{lay.dp}"
+
+
+def check_joins(cfg, layouts: dict) -> None:
+    """Raise ConfigError when an encoder -> projector edge joins two different layouts.
+
+    The error names both layouts and the overrides that make the projector's equal the encoder's.
+    """
+    if cfg.placement != "colocated":
+        return
+    for src, dst in (tuple(e) for e in cfg.graph.edges):
+        if src in NON_ENCODERS or dst != "projector":
+            continue
+        a, b = layouts[src], layouts[dst]
+        if (a.tp, a.cp, a.pp, a.dp) != (b.tp, b.cp, b.pp, b.dp):
+            fix = " ".join(f"{dst}.layout.{k}={getattr(a, k)}" for k in ("tp", "cp", "pp", "dp")
+                           if getattr(a, k) != getattr(b, k))
+            raise ConfigError(f"{dst}.layout", f"tp{b.tp} cp{b.cp} pp{b.pp} dp{b.dp}",
+                              f"edge {src}->{dst} joins {_describe(a)} and {_describe(b)}; the projector "
+                              f"runs right after {src} on the same ranks, without a route between them",
+                              f"give it {src}'s layout: {fix}")

@@ -1,0 +1,326 @@
+"""The step plan (DESIGN.md 4.1): one pure function decides everything that varies per step.
+
+`plan_step(sizes, layouts, packing, micro_batch_tokens, edges)` maps the global batch's sample
+sizes (`hcp.plan.lengths`) to a `StepPlan`, identical on every rank (no randomness, no process
+group, no rank asks another what to expect). `StepPlan.rank(r)` is rank r's part: the samples it
+encodes per encoder-side module, the LLM micro-batches it runs (packed samples, `cu_seqlens`,
+`max_seqlen`, CP group and shard, the offsets of its image rows), the routing of every edge into
+the LLM (`hcp.parallel.routing.RankRoute`) and the global counts.
+
+Packing policies map the samples' merged lengths to a `hcp.dcp.plan.Plan` over the LLM's CP pool
+(dp * cp ranks of one pipeline stage and TP index, pool position = dp * cp + cp): micro-batches in
+execution order, each a set of groups (samples, CP size c, aligned block offset) tiling the pool,
+so every rank of the pool runs the same number of micro-batches (a rank whose group is empty runs
+an empty micro-batch). `first_fit` is today's static packing: DP lane l takes the contiguous block
+l of the global batch and packs it first-fit (each document padded to 2*cp, capacity
+micro_batch_tokens * cp), at block offset l*cp with c = cp. `dynamic_cp` (h-dcp) registers its
+solver with `register_policy`.
+
+Encoder-side modules (every module but the LLM) use static lanes: lane l of a module with dp
+lanes encodes block l of the global batch, on each of its TP replicas; encoder CP and PP are
+refused here (`ValueError`).
+
+Conventions of the routed rows (projector output, one row per image token): `hcp.parallel.routing`.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from hcp.data.packing import first_fit
+from hcp.dcp.plan import Group, Plan, Round
+from hcp.parallel.grid import Grid
+from hcp.parallel.routing import RankRoute, RowTable, cp_slot
+from hcp.plan.lengths import SampleSizes
+
+Policy = Callable[[np.ndarray, object, int], Plan]
+"""(merged lengths int64 [B], the LLM's ResolvedLayout, micro_batch_tokens) -> Plan over the
+LLM's CP pool whose groups hold positions in the global batch."""
+
+_POLICIES: dict[str, Policy] = {}
+
+
+def register_policy(name: str, policy: Policy) -> None:
+    """Make `policy` the packing policy `packing=name` (replaces an earlier one)."""
+    _POLICIES[name] = policy
+
+
+def first_fit_policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Plan:
+    """Static lanes, first-fit inside each lane (module docstring); lanes with fewer packs get
+    empty groups, so every lane runs the same number of micro-batches.
+
+    Raises ValueError: the batch does not split into llm.dp lanes, or a sample exceeds the cap.
+    """
+    dp, cp = llm.dp, llm.cp
+    if len(tokens) % dp:
+        raise ValueError(f"trainer.global_batch_size={len(tokens)} is not divisible by llm dp={dp}")
+    n, pad = len(tokens) // dp, 2 * cp
+    padded = (-(-tokens // pad) * pad).tolist()
+    lanes = [first_fit(padded[lane * n:(lane + 1) * n], micro_batch_tokens * cp) for lane in range(dp)]
+    return Plan([Round([Group([lane * n + i for i in packs[j]] if j < len(packs) else [], cp,
+                                   lane * cp) for lane, packs in enumerate(lanes)])
+                 for j in range(max(map(len, lanes)))])
+
+
+register_policy("first_fit", first_fit_policy)
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """One LLM micro-batch as one rank runs it. Sample indices are positions in the global batch.
+
+    An empty micro-batch (`samples == ()`, `cu_seqlens == [0]`) pads a rank's schedule so every
+    rank of its collectives runs the same count; it has no tokens, loss or image rows.
+    """
+
+    samples: tuple[int, ...]
+    """Packed samples (documents) in packing order."""
+    cu_seqlens: np.ndarray
+    """int32 [N + 1]: merged document boundaries before CP sharding."""
+    max_seqlen: int
+    """Longest document (merged tokens)."""
+    cp_size: int
+    """Ranks of the CP group that shares the micro-batch."""
+    cp_block: int
+    """Index of that group among the aligned blocks of cp_size in the CP pool (DESIGN.md 3)."""
+    cp_rank: int
+    """This rank's CP shard index inside the group (head-tail chunks r and 2c-1-r)."""
+    local_tokens: int
+    """Slots of this rank's CP shard: sum over documents of 2 * ceil(L / 2c) (L without CP)."""
+    image_rows: tuple[int, int]
+    """[start, end) of its image rows in the tensor received over the edge into the LLM (only
+    on the LLM's first stage; rows in slot order of the local shard)."""
+
+    @property
+    def empty(self) -> bool:
+        return not self.samples
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Global counts of the step (all micro-batches, lanes, CP ranks)."""
+
+    loss_tokens: int
+    tokens: int
+    """Merged tokens, without CP padding."""
+    sum_sq_lengths: float
+    """Sum over documents of the squared merged length (attention FLOPs)."""
+    image_rows: int = 0
+    """Image rows (image tokens) of the whole batch."""
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's part of a `StepPlan`."""
+
+    rank: int
+    encoder_samples: dict[str, tuple[int, ...]]
+    """Encoder-side module -> the samples it encodes here, in order (only modules it runs)."""
+    micro_batches: list[MicroBatchPlan]
+    """Its LLM micro-batches in execution order (empty list when it runs no LLM stage)."""
+    routes: dict[tuple[str, str], RankRoute]
+    """Edge into the LLM -> this rank's part of its row exchange."""
+    counts: Counts
+    checksum: int = 0
+    """`StepPlan.checksum()` of the whole plan (0: not computed)."""
+
+
+@dataclass
+class StepPlan:
+    """The plan of one step for every rank (built by `plan_step`). Arrays are numpy int64."""
+
+    sizes: SampleSizes
+    layouts: dict
+    packing: Plan
+    """LLM micro-batches over the CP pool (policy output)."""
+    counts: Counts
+    encoder_lanes: dict[str, int]
+    """Encoder-side module -> its dp (lane l encodes block l of the batch)."""
+    tables: dict[tuple[str, str], RowTable]
+    """Edge into the LLM -> its rows."""
+    group_at: np.ndarray
+    """[J, pool] index into `groups` of the group each pool position runs in micro-batch j."""
+    groups: list[Group]
+    local_tokens: np.ndarray
+    """[num groups] slots per rank of each group."""
+    image_row_offsets: np.ndarray
+    """[pool, J + 1] prefix sums of image rows per pool position over micro-batches."""
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.group_at.shape[0]
+
+    def checksum(self) -> int:
+        """CRC-32 of the packing and every routing table: equal on two ranks iff (up to hash
+        collisions) they planned the same step."""
+        crc = zlib.crc32(self.group_at.tobytes())
+        for g in self.groups:
+            crc = zlib.crc32(np.asarray(g.seq_indices + [g.cp_size, g.rank_offset], np.int64).tobytes(), crc)
+        for t in self.tables.values():
+            for a in (t.src, t.src_row, t.shard, t.dst_row):
+                crc = zlib.crc32(a.tobytes(), crc)
+        return crc
+
+    def rank(self, rank: int, checksum: bool = False) -> RankPlan:
+        """Global rank `rank`'s part (colocated: edge group rank = global rank), with the plan's
+        `checksum()` when asked (`trainer.check_plan`)."""
+        enc = {}
+        for m, dp in self.encoder_lanes.items():
+            grid = Grid.of(self.layouts[m])
+            if grid.contains(rank):
+                n = len(self.sizes) // dp
+                lane = grid.coords(rank)["dp"]
+                enc[m] = tuple(range(lane * n, (lane + 1) * n))
+        llm = Grid.of(self.layouts["llm"])
+        mbs = []
+        if llm.contains(rank):
+            c = llm.coords(rank)
+            pos = c["dp"] * llm.cp + c["cp"]
+            rows = self.image_row_offsets[pos] if c["pp"] == 0 else np.zeros(len(self.group_at) + 1, np.int64)
+            for j in range(self.num_micro_batches):
+                g = self.groups[self.group_at[j, pos]]
+                lengths = self.sizes.tokens[np.asarray(g.seq_indices, dtype=np.int64)]
+                cu = np.zeros(len(lengths) + 1, dtype=np.int32)
+                np.cumsum(lengths, out=cu[1:])
+                mbs.append(MicroBatchPlan(tuple(int(s) for s in g.seq_indices), cu,
+                                          int(lengths.max()) if len(lengths) else 0, g.cp_size,
+                                          g.rank_offset // g.cp_size, pos - g.rank_offset,
+                                          int(self.local_tokens[self.group_at[j, pos]]),
+                                          (int(rows[j]), int(rows[j + 1]))))
+        routes = {e: t.route(rank) for e, t in self.tables.items()}
+        return RankPlan(rank, enc, mbs, routes, self.counts, self.checksum() if checksum else 0)
+
+
+def _excl_cumsum(x: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(x) + 1, dtype=np.int64)
+    np.cumsum(x, out=out[1:])
+    return out
+
+
+def _flatten(plan: Plan, pool: int, batch: int):
+    """Groups as flat arrays; checks that every sample appears once and groups tile the pool."""
+    if any(g.micro_batch_sizes is not None for r in plan.rounds for g in r.groups):
+        raise ValueError("the step plan runs one micro-batch per group and round; a plan whose "
+                         "groups run several micro-batches per round is not supported yet")
+    groups = [g for r in plan.rounds for g in r.groups]
+    mb_of_group = np.repeat(np.arange(len(plan.rounds)), [len(r.groups) for r in plan.rounds])
+    size = np.array([g.cp_size for g in groups], dtype=np.int64)
+    off = np.array([g.rank_offset for g in groups], dtype=np.int64)
+    n_seq = np.array([len(g.seq_indices) for g in groups], dtype=np.int64)
+    samples = np.array([s for g in groups for s in g.seq_indices], dtype=np.int64)
+    seen = np.bincount(samples, minlength=batch) if len(samples) else np.zeros(batch, np.int64)
+    if len(seen) != batch or (seen != 1).any():
+        bad = int(np.argmax(seen != 1)) if len(seen) == batch else batch
+        raise ValueError(f"packing placed sample {bad} {int(seen[bad]) if bad < batch else 'out of range'} "
+                         "times; every sample of the global batch must be in exactly one micro-batch")
+    J = len(plan.rounds)
+    first = _excl_cumsum(size)
+    cover_pos = np.repeat(off, size) + np.arange(first[-1]) - np.repeat(first[:-1], size)
+    cover_mb = np.repeat(mb_of_group, size)
+    if (off % size).any() or (size & (size - 1)).any() or (cover_pos >= pool).any() or (cover_pos < 0).any():
+        raise ValueError(f"packing: a group is not an aligned power-of-two block of the pool of {pool}")
+    group_at = np.full((J, pool), -1, dtype=np.int64)
+    group_at[cover_mb, cover_pos] = np.repeat(np.arange(len(groups)), size)
+    if len(cover_pos) != J * pool or (group_at < 0).any():
+        raise ValueError("packing: the groups of a micro-batch do not tile the CP pool")
+    return groups, mb_of_group, size, off, n_seq, samples, group_at
+
+
+def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_tokens: int,
+              edges=()) -> StepPlan:
+    """The step plan of one global batch (module docstring).
+
+    Args:
+        sizes: the global batch's sample sizes, in batch order.
+        layouts: module -> `hcp.config.layouts.ResolvedLayout` (colocated placement).
+        packing: a registered policy name (`first_fit`, or `dynamic_cp` once registered).
+        micro_batch_tokens: THD capacity per rank and micro-batch (tokens).
+        edges: module-graph edges `(src, dst)`; those into `llm` are routed.
+
+    Raises:
+        ValueError: unknown policy; a policy output that misses or repeats a sample or does not
+            tile the pool; a batch that does not split into a module's lanes; an encoder-side
+            module with cp or pp > 1 (not supported yet).
+    """
+    if packing not in _POLICIES:
+        raise ValueError(f"packing={packing!r} has no registered policy: use one of {sorted(_POLICIES)}")
+    llm = layouts["llm"]
+    B, pool = len(sizes), llm.dp * llm.cp
+    plan = _POLICIES[packing](sizes.tokens, llm, micro_batch_tokens)
+    groups, mb_of_group, size, off, n_seq, samples, group_at = _flatten(plan, pool, B)
+    J = group_at.shape[0]
+    # per sample: its group, micro-batch, CP size, block offset, local start in its group
+    gid = np.repeat(np.arange(len(groups)), n_seq)
+    slots = 2 * -(-sizes.tokens[samples] // (2 * size[gid]))       # per packed document
+    local_tokens = np.bincount(gid, weights=slots, minlength=len(groups)).astype(np.int64)
+    starts = _excl_cumsum(slots)[:-1] - np.repeat(_excl_cumsum(local_tokens)[:-1], n_seq)
+    doc_start, s_group = np.empty(B, np.int64), np.empty(B, np.int64)
+    doc_start[samples], s_group[samples] = starts, gid
+    # slots before micro-batch j at each pool position: [pool, J]
+    mb_base = np.cumsum(local_tokens[group_at], axis=0) - local_tokens[group_at]
+
+    encoder_lanes, tables = {}, {}
+    for m, lay in layouts.items():
+        if m == "llm":
+            continue
+        if lay.cp > 1 or lay.pp > 1:
+            raise ValueError(f"{m}.layout: cp={lay.cp}, pp={lay.pp}: encoder-side CP and PP are not "
+                             "supported yet; use cp=1 and pp=1")
+        if B % lay.dp:
+            raise ValueError(f"trainer.global_batch_size={B} is not divisible by {m}'s dp={lay.dp}")
+        encoder_lanes[m] = lay.dp
+    row_counts = np.zeros((pool, J), dtype=np.int64)
+    for src, dst in edges:
+        if dst != "llm":
+            continue
+        table, counts = _route_into_llm(sizes, layouts[src], llm, s_group, doc_start, group_at,
+                                         mb_base, size, off, mb_of_group)
+        tables[(src, dst)] = table
+        row_counts = counts
+    image_row_offsets = np.concatenate([np.zeros((pool, 1), np.int64), np.cumsum(row_counts, 1)], 1)
+    tok = sizes.tokens
+    counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()), float((tok.astype(np.float64) ** 2).sum()),
+                    int(sizes.image_rows_each.sum()))
+    return StepPlan(sizes, layouts, plan, counts, encoder_lanes, tables, group_at, groups,
+                    local_tokens, image_row_offsets)
+
+
+def _route_into_llm(sizes, src_lay, llm, s_group, doc_start, group_at, mb_base, size, off, mb_of_group):
+    """The RowTable of an edge from an encoder-side module into the LLM, and the image rows per
+    (pool position, micro-batch) [pool, J]."""
+    B, pool, J = len(sizes), llm.dp * llm.cp, group_at.shape[0]
+    rows_each = sizes.image_rows_each
+    R = int(rows_each.sum())
+    per_sample = sizes.image_rows
+    row_off = _excl_cumsum(per_sample)
+    # merged position and sample of every row, rows in sample order (row keys)
+    img_first = _excl_cumsum(rows_each)
+    pos_in_sample = np.repeat(sizes.image_starts - img_first[:-1], rows_each) + np.arange(R)
+    sample = np.repeat(np.arange(B), per_sample)
+    # source: lane block; TP replica floor(p * tp / R) sends lane row p (contiguous, balanced)
+    n = B // src_lay.dp
+    lane = sample // n
+    lane_first = row_off[np.arange(src_lay.dp) * n]
+    lane_rows = row_off[np.arange(1, src_lay.dp + 1) * n] - lane_first
+    src_row = np.arange(R) - lane_first[lane]
+    tp = src_lay.tp
+    replica = src_row * tp // np.maximum(lane_rows[lane], 1)
+    src = Grid.of(src_lay).ranks[0, lane, 0, replica]
+    # destination: the CP rank whose head-tail chunks hold the row's merged position
+    g = s_group[sample]
+    cp_rank, slot = cp_slot(pos_in_sample, sizes.tokens[sample], size[g])
+    shard = off[g] + cp_rank
+    mb = mb_of_group[g]
+    stream = mb_base[mb, shard] + doc_start[sample] + slot
+    width = int(stream.max()) + 1 if R else 1
+    order = np.argsort(shard * width + stream, kind="stable")
+    shard_first = np.searchsorted(shard[order], np.arange(pool))
+    dst_row = np.empty(R, np.int64)
+    dst_row[order] = np.arange(R) - shard_first[shard[order]]
+    counts = np.bincount(shard * J + mb, minlength=pool * J).reshape(pool, J)
+    shard_ranks = Grid.of(llm).ranks[0].reshape(pool, llm.tp)
+    return RowTable(src, src_row, shard, dst_row, shard_ranks, llm.num_ranks), counts

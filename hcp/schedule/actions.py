@@ -1,0 +1,132 @@
+"""A pipeline stage's schedule as a list of actions: compute, and batches of point-to-point ops.
+
+An action list is what one stage does in one step, in order:
+- `Compute("F", i)` / `Compute("B", i)`: the forward / backward of micro-batch i on this stage;
+- `Exchange(ops)`: point-to-point ops posted together (one `dist.batch_isend_irecv`) and waited
+  together. Each op is `P2P(kind, i, peer)` with kind `SEND_F` / `RECV_F` (activation of
+  micro-batch i, to / from stage `peer`) or `SEND_B` / `RECV_B` (its gradient).
+
+NCCL runs the point-to-point operations between two ranks in issue order on one stream, and a
+send larger than its buffers completes only once the peer has posted the matching receive. A
+stage that posts a lone send while its peer posts a lone send back therefore waits forever; a
+schedule is safe when each step's sends and the receives they can wait on are posted in one
+batch (`hcp.schedule.rendezvous` checks a set of action lists under exactly that rule).
+
+The builders here are pure (no process group): the executor (`hcp.schedule.pipeline`) runs a
+list, so other schedules (the colocated three-phase schedule, the graph-aware 1F1B across
+islands) are new builders, not new loops. Names follow torch.distributed.pipelining's
+`_ComputationType` (FORWARD, BACKWARD, SEND_F, RECV_F, SEND_B, RECV_B).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+P2P_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Forward ("F") or backward ("B") of micro-batch `micro` on this stage."""
+
+    kind: str
+    micro: int
+
+    def __post_init__(self):
+        if self.kind not in ("F", "B"):
+            raise ValueError(f"Compute kind {self.kind!r}: use 'F' or 'B'")
+
+
+@dataclass(frozen=True)
+class P2P:
+    """One point-to-point op of micro-batch `micro` with stage `peer` (kind: `P2P_KINDS`)."""
+
+    kind: str
+    micro: int
+    peer: int
+
+    def __post_init__(self):
+        if self.kind not in P2P_KINDS:
+            raise ValueError(f"P2P kind {self.kind!r}: use one of {P2P_KINDS}")
+
+    @property
+    def is_send(self) -> bool:
+        return self.kind.startswith("SEND")
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """Point-to-point ops posted together in one batch and waited together."""
+
+    ops: tuple[P2P, ...]
+
+
+Action = Union[Compute, Exchange]
+
+
+def _batch(*ops) -> list[Exchange]:
+    """One Exchange of the ops that exist (None = no peer on that side), or nothing."""
+    ops = tuple(op for op in ops if op is not None)
+    return [Exchange(ops)] if ops else []
+
+
+def one_f_one_b(stage: int, num_stages: int, num_micro: int) -> list[Action]:
+    """Stage `stage` of `num_stages` running 1F1B over `num_micro` micro-batches.
+
+    PipeDream-Flush (Narayanan et al. 2021), in Megatron-LM's order
+    (`forward_backward_pipelining_without_interleaving`): `w = min(p - s - 1, m)` warm-up
+    forwards (receive, forward, send), then m - w steady steps, each a forward, one batch of
+    {send activation i + w, receive gradient i} with the next stage, a backward, and one batch
+    of {send gradient i, receive activation i + w + 1} with the previous stage; then w cool-down
+    backwards (receive gradient, backward, send gradient). With p = 1 it is plain gradient
+    accumulation (F, B per micro-batch, nothing sent).
+
+    Raises ValueError for a stage outside [0, num_stages) or a negative micro-batch count.
+    """
+    _check(stage, num_stages, num_micro)
+    prev = stage - 1 if stage > 0 else None
+    nxt = stage + 1 if stage + 1 < num_stages else None
+
+    def op(kind, i, peer):
+        return None if peer is None else P2P(kind, i, peer)
+
+    warmup = min(num_stages - stage - 1, num_micro)
+    steady = num_micro - warmup
+    out: list[Action] = []
+    for i in range(warmup):
+        out += _batch(op("RECV_F", i, prev))
+        out.append(Compute("F", i))
+        out += _batch(op("SEND_F", i, nxt))
+    if steady:
+        out += _batch(op("RECV_F", warmup, prev))
+    for i in range(steady):
+        f = warmup + i
+        out.append(Compute("F", f))
+        out += _batch(op("SEND_F", f, nxt), op("RECV_B", i, nxt))
+        out.append(Compute("B", i))
+        more = i + 1 < steady
+        out += _batch(op("SEND_B", i, prev), op("RECV_F", f + 1, prev) if more else None)
+    for i in range(steady, num_micro):
+        out += _batch(op("RECV_B", i, nxt))
+        out.append(Compute("B", i))
+        out += _batch(op("SEND_B", i, prev))
+    return out
+
+
+def forward_only(stage: int, num_stages: int, num_micro: int) -> list[Action]:
+    """Stage `stage` forwarding `num_micro` micro-batches (evaluation): receive, forward, send,
+    per micro-batch. Raises ValueError like `one_f_one_b`."""
+    _check(stage, num_stages, num_micro)
+    out: list[Action] = []
+    for i in range(num_micro):
+        out += _batch(P2P("RECV_F", i, stage - 1) if stage > 0 else None)
+        out.append(Compute("F", i))
+        out += _batch(P2P("SEND_F", i, stage + 1) if stage + 1 < num_stages else None)
+    return out
+
+
+def _check(stage: int, num_stages: int, num_micro: int) -> None:
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage {stage} is outside [0, {num_stages})")
+    if num_micro < 0:
+        raise ValueError(f"number of micro-batches must be >= 0, got {num_micro}")

@@ -1,0 +1,108 @@
+"""Check that a set of stages' action lists (`hcp.schedule.actions`) finishes under NCCL's
+rendezvous semantics, without processes.
+
+The model, conservative for NCCL with messages larger than its buffers:
+- each stage runs its list in order; a compute action finishes at once;
+- an `Exchange` posts all its ops together and the stage waits until every one of them is
+  matched: a send by its peer's receive, a receive by its peer's send, posted in the peer's
+  same-step batch or earlier. An unbatched `isend` is modelled as an Exchange of one op: NCCL
+  runs one pair's operations in issue order on one stream, so nothing issued after it to that
+  peer runs before it is matched;
+- between a pair of stages, the k-th send from a to b matches the k-th receive posted by b from
+  a, whatever the tags (NCCL ignores them); a match of different messages (kind or micro-batch)
+  is an error, since NCCL would silently deliver the wrong tensor.
+Data dependencies are checked too: a forward after its activation's receive, a send after the
+compute that produces its tensor, a backward after its forward and its gradient's receive.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from hcp.schedule.actions import Compute, Exchange
+
+_PAIR = {"SEND_F": "RECV_F", "SEND_B": "RECV_B"}
+_PRODUCER = {"SEND_F": "F", "SEND_B": "B"}
+
+
+class ScheduleDeadlock(RuntimeError):
+    """Some stages wait forever; the message names each stuck stage and its pending action."""
+
+
+def run_rendezvous(programs: list[list]) -> list[tuple[int, object]]:
+    """Run `programs[s]` (stage s's action list) for every stage until all finish.
+
+    Returns the completed actions as (stage, action) in completion order.
+
+    Raises:
+        ScheduleDeadlock: no stage can make progress while some have actions left.
+        ValueError: a send matched with a receive of another message, a peer outside the
+            stages or equal to the stage itself, or a data dependency broken (names the stage
+            and the action).
+    """
+    n = len(programs)
+    pc = [0] * n
+    posted = [False] * n
+    sends: dict = defaultdict(list)   # (src, dst) -> send ops in issue order
+    recvs: dict = defaultdict(list)   # (src, dst) -> receive ops posted by dst, in issue order
+    slots: list[list] = [[] for _ in range(n)]  # per stage: (channel, index, is_send) of its batch
+    done: list[set] = [set() for _ in range(n)]  # ("F"|"B"|"RECV_F"|"RECV_B", micro) finished
+    receives = [{(op.kind, op.micro) for a in prog if isinstance(a, Exchange) for op in a.ops
+                 if not op.is_send} for prog in programs]
+    log: list = []
+
+    def fail(s, action, why):
+        raise ValueError(f"stage {s}, {action}: {why}")
+
+    def post(s, ex: Exchange):
+        for op in ex.ops:
+            if not 0 <= op.peer < n or op.peer == s:
+                fail(s, op, f"peer {op.peer} is not another of the {n} stages")
+            if op.is_send and (_PRODUCER[op.kind], op.micro) not in done[s]:
+                fail(s, op, f"sends a tensor before its {_PRODUCER[op.kind]}{op.micro} ran")
+            chan, table = ((s, op.peer), sends) if op.is_send else ((op.peer, s), recvs)
+            slots[s].append((chan, len(table[chan]), op.is_send))
+            table[chan].append(op)
+
+    def matched(s) -> bool:
+        for chan, k, is_send in slots[s]:
+            other = recvs if is_send else sends
+            if len(other[chan]) <= k:
+                return False
+            send, recv = sends[chan][k], recvs[chan][k]
+            if _PAIR[send.kind] != recv.kind or send.micro != recv.micro:
+                raise ValueError(f"stages {chan[0]} -> {chan[1]}: {send} is received as {recv}")
+        return True
+
+    def step(s) -> bool:
+        action = programs[s][pc[s]]
+        if isinstance(action, Compute):
+            need = {("F", action.micro)} if action.kind == "B" else set()
+            need |= {("RECV_" + action.kind, action.micro)} & receives[s]
+            if not need <= done[s]:
+                fail(s, action, f"runs before {sorted(need - done[s])}")
+            if (action.kind, action.micro) in done[s]:
+                fail(s, action, "runs twice")
+            done[s].add((action.kind, action.micro))
+        else:
+            if not posted[s]:
+                post(s, action)
+                posted[s] = True
+            if not matched(s):
+                return False
+            done[s].update((op.kind, op.micro) for op in action.ops if not op.is_send)
+            posted[s], slots[s] = False, []
+        log.append((s, action))
+        pc[s] += 1
+        return True
+
+    progress = True
+    while progress:
+        progress = False
+        for s in range(n):
+            while pc[s] < len(programs[s]) and step(s):
+                progress = True
+    stuck = [s for s in range(n) if pc[s] < len(programs[s])]
+    if stuck:
+        raise ScheduleDeadlock("stuck: " + "; ".join(f"stage {s} at action {pc[s]} "
+                                                     f"{programs[s][pc[s]]}" for s in stuck))
+    return log

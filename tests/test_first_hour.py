@@ -1,0 +1,66 @@
+"""What a new user meets first: command-line typos, a world size that does not match under
+torchrun, a cluster-sized recipe on a small machine (subprocesses, as a user runs them)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cfg_utils import REPO, compose_cfg
+from hcp.config.errors import ConfigError
+
+TRAIN = os.path.join(REPO, "train.py")
+
+
+def _train(args, cwd, env=None):
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": REPO, **(env or {})}
+    return subprocess.run([sys.executable, TRAIN, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.slow
+def test_a_typo_fails_in_one_line_naming_the_closest_key(tmp_path):
+    proc = _train(["+trainer.max_step=10"], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "hcp: error: trainer.max_step='10': no such config key (a `+` does not make it one). "
+        "Fix: did you mean `trainer.max_steps`?"]
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_torchrun_world_size_mismatch_is_one_line_and_leaves_no_run_directory(tmp_path):
+    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "abc"}
+    proc = _train(["launcher.nproc_per_node=4", "logger=none"], tmp_path, torchrun)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith(
+        "hcp: error: launcher.nproc_per_node=4: launcher.nnodes*nproc_per_node = 1*4 differs from the 3 ranks")
+    assert os.listdir(tmp_path) == []  # not even outputs/torchrun-abc/.hydra
+    quiet = _train(["launcher.nproc_per_node=4", "logger=none"], tmp_path, {**torchrun, "RANK": "1"})
+    assert quiet.returncode == 2 and quiet.stderr == ""  # one line per launch, from rank 0
+
+
+def test_a_cluster_recipe_here_says_so_once_and_offers_plan_mode_and_srun():
+    from hcp.train.launch import local_world_size
+
+    with pytest.raises(ConfigError) as e:
+        local_world_size(compose_cfg(["+recipe=llava_hetero"]), None, ["+recipe=llava_hetero"])
+    msg = str(e.value)
+    assert "sized for a cluster" in msg and "`python train.py +recipe=llava_hetero mode=plan`" in msg
+    assert "srun --nodes 8 --ntasks-per-node 8 python train.py +recipe=llava_hetero" in msg
+    assert "launcher.nnodes=1" not in msg
+
+
+def test_local_ranks_that_cannot_fit_this_machine_fail_before_they_start():
+    from hcp.config.validate import validate
+    from hcp.train.launch import check_fits_here
+
+    overrides = ["+recipe=llava_hetero", "launcher.nnodes=1", "llm.layout.pp=1", "llm.layout.cp=1"]
+    cfg = compose_cfg(overrides)
+    layouts = validate(cfg, 8)
+    with pytest.raises(ConfigError) as e:
+        check_fits_here(cfg, layouts, 8, overrides, memory=(64.0, "memory", True))
+    assert "more than this machine's 64.0 GiB" in str(e.value) and "mode=plan" in str(e.value)
+    tiny = compose_cfg()
+    check_fits_here(tiny, validate(tiny, 4), 4, [], memory=(64.0, "memory", True))

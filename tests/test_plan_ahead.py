@@ -1,0 +1,86 @@
+"""The length index (read once, no images) and the plan-ahead data wrapper."""
+import json
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from hcp.data.code_corpus import CodeCorpus
+from hcp.data.llava import IGNORE_INDEX, LlavaDataset
+from hcp.data.loader import GlobalBatchSampler
+from hcp.data.tokenizer import ByteTokenizer
+from hcp.plan.ahead import PlanAhead
+from hcp.plan.lengths import build_length_index
+
+TOK = ByteTokenizer()
+
+
+def test_length_index_of_llava_data_matches_the_samples(tmp_path):
+    Image.new("L", (4, 4)).save(tmp_path / "a.png")
+    conv = lambda q: [{"from": "human", "value": q}, {"from": "gpt", "value": "seven"}]  # noqa: E731
+    recs = [{"id": "one", "image": "a.png", "conversations": conv("<image>\nWhat?")},
+            {"id": "two", "image": ["a.png", "a.png"], "conversations": conv("<image><image> and?")},
+            {"id": "none", "conversations": conv("Hi?")}]
+    (tmp_path / "d.json").write_text(json.dumps(recs))
+    ds = LlavaDataset(str(tmp_path / "d.json"), str(tmp_path), TOK, 4, 8, 1, 200)
+    index = build_length_index(ds, TOK.image_token_id, 4)
+    for i, s in enumerate(ds.samples):
+        assert index.tokens[i] == len(s.input_ids)
+        assert index.loss_tokens[i] == sum(lab != IGNORE_INDEX for lab in s.labels)
+    assert index.images.tolist() == [1, 2, 0] and index.image_rows.tolist() == [4, 8, 0]
+    # sample 1's two adjacent images start where their runs of 4 placeholders do
+    pos = np.flatnonzero(np.array(ds[1].input_ids) == TOK.image_token_id)
+    assert index.take([1]).image_starts.tolist() == [pos[0], pos[4]] and pos[4] == pos[0] + 4
+    batch = index.take([2, 1])
+    assert batch.tokens.tolist() == [len(ds[2].input_ids), len(ds[1].input_ids)]
+    assert batch.image_offsets.tolist() == [0, 0, 2] and batch.image_rows.tolist() == [0, 8]
+
+
+def test_length_index_of_the_code_corpus_needs_no_sample_reads(tmp_path):
+    for name, n in (("a.py", 10), ("b.py", 37)):
+        (tmp_path / name).write_text("x" * n)
+    ds = CodeCorpus(sorted(str(p) for p in tmp_path.glob("*.py")), str(tmp_path), TOK, 16, False, 0.0)
+    index = build_length_index(ds, TOK.image_token_id, 0)
+    assert index.tokens.tolist() == [len(ds[i].input_ids) for i in range(len(ds))]
+    assert index.loss_tokens.tolist() == [sum(lab != IGNORE_INDEX for lab in ds[i].labels)
+                                          for i in range(len(ds))]
+    assert index.image_rows.sum() == 0
+
+
+def test_plan_ahead_hides_the_next_plan_behind_the_step_and_follows_the_sampler():
+    sampler = GlobalBatchSampler(40, 4, seed=0)
+    calls = []
+
+    def prepare(indices):
+        calls.append(list(indices))
+        time.sleep(0.2)
+        return sum(indices)
+
+    ahead = PlanAhead(sampler, prepare)
+    try:
+        stats = []
+        for k in range(3):
+            indices, out, st = ahead.next()
+            assert indices == sampler.batch(k) and out == sum(indices) and sampler.position == k + 1
+            stats.append(st)
+            time.sleep(0.3)                                  # the step's work
+        assert stats[0]["plan_hidden_s"] < 0.1               # nothing to hide behind yet
+        assert all(s["plan_hidden_s"] > 0.15 for s in stats[1:])
+        sampler.load_state_dict({"position": 7})            # resume elsewhere: replanned
+        indices, _, _ = ahead.next()
+        assert indices == sampler.batch(7)
+    finally:
+        ahead.close()
+
+
+def test_plan_ahead_raises_the_planning_error_at_the_step_that_needs_it():
+    sampler = GlobalBatchSampler(8, 4, seed=0)
+
+    def prepare(indices):
+        raise ValueError("bad plan")
+
+    ahead = PlanAhead(sampler, prepare)
+    with pytest.raises(ValueError, match="bad plan"):
+        ahead.next()
+    ahead.close()
