@@ -139,14 +139,13 @@ def _train_steps(rank, world, container, run_dir, steps):
     """(loss, this lane's micro-batches before padding) of each of `steps` trainer steps."""
     from omegaconf import OmegaConf
 
-    from hcp.data.loader import lane_slice
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
     out = []
     for _ in range(steps):
-        batch = tr.sampler.batch(tr.sampler.position)
-        lane = len(tr.micro_batches(lane_slice(batch, tr.dp, tr.lane))) if tr.stage.first else None
+        plan = tr.plan(tr.sampler.batch(tr.sampler.position)).rank(tr.rank)
+        lane = sum(not mb.empty for mb in plan.micro_batches) if tr.stage.first else None
         out.append((tr.train_step()["loss"], lane))
     return out
 
