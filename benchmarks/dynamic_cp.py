@@ -52,18 +52,35 @@ METHODS = ("packing_only", "greedy", "solver")
 ONE_PER_ROUND = "one micro-batch per group and round"
 
 
+COLUMNS = """columns, per batch and method (the summary averages them over the batches):
+  time_s      simulated iteration time of the method's plan through 1F1B (seconds, cost model --cost)
+  /bound      time_s over the provable lower bound of the batch (1.0 = optimal)
+  max/bound   (summary) the worst batch's /bound
+  /opt        time_s over the best plan the exact solver found (--exact only; else -)
+  opt<=       (summary, --exact) time_s over the larger proven lower bound: an upper bound on /opt
+  M, rounds   rounds of the plan (a round: the pool's groups between two synchronisations)
+  plan_ms     wall time to compute the plan (mean/max in the summary)
+  TFLOPS      model FLOPs of the batch (3 x forward, real tokens) / time_s / GPUs (cp-pool x pp x tp)
+  cp histogram  {CP size: sequences planned at that size}"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in every flag's help, and the column list kept as written."""
+
+
 def parse_args(argv=None):
     """`(args, cost model, length pool)`; every bad argument, the cost profile and the
     `--lengths` file included, is a parser error (exit 2) naming the value and the fix."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=COLUMNS,
+                                formatter_class=_HelpFormatter)
     p.add_argument("--lengths", default="wikipedia",
                    help="wikipedia, code, lognormal, or a file of one positive integer per line "
                         "(blank lines and # comments allowed)")
-    p.add_argument("--global-batch", type=int, default=2048)
+    p.add_argument("--global-batch", type=int, default=2048, help="sequences per global batch")
     p.add_argument("--cp-pool", type=int, default=8, help="dp * cp ranks per stage")
-    p.add_argument("--pp", type=int, default=8)
-    p.add_argument("--max-tokens-per-rank", type=int, default=8192)
+    p.add_argument("--pp", type=int, default=8, help="pipeline stages (1F1B) the plans are simulated on")
+    p.add_argument("--max-tokens-per-rank", type=int, default=8192,
+                   help="memory cap: tokens one rank holds per micro-batch")
     p.add_argument("--max-len", type=int, default=65536, help="drop longer sequences")
     p.add_argument("--batches", type=int, default=1, help="batches per seed")
     p.add_argument("--seeds", default="100-109",

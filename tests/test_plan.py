@@ -87,3 +87,112 @@ def test_a_rank_that_does_not_fit_names_the_knob(tmp_path):
 def test_world_larger_than_the_cluster_is_rejected(tmp_path):
     with pytest.raises(ConfigError, match="exceed"):
         run_plan(composed("llama13b_dynamic_cp", "launcher.nnodes=16", "llm.layout.dp=2"), tmp_path)
+
+
+# ------------------------------------------------------------- which layout (issue 11, part 5)
+def test_plan_mode_plans_the_world_training_would_get(tmp_path):
+    from cfg_utils import compose_cfg
+    from hcp.train.launch import local_world_size
+
+    cfg = compose_cfg(["mode=plan"])
+    assert run_plan(cfg, tmp_path)["world_size"] == local_world_size(cfg, None) == 4
+
+
+def test_readable_parameter_counts():
+    from hcp.train.plan import readable_count
+
+    assert [readable_count(n) for n in (950, 12_345, 1_234_567, 290_900_000, 13_015_864_320, 1.1e12)] == [
+        "950", "12.3K", "1.2M", "290.9M", "13.0B", "1.1T"]
+
+
+def test_groups_crossing_a_node_boundary_are_named():
+    from hcp.config.layouts import check_layouts
+    from hcp.train.plan import node_warnings
+
+    cfg = composed("llama13b_dynamic_cp", "cluster.gpus_per_node=4", "cluster.num_nodes=16")
+    warnings = node_warnings(cfg, check_layouts(cfg, 64))
+    assert warnings == ["warning: llm: 8 of 8 dynamic-CP groups of size 8 cross a node boundary, e.g. "
+                        "ranks 0-7: their K/V exchange runs over the inter-node network"]
+    cfg = composed("llava_hetero", "cluster.gpus_per_node=4", "cluster.num_nodes=16")
+    (w,) = node_warnings(cfg, check_layouts(cfg, 64))
+    assert w.startswith("warning: llm: 8 of 8 TP groups cross a node boundary (cluster.gpus_per_node=4), "
+                        "e.g. ranks 0-7 on nodes 0-1")
+    assert node_warnings(composed("llava_hetero"), check_layouts(composed("llava_hetero"), 64)) == []
+
+
+@pytest.mark.slow
+def test_estimate_covers_the_step_and_dynamic_cp_beats_packing_only():
+    from hcp.config.layouts import resolve_layouts
+    from hcp.model.flops import model_flops
+    from hcp.train.estimate import batch_lengths, estimate_step
+
+    def estimate(recipe, *overrides):
+        cfg = composed(recipe, *overrides)
+        llm = resolve_layouts(cfg, 64)["llm"]
+        return estimate_step(cfg, llm, 64, [1_000_000_000] * llm.pp)
+
+    dyn, ff = estimate("llama13b_dynamic_cp"), estimate("llama13b_dynamic_cp", "packing=first_fit")
+    cfg = composed("llama13b_dynamic_cp")
+    lens = batch_lengths(cfg).astype(float)
+    flops = model_flops(cfg.llm, lens.sum(), (lens**2).sum())
+    for est in (dyn, ff):
+        assert est["tflops_per_gpu"] * 1e12 * est["step_time_s"] * 64 == pytest.approx(flops)
+        assert 0 < est["bubble_fraction"] < 1 and est["grad_sync_s"] > 0
+    assert dyn["step_time_s"] < ff["step_time_s"]
+    tp8, tp4 = estimate("llava_hetero"), estimate("llava_hetero", "llm.layout.tp=4")
+    assert tp4["grad_sync_s"] > tp8["grad_sync_s"]  # the same stage parameters over twice the DP ranks
+
+
+def test_plan_figure_shows_node_boundaries_and_memory_against_the_device():
+    from hcp.config.layouts import check_layouts
+    from hcp.train.plan_figure import plan_figure
+
+    cfg = composed("llava_hetero")
+    mem = [10.0 + r for r in range(64)]
+    fig = plan_figure(check_layouts(cfg, 64), 64, 8, mem, 70.0)
+    placement, memory = fig.axes
+    for ax in (placement, memory):
+        xs = [l.get_xdata()[0] for l in ax.get_lines() if l.get_linestyle() == "--"]
+        assert xs == [8, 16, 24, 32, 40, 48, 56]
+    assert [p.get_height() for p in memory.patches] == mem
+    assert sum(p.get_facecolor()[0] > 0.8 for p in memory.patches) == 64 - 61  # 71-73 GiB do not fit
+    assert any(l.get_ydata()[0] == 70.0 for l in memory.get_lines())
+
+
+def test_a_plan_sweep_ends_with_one_comparison_table(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from hcp.train.plan_table import PlanSweepTable
+
+    jobs = [(["llm.layout.tp=8", "llm.layout.pp=2"], {"max_memory_gib": 29.9, "fits": True, "step_time_s": 0.47}),
+            (["llm.layout.tp=4", "llm.layout.pp=1"], {"max_memory_gib": 92.6, "fits": False, "step_time_s": 0.3}),
+            (["llm.layout.tp=4", "llm.layout.pp=2"], {"max_memory_gib": 45.2, "fits": True, "step_time_s": 0.64}),
+            (["llm.layout.tp=16", "llm.layout.pp=2"], None)]
+    for job, (overrides, est) in enumerate(jobs):
+        d = tmp_path / str(job)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(
+            "\n".join(f"- {o}" for o in ["+recipe=llava_hetero", "mode=plan", *overrides]))
+        if est is None:
+            (d / "plan_error.txt").write_text("llm.layout.tp=16: llm.num_heads=40 is not divisible by it")
+        else:
+            est |= {"tflops_per_gpu": 100 / est["step_time_s"], "bubble_fraction": 0.125}
+            (d / "plan.json").write_text(json.dumps({"estimate": est}))
+    (tmp_path / "10").mkdir()  # a job folder that is not a plan's is left out
+    PlanSweepTable().on_multirun_end(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path)}}}))
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split() for line in out[1:6]] == [
+        ["layout", "max", "mem/rank", "GiB", "fits", "est.", "step", "s", "est.", "TFLOPS/GPU", "bubble"],
+        ["llm.layout.tp=8", "llm.layout.pp=2", "29.9", "yes", "0.47", "213", "12.5%", "<-", "fastest", "that", "fits"],
+        ["llm.layout.tp=4", "llm.layout.pp=1", "92.6", "NO", "0.3", "333", "12.5%"],
+        ["llm.layout.tp=4", "llm.layout.pp=2", "45.2", "yes", "0.64", "156", "12.5%"],
+        ["llm.layout.tp=16", "llm.layout.pp=2", "-", "invalid", "-", "-", "-"]]
+    assert out[6] == "invalid llm.layout.tp=16 llm.layout.pp=2: llm.layout.tp=16: llm.num_heads=40 is not divisible by it"
+    assert (tmp_path / "plan_comparison.txt").read_text().splitlines() == out[:-1]
+
+
+def test_the_sweep_table_callback_is_registered():
+    register()
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        cfg = compose("config", overrides=["mode=plan"], return_hydra_config=True)
+    assert cfg.hydra.callbacks.plan_table._target_ == "hcp.train.plan_table.PlanSweepTable"

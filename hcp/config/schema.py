@@ -122,6 +122,9 @@ class TrainerConfig:
     on_nonfinite: str = "stop"
     """A NaN/Inf loss or gradient norm: `stop` (raise, naming the step; no checkpoint is written)
     or `skip` (drop that step's update, count it and go on). hcp.train.failures."""
+    check_plan: bool = False
+    """Debug: all-reduce a checksum of every step's plan and fail, naming the ranks, when they
+    computed different plans (which would otherwise hang a collective). hcp.plan.step."""
 
 
 @dataclass
@@ -190,8 +193,8 @@ class SlurmConfig:
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
-    gpus_per_node: int = 0
-    """GPUs to request per node (0: none, a CPU job); must equal launcher.nproc_per_node if > 0."""
+    gpus_per_node: Optional[int] = None
+    """GPUs to request per node (None: none, a CPU job); must equal launcher.nproc_per_node."""
     cpus_per_task: Optional[int] = None
     time_min: int = 60
     """Job time limit in minutes."""

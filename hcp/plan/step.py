@@ -24,6 +24,7 @@ Conventions of the routed rows (projector output, one row per image token): `hcp
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -107,6 +108,8 @@ class Counts:
     """Merged tokens, without CP padding."""
     sum_sq_lengths: float
     """Sum over documents of the squared merged length (attention FLOPs)."""
+    image_rows: int = 0
+    """Image rows (image tokens) of the whole batch."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ class RankPlan:
     routes: dict[tuple[str, str], RankRoute]
     """Edge into the LLM -> this rank's part of its row exchange."""
     counts: Counts
+    checksum: int = 0
+    """`StepPlan.checksum()` of the whole plan (0: not computed)."""
 
 
 @dataclass
@@ -149,8 +154,20 @@ class StepPlan:
     def num_micro_batches(self) -> int:
         return self.group_at.shape[0]
 
-    def rank(self, rank: int) -> RankPlan:
-        """Global rank `rank`'s part (colocated: edge group rank = global rank)."""
+    def checksum(self) -> int:
+        """CRC-32 of the packing and every routing table: equal on two ranks iff (up to hash
+        collisions) they planned the same step."""
+        crc = zlib.crc32(self.group_at.tobytes())
+        for g in self.groups:
+            crc = zlib.crc32(np.asarray(g.seq_indices + [g.cp_size, g.rank_offset], np.int64).tobytes(), crc)
+        for t in self.tables.values():
+            for a in (t.src, t.src_row, t.shard, t.dst_row):
+                crc = zlib.crc32(a.tobytes(), crc)
+        return crc
+
+    def rank(self, rank: int, checksum: bool = False) -> RankPlan:
+        """Global rank `rank`'s part (colocated: edge group rank = global rank), with the plan's
+        `checksum()` when asked (`trainer.check_plan`)."""
         enc = {}
         for m, dp in self.encoder_lanes.items():
             grid = Grid.of(self.layouts[m])
@@ -175,7 +192,7 @@ class StepPlan:
                                           int(self.local_tokens[self.group_at[j, pos]]),
                                           (int(rows[j]), int(rows[j + 1]))))
         routes = {e: t.route(rank) for e, t in self.tables.items()}
-        return RankPlan(rank, enc, mbs, routes, self.counts)
+        return RankPlan(rank, enc, mbs, routes, self.counts, self.checksum() if checksum else 0)
 
 
 def _excl_cumsum(x: np.ndarray) -> np.ndarray:
@@ -186,8 +203,11 @@ def _excl_cumsum(x: np.ndarray) -> np.ndarray:
 
 def _flatten(plan: Plan, pool: int, batch: int):
     """Groups as flat arrays; checks that every sample appears once and groups tile the pool."""
-    groups = [g for mb in plan.rounds for g in mb.groups]
-    mb_of_group = np.repeat(np.arange(len(plan.rounds)), [len(mb.groups) for mb in plan.rounds])
+    if any(g.micro_batch_sizes is not None for r in plan.rounds for g in r.groups):
+        raise ValueError("the step plan runs one micro-batch per group and round; a plan whose "
+                         "groups run several micro-batches per round is not supported yet")
+    groups = [g for r in plan.rounds for g in r.groups]
+    mb_of_group = np.repeat(np.arange(len(plan.rounds)), [len(r.groups) for r in plan.rounds])
     size = np.array([g.cp_size for g in groups], dtype=np.int64)
     off = np.array([g.rank_offset for g in groups], dtype=np.int64)
     n_seq = np.array([len(g.seq_indices) for g in groups], dtype=np.int64)
@@ -263,7 +283,8 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
         row_counts = counts
     image_row_offsets = np.concatenate([np.zeros((pool, 1), np.int64), np.cumsum(row_counts, 1)], 1)
     tok = sizes.tokens
-    counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()), float((tok.astype(np.float64) ** 2).sum()))
+    counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()), float((tok.astype(np.float64) ** 2).sum()),
+                    int(sizes.image_rows_each.sum()))
     return StepPlan(sizes, layouts, plan, counts, encoder_lanes, tables, group_at, groups,
                     local_tokens, image_row_offsets)
 

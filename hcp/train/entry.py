@@ -46,6 +46,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     from hcp.config.validate import validate
     from hcp.data.build import prepare_data
     from hcp.train.checkpoint import check_resume
+    from hcp.train.preempt import resume_after_requeue
     from hcp.train.support import check_trainable
 
     run_dir = HydraConfig.get().runtime.output_dir
@@ -72,6 +73,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         check_fits_here(cfg, layouts, world, overrides)
     check_trainable(cfg, layouts)
     check_slurm(cfg)
+    resume_after_requeue(cfg)
     check_resume(cfg)
     for line in check_hf_weights(cfg):
         print(f"hcp: {line}")
@@ -124,7 +126,14 @@ def _task(cfg: DictConfig):
         joined = launched_rank_env(os.environ)
         if _is_first(joined):
             print(f"hcp: error: {e}", file=sys.stderr, flush=True)
-        discard_run_dir(hydra_cfg.runtime.output_dir)
+        run_dir = hydra_cfg.runtime.output_dir
+        if hydra_cfg.mode == RunMode.MULTIRUN and cfg.mode == "plan":
+            # a plan sweep goes on and its table (hcp.train.plan_table) shows this layout's error
+            if not os.path.isfile(os.path.join(run_dir, "plan.json")):
+                with open(os.path.join(run_dir, "plan_error.txt"), "w") as f:
+                    f.write(f"{e}\n")
+            return None
+        discard_run_dir(run_dir)
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and the sweep goes on
         sys.exit(2)
@@ -157,4 +166,8 @@ def main() -> None:
     register()
     if not OmegaConf.has_resolver("hcp_run_name"):
         OmegaConf.register_new_resolver("hcp_run_name", lambda: run_name(os.environ), use_cache=True)
+    if not OmegaConf.has_resolver("hcp_slurm_tasks"):  # hydra/launcher=submitit_slurm's tasks_per_node
+        from hcp.train.slurm import slurm_tasks
+
+        OmegaConf.register_new_resolver("hcp_slurm_tasks", slurm_tasks)
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(_task)()

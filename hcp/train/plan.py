@@ -3,12 +3,15 @@
     python train.py +recipe=llava_hetero mode=plan
     python train.py +recipe=llama13b_dynamic_cp mode=plan llm.layout.cp=4 llm.layout.dp=2
 
-For the world `launcher.nnodes x nproc_per_node` (`auto`: `cluster.gpus_per_node`) it prints,
-per module, the layout, island ranks, parameter count (from the model built on the meta device)
-and the groups the registry would create; a rank map compressed into runs of ranks with the same
-role; and the per-rank memory estimate of `hcp.train.memory` against `cluster.device_memory_gib`.
-It writes `plan.json` and `plan.png` to `out_dir`, then raises ConfigError naming the knob to turn
-when a rank does not fit.
+For the world training would get (`launcher.nnodes x nproc_per_node`; `auto`: this machine's
+local ranks on one node, `cluster.gpus_per_node` on several) it prints, per module, the layout,
+island ranks, parameter count (from the model built on the meta device, as 1.2M / 13.0B) and
+the groups the registry would create; a rank map compressed into runs of ranks with the same
+role; the per-rank memory estimate of `hcp.train.memory` against `cluster.device_memory_gib`;
+the estimated step time, TFLOPS/GPU and bubble (`hcp.train.estimate`); and warnings for TP (and
+dynamic-CP) groups that cross a node boundary. It writes `plan.json` and `plan.png` to
+`out_dir`, then raises ConfigError naming the knob to turn when a rank does not fit. A `-m`
+sweep of plans ends with one comparison table (`hcp.train.plan_table`).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from hcp.config.layouts import check_layouts, world_size_of
 from hcp.model.llava import LlavaModel
 from hcp.parallel.grid import KINDS, Grid
 from hcp.parallel.roles import logging_rank, role_table
+from hcp.train.estimate import ASSUMPTIONS, estimate_step
 from hcp.train.memory import GIB, STATE_BYTES, module_memory
 from hcp.train.plan_figure import draw_plan
 
@@ -88,13 +92,62 @@ def memory_per_rank(cfg, layouts, world: int, stage_mem=None) -> list[dict]:
     return per_rank
 
 
+def readable_count(n: float) -> str:
+    """A count with one decimal and a unit: 950, 12.3K, 1.2M, 13.0B, 1.1T."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:g}"
+
+
+def _ranks_text(ranks) -> str:
+    ranks = [int(r) for r in ranks]
+    if len(ranks) > 1 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+
+
+def _crossing(groups, per_node: int) -> list:
+    nodes = groups // per_node
+    return [row for row, n in zip(groups, nodes) if n.min() != n.max()]
+
+
+def node_warnings(cfg, layouts) -> list[str]:
+    """Warnings for TP groups (every module) and, under `packing=dynamic_cp`, the LLM's dynamic
+    CP groups that cross a node boundary (`cluster.gpus_per_node` ranks per node), naming the
+    ranks of the first such group: their traffic leaves NVLink for the inter-node network."""
+    per_node, out = int(cfg.cluster.gpus_per_node), []
+    for m, lay in layouts.items():
+        grid = Grid.of(lay)
+        tp = grid.groups("tp")
+        bad = _crossing(tp, per_node)
+        if lay.tp > 1 and bad:
+            out.append(f"warning: {m}: {len(bad)} of {len(tp)} TP groups cross a node boundary "
+                       f"(cluster.gpus_per_node={per_node}), e.g. ranks {_ranks_text(bad[0])} on nodes "
+                       f"{bad[0].min() // per_node}-{bad[0].max() // per_node}; TP all-reduces every "
+                       f"layer: use a tp that divides {per_node} (and islands aligned to nodes)")
+        if m == "llm" and cfg.packing == "dynamic_cp":
+            for size in grid.dynamic_cp_sizes()[1:]:
+                groups = grid.dynamic_cp_groups(size)
+                bad = _crossing(groups, per_node)
+                if bad:
+                    out.append(f"warning: llm: {len(bad)} of {len(groups)} dynamic-CP groups of size "
+                               f"{size} cross a node boundary, e.g. ranks {_ranks_text(bad[0])}: their "
+                               "K/V exchange runs over the inter-node network")
+    return out
+
+
 def run_plan(cfg, out_dir) -> dict:
     """Plan the configured layout; print it, write `plan.json` and `plan.png`, return the plan.
 
-    Raises ConfigError for every layout rule (`hcp.config.layouts.check_layouts`), a world larger
-    than `cluster` holds, or a rank whose estimated memory exceeds `cluster.device_memory_gib`.
+    The world is what training would get (`world_size_of` with this machine's local rank count
+    under `nproc_per_node=auto` on one node). Raises ConfigError for every layout rule
+    (`hcp.config.layouts.check_layouts`), a world larger than `cluster` holds, or a rank whose
+    estimated memory exceeds `cluster.device_memory_gib` (after writing the plan).
     """
-    world = world_size_of(cfg)
+    from hcp.train.launch import resolve_nproc
+
+    world = world_size_of(cfg, resolve_nproc("auto"))
     capacity = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     if world > capacity:
         raise ConfigError("launcher.nnodes", cfg.launcher.nnodes,
@@ -119,13 +172,19 @@ def run_plan(cfg, out_dir) -> dict:
                     for (m, lay), counts in zip(layouts.items(), group_counts(cfg, layouts).values())},
         "rank_map": rank_runs(roles),
         "memory_gib": per_rank,
+        "warnings": node_warnings(cfg, layouts),
     }
+    worst = max(per_rank, key=lambda r: r["total"])
+    llm = layouts["llm"]
+    plan["estimate"] = {**estimate_step(cfg, llm, world, [s.params for s in stage_mem["llm"]]),
+                        "max_memory_gib": worst["total"], "fits": worst["total"] <= cfg.cluster.device_memory_gib,
+                        "assumptions": ASSUMPTIONS}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(plan, indent=1))
-    draw_plan(layouts, world, out / "plan.png")
+    draw_plan(layouts, world, out / "plan.png", cfg.cluster.gpus_per_node,
+              [r["total"] for r in per_rank], cfg.cluster.device_memory_gib)
     print(format_plan(plan))
-    worst = max(per_rank, key=lambda r: r["total"])
     if worst["total"] > cfg.cluster.device_memory_gib:
         role = roles[worst["rank"]]
         m = max(role.modules, key=lambda k: stage_mem[k][role.stage(k)].total)
@@ -147,7 +206,7 @@ def format_plan(plan: dict) -> str:
         groups = " ".join(f"{k}:{n}x{s}" for k, (n, s) in info["groups"].items())
         lines.append(f"  {m:<9} ranks {lo}-{hi}  tp{lay['tp']} cp{lay['cp']} dp{lay['dp']} pp{lay['pp']} "
                      f"layers/stage {lay['pp_layers']} recompute={lay['recompute']}  "
-                     f"{info['num_params'] / 1e9:.3f}e9 params")
+                     f"{readable_count(info['num_params'])} params")
         lines.append(f"            groups (count x size): {groups}")
     lines.append("  rank map:")
     lines += [f"    {r['first']}-{r['last']}: {r['role']}" for r in plan["rank_map"]]
@@ -155,4 +214,9 @@ def format_plan(plan: dict) -> str:
     lines.append(f"  memory: max {worst['total']:.2f} GiB on rank {worst['rank']} (weights {worst['weights']:.2f}, "
                  f"grads {worst['grads']:.2f}, optimizer {worst['optimizer']:.2f}, activations "
                  f"{worst['activations']:.2f}) of {plan['device_memory_gib']} GiB")
+    est = plan["estimate"]
+    lines.append(f"  estimate: step {est['step_time_s']:.3g} s, {est['tflops_per_gpu']:.0f} TFLOPS/GPU, "
+                 f"bubble {est['bubble_fraction']:.1%}, {est['micro_batches']} micro-batches per pool, "
+                 f"gradient sync {est['grad_sync_s']:.3g} s ({est['assumptions']})")
+    lines += [f"  {w}" for w in plan["warnings"]]
     return "\n".join(lines)

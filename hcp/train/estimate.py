@@ -1,0 +1,123 @@
+"""Estimated step time of a layout in plan mode, from the dynamic-CP cost model and the 1F1B
+pipeline simulator (the ones `packing=dynamic_cp`'s planner uses: `hcp.dcp.cost_model`,
+`hcp.schedule.simulator`).
+
+What it assumes (printed with the estimate):
+- the batch: `trainer.global_batch_size` sequence lengths drawn (seed 0) from the shipped sample
+  of FlexSP's published Wikipedia lengths (`hcp/data/lengths/wikipedia_sample.txt`: mean ~1K,
+  long tail), clipped to `data.max_seq_len`; the same lengths for every layout of a config, so
+  a sweep compares layouts on one batch;
+- the hardware: the shipped H100 profile (`hcp/dcp/profiles/h100.yaml`: BF16 peak, achieved
+  matmul/attention efficiencies, NVLink/InfiniBand bandwidths), with `cluster.gpus_per_node`
+  ranks per node;
+- the LLM only (the cost model of the run's `llm`, its tp, pp and `pp_layers`): the encoder and
+  projector are not timed; full recompute when `llm.layout.recompute=full`, none otherwise;
+- packing: `first_fit` packs each DP lane's samples into micro-batches of
+  `micro_batch_tokens * cp` tokens, each on the layout's CP group; `dynamic_cp` runs the solver
+  over the whole CP pool (dp * cp ranks);
+- TP of size t: the cost model divides compute and CP traffic by t; the estimate adds TP's own
+  two ring all-reduces of the activations per layer forward (`2 (t-1)/t * tokens/c * h * 2 B`),
+  the same again in backward and once more under full recompute, over NVLink inside a node,
+  InfiniBand across (the analytic profile's matmul efficiency does not include them);
+- the gradient all-reduce over each stage's DP x CP group (fp32 gradients of the stage's
+  parameters / t, ring: `2 (n-1)/n` of them per rank) follows the pipeline, not overlapped.
+Step time = simulated 1F1B iteration + gradient sync; bubble = 1 - mean stage busy time / the
+iteration; TFLOPS/GPU = model FLOPs of the batch (3 x forward, `CostModel.model_flops`) / step
+time / world size.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from hcp.data.packing import first_fit
+from hcp.dcp.cost_model import CostModel, load_profile
+from hcp.dcp.plan import Group, Plan, Round
+from hcp.schedule.simulator import simulate_1f1b
+
+LENGTHS = Path(__file__).resolve().parents[1] / "data" / "lengths" / "wikipedia_sample.txt"
+ASSUMPTIONS = ("LLM only; Wikipedia-sample lengths clipped to data.max_seq_len; H100 profile; "
+               "gradient sync not overlapped")
+
+
+def batch_lengths(cfg) -> np.ndarray:
+    """The estimate's global batch: `trainer.global_batch_size` lengths (tokens, int64) drawn
+    with seed 0 from `LENGTHS`, clipped to `data.max_seq_len`."""
+    sample = np.loadtxt(LENGTHS, dtype=np.int64, ndmin=1)
+    picked = np.random.default_rng(0).choice(sample, size=int(cfg.trainer.global_batch_size))
+    return np.clip(picked, 1, int(cfg.data.max_seq_len))
+
+
+def _cost(cfg, lay) -> CostModel:
+    hw = load_profile("h100")
+    g = int(cfg.cluster.gpus_per_node)
+    if g & (g - 1) == 0:
+        hw = dataclasses.replace(hw, ranks_per_node=g)
+    return CostModel(cfg.llm, hw, pp=lay.pp, tp=lay.tp, recompute=lay.recompute == "full",
+                     pp_layers=list(lay.pp_layers))
+
+
+def _plans(cfg, lay, cost: CostModel) -> list[tuple[Plan, np.ndarray]]:
+    """The plans of the CP pools (one per DP lane under first_fit, one pool under dynamic_cp),
+    each with its lengths; one micro-batch per round (the pipeline's unit)."""
+    lens, m = batch_lengths(cfg), int(cfg.trainer.micro_batch_tokens)
+    if cfg.packing == "dynamic_cp":
+        from hcp.dcp.solver import solve
+
+        return [(solve(lens, cost, lay.cp_pool, m).plan, lens)]
+    pad = 2 * lay.cp  # every document padded to a multiple of 2 * cp (DESIGN.md section 3)
+    plans = []
+    for lane in np.split(lens, lay.dp):
+        packs = first_fit((-(-lane // pad) * pad).tolist(), m * lay.cp)
+        plans.append((Plan([Round([Group(p, lay.cp, 0)]) for p in packs]), lane))
+    return plans
+
+
+def _tokens_per_rank(plan: Plan, lens: np.ndarray) -> np.ndarray:
+    """[R] the largest tokens per rank of any group of each round."""
+    return np.array([max((lens[g.seq_indices].sum() / g.cp_size for g in r.groups if g.seq_indices),
+                         default=0.0) for r in plan.rounds])
+
+
+def _ring_s(nbytes, ranks: int, span: int, cost: CostModel) -> np.ndarray:
+    """Seconds of a ring all-reduce of `nbytes` over `ranks` ranks spread over `span`
+    consecutive ranks (NVLink inside a node, InfiniBand across)."""
+    hw = cost.hw
+    bw = hw.nvlink_bandwidth if span <= hw.ranks_per_node else hw.ib_bandwidth
+    return 2 * (ranks - 1) / ranks * np.asarray(nbytes, dtype=np.float64) / bw
+
+
+def estimate_step(cfg, lay, world: int, stage_params: list[int]) -> dict:
+    """Estimated step of the LLM layout `lay` (a `ResolvedLayout`) in a world of `world` ranks;
+    `stage_params` are the parameters one rank of each PP stage holds (after TP).
+
+    Returns {step_time_s, tflops_per_gpu, bubble_fraction, micro_batches, grad_sync_s}
+    (seconds, TFLOP/s per GPU, a fraction in [0, 1)); see the module doc for the assumptions."""
+    cost = _cost(cfg, lay)
+    runs = [_simulate(cfg, lay, cost, plan, lens) for plan, lens in _plans(cfg, lay, cost)]
+    timeline, busy, plan = max(runs, key=lambda r: r[0].iteration_time)  # lanes wait for the slowest
+    t = lay.tp
+    grad_ranks = lay.dp * lay.cp
+    grad_sync = float(_ring_s(max(stage_params) * 4, grad_ranks, grad_ranks * t, cost)) if grad_ranks > 1 else 0.0
+    step = timeline.iteration_time + grad_sync
+    flops = cost.model_flops(batch_lengths(cfg))
+    return {"step_time_s": step, "tflops_per_gpu": flops / step / world / 1e12,
+            "bubble_fraction": float(1 - busy.mean() / timeline.iteration_time),
+            "micro_batches": plan.num_rounds, "grad_sync_s": grad_sync}
+
+
+def _simulate(cfg, lay, cost: CostModel, plan: Plan, lens: np.ndarray):
+    """(1F1B timeline, busy seconds per stage, plan) of one CP pool's plan under TP."""
+    fwd, bwd = cost.stage_times(plan, lens)  # [pp, R] seconds, per-micro-batch overhead included
+    hw, t = cost.hw, lay.tp
+    if t > 1:
+        layers = np.asarray(lay.pp_layers, dtype=np.float64)
+        act = _tokens_per_rank(plan, lens) * cfg.llm.hidden_size * hw.bytes_per_element  # [R] bytes
+        comm = 2 * layers[:, None] * _ring_s(act, t, t, cost)[None, :]
+        recompute = 1.0 if cost.recompute else 0.0
+        fwd = fwd + comm
+        bwd = bwd + (1 + recompute) * comm
+    timeline = simulate_1f1b(fwd, bwd)
+    return timeline, np.array([timeline.busy(s) for s in range(lay.pp)]), plan

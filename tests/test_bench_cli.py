@@ -1,0 +1,63 @@
+"""Benchmark command lines: every flag has help, the tables' columns are explained, and
+benchmarks/layouts.py prints each layout's line as soon as it finishes."""
+import importlib.util
+import os
+
+import pytest
+
+from cfg_utils import REPO
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_layouts_prints_each_line_as_its_layout_finishes(monkeypatch, capsys):
+    layouts = _load("layouts")
+    seen = []
+
+    def fake_run(spec, nproc, steps, warmup):
+        seen.append(capsys.readouterr().out)  # what was printed before this layout started
+        return {"layout": spec, "loss": 1.0, "tokens_per_s": 100.0 * (len(seen)), "critical_cpu_s": 0.5,
+                "bytes_per_step": {"all_reduce": 2e6}}
+
+    monkeypatch.setattr(layouts, "run_layout", fake_run)
+    layouts.main(["--layouts", "dp4,tp2"])
+    assert seen[1].splitlines()[-1].split() == ["dp4", "1.0000", "100", "1.00", "0.500", "all_reduce=2.00"]
+    assert capsys.readouterr().out.split() == ["tp2", "1.0000", "200", "2.00", "0.500", "all_reduce=2.00"]
+
+
+class _Parsed(Exception):
+    pass
+
+
+def _parser_of(module, monkeypatch):
+    """The ArgumentParser a benchmark builds (caught at its parse_args call)."""
+    import argparse
+
+    def catch(self, *a, **k):
+        raise _Parsed(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", catch)
+    with pytest.raises(_Parsed) as e:
+        module.main([])
+    return e.value.args[0]
+
+
+COLUMNS = {"layouts": ("loss", "tokens/s", "ratio", "cpu s/step", "MB/step"),
+           "dynamic_cp": ("time_s", "/bound", "max/bound", "/opt", "opt<=", "M, rounds", "plan_ms", "TFLOPS",
+                          "cp histogram")}
+
+
+@pytest.mark.parametrize("name", ["layouts", "dynamic_cp"])
+def test_every_benchmark_flag_has_help_and_the_columns_are_explained(name, monkeypatch):
+    parser = _parser_of(_load(name), monkeypatch)
+    flags = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert flags and [a.option_strings[0] for a in flags if not a.help] == []
+    help_text = parser.format_help()
+    assert "(default:" in help_text
+    for column in COLUMNS[name]:
+        assert f"\n  {column}" in help_text, column

@@ -1,0 +1,42 @@
+"""`pip install .` (not editable) into a fresh virtual environment, then the `hcp-train` console
+command from another directory runs the main job with the configs shipped in the package."""
+import json
+import os
+import subprocess
+import sys
+import venv
+
+import pytest
+
+from cfg_utils import REPO
+
+
+@pytest.fixture(scope="session")
+def installed(tmp_path_factory):
+    """A venv that sees this interpreter's packages (torch and the other dependencies: nothing is
+    downloaded) with hcp installed from a wheel of this tree; built once per test session."""
+    root = tmp_path_factory.mktemp("install")
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(root / "venv")
+    py = str(root / "venv" / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "--quiet", "--no-index",
+                    "--no-build-isolation", REPO], check=True, env=env, timeout=120, cwd=root)
+    return root, env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hcp_train_runs_the_main_job_from_an_installed_package(installed, tmp_path):
+    root, env = installed
+    bin_dir = root / "venv" / "bin"
+    where = subprocess.run([str(bin_dir / "python"), "-c", "import hcp.config.compose as c; print(c.CONF_DIR)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
+    assert where.startswith(str(root / "venv")) and where.endswith(os.path.join("hcp", "conf"))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([str(bin_dir / "hcp-train"), "trainer.max_steps=2", "trainer.eval_every=0",
+                           "trainer.eval_samples=8", "launcher.nproc_per_node=2", "logger=none",
+                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, env={**env, "WANDB_MODE": "offline"},
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
+    assert proc.stdout.splitlines()[-1] == f"hcp: run finished; outputs in {run_dir}"
