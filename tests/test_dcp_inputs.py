@@ -209,7 +209,7 @@ def test_lengths_file_with_comments_and_blank_lines_runs(tmp_path):
     path.write_text("# lengths\n100\n\n200  # a comment\n300\n")
     s = load_bench().main(["--lengths", str(path), "--global-batch", "3", "--cp-pool", "2",
                            "--pp", "1", "--max-tokens-per-rank", "256", "--max-len", "512",
-                           "--batches", "1"])
+                           "--seeds", "100"])
     assert s["solver"]["mean_time_over_bound"] >= 1.0
 
 
