@@ -11,10 +11,10 @@ def _changed_modules(rank, world, container, run_dir):
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
-    before = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in tr.modules.named_parameters()}
     tr.train_step()
-    changed = {n.split(".")[0] for n, p in tr.model.named_parameters() if not torch.equal(p, before[n])}
-    trainable = {n.split(".")[0] for n, p in tr.model.named_parameters() if p.requires_grad}
+    changed = {n.split(".")[0] for n, p in tr.modules.named_parameters() if not torch.equal(p, before[n])}
+    trainable = {n.split(".")[0] for n, p in tr.modules.named_parameters() if p.requires_grad}
     return changed, trainable
 
 

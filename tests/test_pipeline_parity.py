@@ -124,6 +124,8 @@ CASES = {
     "pp2_3_then_5_micro": (LLM, layout(pp=2), THREE + FIVE),
     "pp4_uneven_1_2_2_1": (SIX_LAYERS, layout(pp=4, pp_layers=(1, 2, 2, 1)), THREE),
     "tp2_cp2_pp2_packed": (LLM, layout(tp=2, cp=2, pp=2), FIVE),
+    "tp2_sequence_parallel_pp2": (replace(LLM, layout=replace(LLM.layout, sequence_parallel=True)),
+                                  layout(tp=2, pp=2), FIVE),
     "dp2_cp2_dp_shard": (LLM, layout(cp=2, dp=2, dp_shard=True), TWO_LANES),
     "tp2_dp2_dp_shard": (LLM, layout(tp=2, dp=2, dp_shard=True), TWO_LANES),
     "pp2_dp2_dp_shard": (LLM, layout(pp=2, dp=2, dp_shard=True), TWO_LANES + TWO_LANES),

@@ -1,18 +1,23 @@
 """Resume under another layout, through the CLI: a checkpoint saved at one layout continues at
 another with the uninterrupted run's losses (1e-4), no sample repeated or skipped (the data
-position is the step), and the log names both layouts and the RNG streams derived anew."""
+position is the step), and the log names both layouts and the RNG streams derived anew.
+
+The runs read a small Megatron indexed data set (`data=tokens`) written here."""
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from cfg_utils import REPO
 
+from hcp.data.indexed import write_indexed
+
 RUN = ["+recipe=llama_tiny", "logger=none", "trainer.log_every=1", "trainer.eval_every=0",
-       "trainer.eval_samples=8", "trainer.progress_bar=false", "trainer.global_batch_size=8",
-       "data.max_seq_len=256", "trainer.micro_batch_tokens=512", "trainer.max_steps=4"]
+       "trainer.progress_bar=false", "trainer.global_batch_size=8", "data.max_seq_len=128",
+       "trainer.micro_batch_tokens=256", "data=tokens"]
 
 
 def _run(run_dir, *args):
@@ -25,47 +30,41 @@ def _run(run_dir, *args):
     return losses, proc.stdout
 
 
-def _whole(tmp_path, name, *layout):
-    """An uninterrupted 4-step run that also saves at step 2."""
-    return _run(tmp_path / name, "trainer.save_every=2", *layout)[0]
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """Data, and an uninterrupted 4-step dp4 run (the reference; it saves at step 2 too)."""
+    root = tmp_path_factory.mktemp("resume_layouts")
+    rng = np.random.default_rng(0)
+    write_indexed(str(root / "docs"), [rng.integers(0, 256, rng.integers(20, 200)) for _ in range(64)])
+    data = f"data.sources=[{{path: {root / 'docs'}, weight: 1.0}}]"
+    losses, _ = _run(root / "dp4", data, "trainer.max_steps=4", "trainer.save_every=2",
+                     "launcher.nproc_per_node=4")
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
+    return root, data, losses
 
 
-def _resumed(tmp_path, name, source, *layout):
-    losses, log = _run(tmp_path / name, f"resume={tmp_path / source / 'checkpoints' / 'step_00000002'}",
-                       *layout)
+CASES = {  # name: (saved at, its ranks, resumed at, its ranks, log)
+    "dp4_to_tp2xdp2": (None, 4, ["llm.layout.tp=2"], 4, "saved at dp4, now tp2 x dp2"),
+    "4_ranks_to_2": (None, 4, [], 2, "saved at dp4, now dp2"),
+    "pp2_to_pp1": (["llm.layout.pp=2"], 4, [], 4, "saved at pp2 x dp2, now dp4"),
+    "dp_shard_on_to_off": (["llm.layout.dp_shard=true"], 4, [], 4, "saved at dp4 (dp_shard), now dp4"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_at_another_layout_continues_the_run(whole, case):
+    root, data, ref = whole
+    saved_at, n_saved, now, n_now, log_line = CASES[case]
+    source = root / "dp4"
+    if saved_at is not None:  # a 2-step run at the other layout saves the checkpoint
+        source = root / f"{case}_saved"
+        _run(source, data, "trainer.max_steps=2", f"launcher.nproc_per_node={n_saved}", *saved_at)
+    losses, log = _run(root / case, data, "trainer.max_steps=4", f"launcher.nproc_per_node={n_now}",
+                       f"resume={source / 'checkpoints' / 'step_00000002'}", *now)
     assert sorted(losses) == [3, 4]  # steps 3 and 4 only: the data position came with the step
-    return losses, log
-
-
-def _same(resumed, whole):
     for step in (3, 4):
-        assert resumed[step] == pytest.approx(whole[step], rel=1e-4), step
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_dp4_resumes_at_tp2_x_dp2_and_at_2_ranks(tmp_path):
-    whole = _whole(tmp_path, "dp4", "launcher.nproc_per_node=4")
-    tp2, log = _resumed(tmp_path, "tp2dp2", "dp4", "launcher.nproc_per_node=4", "llm.layout.tp=2")
-    _same(tp2, whole)
-    assert "resumed from step 2 saved at dp4, now tp2 x dp2" in log
-    assert "RNG streams do not carry over to another layout: derived from (seed, step, rank)" in log
-    two, log = _resumed(tmp_path, "dp2", "dp4", "launcher.nproc_per_node=2")
-    _same(two, whole)
-    assert "resumed from step 2 saved at dp4, now dp2" in log
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_pp2_resumes_at_pp1_and_dp_shard_on_resumes_off(tmp_path):
-    pp2 = _whole(tmp_path, "pp2", "launcher.nproc_per_node=2", "llm.layout.pp=2")
-    pp1, log = _resumed(tmp_path, "pp1", "pp2", "launcher.nproc_per_node=2")
-    _same(pp1, pp2)
-    assert "resumed from step 2 saved at pp2, now dp2" in log
-    shard = _whole(tmp_path, "shard", "launcher.nproc_per_node=2", "llm.layout.dp_shard=true")
-    plain, log = _resumed(tmp_path, "plain", "shard", "launcher.nproc_per_node=2")
-    _same(plain, shard)
-    assert "resumed from step 2 saved at dp2 (dp_shard), now dp2" in log
-    same, log = _resumed(tmp_path, "same", "shard", "launcher.nproc_per_node=2", "llm.layout.dp_shard=true")
-    _same(same, shard)
-    assert "resumed from step 2 saved at dp2 (dp_shard) (" in log and "derived" not in log
+        assert losses[step] == pytest.approx(ref[step], rel=1e-4), step
+    assert f"resumed from step 2 {log_line}" in log
+    assert "per-rank RNG streams do not carry over to another layout: derived from (seed, step, rank)" in log

@@ -280,3 +280,13 @@ def test_cluster_scale_plans_conserve_rows_and_agree_on_micro_batch_counts(case,
         assert sum(r.recv_splits) == r.dst_rows == sum(mb.image_rows[1] - mb.image_rows[0]
                                                        for mb in p.micro_batches)
         assert sorted(r.recv_index) == list(range(r.dst_rows))
+
+
+def test_plans_of_the_same_batch_agree_on_their_checksum_and_others_do_not():
+    rng = np.random.default_rng(1)
+    sizes = random_sizes(rng, 16)
+    lays = layouts(1, 8, 2, 2, 2)
+    a, b = (plan_step(sizes, lays, "first_fit", 48, EDGES) for _ in range(2))
+    assert a.checksum() == b.checksum() == a.rank(3, checksum=True).checksum
+    other = plan_step(sizes.take(list(range(1, 16)) + [0]), lays, "first_fit", 48, EDGES)
+    assert other.checksum() != a.checksum()

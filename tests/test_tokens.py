@@ -29,7 +29,7 @@ def test_megatron_written_file_reads_as_its_documents():
     ds = IndexedDataset(CHECKED_IN)
     assert len(ds) == 5 and ds.dtype == np.uint16
     assert [ds[j].tolist() for j in range(5)] == [sum(d, []) for d in DOCS]
-    assert [ds.doc_length(j) for j in range(5)] == [7, 6, 1, 22, 4]
+    assert ds.doc_lengths().tolist() == [7, 6, 1, 22, 4]
 
 
 def test_our_writer_is_byte_identical_to_megatrons_and_the_header_is_as_specified(tmp_path):

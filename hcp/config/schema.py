@@ -122,6 +122,9 @@ class TrainerConfig:
     on_nonfinite: str = "stop"
     """A NaN/Inf loss or gradient norm: `stop` (raise, naming the step; no checkpoint is written)
     or `skip` (drop that step's update, count it and go on). hcp.train.failures."""
+    check_plan: bool = False
+    """Debug: all-reduce a checksum of every step's plan and fail, naming the ranks, when they
+    computed different plans (which would otherwise hang a collective). hcp.plan.step."""
 
 
 @dataclass
@@ -190,8 +193,8 @@ class SlurmConfig:
     partition: Optional[str] = None
     account: Optional[str] = None
     qos: Optional[str] = None
-    gpus_per_node: int = 0
-    """GPUs to request per node (0: none, a CPU job); must equal launcher.nproc_per_node if > 0."""
+    gpus_per_node: Optional[int] = None
+    """GPUs to request per node (None: none, a CPU job); must equal launcher.nproc_per_node."""
     cpus_per_task: Optional[int] = None
     time_min: int = 60
     """Job time limit in minutes."""
@@ -253,8 +256,9 @@ class ClusterConfig:
 class HCPConfig:
     seed: int = 1234
     mode: str = "train"
-    """`train`, `plan` (one process, no process groups: layouts, memory, plan.json/png) or
-    `export` (write the model as the run would start it as a Hugging Face checkpoint)."""
+    """`train`, `plan` (one process, no process groups: layouts, memory, plan.json/png),
+    `export` (write the model as the run would start it as a Hugging Face checkpoint) or
+    `calibrate` (fit the dynamic-CP cost model on this machine: hcp/dcp/calibrate.py)."""
     placement: str = "colocated"
     """`colocated` or `non_colocated`."""
     packing: str = "first_fit"
@@ -278,6 +282,9 @@ class HCPConfig:
     """Start a new stage from a checkpoint folder: model weights only, a fresh optimizer and
     schedule at step 0 (LLaVA stage 2 from stage 1). `resume` continues the same run."""
     export: ExportConfig = field(default_factory=ExportConfig)
+    packing_profile: str = "h100"
+    """Hardware profile of the dynamic-CP cost model: `h100` (analytic defaults,
+    hcp/dcp/profiles/h100.yaml) or a YAML file, e.g. the `profile.yaml` of `mode=calibrate`."""
 
 
 MODULES = ("vision", "projector", "llm")

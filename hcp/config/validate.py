@@ -12,7 +12,7 @@ from hcp.config.keys import check_known_keys
 from hcp.config.layouts import check_layouts
 
 _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
-    "mode": ("train", "plan", "export"),
+    "mode": ("train", "plan", "export", "calibrate"),
     "export.dtype": ("auto", "float32", "bfloat16", "float16"),
     "data.long_docs": ("split", "reject"),
     "precision": ("fp32", "bf16"),

@@ -5,9 +5,10 @@ import os
 import sysconfig
 
 from hcp.config.errors import ConfigError
+from hcp.data.clip_image import load_clip_image
 from hcp.data.code_corpus import CodeCorpus, stdlib_sources
 from hcp.data.digits import build_digits_vqa
-from hcp.data.llava import LlavaDataset
+from hcp.data.llava import LlavaDataset, load_image
 from hcp.data.tokenizer import build_tokenizer
 from hcp.data.tokens import build_tokens
 
@@ -82,6 +83,7 @@ def build_datasets(cfg):
     if v is None:
         raise ConfigError("data.name", d.name, "LLaVA data has images but the config has no vision "
                           "encoder", "use a LLaVA model config, or data=code_corpus for a text-only LM")
+    loader = load_clip_image if v.arch == "clip" else load_image  # CLIP: LLaVA-1.5's pad + normalize
     make = lambda p: LlavaDataset(p, folder, tok, num_image_tokens(v), v.image_size,  # noqa: E731
-                                  v.num_channels, d.max_seq_len, d.system_prompt, d.on_error)
+                                  v.num_channels, d.max_seq_len, d.system_prompt, d.on_error, loader)
     return tok, make(train_path), (make(eval_path) if eval_path else None)

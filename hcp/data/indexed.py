@@ -85,10 +85,10 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.document_indices) - 1
 
-    def doc_length(self, j: int) -> int:
-        """Tokens of document j (from the index only)."""
-        a, b = self.document_indices[j], self.document_indices[j + 1]
-        return int(self.sequence_lengths[a:b].sum())
+    def doc_lengths(self) -> np.ndarray:
+        """Tokens of every document, int64 [len(self)] (from the index only, vectorized)."""
+        ends = np.concatenate([[0], np.cumsum(self.sequence_lengths, dtype=np.int64)])
+        return ends[self.document_indices[1:]] - ends[self.document_indices[:-1]]
 
     def __getitem__(self, j: int) -> np.ndarray:
         a, b = int(self.document_indices[j]), int(self.document_indices[j + 1])

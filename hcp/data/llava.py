@@ -86,6 +86,8 @@ class LlavaDataset:
         system_prompt: Vicuna-v1 system text ("" for none).
         on_error: `error` raises `DataError` on the first bad record; `skip` drops bad records
             and counts them in `self.skipped`.
+        image_loader: (path, image_size, num_channels) -> `[C, H, W]`; `load_image` by default
+            (`hcp.data.clip_image.load_clip_image` for a CLIP encoder).
 
     Raises:
         DataError: a bad record under `on_error=error`, or an unreadable JSON file.
@@ -94,12 +96,13 @@ class LlavaDataset:
     has_answers = True
 
     def __init__(self, path, image_folder, tokenizer, num_image_tokens, image_size, num_channels,
-                 max_seq_len, system_prompt="", on_error="error"):
+                 max_seq_len, system_prompt="", on_error="error", image_loader=load_image):
         if on_error not in ("error", "skip"):
             raise ValueError(f"data.on_error={on_error!r}: use `error` or `skip`")
         self.path, self.image_folder = path, image_folder or os.path.dirname(path)
         self.tok, self.num_image_tokens = tokenizer, num_image_tokens
         self.image_size, self.num_channels = image_size, num_channels
+        self.image_loader = image_loader
         self.max_seq_len, self.system_prompt = max_seq_len, system_prompt
         self.skipped = SkipReport()
         try:
@@ -135,7 +138,7 @@ class LlavaDataset:
         """The sample's images, `[I, C, H, W]` fp32 (I may be 0)."""
         if not sample.images:
             return torch.zeros(0, self.num_channels, self.image_size, self.image_size)
-        return torch.stack([load_image(p, self.image_size, self.num_channels) for p in sample.images])
+        return torch.stack([self.image_loader(p, self.image_size, self.num_channels) for p in sample.images])
 
     def _build(self, rec, index) -> Sample:
         rid = rec.get("id", f"#{index}") if isinstance(rec, dict) else f"#{index}"

@@ -1,6 +1,7 @@
 """Tokenizers: byte-level (built in, nothing to download) or a local Hugging Face `tokenizer.json`."""
 from __future__ import annotations
 
+import json
 import os
 
 
@@ -26,8 +27,11 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local Hugging Face `tokenizer.json` (loaded with the `tokenizers` package).
 
-    Special tokens are looked up by their LLaMA names (`<s>`, `</s>`, `<unk>` as pad); an
-    `<image>` token is appended after the vocabulary when the file has none.
+    Special tokens are looked up by their LLaMA names (`<s>`, `</s>`, `<unk>` as pad). Image
+    positions are marked by the file's `<image>` token; without one, in a byte-fallback model
+    (LLaMA / Vicuna) by `<unk>`, which `encode` never produces there (LLaVA-1.5 adds no token to
+    Vicuna's 32000 either; a stray one fails the image-slot count check loudly); otherwise by an
+    id after the vocabulary.
 
     Raises:
         FileNotFoundError: the path does not exist.
@@ -50,7 +54,9 @@ class HFTokenizer:
         self.eos_id = vocab.get("</s>", 2)
         self.pad_id = vocab.get("<unk>", 0)
         n = self._tok.get_vocab_size()
-        self.image_token_id = vocab.get("<image>", n)
+        byte_fallback = json.loads(self._tok.to_str())["model"].get("byte_fallback", False)
+        spare = vocab.get("<unk>", n) if byte_fallback else n
+        self.image_token_id = vocab.get("<image>", spare)
         self.vocab_size = max(n, self.image_token_id + 1)
 
     def encode(self, text: str) -> list[int]:

@@ -23,7 +23,7 @@ import torch
 
 from hcp.config.errors import ConfigError
 from hcp.data.indexed import IndexedDataset
-from hcp.data.llava import IGNORE_INDEX, DataError, Sample, SkipReport
+from hcp.data.llava import DataError, Sample, SkipReport
 
 
 class JsonlDocuments:
@@ -55,8 +55,8 @@ class JsonlDocuments:
     def __len__(self) -> int:
         return len(self.docs)
 
-    def doc_length(self, j: int) -> int:
-        return len(self.docs[j])
+    def doc_lengths(self) -> np.ndarray:
+        return np.array([len(d) for d in self.docs], dtype=np.int64)
 
     def __getitem__(self, j: int) -> np.ndarray:
         return self.docs[j]
@@ -80,7 +80,7 @@ class TokenSamples:
     def __init__(self, docs, max_seq_len: int, long_docs: str, vocab_size: int):
         self.docs, self.max_seq_len, self.vocab_size = docs, max_seq_len, vocab_size
         self.skipped = SkipReport()
-        lengths = np.array([docs.doc_length(j) for j in range(len(docs))], dtype=np.int64)
+        lengths = docs.doc_lengths()
         if long_docs == "reject" and np.any(lengths - 1 > max_seq_len):
             j = int(np.argmax(lengths - 1 > max_seq_len))
             raise DataError(docs.prefix, f"document {j}", "document too long",

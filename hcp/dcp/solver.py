@@ -32,6 +32,10 @@ for 2,048 sequences of 8K tokens (256), and up to ~0.5 s with pp = 1 and at most
    evaluations in all). Then a truncated dive of the exact branch and bound (hcp/dcp/exact.py:
    sequences placed one by one where its lower bound grows least, `DIVE_NODES_PER_SEQ` nodes
    per sequence), locally improved, competes.
+6. With `several_per_round` (pp = 1 without dp_shard), the best plan and the two fastest
+   candidates are also turned into rounds of several micro-batches per group
+   (hcp/dcp/rounds.py: merge rounds of the same grouping, re-balance, fill slack across
+   rounds); the fastest of all wins.
 """
 from __future__ import annotations
 
@@ -366,14 +370,15 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
         if best is None or t < best.time - 1e-12:
             best = Solution(plan, t, source)
     if lens.size <= LOCAL_SEARCH_MAX_SEQS:
-        dive = solve_exact(lens, cost, pool, m, (best.plan,), gap=0.0,
-                           max_nodes=DIVE_NODES_PER_SEQ * lens.size).plan
+        dive = solve_exact(lens, cost, pool, m, (best.plan,), time_limit=float("inf"), gap=0.0,
+                           max_nodes=DIVE_NODES_PER_SEQ * lens.size).plan  # no clock: determinism
         plan, t = _best_order(improve(dive, lens, cost, pool, m, max_evals=budget), lens, cost)
         if t < best.time - 1e-12:
             best = Solution(plan, t, "dive+local")
         candidates.append((plan, "dive+local"))
-    if several_per_round:
-        for plan, source in candidates + [(best.plan, best.source)]:
+    if several_per_round:  # the best plan and the two fastest candidates become rounds
+        timed = sorted(candidates, key=lambda c: simulate_plan(c[0], lens, cost).iteration_time)
+        for plan, source in [(best.plan, best.source)] + timed[:2]:
             merged = merge_rounds(plan, lens, cost, m)
             t = simulate_plan(merged, lens, cost).iteration_time
             if t < best.time - 1e-12:

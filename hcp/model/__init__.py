@@ -2,8 +2,8 @@
 LLaVA composition (DESIGN.md section 2, layer 4)."""
 from hcp.model.init import init_parameters
 from hcp.model.llama import LlamaDecoder
-from hcp.model.llava import LlavaModel
+from hcp.model.llava import LlavaEncoder, LlavaModel
 from hcp.model.projector import Projector
 from hcp.model.vit import ViTEncoder
 
-__all__ = ["LlamaDecoder", "LlavaModel", "Projector", "ViTEncoder", "init_parameters"]
+__all__ = ["LlamaDecoder", "LlavaEncoder", "LlavaModel", "Projector", "ViTEncoder", "init_parameters"]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hcp.model import hf_clip, hf_llama
-from hcp.model.hf_io import DTYPES, HFCheckpoint, Source, write_folder
+from hcp.model.hf_io import DTYPES, INDEX, HFCheckpoint, Source, write_folder
 
 PROJECTOR_NAMES = {"fc1": "model.mm_projector.0", "fc2": "model.mm_projector.2", "fc": "model.mm_projector"}
 """Our projector submodules -> LLaVA-1.5's names (nn.Sequential(Linear, GELU, Linear))."""
@@ -34,8 +34,10 @@ def _whole(param, tp_group) -> torch.Tensor:
     """The unsharded tensor of a parameter: FSDP shards gathered, then TP slices (collectives)."""
     t = param.full_tensor() if isinstance(param, DTensor) else param.detach()
     spec = getattr(param, "shard_spec", None)
-    if spec is None or tp_group is None:
+    if spec is None or spec.world == 1:
         return t
+    if tp_group is None:
+        raise ValueError("export: a TP-sharded parameter whose module names no TP group")
     parts = [torch.empty_like(t) for _ in range(spec.world)]
     dist.all_gather(parts, t.contiguous(), group=tp_group)
     return torch.cat(parts, dim=spec.dim)
@@ -93,14 +95,14 @@ def export(model, cfg, out: str, stage, writer: bool) -> list[str]:
     name = (f"model-{stage.index + 1:05d}-of-{stage.num_stages:05d}.safetensors"
             if stage.num_stages > 1 else "model.safetensors")
     if writer:
-        write_folder(os.path.join(out, "llm"), {name: llm}, hf_llama.hf_config(cfg.llm, str(
+        write_folder(os.path.join(out, "llm"), name, llm, hf_llama.hf_config(cfg.llm, str(
             _dtype(cfg, "llm")).removeprefix("torch.")))
         if stage.first and vision:
             extra, layers = _vision_passthrough(cfg)
             vcfg = hf_clip.hf_config(cfg.vision, str(_dtype(cfg, "vision")).removeprefix("torch."))
             vcfg["num_hidden_layers"] = layers
-            write_folder(os.path.join(out, "vision"), {"model.safetensors": {
-                **vision, **{k: t.to(_dtype(cfg, "vision")) for k, t in extra.items()}}}, vcfg)
+            write_folder(os.path.join(out, "vision"), "model.safetensors", {
+                **vision, **{k: t.to(_dtype(cfg, "vision")) for k, t in extra.items()}}, vcfg)
         if stage.first and getattr(model, "projector", None) is not None:
             torch.save(projector_tensors(model), os.path.join(out, "mm_projector.bin"))
     shards = [None] * dist.get_world_size()
@@ -110,7 +112,7 @@ def export(model, cfg, out: str, stage, writer: bool) -> list[str]:
     if dist.get_rank() == 0 and len(files) > 1:
         index = {"metadata": {"total_size": sum(s[2] for s in {s[0]: s for s in shards if s}.values())},
                  "weight_map": {k: s[0] for s in shards if s for k in s[1]}}
-        with open(os.path.join(out, "llm", "model.safetensors.index.json"), "w") as f:
+        with open(os.path.join(out, "llm", INDEX), "w") as f:
             json.dump(index, f, indent=2)
     dist.barrier()
     return [os.path.join(out, "llm", f) for f in files]

@@ -3,7 +3,8 @@
 
 Reading is lazy: `HFCheckpoint.read` opens the shard holding a tensor and reads only the rows
 (or columns) asked for (safetensors' `get_slice`), so a TP rank never loads a whole 7B file.
-Writing (`write_folder`) produces the same layout transformers writes with `save_pretrained`.
+Writing (`write_folder`, one file per call) produces the layout transformers' `save_pretrained`
+writes; `hcp.model.hf_export` adds the index of a sharded one.
 safetensors is imported on first use, with a message saying how to install it.
 """
 from __future__ import annotations
@@ -22,7 +23,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def _safetensors():
     try:
-        import safetensors  # noqa: F401
         from safetensors import safe_open
         from safetensors.torch import save_file
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -119,19 +119,12 @@ class HFCheckpoint:
         return t
 
 
-def write_folder(folder: str, shards: dict[str, dict[str, torch.Tensor]], config: dict) -> None:
-    """Write `config.json`, the shard files {file name: {key: tensor}} and, with more than one
-    shard, `model.safetensors.index.json`. Tensors are written contiguous, as they are."""
+def write_folder(folder: str, name: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """Write `config.json` and one safetensors file `name` of {key: tensor} (contiguous, in
+    their dtype) into `folder`; a sharded checkpoint's index is written by its caller."""
     _, save_file = _safetensors()
     os.makedirs(folder, exist_ok=True)
-    for name, tensors in shards.items():
-        save_file({k: t.contiguous() for k, t in tensors.items()}, os.path.join(folder, name),
-                  metadata={"format": "pt"})
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for ts in shards.values() for t in ts.values())
-        index = {"metadata": {"total_size": total},
-                 "weight_map": {k: name for name, ts in shards.items() for k in sorted(ts)}}
-        with open(os.path.join(folder, INDEX), "w") as f:
-            json.dump(index, f, indent=2)
+    save_file({k: t.contiguous() for k, t in tensors.items()}, os.path.join(folder, name),
+              metadata={"format": "pt"})
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -149,8 +149,12 @@ def load_module(module, ckpt: HFCheckpoint, srcs: dict[str, Source]) -> int:
 
 def load_pretrained(model, cfg) -> dict[str, int]:
     """Overwrite every module of `model` (a LlavaModel, possibly one pipeline stage) whose
-    config has `init_from` with the checkpoint's weights; returns {module: bytes read}."""
+    config has `init_from` with the checkpoint's weights; returns {module: bytes read}. Nothing
+    is read when a checkpoint's weights replace them anyway (`init_from_checkpoint`, or `resume`
+    naming a folder): `init_from` then only sets the architecture."""
     read = {}
+    if cfg.get("init_from_checkpoint") or cfg.get("resume") not in (None, "auto"):
+        return read
     for m, fmt in FORMATS.items():
         module = getattr(model, m, None)
         if module is None or not cfg[m].get("init_from"):

@@ -2,6 +2,9 @@
 patch embedding (a bias-free linear map of each flattened patch, equal to CLIP's strided conv),
 a CLS token, learned position embeddings, a LayerNorm before the blocks, pre-norm blocks with
 bidirectional multi-head attention and a GELU MLP. Sizes come from `VisionConfig`.
+`arch: clip` makes the MLP's activation quick-GELU, `x * sigmoid(1.702 x)`, as in OpenAI's CLIP:
+with it the encoder computes exactly what transformers' CLIPVisionModel does (pre-LayerNorm
+blocks with biases, a class token, `pre_layrnorm`; weights via `vision.init_from`).
 
 `select_layer` picks the hidden state fed to the projector: -1 the last block's output, -2 the
 penultimate (LLaVA). Only the blocks that feed that state are built, so no parameter goes unused
@@ -25,8 +28,14 @@ from hcp.model.collectives import group_size
 from hcp.model.tp import ColumnParallelLinear, RowParallelLinear
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """CLIP's activation: `x * sigmoid(1.702 x)` (Radford et al. 2021)."""
+    return x * torch.sigmoid(1.702 * x)
+
+
 class VisionBlock(nn.Module):
-    """Pre-norm block: `x + attn(ln1(x))`, `x + fc2(gelu(fc1(ln2(x))))`. x: [I, S, D]
+    """Pre-norm block: `x + attn(ln1(x))`, `x + fc2(act(fc1(ln2(x))))` (act: GELU, or quick-GELU
+    with `arch: clip`). x: [I, S, D]
     (replicated over `tp_group`; each TP rank runs num_heads / tp heads and ffn / tp columns).
 
     Raises ValueError when hidden_size does not split into num_heads, or num_heads or
@@ -49,6 +58,7 @@ class VisionBlock(nn.Module):
         self.ln2 = nn.LayerNorm(d, eps=cfg.norm_eps)
         self.fc1 = ColumnParallelLinear(d, cfg.ffn_hidden_size, **par)
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, d, **par)
+        self.act = quick_gelu if getattr(cfg, "arch", "vit") == "clip" else F.gelu
 
     def _attn(self, x: torch.Tensor) -> torch.Tensor:
         i, s, _ = x.shape
@@ -59,7 +69,7 @@ class VisionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self._attn(self.ln1(x))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 
 
 class ViTEncoder(nn.Module):

@@ -255,14 +255,18 @@ def min_route_rows(dst_keys: Sequence[np.ndarray], dst_shard: Sequence[int] | No
     rank its own shard). Rows a rank sends to itself count too (the colocated
     `all_to_all_single` copies them), as they do in the moved bytes.
     """
-    forward = sum(len(np.unique(np.asarray(k))) for k in dst_keys)
-    shards = list(range(len(dst_keys))) if dst_shard is None else list(dst_shard)
-    backward = 0
-    for shard in set(shards):
-        members = [np.asarray(dst_keys[r], dtype=np.int64) for r in range(len(dst_keys))
-                   if shards[r] == shard]
-        backward += len(np.unique(np.concatenate(members))) if members else 0
-    return forward, backward
+    keys, rank, _ = _flatten(dst_keys)
+    shard = rank if dst_shard is None else np.asarray(list(dst_shard), dtype=np.int64)[rank]
+    return _distinct_pairs(rank, keys), _distinct_pairs(shard, keys)
+
+
+def _distinct_pairs(a: np.ndarray, b: np.ndarray) -> int:
+    """Number of distinct (a[i], b[i]) pairs."""
+    if len(a) == 0:
+        return 0
+    order = np.lexsort((b, a))
+    a, b = a[order], b[order]
+    return int(1 + np.count_nonzero((a[1:] != a[:-1]) | (b[1:] != b[:-1])))
 
 
 def _flatten(per_rank: Sequence[np.ndarray]):

@@ -24,13 +24,14 @@ Conventions of the routed rows (projector output, one row per image token): `hcp
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from hcp.data.packing import first_fit
-from hcp.dcp.plan import Group, MicroBatch, Plan
+from hcp.dcp.plan import Group, Plan, Round
 from hcp.parallel.grid import Grid
 from hcp.parallel.routing import RankRoute, RowTable, cp_slot
 from hcp.plan.lengths import SampleSizes
@@ -59,7 +60,7 @@ def first_fit_policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Plan:
     n, pad = len(tokens) // dp, 2 * cp
     padded = (-(-tokens // pad) * pad).tolist()
     lanes = [first_fit(padded[lane * n:(lane + 1) * n], micro_batch_tokens * cp) for lane in range(dp)]
-    return Plan([MicroBatch([Group([lane * n + i for i in packs[j]] if j < len(packs) else [], cp,
+    return Plan([Round([Group([lane * n + i for i in packs[j]] if j < len(packs) else [], cp,
                                    lane * cp) for lane, packs in enumerate(lanes)])
                  for j in range(max(map(len, lanes)))])
 
@@ -107,6 +108,8 @@ class Counts:
     """Merged tokens, without CP padding."""
     sum_sq_lengths: float
     """Sum over documents of the squared merged length (attention FLOPs)."""
+    image_rows: int = 0
+    """Image rows (image tokens) of the whole batch."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ class RankPlan:
     routes: dict[tuple[str, str], RankRoute]
     """Edge into the LLM -> this rank's part of its row exchange."""
     counts: Counts
+    checksum: int = 0
+    """`StepPlan.checksum()` of the whole plan (0: not computed)."""
 
 
 @dataclass
@@ -149,8 +154,20 @@ class StepPlan:
     def num_micro_batches(self) -> int:
         return self.group_at.shape[0]
 
-    def rank(self, rank: int) -> RankPlan:
-        """Global rank `rank`'s part (colocated: edge group rank = global rank)."""
+    def checksum(self) -> int:
+        """CRC-32 of the packing and every routing table: equal on two ranks iff (up to hash
+        collisions) they planned the same step."""
+        crc = zlib.crc32(self.group_at.tobytes())
+        for g in self.groups:
+            crc = zlib.crc32(np.asarray(g.seq_indices + [g.cp_size, g.rank_offset], np.int64).tobytes(), crc)
+        for t in self.tables.values():
+            for a in (t.src, t.src_row, t.shard, t.dst_row):
+                crc = zlib.crc32(a.tobytes(), crc)
+        return crc
+
+    def rank(self, rank: int, checksum: bool = False) -> RankPlan:
+        """Global rank `rank`'s part (colocated: edge group rank = global rank), with the plan's
+        `checksum()` when asked (`trainer.check_plan`)."""
         enc = {}
         for m, dp in self.encoder_lanes.items():
             grid = Grid.of(self.layouts[m])
@@ -175,7 +192,7 @@ class StepPlan:
                                           int(self.local_tokens[self.group_at[j, pos]]),
                                           (int(rows[j]), int(rows[j + 1]))))
         routes = {e: t.route(rank) for e, t in self.tables.items()}
-        return RankPlan(rank, enc, mbs, routes, self.counts)
+        return RankPlan(rank, enc, mbs, routes, self.counts, self.checksum() if checksum else 0)
 
 
 def _excl_cumsum(x: np.ndarray) -> np.ndarray:
@@ -186,8 +203,11 @@ def _excl_cumsum(x: np.ndarray) -> np.ndarray:
 
 def _flatten(plan: Plan, pool: int, batch: int):
     """Groups as flat arrays; checks that every sample appears once and groups tile the pool."""
-    groups = [g for mb in plan.micro_batches for g in mb.groups]
-    mb_of_group = np.repeat(np.arange(len(plan.micro_batches)), [len(mb.groups) for mb in plan.micro_batches])
+    if any(g.micro_batch_sizes is not None for r in plan.rounds for g in r.groups):
+        raise ValueError("the step plan runs one micro-batch per group and round; a plan whose "
+                         "groups run several micro-batches per round is not supported yet")
+    groups = [g for r in plan.rounds for g in r.groups]
+    mb_of_group = np.repeat(np.arange(len(plan.rounds)), [len(r.groups) for r in plan.rounds])
     size = np.array([g.cp_size for g in groups], dtype=np.int64)
     off = np.array([g.rank_offset for g in groups], dtype=np.int64)
     n_seq = np.array([len(g.seq_indices) for g in groups], dtype=np.int64)
@@ -197,7 +217,7 @@ def _flatten(plan: Plan, pool: int, batch: int):
         bad = int(np.argmax(seen != 1)) if len(seen) == batch else batch
         raise ValueError(f"packing placed sample {bad} {int(seen[bad]) if bad < batch else 'out of range'} "
                          "times; every sample of the global batch must be in exactly one micro-batch")
-    J = len(plan.micro_batches)
+    J = len(plan.rounds)
     first = _excl_cumsum(size)
     cover_pos = np.repeat(off, size) + np.arange(first[-1]) - np.repeat(first[:-1], size)
     cover_mb = np.repeat(mb_of_group, size)
@@ -263,7 +283,8 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
         row_counts = counts
     image_row_offsets = np.concatenate([np.zeros((pool, 1), np.int64), np.cumsum(row_counts, 1)], 1)
     tok = sizes.tokens
-    counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()), float((tok.astype(np.float64) ** 2).sum()))
+    counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()), float((tok.astype(np.float64) ** 2).sum()),
+                    int(sizes.image_rows_each.sum()))
     return StepPlan(sizes, layouts, plan, counts, encoder_lanes, tables, group_at, groups,
                     local_tokens, image_row_offsets)
 

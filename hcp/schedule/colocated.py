@@ -109,8 +109,8 @@ class ColocatedStep:
         grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         grad_src = route_backward(grad, route, out.shape[0], self.group, self.counter)
         lap("route_backward")
-        if self.recompute:
-            out = self.encoder(pixel_values)
+        if self.recompute and any(p.requires_grad for p in self.encoder.parameters()):
+            out = self.encoder(pixel_values)  # a frozen encoder needs no recompute
         if out.requires_grad:
             out.backward(grad_src)
         lap("encoder_backward")

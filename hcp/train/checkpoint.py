@@ -87,12 +87,26 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def _tp_wrapper(model, tp_group):
-    """(FQN -> ShardSpec of TP-sharded parameters, wrap(tensor, spec) -> DTensor over TP)."""
-    specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
-    mesh = DeviceMesh.from_group(tp_group, device_type=next(model.parameters()).device.type)
+def _tp_groups(tp_group) -> list:
+    """The distinct TP groups of `tp_group`: one group, or {module: group or None} when modules
+    have their own TP groups (heterogeneous layouts; module = first part of the FQN)."""
+    groups = tp_group.values() if isinstance(tp_group, dict) else [tp_group]
+    return list({id(g): g for g in groups if g is not None}.values())
 
-    def wrap(t, spec):
+
+def _tp_group_of(tp_group, fqn: str):
+    return tp_group.get(fqn.split(".")[0]) if isinstance(tp_group, dict) else tp_group
+
+
+def _tp_wrapper(model, tp_group):
+    """(FQN -> ShardSpec of TP-sharded parameters, wrap(tensor, spec, fqn) -> DTensor over the
+    parameter's TP group)."""
+    specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
+    device = next(model.parameters()).device.type
+    meshes = {id(g): DeviceMesh.from_group(g, device_type=device) for g in _tp_groups(tp_group)}
+
+    def wrap(t, spec, fqn):
+        mesh = meshes[id(_tp_group_of(tp_group, fqn))]
         shape = tuple(spec.whole_shape(t.shape))
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(t, mesh, [Shard(spec.dim)], run_check=False, shape=shape, stride=stride)
@@ -111,7 +125,7 @@ def _state(model, optimizer, tp_group) -> tuple[dict, Optional[list[dict]]]:
     specs, wrap = _tp_wrapper(model, tp_group)
     for name, spec in specs.items():
         if name in model_sd:
-            model_sd[name] = wrap(model_sd[name], spec)
+            model_sd[name] = wrap(model_sd[name], spec, name)
     nested = isinstance(optim_sd.get("state"), dict)  # full_state_dict: state[fqn][key]
     slots = ([(n, key, optim_sd["state"][n]) for n in optim_sd["state"] for key in optim_sd["state"][n]]
              if nested else [(k.removeprefix("state.").rpartition(".")[0], k, optim_sd)
@@ -119,7 +133,7 @@ def _state(model, optimizer, tp_group) -> tuple[dict, Optional[list[dict]]]:
     for name, key, holder in slots:
         t = holder[key]
         if name in specs and torch.is_tensor(t) and t.shape == model_sd[name].to_local().shape:
-            holder[key] = wrap(t, specs[name])
+            holder[key] = wrap(t, specs[name], name)
     groups = optim_sd["param_groups"] if nested else None
     if nested:
         optim_sd["param_groups"] = _by_fqn(groups)
@@ -131,7 +145,7 @@ def _model_state(model, tp_group) -> dict:
     model_sd = get_model_state_dict(model, options=_options(model, tp_group))
     if tp_group is not None:
         specs, wrap = _tp_wrapper(model, tp_group)
-        model_sd = {n: wrap(t, specs[n]) if n in specs else t for n, t in model_sd.items()}
+        model_sd = {n: wrap(t, specs[n], n) if n in specs else t for n, t in model_sd.items()}
     return {"model": model_sd}
 
 
@@ -142,7 +156,7 @@ def _local(tree, tp_group):
         return {k: _local(v, tp_group) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_local(v, tp_group) for v in tree]
-    if isinstance(tree, DTensor) and tp_group is not None and tree.device_mesh.get_group() is tp_group:
+    if isinstance(tree, DTensor) and any(tree.device_mesh.get_group() is g for g in _tp_groups(tp_group)):
         return tree.to_local()
     return tree
 
@@ -152,7 +166,8 @@ def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int,
     """Save on every rank (a collective); returns the final folder path.
 
     `trainer_state` is JSON-serializable (scheduler state, data position, step); `tp_group` is
-    the model's TP group (None when tp = 1).
+    the model's TP group (None when tp = 1), or {module: its TP group or None} when modules have
+    their own.
     """
     rank = dist.get_rank()
     trainable = [None] * dist.get_world_size()
@@ -192,7 +207,8 @@ def _remove(path: str) -> None:
 
 def layout_label(model, tp_group) -> str:
     """This run's LLM layout as users write it, e.g. `dp4`, `tp2 x dp2`, `pp2 x dp2 (dp_shard)`."""
-    tp, cp = _size(tp_group), _size(getattr(model, "cp_group", None))
+    tp = _size(tp_group.get("llm") if isinstance(tp_group, dict) else tp_group)
+    cp = _size(getattr(model, "cp_group", None))
     pp = model.stage.num_stages if hasattr(model, "stage") else 1
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dist.get_world_size() // (tp * cp * pp)}
     label = " x ".join(f"{k}{v}" for k, v in sizes.items() if v > 1) or "1 rank"
@@ -209,7 +225,7 @@ def _trainer_json(path: str) -> dict:
 
 
 def _check_folder(key: str, path) -> None:
-    if path in (None, "auto") or os.path.isfile(os.path.join(path, "trainer.json")):
+    if path is None or (path == "auto" and key == "resume") or os.path.isfile(os.path.join(path, "trainer.json")):
         return
     raise ConfigError(key, path, "not a complete checkpoint folder (trainer.json and DCP shards)",
                       "use resume=auto with checkpoint.dir=DIR, or a step_XXXXXXXX folder")
@@ -238,7 +254,7 @@ def check_resume(cfg) -> None:
     _check_folder("resume", cfg.resume)
     _check_folder("init_from_checkpoint", cfg.get("init_from_checkpoint"))
     path = latest(cfg.checkpoint.dir) if cfg.resume == "auto" else cfg.resume
-    if path is None:
+    if path is None or cfg.mode == "export":  # export reads the weights, whatever trained them
         return
     saved = _trainer_json(path).get("trainable")
     if saved is None:

@@ -46,6 +46,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     from hcp.config.validate import validate
     from hcp.data.build import prepare_data
     from hcp.train.checkpoint import check_resume
+    from hcp.train.preempt import resume_after_requeue
     from hcp.train.support import check_trainable
 
     run_dir = HydraConfig.get().runtime.output_dir
@@ -61,12 +62,18 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         plan = run_plan(cfg, run_dir)
         print(f"hcp: plan written to {run_dir}")
         return plan
+    if cfg.mode == "calibrate":  # dynamic-CP cost-model profile: hcp/dcp/calibrate.py
+        from hcp.dcp.calibrate import run_calibrate
+
+        validate(cfg, world_size_of(cfg, resolve_nproc("auto")))
+        return run_calibrate(cfg, run_dir)
     world = local_world_size(cfg, joined, overrides)
     layouts = validate(cfg, world)
     if not joined:
         check_fits_here(cfg, layouts, world, overrides)
     check_trainable(cfg, layouts)
     check_slurm(cfg)
+    resume_after_requeue(cfg)
     check_resume(cfg)
     for line in check_hf_weights(cfg):
         print(f"hcp: {line}")
@@ -159,4 +166,8 @@ def main() -> None:
     register()
     if not OmegaConf.has_resolver("hcp_run_name"):
         OmegaConf.register_new_resolver("hcp_run_name", lambda: run_name(os.environ), use_cache=True)
+    if not OmegaConf.has_resolver("hcp_slurm_tasks"):  # hydra/launcher=submitit_slurm's tasks_per_node
+        from hcp.train.slurm import slurm_tasks
+
+        OmegaConf.register_new_resolver("hcp_slurm_tasks", slurm_tasks)
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(_task)()

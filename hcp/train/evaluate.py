@@ -33,7 +33,8 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
     module docstring); `model` is this rank's stage (`LlavaModel`).
 
     Loss sums are reduced over `loss_group` (DP x CP: each CP rank holds part of the tokens),
-    sample counts over `lane_group` (DP).
+    sample counts over `lane_group` (DP), which also keeps the lanes in lock-step (module
+    docstring); `indices` may be empty.
 
     Returns {"eval/loss": token-level mean cross-entropy, "eval/answer_accuracy": fraction of
     samples whose greedy answer (decoded from the prompt until EOS or `max_new_tokens`) equals

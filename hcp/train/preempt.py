@@ -34,15 +34,15 @@ import torch.distributed as dist
 class Preemption:
     """Signal flag and step-boundary agreement of one rank.
 
-    Handles `SIG<launcher.slurm.signal>` always, and SIGTERM under SLURM (`SLURM_JOB_ID` set:
-    SLURM's preemption and time-limit notice) where no SIGTERM handler but the default is
-    installed (a local run keeps torch.multiprocessing's terminate semantics).
+    Handles `SIG<launcher.slurm.signal>` and SIGUSR2 (submitit's) always, and SIGTERM under
+    SLURM only (`SLURM_JOB_ID` set: SLURM's preemption and time-limit notice; a local run keeps
+    torch.multiprocessing's terminate-on-failure semantics).
     """
 
     def __init__(self, slurm_cfg, device: torch.device, env=os.environ):
         self.cfg, self.device, self.env = slurm_cfg, device, env
         self.received: int = 0
-        names = [slurm_cfg.signal] + (["TERM"] if "SLURM_JOB_ID" in env else [])
+        names = [slurm_cfg.signal, "USR2"] + (["TERM"] if "SLURM_JOB_ID" in env else [])
         for name in dict.fromkeys(names):
             signal.signal(getattr(signal, "SIG" + name), self._flag)
 
@@ -94,6 +94,14 @@ class Preemption:
         if out.returncode:
             return 1, f"`scontrol requeue {job}` failed: {(out.stderr or out.stdout).strip()}"
         return 0, f"requeued job {job}; it resumes from this checkpoint"
+
+
+def resume_after_requeue(cfg, env=os.environ) -> None:
+    """A requeued SLURM job (`SLURM_RESTART_COUNT` > 0) with `resume` unset resumes from its
+    `checkpoint.dir` (`resume=auto`): the sbatch script passes resume=auto itself, a submitit
+    job re-runs the submitted overrides as they were."""
+    if cfg.resume is None and int(env.get("SLURM_RESTART_COUNT", "0") or 0) > 0:
+        cfg.resume = "auto"
 
 
 def continue_wandb_run(cfg, resumed: bool) -> None:

@@ -6,7 +6,10 @@ checked before anything is submitted (`python -m hcp.train.sbatch`, and the Hydr
 from __future__ import annotations
 
 import re
+import sys
 from typing import Mapping, Optional
+
+from hydra.experimental.callback import Callback
 
 from hcp.config.errors import ConfigError, check_choice
 
@@ -42,6 +45,19 @@ def rendezvous_port(env: Mapping[str, str]) -> int:
     return 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
 
 
+def slurm_tasks(nproc_per_node) -> int:
+    """`launcher.nproc_per_node` as SLURM tasks per node (the `hcp_slurm_tasks` resolver of
+    conf/hydra/launcher/submitit_slurm.yaml).
+
+    Raises:
+        ConfigError: not a positive int (`auto` is for local runs).
+    """
+    if isinstance(nproc_per_node, int) and not isinstance(nproc_per_node, bool) and nproc_per_node >= 1:
+        return nproc_per_node
+    raise ConfigError("launcher.nproc_per_node", nproc_per_node, "a SLURM job needs a fixed number "
+                      "of tasks per node", "set it to the GPUs per node (e.g. 8), or use launcher=slurm_h100")
+
+
 def check_slurm(cfg) -> None:
     """The SLURM and failure-policy settings, valid for any launch (also a local run).
 
@@ -75,9 +91,7 @@ def check_job(cfg, nodes: int, tasks_per_node, gpus_per_node, where: str = "laun
     from hcp.config.validate import validate
 
     tasks_key = f"{where}.{'nproc_per_node' if where == 'launcher' else 'tasks_per_node'}"
-    if not isinstance(tasks_per_node, int) or isinstance(tasks_per_node, bool) or tasks_per_node < 1:
-        raise ConfigError(tasks_key, tasks_per_node, "a SLURM job needs a fixed number of tasks per "
-                          "node", "set it to the GPUs per node (e.g. 8), or use launcher=slurm_h100")
+    slurm_tasks(tasks_per_node)
     if gpus_per_node and gpus_per_node != tasks_per_node:
         gkey = "launcher.slurm.gpus_per_node" if where == "launcher" else f"{where}.gpus_per_node"
         raise ConfigError(tasks_key, tasks_per_node, f"differs from {gkey}={gpus_per_node}: hcp runs "
@@ -88,10 +102,11 @@ def check_job(cfg, nodes: int, tasks_per_node, gpus_per_node, where: str = "laun
     return world
 
 
-class LaunchCheck:
+class LaunchCheck(Callback):
     """Hydra callback (conf/config.yaml `hydra.callbacks`): before a multirun with the submitit
     SLURM launcher submits anything, check its nodes / tasks / GPUs against the config; other
-    launchers pass through. Sweep points are checked again in their jobs."""
+    launchers pass through. Sweep points are checked again in their jobs. A bad shape exits
+    with code 2 and hcp's message (Hydra would only warn about a callback's exception)."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
         launcher = config.hydra.launcher
@@ -102,5 +117,9 @@ class LaunchCheck:
         cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
         cfg.checkpoint.dir = "/tmp/hcp-launch-check"  # a runtime resolver, not resolvable here
         OmegaConf.resolve(cfg)
-        check_job(cfg, launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node,
-                  where="hydra.launcher")
+        try:
+            check_job(cfg, launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node,
+                      where="hydra.launcher")
+        except ConfigError as e:  # Hydra turns a callback's exception into a warning: exit instead
+            print(f"hcp: error: {e}", file=sys.stderr)
+            raise SystemExit(2) from e

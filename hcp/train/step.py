@@ -17,6 +17,14 @@ reduced over DP x CP there and then shared with every stage.
 Gradient sync: plain DP sums the flat gradients over DP x CP after the schedule; under FSDP
 (`sharded=True`, the model is `fully_shard`-ed by `hcp.train.fsdp`) the reduce-scatter runs in
 the last micro-batch's backward and nothing is summed here.
+
+Uneven data, same collectives on every rank: under FSDP each micro-batch's forward and backward
+all-gather over DP x CP, so a lane that packs fewer micro-batches than another is padded with
+empty ones (`hcp.data.packing.pad_micro_batches`: zero loss, tokens and gradient); the per-lane
+counts come from the step's one DP all-reduce (the step plan will compute them locally). Every
+trainable parameter joins the gradient reduction, with zeros where a lane got no gradient (a
+text-only lane leaves the encoder and projector out of its graph); when no lane had an image,
+the encoder and projector get no gradient at all, as in one process.
 """
 from __future__ import annotations
 
@@ -60,6 +68,14 @@ class StepRunner:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _stage(self, batch, x, head=None):
+        """This stage's model forward under autocast. The activation travels in the compute
+        dtype (`wire_dtype`); a received one is widened back to the parameters' fp32, so the
+        residual stream keeps the precision it has without pipeline stages."""
+        with self._autocast():
+            out = self.model(batch, None if x is None else x.float(), head)
+        return out if self.stage.last else out.to(self.wire_dtype)
+
     def _act_spec(self, meta) -> tuple[tuple[int, int], torch.dtype]:
         """(shape, dtype) of the activation a stage sends for micro-batch `meta`."""
         return self.model.residual_shape(meta), self.wire_dtype
@@ -91,10 +107,12 @@ class StepRunner:
             dist.broadcast(counts, self.first_rank, group=self.pp_group)
         return counts
 
-    def forward_backward(self, batches) -> tuple[float, list[float], int, StageTimes]:
+    def forward_backward(self, batches, metas=None) -> tuple[float, list[float], int, StageTimes]:
         """Gradients of the token-level loss of this lane's micro-batches `batches` (first
-        stage; None elsewhere), synchronized over DP x CP. Returns (global loss, [global loss
-        tokens, global tokens], micro-batches per lane, this stage's timings)."""
+        stage; None elsewhere), synchronized over DP x CP. `metas`: every micro-batch's
+        `StageMeta` when the caller knows them (the step plan), else broadcast from the first
+        stage. Returns (global loss, [global loss tokens, global tokens, global sum of squared document lengths], micro-batches run
+        per lane (padded under FSDP), this stage's timings)."""
         counts = self._counts(batches)
         n_micro, global_tokens = int(counts[0]), counts[1].item()
         if self.stage.first:  # FSDP: a lane with fewer micro-batches still joins every collective
@@ -103,17 +121,17 @@ class StepRunner:
 
         def forward(batch, x):
             nonlocal loss_total
-            with self._autocast():
-                out = self.model(batch, x)
+            out = self._stage(batch, x)
             if not self.stage.last:
-                return out.to(self.wire_dtype)
+                return out
             loss_sum = out[0]
             loss_total = loss_total + loss_sum.detach().double()
             return loss_sum.float() / global_tokens
 
         sync = self.model.set_requires_gradient_sync if self.sharded else None
         times = one_f_one_b(forward, self.link, self.stage.index, self.stage.num_stages, batches,
-                            self._metas(batches, n_micro), self._act_spec, sync)
+                            metas if metas is not None else self._metas(batches, n_micro),
+                            self._act_spec, sync)
         if not self.sharded:
             self._sync_grads()
         if counts[4] == 0:
@@ -159,15 +177,11 @@ class StepRunner:
     def forward_outputs(self, batches, head) -> list:
         """Evaluation through the pipeline: `head(batch, hidden)` of every micro-batch, computed
         on the last stage and broadcast to every stage (a tensor each). Every stage passes the
-        same `batches` (the first stage reads them, the others their metadata)."""
-        def forward(batch, x):
-            with self._autocast():
-                out = self.model(batch, x, head)
-            return out if self.stage.last else out.to(self.wire_dtype)
-
-        metas = [StageMeta.of(b) for b in batches]  # the same batches on every stage
-        outs = forward_only(forward, self.link, self.stage.index, self.stage.num_stages,
-                            batches, metas, self._act_spec)
+        same number of `batches`; the first stage's are the ones run (the others get their
+        metadata from it, as in training)."""
+        metas = self._metas(batches if self.stage.first else None, len(batches))
+        outs = forward_only(lambda batch, x: self._stage(batch, x, head), self.link,
+                            self.stage.index, self.stage.num_stages, batches, metas, self._act_spec)
         if self.stage.num_stages == 1:
             return outs
         shared = []

@@ -1,10 +1,17 @@
-"""The training loop of one rank: data -> micro-batches -> forward/backward -> gradient sync ->
-AdamW step -> metrics, evaluation and checkpoints.
+"""The training loop of one rank: step plan -> this rank's data -> the colocated three-phase step
+-> per-module gradient sync -> one AdamW step -> metrics, evaluation and checkpoints.
 
-Loss is token-level over the whole global batch (DESIGN.md section 3); the step itself (the
-pipeline schedule, gradient sync, clipping) is `hcp.train.step.StepRunner`. Under pipeline
-parallelism each rank builds only its stage (`hcp.model.stage`), only the first stage reads
-training data, and only the last computes the loss.
+Every step is decided by the step plan (`hcp.plan`, DESIGN.md 4.1), computed for step k+1 on a
+background thread while step k runs (`hcp.plan.ahead.PlanAhead`) from the length index built
+once when the data is read. Each rank loads only what its plan gives it: the images of its
+encoder lane's samples (the encoder side: vision + projector under their own TP/DP layout) and,
+on the LLM's first pipeline stage, the text of its micro-batches. The step
+(`hcp.schedule.colocated.ColocatedStep`): encoder forward, the route of image rows to the LLM
+CP shards that hold their positions, the LLM's 1F1B (`hcp.train.step.StepRunner`), the route of
+their gradients back, the encoder backward. Loss is token-level over the whole global batch
+(DESIGN.md section 3): every module is scaled by the same global count; gradients are summed
+over each module's own DP (x CP) group, the clipping norm is global over every module, and one
+optimizer steps them all. A text-only LM (no vision) runs the LLM phase alone.
 """
 from __future__ import annotations
 
@@ -15,20 +22,27 @@ import torch.distributed as dist
 
 from hcp.config.layouts import resolve_layouts
 from hcp.config.schema import MODULES
-from hcp.data.build import build_datasets
-from hcp.data.loader import GlobalBatchSampler, lane_slice
-from hcp.data.packing import collate, first_fit
+from hcp.data.build import build_datasets, num_image_tokens
+from hcp.data.loader import GlobalBatchSampler
+from hcp.comm.p2p import StageMeta
+from hcp.data.packing import collate, empty_batch
 from hcp.model import LlavaModel, init_parameters
 from hcp.model.hf_load import load_pretrained
+from hcp.model.llava import LlavaEncoder
 from hcp.model.stage import StageSpec
 from hcp.parallel.groups import ProcessGroupRegistry
 from hcp.parallel.roles import logging_rank
+from hcp.plan.ahead import PlanAhead
+from hcp.plan.lengths import build_length_index
+from hcp.plan.step import plan_step
+from hcp.schedule.colocated import ColocatedStep
 from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
 from hcp.train.failures import NonFiniteGuard
 from hcp.train.fsdp import shard_model
 from hcp.train.metrics_log import RunLogger, whole_step_metrics
+from hcp.train.modules import RankModules, clip_, module_sq_norm, sync_grads
 from hcp.train.optim import build_optimizer, build_scheduler
 from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
@@ -50,8 +64,6 @@ class Trainer:
         self.groups = ProcessGroupRegistry(self.layouts)
         llm = self.layouts["llm"]
         coords = self.groups.grids["llm"].coords(self.rank)
-        # Every module runs on the LLM's lanes (hcp.train.support); samples are split over DP
-        # lanes, each micro-batch is CP-sharded inside the model, gradients sum over DP x CP.
         self.dp, self.lane, self.cp = llm.dp, coords["dp"], llm.cp
         self.stage = StageSpec.of(llm.pp_layers, coords["pp"])
         self.dp_group = self.groups.group("llm", "dp")
@@ -60,16 +72,27 @@ class Trainer:
         self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg)
+        self.edges = tuple(tuple(e) for e in cfg.graph.edges)
+        self.encoder = self._build_encoder()
         self.model = self._build_model()
+        self.modules = RankModules(self.encoder, self.model)
+        load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's slices
         if llm.dp_shard:
             shard_model(self.model, self.groups)
         self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.model, cfg.checkpoint.dir)
+        self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full")
+                          if self.encoder is not None else None)
+        self.optimizer = build_optimizer(self.modules, cfg.optim)
+        self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
+        t0 = time.perf_counter()
+        self.index = build_length_index(self.train_set, self.tok.image_token_id,
+                                        num_image_tokens(cfg.vision))
+        self.index_s = time.perf_counter() - t0
         self.step, self.resume_note = 0, None
         self._resume()
+        self.ahead = PlanAhead(self.sampler, self.prepare)
         if self.is_logging_rank:
             continue_wandb_run(cfg, resumed=self.step > 0)
         self.log = (RunLogger(run_dir, cfg, cfg.trainer.max_steps, self.step)
@@ -77,24 +100,37 @@ class Trainer:
         if self.log and self.resume_note:
             self.log.write(self.resume_note)
 
+    def _build_encoder(self) -> LlavaEncoder | None:
+        """The encoder side (vision + projector) on its own TP group, or None (text-only LM)."""
+        cfg = self.cfg
+        if cfg.vision is None:
+            return None
+        tp = self.groups.group("vision", "tp") if self.layouts["vision"].tp > 1 else None
+        torch.manual_seed(cfg.seed)
+        encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp)
+        init_parameters(encoder, cfg.seed)
+        for name in ("vision", "projector"):
+            if cfg[name].freeze:
+                encoder.get_submodule(name).requires_grad_(False)
+        return encoder.to(self.device)
+
     def _build_model(self) -> LlavaModel:
+        """This rank's LLM stage; image rows arrive routed from the encoder side."""
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
-                           cp_group=self.cp_group, stage=self.stage)
+                           cp_group=self.cp_group, stage=self.stage, encoder=False)
         init_parameters(model, cfg.seed)
-        load_pretrained(model, cfg)  # llm/vision.init_from: Hugging Face weights, this rank's slices
-        for name in MODULES:
-            if getattr(model, name, None) is not None and cfg[name].freeze:
-                model.get_submodule(name).requires_grad_(False)
+        if cfg.llm.freeze:
+            model.llm.requires_grad_(False)
         return model.to(self.device)
 
     def _resume(self) -> None:
         resume = self.cfg.resume
         path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
         if path is None and self.cfg.init_from_checkpoint:  # a new stage: weights only
-            self.resume_note = checkpoint.load_weights(self.cfg.init_from_checkpoint, self.model,
-                                                       self.tp_group)
+            self.resume_note = checkpoint.load_weights(self.cfg.init_from_checkpoint, self.modules,
+                                                       self._tp_groups())
             return
         if not resume:
             return
@@ -102,7 +138,7 @@ class Trainer:
             self.resume_note = (f"resume=auto: no checkpoint in checkpoint.dir={self.cfg.checkpoint.dir}; "
                                 "starting at step 0")
             return
-        state = checkpoint.load(path, self.model, self.optimizer, self.tp_group)
+        state = checkpoint.load(path, self.modules, self.optimizer, self._tp_groups())
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         self.step = state["step"]
@@ -110,22 +146,67 @@ class Trainer:
         if self.scheduler.change_note:  # a changed trainer.max_steps / optim.lr: said, and followed
             self.resume_note += "\n" + self.scheduler.change_note
 
-    def micro_batches(self, sample_indices):
-        """This lane's samples packed first-fit into THD micro-batches of at most
-        `micro_batch_tokens` per rank: `micro_batch_tokens * cp` tokens before CP sharding, each
-        document counted padded to a multiple of 2 * cp (DESIGN.md section 3)."""
-        samples = [self.train_set[i] for i in sample_indices]
-        pad = 2 * self.cp
-        packs = first_fit([-(-len(s.input_ids) // pad) * pad for s in samples],
-                          self.cfg.trainer.micro_batch_tokens * self.cp)
-        return [collate([samples[i] for i in p], [self.train_set.pixel_values(samples[i]) for i in p],
-                        self.tok.image_token_id).to(self.device) for p in packs]
+    def _tp_groups(self):
+        """TP group of each module's TP-sharded parameters, for checkpoints (None: no TP)."""
+        groups = {"llm": self.tp_group}
+        if self.encoder is not None and self.layouts["vision"].tp > 1:
+            groups.update(vision=self.encoder.tp_group, projector=self.encoder.tp_group)
+        return groups if any(g is not None for g in groups.values()) else None
+
+    def plan(self, indices):
+        """The step plan of the global batch `indices` (pure; the same on every rank)."""
+        return plan_step(self.index.take(indices), self.layouts, self.cfg.packing,
+                         self.cfg.trainer.micro_batch_tokens, self.edges)
+
+    def prepare(self, indices):
+        """On the plan-ahead thread: this rank's plan and data, (RankPlan, pixel values of its
+        encoder samples [I, C, H, W] or None, its LLM micro-batches (first stage) or None, every
+        micro-batch's `StageMeta` for the pipeline). Only this rank's samples are read: images
+        only for its encoder samples, text only on the LLM's first stage (and the labels on the
+        last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
+        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives."""
+        mine = self.plan(indices).rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
+        ds, device = self.train_set, self.device
+        pixels = None
+        if self.encoder is not None:
+            images = [ds.pixel_values(ds[indices[s]]) for s in mine.encoder_samples["vision"]]
+            pixels = torch.cat(images).to(device)
+        keep_empty = self.layouts["llm"].dp_shard
+        batches, metas = [] if self.stage.first else None, []
+        for mb in mine.micro_batches:
+            if mb.empty:
+                if keep_empty:
+                    empty = empty_batch(device)
+                    metas.append(StageMeta.of(empty))
+                    if batches is not None:
+                        batches.append((mb, empty))
+                continue
+            cu = torch.as_tensor(mb.cu_seqlens, device=device)
+            if self.stage.first or self.stage.last:
+                samples = [ds[indices[s]] for s in mb.samples]
+            if self.stage.first:
+                batch = collate(samples, [], self.tok.image_token_id).to(device)
+                if not torch.equal(batch.cu_seqlens, cu):
+                    raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
+                                       f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
+                batches.append((mb, batch))
+                metas.append(StageMeta.of(batch))
+                continue
+            lengths = (cu[1:] - cu[:-1]).tolist()
+            labels = (torch.tensor([t for s in samples for t in s.labels], device=device)
+                      if self.stage.last else torch.full((int(cu[-1]),), -100, device=device))
+            metas.append(StageMeta(cu, mb.max_seqlen, torch.cat([torch.arange(n, device=device)
+                                                                 for n in lengths]), labels))
+        return mine, pixels, batches, metas
 
     def train_step(self) -> dict:
         """One optimizer step over the next global batch; returns this step's metrics."""
         t0 = time.perf_counter()
-        loss, counts, n_micro = self.forward_backward(self.sampler.next())
-        grad_norm = self.runner.clip(self.cfg.trainer.grad_clip)
+        indices, prepared, plan_stats = self.ahead.next()
+        if self.cfg.trainer.get("check_plan"):
+            self._check_plan(prepared[0].checksum)
+        loss, counts, n_micro = self.forward_backward(indices, prepared)
+        grad_norm = self.clip(self.cfg.trainer.grad_clip)
         update = self.guard.update_ok(self.step + 1, loss, grad_norm)  # NaN/Inf: stop or skip
         if update:
             self.optimizer.step()
@@ -135,17 +216,67 @@ class Trainer:
             self.scheduler.step()
         self.step += 1
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
-                "micro_batches": n_micro, **whole_step_metrics(self.cfg.llm, counts, t0,
-                                                               self.stage_times, self.device)}
+                "micro_batches": n_micro, **plan_stats,
+                **whole_step_metrics(self.cfg.llm, counts, t0, self.stage_times, self.device)}
 
-    def forward_backward(self, global_batch: list[int]) -> tuple[float, list[float], int]:
-        """Gradients of the token-level loss of `global_batch` (sample indices), synchronized
-        over DP x CP. Only the first stage reads the data. Returns (global loss, [global loss
-        tokens, global tokens, global sum of squared document lengths], micro-batches per lane)."""
-        batches = (self.micro_batches(lane_slice(global_batch, self.dp, self.lane))
-                   if self.stage.first else None)
-        loss, counts, n_micro, self.stage_times = self.runner.forward_backward(batches)
-        return loss, counts, n_micro
+    def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[float, list[float], int]:
+        """Gradients of the token-level loss of `global_batch` (sample indices), summed over each
+        module's DP (x CP) group; `prepared` is `prepare(global_batch)` when already computed.
+        Returns (global loss, [global loss tokens, global tokens, global sum of squared document
+        lengths], micro-batches per lane)."""
+        mine, pixels, batches, metas = prepared if prepared is not None else self.prepare(global_batch)
+
+        def llm_phase(leaf):
+            if batches is not None and leaf is not None:
+                for mb, batch in batches:
+                    batch.image_rows = leaf[mb.image_rows[0]:mb.image_rows[1]]
+            return self.runner.forward_backward([b for _, b in batches] if batches is not None else None,
+                                                metas)
+
+        if self.colocated is None:
+            loss, counts, n_micro, self.stage_times = llm_phase(None)
+            return loss, self._plan_counts(mine, counts), n_micro
+
+        route = mine.routes[next(e for e in mine.routes if e[1] == "llm")]
+        (loss, counts, n_micro, self.stage_times), self.phase_times = self.colocated.run(pixels, route, llm_phase)
+        self.encoder_grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.encoder.parameters()
+                                   if p.grad is not None)   # this rank's own, before the DP sum
+        sync_grads(self.encoder.parameters(), self.groups.group("vision", "dp"))
+        if mine.counts.image_rows == 0:  # no image anywhere: as in one process, no encoder update
+            for p in self.encoder.parameters():
+                p.grad = None
+        return loss, self._plan_counts(mine, counts), n_micro
+
+    def _check_plan(self, checksum: int) -> None:
+        """`trainer.check_plan`: every rank must have computed the same step plan."""
+        sums = torch.zeros(self.world, dtype=torch.float64, device=self.device)
+        sums[self.rank] = checksum
+        dist.all_reduce(sums)
+        if (sums != sums[0]).any():
+            bad = (sums != sums[0]).nonzero().flatten().tolist()
+            raise RuntimeError(f"step {self.step + 1}: ranks {bad} computed another step plan than "
+                               "rank 0 (different data, config or code on those ranks)")
+
+    @staticmethod
+    def _plan_counts(mine, counted) -> list[float]:
+        """The plan's global counts, checked against the loss tokens the schedule counted."""
+        c = mine.counts
+        if counted[0] != c.loss_tokens:
+            raise RuntimeError(f"the step plan counts {c.loss_tokens} loss tokens, the micro-batches "
+                               f"{counted[0]:.0f}: the length index is stale")
+        return [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths]
+
+    def clip(self, max_norm: float) -> float:
+        """Clip every module's gradients by their global L2 norm; return the norm before."""
+        llm = self.layouts["llm"]
+        sq = module_sq_norm(self.model.parameters(), self.device, self.tp_group,
+                            self.grad_group if llm.dp_shard else None,
+                            self.groups.group("llm", "pp") if llm.pp > 1 else None)
+        if self.encoder is not None:
+            sq = sq + module_sq_norm(self.encoder.parameters(), self.device, self.encoder.tp_group)
+        norm = float(sq.sqrt())
+        clip_(self.modules.parameters(), norm, max_norm)
+        return norm
 
     def evaluate(self) -> dict:
         if self.eval_set is None:
@@ -155,14 +286,43 @@ class Trainer:
             n = min(n, self.cfg.trainer.eval_samples)
         per = -(-n // self.dp)
         indices = list(range(self.lane * per, min(n, (self.lane + 1) * per)))
-        return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok, indices,
-                        self.cfg.trainer.micro_batch_tokens, self.device, self.grad_group, self.dp_group)
+        whole = self._whole_encoder()
+        if whole is not None and self.stage.first:  # held-out images are encoded in place
+            self.model.vision, self.model.projector = whole.vision, whole.projector
+        try:
+            return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok, indices,
+                            self.cfg.trainer.micro_batch_tokens, self.device, self.grad_group,
+                            self.dp_group)
+        finally:
+            if whole is not None and self.stage.first:
+                self.model.vision, self.model.projector = None, None
+
+    def _whole_encoder(self) -> LlavaEncoder | None:
+        """The encoder side whole on this rank, for evaluation (greedy decoding re-encodes each
+        prompt's images inside the LLM's first stage): the training encoder itself under
+        encoder tp = 1, else a copy whose TP shards are gathered over the encoder's TP group
+        (a collective over it: every rank evaluates)."""
+        if self.encoder is None or self.encoder.tp_group is None:
+            return self.encoder
+        cfg, group = self.cfg, self.encoder.tp_group
+        whole = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size).to(self.device)
+        state = {}
+        for name, p in self.encoder.named_parameters():
+            spec = getattr(p, "shard_spec", None)
+            if spec is None:
+                state[name] = p.detach()
+                continue
+            parts = [torch.empty_like(p) for _ in range(spec.world)]
+            dist.all_gather(parts, p.detach().contiguous(), group=group)
+            state[name] = torch.cat(parts, dim=spec.dim)
+        whole.load_state_dict(state)
+        return whole
 
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "sampler": self.sampler.state_dict()}
-        path = checkpoint.save(self.cfg.checkpoint.dir, self.step, self.model, self.optimizer, state,
-                               self.cfg.checkpoint.keep, self.tp_group)
+        path = checkpoint.save(self.cfg.checkpoint.dir, self.step, self.modules, self.optimizer, state,
+                               self.cfg.checkpoint.keep, self._tp_groups())
         if self.log:
             self.log.write(f"checkpoint step {self.step}: {path}")
 
@@ -184,9 +344,11 @@ class Trainer:
                 self.save()
             if self.step < tc.max_steps and self.preempt.should_stop():  # all ranks agree
                 self.save()
+                self.ahead.close()
                 self.preempt.requeue_and_exit(self.step, self.cfg.checkpoint.dir)
         evals = self.evaluate()
         self.save()
+        self.ahead.close()
         summary = {"steps": self.step, "final_loss": metrics.get("loss"), **evals,
                    "wall_s": round(time.perf_counter() - t_start, 2),
                    **{k: sum(m[k] for m in history) / max(1, len(history))

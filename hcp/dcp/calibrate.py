@@ -1,0 +1,178 @@
+"""`mode=calibrate`: fit the dynamic-CP cost model's coefficients to measured passes.
+
+`python train.py +recipe=llama_tiny mode=calibrate` times real forward + backward passes of the
+configured LLM (`llm.*`, one pipeline stage, no TP) on this machine over a grid of document
+lengths L, documents per micro-batch d and CP sizes c (powers of two up to the local ranks and
+`CALIBRATE_MAX_CP`; on CPU gloo ranks, each with one thread), then fits by non-negative
+least squares (scipy.optimize.nnls) the per-rank model of hcp/dcp/cost_model.py at pp = 1:
+    time(T, S, c) = (1 + k) (a T / c + b S / c + g T (c - 1) / c) + o
+with T = d L tokens, S = d L^2, k = 2 + recompute, and writes `profile.yaml` in the run
+directory: a HardwareProfile (so `packing_profile=PATH` and `benchmarks/dynamic_cp.py --cost
+PATH` load it) whose rates reproduce a, b, g, o for this model:
+    matmul rate    = (layers * 2 P_layer + 2 h V) / a      FLOP/s
+    attention rate = layers * 2 h / b                       FLOP/s
+    peak_flops = the larger rate; each efficiency = its rate / peak;
+    bandwidth      = layers * 2 d_kv * bytes / g, comm_overlap 0, every group on
+                     one "node" (ranks_per_node = the next power of two >= the grid's largest c);
+    overheads      o_f = o / (1 + k), o_b = o - o_f.
+A coefficient fitted to 0 (e.g. gloo's communication runs outside the timed thread) is written
+as a negligible cost: rate or bandwidth 1e18. The YAML's `fit:` entry lists every point's
+measured and predicted seconds and relative error, also printed. Measured per rank: thread CPU
+time on CPU (several ranks share the cores, so wall time would count the others' work), wall
+time after `torch.cuda.synchronize` on GPU (lazy, untested here); the slowest rank of a group
+counts, the least of `REPEATS` runs is kept. The H100 profile (profiles/h100.yaml) stays the
+analytic defaults until someone runs this on H100.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from hcp.model.flops import (head_flops_per_token, kv_dim, layer_attention_flops_per_sq_token,
+                             layer_matmul_flops_per_token)
+
+LENGTHS = (128, 256, 512, 1024)  # tokens per document
+DOCS = (1, 4)  # documents per micro-batch
+CALIBRATE_MAX_CP = 8
+REPEATS = 3
+NEGLIGIBLE = 1e18  # rate (FLOP/s) or bandwidth (bytes/s) written for a coefficient fitted to 0
+
+
+def grid() -> list[tuple[int, int]]:
+    """(document length, documents) per point, tokens."""
+    return [(L, d) for L in LENGTHS for d in DOCS]
+
+
+def _rank(payload) -> None:
+    """One gloo/NCCL rank: time the grid with the whole world as the CP group; rank 0 writes
+    `[[L, d, c, seconds], ...]` (slowest rank, least of REPEATS) to `payload["out"]`."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from hcp.model.llama import LlamaDecoder
+    from hcp.parallel.cp_sharding import cp_shard
+    from hcp.train.distributed import init_distributed
+
+    cfg = OmegaConf.create(payload["cfg"])
+    device = init_distributed(cfg.launcher)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    rank, c = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD if c > 1 else None
+    torch.manual_seed(0)
+    model = LlamaDecoder(cfg.llm, cp_group=group).to(device)
+    rows = []
+    for L, d in grid():
+        cu = torch.arange(d + 1, dtype=torch.int32) * L
+        shard = cp_shard(cu, c, rank) if c > 1 else None
+        n = shard.token_index.numel() if shard else d * L
+        pos = shard.position_ids if shard else torch.arange(L).repeat(d)
+        best = np.inf
+        for _ in range(REPEATS + 1):  # the first run warms up
+            x = torch.randn(n, cfg.llm.hidden_size, device=device, requires_grad=True)
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter() if device.type == "cuda" else time.thread_time()
+            out = model(x, pos.to(device), cu.to(device), L)
+            model.logits(out).float().square().mean().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            secs = (time.perf_counter() if device.type == "cuda" else time.thread_time()) - start
+            t = torch.tensor([secs], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            best = min(best, t.item()) if _ else best
+        rows.append([L, d, c, best])
+    if rank == 0:
+        Path(payload["out"]).write_text(json.dumps(rows))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(cfg, run_dir: str, sizes) -> list[list[float]]:
+    """Every grid point at every CP size of `sizes`: rows `[L, d, c, seconds]`."""
+    from omegaconf import OmegaConf
+
+    from hcp.train.launch import start_local_ranks
+
+    container = OmegaConf.to_container(cfg, resolve=True)
+    rows = []
+    for c in sizes:
+        out = os.path.join(run_dir, f"calibrate_cp{c}.json")
+        start_local_ranks(_rank, c, {"cfg": container, "out": out}, cfg.launcher.start_method)
+        rows += json.loads(Path(out).read_text())
+    return rows
+
+
+def fit(rows, llm, recompute: bool, bytes_per_element: int, max_cp: int) -> dict:
+    """Least-squares coefficients and the profile mapping (module docstring). `rows`:
+    `[L, d, c, seconds]`. Returns the profile mapping plus its `fit:` report."""
+    from scipy.optimize import nnls
+
+    arr = np.asarray(rows, dtype=np.float64)
+    L, d, c, y = arr.T
+    T, S = d * L, d * L * L
+    X = np.stack([T / c, S / c, T * (c - 1) / c, np.ones_like(T)], axis=1)
+    scale = X.max(axis=0)
+    scale[scale == 0] = 1.0
+    w = 1.0 / y  # relative errors: every point weighs the same
+    coef, _ = nnls(X / scale * w[:, None], y * w)
+    coef = coef / scale
+    k1 = 3.0 + float(recompute)
+    a, b, g, o = coef[0] / k1, coef[1] / k1, coef[2] / k1, coef[3]
+    mm_flops = llm.num_layers * layer_matmul_flops_per_token(llm) + head_flops_per_token(llm)
+    at_flops = llm.num_layers * layer_attention_flops_per_sq_token(llm)
+    comm_bytes = llm.num_layers * 2 * kv_dim(llm) * bytes_per_element
+    rate_mm = mm_flops / a if a > 0 else NEGLIGIBLE
+    rate_at = at_flops / b if b > 0 else NEGLIGIBLE
+    bw = comm_bytes / g if g > 0 else NEGLIGIBLE
+    peak = max(rate_mm, rate_at)
+    pred = X @ coef
+    profile = {
+        "peak_flops": float(peak), "matmul_efficiency": float(rate_mm / peak),
+        "attention_efficiency": float(rate_at / peak),
+        "nvlink_bandwidth": float(bw), "ib_bandwidth": float(bw),
+        "ranks_per_node": int(1 << max(0, int(max_cp - 1).bit_length())),
+        "comm_overlap": 0.0, "micro_batch_overhead_fwd": float(o / k1),
+        "micro_batch_overhead_bwd": float(o - o / k1), "bytes_per_element": int(bytes_per_element),
+    }
+    profile["fit"] = {
+        "model": "seconds = (1 + k) (a T / c + b S / c + g T (c - 1) / c) + o",
+        "coefficients": {"a": float(a), "b": float(b), "g": float(g), "o": float(o)},
+        "points": [{"length": int(li), "docs": int(di), "cp": int(ci), "measured_s": float(yi),
+                    "predicted_s": float(pi), "rel_error": float(pi / yi - 1)}
+                   for li, di, ci, yi, pi in zip(L, d, c, y, pred)],
+    }
+    return profile
+
+
+def run_calibrate(cfg, run_dir: str, sizes=None) -> str:
+    """Measure, fit, write `run_dir/profile.yaml`, print the per-point fit; return its path."""
+    if sizes is None:
+        world = int(cfg.launcher.nproc_per_node) if str(cfg.launcher.nproc_per_node).isdigit() \
+            else (os.cpu_count() or 1)
+        top = min(CALIBRATE_MAX_CP, max(1, world))
+        sizes = [1 << e for e in range(top.bit_length()) if 1 << e <= top]
+    rows = measure(cfg, run_dir, sizes)
+    recompute = cfg.llm.layout.recompute == "full"
+    bytes_per_element = 2 if cfg.precision == "bf16" else 4
+    profile = fit(rows, cfg.llm, recompute, bytes_per_element, max(sizes))
+    path = os.path.join(run_dir, "profile.yaml")
+    with open(path, "w") as f:
+        f.write("# Fitted by `mode=calibrate` (hcp/dcp/calibrate.py) for this model on this "
+                "machine.\n")
+        yaml.safe_dump(profile, f, sort_keys=False)
+    print(f"{'L':>6} {'docs':>4} {'cp':>3} {'measured_s':>11} {'predicted_s':>11} {'error':>7}")
+    for p in profile["fit"]["points"]:
+        print(f"{p['length']:>6} {p['docs']:>4} {p['cp']:>3} {p['measured_s']:11.5f} "
+              f"{p['predicted_s']:11.5f} {100 * p['rel_error']:6.1f}%")
+    errs = np.abs([p["rel_error"] for p in profile["fit"]["points"]])
+    print(f"fit: mean |error| {100 * errs.mean():.1f}%, max {100 * errs.max():.1f}%; "
+          f"profile written to {path} (load it with packing_profile={path})")
+    return path

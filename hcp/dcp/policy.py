@@ -1,0 +1,102 @@
+"""The `dynamic_cp` packing policy of the step plan (DESIGN.md 4.1; hcp/plan/step.py).
+
+`dynamic_cp_policy(llm_cfg, profile)` returns the policy `(merged lengths [B], the LLM's
+ResolvedLayout, micro_batch_tokens) -> Plan` that the step plan calls through
+`hcp.plan.step.register_policy("dynamic_cp", ...)` (registered by the caller: hcp/plan sits
+above hcp/dcp). It runs the solver (hcp/dcp/solver.py) on the global batch with the cost model
+of the run's own `llm.*` config and layout (tp strides the CP pool, pp, recompute) under the
+hardware profile `packing_profile` (`h100` or a `mode=calibrate` YAML). Every rank computes
+the same plan from the same lengths (the solver is deterministic: move and node budgets, no
+clock), so no rank has to broadcast it; on a background thread (hcp/plan/ahead.py) a broadcast
+would need a collective off the main thread, which could cross the step's collectives.
+
+The step plan runs rows of one micro-batch per group (`group_at[j, pool position]`), so a
+round whose groups run several micro-batches (pp = 1 without dp_shard) is laid out as
+`max_g n_g` rows over the same blocks; a group that has run out of micro-batches gets an
+empty group there (its ranks run an empty micro-batch: nothing to wait for, since no
+collective spans two groups inside a round).
+
+A batch with fewer sequences than pool ranks gives groups with no sequences: those ranks run
+empty micro-batches, as the step plan pads any lane (never a rank left out of a collective).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hcp.config.errors import ConfigError
+from hcp.dcp.cost_model import CostModel, load_profile
+from hcp.dcp.plan import Group, Plan, Round, check_pool, max_length, prepare_lengths
+from hcp.dcp.solver import solve
+from hcp.parallel.groups import DYNAMIC_CP
+
+
+def rows(plan: Plan) -> Plan:
+    """`plan` with every round laid out as rows of one micro-batch per group (module
+    docstring); a plan of one micro-batch per group is returned as it is."""
+    out = Plan()
+    for r in plan.rounds:
+        mbs = [g.micro_batches for g in r.groups]
+        for q in range(max(map(len, mbs))):
+            out.rounds.append(Round([Group(m[q] if q < len(m) else [], g.cp_size, g.rank_offset)
+                                     for g, m in zip(r.groups, mbs)]))
+    return out
+
+
+def dynamic_cp_policy(llm_cfg, profile: str = "h100"):
+    """The policy for an LLM of config `llm_cfg` under the hardware profile `profile`."""
+    hw = load_profile(profile)
+    costs: dict[tuple, CostModel] = {}
+
+    def policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Plan:
+        pool = llm.dp * llm.cp
+        check_pool(pool, micro_batch_tokens)
+        key = (llm.tp, llm.pp, llm.recompute, tuple(llm.pp_layers))
+        if key not in costs:
+            layers = list(llm.pp_layers) if sum(llm.pp_layers) == llm_cfg.num_layers else None
+            costs[key] = CostModel(llm_cfg, hw, pp=llm.pp, tp=llm.tp,
+                                   recompute=llm.recompute == "full", pp_layers=layers)
+        lens, _ = prepare_lengths(tokens, pool, micro_batch_tokens)
+        several = llm.pp == 1 and not llm.dp_shard
+        return rows(solve(lens, costs[key], pool, micro_batch_tokens,
+                          several_per_round=several).plan)
+
+    return policy
+
+
+def check_dynamic_cp(cfg, llm) -> None:
+    """Before any rank starts: ConfigError naming the field and the fix unless the LLM's CP
+    pool (dp * cp) is a power of two and the longest sample (`data.max_seq_len`) fits the
+    pool at `trainer.micro_batch_tokens` per rank, head-tail padding counted, and the profile
+    loads. `llm` is the LLM's ResolvedLayout."""
+    check_pool(llm.dp * llm.cp, cfg.trainer.micro_batch_tokens)
+    limit = max_length(llm.dp * llm.cp, cfg.trainer.micro_batch_tokens)
+    if cfg.data.max_seq_len > limit:
+        raise ConfigError("data.max_seq_len", cfg.data.max_seq_len,
+                          f"longer than the CP pool of {llm.dp * llm.cp} ranks holds at "
+                          f"trainer.micro_batch_tokens={cfg.trainer.micro_batch_tokens} "
+                          f"({limit} tokens, head-tail padding counted)",
+                          f"use data.max_seq_len <= {limit} or raise "
+                          f"trainer.micro_batch_tokens or the pool")
+    try:
+        load_profile(cfg.packing_profile)
+    except ValueError as err:
+        raise ConfigError("packing_profile", cfg.packing_profile, str(err),
+                          "use h100 or the profile.yaml of mode=calibrate") from None
+
+
+def micro_batch_group(groups, mb, rank: int):
+    """The pre-built dynamic-CP group (hcp/parallel/groups.py, registry built with
+    `dynamic_cp_modules=("llm",)`) that global rank `rank` uses for micro-batch `mb` (a
+    `hcp.plan.step.MicroBatchPlan`); None at CP size 1. Never creates a group.
+
+    Raises:
+        ValueError: the plan's shard index disagrees with the rank's place in that group
+            (a plan computed from other inputs: running it would hang or mix shards).
+    """
+    if mb.cp_size == 1:
+        return None
+    ranks = groups.ranks("llm", DYNAMIC_CP, mb.cp_size)
+    if ranks.index(rank) != mb.cp_rank:
+        raise ValueError(f"rank {rank}: the step plan gives CP shard {mb.cp_rank} of a group of "
+                         f"{mb.cp_size}, but the rank is member {ranks.index(rank)} of {ranks}")
+    return groups.group("llm", DYNAMIC_CP, mb.cp_size)

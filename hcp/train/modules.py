@@ -1,0 +1,81 @@
+"""Per-module runtime pieces the trainer joins into one step (DESIGN.md 4.4, last bullet).
+
+Each module reduces its gradients over its own DP x CP group (the LLM's sync is in
+`hcp.train.step`; the encoder side's is `sync_grads` over the encoder's DP group), every module
+is scaled by the same global token count (the loss is divided once, before backward), the
+gradient norm for clipping is global over every module and rank (`global_grad_norm`), and one
+optimizer steps all modules together. `RankModules` puts this rank's modules under one root
+whose parameter names are the single-process model's (`vision.*`, `projector.*`, `llm.*`), so
+checkpoints and optimizer state are keyed by module FQN whatever the layouts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.tensor import DTensor
+
+from hcp.model.collectives import group_size
+
+
+class RankModules(nn.Module):
+    """This rank's modules under one root: the encoder side's `vision` and `projector`
+    (`hcp.model.llava.LlavaEncoder`, None for a text-only LM) and the LLM stage's `llm`."""
+
+    def __init__(self, encoder, llm_stage):
+        super().__init__()
+        self.vision = encoder.vision if encoder is not None else None
+        self.projector = encoder.projector if encoder is not None else None
+        self.llm = llm_stage.llm
+        self.stage, self.cp_group = llm_stage.stage, llm_stage.cp_group  # what checkpoints label
+
+
+def sync_grads(params, group) -> None:
+    """Sum the gradients of the trainable `params` over `group` in one flat buffer (no-op for
+    size 1). A parameter without a gradient joins with zeros, so every rank's buffer is the same."""
+    params = [p for p in params if p.requires_grad]
+    if group_size(group) == 1 or not params:
+        return
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for p, synced in zip(params, _unflatten_dense_tensors(flat, grads)):
+        if p.grad is None:
+            p.grad = synced
+        else:
+            p.grad.copy_(synced)
+
+
+def _squares(params, device) -> torch.Tensor:
+    """[sum of squares of TP-sharded grads, of replicated grads] (float64) of local tensors."""
+    sq = torch.zeros(2, dtype=torch.float64, device=device)
+    for p in params:
+        if p.grad is None:
+            continue
+        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        sq[0 if getattr(p, "shard_spec", None) else 1] += g.double().pow(2).sum()
+    return sq
+
+
+def module_sq_norm(params, device, tp_group=None, shard_group=None, pp_group=None) -> torch.Tensor:
+    """Squared L2 norm of one module's gradients over all its ranks (0-d float64, the same on
+    every rank of the module): TP-sharded parameters (with `shard_spec`) summed over `tp_group`,
+    replicated ones counted once; FSDP shards summed over `shard_group`; stages over `pp_group`.
+    Collectives over the given groups (None: size 1)."""
+    sq = _squares(params, device)
+    if shard_group is not None and group_size(shard_group) > 1:
+        dist.all_reduce(sq, group=shard_group)
+    if tp_group is not None and group_size(tp_group) > 1:
+        dist.all_reduce(sq[:1], group=tp_group)
+    if pp_group is not None and group_size(pp_group) > 1:
+        dist.all_reduce(sq, group=pp_group)
+    return sq.sum()
+
+
+def clip_(params, norm: float, max_norm: float) -> None:
+    """Scale every gradient by max_norm / norm when norm > max_norm > 0 (norm: global)."""
+    if max_norm > 0 and norm > max_norm:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(max_norm / (norm + 1e-6))

@@ -1,0 +1,81 @@
+"""The dynamic_cp policy inside the step plan: valid per-rank plans, rows of rounds, errors."""
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+
+from hcp.config.compose import compose_config
+from hcp.config.errors import ConfigError
+from hcp.dcp.plan import Group, Plan, Round, validate_plan
+from hcp.dcp.policy import check_dynamic_cp, dynamic_cp_policy, rows
+from hcp.plan.lengths import SampleSizes
+from hcp.plan.step import plan_step, register_policy
+
+CFG = compose_config(["+recipe=llama_tiny"])
+register_policy("dynamic_cp", dynamic_cp_policy(CFG.llm))
+
+
+def lay(tp=1, cp=1, dp=1, pp=1, dp_shard=False):
+    return NS(module="llm", tp=tp, cp=cp, pp=pp, dp=dp, rank_offset=0,
+              num_ranks=tp * cp * pp * dp, pp_layers=(CFG.llm.num_layers // pp,) * pp,
+              recompute="none", dp_shard=dp_shard, cp_comm="allgather",
+              sequence_parallel=False)
+
+
+def sizes(tokens):
+    return SampleSizes.from_lists(list(tokens), list(tokens), [[] for _ in tokens])
+
+
+@pytest.mark.parametrize("layout", [dict(dp=4), dict(dp=2, cp=2), dict(dp=4, tp=2),
+                                    dict(dp=4, pp=2), dict(dp=4, dp_shard=True), dict(dp=8)])
+def test_every_rank_gets_the_same_count_and_caps_hold(layout):
+    rng = np.random.default_rng(5)
+    tokens = np.r_[rng.integers(20, 300, 30), [700, 1000]]
+    llm = lay(**layout)
+    plan = plan_step(sizes(tokens), {"llm": llm}, "dynamic_cp", 256)
+    ranks = [plan.rank(r) for r in range(llm.num_ranks)]
+    assert len({len(p.micro_batches) for p in ranks}) == 1
+    placed = sorted(s for p in ranks for mb in p.micro_batches if mb.cp_rank == 0
+                    for s in mb.samples)
+    assert placed == sorted(list(range(len(tokens))) * llm.tp * llm.pp)  # every TP/PP copy
+    assert all(mb.local_tokens <= 256 for p in ranks for mb in p.micro_batches)
+    sizes_used = {mb.cp_size for p in ranks for mb in p.micro_batches if not mb.empty}
+    assert max(sizes_used) >= 4  # the 1000-token sample needs a CP group of >= 4 ranks
+
+
+def test_rows_lay_out_a_round_as_one_micro_batch_per_group():
+    plan = Plan([Round([Group([0, 1, 2], 2, 0, [1, 2]), Group([3], 1, 2), Group([], 1, 3)])])
+    out = rows(plan)
+    assert [[g.seq_indices for g in r.groups] for r in out.rounds] == [[[0], [3], []],
+                                                                       [[1, 2], [], []]]
+    validate_plan(out, [5, 5, 5, 5], 4, 100)
+
+
+def test_fewer_samples_than_pool_ranks_leave_ranks_with_empty_micro_batches():
+    llm = lay(dp=8)
+    plan = plan_step(sizes([50, 60]), {"llm": llm}, "dynamic_cp", 256)
+    ranks = [plan.rank(r) for r in range(8)]
+    assert len({len(p.micro_batches) for p in ranks}) == 1
+    assert sum(not mb.empty for p in ranks for mb in p.micro_batches if mb.cp_rank == 0) <= 2
+
+
+def test_clear_errors_before_ranks_start():
+    with pytest.raises(ConfigError, match="cp_pool=6: .*power of two"):
+        check_dynamic_cp(CFG, lay(dp=6))
+    cfg = compose_config(["+recipe=llama_tiny", "data.max_seq_len=5000",
+                          "trainer.micro_batch_tokens=256"])
+    with pytest.raises(ConfigError, match=r"data.max_seq_len=5000: longer than the CP pool of 4 "
+                                          r"ranks holds .* \(1024 tokens"):
+        check_dynamic_cp(cfg, lay(dp=4))
+    bad = compose_config(["+recipe=llama_tiny", "packing_profile=/nonexistent.yaml"])
+    with pytest.raises(ConfigError, match="packing_profile='/nonexistent.yaml'"):
+        check_dynamic_cp(bad, lay(dp=4))
+
+
+def test_plans_are_deterministic():
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(10, 400, 40)
+    a = plan_step(sizes(tokens), {"llm": lay(dp=4)}, "dynamic_cp", 256)
+    b = plan_step(sizes(tokens), {"llm": lay(dp=4)}, "dynamic_cp", 256)
+    assert (a.group_at == b.group_at).all()
+    assert [g.seq_indices for g in a.groups] == [g.seq_indices for g in b.groups]
