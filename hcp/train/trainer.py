@@ -92,7 +92,7 @@ class Trainer:
         self._resume()
         self.ahead = PlanAhead(self.sampler, self.prepare)
         if self.is_logging_rank:
-            continue_wandb_run(cfg, resumed=self.step > 0)
+            continue_wandb_run(cfg, run_dir, resumed=self.step > 0)
         self.log = (RunLogger(run_dir, cfg, cfg.trainer.max_steps, self.step)
                     if self.is_logging_rank else None)
         if self.log and self.resume_note:
