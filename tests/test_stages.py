@@ -43,7 +43,8 @@ def test_stage1_then_stage2_from_its_weights_with_a_fresh_optimizer(tmp_path):
     assert changed == {"projector"}  # stage 1 trains only the projector
     ckpt = str(tmp_path / "s1" / "checkpoints" / "step_00000002")
 
-    s2 = _cfg(tmp_path / "s2", "+stage=finetune", "llm.layout.tp=2", f"init_from_checkpoint={ckpt}")
+    s2 = _cfg(tmp_path / "s2", "+stage=finetune", "llm.layout.tp=2", "vision.layout.tp=1",
+              f"init_from_checkpoint={ckpt}")  # the encoder side stays whole (pure DP)
     check_resume(s2)
     (start2, end2, info), _ = run_ranks(_run, 2, OmegaConf.to_container(s2), str(tmp_path / "s2"))
     assert info["step"] == 0 and info["optim_state"] == 0  # fresh optimizer and schedule

@@ -13,8 +13,8 @@ from hcp.config.errors import ConfigError
 def check_trainable(cfg, layouts: dict) -> None:
     """Raise ConfigError for a valid layout that training does not run yet.
 
-    Not yet trained: non-colocated placement, encoder-side CP and PP (encoder PP comes with
-    non-colocated placement), `selective` recompute outside the LLM, tied embeddings across LLM
+    Not yet trained: non-colocated placement, encoder-side CP, PP (encoder PP comes with
+    non-colocated placement) and FSDP, `selective` recompute outside the LLM, tied embeddings across LLM
     stages and `packing=dynamic_cp`. Each can be planned with `mode=plan`.
     """
     llm = layouts["llm"]
@@ -37,6 +37,10 @@ def check_trainable(cfg, layouts: dict) -> None:
             raise ConfigError(f"{m}.layout.cp", lay.cp, f"{m} does not split images over CP ranks "
                               "(its rows are routed to the LLM's CP shards instead)",
                               f"use {m}.layout.cp=1 and more {m}.layout.dp or tp")
+        if lay.dp_shard:
+            raise ConfigError(f"{m}.layout.dp_shard", True, f"FSDP of the encoder side is not built "
+                              f"yet (its weights are replicated over {m}'s DP lanes)",
+                              f"set {m}.layout.dp_shard=false (llm.layout.dp_shard shards the LLM)")
         if lay.recompute == "selective":
             raise ConfigError(f"{m}.layout.recompute", lay.recompute, "selective recompute is "
                               "implemented in the LLM's decoder layers only", "use recompute=none or full")

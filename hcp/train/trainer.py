@@ -86,10 +86,8 @@ class Trainer:
         self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
-        t0 = time.perf_counter()
         self.index = build_length_index(self.train_set, self.tok.image_token_id,
                                         num_image_tokens(cfg.vision))
-        self.index_s = time.perf_counter() - t0
         self.step, self.resume_note = 0, None
         self._resume()
         self.ahead = PlanAhead(self.sampler, self.prepare)
@@ -97,11 +95,8 @@ class Trainer:
             continue_wandb_run(cfg, run_dir, resumed=self.step > 0)
         self.log = (RunLogger(run_dir, cfg, cfg.trainer.max_steps, self.step)
                     if self.is_logging_rank else None)
-        if self.log:
-            self.log.write(f"step plan: length index of {len(self.index)} samples read in "
-                           f"{self.index_s:.2f}s (no image opened); packing={cfg.packing}")
-            if self.resume_note:
-                self.log.write(self.resume_note)
+        if self.log and self.resume_note:
+            self.log.write(self.resume_note)
 
     def _build_encoder(self) -> LlavaEncoder | None:
         """The encoder side (vision + projector) on its own TP group, or None (text-only LM)."""
