@@ -23,9 +23,9 @@ Lengths (`--lengths`): `wikipedia` (FlexSP's Wikipedia sample, hcp/data/lengths/
 document lengths), `lognormal` (numpy `lognormal(mean=ln 1024, sigma=1.5)`, i.e. median
 1024, rounded and clipped to [128, 8192] as in Megatron's dynamic-CP example; a fixed pool of
 100,000 draws, default_rng(20260101): median 1023, mean 2111 after clipping) or a file of one
-positive integer per line. Each seed of `--seeds` draws `--batches` batches of `--global-batch` lengths
-without replacement from those <= `--max-len` (numpy default_rng(seed)). Bad arguments are
-parser errors (exit status 2).
+positive integer per line. Each seed of `--seeds` draws `--batches` batches of `--global-batch`
+lengths without replacement from those <= `--max-len` (numpy default_rng(seed)). Bad arguments
+are parser errors (exit status 2).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from hcp.dcp.solver import simulate_plan, solve
 WIKIPEDIA = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"
 DISTRIBUTIONS = ("wikipedia", "code", "lognormal")
 METHODS = ("packing_only", "greedy", "solver")
+ONE_PER_ROUND = "one micro-batch per group and round"
 
 
 COLUMNS = """columns, per batch and method (the summary averages them over the batches):
@@ -353,8 +354,9 @@ def print_summary(s, args):
     print(f"\nlengths {args.lengths}, seeds {args.seeds[0]}-{args.seeds[-1]} x {args.batches} "
           f"batches, GBS {args.global_batch}, pool {args.cp_pool}, pp {args.pp}, "
           f"cap {args.max_tokens_per_rank}/rank, "
-          f"{'several micro-batches per round' if args.several_per_round else 'one micro-batch per group and round'}")
-    print("method        time_s  /bound  max/bound   /opt  opt<=  rounds  plan_ms(mean/max)  TFLOPS/GPU")
+          f"{'several micro-batches per round' if args.several_per_round else ONE_PER_ROUND}")
+    print("method        time_s  /bound  max/bound   /opt  opt<=  rounds  plan_ms(mean/max)  "
+          "TFLOPS/GPU")
     for k in (m for m in (*METHODS, "megatron", "exact") if m in s):
         v = s[k]
         opt = (f"{v['mean_time_over_optimum']:6.3f} {v['mean_time_over_optimum_dual_bound']:6.3f}"
@@ -367,7 +369,8 @@ def print_summary(s, args):
         print(f"solver time / {k}: mean {r['mean']:.3f}, worst {r['max']:.3f}, slower on "
               f"{r['batches_slower']} of {r['batches']} batches")
     print(f"TFLOPS/GPU gain over packing-only: {s['tflops_gain_over_packing_only']:.2f}x "
-          f"(published Megatron-LM dynamic CP at GBS 2048 PP 8 CP 8, for comparison: GitHub 1.48x, CommonCrawl 1.25x)")
+          f"(published Megatron-LM dynamic CP at GBS 2048 PP 8 CP 8, for comparison: GitHub "
+          f"1.48x, CommonCrawl 1.25x)")
     if "exact" in s:
         print(f"exact: optimum proven within 1% on {s['exact']['optimum_proven_batches']} "
               f"batches; /opt is against the best plan found, opt<= against the larger of the "

@@ -84,3 +84,25 @@ def test_plan_ahead_raises_the_planning_error_at_the_step_that_needs_it():
     with pytest.raises(ValueError, match="bad plan"):
         ahead.next()
     ahead.close()
+
+
+def test_length_index_of_blended_token_data_matches_the_samples(tmp_path):
+    import json as _json
+
+    from cfg_utils import compose_cfg
+    from hcp.data.build import build_datasets
+    from hcp.data.indexed import write_indexed
+
+    rng = np.random.default_rng(0)
+    write_indexed(str(tmp_path / "small"), [rng.integers(0, 256, rng.integers(2, 40)) for _ in range(20)])
+    with open(tmp_path / "big.jsonl", "w") as f:
+        for _ in range(30):
+            f.write(_json.dumps({"text": "x" * int(rng.integers(3, 90))}) + "\n")
+    sources = (f"data.sources=[{{path: {tmp_path / 'small'}, weight: 0.6}}, "
+               f"{{path: {tmp_path / 'big.jsonl'}, weight: 0.4}}]")
+    cfg = compose_cfg(["+recipe=llama_tiny", "data=tokens", "data.max_seq_len=32", sources])
+    _, train, _ = build_datasets(cfg)
+    index = build_length_index(train, -1, 0)
+    assert index.tokens.tolist() == [len(train[i].input_ids) for i in range(len(train))]
+    assert index.loss_tokens.tolist() == [sum(lab != IGNORE_INDEX for lab in train[i].labels)
+                                          for i in range(len(train))]

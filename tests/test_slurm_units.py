@@ -158,13 +158,14 @@ def test_nonfinite_guard_stops_or_skips_naming_the_step(tmp_path, monkeypatch):
 
 
 def test_wandb_run_id_is_kept_across_a_resume_and_new_for_a_fresh_run(tmp_path, monkeypatch):
-    cfg = OmegaConf.create({"logger": {"name": "wandb"}, "checkpoint": {"dir": str(tmp_path / "ck")}})
+    cfg = OmegaConf.create({"logger": {"name": "wandb"}})
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
-    continue_wandb_run(cfg, resumed=False)
+    continue_wandb_run(cfg, str(tmp_path), resumed=False)
     first = os.environ["WANDB_RUN_ID"]
-    continue_wandb_run(cfg, resumed=True)
+    assert (tmp_path / "wandb_run_id").read_text().strip() == first
+    continue_wandb_run(cfg, str(tmp_path), resumed=True)
     assert os.environ["WANDB_RUN_ID"] == first and os.environ["WANDB_RESUME"] == "allow"
-    continue_wandb_run(cfg, resumed=False)
+    continue_wandb_run(cfg, str(tmp_path), resumed=False)
     assert os.environ["WANDB_RUN_ID"] != first
 
 

@@ -26,11 +26,11 @@ def _run(rank, world, container, run_dir):
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
-    start = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    start = {n: p.detach().clone() for n, p in tr.modules.named_parameters()}
     info = {"step": tr.step, "optim_state": len(tr.optimizer.state), "note": tr.resume_note,
             "lr": tr.scheduler.get_last_lr()[0]}
     tr.fit()
-    end = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
+    end = {n: p.detach().clone() for n, p in tr.modules.named_parameters()}
     return start, end, info
 
 

@@ -68,6 +68,22 @@ class Tok:
         return " ".join(map(str, ids))
 
 
+def test_an_empty_micro_batch_adds_zero_loss_tokens_and_gradient_but_runs_every_layer():
+    from hcp.data.packing import empty_batch, pad_micro_batches
+
+    model = build(LLM)
+    seen = []
+    for layer in model.llm.layers:
+        layer.register_forward_hook(lambda mod, args, out: seen.append(out.shape[0]))
+    loss, tokens = model(empty_batch())
+    loss.backward()
+    assert loss.detach().item() == 0 and tokens == 0 and seen == [1] * LLM.num_layers
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    assert len(pad_micro_batches([], 3)) == 3
+    with pytest.raises(ValueError, match="cannot be padded"):
+        pad_micro_batches([empty_batch()] * 2, 1)
+
+
 def one_process_run(model):
     return lambda batches, head: [head(b, model.stage_forward(b)) for b in batches]
 
@@ -123,14 +139,13 @@ def _train_steps(rank, world, container, run_dir, steps):
     """(loss, this lane's micro-batches before padding) of each of `steps` trainer steps."""
     from omegaconf import OmegaConf
 
-    from hcp.data.loader import lane_slice
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
     out = []
     for _ in range(steps):
-        batch = tr.sampler.batch(tr.sampler.position)
-        lane = len(tr.micro_batches(lane_slice(batch, tr.dp, tr.lane))) if tr.stage.first else None
+        plan = tr.plan(tr.sampler.batch(tr.sampler.position)).rank(tr.rank)
+        lane = sum(not mb.empty for mb in plan.micro_batches) if tr.stage.first else None
         out.append((tr.train_step()["loss"], lane))
     return out
 

@@ -2,7 +2,8 @@
 
 - `packing_only`: what a run without dynamic CP does. Every pack uses the static CP size
   `c_static = min_cp(max_len)` (fixed per run from its configured maximum length), packs of
-  `m` tokens per rank (head-tail padding counted) are filled first-fit in arrival order, and each micro-batch runs
+  `m` tokens per rank (head-tail padding counted) are filled first-fit in arrival order, and
+  each micro-batch runs
   `pool / c_static` consecutive packs side by side (one per DP lane).
 - `greedy`: Megatron-LM's dynamic ("hybrid") CP as described in DESIGN.md section 5: sort by
   length descending; CP size per sequence `max(1, pow2ceil(L / m))`; workload `L^2 / c`; place

@@ -178,7 +178,8 @@ class CostModel:
             n = np.asarray(list(pp_layers), dtype=np.float64)
             if n.size != pp or n.sum() != layers or (n < 1).any():
                 raise ConfigError("pp_layers", list(pp_layers), f"must give {pp} positive "
-                                  f"counts summing to num_layers={layers}", "fix llm.layout.pp_layers")
+                                  f"counts summing to num_layers={layers}",
+                                  "fix llm.layout.pp_layers")
         else:
             n = np.full(pp, layers // pp, dtype=np.float64)
             n[: layers % pp] += 1

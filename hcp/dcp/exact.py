@@ -4,7 +4,8 @@ With one pipeline stage the simulated time is order-free (hcp/schedule/simulator
     T = sum_j ((1 + k) H_j + o),   H_j = max_{g in j} f(g),  o = o_f + o_b,
 a bin-packing-like problem: micro-batches j of groups g (sequences, CP size c_g) with
 `sum_g c_g <= N` (any multiset of power-of-two sizes summing to <= N tiles the pool with aligned
-blocks, largest first) and tokens per rank, head-tail padding counted, `<= m`. f(g) = compute_g + max((1 - overlap) comm_g,
+blocks, largest first) and tokens per rank, head-tail padding counted, `<= m`.
+f(g) = compute_g + max((1 - overlap) comm_g,
 comm_g - attn_g) (cost_model.fwd) is the larger of two pieces P1, P2 that are sums over the
 group's sequences: p1_i(c) = compute + (1 - overlap) comm, p2_i(c) = compute + comm - attn
 (= compute at c = 1, where nothing is communicated).

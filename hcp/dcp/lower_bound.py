@@ -47,7 +47,8 @@ def lower_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
                 several_per_round: bool = False) -> float:
     """Seconds below which no valid plan of these lengths (tokens) can finish an iteration (see
     module docstring for the proof); `several_per_round` for plans whose groups may run
-    several micro-batches per round (pp = 1 without dp_shard; proof step 4). The inputs must pass `prepare_lengths` as they are (so each
+    several micro-batches per round (pp = 1 without dp_shard; proof step 4). The inputs must
+    pass `prepare_lengths` as they are (so each
     length fits the pool, `plan.max_length`); its errors are raised otherwise."""
     pool, max_tokens_per_rank = check_pool(pool, max_tokens_per_rank)  # Python ints: no overflow
     lens = prepare_lengths(lengths, pool, max_tokens_per_rank)[0].astype(np.float64)

@@ -181,7 +181,8 @@ def prepare_lengths(lengths: Sequence[int], pool: int, max_tokens_per_rank: int,
             raise ValueError(
                 f"sequence {i} has {int(arr[i])} tokens, more than the pool can hold: {limit} = "
                 f"the longest L with 2 * ceil(L / (2 * cp_pool)) <= max_tokens_per_rank at "
-                f"cp_pool={pool}, max_tokens_per_rank={max_tokens_per_rank}. Fix: on_overlong=truncate (cut to "
+                f"cp_pool={pool}, max_tokens_per_rank={max_tokens_per_rank}. "
+                f"Fix: on_overlong=truncate (cut to "
                 f"{limit}) or on_overlong=skip (drop it), or raise max_tokens_per_rank / the pool")
         if on_overlong == "truncate":
             arr = np.minimum(arr, limit)
@@ -241,7 +242,8 @@ def validate_plan(plan: Plan, lengths: Sequence[int], pool: int, max_tokens_per_
                                  f"{bad[0]!r}; each must be an integer index in [0, {arr.size})")
             idx = np.asarray(g.seq_indices, dtype=np.int64)
             sizes = g.micro_batch_sizes
-            if sizes is not None and (sum(sizes) != len(g.seq_indices) or min(sizes, default=1) < 1):
+            if sizes is not None and (sum(sizes) != len(g.seq_indices)
+                                      or min(sizes, default=1) < 1):
                 raise ValueError(f"round {j}: group at offset {o} has micro_batch_sizes {sizes} "
                                  f"for {len(g.seq_indices)} sequences; they must be >= 1 and sum "
                                  f"to it")

@@ -32,8 +32,8 @@ for 2,048 sequences of 8K tokens (256), and up to ~0.5 s with pp = 1 and at most
    evaluations in all). Then a truncated dive of the exact branch and bound (hcp/dcp/exact.py:
    sequences placed one by one where its lower bound grows least, `DIVE_NODES_PER_SEQ` nodes
    per sequence), locally improved, competes.
-6. With `several_per_round` (pp = 1 without dp_shard), the best plan and the two fastest
-   candidates are also turned into rounds of several micro-batches per group
+6. With `several_per_round` (pp = 1 without dp_shard), the best plan, greedy's and the two
+   fastest other candidates are also turned into rounds of several micro-batches per group
    (hcp/dcp/rounds.py: merge rounds of the same grouping, re-balance, fill slack across
    rounds); the fastest of all wins.
 """
@@ -376,9 +376,12 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
         if t < best.time - 1e-12:
             best = Solution(plan, t, "dive+local")
         candidates.append((plan, "dive+local"))
-    if several_per_round:  # the best plan and the two fastest candidates become rounds
-        timed = sorted(candidates, key=lambda c: simulate_plan(c[0], lens, cost).iteration_time)
-        for plan, source in [(best.plan, best.source)] + timed[:2]:
+    if several_per_round:  # the best plan, greedy's and the two fastest others become rounds
+        # (greedy's groups, one size per sequence, often merge best: held-out code batches)
+        timed = sorted((c for c in candidates if c[1] != "greedy"),
+                       key=lambda c: simulate_plan(c[0], lens, cost).iteration_time)
+        greedy_plan = [c for c in candidates if c[1] == "greedy"]
+        for plan, source in [(best.plan, best.source)] + greedy_plan + timed[:2]:
             merged = merge_rounds(plan, lens, cost, m)
             t = simulate_plan(merged, lens, cost).iteration_time
             if t < best.time - 1e-12:

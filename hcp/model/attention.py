@@ -8,7 +8,8 @@ document only.
 Each document is one `F.scaled_dot_product_attention(is_causal=True)` call on views of q, k, v
 (no padding, no mask tensor, no index bookkeeping). On CPU (4-d inputs) torch dispatches it to its
 fused flash kernel, which is block-wise with fp32 softmax statistics (Dao et al. 2022), so a long
-document costs O(T) memory; on CUDA to flash / memory-efficient kernels. Under CP the same math
+document costs O(T) memory; on CUDA to flash / memory-efficient kernels (kv heads expanded for
+grouped-query attention there, so no kernel falls back to the O(L^2) math path). Under CP the same math
 runs block-wise across ranks in `hcp.model.cp_attention`.
 """
 from __future__ import annotations
@@ -40,6 +41,11 @@ def thd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if lengths and max(lengths) > max_seqlen:
         raise ValueError(f"a document has {max(lengths)} tokens, more than max_seqlen={max_seqlen}")
     gqa = q.shape[1] != k.shape[1]
+    if gqa and q.device.type != "cpu":
+        # not every CUDA SDPA kernel takes enable_gqa; one that does not would fall back to the
+        # math kernel, which materializes [H, L, L] scores: expand the kv heads instead
+        rep = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False
     heads_first = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731 - [L, H, D] -> [1, H, L, D]
     outs = [F.scaled_dot_product_attention(heads_first(qd), heads_first(kd), heads_first(vd),
                                            is_causal=True, enable_gqa=gqa)[0].transpose(0, 1)

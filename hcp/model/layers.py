@@ -44,7 +44,10 @@ def rope_tables(position_ids: torch.Tensor, head_dim: int, theta: float,
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate query/key heads x [T, heads, D] by tables cos, sin [T, 1, D] (`rope_tables`)."""
+    """Rotate query/key heads x [T, heads, D] by tables cos, sin [T, 1, D] (`rope_tables`),
+    in x's dtype."""
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     half = x.shape[-1] // 2
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 

@@ -60,7 +60,6 @@ class Attention(nn.Module):
             raise ValueError(f"llm: num_kv_heads {cfg.num_kv_heads} must be divisible by the TP "
                              f"size {tp} (each TP rank holds whole kv heads)")
         self.head_dim = cfg.hidden_size // cfg.num_heads
-        self.theta = cfg.rope_theta
         h, d = cfg.hidden_size, self.head_dim
         par = dict(bias=False, tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.q_proj = ColumnParallelLinear(h, cfg.num_heads * d, **par)
@@ -199,8 +198,10 @@ class LlamaDecoder(nn.Module):
             raise ValueError(f"llm.attention_backend={self.attention_backend} does not run with "
                              "CP yet: use llm.attention_backend=torch (or auto)")
         attend = self._attend(t, cu_seqlens, max_seqlen, x, cp_group)
+        kind = x.device.type   # q and k come out of the projections in autocast's dtype
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
         rope = rope_tables(F.pad(position_ids, (0, self._sp_pad(t))), self.cfg.hidden_size //
-                           self.cfg.num_heads, self.cfg.rope_theta, x.dtype)
+                           self.cfg.num_heads, self.cfg.rope_theta, dtype)
         for layer in self.layers:
             x = layer(x, rope, attend)
         return x

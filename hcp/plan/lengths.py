@@ -90,6 +90,13 @@ class SampleSizes:
         return sizes
 
 
+def _text_only(tokens: np.ndarray, loss_tokens: np.ndarray) -> SampleSizes:
+    n = len(tokens)
+    none = np.zeros(0, dtype=np.int64)
+    return SampleSizes(tokens.astype(np.int64), loss_tokens.astype(np.int64),
+                       np.zeros(n + 1, dtype=np.int64), none, none)
+
+
 def _runs(positions: np.ndarray, rows_per_image: int) -> tuple[np.ndarray, np.ndarray]:
     """Image starts and rows from a sample's placeholder positions (each image is one run of
     `rows_per_image` placeholders; adjacent images are told apart by the count)."""
@@ -103,27 +110,36 @@ def _runs(positions: np.ndarray, rows_per_image: int) -> tuple[np.ndarray, np.nd
 
 
 def build_length_index(dataset, image_token_id: int, rows_per_image: int) -> SampleSizes:
-    """Sizes of every sample of `dataset` (`hcp.data` LLaVA or code corpus), without images.
+    """Sizes of every sample of `dataset` (`hcp.data` LLaVA, code corpus or token data sets),
+    without images.
 
     Args:
         dataset: indexable samples with `input_ids`, `labels` (already shifted) and `images`;
-            `hcp.data.code_corpus.CodeCorpus` is read from its document table instead.
+            `hcp.data.code_corpus.CodeCorpus` and `hcp.data.tokens.BlendedTokens` are read
+            from their document tables instead (no token is read).
         image_token_id: the placeholder id; rows_per_image: placeholders per image (patches).
 
     Raises:
         ValueError: a sample's placeholders do not form whole images.
     """
     from hcp.data.code_corpus import CodeCorpus
+    from hcp.data.tokens import BlendedTokens
 
     if isinstance(dataset, CodeCorpus):  # every chunk is text: sizes from the document table
         doc_len = np.array([len(d) for d in dataset.docs], dtype=np.int64)
         chunks = np.array(dataset.chunks, dtype=np.int64).reshape(-1, 2)
         left = doc_len[chunks[:, 0]] - chunks[:, 1]
-        n = len(chunks)
-        return SampleSizes(np.minimum(dataset.max_seq_len, left),
-                           np.minimum(dataset.max_seq_len + 1, left) - 1,
-                           np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64),
-                           np.zeros(0, dtype=np.int64))
+        return _text_only(np.minimum(dataset.max_seq_len, left),
+                          np.minimum(dataset.max_seq_len + 1, left) - 1)
+    if isinstance(dataset, BlendedTokens):  # pieces of max_seq_len + 1 tokens, every label valid
+        per_part = [np.minimum(p.max_seq_len, p.docs.doc_lengths()[p.doc_of] - p.start - 1)
+                    for p in dataset.parts]
+        tokens = np.concatenate([per_part[k][dataset.local[dataset.source == k]] for k in
+                                 range(len(per_part))]) if len(dataset) else np.zeros(0, np.int64)
+        order = np.concatenate([np.flatnonzero(dataset.source == k) for k in range(len(per_part))])
+        out = np.empty(len(dataset), np.int64)
+        out[order] = tokens
+        return _text_only(out, out)
     n = len(dataset)
     tokens, loss, counts, starts, rows = (np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64),
                                           np.zeros(n, dtype=np.int64), [], [])

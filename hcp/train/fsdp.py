@@ -22,12 +22,21 @@ Composition with the other parallelisms:
 """
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 def shard_model(model, groups) -> None:
-    """Apply FSDP2 in place to this rank's `LlavaModel` stage over the LLM's `dp_cp` group."""
+    """Apply FSDP2 in place to this rank's `LlavaModel` stage over the LLM's `dp_cp` group.
+
+    Raises RuntimeError when this torch's FSDP2 cannot reduce-scatter unused parameters (a lane
+    without images would otherwise hang or fail the reduce-scatter).
+    """
+    if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+        raise RuntimeError(f"llm.layout.dp_shard=true needs FSDPModule.set_reduce_scatter_unused_params, "
+                           f"which torch {torch.__version__} lacks: upgrade torch (2.13 has it) or "
+                           "set llm.layout.dp_shard=false")
     specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
     device = next(model.parameters()).device.type
     mesh = DeviceMesh.from_group(groups.group("llm", "dp_cp"), device_type=device)

@@ -104,20 +104,20 @@ def resume_after_requeue(cfg, env=os.environ) -> None:
         cfg.resume = "auto"
 
 
-def continue_wandb_run(cfg, resumed: bool) -> None:
+def continue_wandb_run(cfg, run_dir: str, resumed: bool) -> None:
     """Make the logging rank's wandb run continue across requeues: the run id is kept in
-    `checkpoint.dir/wandb_run_id`; a resumed run reuses it, a fresh run writes a new one. Sets
-    WANDB_RUN_ID and WANDB_RESUME=allow, which `wandb.init` reads."""
+    `run_dir/wandb_run_id` (a requeued job keeps its run directory); a resumed run reuses it, a
+    fresh run writes a new one. Sets WANDB_RUN_ID and WANDB_RESUME=allow, which `wandb.init` reads."""
     if cfg.logger.name != "wandb":
         return
-    path = os.path.join(cfg.checkpoint.dir, "wandb_run_id")
+    path = os.path.join(run_dir, "wandb_run_id")
     run_id = None
     if resumed and os.path.isfile(path):
         with open(path) as f:
             run_id = f.read().strip() or None
     if run_id is None:
         run_id = uuid.uuid4().hex[:8]
-        os.makedirs(cfg.checkpoint.dir, exist_ok=True)
+        os.makedirs(run_dir, exist_ok=True)
         with open(path, "w") as f:
             f.write(run_id + "\n")
     os.environ.update(WANDB_RUN_ID=run_id, WANDB_RESUME="allow")

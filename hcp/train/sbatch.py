@@ -49,18 +49,21 @@ def render(cfg, overrides: list[str], run_dir: str, log: str, job_name: str,
             lines.append(f"#SBATCH --{key.replace('_', '-')}={s[key]}")
     if s.gpus_per_node:
         lines.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
-    run = (f"{shlex.quote(python)} train.py {shlex.join(overrides)} "
-           f'"hydra.run.dir={run_dir}" resume=auto')
-    lines += ["", f"cd {shlex.quote(REPO)}", *s.setup,
+    script = os.path.join(REPO, "train.py")
+    program = ([shlex.quote(script)] if os.path.isfile(script)  # a source tree, else the package
+               else ["-c", shlex.quote("from hcp.train.entry import main; main()")])
+    args = f'{shlex.join(overrides)} "hydra.run.dir={run_dir}" resume=auto'
+    run = f"{shlex.quote(python)} {' '.join(program)} {args}"
+    lines += ["", *s.setup,
               'echo "hcp: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"']
     if torchrun:
         lines += [f"export HCP_RDZV_HOST=$({shlex.quote(python)} -c 'import os; from hcp.train.slurm "
                   "import first_host; print(first_host(os.environ[\"SLURM_JOB_NODELIST\"]))')",
                   "export HCP_RDZV_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
+        worker = " ".join(program) if program[0] != "-c" else f"--no-python {shlex.quote(python)} {' '.join(program)}"
         inner = (f"trap '' {s.signal}; exec {shlex.quote(python)} -m torch.distributed.run "
                  f"--nnodes={lc.nnodes} --nproc-per-node={lc.nproc_per_node} --rdzv-backend=c10d "
-                 "--rdzv-endpoint=$HCP_RDZV_HOST:$HCP_RDZV_PORT --rdzv-id=$SLURM_JOB_ID "
-                 + run.split(" ", 1)[1])
+                 f"--rdzv-endpoint=$HCP_RDZV_HOST:$HCP_RDZV_PORT --rdzv-id=$SLURM_JOB_ID {worker} {args}")
         lines.append(f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(inner)}")
     else:
         lines.append(f"srun --kill-on-bad-exit=1 --label {run}")

@@ -111,8 +111,9 @@ class StepRunner:
         """Gradients of the token-level loss of this lane's micro-batches `batches` (first
         stage; None elsewhere), synchronized over DP x CP. `metas`: every micro-batch's
         `StageMeta` when the caller knows them (the step plan), else broadcast from the first
-        stage. Returns (global loss, [global loss tokens, global tokens, global sum of squared document lengths], micro-batches run
-        per lane (padded under FSDP), this stage's timings)."""
+        stage. Returns (global loss, [global loss tokens, global tokens, global sum of squared
+        document lengths], micro-batches run per lane (padded under FSDP), this stage's
+        timings)."""
         counts = self._counts(batches)
         n_micro, global_tokens = int(counts[0]), counts[1].item()
         if self.stage.first:  # FSDP: a lane with fewer micro-batches still joins every collective

@@ -94,11 +94,14 @@ class Trainer:
         self._resume()
         self.ahead = PlanAhead(self.sampler, self.prepare)
         if self.is_logging_rank:
-            continue_wandb_run(cfg, resumed=self.step > 0)
+            continue_wandb_run(cfg, run_dir, resumed=self.step > 0)
         self.log = (RunLogger(run_dir, cfg, cfg.trainer.max_steps, self.step)
                     if self.is_logging_rank else None)
-        if self.log and self.resume_note:
-            self.log.write(self.resume_note)
+        if self.log:
+            self.log.write(f"step plan: length index of {len(self.index)} samples read in "
+                           f"{self.index_s:.2f}s (no image opened); packing={cfg.packing}")
+            if self.resume_note:
+                self.log.write(self.resume_note)
 
     def _build_encoder(self) -> LlavaEncoder | None:
         """The encoder side (vision + projector) on its own TP group, or None (text-only LM)."""

@@ -1,0 +1,252 @@
+"""The device checks of issue 10 part 4 (run by scripts/gpu_check.sh; see there).
+
+    python scripts/gpu_check.py                       # CUDA: the checks below, ~1B LLaMA
+    python scripts/gpu_check.py --device cpu --tiny   # dry run of the same code on CPU
+
+1. Block-wise CP attention on the device against the CPU fp32 reference (per-document softmax in
+   float64, `reference`): one long document packed with short ones; every CP rank's tiles
+   (`cp_tiles`, both strategies, cp 1, 2, 4) computed on this one device, the all-gather and the
+   ring emulated without a process group (allgather: each rank's queries against the
+   concatenated shards; p2p: each source shard folded into one online softmax in ring order).
+   Outputs and q/k/v gradients: fp32 (TF32 off) within rtol 1e-4 / atol 1e-5, bf16 within
+   2e-2 of the largest reference value. Also the non-CP THD path (`thd_attention`, the backend `auto` picks).
+2. One training step (forward, backward, AdamW) of a ~1B LLaMA (hidden 2048, 22 layers, 32 query
+   and 4 kv heads, SwiGLU 5632, vocab 32000: TinyLlama-1.1B's shape) on one THD micro-batch of
+   `--tokens` (default 32768) tokens in documents of mixed lengths, bf16 autocast with fp32
+   parameters (hcp's `precision=bf16`); the step time after one warm-up step, MFU = model FLOPs
+   of the real tokens (`hcp.train.throughput.model_flops`) / step time / `--peak-tflops` (989,
+   H100/H200 dense bf16), and the peak GPU memory of the step.
+Exits 1 when an attention check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hcp.config.schema import LLMConfig  # noqa: E402
+from hcp.model import LlavaModel  # noqa: E402
+from hcp.model.attention import thd_attention  # noqa: E402
+from hcp.model.backends import attention_fn, resolve_backend  # noqa: E402
+from hcp.model.block_attention import (BlockAttention, SoftmaxState, TileBatch,  # noqa: E402
+                                       forward_tiles)
+from hcp.model.cp_attention import cp_tiles  # noqa: E402
+from hcp.parallel.cp_sharding import cp_shard  # noqa: E402
+from hcp.train.throughput import model_flops  # noqa: E402
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    pixel_values: torch.Tensor | None = None
+    image_mask: torch.Tensor | None = None
+
+
+def cu_of(lengths) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def reference(q, k, v, cu):
+    """Per-document causal softmax attention in float64 on CPU. q [T, Hq, D], k, v [T, Hkv, D]."""
+    outs, rep = [], q.shape[1] // k.shape[1]
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        qd, kd, vd = q[s:e], k[s:e].repeat_interleave(rep, 1), v[s:e].repeat_interleave(rep, 1)
+        scores = torch.einsum("qhd,khd->hqk", qd, kd) / math.sqrt(q.shape[-1])
+        causal = torch.ones(e - s, e - s, dtype=torch.bool).tril()
+        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), vd))
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def _ring_fold(q, ks, vs, tiles, order):
+    """p2p's forward emulated on one device: the shards of k, v folded into one online softmax
+    in ring order (source rank j's tiles index shard j)."""
+    state = SoftmaxState.empty(q)
+    for j in order:
+        forward_tiles(state, q, ks[j], vs[j], tiles[j])
+    return state.result(q.dtype)[0]
+
+
+def emulated_cp(q_all, k_all, v_all, w, cu, c, comm, device, dtype):
+    """Every rank's CP attention on one device; returns (output, [q, k, v grads]) scattered back
+    to the unsharded token order (fp32, CPU), for the loss sum(out * w)."""
+    shards = [cp_shard(cu, c, r) for r in range(c)]
+    leaves = [[x[s.token_index].to(device, dtype).requires_grad_() for x in (q_all, k_all, v_all)]
+              for s in shards]
+    out_all = torch.zeros(q_all.shape)
+    for r, s in enumerate(shards):
+        q, _, _ = leaves[r]
+        tiles = cp_tiles(cu.to(device), c, r, comm)
+        if comm == "allgather":
+            k = torch.cat([leaves[j][1] for j in range(c)])
+            v = torch.cat([leaves[j][2] for j in range(c)])
+            out = BlockAttention.apply(q, k, v, tiles[0])
+        else:   # the autograd of the emulation: recompute through BlockAttention per source
+            out = _ring_out(q, [leaves[j][1] for j in range(c)], [leaves[j][2] for j in range(c)],
+                            tiles, [(r - step) % c for step in range(c)])
+        keep = s.valid.to(device)[:, None, None]
+        (out.float() * keep * w[s.token_index].to(device, torch.float32)).sum().backward()
+        out_all[s.token_index[s.valid]] = out.detach().float().cpu()[s.valid]
+    grads = []
+    for i, full in enumerate((q_all, k_all, v_all)):
+        g = torch.zeros(full.shape)
+        for r, s in enumerate(shards):
+            g.index_add_(0, s.token_index[s.valid], leaves[r][i].grad.float().cpu()[s.valid])
+        grads.append(g)
+    return out_all, grads
+
+
+def _ring_out(q, ks, vs, tiles, order):
+    """Ring attention's output, differentiable: the online softmax over the sources in `order`
+    equals one softmax over their concatenated keys, so the gradients come from BlockAttention
+    over the concatenation with each source's tiles offset into it (checks tiles and merge)."""
+    offsets = [sum(k.shape[0] for k in ks[:j]) for j in range(len(ks))]
+    merged = [TileBatch(b.q_rows, b.k_rows + offsets[j], b.mask) for j in order for b in tiles[j]]
+    out = BlockAttention.apply(q, torch.cat(ks), torch.cat(vs), merged)
+    # the ring's own fold, source by source, gives the same values
+    ring = _ring_fold(q, ks, vs, tiles, order)
+    bf16 = q.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ring, rtol=2e-2 if bf16 else 1e-5, atol=2e-2 if bf16 else 1e-5)
+    return out
+
+
+def close(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
+    """fp32: allclose(rtol 1e-4, atol 1e-5); bf16: max |x - ref| <= 2e-2 * max |ref| (bf16
+    inputs alone are rounded by 2^-9 relative, and gradients sum many such terms)."""
+    ref = ref.float()
+    if dtype == torch.bfloat16:
+        return bool((x - ref).abs().max() <= 2e-2 * ref.abs().max())
+    return torch.allclose(x, ref, rtol=1e-4, atol=1e-5)
+
+
+def check_attention(device, lengths) -> bool:
+    g = torch.Generator().manual_seed(0)
+    cu = cu_of(lengths)
+    t = int(cu[-1])
+    q, k, v = (torch.randn(t, h, 64, generator=g, dtype=torch.float64) for h in (8, 2, 2))
+    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = reference(qr, kr, vr, cu)
+    w = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (qr, kr, vr))
+    ok = True
+    for dtype in (torch.float32, torch.bfloat16):
+        for c, comm in ((1, "allgather"), (2, "allgather"), (2, "p2p"), (4, "allgather"), (4, "p2p")):
+            start = time.perf_counter()
+            out, grads = emulated_cp(q, k, v, w, cu, c, comm, device, dtype)
+            errs = [(out - ref.detach().float()).abs().max().item()] + \
+                   [(a - b.float()).abs().max().item() for a, b in zip(grads, ref_grads)]
+            good = close(out, ref.detach(), dtype) and all(
+                close(a, b, dtype) for a, b in zip(grads, ref_grads))
+            ok &= good
+            print(f"block attention {device} {str(dtype)[6:]:>8} cp{c} {comm:<9} max |err| out "
+                  f"{errs[0]:.2e} dq {errs[1]:.2e} dk {errs[2]:.2e} dv {errs[3]:.2e} "
+                  f"{'OK' if good else 'FAIL'} ({time.perf_counter() - start:.1f} s)")
+        backend = resolve_backend("auto", device, dtype)
+        fn = attention_fn(backend) if backend != "torch" else thd_attention
+        x = [t_.to(device, dtype).requires_grad_() for t_ in (q, k, v)]
+        out = fn(*x, cu.to(device), max(lengths))
+        (out.float() * w.to(device, torch.float32)).sum().backward()
+        errs = [(out.float().cpu() - ref.detach().float()).abs().max().item()]
+        good = close(out.float().cpu(), ref.detach(), dtype) and all(
+            close(a.grad.float().cpu(), b, dtype) for a, b in zip(x, ref_grads))
+        ok &= good
+        print(f"thd attention   {device} {str(dtype)[6:]:>8} backend {backend}: max |err| out "
+              f"{errs[0]:.2e} {'OK' if good else 'FAIL'}")
+    return ok
+
+
+def doc_lengths(tokens: int) -> list[int]:
+    """Mixed documents summing to `tokens`: one of tokens/4, then halving lengths, then 512s."""
+    lengths, left, n = [], tokens, tokens // 4
+    while left > 0:
+        take = min(left, max(n, 512))
+        lengths.append(take)
+        left -= take
+        n //= 2
+    return lengths
+
+
+def train_step(device, cfg: LLMConfig, tokens: int, peak_tflops: float) -> None:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlavaModel(None, None, cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    lengths = doc_lengths(tokens)
+    cu = cu_of(lengths).to(device)
+    ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
+    batch = Batch(ids, torch.roll(ids, -1), torch.cat([torch.arange(n) for n in lengths]).to(device),
+                  cu, max(lengths))
+    backend = resolve_backend(cfg.attention_backend, device, torch.bfloat16)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss_sum, n = model(batch)
+        (loss_sum / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss_sum.item() / n
+
+    step()                                           # warm-up: kernels, allocator, AdamW state
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    loss = step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - start
+    flops = model_flops(cfg, tokens, float(sum(n * n for n in lengths)))
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    print(f"train step: LLaMA {params / 1e9:.2f}B params, {tokens} tokens in {len(lengths)} documents "
+          f"(longest {max(lengths)}), bf16 autocast, attention backend {backend}: loss {loss:.3f}, "
+          f"{dt:.3f} s, {flops / dt / 1e12:.1f} TFLOP/s, MFU {flops / dt / 1e12 / peak_tflops:.1%} "
+          f"of {peak_tflops:g}, peak memory {peak:.1f} GiB")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model and short documents (dry run)")
+    ap.add_argument("--tokens", type=int, default=32768, help="tokens of the training micro-batch")
+    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
+    ap.add_argument("--skip", default="", help="comma list of checks to skip: attention,train")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            print("no CUDA device visible: run with --device cpu --tiny for a dry run")
+            return 1
+        torch.backends.cuda.matmul.allow_tf32 = False    # fp32 checks compare real fp32
+        torch.backends.cudnn.allow_tf32 = False
+        print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    ok = True
+    if "attention" not in args.skip:
+        ok = check_attention(device, [96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
+    if "train" not in args.skip:
+        cfg = (LLMConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                         ffn_hidden_size=128) if args.tiny else
+               LLMConfig(vocab_size=32000, hidden_size=2048, num_layers=22, num_heads=32,
+                         num_kv_heads=4, ffn_hidden_size=5632))
+        train_step(device, cfg, 1024 if args.tiny else args.tokens, args.peak_tflops)
+    print("gpu_check:", "OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
