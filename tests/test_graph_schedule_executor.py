@@ -122,3 +122,61 @@ def test_join_of_two_encoder_islands_into_an_llm_with_pp2_matches_the_reference(
         assert ref[name].abs().sum() > 0
         torch.testing.assert_close(res[rank][name], ref[name], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(res[1]["Wv"], ref["Wv"], rtol=1e-5, atol=1e-6)
+
+
+def _tp_reference(num_micro):
+    batch, data, w, mbs, _ = _setup(num_micro)
+    w = {k: w[k].clone().requires_grad_() for k in ("Wv", "W1", "W2")}
+    for mb in mbs:
+        v = data["x"][torch.from_numpy(batch.keys(mb))] @ w["Wv"].T
+        ((torch.tanh(v @ w["W1"].T) @ w["W2"].T) ** 2).sum().div(int(batch.offset[-1])).backward()
+    return {k: v.grad for k, v in w.items()}
+
+
+def _tp_worker(rank, world, num_micro, leader):
+    """Vision dp2 on ranks 0-1 -> an LLM stage on ranks 2-3 whose two TP ranks hold replicated
+    weights (each computes the whole loss, as TP ranks see the same rows); only TP rank 0
+    returns the rows' gradient, so the encoder's gradient is not doubled."""
+    batch, data, w, mbs, _ = _setup(num_micro)
+    w = {k: w[k].clone().requires_grad_() for k in ("Wv", "W1", "W2")}
+    total = int(batch.offset[-1])
+    ranks = edge_ranks(VISION, Grid(2, 1, 1, 1, 2))                       # (0, 1, 2, 3)
+    empty = np.zeros(0, np.int64)
+    v_src = [[batch.keys([s for s in lane(SAMPLES, 2, e) if s in mb]) for e in range(2)] for mb in mbs]
+    routes = [build_routes(src + [empty, empty],
+                           [empty, empty, batch.keys(mb), empty if leader else batch.keys(mb)],
+                           [empty, empty, np.ones(len(batch.keys(mb)), bool),
+                            np.zeros(0 if leader else len(batch.keys(mb)), bool)])
+              for src, mb in zip(v_src, mbs)]
+    tp_group = dist.new_group([2, 3])
+    graph = stage_graph({"vision": 1, "llm": 1}, [["vision", "llm"]])
+    edge = IslandEdge(ranks, rank)
+    if rank < 2:
+        link = RouteLink(edge, [r[rank] for r in routes], H, torch.float32)
+
+        def forward(i, inputs):
+            return data["x"][torch.from_numpy(v_src[i][rank])] @ w["Wv"].T
+    else:
+        bcast = (tp_group, 2, [len(batch.keys(mb)) for mb in mbs]) if leader else None
+        link = RouteLink(edge, [r[rank] for r in routes], H, torch.float32, leader=bcast)
+
+        def forward(i, inputs):
+            return ((torch.tanh(inputs[0] @ w["W1"].T) @ w["W2"].T) ** 2).sum() / total
+    stage = 0 if rank < 2 else 1
+    GraphStageExecutor(forward, {1 - stage: link}).run(graph_one_f_one_b(graph, num_micro)[stage])
+    grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)) for k, v in w.items()}
+    vision_dp = dist.new_group([0, 1])
+    if rank < 2:
+        dist.all_reduce(grads["Wv"], group=vision_dp)
+    return grads
+
+
+@pytest.mark.parametrize("leader", [False, True], ids=["direct", "leader"])
+def test_encoder_dp2_island_into_llm_tp2_island_matches_the_reference(leader):
+    ref = _tp_reference(3)
+    res = run_ranks(_tp_worker, 4, 3, leader, timeout=60)
+    for rank in (0, 1):
+        torch.testing.assert_close(res[rank]["Wv"], ref["Wv"], rtol=1e-5, atol=1e-6)
+    for rank in (2, 3):
+        for name in ("W1", "W2"):
+            torch.testing.assert_close(res[rank][name], ref[name], rtol=1e-5, atol=1e-6)

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from hcp.comm.boundary import RouteBytes
-from hcp.comm.island import IslandEdge, backward_ops, forward_ops, post
+from hcp.comm.island import IslandEdge, backward_ops, broadcast_rows, forward_ops, post
 from hcp.parallel.routing import RankRoute
 from hcp.schedule import actions as A
 from hcp.schedule.pipeline import StageTimes
@@ -65,11 +65,15 @@ class RouteLink:
 
     Args:
         edge: this rank's `IslandEdge`; routes: this rank's `RankRoute` of every micro-batch;
-        hidden, dtype, device: of the rows; counter: accumulates the bytes this rank sends."""
+        hidden, dtype, device: of the rows; counter: accumulates the bytes this rank sends;
+        leader: on a destination rank under the `leader` variant (`hcp.comm.island`), the
+        (TP group, leader's global rank, rows of every micro-batch) with which the received rows
+        are broadcast inside the destination TP group; every TP rank of the stage gives it.
+    """
 
     def __init__(self, edge: IslandEdge, routes: Sequence[RankRoute], hidden: int, dtype,
-                 device=None, counter: RouteBytes | None = None):
-        self.edge, self.routes, self.counter = edge, list(routes), counter
+                 device=None, counter: RouteBytes | None = None, leader=None):
+        self.edge, self.routes, self.counter, self.leader = edge, list(routes), counter, leader
         self.empty = torch.empty(0, hidden, dtype=dtype, device=device)
 
     def ops(self, kind: str, micro: int, tensor: torch.Tensor | None):
@@ -78,7 +82,14 @@ class RouteLink:
         if kind == "SEND_F":
             return forward_ops(tensor, route, self.edge, self.counter)[0], None
         if kind == "RECV_F":
-            return forward_ops(self.empty, route, self.edge, self.counter)
+            ops, finish = forward_ops(self.empty, route, self.edge, self.counter)
+            if self.leader is None:
+                return ops, finish
+            group, leader, rows = self.leader
+            me = self.edge.ranks[self.edge.rank]
+            return ops, lambda: broadcast_rows(finish() if me == leader else None, rows[micro],
+                                               self.empty.shape[1], self.empty.dtype, leader,
+                                               group, self.empty.device)
         if kind == "SEND_B":
             return backward_ops(tensor, route, 0, self.edge, self.counter)[0], None
         return backward_ops(self.empty, route, tensor.shape[0], self.edge, self.counter)
