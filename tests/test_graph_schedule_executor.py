@@ -19,7 +19,7 @@ import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 from hcp.comm.island import IslandEdge
 from hcp.parallel.grid import Grid
-from hcp.parallel.islands import edge_ranks
+from hcp.parallel.islands import edge_ranks, island_micro_batches
 from hcp.parallel.routing import build_routes
 from hcp.schedule.graph import graph_one_f_one_b, stage_graph
 from hcp.schedule.graph_executor import GraphStageExecutor, PipeLink, RouteLink
@@ -67,7 +67,8 @@ def _worker(rank, world, num_micro):
     v_ranks, a_ranks = edge_ranks(VISION, LLM), edge_ranks(AUDIO, LLM)      # (0, 1, 4), (3, 4)
     empty = np.zeros(0, np.int64)
     # per micro-batch routes: vision lane e sends its samples of micro-batch i, rank 4 needs all
-    v_src = [[batch.keys([s for s in lane(SAMPLES, 2, e) if s in mb]) for e in range(2)] for mb in mbs]
+    lanes = [island_micro_batches(lane(SAMPLES, 2, e), mbs) for e in range(2)]
+    v_src = [[batch.keys(lanes[e][i]) for e in range(2)] for i in range(len(mbs))]
     v_routes = [build_routes(src + [empty], [empty, empty, batch.keys(mb)])
                 for src, mb in zip(v_src, mbs)]
     a_routes = [build_routes([k, empty], [empty, k]) for k in a_keys]
@@ -142,7 +143,8 @@ def _tp_worker(rank, world, num_micro, leader):
     total = int(batch.offset[-1])
     ranks = edge_ranks(VISION, Grid(2, 1, 1, 1, 2))                       # (0, 1, 2, 3)
     empty = np.zeros(0, np.int64)
-    v_src = [[batch.keys([s for s in lane(SAMPLES, 2, e) if s in mb]) for e in range(2)] for mb in mbs]
+    lanes = [island_micro_batches(lane(SAMPLES, 2, e), mbs) for e in range(2)]
+    v_src = [[batch.keys(lanes[e][i]) for e in range(2)] for i in range(len(mbs))]
     routes = [build_routes(src + [empty, empty],
                            [empty, empty, batch.keys(mb), empty if leader else batch.keys(mb)],
                            [empty, empty, np.ones(len(batch.keys(mb)), bool),

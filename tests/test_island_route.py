@@ -18,7 +18,7 @@ import torch.distributed as dist
 from hcp.comm.boundary import RouteBytes
 from hcp.comm.island import IslandEdge, broadcast_rows, island_backward, island_forward, warm_up
 from hcp.parallel.grid import Grid
-from hcp.parallel.islands import edge_ranks
+from hcp.parallel.islands import edge_ranks, island_micro_batches
 from hcp.parallel.routing import build_routes, min_route_rows
 from dist_utils import run_ranks
 from route_utils import Layout, lane, micro_batches, random_batch, shard_keys
@@ -38,14 +38,15 @@ def island_keys(batch, enc: Layout, llm: Layout, num_micro: int, leader: bool):
     n, offset = len(batch.lengths), enc.size
     ranks = edge_ranks(_grid(enc, 0), _grid(llm, offset))
     llm_mb = [micro_batches(lane(n, llm.dp, d), num_micro) for d in range(llm.dp)]
+    consumed = [[s for d in range(llm.dp) for s in llm_mb[d][i]] for i in range(num_micro)]
+    enc_mb = [island_micro_batches(lane(n, enc.dp, e), consumed) for e in range(enc.dp)]
     out = []
     for i in range(num_micro):
-        consumed = {s for d in range(llm.dp) for s in llm_mb[d][i]}
         src, dst, owner, full = [], [], [], []
         for g in ranks:
             if g < offset:
                 _, cp, dp, _ = enc.coords(g)
-                samples = [s for s in lane(n, enc.dp, dp) if s in consumed]
+                samples = enc_mb[dp][i]
                 cu = torch.tensor([0, *np.cumsum([batch.rows[s] for s in samples])], dtype=torch.int32)
                 src.append(shard_keys(cu, batch.keys(samples), enc.cp, cp))
                 dst.append(EMPTY), owner.append(EMPTY.astype(bool)), full.append(EMPTY)
@@ -145,6 +146,15 @@ def test_edge_ranks_are_last_stage_then_first_stage():
     assert edge_ranks(enc, llm) == (2, 3, 4, 5)
     with pytest.raises(ValueError, match="share rank 3"):
         edge_ranks(enc, Grid(tp=2, cp=1, dp=1, pp=1, rank_offset=3))
+
+
+def test_island_micro_batches_follow_the_llm_order():
+    # fan-in: LLM micro-batches [0, 1], [2, 3], [4, 5]; encoder lane 1 holds samples 3..5
+    assert island_micro_batches([3, 4, 5], [[0, 1], [2, 3], [4, 5]]) == [[], [3], [4, 5]]
+    # the LLM order, not the lane's
+    assert island_micro_batches([0, 1, 2], [[2, 0], [1]]) == [[2, 0], [1]]
+    with pytest.raises(ValueError, match="never consumed: \\[2\\]"):
+        island_micro_batches([0, 1, 2], [[0], [1]])
 
 
 def test_island_forward_rejects_a_route_past_the_source():
