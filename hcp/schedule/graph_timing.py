@@ -65,7 +65,7 @@ def time_actions(programs: list[list], fwd, bwd) -> ActionTimeline:
     def step(s) -> bool:
         action = programs[s][pc[s]]
         if isinstance(action, Compute):
-            d = (fwd if action.kind == "F" else bwd)[s][action.micro]
+            d = float((fwd if action.kind == "F" else bwd)[s][action.micro])
             starts[s].append(clock[s])
             clock[s] += d
             ends[s].append(clock[s])
