@@ -1,6 +1,9 @@
-"""The graph-aware 1F1B executed on forked gloo ranks (DESIGN.md 4.4): a join of two encoder
-islands into an LLM island with pp2 reproduces the single-process gradients (rtol 1e-5).
+"""The graph-aware 1F1B executed on forked gloo ranks (DESIGN.md 4.4) reproduces the
+single-process gradients (rtol 1e-5): a join of two encoder islands into an LLM island with pp2,
+an encoder dp2 island into an LLM tp2 island (direct and leader + broadcast routes), and a
+branch of one encoder into an LLM and a deeper two-stage head.
 
+Join:
 Ranks: vision encoder dp2 on ranks 0-1 (fan-in into the LLM's one lane, variable image rows
 per sample, some samples without images), an audio encoder with pp2 on ranks 2-3 (rows leave
 from its last stage), the LLM with pp2 on ranks 4-5. Tiny linear modules:
@@ -182,3 +185,64 @@ def test_encoder_dp2_island_into_llm_tp2_island_matches_the_reference(leader):
     for rank in (2, 3):
         for name in ("W1", "W2"):
             torch.testing.assert_close(res[rank][name], ref[name], rtol=1e-5, atol=1e-6)
+
+
+def _branch_setup(num_micro):
+    batch, data, w, mbs, _ = _setup(num_micro)
+    return batch, data, {k: w[k].clone().requires_grad_() for k in ("Wv", "W1", "Wa2", "W2")}, mbs
+
+
+def _branch_losses(v, w, total):
+    """The LLM's loss and the head's two stages: (sum (W1 v)^2, sum W2 tanh(Wa2 v)) / total."""
+    h = torch.tanh(v @ w["Wa2"].T)
+    return ((v @ w["W1"].T) ** 2).sum() / total, (h @ w["W2"].T).sum() / total
+
+
+def _branch_worker(rank, world, num_micro):
+    """vision (rank 0) feeds the LLM (rank 1, one stage, a sink) and a head with pp2 (ranks
+    2-3): a branch into consumers of different depths."""
+    batch, data, w, mbs = _branch_setup(num_micro)
+    total = int(batch.offset[-1])
+    graph = stage_graph({"vision": 1, "llm": 1, "head": 2}, [["vision", "llm"], ["vision", "head"]])
+    empty = np.zeros(0, np.int64)
+    keys = [batch.keys(mb) for mb in mbs]
+    to_llm = [build_routes([k, empty], [empty, k]) for k in keys]
+    to_head = [build_routes([k, empty], [empty, k]) for k in keys]
+    spec = lambda i: ((len(keys[i]), H), torch.float32)                    # noqa: E731
+    g = graph.index
+    if rank == 0:
+        links = {g("llm", 0): RouteLink(IslandEdge((0, 1), 0), [r[0] for r in to_llm], H, torch.float32),
+                 g("head", 0): RouteLink(IslandEdge((0, 2), 0), [r[0] for r in to_head], H, torch.float32)}
+
+        def forward(i, inputs):
+            return data["x"][torch.from_numpy(keys[i])] @ w["Wv"].T
+    elif rank == 1:
+        links = {g("vision", 0): RouteLink(IslandEdge((0, 1), 1), [r[1] for r in to_llm], H, torch.float32)}
+
+        def forward(i, inputs):
+            return ((inputs[g("vision", 0)] @ w["W1"].T) ** 2).sum() / total
+    elif rank == 2:
+        links = {g("vision", 0): RouteLink(IslandEdge((0, 2), 1), [r[1] for r in to_head], H, torch.float32),
+                 g("head", 1): PipeLink(3, spec)}
+
+        def forward(i, inputs):
+            return torch.tanh(inputs[g("vision", 0)] @ w["Wa2"].T)
+    else:
+        links = {g("head", 0): PipeLink(2, spec)}
+
+        def forward(i, inputs):
+            return (inputs[g("head", 0)] @ w["W2"].T).sum() / total
+    stage = [g("vision", 0), g("llm", 0), g("head", 0), g("head", 1)][rank]
+    GraphStageExecutor(forward, links).run(graph_one_f_one_b(graph, num_micro)[stage])
+    return {k: (v.grad if v.grad is not None else torch.zeros_like(v)) for k, v in w.items()}
+
+
+def test_branch_into_an_llm_and_a_deeper_head_matches_the_reference():
+    batch, data, w, mbs = _branch_setup(3)
+    for mb in mbs:
+        v = data["x"][torch.from_numpy(batch.keys(mb))] @ w["Wv"].T
+        sum(_branch_losses(v, w, int(batch.offset[-1]))).backward()
+    res = run_ranks(_branch_worker, 4, 3, timeout=60)
+    for name, rank in {"Wv": 0, "W1": 1, "Wa2": 2, "W2": 3}.items():
+        assert w[name].grad.abs().sum() > 0
+        torch.testing.assert_close(res[rank][name], w[name].grad, rtol=1e-5, atol=1e-6)
