@@ -3,9 +3,8 @@ single-process gradients (rtol 1e-5): a join of two encoder islands into an LLM 
 an encoder dp2 island into an LLM tp2 island (direct and leader + broadcast routes), and a
 branch of one encoder into an LLM and a deeper two-stage head.
 
-Join:
-Ranks: vision encoder dp2 on ranks 0-1 (fan-in into the LLM's one lane, variable image rows
-per sample, some samples without images), an audio encoder with pp2 on ranks 2-3 (rows leave
+Join: vision encoder dp2 on ranks 0-1 (fan-in into the LLM's one lane, variable image rows per
+sample, some samples without images), an audio encoder with pp2 on ranks 2-3 (rows leave
 from its last stage), the LLM with pp2 on ranks 4-5. Tiny linear modules:
 vision rows = Wv x; audio rows = Wa2 tanh(Wa1 a); LLM stage 0: h = tanh(W1 [vision; audio]);
 stage 1: loss = sum((W2 h)^2) / total rows of the step.
