@@ -84,32 +84,45 @@ def one_f_one_b(stage: int, num_stages: int, num_micro: int) -> list[Action]:
     Raises ValueError for a stage outside [0, num_stages) or a negative micro-batch count.
     """
     _check(stage, num_stages, num_micro)
-    prev = stage - 1 if stage > 0 else None
-    nxt = stage + 1 if stage + 1 < num_stages else None
+    prev = [stage - 1] if stage > 0 else []
+    nxt = [stage + 1] if stage + 1 < num_stages else []
+    return one_f_one_b_peers(prev, nxt, min(num_stages - stage - 1, num_micro), num_micro)
 
-    def op(kind, i, peer):
-        return None if peer is None else P2P(kind, i, peer)
 
-    warmup = min(num_stages - stage - 1, num_micro)
+def one_f_one_b_peers(prev: list[int], nxt: list[int], warmup: int, num_micro: int) -> list[Action]:
+    """1F1B of one stage whose inputs come from the stages `prev` and whose output goes to the
+    stages `nxt` (several on a join or a branch of a module graph, `hcp.schedule.graph`), with
+    `warmup` forwards before the first backward (capped at num_micro). Each step's ops with
+    ALL peers on one side share one batch: {send activation f to every next stage, receive
+    gradient i from every next stage}, then {send gradient i to every previous stage, receive
+    activation f + 1 from every previous stage}. A backward runs on the sum of the gradients
+    its next stages returned (the executor's business)."""
+    if num_micro < 0 or warmup < 0:
+        raise ValueError(f"num_micro ({num_micro}) and warmup ({warmup}) must be >= 0")
+
+    def ops(kind, i, peers):
+        return [P2P(kind, i, p) for p in peers]
+
+    warmup = min(warmup, num_micro)
     steady = num_micro - warmup
     out: list[Action] = []
     for i in range(warmup):
-        out += _batch(op("RECV_F", i, prev))
+        out += _batch(*ops("RECV_F", i, prev))
         out.append(Compute("F", i))
-        out += _batch(op("SEND_F", i, nxt))
+        out += _batch(*ops("SEND_F", i, nxt))
     if steady:
-        out += _batch(op("RECV_F", warmup, prev))
+        out += _batch(*ops("RECV_F", warmup, prev))
     for i in range(steady):
         f = warmup + i
         out.append(Compute("F", f))
-        out += _batch(op("SEND_F", f, nxt), op("RECV_B", i, nxt))
+        out += _batch(*ops("SEND_F", f, nxt), *ops("RECV_B", i, nxt))
         out.append(Compute("B", i))
         more = i + 1 < steady
-        out += _batch(op("SEND_B", i, prev), op("RECV_F", f + 1, prev) if more else None)
+        out += _batch(*ops("SEND_B", i, prev), *(ops("RECV_F", f + 1, prev) if more else []))
     for i in range(steady, num_micro):
-        out += _batch(op("RECV_B", i, nxt))
+        out += _batch(*ops("RECV_B", i, nxt))
         out.append(Compute("B", i))
-        out += _batch(op("SEND_B", i, prev))
+        out += _batch(*ops("SEND_B", i, prev))
     return out
 
 

@@ -1,0 +1,62 @@
+"""Ranks of a non-colocated edge's communicator group (DESIGN.md 4.2). Pure, no process group.
+
+Under `placement=non_colocated` the source module (an encoder, with its projector) and the
+destination module (the LLM) sit on disjoint islands. Rows leave from the source's LAST pipeline
+stage and arrive on the destination's FIRST stage, so the edge's dedicated group holds exactly
+those ranks: the source's last-stage ranks, then the destination's first-stage ranks, each in
+ascending global order (group rank i is `edge_ranks(...)[i]`; a routing table of the edge,
+`hcp.parallel.routing.build_routes`, is indexed by these group ranks). An encoder lane runs
+its micro-batches in the order the LLM consumes them (`island_micro_batches`).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from hcp.parallel.grid import Grid
+
+
+def edge_ranks(src: Grid, dst: Grid) -> tuple[int, ...]:
+    """Global ranks of the edge group from `src`'s last stage to `dst`'s first stage.
+
+    Returns the source's last-stage ranks (ascending) followed by the destination's first-stage
+    ranks (ascending); the first `src.size // src.pp` group ranks are the sources.
+
+    Raises:
+        ValueError: the two grids share a rank (that edge is colocated: use
+            `hcp.comm.boundary`, whose `all_to_all_single` also moves rows a rank keeps).
+    """
+    sources = sorted(int(r) for r in src.ranks[src.pp - 1].ravel())
+    dests = sorted(int(r) for r in dst.ranks[0].ravel())
+    shared = set(range(src.rank_offset, src.rank_offset + src.size)) & set(
+        range(dst.rank_offset, dst.rank_offset + dst.size))
+    if shared:
+        raise ValueError(f"edge_ranks: the source grid (ranks {src.rank_offset}.."
+                         f"{src.rank_offset + src.size - 1}) and the destination grid (ranks "
+                         f"{dst.rank_offset}..{dst.rank_offset + dst.size - 1}) share rank "
+                         f"{min(shared)}; a non-colocated edge needs disjoint islands (set the "
+                         "layouts' rank_offset, or use placement=colocated)")
+    return tuple(sources + dests)
+
+
+def island_micro_batches(lane_samples: Sequence[int],
+                         consumed: Sequence[Sequence[int]]) -> list[list[int]]:
+    """An encoder lane's micro-batches in the order the LLM consumes them (DESIGN.md 4.4).
+
+    lane_samples: the samples this encoder lane encodes (any order); consumed[i]: the samples
+    the LLM consumes in micro-batch i (over all its lanes). Returns, per micro-batch i, the lane's
+    samples in consumed[i], in consumed[i]'s order (empty when it has none: the lane still
+    takes part in micro-batch i's schedule steps, with 0 rows).
+
+    Raises:
+        ValueError: a sample of the lane is consumed twice or never (the plan and the lane
+            disagree).
+    """
+    mine = set(int(s) for s in lane_samples)
+    out = [[int(s) for s in mb if int(s) in mine] for mb in consumed]
+    seen = [s for mb in out for s in mb]
+    if len(seen) != len(set(seen)) or set(seen) != mine:
+        missing = sorted(mine - set(seen))
+        raise ValueError(f"island_micro_batches: the lane's samples must each be consumed exactly "
+                         f"once; never consumed: {missing[:8]}, consumed {len(seen)} times in "
+                         f"all for {len(mine)} samples")
+    return out
