@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -173,7 +174,9 @@ def main(argv=None) -> dict:
 
     from hcp.train.launch import start_local_ranks
 
-    with tempfile.TemporaryDirectory() as tmp:
+    # mkdtemp, not TemporaryDirectory: forked ranks inherit its finalizer and would delete it
+    tmp = tempfile.mkdtemp(prefix="dcp-train-")
+    try:
         profile = args.profile
         if profile is None:
             from hcp.dcp.calibrate import run_calibrate
@@ -186,8 +189,10 @@ def main(argv=None) -> dict:
         start_local_ranks(_rank, args.ranks, payload, "fork")
         ranks = json.loads(Path(out).read_text())
         hw = load_profile(profile)
+        policy = dynamic_cp_policy(cfg.llm, profile)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     cost = CostModel(cfg.llm, hw, pp=1, tp=1, recompute=False)
-    policy = dynamic_cp_policy(cfg.llm, profile)
     result = {}
     tokens = float(sum(b.sum() for b in batches))
     for method in METHODS:
