@@ -63,6 +63,13 @@ def dynamic_cp_policy(llm_cfg, profile: str = "h100"):
     return policy
 
 
+def cp_histogram(plan: Plan) -> dict[str, int]:
+    """The step's non-empty micro-batches (groups with samples) per CP size c, as metrics
+    `{"micro_batches_cp{c}": count}` in increasing c (logged each step under dynamic CP)."""
+    sizes = sorted(g.cp_size for r in plan.rounds for g in r.groups if g.seq_indices)
+    return {f"micro_batches_cp{c}": sizes.count(c) for c in dict.fromkeys(sizes)}
+
+
 def check_dynamic_cp(cfg, llm) -> None:
     """Before any rank starts: ConfigError naming the field and the fix unless the LLM's CP
     pool (dp * cp) is a power of two and the longest sample (`data.max_seq_len`) fits the

@@ -165,11 +165,17 @@ class LlavaModel(nn.Module):
         row_of = torch.cumsum(image_mask.long(), 0) - 1
         return feats[row_of[shard.token_index[slots]]]
 
+    def _cp_group(self, batch):
+        """The CP group of `batch`: its own `cp_group` attribute when it has one (`packing=
+        dynamic_cp` sets it per micro-batch, None at CP size 1), else the model's."""
+        return batch.cp_group if hasattr(batch, "cp_group") else self.cp_group
+
     def _shard(self, batch):
         """(this CP rank's shard or None, labels of its slots [T_loc] with padding -100)."""
-        if group_size(self.cp_group) == 1:
+        group = self._cp_group(batch)
+        if group_size(group) == 1:
             return None, batch.labels
-        shard = cp_shard(batch.cu_seqlens, group_size(self.cp_group), group_rank(self.cp_group))
+        shard = cp_shard(batch.cu_seqlens, group_size(group), group_rank(group))
         return shard, batch.labels[shard.token_index].masked_fill(~shard.valid, -100)
 
     def residual_shape(self, batch) -> tuple[int, int]:
@@ -194,7 +200,8 @@ class LlavaModel(nn.Module):
         positions = batch.position_ids if shard is None else shard.position_ids
         if self.stage.first:
             x = self.llm.enter(self.embed(batch, shard))
-        x = self.llm.run_layers(x, positions, batch.cu_seqlens, batch.max_seqlen)
+        x = self.llm.run_layers(x, positions, batch.cu_seqlens, batch.max_seqlen,
+                                cp_group=self._cp_group(batch))
         return self.llm.exit(x, labels.shape[0]) if self.stage.last else x
 
     def loss(self, batch, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -228,10 +235,11 @@ class LlavaModel(nn.Module):
         logits = gather_from_group(self.llm.logits(hidden), self.tp_group)
         if shard is None:
             return logits
-        c = group_size(self.cp_group)
+        group = self._cp_group(batch)
+        c = group_size(group)
         shards = [cp_shard(batch.cu_seqlens, c, r) for r in range(c)]
         index = torch.cat([sh.token_index for sh in shards])
         valid = torch.cat([sh.valid for sh in shards])
-        every = gather_seq(logits, self.cp_group)                        # [c * T_loc, V]
+        every = gather_seq(logits, group)                        # [c * T_loc, V]
         return every.new_zeros(batch.labels.shape[0], every.shape[1]).index_put(
             (index[valid],), every[valid])

@@ -107,14 +107,19 @@ class StepRunner:
             dist.broadcast(counts, self.first_rank, group=self.pp_group)
         return counts
 
-    def forward_backward(self, batches, metas=None) -> tuple[float, list[float], int, StageTimes]:
+    def forward_backward(self, batches, metas=None, planned=None) -> tuple[float, list[float], int, StageTimes]:
         """Gradients of the token-level loss of this lane's micro-batches `batches` (first
         stage; None elsewhere), synchronized over DP x CP. `metas`: every micro-batch's
         `StageMeta` when the caller knows them (the step plan), else broadcast from the first
-        stage. Returns (global loss, [global loss tokens, global tokens, global sum of squared
+        stage. `planned`: the step plan's global [loss tokens, tokens, sum of squared document
+        lengths, image rows], used instead of counting (`packing=dynamic_cp`, where one
+        micro-batch runs on several DP positions; pp = 1 and no FSDP only). Returns (global loss, [global loss tokens, global tokens, global sum of squared
         document lengths], micro-batches run per lane (padded under FSDP), this stage's
         timings)."""
-        counts = self._counts(batches)
+        if planned is not None and (self.stage.num_stages > 1 or self.sharded):
+            raise ValueError("planned counts need pp = 1 and no FSDP (every lane runs its own count)")
+        counts = (self._counts(batches) if planned is None else
+                  torch.tensor([len(batches), *planned], dtype=torch.float64, device=self.device))
         n_micro, global_tokens = int(counts[0]), counts[1].item()
         if self.stage.first:  # FSDP: a lane with fewer micro-batches still joins every collective
             batches = pad_micro_batches(batches, n_micro, self.device)

@@ -15,7 +15,8 @@ def check_trainable(cfg, layouts: dict) -> None:
 
     Not yet trained: non-colocated placement, encoder-side CP, PP (encoder PP comes with
     non-colocated placement) and FSDP, `selective` recompute outside the LLM, tied embeddings across LLM
-    stages and `packing=dynamic_cp`. Each can be planned with `mode=plan`.
+    stages, and `packing=dynamic_cp` beyond a text-only LLM with tp = 1, pp = 1 and no
+    dp_shard. Each can be planned with `mode=plan`.
     """
     llm = layouts["llm"]
     if cfg.placement == "non_colocated":
@@ -45,5 +46,24 @@ def check_trainable(cfg, layouts: dict) -> None:
             raise ConfigError(f"{m}.layout.recompute", lay.recompute, "selective recompute is "
                               "implemented in the LLM's decoder layers only", "use recompute=none or full")
     if cfg.packing == "dynamic_cp":
-        raise ConfigError("packing", "dynamic_cp", "dynamic-CP training is not wired yet (the "
-                          "planner is: benchmarks/dynamic_cp.py)", "use packing=first_fit")
+        _check_dynamic_cp_trainable(cfg, layouts)
+
+
+def _check_dynamic_cp_trainable(cfg, layouts: dict) -> None:
+    """`packing=dynamic_cp` trains a text-only LLM with tp = 1, pp = 1 and plain DP (its CP
+    pool dp * cp regrouped per micro-batch); the rest raises ConfigError, then the pool and
+    the longest sample are checked (`hcp.dcp.policy.check_dynamic_cp`)."""
+    from hcp.dcp.policy import check_dynamic_cp
+
+    llm = layouts["llm"]
+    why = "dynamic-CP training is wired for a text-only LLM with tp=1, pp=1 and no dp_shard"
+    for field, value, ok in (("llm.layout.tp", llm.tp, 1), ("llm.layout.pp", llm.pp, 1),
+                             ("llm.layout.dp_shard", bool(llm.dp_shard), False)):
+        if value != ok:
+            raise ConfigError(field, value, why, f"set {field}={str(ok).lower()} with "
+                              "packing=dynamic_cp, or use packing=first_fit")
+    others = [m for m in layouts if m != "llm"]
+    if others:
+        raise ConfigError("packing", "dynamic_cp", f"{why} (this model also has {others})",
+                          "use packing=first_fit for a model with an encoder side")
+    check_dynamic_cp(cfg, llm)

@@ -26,6 +26,7 @@ from hcp.data.build import build_datasets, num_image_tokens
 from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
+from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, micro_batch_group
 from hcp.model import LlavaModel, init_parameters
 from hcp.model.hf_load import load_pretrained
 from hcp.model.llava import LlavaEncoder
@@ -34,7 +35,7 @@ from hcp.parallel.groups import ProcessGroupRegistry
 from hcp.parallel.roles import logging_rank
 from hcp.plan.ahead import PlanAhead
 from hcp.plan.lengths import build_length_index
-from hcp.plan.step import plan_step
+from hcp.plan.step import plan_step, register_policy
 from hcp.schedule.colocated import ColocatedStep
 from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
@@ -61,7 +62,10 @@ class Trainer:
         self.preempt = Preemption(cfg.launcher.slurm, self.device)  # signal -> flag (hcp.train.preempt)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.layouts = resolve_layouts(cfg, self.world)
-        self.groups = ProcessGroupRegistry(self.layouts)
+        self.dynamic_cp = cfg.packing == "dynamic_cp"  # hcp.dcp.policy: per-micro-batch CP groups
+        self.groups = ProcessGroupRegistry(self.layouts, ("llm",) if self.dynamic_cp else ())
+        if self.dynamic_cp:
+            register_policy("dynamic_cp", dynamic_cp_policy(cfg.llm, cfg.packing_profile))
         llm = self.layouts["llm"]
         coords = self.groups.grids["llm"].coords(self.rank)
         self.dp, self.lane, self.cp = llm.dp, coords["dp"], llm.cp
@@ -159,11 +163,13 @@ class Trainer:
     def prepare(self, indices):
         """On the plan-ahead thread: this rank's plan and data, (RankPlan, pixel values of its
         encoder samples [I, C, H, W] or None, its LLM micro-batches (first stage) or None, every
-        micro-batch's `StageMeta` for the pipeline). Only this rank's samples are read: images
+        micro-batch's `StageMeta` for the pipeline, the step's micro-batches per CP size under
+        dynamic CP (`hcp.dcp.policy.cp_histogram`, else {})). Only this rank's samples are read: images
         only for its encoder samples, text only on the LLM's first stage (and the labels on the
         last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
         Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives."""
-        mine = self.plan(indices).rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
+        step = self.plan(indices)
+        mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
         ds, device = self.train_set, self.device
         pixels = None
         if self.encoder is not None:
@@ -184,6 +190,8 @@ class Trainer:
                 samples = [ds[indices[s]] for s in mb.samples]
             if self.stage.first:
                 batch = collate(samples, [], self.tok.image_token_id).to(device)
+                if self.dynamic_cp:  # the micro-batch's own CP group (None at CP size 1)
+                    batch.cp_group = micro_batch_group(self.groups, mb, self.rank)
                 if not torch.equal(batch.cu_seqlens, cu):
                     raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
                                        f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
@@ -195,7 +203,7 @@ class Trainer:
                       if self.stage.last else torch.full((int(cu[-1]),), -100, device=device))
             metas.append(StageMeta(cu, mb.max_seqlen, torch.cat([torch.arange(n, device=device)
                                                                  for n in lengths]), labels))
-        return mine, pixels, batches, metas
+        return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}
 
     def train_step(self) -> dict:
         """One optimizer step over the next global batch; returns this step's metrics."""
@@ -214,7 +222,7 @@ class Trainer:
             self.scheduler.step()
         self.step += 1
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
-                "micro_batches": n_micro, **plan_stats,
+                "micro_batches": n_micro, **plan_stats, **prepared[4],
                 **whole_step_metrics(self.cfg.llm, counts, t0, self.stage_times, self.device)}
 
     def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[float, list[float], int]:
@@ -222,14 +230,16 @@ class Trainer:
         module's DP (x CP) group; `prepared` is `prepare(global_batch)` when already computed.
         Returns (global loss, [global loss tokens, global tokens, global sum of squared document
         lengths], micro-batches per lane)."""
-        mine, pixels, batches, metas = prepared if prepared is not None else self.prepare(global_batch)
+        mine, pixels, batches, metas, _ = prepared if prepared is not None else self.prepare(global_batch)
 
         def llm_phase(leaf):
             if batches is not None and leaf is not None:
                 for mb, batch in batches:
                     batch.image_rows = leaf[mb.image_rows[0]:mb.image_rows[1]]
+            c = mine.counts  # dynamic CP: a micro-batch runs on several DP positions, count once
+            planned = [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows] if self.dynamic_cp else None
             return self.runner.forward_backward([b for _, b in batches] if batches is not None else None,
-                                                metas)
+                                                metas, planned)
 
         if self.colocated is None:
             loss, counts, n_micro, self.stage_times = llm_phase(None)
@@ -289,11 +299,18 @@ class Trainer:
             self.model.vision, self.model.projector = whole.vision, whole.projector
         try:
             return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok, indices,
-                            self.cfg.trainer.micro_batch_tokens, self.device, self.grad_group,
-                            self.dp_group)
+                            self._eval_capacity(), self.device, self.grad_group, self.dp_group)
         finally:
             if whole is not None and self.stage.first:
                 self.model.vision, self.model.projector = None, None
+
+    def _eval_capacity(self) -> int:
+        """Tokens per evaluation micro-batch. Evaluation keeps the static layout; under dynamic
+        CP a sample longer than trainer.micro_batch_tokens (which training spreads over a
+        larger CP group) is evaluated whole on its DP lane, forward only (no activations kept
+        for a backward pass), so the capacity is raised to data.max_seq_len there."""
+        mbt = self.cfg.trainer.micro_batch_tokens
+        return max(mbt, self.cfg.data.max_seq_len) if self.dynamic_cp else mbt
 
     def _whole_encoder(self) -> LlavaEncoder | None:
         """The encoder side whole on this rank, for evaluation (greedy decoding re-encodes each
