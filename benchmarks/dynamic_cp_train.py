@@ -179,7 +179,7 @@ def main(argv=None) -> dict:
     try:
         profile = args.profile
         if profile is None:
-            from hcp.dcp.calibrate import run_calibrate
+            from hcp.train.calibrate import run_calibrate
             sizes = [1 << e for e in range(args.ranks.bit_length())]
             profile = run_calibrate(cfg, tmp, sizes)
         out = os.path.join(tmp, "measured.json")

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from hcp.config.compose import compose_config
-from hcp.dcp.calibrate import fit, grid
+from hcp.train.calibrate import fit, grid
 from hcp.dcp.cost_model import CostModel, HardwareProfile, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]

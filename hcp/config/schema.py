@@ -258,7 +258,7 @@ class HCPConfig:
     mode: str = "train"
     """`train`, `plan` (one process, no process groups: layouts, memory, plan.json/png),
     `export` (write the model as the run would start it as a Hugging Face checkpoint) or
-    `calibrate` (fit the dynamic-CP cost model on this machine: hcp/dcp/calibrate.py)."""
+    `calibrate` (fit the dynamic-CP cost model on this machine: hcp/train/calibrate.py)."""
     placement: str = "colocated"
     """`colocated` or `non_colocated`."""
     packing: str = "first_fit"

@@ -4,7 +4,7 @@
 Reading is lazy: `HFCheckpoint.read` opens the shard holding a tensor and reads only the rows
 (or columns) asked for (safetensors' `get_slice`), so a TP rank never loads a whole 7B file.
 Writing (`write_folder`, one file per call) produces the layout transformers' `save_pretrained`
-writes; `hcp.model.hf_export` adds the index of a sharded one.
+writes; `hcp.train.export` adds the index of a sharded one.
 safetensors is imported on first use, with a message saying how to install it.
 """
 from __future__ import annotations

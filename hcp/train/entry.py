@@ -20,7 +20,7 @@ from hcp.config.layouts import world_size_of
 from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_env, local_world_size,
                               resolve_nproc, start_local_ranks)
 from hcp.train.slurm import check_slurm
-from hcp.model.hf_export import start_export
+from hcp.train.export import start_export
 from hcp.model.hf_load import apply_hf_configs, check_hf_weights, cli_keys
 
 
@@ -62,8 +62,8 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         plan = run_plan(cfg, run_dir)
         print(f"hcp: plan written to {run_dir}")
         return plan
-    if cfg.mode == "calibrate":  # dynamic-CP cost-model profile: hcp/dcp/calibrate.py
-        from hcp.dcp.calibrate import run_calibrate
+    if cfg.mode == "calibrate":  # dynamic-CP cost-model profile: hcp/train/calibrate.py
+        from hcp.train.calibrate import run_calibrate
 
         validate(cfg, world_size_of(cfg, resolve_nproc("auto")))
         return run_calibrate(cfg, run_dir)

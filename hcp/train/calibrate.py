@@ -165,7 +165,7 @@ def run_calibrate(cfg, run_dir: str, sizes=None) -> str:
     profile = fit(rows, cfg.llm, recompute, bytes_per_element, max(sizes))
     path = os.path.join(run_dir, "profile.yaml")
     with open(path, "w") as f:
-        f.write("# Fitted by `mode=calibrate` (hcp/dcp/calibrate.py) for this model on this "
+        f.write("# Fitted by `mode=calibrate` (hcp/train/calibrate.py) for this model on this "
                 "machine.\n")
         yaml.safe_dump(profile, f, sort_keys=False)
     print(f"{'L':>6} {'docs':>4} {'cp':>3} {'measured_s':>11} {'predicted_s':>11} {'error':>7}")
