@@ -68,3 +68,28 @@ def test_resume_at_another_layout_continues_the_run(whole, case):
         assert losses[step] == pytest.approx(ref[step], rel=1e-4), step
     assert f"resumed from step 2 {log_line}" in log
     assert "per-rank RNG streams do not carry over to another layout: derived from (seed, step, rank)" in log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_resume_with_the_encoder_at_another_dp_size(tmp_path):
+    """A heterogeneous LLaVA run (encoder dp4, LLM tp2 x cp2) saved at step 2 resumes with the
+    encoder at tp2 x dp2 (another DP size) and logs the uninterrupted run's losses."""
+    common = ["+recipe=llava_tiny_hetero", "logger=none", "trainer.log_every=1", "trainer.eval_every=0",
+              "trainer.progress_bar=false", "trainer.eval_samples=4", "trainer.max_steps=4"]
+
+    def run(run_dir, *args):
+        proc = subprocess.run([sys.executable, "train.py", *common, *args, f"hydra.run.dir={run_dir}"],
+                              cwd=REPO, env={**os.environ, "WANDB_MODE": "offline"},
+                              capture_output=True, text=True, timeout=500)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        with open(run_dir / "metrics.jsonl") as f:
+            return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}, proc.stdout
+
+    ref, _ = run(tmp_path / "whole", "trainer.save_every=2")
+    losses, log = run(tmp_path / "resumed", "vision.layout.tp=2", "projector.layout.tp=2",
+                      f"resume={tmp_path / 'whole' / 'checkpoints' / 'step_00000002'}")
+    assert sorted(losses) == [3, 4]
+    for step in (3, 4):
+        assert losses[step] == pytest.approx(ref[step], rel=1e-4), step
+    assert "resumed from step 2" in log
