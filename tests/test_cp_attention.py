@@ -70,6 +70,20 @@ def test_block_attention_without_cp_equals_reference_fp32(block):
     check(shard, out, grads, reference(MIX), TOL)
 
 
+def test_block_attention_under_bf16_autocast_keeps_fp32_tiles():
+    """precision=bf16 runs the model under autocast: the tiles must not be cast to bf16 (that
+    crashed the fp32 running max's scatter_reduce and would lose the fp32 statistics)."""
+    cu = qkvw(MIX)[0]
+    plan = build_cp_plan(cu, None, "allgather", 4)
+
+    def attend(q, k, v):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return BlockAttention.apply(q, k, v, plan.tiles[0])
+
+    shard, out, grads = local_run(MIX, torch.float32, 1, 0, attend)
+    check(shard, out, grads, reference(MIX), TOL)
+
+
 def _recording(records):
     """Wrap forward_tiles / backward_tiles to record the dtypes of the running statistics and
     of the gradient accumulators."""

@@ -115,7 +115,13 @@ def _tiles(x: torch.Tensor, qr: torch.Tensor, hkv: int) -> torch.Tensor:
 
 def forward_tiles(state: SoftmaxState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   tiles: list[TileBatch]) -> None:
-    """Fold the tiles' keys into `state` (in place). q [Tq, Hq, D], k, v [Tk, Hkv, D]."""
+    """Fold the tiles' keys into `state` (in place). q [Tq, Hq, D], k, v [Tk, Hkv, D].
+    Runs with autocast off, so the tiles stay in the accumulation dtype under `precision=bf16`."""
+    with torch.autocast(q.device.type, enabled=False):
+        _forward_tiles(state, q, k, v, tiles)
+
+
+def _forward_tiles(state, q, k, v, tiles) -> None:
     hkv, scale = k.shape[1], 1.0 / math.sqrt(q.shape[-1])
     for batch in tiles:
         for qr, kr in batch.chunks(q.shape[1]):
@@ -136,7 +142,13 @@ def backward_tiles(q, k, v, dout, lse, delta, tiles, dq, dk, dv) -> None:
     """Add the tiles' gradients to the fp32 accumulators dq [Tq, Hq, D], dk, dv [Tk, Hkv, D].
 
     dout [Tq, Hq, D]; lse, delta = rowsum(dout * out) [Tq, Hq] fp32 (flash backward, Dao 2022).
+    Runs with autocast off (see `forward_tiles`).
     """
+    with torch.autocast(q.device.type, enabled=False):
+        _backward_tiles(q, k, v, dout, lse, delta, tiles, dq, dk, dv)
+
+
+def _backward_tiles(q, k, v, dout, lse, delta, tiles, dq, dk, dv) -> None:
     hkv, scale = k.shape[1], 1.0 / math.sqrt(q.shape[-1])
     lse = _finite(lse)
     for batch in tiles:

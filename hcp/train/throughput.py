@@ -29,11 +29,11 @@ def step_metrics(llm_cfg, counts: list[float], step_s: float, times, device) -> 
     counts: [global loss tokens, global tokens, global sum of squared document lengths];
     times: this rank's `StageTimes`. A collective over the world (every rank calls it)."""
     world = dist.get_world_size()
-    peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.float64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    bubble = torch.tensor([1.0 - times.busy_s / max(times.wall_s, 1e-12)], dtype=torch.float64,
-                          device=device)
-    dist.all_reduce(bubble)
+    mine = torch.tensor([peak_memory_bytes(device), 1.0 - times.busy_s / max(times.wall_s, 1e-12)],
+                        dtype=torch.float64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)  # one collective for both figures
+    peak, bubble = torch.stack(every).max(0).values[0], torch.stack(every).sum(0)[1]
     flops = model_flops(llm_cfg, counts[1], counts[2])
     return {"tflops_per_gpu": flops / step_s / world / 1e12, "peak_memory_gib": peak.item() / 2**30,
             "bubble_fraction": bubble.item() / world}
