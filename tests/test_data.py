@@ -140,9 +140,10 @@ def test_a_local_hugging_face_tokenizer_json_replaces_bytes(tmp_path):
 
 
 def test_missing_tokenizer_file_is_named():
+    from hcp.config.errors import ConfigError
     from hcp.data.tokenizer import build_tokenizer
 
-    with pytest.raises(FileNotFoundError, match="data.tokenizer='/nope/tokenizer.json'"):
+    with pytest.raises(ConfigError, match="data.tokenizer=./nope/tokenizer.json."):
         build_tokenizer("/nope/tokenizer.json")
 
 

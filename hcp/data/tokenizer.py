@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 
+from hcp.config.errors import ConfigError
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, then the special ids pad, bos, eos and image.
@@ -34,7 +36,7 @@ class HFTokenizer:
     id after the vocabulary.
 
     Raises:
-        FileNotFoundError: the path does not exist.
+        ConfigError: the path does not exist (names data.tokenizer and the fix).
         ImportError: the `tokenizers` package is missing (message says how to install it).
     """
 
@@ -42,7 +44,8 @@ class HFTokenizer:
 
     def __init__(self, path: str):
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"data.tokenizer={path!r}: no such tokenizer.json file")
+            raise ConfigError("data.tokenizer", path, "no such tokenizer.json file",
+                              "give the path of a local Hugging Face tokenizer.json, or null for bytes")
         try:
             from tokenizers import Tokenizer
         except ImportError as e:  # pragma: no cover - depends on the environment
