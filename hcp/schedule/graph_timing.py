@@ -18,7 +18,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from hcp.schedule.actions import Compute
-from hcp.schedule.rendezvous import ScheduleDeadlock
+from hcp.schedule.rendezvous import drive
 
 
 @dataclass(frozen=True)
@@ -87,15 +87,6 @@ def time_actions(programs: list[list], fwd, bwd) -> ActionTimeline:
         pc[s] += 1
         return True
 
-    progress = True
-    while progress:
-        progress = False
-        for s in range(n):
-            while pc[s] < len(programs[s]) and step(s):
-                progress = True
-    stuck = [s for s in range(n) if pc[s] < len(programs[s])]
-    if stuck:
-        raise ScheduleDeadlock("stuck: " + "; ".join(f"stage {s} at action {pc[s]} "
-                                                     f"{programs[s][pc[s]]}" for s in stuck))
+    drive(programs, pc, step)
     return ActionTimeline(starts, ends, busy, max(clock, default=0.0))
 

@@ -95,14 +95,25 @@ def run_rendezvous(programs: list[list]) -> list[tuple[int, object]]:
         pc[s] += 1
         return True
 
+    drive(programs, pc, step)
+    return log
+
+
+def drive(programs, pc: list[int], step) -> None:
+    """Advance every stage's program counter `pc[s]` with `step(s)` (True when stage s ran its
+    next action) until no stage can move.
+
+    Raises:
+        ScheduleDeadlock: some stage is stuck before the end of its program (names each one,
+            with the action it waits at).
+    """
     progress = True
     while progress:
         progress = False
-        for s in range(n):
+        for s in range(len(programs)):
             while pc[s] < len(programs[s]) and step(s):
                 progress = True
-    stuck = [s for s in range(n) if pc[s] < len(programs[s])]
+    stuck = [s for s in range(len(programs)) if pc[s] < len(programs[s])]
     if stuck:
         raise ScheduleDeadlock("stuck: " + "; ".join(f"stage {s} at action {pc[s]} "
                                                      f"{programs[s][pc[s]]}" for s in stuck))
-    return log
