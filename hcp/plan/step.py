@@ -317,7 +317,7 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
     # slots before micro-batch j at each pool position: [pool, J]
     mb_base = np.cumsum(local_tokens[group_at], axis=0) - local_tokens[group_at]
 
-    source = {m: _island_head(layouts, edges, m) for m in layouts if m != "llm"}
+    source = {m: island_head(layouts, edges, m) for m in layouts if m != "llm"}
     encoder_lanes, grids, tables = {}, {}, {}
     for m, head in source.items():
         lay = layouts[head]
@@ -355,7 +355,7 @@ def _same_span(a, b) -> bool:
     return a.rank_offset == b.rank_offset and a.num_ranks == b.num_ranks
 
 
-def _island_head(layouts, edges, module: str) -> str:
+def island_head(layouts, edges, module: str) -> str:
     """The module whose layout `module` runs under: itself, or under non-colocated placement
     the encoder heading its island (walking back over edges between modules on the same ranks,
     e.g. projector -> vision). Colocated modules keep their own layouts."""
