@@ -11,8 +11,8 @@ ISLANDS = ["placement=non_colocated", "vision.layout.num_ranks=2", "launcher.npr
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_non_colocated_llava_tiny_hetero_logs_llava_tiny_losses_and_resumes(tmp_path):
-    homogeneous = cli_metrics(tmp_path / "homogeneous", "llava_tiny")
+def test_non_colocated_llava_tiny_hetero_logs_llava_tiny_losses_and_resumes(llava_tiny_cli, tmp_path):
+    homogeneous = llava_tiny_cli
     islands = cli_metrics(tmp_path / "islands", "llava_tiny_hetero", [*ISLANDS, "trainer.save_every=5"])
     a, b = [r["loss"] for r in homogeneous], [r["loss"] for r in islands]
     assert len(a) == 10 and a[-1] < a[0]

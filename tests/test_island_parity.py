@@ -66,3 +66,22 @@ def test_non_colocated_step_equals_single_process(name, reference, tmp_path):
         torch.testing.assert_close(grads[key], ref, **TOL, msg=lambda m, key=key: f"grad {key}: {m}")
     for key, ref in reference["weights"].items():
         torch.testing.assert_close(weights[key], ref, **TOL, msg=lambda m, key=key: f"weight {key}: {m}")
+
+
+def test_non_colocated_trains_encoder_pp_and_refuses_what_it_cannot_run_with_a_fix():
+    from hcp.config.errors import ConfigError
+    from hcp.config.validate import validate
+    from hcp.train.support import check_trainable
+
+    base = ["placement=non_colocated", "vision.layout.num_ranks=2", "vision.layout.tp=1"]
+    cfg = compose_cfg([*base, "vision.layout.pp=2"])
+    check_trainable(cfg, validate(cfg, world_size=4))                   # encoder PP on its island
+    for extra, field in [(["llm.layout.dp_shard=true"], "llm.layout.dp_shard"),
+                         (["projector.layout.tp=2"], "projector.layout.tp"),
+                         (["vision.layout.recompute=full"], "vision.layout.recompute"),
+                         (["vision.freeze=true", "projector.freeze=true"], "vision.freeze"),
+                         (["llm.freeze=true"], "llm.freeze")]:
+        cfg = compose_cfg([*base, *extra])
+        with pytest.raises(ConfigError) as e:
+            check_trainable(cfg, validate(cfg, world_size=4))
+        assert e.value.field == field and "Fix:" in str(e.value)
