@@ -18,11 +18,10 @@ CLI_RUN = ("trainer.max_steps=10", "logger=none", "trainer.log_every=1", "traine
 """Overrides of a short CLI training run whose every step's loss is logged."""
 
 
-def cli_metrics(run_dir, recipe: str, extra=(), timeout: float = 400) -> list[dict]:
+def cli_run(run_dir, recipe: str, extra=(), timeout: float = 400):
     """Run `python train.py +recipe=RECIPE` with `CLI_RUN` and `extra` overrides into `run_dir`
-    (a pathlib.Path) and return its logged steps (metrics.jsonl records with a loss).
-    Fails the test with the end of stderr when the run fails."""
-    import json
+    (a pathlib.Path) and return `run_dir`. Fails the test with the end of stderr when the run
+    fails."""
     import subprocess
     import sys
 
@@ -30,5 +29,25 @@ def cli_metrics(run_dir, recipe: str, extra=(), timeout: float = 400) -> list[di
                            f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def logged_steps(run_dir) -> list[dict]:
+    """A run's logged training steps (metrics.jsonl records with a loss)."""
+    import json
+
     with open(run_dir / "metrics.jsonl") as f:
         return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def run_summary(run_dir) -> dict:
+    """A run's summary.json (final loss, evaluation metrics, throughput)."""
+    import json
+
+    with open(run_dir / "summary.json") as f:
+        return json.load(f)
+
+
+def cli_metrics(run_dir, recipe: str, extra=(), timeout: float = 400) -> list[dict]:
+    """`cli_run` then `logged_steps`."""
+    return logged_steps(cli_run(run_dir, recipe, extra, timeout))
