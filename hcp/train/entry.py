@@ -169,7 +169,7 @@ def main() -> None:
     from hcp.train.launch import run_name
 
     try:
-        check_overrides(command_line_overrides(sys.argv[1:]), config_groups())
+        check_overrides(command_line_overrides(sys.argv[1:]), config_groups(), CONF_DIR)
     except ConfigError as e:
         if _is_first(launched_rank_env(os.environ)):
             print(f"hcp: error: {e}", file=sys.stderr)
