@@ -47,6 +47,7 @@ from hcp.train.modules import RankModules, clip_, module_sq_norm, sync_grads
 from hcp.train.optim import build_optimizer, build_scheduler
 from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
+from hcp.train.whole_encoder import whole_encoder
 
 
 class Trainer:
@@ -54,7 +55,15 @@ class Trainer:
 
     `run_dir` is the run directory chosen once by the launching process; only the logging
     rank writes into it (checkpoints are written by every rank, as DCP shards).
+    `Trainer(cfg, run_dir)` under `placement=non_colocated` builds the island trainer
+    (`hcp.train.islands.IslandTrainer`: a rank builds only its island's modules).
     """
+
+    def __new__(cls, cfg, run_dir: str):
+        if cls is Trainer and cfg.placement == "non_colocated":
+            from hcp.train.islands import IslandTrainer  # it subclasses Trainer
+            cls = IslandTrainer
+        return super().__new__(cls)
 
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.run_dir = cfg, run_dir
@@ -67,25 +76,28 @@ class Trainer:
         if self.dynamic_cp:
             register_policy("dynamic_cp", dynamic_cp_policy(cfg.llm, cfg.packing_profile))
         llm = self.layouts["llm"]
-        coords = self.groups.grids["llm"].coords(self.rank)
-        self.dp, self.lane, self.cp = llm.dp, coords["dp"], llm.cp
-        self.stage = StageSpec.of(llm.pp_layers, coords["pp"])
-        self.dp_group = self.groups.group("llm", "dp")
-        self.grad_group = self.groups.group("llm", "dp_cp")
-        self.tp_group = self.groups.group("llm", "tp") if llm.tp > 1 else None
-        self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
+        self.dp, self.cp, self.lane, self.stage = llm.dp, llm.cp, None, None
+        self.dp_group = self.grad_group = self.tp_group = self.cp_group = None
+        if self.groups.runs("llm"):  # every rank but an encoder island's (non_colocated)
+            coords = self.groups.grids["llm"].coords(self.rank)
+            self.lane, self.stage = coords["dp"], StageSpec.of(llm.pp_layers, coords["pp"])
+            self.dp_group = self.groups.group("llm", "dp")
+            self.grad_group = self.groups.group("llm", "dp_cp")
+            self.tp_group = self.groups.group("llm", "tp") if llm.tp > 1 else None
+            self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg)
         self.edges = tuple(tuple(e) for e in cfg.graph.edges)
         self.encoder = self._build_encoder()
         self.model = self._build_model()
-        self.modules = RankModules(self.encoder, self.model)
+        self.modules = self._rank_modules()
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's slices
         if llm.dp_shard:
             shard_model(self.model, self.groups)
-        self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
+        self.runner = (StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
+                       if self.model is not None else None)
         self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full")
-                          if self.encoder is not None else None)
+                          if self.encoder is not None and cfg.placement == "colocated" else None)
         self.optimizer = build_optimizer(self.modules, cfg.optim)
         self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
@@ -127,6 +139,10 @@ class Trainer:
             model.llm.requires_grad_(False)
         return model.to(self.device)
 
+    def _rank_modules(self) -> RankModules:
+        """This rank's modules under one root keyed by module FQN (checkpoints, optimizer)."""
+        return RankModules(self.encoder, self.model)
+
     def _resume(self) -> None:
         resume = self.cfg.resume
         path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
@@ -167,7 +183,8 @@ class Trainer:
         dynamic CP (`hcp.dcp.policy.cp_histogram`, else {})). Only this rank's samples are read: images
         only for its encoder samples, text only on the LLM's first stage (and the labels on the
         last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
-        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives."""
+        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives, and
+        under non_colocated, where every LLM lane runs every micro-batch of the encoder islands."""
         step = self.plan(indices)
         mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
         ds, device = self.train_set, self.device
@@ -175,7 +192,7 @@ class Trainer:
         if self.encoder is not None:
             images = [ds.pixel_values(ds[indices[s]]) for s in mine.encoder_samples["vision"]]
             pixels = torch.cat(images).to(device)
-        keep_empty = self.layouts["llm"].dp_shard
+        keep_empty = self.layouts["llm"].dp_shard or self.cfg.placement == "non_colocated"
         batches, metas = [] if self.stage.first else None, []
         for mb in mine.micro_batches:
             if mb.empty:
@@ -313,25 +330,8 @@ class Trainer:
         return max(mbt, self.cfg.data.max_seq_len) if self.dynamic_cp else mbt
 
     def _whole_encoder(self) -> LlavaEncoder | None:
-        """The encoder side whole on this rank, for evaluation (greedy decoding re-encodes each
-        prompt's images inside the LLM's first stage): the training encoder itself under
-        encoder tp = 1, else a copy whose TP shards are gathered over the encoder's TP group
-        (a collective over it: every rank evaluates)."""
-        if self.encoder is None or self.encoder.tp_group is None:
-            return self.encoder
-        cfg, group = self.cfg, self.encoder.tp_group
-        whole = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size).to(self.device)
-        state = {}
-        for name, p in self.encoder.named_parameters():
-            spec = getattr(p, "shard_spec", None)
-            if spec is None:
-                state[name] = p.detach()
-                continue
-            parts = [torch.empty_like(p) for _ in range(spec.world)]
-            dist.all_gather(parts, p.detach().contiguous(), group=group)
-            state[name] = torch.cat(parts, dim=spec.dim)
-        whole.load_state_dict(state)
-        return whole
+        """The encoder side whole on this rank, for evaluation (`hcp.train.whole_encoder`)."""
+        return whole_encoder(self.encoder, self.cfg, self.device)
 
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
