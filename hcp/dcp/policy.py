@@ -107,3 +107,12 @@ def micro_batch_group(groups, mb, rank: int):
         raise ValueError(f"rank {rank}: the step plan gives CP shard {mb.cp_rank} of a group of "
                          f"{mb.cp_size}, but the rank is member {ranks.index(rank)} of {ranks}")
     return groups.group("llm", DYNAMIC_CP, mb.cp_size)
+
+
+def with_cp_group(batch, groups, mb, rank: int):
+    """`batch` (a micro-batch, or its `hcp.comm.p2p.StageMeta` on a later pipeline stage) with
+    attribute `cp_group` set to the plan's group for micro-batch `mb` (`micro_batch_group`);
+    None for an empty micro-batch, which every rank of its (empty) group runs without CP
+    collectives. The model reads `batch.cp_group` instead of its static CP group."""
+    batch.cp_group = None if mb.empty else micro_batch_group(groups, mb, rank)
+    return batch

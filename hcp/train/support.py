@@ -14,9 +14,10 @@ def check_trainable(cfg, layouts: dict) -> None:
     """Raise ConfigError for a valid layout that training does not run yet.
 
     Not yet trained: non-colocated placement, encoder-side CP, PP (encoder PP comes with
-    non-colocated placement) and FSDP, `selective` recompute outside the LLM, tied embeddings across LLM
-    stages, and `packing=dynamic_cp` beyond a text-only LLM with tp = 1, pp = 1 and no
-    dp_shard. Each can be planned with `mode=plan`.
+    non-colocated placement) and FSDP, `selective` recompute outside the LLM, and tied embeddings
+    across LLM stages. Each can be planned with `mode=plan`. `packing=dynamic_cp` trains under
+    every LLM layout that trains (TP, PP, dp_shard, an encoder side), given a power-of-two CP
+    pool that holds the longest sample (`_check_dynamic_cp_trainable`).
     """
     llm = layouts["llm"]
     if cfg.placement == "non_colocated":
@@ -50,20 +51,16 @@ def check_trainable(cfg, layouts: dict) -> None:
 
 
 def _check_dynamic_cp_trainable(cfg, layouts: dict) -> None:
-    """`packing=dynamic_cp` trains a text-only LLM with tp = 1, pp = 1 and plain DP (its CP
-    pool dp * cp regrouped per micro-batch); the rest raises ConfigError, then the pool and
-    the longest sample are checked (`hcp.dcp.policy.check_dynamic_cp`)."""
+    """`packing=dynamic_cp` regroups the LLM's CP pool (dp * cp ranks of one TP index and
+    pipeline stage) per micro-batch; it trains with TP (every TP rank of a pool position runs
+    the same micro-batches), PP (every stage of a pool position runs the plan's micro-batches,
+    empty ones included, with its CP group of each), `llm.layout.dp_shard` (one micro-batch
+    per group and round, so every micro-batch's FSDP all-gather spans the whole pool) and an
+    encoder side (image rows routed to the CP rank that holds their positions). Raises
+    ConfigError (`hcp.dcp.policy.check_dynamic_cp`) unless the pool is a power of two and the
+    longest sample (`data.max_seq_len`) fits it at `trainer.micro_batch_tokens` per rank, head-tail
+    padding counted, and `packing_profile` loads. A global batch with fewer samples than pool
+    ranks trains: the ranks without a sample run empty micro-batches (no collective hangs)."""
     from hcp.dcp.policy import check_dynamic_cp
 
-    llm = layouts["llm"]
-    why = "dynamic-CP training is wired for a text-only LLM with tp=1, pp=1 and no dp_shard"
-    for field, value, ok in (("llm.layout.tp", llm.tp, 1), ("llm.layout.pp", llm.pp, 1),
-                             ("llm.layout.dp_shard", bool(llm.dp_shard), False)):
-        if value != ok:
-            raise ConfigError(field, value, why, f"set {field}={str(ok).lower()} with "
-                              "packing=dynamic_cp, or use packing=first_fit")
-    others = [m for m in layouts if m != "llm"]
-    if others:
-        raise ConfigError("packing", "dynamic_cp", f"{why} (this model also has {others})",
-                          "use packing=first_fit for a model with an encoder side")
-    check_dynamic_cp(cfg, llm)
+    check_dynamic_cp(cfg, layouts["llm"])
