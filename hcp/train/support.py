@@ -3,7 +3,8 @@
 Plan mode accepts every valid layout. Training runs the LLM under TP, CP (allgather or p2p), PP
 (1F1B), DP and FSDP, and the encoder side (vision encoder + projector) under its own TP and DP,
 colocated on the same ranks: the step plan routes the projector's rows into the LLM's layout
-(`hcp.plan`). The rest of the layout space raises `ConfigError` with what to use instead.
+(`hcp.plan`), with `packing=first_fit` or `dynamic_cp`. The rest of the layout space raises
+`ConfigError` with what to use instead.
 """
 from __future__ import annotations
 
