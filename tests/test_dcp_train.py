@@ -1,9 +1,10 @@
 """`packing=dynamic_cp` trains through the CLI: over 10 steps the per-step token-level losses,
 and the held-out loss of the final evaluation (which keeps the static layout), equal
-`packing=first_fit` (static lanes, dp-only) on the same global batches within 1e-4, on 4 and on 8
-ranks, while the micro-batches really ran on CP groups of several sizes. Bad input is refused
-before ranks start, naming the field and a fix. TP, PP, dp_shard and LLaVA under dynamic CP:
-tests/test_dcp_layouts.py (one step through the trainer, 1e-5)."""
+`packing=first_fit` (static lanes, dp-only) on the same global batches within 1e-4, on 4 ranks
+(dp 2 x cp 2 with dp_shard) and on 8 (tp 2 x pp 2 x dp 2), while the micro-batches really ran on
+CP groups of several sizes. Bad input is refused before ranks start, naming the field and a fix.
+One step at 1e-5 through the trainer: TP, PP, dp_shard and LLaVA in tests/test_dcp_layouts.py,
+pools of 4 and 8 in tests/test_dcp_runtime.py."""
 import json
 
 import pytest
@@ -29,10 +30,12 @@ def _run(run_dir, extra):
 def test_dynamic_cp_trains_with_the_losses_of_first_fit(tmp_path):
     data = f"data.path={long_tail_corpus(tmp_path / 'src')}"
     ff, ff_sum = _run(tmp_path / "ff", [data, "trainer.micro_batch_tokens=512"])
-    runs = {"dp2_cp2": _run(tmp_path / "dyn", [data, "packing=dynamic_cp", "llm.layout.cp=2",
-                                               "trainer.micro_batch_tokens=128"]),
-            "dp8": _run(tmp_path / "dyn8", [data, "packing=dynamic_cp", "launcher.nproc_per_node=8",
-                                            "trainer.micro_batch_tokens=64"])}
+    runs = {"dp2_cp2_dp_shard": _run(tmp_path / "dyn", [data, "packing=dynamic_cp", "llm.layout.cp=2",
+                                                        "llm.layout.dp_shard=true",
+                                                        "trainer.micro_batch_tokens=128"]),
+            "tp2_pp2_dp2": _run(tmp_path / "dyn8", [data, "packing=dynamic_cp", "launcher.nproc_per_node=8",
+                                                    "llm.layout.tp=2", "llm.layout.pp=2",
+                                                    "trainer.micro_batch_tokens=256"])}
     losses = [r["loss"] for r in ff]
     assert len(losses) == 10 and losses[-1] < losses[0]
     for name, (run, summary) in runs.items():
@@ -40,7 +43,7 @@ def test_dynamic_cp_trains_with_the_losses_of_first_fit(tmp_path):
         assert [r["loss_tokens"] for r in run] == [r["loss_tokens"] for r in ff]
         used = {int(k.removeprefix("micro_batches_cp")) for r in run for k in r
                 if k.startswith("micro_batches_cp")}
-        assert 1 in used and max(used) >= 4 and len(used) > 1, (name, used)  # several CP sizes ran
+        assert 1 in used and len(used) > 1, (name, used)  # several CP sizes ran
         assert summary["eval/loss"] == pytest.approx(ff_sum["eval/loss"], rel=1e-4), name
         assert summary["eval/samples"] == ff_sum["eval/samples"] > 0
     assert not any(k.startswith("micro_batches_cp") for r in ff for k in r)
