@@ -113,13 +113,15 @@ class StepRunner:
         `StageMeta` when the caller knows them (the step plan), else broadcast from the first
         stage. `planned`: the step plan's global [loss tokens, tokens, sum of squared document
         lengths, image rows], used instead of counting (`packing=dynamic_cp`, where one
-        micro-batch runs on several DP positions; pp = 1 and no FSDP only). Returns (global loss, [global loss tokens, global tokens, global sum of squared
-        document lengths], micro-batches run per lane (padded under FSDP), this stage's
-        timings)."""
-        if planned is not None and (self.stage.num_stages > 1 or self.sharded):
-            raise ValueError("planned counts need pp = 1 and no FSDP (every lane runs its own count)")
+        micro-batch runs on several DP positions); it needs `metas`, whose count (the plan's,
+        empty micro-batches included where the plan keeps them) is then the number of
+        micro-batches on every stage: no count is exchanged. Returns (global loss, [global loss
+        tokens, global tokens, global sum of squared document lengths], micro-batches run per
+        lane (padded under FSDP), this stage's timings)."""
+        if planned is not None and metas is None:
+            raise ValueError("planned counts need the plan's metas (their count is the schedule's)")
         counts = (self._counts(batches) if planned is None else
-                  torch.tensor([len(batches), *planned], dtype=torch.float64, device=self.device))
+                  torch.tensor([len(metas), *planned], dtype=torch.float64, device=self.device))
         n_micro, global_tokens = int(counts[0]), counts[1].item()
         if self.stage.first:  # FSDP: a lane with fewer micro-batches still joins every collective
             batches = pad_micro_batches(batches, n_micro, self.device)

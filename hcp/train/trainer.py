@@ -21,12 +21,11 @@ import torch
 import torch.distributed as dist
 
 from hcp.config.layouts import resolve_layouts
-from hcp.config.schema import MODULES
 from hcp.data.build import build_datasets, num_image_tokens
 from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
-from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, micro_batch_group
+from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, with_cp_group
 from hcp.model import LlavaModel, init_parameters
 from hcp.model.hf_load import load_pretrained
 from hcp.model.llava import LlavaEncoder
@@ -183,8 +182,9 @@ class Trainer:
         dynamic CP (`hcp.dcp.policy.cp_histogram`, else {})). Only this rank's samples are read: images
         only for its encoder samples, text only on the LLM's first stage (and the labels on the
         last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
-        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives, and
-        under non_colocated, where every LLM lane runs every micro-batch of the encoder islands."""
+        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives;
+        under non_colocated, where every LLM lane runs every micro-batch of the encoder islands;
+        and under dynamic CP with PP (every stage rank of the pool keeps the plan's order)."""
         step = self.plan(indices)
         mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
         ds, device = self.train_set, self.device
@@ -192,34 +192,35 @@ class Trainer:
         if self.encoder is not None:
             images = [ds.pixel_values(ds[indices[s]]) for s in mine.encoder_samples["vision"]]
             pixels = torch.cat(images).to(device)
-        keep_empty = self.layouts["llm"].dp_shard or self.cfg.placement == "non_colocated"
+        keep_empty = (self.layouts["llm"].dp_shard or self.cfg.placement == "non_colocated"
+                      or (self.dynamic_cp and self.stage.num_stages > 1))
         batches, metas = [] if self.stage.first else None, []
+        tag = ((lambda b, mb: with_cp_group(b, self.groups, mb, self.rank)) if self.dynamic_cp
+               else (lambda b, mb: b))  # dynamic CP: each micro-batch's own pre-built CP group
         for mb in mine.micro_batches:
             if mb.empty:
                 if keep_empty:
                     empty = empty_batch(device)
-                    metas.append(StageMeta.of(empty))
+                    metas.append(tag(StageMeta.of(empty), mb))
                     if batches is not None:
-                        batches.append((mb, empty))
+                        batches.append((mb, tag(empty, mb)))
                 continue
             cu = torch.as_tensor(mb.cu_seqlens, device=device)
             if self.stage.first or self.stage.last:
                 samples = [ds[indices[s]] for s in mb.samples]
             if self.stage.first:
-                batch = collate(samples, [], self.tok.image_token_id).to(device)
-                if self.dynamic_cp:  # the micro-batch's own CP group (None at CP size 1)
-                    batch.cp_group = micro_batch_group(self.groups, mb, self.rank)
+                batch = tag(collate(samples, [], self.tok.image_token_id).to(device), mb)
                 if not torch.equal(batch.cu_seqlens, cu):
                     raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
                                        f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
                 batches.append((mb, batch))
-                metas.append(StageMeta.of(batch))
+                metas.append(tag(StageMeta.of(batch), mb))
                 continue
             lengths = (cu[1:] - cu[:-1]).tolist()
             labels = (torch.tensor([t for s in samples for t in s.labels], device=device)
                       if self.stage.last else torch.full((int(cu[-1]),), -100, device=device))
-            metas.append(StageMeta(cu, mb.max_seqlen, torch.cat([torch.arange(n, device=device)
-                                                                 for n in lengths]), labels))
+            metas.append(tag(StageMeta(cu, mb.max_seqlen, torch.cat(
+                [torch.arange(n, device=device) for n in lengths]), labels), mb))
         return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}
 
     def train_step(self) -> dict:
