@@ -1,7 +1,8 @@
 """What training can run today, checked in the launching process before ranks start.
 
 Plan mode accepts every valid layout. Training runs the LLM under TP, CP (allgather or p2p), PP
-(1F1B), DP and FSDP, and the encoder side (vision encoder + projector) under its own TP and DP,
+(1F1B), DP and FSDP, and the encoder side (vision encoder + projector) under its own TP and DP
+(and FSDP over its own DP group: `vision.layout.dp_shard`, `projector.layout.dp_shard`),
 colocated on the same ranks: the step plan routes the projector's rows into the LLM's layout
 (`hcp.plan`). The rest of the layout space raises `ConfigError` with what to use instead.
 """
@@ -13,8 +14,8 @@ from hcp.config.errors import ConfigError
 def check_trainable(cfg, layouts: dict) -> None:
     """Raise ConfigError for a valid layout that training does not run yet.
 
-    Not yet trained: non-colocated placement, encoder-side CP, PP (encoder PP comes with
-    non-colocated placement) and FSDP, `selective` recompute outside the LLM, tied embeddings across LLM
+    Not yet trained: non-colocated placement, encoder-side CP and PP (encoder PP comes with
+    non-colocated placement), `selective` recompute outside the LLM, tied embeddings across LLM
     stages, and `packing=dynamic_cp` beyond a text-only LLM with tp = 1, pp = 1 and no
     dp_shard. Each can be planned with `mode=plan`.
     """
@@ -38,10 +39,6 @@ def check_trainable(cfg, layouts: dict) -> None:
             raise ConfigError(f"{m}.layout.cp", lay.cp, f"{m} does not split images over CP ranks "
                               "(its rows are routed to the LLM's CP shards instead)",
                               f"use {m}.layout.cp=1 and more {m}.layout.dp or tp")
-        if lay.dp_shard:
-            raise ConfigError(f"{m}.layout.dp_shard", True, f"FSDP of the encoder side is not built "
-                              f"yet (its weights are replicated over {m}'s DP lanes)",
-                              f"set {m}.layout.dp_shard=false (llm.layout.dp_shard shards the LLM)")
         if lay.recompute == "selective":
             raise ConfigError(f"{m}.layout.recompute", lay.recompute, "selective recompute is "
                               "implemented in the LLM's decoder layers only", "use recompute=none or full")

@@ -41,10 +41,11 @@ from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
 from hcp.train.failures import NonFiniteGuard
-from hcp.train.fsdp import shard_model
+from hcp.train.fsdp import shard_encoder, shard_model
 from hcp.train.metrics_log import RunLogger, whole_step_metrics
-from hcp.train.modules import RankModules, clip_, module_sq_norm, sync_grads
-from hcp.train.optim import build_optimizer, build_scheduler
+from hcp.train.modules import (RankModules, clip_, encoder_sq_norm, local_grad_sq, module_sq_norm,
+                               sync_grads, whole_state)
+from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
 from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
 
@@ -83,10 +84,11 @@ class Trainer:
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's slices
         if llm.dp_shard:
             shard_model(self.model, self.groups)
+        shard_encoder(self.encoder, self.layouts, self.groups)  # {vision,projector}.layout.dp_shard
         self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
         self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full")
                           if self.encoder is not None else None)
-        self.optimizer = build_optimizer(self.modules, cfg.optim)
+        self.optimizer = build_optimizer(self.modules, cfg.optim, module_overrides(cfg))  # groups per module
         self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
@@ -217,7 +219,7 @@ class Trainer:
         if update:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.scheduler.lr
         if update:
             self.scheduler.step()
         self.step += 1
@@ -236,8 +238,9 @@ class Trainer:
             if batches is not None and leaf is not None:
                 for mb, batch in batches:
                     batch.image_rows = leaf[mb.image_rows[0]:mb.image_rows[1]]
-            c = mine.counts  # dynamic CP: a micro-batch runs on several DP positions, count once
-            planned = [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows] if self.dynamic_cp else None
+            c = mine.counts  # the plan's global counts (no collective); trainer.check_plan counts too
+            check = self.cfg.trainer.get("check_plan") and not self.dynamic_cp
+            planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
             return self.runner.forward_backward([b for _, b in batches] if batches is not None else None,
                                                 metas, planned)
 
@@ -247,8 +250,7 @@ class Trainer:
 
         route = mine.routes[next(e for e in mine.routes if e[1] == "llm")]
         (loss, counts, n_micro, self.stage_times), self.phase_times = self.colocated.run(pixels, route, llm_phase)
-        self.encoder_grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.encoder.parameters()
-                                   if p.grad is not None)   # this rank's own, before the DP sum
+        self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())  # before the DP sum (FSDP: after)
         sync_grads(self.encoder.parameters(), self.groups.group("vision", "dp"))
         if mine.counts.image_rows == 0:  # no image anywhere: as in one process, no encoder update
             for p in self.encoder.parameters():
@@ -267,7 +269,8 @@ class Trainer:
 
     @staticmethod
     def _plan_counts(mine, counted) -> list[float]:
-        """The plan's global counts, checked against the loss tokens the schedule counted."""
+        """The plan's global counts, checked against the loss tokens the schedule counted
+        (under `trainer.check_plan` it counts them with a collective; else it takes the plan's)."""
         c = mine.counts
         if counted[0] != c.loss_tokens:
             raise RuntimeError(f"the step plan counts {c.loss_tokens} loss tokens, the micro-batches "
@@ -281,7 +284,7 @@ class Trainer:
                             self.grad_group if llm.dp_shard else None,
                             self.groups.group("llm", "pp") if llm.pp > 1 else None)
         if self.encoder is not None:
-            sq = sq + module_sq_norm(self.encoder.parameters(), self.device, self.encoder.tp_group)
+            sq = sq + encoder_sq_norm(self.encoder, self.device, self.groups)
         norm = float(sq.sqrt())
         clip_(self.modules.parameters(), norm, max_norm)
         return norm
@@ -314,22 +317,14 @@ class Trainer:
 
     def _whole_encoder(self) -> LlavaEncoder | None:
         """The encoder side whole on this rank, for evaluation (greedy decoding re-encodes each
-        prompt's images inside the LLM's first stage): the training encoder itself under
-        encoder tp = 1, else a copy whose TP shards are gathered over the encoder's TP group
-        (a collective over it: every rank evaluates)."""
-        if self.encoder is None or self.encoder.tp_group is None:
+        prompt's images inside the LLM's first stage): the training encoder itself when its
+        parameters are whole here, else a copy gathered over the encoder's TP group and, under
+        dp_shard, its DP group (`hcp.train.modules.whole_state`; collectives: every rank evaluates)."""
+        state = whole_state(self.encoder, self.encoder.tp_group) if self.encoder is not None else None
+        if state is None:
             return self.encoder
-        cfg, group = self.cfg, self.encoder.tp_group
+        cfg = self.cfg
         whole = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size).to(self.device)
-        state = {}
-        for name, p in self.encoder.named_parameters():
-            spec = getattr(p, "shard_spec", None)
-            if spec is None:
-                state[name] = p.detach()
-                continue
-            parts = [torch.empty_like(p) for _ in range(spec.world)]
-            dist.all_gather(parts, p.detach().contiguous(), group=group)
-            state[name] = torch.cat(parts, dim=spec.dim)
         whole.load_state_dict(state)
         return whole
 
