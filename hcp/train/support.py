@@ -1,7 +1,8 @@
 """What training can run today, checked in the launching process before ranks start.
 
 Plan mode accepts every valid layout. Training runs the LLM under TP, CP (allgather or p2p), PP
-(1F1B), DP and FSDP, and the encoder side (vision encoder + projector) under its own TP and DP,
+(1F1B), DP and FSDP, and the encoder side (vision encoder + projector) under its own TP and DP
+(and FSDP over its own DP group: `vision.layout.dp_shard`, `projector.layout.dp_shard`),
 colocated on the same ranks: the step plan routes the projector's rows into the LLM's layout
 (`hcp.plan`), with `packing=first_fit` or `dynamic_cp`; or, under `placement=non_colocated`,
 one encoder island (encoder + projector under the encoder's TP, DP and PP) before the LLM island
@@ -15,8 +16,8 @@ from hcp.config.errors import ConfigError
 def check_trainable(cfg, layouts: dict) -> None:
     """Raise ConfigError for a valid layout that training does not run yet.
 
-    Not yet trained: encoder-side CP, PP under colocated placement (encoder PP runs on its own
-    island under non_colocated) and FSDP; under non_colocated several encoder islands, FSDP,
+    Not yet trained: encoder-side CP, encoder PP under colocated placement (encoder PP runs on
+    its own island under non_colocated); under non_colocated several encoder islands, FSDP,
     dynamic CP, encoder recompute, a fully frozen island (`_check_islands_trainable`);
     `selective` recompute outside the LLM, and tied embeddings across LLM stages. Each can be
     planned with `mode=plan`. `packing=dynamic_cp` trains under every colocated LLM layout that
@@ -41,10 +42,6 @@ def check_trainable(cfg, layouts: dict) -> None:
             raise ConfigError(f"{m}.layout.cp", lay.cp, f"{m} does not split images over CP ranks "
                               "(its rows are routed to the LLM's CP shards instead)",
                               f"use {m}.layout.cp=1 and more {m}.layout.dp or tp")
-        if lay.dp_shard:
-            raise ConfigError(f"{m}.layout.dp_shard", True, f"FSDP of the encoder side is not built "
-                              f"yet (its weights are replicated over {m}'s DP lanes)",
-                              f"set {m}.layout.dp_shard=false (llm.layout.dp_shard shards the LLM)")
         if lay.recompute == "selective":
             raise ConfigError(f"{m}.layout.recompute", lay.recompute, "selective recompute is "
                               "implemented in the LLM's decoder layers only", "use recompute=none or full")

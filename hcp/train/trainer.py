@@ -40,10 +40,11 @@ from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
 from hcp.train.failures import NonFiniteGuard
-from hcp.train.fsdp import shard_model
+from hcp.train.fsdp import shard_encoder, shard_model
 from hcp.train.metrics_log import RunLogger, whole_step_metrics
-from hcp.train.modules import RankModules, clip_, module_sq_norm, sync_grads
-from hcp.train.optim import build_optimizer, build_scheduler
+from hcp.train.modules import (RankModules, clip_, encoder_sq_norm, local_grad_sq, module_sq_norm,
+                               sync_grads)
+from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
 from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
 from hcp.train.whole_encoder import whole_encoder
@@ -93,11 +94,12 @@ class Trainer:
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's slices
         if llm.dp_shard:
             shard_model(self.model, self.groups)
+        shard_encoder(self.encoder, self.layouts, self.groups)  # {vision,projector}.layout.dp_shard
         self.runner = (StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
                        if self.model is not None else None)
         self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full")
                           if self.encoder is not None and cfg.placement == "colocated" else None)
-        self.optimizer = build_optimizer(self.modules, cfg.optim)
+        self.optimizer = build_optimizer(self.modules, cfg.optim, module_overrides(cfg))  # groups per module
         self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
@@ -235,7 +237,7 @@ class Trainer:
         if update:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.scheduler.lr
         if update:
             self.scheduler.step()
         self.step += 1
@@ -254,8 +256,9 @@ class Trainer:
             if batches is not None and leaf is not None:
                 for mb, batch in batches:
                     batch.image_rows = leaf[mb.image_rows[0]:mb.image_rows[1]]
-            c = mine.counts  # dynamic CP: a micro-batch runs on several DP positions, count once
-            planned = [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows] if self.dynamic_cp else None
+            c = mine.counts  # the plan's global counts (no collective); trainer.check_plan counts too
+            check = self.cfg.trainer.get("check_plan") and not self.dynamic_cp
+            planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
             return self.runner.forward_backward([b for _, b in batches] if batches is not None else None,
                                                 metas, planned)
 
@@ -265,8 +268,7 @@ class Trainer:
 
         route = mine.routes[next(e for e in mine.routes if e[1] == "llm")]
         (loss, counts, n_micro, self.stage_times), self.phase_times = self.colocated.run(pixels, route, llm_phase)
-        self.encoder_grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.encoder.parameters()
-                                   if p.grad is not None)   # this rank's own, before the DP sum
+        self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())  # before the DP sum (FSDP: after)
         sync_grads(self.encoder.parameters(), self.groups.group("vision", "dp"))
         if mine.counts.image_rows == 0:  # no image anywhere: as in one process, no encoder update
             for p in self.encoder.parameters():
@@ -285,7 +287,8 @@ class Trainer:
 
     @staticmethod
     def _plan_counts(mine, counted) -> list[float]:
-        """The plan's global counts, checked against the loss tokens the schedule counted."""
+        """The plan's global counts, checked against the loss tokens the schedule counted
+        (under `trainer.check_plan` it counts them with a collective; else it takes the plan's)."""
         c = mine.counts
         if counted[0] != c.loss_tokens:
             raise RuntimeError(f"the step plan counts {c.loss_tokens} loss tokens, the micro-batches "
@@ -299,7 +302,7 @@ class Trainer:
                             self.grad_group if llm.dp_shard else None,
                             self.groups.group("llm", "pp") if llm.pp > 1 else None)
         if self.encoder is not None:
-            sq = sq + module_sq_norm(self.encoder.parameters(), self.device, self.encoder.tp_group)
+            sq = sq + encoder_sq_norm(self.encoder, self.device, self.groups)
         norm = float(sq.sqrt())
         clip_(self.modules.parameters(), norm, max_norm)
         return norm
