@@ -13,6 +13,35 @@ def compose_cfg(overrides=(), resolve=True, run_dir="/tmp/hcp-test-run"):
     return compose_config(overrides, run_dir=run_dir, resolve=resolve)
 
 
+def long_tail_corpus(root, n: int = 96):
+    """`n` source files in `root` (created): mostly short (8-100 bytes), every eighth long
+    (300-500), so a global batch mixes documents that fit one rank at 128 tokens per rank
+    with ones that need a CP group of 4 (dynamic CP then really uses several CP sizes)."""
+    import numpy as np
+
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        size = int(rng.integers(300, 500) if i % 8 == 0 else rng.integers(8, 100))
+        with open(os.path.join(root, f"f{i:03d}.py"), "w") as f:
+            f.write("".join(rng.choice(list("abcdef ghij=()\n"), size)))
+    return root
+
+
+def train_cli(run_dir, args, timeout: float = 400) -> list[dict]:
+    """Run `python train.py *args hydra.run.dir=run_dir` from the repository; return the
+    records of its metrics.jsonl. Fails the test with the end of stderr when the run fails."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f)]
+
+
 CLI_RUN = ("trainer.max_steps=10", "logger=none", "trainer.log_every=1", "trainer.eval_every=0",
            "trainer.eval_samples=16", "trainer.progress_bar=false")
 """Overrides of a short CLI training run whose every step's loss is logged."""
@@ -20,15 +49,8 @@ CLI_RUN = ("trainer.max_steps=10", "logger=none", "trainer.log_every=1", "traine
 
 def cli_run(run_dir, recipe: str, extra=(), timeout: float = 400):
     """Run `python train.py +recipe=RECIPE` with `CLI_RUN` and `extra` overrides into `run_dir`
-    (a pathlib.Path) and return `run_dir`. Fails the test with the end of stderr when the run
-    fails."""
-    import subprocess
-    import sys
-
-    proc = subprocess.run([sys.executable, "train.py", f"+recipe={recipe}", *CLI_RUN, *extra,
-                           f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    (a pathlib.Path, `train_cli`) and return `run_dir`."""
+    train_cli(run_dir, [f"+recipe={recipe}", *CLI_RUN, *extra], timeout)
     return run_dir
 
 
@@ -49,5 +71,5 @@ def run_summary(run_dir) -> dict:
 
 
 def cli_metrics(run_dir, recipe: str, extra=(), timeout: float = 400) -> list[dict]:
-    """`cli_run` then `logged_steps`."""
+    """`cli_run`, then its logged steps (metrics.jsonl records with a loss)."""
     return logged_steps(cli_run(run_dir, recipe, extra, timeout))

@@ -105,7 +105,8 @@ class MicroBatchPlan:
     cp_rank: int
     """This rank's CP shard index inside the group (head-tail chunks r and 2c-1-r)."""
     local_tokens: int
-    """Slots of this rank's CP shard: sum over documents of 2 * ceil(L / 2c) (L without CP)."""
+    """Slots of this rank's CP shard: sum over documents of 2 * ceil(L / 2c) at c > 1, of L at
+    c = 1 (no sharding, no padding)."""
     image_rows: tuple[int, int]
     """[start, end) of its image rows in the tensor received over the edge into the LLM (only
     on the LLM's first stage; rows in slot order of the local shard). Colocated: one tensor
@@ -307,7 +308,8 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
     J = group_at.shape[0]
     # per sample: its group, micro-batch, CP size, block offset, local start in its group
     gid = np.repeat(np.arange(len(groups)), n_seq)
-    slots = 2 * -(-sizes.tokens[samples] // (2 * size[gid]))       # per packed document
+    doc_len = sizes.tokens[samples]                                   # per packed document
+    slots = np.where(size[gid] == 1, doc_len, 2 * -(-doc_len // (2 * size[gid])))  # c = 1: no padding
     local_tokens = np.bincount(gid, weights=slots, minlength=len(groups)).astype(np.int64)
     starts = _excl_cumsum(slots)[:-1] - np.repeat(_excl_cumsum(local_tokens)[:-1], n_seq)
     doc_start, s_group = np.empty(B, np.int64), np.empty(B, np.int64)

@@ -1,10 +1,12 @@
 """What training can run today, checked in the launching process before ranks start.
 
 Plan mode accepts every valid layout. Training runs the LLM under TP, CP (allgather or p2p), PP
-(1F1B), DP and FSDP, and the encoder side (vision encoder + projector) under its own TP and DP,
+(1F1B), DP and FSDP, and the encoder side (vision encoder + projector) under its own TP and DP
+(and FSDP over its own DP group: `vision.layout.dp_shard`, `projector.layout.dp_shard`),
 colocated on the same ranks: the step plan routes the projector's rows into the LLM's layout
-(`hcp.plan`); or, under `placement=non_colocated`, one encoder island (encoder + projector under
-the encoder's TP, DP and PP) before the LLM island (`hcp.train.islands`). The rest of the layout space raises `ConfigError` with what to use instead.
+(`hcp.plan`), with `packing=first_fit` or `dynamic_cp`; or, under `placement=non_colocated`,
+one encoder island (encoder + projector under the encoder's TP, DP and PP) before the LLM island
+(`hcp.train.islands`). The rest of the layout space raises `ConfigError` with what to use instead.
 """
 from __future__ import annotations
 
@@ -14,11 +16,13 @@ from hcp.config.errors import ConfigError
 def check_trainable(cfg, layouts: dict) -> None:
     """Raise ConfigError for a valid layout that training does not run yet.
 
-    Not yet trained: encoder-side CP, PP under colocated placement (encoder PP runs on its own
-    island under non_colocated) and FSDP; under non_colocated several encoder islands, FSDP,
-    encoder recompute, a fully frozen island (`_check_islands_trainable`); `selective` recompute outside the LLM, tied embeddings across LLM
-    stages, and `packing=dynamic_cp` beyond a text-only LLM with tp = 1, pp = 1 and no
-    dp_shard. Each can be planned with `mode=plan`.
+    Not yet trained: encoder-side CP, encoder PP under colocated placement (encoder PP runs on
+    its own island under non_colocated); under non_colocated several encoder islands, FSDP,
+    dynamic CP, encoder recompute, a fully frozen island (`_check_islands_trainable`);
+    `selective` recompute outside the LLM, and tied embeddings across LLM stages. Each can be
+    planned with `mode=plan`. `packing=dynamic_cp` trains under every colocated LLM layout that
+    trains (TP, PP, dp_shard, an encoder side), given a power-of-two CP pool that holds the
+    longest sample (`_check_dynamic_cp_trainable`).
     """
     llm = layouts["llm"]
     if cfg.placement == "non_colocated":
@@ -38,10 +42,6 @@ def check_trainable(cfg, layouts: dict) -> None:
             raise ConfigError(f"{m}.layout.cp", lay.cp, f"{m} does not split images over CP ranks "
                               "(its rows are routed to the LLM's CP shards instead)",
                               f"use {m}.layout.cp=1 and more {m}.layout.dp or tp")
-        if lay.dp_shard:
-            raise ConfigError(f"{m}.layout.dp_shard", True, f"FSDP of the encoder side is not built "
-                              f"yet (its weights are replicated over {m}'s DP lanes)",
-                              f"set {m}.layout.dp_shard=false (llm.layout.dp_shard shards the LLM)")
         if lay.recompute == "selective":
             raise ConfigError(f"{m}.layout.recompute", lay.recompute, "selective recompute is "
                               "implemented in the LLM's decoder layers only", "use recompute=none or full")
@@ -50,23 +50,19 @@ def check_trainable(cfg, layouts: dict) -> None:
 
 
 def _check_dynamic_cp_trainable(cfg, layouts: dict) -> None:
-    """`packing=dynamic_cp` trains a text-only LLM with tp = 1, pp = 1 and plain DP (its CP
-    pool dp * cp regrouped per micro-batch); the rest raises ConfigError, then the pool and
-    the longest sample are checked (`hcp.dcp.policy.check_dynamic_cp`)."""
+    """`packing=dynamic_cp` regroups the LLM's CP pool (dp * cp ranks of one TP index and
+    pipeline stage) per micro-batch; it trains with TP (every TP rank of a pool position runs
+    the same micro-batches), PP (every stage of a pool position runs the plan's micro-batches,
+    empty ones included, with its CP group of each), `llm.layout.dp_shard` (one micro-batch
+    per group and round, so every micro-batch's FSDP all-gather spans the whole pool) and an
+    encoder side (image rows routed to the CP rank that holds their positions). Raises
+    ConfigError (`hcp.dcp.policy.check_dynamic_cp`) unless the pool is a power of two and the
+    longest sample (`data.max_seq_len`) fits it at `trainer.micro_batch_tokens` per rank, head-tail
+    padding counted, and `packing_profile` loads. A global batch with fewer samples than pool
+    ranks trains: the ranks without a sample run empty micro-batches (no collective hangs)."""
     from hcp.dcp.policy import check_dynamic_cp
 
-    llm = layouts["llm"]
-    why = "dynamic-CP training is wired for a text-only LLM with tp=1, pp=1 and no dp_shard"
-    for field, value, ok in (("llm.layout.tp", llm.tp, 1), ("llm.layout.pp", llm.pp, 1),
-                             ("llm.layout.dp_shard", bool(llm.dp_shard), False)):
-        if value != ok:
-            raise ConfigError(field, value, why, f"set {field}={str(ok).lower()} with "
-                              "packing=dynamic_cp, or use packing=first_fit")
-    others = [m for m in layouts if m != "llm"]
-    if others:
-        raise ConfigError("packing", "dynamic_cp", f"{why} (this model also has {others})",
-                          "use packing=first_fit for a model with an encoder side")
-    check_dynamic_cp(cfg, llm)
+    check_dynamic_cp(cfg, layouts["llm"])
 
 
 def _check_islands_trainable(cfg, layouts: dict) -> None:
@@ -99,6 +95,10 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
                 raise ConfigError(f"{m}.layout.recompute", lay.recompute,
                                   "encoder recompute is not built for placement=non_colocated yet",
                                   "use recompute=none")
+            if lay.dp_shard:
+                raise ConfigError(f"{m}.layout.dp_shard", True, "FSDP of an encoder island is not "
+                                  "built for placement=non_colocated yet", f"set {m}.layout.dp_shard="
+                                  "false, or use placement=colocated")
         for island in (members, ["llm"]):
             if all(cfg[m].freeze for m in island):
                 raise ConfigError(f"{island[0]}.freeze", True, f"every module of the island "

@@ -24,12 +24,11 @@ import torch
 import torch.distributed as dist
 
 from hcp.config.layouts import resolve_layouts
-from hcp.config.schema import MODULES
 from hcp.data.build import build_datasets, num_image_tokens
 from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
-from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, micro_batch_group
+from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, with_cp_group
 from hcp.model import LlavaModel, init_parameters
 from hcp.model.hf_load import load_pretrained
 from hcp.model.llava import LlavaEncoder
@@ -44,10 +43,11 @@ from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
 from hcp.train.failures import NonFiniteGuard
-from hcp.train.fsdp import shard_model
+from hcp.train.fsdp import shard_encoder, shard_model
 from hcp.train.metrics_log import RunLogger, whole_step_metrics
-from hcp.train.modules import RankModules, clip_, module_sq_norm, sync_grads
-from hcp.train.optim import build_optimizer, build_scheduler
+from hcp.train.modules import (RankModules, clip_, encoder_sq_norm, local_grad_sq, module_sq_norm,
+                               sync_grads)
+from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
 from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
 from hcp.train.whole_encoder import whole_encoder
@@ -97,11 +97,12 @@ class Trainer:
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's slices
         if llm.dp_shard:
             shard_model(self.model, self.groups)
+        shard_encoder(self.encoder, self.layouts, self.groups)  # {vision,projector}.layout.dp_shard
         self.runner = (StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
                        if self.model is not None else None)
         self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full")
                           if self.encoder is not None and cfg.placement == "colocated" else None)
-        self.optimizer = build_optimizer(self.modules, cfg.optim)
+        self.optimizer = build_optimizer(self.modules, cfg.optim, module_overrides(cfg))  # groups per module
         self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
@@ -186,8 +187,9 @@ class Trainer:
         dynamic CP (`hcp.dcp.policy.cp_histogram`, else {})). Only this rank's samples are read: images
         only for its encoder samples, text only on the LLM's first stage (and the labels on the
         last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
-        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives, and
-        under non_colocated, where every LLM lane runs every micro-batch of the encoder islands."""
+        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives;
+        under non_colocated, where every LLM lane runs every micro-batch of the encoder islands;
+        and under dynamic CP with PP (every stage rank of the pool keeps the plan's order)."""
         step = self.plan(indices)
         mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
         ds, device = self.train_set, self.device
@@ -195,34 +197,35 @@ class Trainer:
         if self.encoder is not None:
             images = [ds.pixel_values(ds[indices[s]]) for s in mine.encoder_samples["vision"]]
             pixels = torch.cat(images).to(device)
-        keep_empty = self.layouts["llm"].dp_shard or self.cfg.placement == "non_colocated"
+        keep_empty = (self.layouts["llm"].dp_shard or self.cfg.placement == "non_colocated"
+                      or (self.dynamic_cp and self.stage.num_stages > 1))
         batches, metas = [] if self.stage.first else None, []
+        tag = ((lambda b, mb: with_cp_group(b, self.groups, mb, self.rank)) if self.dynamic_cp
+               else (lambda b, mb: b))  # dynamic CP: each micro-batch's own pre-built CP group
         for mb in mine.micro_batches:
             if mb.empty:
                 if keep_empty:
                     empty = empty_batch(device)
-                    metas.append(StageMeta.of(empty))
+                    metas.append(tag(StageMeta.of(empty), mb))
                     if batches is not None:
-                        batches.append((mb, empty))
+                        batches.append((mb, tag(empty, mb)))
                 continue
             cu = torch.as_tensor(mb.cu_seqlens, device=device)
             if self.stage.first or self.stage.last:
                 samples = [ds[indices[s]] for s in mb.samples]
             if self.stage.first:
-                batch = collate(samples, [], self.tok.image_token_id).to(device)
-                if self.dynamic_cp:  # the micro-batch's own CP group (None at CP size 1)
-                    batch.cp_group = micro_batch_group(self.groups, mb, self.rank)
+                batch = tag(collate(samples, [], self.tok.image_token_id).to(device), mb)
                 if not torch.equal(batch.cu_seqlens, cu):
                     raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
                                        f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
                 batches.append((mb, batch))
-                metas.append(StageMeta.of(batch))
+                metas.append(tag(StageMeta.of(batch), mb))
                 continue
             lengths = (cu[1:] - cu[:-1]).tolist()
             labels = (torch.tensor([t for s in samples for t in s.labels], device=device)
                       if self.stage.last else torch.full((int(cu[-1]),), -100, device=device))
-            metas.append(StageMeta(cu, mb.max_seqlen, torch.cat([torch.arange(n, device=device)
-                                                                 for n in lengths]), labels))
+            metas.append(tag(StageMeta(cu, mb.max_seqlen, torch.cat(
+                [torch.arange(n, device=device) for n in lengths]), labels), mb))
         return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}
 
     def train_step(self) -> dict:
@@ -237,7 +240,7 @@ class Trainer:
         if update:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.scheduler.lr
         if update:
             self.scheduler.step()
         self.step += 1
@@ -256,8 +259,9 @@ class Trainer:
             if batches is not None and leaf is not None:
                 for mb, batch in batches:
                     batch.image_rows = leaf[mb.image_rows[0]:mb.image_rows[1]]
-            c = mine.counts  # dynamic CP: a micro-batch runs on several DP positions, count once
-            planned = [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows] if self.dynamic_cp else None
+            c = mine.counts  # the plan's global counts (no collective); trainer.check_plan counts too
+            check = self.cfg.trainer.get("check_plan") and not self.dynamic_cp
+            planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
             return self.runner.forward_backward([b for _, b in batches] if batches is not None else None,
                                                 metas, planned)
 
@@ -267,8 +271,7 @@ class Trainer:
 
         route = mine.routes[next(e for e in mine.routes if e[1] == "llm")]
         (loss, counts, n_micro, self.stage_times), self.phase_times = self.colocated.run(pixels, route, llm_phase)
-        self.encoder_grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.encoder.parameters()
-                                   if p.grad is not None)   # this rank's own, before the DP sum
+        self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())  # before the DP sum (FSDP: after)
         sync_grads(self.encoder.parameters(), self.groups.group("vision", "dp"))
         if mine.counts.image_rows == 0:  # no image anywhere: as in one process, no encoder update
             for p in self.encoder.parameters():
@@ -287,7 +290,8 @@ class Trainer:
 
     @staticmethod
     def _plan_counts(mine, counted) -> list[float]:
-        """The plan's global counts, checked against the loss tokens the schedule counted."""
+        """The plan's global counts, checked against the loss tokens the schedule counted
+        (under `trainer.check_plan` it counts them with a collective; else it takes the plan's)."""
         c = mine.counts
         if counted[0] != c.loss_tokens:
             raise RuntimeError(f"the step plan counts {c.loss_tokens} loss tokens, the micro-batches "
@@ -301,7 +305,7 @@ class Trainer:
                             self.grad_group if llm.dp_shard else None,
                             self.groups.group("llm", "pp") if llm.pp > 1 else None)
         if self.encoder is not None:
-            sq = sq + module_sq_norm(self.encoder.parameters(), self.device, self.encoder.tp_group)
+            sq = sq + encoder_sq_norm(self.encoder, self.device, self.groups)
         norm = float(sq.sqrt())
         clip_(self.modules.parameters(), norm, max_norm)
         return norm

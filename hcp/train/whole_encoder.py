@@ -2,28 +2,20 @@
 prompt's images inside the LLM's first stage, so the LLM's ranks need the whole encoder."""
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
-
 from hcp.model.llava import LlavaEncoder
+from hcp.train.modules import whole_state
 
 
 def whole_encoder(encoder, cfg, device) -> LlavaEncoder | None:
     """The colocated encoder side (`LlavaEncoder`) whole on this rank: the training encoder itself
-    under encoder tp = 1, else a copy whose TP shards are gathered over the encoder's TP group
-    (a collective over it: every rank evaluates). None for a text-only LM."""
-    if encoder is None or encoder.tp_group is None:
+    when its parameters are whole here, else a copy gathered over the encoder's TP group and,
+    under dp_shard, its DP group (`hcp.train.modules.whole_state`; collectives: every rank of
+    the encoder calls it). None for a text-only LM."""
+    if encoder is None:
+        return None
+    state = whole_state(encoder, encoder.tp_group)
+    if state is None:
         return encoder
-    group = encoder.tp_group
     whole = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size).to(device)
-    state = {}
-    for name, p in encoder.named_parameters():
-        spec = getattr(p, "shard_spec", None)
-        if spec is None:
-            state[name] = p.detach()
-            continue
-        parts = [torch.empty_like(p) for _ in range(spec.world)]
-        dist.all_gather(parts, p.detach().contiguous(), group=group)
-        state[name] = torch.cat(parts, dim=spec.dim)
     whole.load_state_dict(state)
     return whole
