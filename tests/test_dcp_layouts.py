@@ -102,20 +102,27 @@ def models(corpus, llava_data):
     return {"text": [*TEXT, f"data.path={corpus}"], "llava": [*LLAVA, *llava_data]}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The comparisons in this process on one thread: a fork after torch ran a multi-threaded
+    op in the parent can leave the child's first parallel op waiting forever."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, models):
-    """first_fit on one rank (dp-only, every sample whole) of (model, global batch), cached."""
-    cache = {}
-
-    def get(model, batch):
-        if (model, batch) not in cache:
-            run = tmp_path_factory.mktemp(f"ref_{model}")
-            container = _container([*models[model], *COMMON, "trainer.micro_batch_tokens=512",
-                                    f"trainer.global_batch_size={batch}"], run)
-            cache[model, batch] = run_ranks(_step, 1, container, str(run))[0]
-        return cache[model, batch]
-
-    return get
+    """first_fit on one rank (dp-only, every sample whole) of (model, global batch), every one
+    computed before any test compares."""
+    out = {}
+    for model, batch in sorted({(m, b) for m, _, _, b in CASES.values()}):
+        run = tmp_path_factory.mktemp(f"ref_{model}")
+        container = _container([*models[model], *COMMON, "trainer.micro_batch_tokens=512",
+                                f"trainer.global_batch_size={batch}"], run)
+        out[model, batch] = run_ranks(_step, 1, container, str(run))[0]
+    return out
 
 
 @pytest.mark.slow
@@ -123,7 +130,7 @@ def reference(tmp_path_factory, models):
 @pytest.mark.parametrize("name", CASES)
 def test_dynamic_cp_step_equals_first_fit_on_one_rank(name, reference, models, tmp_path):
     model, layout, cap, batch = CASES[name]
-    ref = reference(model, batch)
+    ref = reference[model, batch]
     container = _container([*models[model], *COMMON, *layout, "packing=dynamic_cp",
                             f"trainer.micro_batch_tokens={cap}", f"trainer.global_batch_size={batch}"],
                            tmp_path)
