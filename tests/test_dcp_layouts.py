@@ -9,14 +9,14 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
-from cfg_utils import compose_cfg, long_tail_corpus
+from cfg_utils import compose_cfg, long_tail_corpus, long_tail_llava
 from dist_utils import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 COMMON = ["trainer.progress_bar=false", "trainer.eval_every=0",
           "logger=none", "trainer.check_plan=true"]
 TEXT = ["+recipe=llama_tiny", "data.max_seq_len=512"]
-LLAVA = ["data=llava_json", "data.max_seq_len=256", "data.system_prompt=''"]  # + _llava_data
+LLAVA = ["data=llava_json", "data.max_seq_len=256", "data.system_prompt=''"]  # + long_tail_llava
 
 # name: (model, dynamic-CP layout on 4 ranks, tokens per rank, global batch). The cap makes the
 # long samples (300-500 text tokens; 150-250 merged LLaVA tokens) need CP > 1, the short ones not.
@@ -63,30 +63,6 @@ def _container(overrides, run_dir):
     return OmegaConf.to_container(compose_cfg(overrides, run_dir=str(run_dir)), resolve=True)
 
 
-def _llava_data(root):
-    """LLaVA-JSON records with a long tail of lengths: 8x8 images on most samples (16 image rows
-    each), answers of 2-40 bytes, every fourth 150-200 bytes; a few text-only samples."""
-    import json
-
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(1)
-    records = []
-    for i in range(48):
-        n = int(rng.integers(150, 200) if i % 4 == 0 else rng.integers(2, 40))
-        answer = "".join(rng.choice(list("abcdefgh "), n))
-        human = "<image>\nwhat is it?" if i % 6 else "say something"
-        rec = {"id": f"s{i}", "conversations": [{"from": "human", "value": human},
-                                                 {"from": "gpt", "value": answer}]}
-        if i % 6:
-            Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(root / f"{i}.png")
-            rec["image"] = f"{i}.png"
-        records.append(rec)
-    (root / "d.json").write_text(json.dumps(records))
-    return [f"data.path={root / 'd.json'}", f"data.image_folder={root}"]
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return str(long_tail_corpus(tmp_path_factory.mktemp("src")))
@@ -94,7 +70,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llava_data(tmp_path_factory):
-    return _llava_data(tmp_path_factory.mktemp("llava"))
+    return long_tail_llava(tmp_path_factory.mktemp("llava"))
 
 
 @pytest.fixture(scope="module")
