@@ -45,12 +45,19 @@ def _step(rank, world, container, run_dir):
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
-    before = tr.groups.num_created
     indices = tr.sampler.batch(0)
-    prepared = tr.prepare(indices)
-    tr._check_plan(prepared[0].checksum)
-    loss, counts, _ = tr.forward_backward(indices, prepared)
-    assert tr.groups.num_created == before  # every micro-batch's CP group was pre-built
+    new_group = dist.new_group
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process group was created during the step")
+
+    dist.new_group = refuse   # every micro-batch's CP group must be a pre-built one
+    try:
+        prepared = tr.prepare(indices)
+        tr._check_plan(prepared[0].checksum)
+        loss, counts, _ = tr.forward_backward(indices, prepared)
+    finally:
+        dist.new_group = new_group
     groups = {"vision": getattr(tr.encoder, "tp_group", None), "llm": tr.tp_group}
     groups["projector"] = groups["vision"]
     grads = {n: _whole(p.grad, p, groups[n.split(".")[0]]) for n, p in tr.modules.named_parameters()
