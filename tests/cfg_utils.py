@@ -56,7 +56,7 @@ def long_tail_llava(root) -> list[str]:
 
 def train_cli(run_dir, args, timeout: float = 400) -> list[dict]:
     """Run `python train.py *args hydra.run.dir=run_dir` from the repository; return the
-    records of its metrics.jsonl (asserts a clean exit)."""
+    records of its metrics.jsonl. Fails the test with the end of stderr when the run fails."""
     import json
     import subprocess
     import sys
@@ -66,3 +66,15 @@ def train_cli(run_dir, args, timeout: float = 400) -> list[dict]:
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [r for r in map(json.loads, f)]
+
+
+CLI_RUN = ("trainer.max_steps=10", "logger=none", "trainer.log_every=1", "trainer.eval_every=0",
+           "trainer.eval_samples=16", "trainer.progress_bar=false")
+"""Overrides of a short CLI training run whose every step's loss is logged."""
+
+
+def cli_metrics(run_dir, recipe: str, extra=(), timeout: float = 400) -> list[dict]:
+    """Run `python train.py +recipe=RECIPE` with `CLI_RUN` and `extra` overrides into `run_dir`
+    and return its logged steps (metrics.jsonl records with a loss)."""
+    return [r for r in train_cli(run_dir, [f"+recipe={recipe}", *CLI_RUN, *extra], timeout)
+            if "loss" in r]

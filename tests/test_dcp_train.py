@@ -94,11 +94,3 @@ def test_dynamic_cp_training_accepts_tp_pp_dp_shard_and_llava(overrides, world):
     cfg = compose_cfg(["packing=dynamic_cp", *overrides])
     check_trainable(cfg, validate(cfg, world_size=world))
 
-
-def test_dynamic_cp_with_islands_is_refused_naming_the_fix():
-    from hcp.train.support import _check_dynamic_cp_trainable
-
-    cfg = compose_cfg(["packing=dynamic_cp", "placement=non_colocated", "vision.layout.num_ranks=2"])
-    with pytest.raises(ConfigError) as e:   # the check that stays once islands train
-        _check_dynamic_cp_trainable(cfg, validate(cfg, world_size=4))
-    assert e.value.field == "packing" and "placement=colocated" in str(e.value)
