@@ -58,8 +58,9 @@ def _check_dynamic_cp_trainable(cfg, layouts: dict) -> None:
     encoder side (image rows routed to the CP rank that holds their positions). Raises
     ConfigError (`hcp.dcp.policy.check_dynamic_cp`) unless the pool is a power of two and the
     longest sample (`data.max_seq_len`) fits it at `trainer.micro_batch_tokens` per rank, head-tail
-    padding counted, and `packing_profile` loads. A global batch with fewer samples than pool
-    ranks trains: the ranks without a sample run empty micro-batches (no collective hangs)."""
+    padding counted, and `packing_profile` loads (islands refuse dynamic CP in
+    `_check_islands_trainable`). A global batch with fewer samples than pool ranks trains: the
+    ranks without a sample run empty micro-batches (no collective hangs)."""
     from hcp.dcp.policy import check_dynamic_cp
 
     check_dynamic_cp(cfg, layouts["llm"])
