@@ -206,13 +206,15 @@ def _remove(path: str) -> None:
 
 
 def layout_label(model, tp_group) -> str:
-    """This run's LLM layout as users write it, e.g. `dp4`, `tp2 x dp2`, `pp2 x dp2 (dp_shard)`."""
+    """This run's LLM layout as users write it, e.g. `dp4`, `tp2 x dp2`, `pp2 x dp2 (dp_shard)`
+    (`(dp_shard)`: the LLM's own parameters are FSDP shards; the encoder side's do not count)."""
     tp = _size(tp_group.get("llm") if isinstance(tp_group, dict) else tp_group)
     cp = _size(getattr(model, "cp_group", None))
     pp = model.stage.num_stages if hasattr(model, "stage") else 1
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dist.get_world_size() // (tp * cp * pp)}
     label = " x ".join(f"{k}{v}" for k, v in sizes.items() if v > 1) or "1 rank"
-    return label + (" (dp_shard)" if any(isinstance(p, DTensor) for p in model.parameters()) else "")
+    llm_sharded = any(isinstance(p, DTensor) for n, p in model.named_parameters() if n.startswith("llm."))
+    return label + (" (dp_shard)" if llm_sharded else "")
 
 
 def _size(group) -> int:
