@@ -31,7 +31,7 @@ from typing import Callable
 import numpy as np
 
 from hcp.data.packing import first_fit
-from hcp.dcp.plan import Group, Plan, Round
+from hcp.dcp.plan import Group, Plan, Round, rank_tokens
 from hcp.parallel.grid import Grid
 from hcp.parallel.routing import RankRoute, RowTable, cp_slot
 from hcp.plan.lengths import SampleSizes
@@ -89,7 +89,8 @@ class MicroBatchPlan:
     cp_rank: int
     """This rank's CP shard index inside the group (head-tail chunks r and 2c-1-r)."""
     local_tokens: int
-    """Slots of this rank's CP shard: sum over documents of 2 * ceil(L / 2c) (L without CP)."""
+    """Tokens this rank holds: sum over documents of 2 * ceil(L / 2c) (head-tail padding) at
+    c > 1, of L at c = 1 (nothing sharded or padded; `hcp.dcp.plan.rank_tokens`)."""
     image_rows: tuple[int, int]
     """[start, end) of its image rows in the tensor received over the edge into the LLM (only
     on the LLM's first stage; rows in slot order of the local shard)."""
@@ -255,7 +256,7 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
     J = group_at.shape[0]
     # per sample: its group, micro-batch, CP size, block offset, local start in its group
     gid = np.repeat(np.arange(len(groups)), n_seq)
-    slots = 2 * -(-sizes.tokens[samples] // (2 * size[gid]))       # per packed document
+    slots = rank_tokens(sizes.tokens[samples], size[gid])  # per packed document: L at c = 1
     local_tokens = np.bincount(gid, weights=slots, minlength=len(groups)).astype(np.int64)
     starts = _excl_cumsum(slots)[:-1] - np.repeat(_excl_cumsum(local_tokens)[:-1], n_seq)
     doc_start, s_group = np.empty(B, np.int64), np.empty(B, np.int64)
