@@ -9,13 +9,14 @@ optimum (small instances, pp=1); `--megatron` adds Megatron-Core's `BalancedCPSc
     # distributions, against Megatron's scheduler at pp = 1
     python benchmarks/dynamic_cp.py --lengths lognormal --global-batch 256 --pp 1 \
         --max-tokens-per-rank 2048 --max-len 8192 --seeds 100-109 --megatron
-    # seed-sized: 64 GPUs = PP 8 x CP pool 8, global batch 2048
+    # seed-sized: 64 GPUs = PP 8 x CP pool 8, global batch 2048 (--lp-bound: the tighter
+    # pipeline bound, hcp/dcp/pipeline_bound.py, minutes per batch)
     python benchmarks/dynamic_cp.py --global-batch 2048 --cp-pool 8 --pp 8 \
-        --max-tokens-per-rank 8192 --max-len 65536 --seeds 100-109 --json out.json
+        --max-tokens-per-rank 8192 --max-len 65536 --seeds 100-109 --json out.json [--lp-bound]
 
 Per batch and on average: simulated iteration time (s), its ratio to the provable lower bound
-(hcp/dcp/lower_bound.py), rounds, CP-size histogram (sequences per CP size), planning wall
-time, and TFLOPS/GPU = model FLOPs of the real tokens (hcp/model/flops.py) / (iteration time *
+(hcp/dcp/lower_bound.py; with `--lp-bound` and pp > 1 the tighter hcp/dcp/pipeline_bound.py),
+rounds, CP-size histogram (sequences per CP size), planning wall time, and TFLOPS/GPU = model FLOPs of the real tokens (hcp/model/flops.py) / (iteration time *
 GPUs), GPUs = pool * pp * tp. At pp = 1 (without `--dp-shard`) a group may run several
 micro-batches per round (hcp/dcp/plan.py), for our solver and for Megatron's scheduler alike.
 Lengths (`--lengths`): `wikipedia` (FlexSP's Wikipedia sample, hcp/data/lengths/), `code`
@@ -43,6 +44,7 @@ from hcp.dcp.cost_model import CostModel, load_profile, recipe_llm
 from hcp.dcp.exact import solve_exact
 from hcp.dcp.lower_bound import lower_bound
 from hcp.dcp.megatron_peer import megatron_plan
+from hcp.dcp.pipeline_bound import pipeline_bound
 from hcp.dcp.plan import max_length, prepare_lengths, validate_plan
 from hcp.dcp.solver import simulate_plan, solve
 
@@ -96,6 +98,9 @@ def parse_args(argv=None):
                    help="also solve exactly (pp=1, small only; branch and bound, hcp/dcp/exact.py; "
                         "plans of one micro-batch per group and round)")
     p.add_argument("--exact-time-limit", type=float, default=10.0, help="seconds per batch")
+    p.add_argument("--lp-bound", action="store_true",
+                   help="pp > 1: /bound against the tighter pipeline bound (min over M of a 1F1B "
+                        "linear program, hcp/dcp/pipeline_bound.py; seconds to minutes per batch)")
     p.add_argument("--timeline", help="PNG of the solver's timeline for the first batch")
     p.add_argument("--json", help="write the summary here")
     args = p.parse_args(argv)
@@ -281,6 +286,12 @@ def main(argv=None):
         lens, _ = prepare_lengths(raw, args.cp_pool, args.max_tokens_per_rank)
         bound = lower_bound(lens, cost, args.cp_pool, args.max_tokens_per_rank,
                             args.several_per_round)
+        if args.lp_bound and args.pp > 1:
+            pb = pipeline_bound(lens, cost, args.cp_pool, args.max_tokens_per_rank)
+            print(f"{b:>5} pipeline bound {pb.bound:.3f} s (simple {pb.simple:.3f}, "
+                  f"x{pb.bound / pb.simple:.3f}; least LP at M={pb.best_m}, {pb.lps} LPs, "
+                  f"{pb.seconds:.1f} s)")
+            bound = pb.bound
         flops = cost.model_flops(lens)
         plans = {}
         for k in planners:
