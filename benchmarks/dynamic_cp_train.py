@@ -6,8 +6,8 @@ Setup: `--ranks` CPU ranks (gloo, one thread each) form one CP pool; the tiny LL
 `+recipe=llama_tiny` (fp32) runs forward + backward of every micro-batch of the step plan
 (hcp/plan/step.py) on global batches drawn from the code corpus's long-tail document lengths
 (`code_lengths`: this Python's standard-library sources, byte-level, the documents that fit
-`--ranks x --micro-batch-tokens` tokens; token ids drawn at random: the content does not change
-the time). The cap forces static CP = pool: the longest documents need the whole pool, and a
+`--ranks x --micro-batch-tokens` tokens; or `--lengths wikipedia`, FlexSP's Wikipedia sample;
+token ids drawn at random: the content does not change the time). The cap forces static CP = pool: the longest documents need the whole pool, and a
 static run sizes its CP for them. Static: `first_fit` at cp = pool (dp 1, every micro-batch on
 the whole pool). Dynamic: the `dynamic_cp` policy (hcp/dcp/policy.py) with the cost model under
 the profile calibrated on this machine (`--profile`, else `mode=calibrate`'s fit is run first,
@@ -47,6 +47,7 @@ from hcp.dcp.solver import simulate_plan
 from hcp.plan.step import first_fit_policy
 
 METHODS = ("static", "dynamic")
+WIKIPEDIA = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"
 
 
 def layout(dp: int, cp: int, layers: int):
@@ -64,6 +65,12 @@ def code_lengths(max_len: int) -> np.ndarray:
     from hcp.data.code_corpus import stdlib_sources
 
     lens = np.array([os.path.getsize(f) + 2 for f in stdlib_sources()], dtype=np.int64)
+    return np.sort(lens[lens <= max_len])
+
+
+def wikipedia_lengths(max_len: int) -> np.ndarray:
+    """FlexSP's Wikipedia lengths (hcp/data/lengths/, median 347) of at most max_len tokens."""
+    lens = np.loadtxt(WIKIPEDIA, dtype=np.int64)
     return np.sort(lens[lens <= max_len])
 
 
@@ -171,6 +178,8 @@ def main(argv=None) -> dict:
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--steps", type=int, default=2, help="global batches (steps) per rep")
     p.add_argument("--reps", type=int, default=3, help="measurements of both methods")
+    p.add_argument("--lengths", choices=("code", "wikipedia"), default="code",
+                   help="document lengths: the code corpus's, or FlexSP's Wikipedia sample")
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--micro-batch-tokens", type=int, default=512, help="cap per rank")
     p.add_argument("--seed", type=int, default=100, help="draws the global batches")
@@ -184,7 +193,7 @@ def main(argv=None) -> dict:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     cfg = compose_config(["+recipe=llama_tiny", f"launcher.nproc_per_node={args.ranks}"])
     max_len = args.ranks * args.micro_batch_tokens
-    pool = code_lengths(max_len)
+    pool = (code_lengths if args.lengths == "code" else wikipedia_lengths)(max_len)
     if pool.size < args.global_batch:
         p.error(f"--global-batch {args.global_batch}: only {pool.size} documents fit "
                 f"{max_len} tokens; lower it")
@@ -243,7 +252,7 @@ def main(argv=None) -> dict:
     result["measured_speedup"] = float(np.median(per_rep))
     result["predicted_speedup"] = result["static"]["predicted_s"] / result["dynamic"]["predicted_s"]
     result["profile"] = str(keep) if keep else args.profile
-    print(f"{args.ranks} gloo ranks, llama_tiny, code-corpus documents <= {max_len} tokens, "
+    print(f"{args.ranks} gloo ranks, llama_tiny, {args.lengths} documents <= {max_len} tokens, "
           f"GBS {args.global_batch}, cap {args.micro_batch_tokens}/rank, {args.steps} steps x "
           f"{args.reps} reps (seed {args.seed})")
     print(f"{'method':>8} {'tokens/s(wall)':>15} {'crit_path_s (per rep)':>30} {'predicted_s':>12} "
