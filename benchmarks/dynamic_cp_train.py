@@ -175,16 +175,16 @@ def critical_path(busy, groups) -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=8)
+    p.add_argument("--ranks", type=int, default=8, help="gloo ranks: the CP pool")
     p.add_argument("--steps", type=int, default=2, help="global batches (steps) per rep")
     p.add_argument("--reps", type=int, default=3, help="measurements of both methods")
     p.add_argument("--lengths", choices=("code", "wikipedia"), default="code",
                    help="document lengths: the code corpus's, or FlexSP's Wikipedia sample")
-    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--global-batch", type=int, default=32, help="documents per step")
     p.add_argument("--micro-batch-tokens", type=int, default=512, help="cap per rank")
     p.add_argument("--seed", type=int, default=100, help="draws the global batches")
     p.add_argument("--profile", help="a mode=calibrate profile.yaml (default: calibrate now)")
-    p.add_argument("--json")
+    p.add_argument("--json", help="write the results here (and the fitted profile beside it)")
     args = p.parse_args(argv)
     if args.ranks < 1 or args.ranks & (args.ranks - 1):
         p.error(f"--ranks {args.ranks}: the CP pool must be a power of two")
