@@ -28,7 +28,7 @@ from hcp.model.llava import LlavaModel
 from hcp.parallel.grid import KINDS, Grid
 from hcp.parallel.roles import logging_rank, role_table
 from hcp.train.estimate import ASSUMPTIONS, estimate_step
-from hcp.train.memory import GIB, STATE_BYTES, module_memory
+from hcp.train.memory import GIB, STATE_BYTES, module_memory, rank_activations
 from hcp.train.plan_figure import draw_plan
 
 
@@ -78,17 +78,25 @@ def _fix_for(cfg, layout, stage_mem) -> tuple[str, object, str]:
     return f"{m}.layout.pp", layout.pp, "raise pp or tp"
 
 
+def stage_memory(cfg, layouts, shapes=None) -> dict:
+    """{module: [StageMemory of one rank of each PP stage]} (`hcp.train.memory.module_memory`);
+    `shapes`: `named_shapes(cfg)` if known."""
+    shapes = shapes or named_shapes(cfg)
+    return {m: module_memory(cfg, lay, shapes[m], layouts) for m, lay in layouts.items()}
+
+
 def memory_per_rank(cfg, layouts, world: int, stage_mem=None) -> list[dict]:
     """Each rank's estimated memory in GiB, `[{rank, weights, grads, optimizer, activations,
-    total}]` (`hcp.train.memory`); `stage_mem` ({module: [StageMemory per stage]}) if known."""
+    total}]` (`hcp.train.memory`): the modules and PP stages of the rank's role only (under
+    `non_colocated` its island's); `stage_mem` (`stage_memory`'s result) if known."""
     if stage_mem is None:
-        shapes = named_shapes(cfg)
-        stage_mem = {m: module_memory(cfg, lay, shapes[m]) for m, lay in layouts.items()}
+        stage_mem = stage_memory(cfg, layouts)
     per_rank = []
     for role in role_table(layouts, world):
         parts = [stage_mem[m][role.stage(m)] for m in role.modules]
-        per_rank.append({"rank": role.rank, **{k: sum(getattr(p, k) for p in parts) / GIB for k in
-                                                ("weights", "grads", "optimizer", "activations", "total")}})
+        row = {k: sum(getattr(p, k) for p in parts) / GIB for k in ("weights", "grads", "optimizer")}
+        row["activations"] = rank_activations(parts) / GIB
+        per_rank.append({"rank": role.rank, **row, "total": sum(row.values())})
     return per_rank
 
 
@@ -154,7 +162,7 @@ def run_plan(cfg, out_dir) -> dict:
                           f"{world} ranks exceed the cluster's {capacity} GPUs", "match cluster.* to the launcher")
     layouts = check_layouts(cfg, world)
     shapes = named_shapes(cfg)
-    stage_mem = {m: module_memory(cfg, lay, shapes[m]) for m, lay in layouts.items()}
+    stage_mem = stage_memory(cfg, layouts, shapes)
     roles = role_table(layouts, world)
     per_rank = memory_per_rank(cfg, layouts, world, stage_mem)
     plan = {
