@@ -60,3 +60,16 @@ def test_large_encoder_fits_colocated_only_with_its_state_sharded():
     _, _, _, sharded = _plan("internvit6b_llama70b")
     _, _, _, replicated = _plan("internvit6b_llama70b", "vision.layout.dp_shard=false")
     assert max(r["total"] for r in sharded) < 80 < 99 < min(r["total"] for r in replicated)
+
+
+def test_plan_prints_memory_per_island_and_warns_of_encoder_recompute_it_cannot_run(tmp_path, capsys):
+    from hcp.train.plan import run_plan
+
+    cfg = compose_config(["+recipe=llava_hetero", "mode=plan", *NON_COLOCATED, "vision.layout.recompute=full"])
+    plan = run_plan(cfg, tmp_path)
+    roles = {r["role"]: r for r in plan["memory_by_role"]}
+    assert list(roles) == ["vision pp0, projector pp0", "llm pp0", "llm pp1", "llm pp2"]
+    assert roles["vision pp0, projector pp0"]["ranks"] == 16 and roles["llm pp0"]["ranks"] == 16
+    assert roles["llm pp0"]["max_gib"] == max(r["total"] for r in plan["memory_gib"])
+    assert any("vision.layout.recompute=full on an island" in w for w in plan["warnings"])
+    assert "memory by role: vision pp0, projector pp0 (16 ranks)" in capsys.readouterr().out

@@ -145,6 +145,28 @@ def node_warnings(cfg, layouts) -> list[str]:
     return out
 
 
+def memory_by_role(runs, per_rank) -> list[dict]:
+    """The largest per-rank memory (GiB) of each role of the rank map (`rank_runs`), as
+    [{role, ranks, max_gib}] in first-rank order: under `non_colocated` one row per island stage."""
+    out: dict[str, dict] = {}
+    for run in runs:
+        row = out.setdefault(run["role"], {"role": run["role"], "ranks": 0, "max_gib": 0.0})
+        row["ranks"] += run["last"] - run["first"] + 1
+        row["max_gib"] = max([row["max_gib"]] + [r["total"] for r in per_rank[run["first"]:run["last"] + 1]])
+    return list(out.values())
+
+
+def encoder_recompute_warnings(cfg, layouts) -> list[str]:
+    """Under `non_colocated`, an encoder-side module with recompute: the memory estimate charges
+    per-layer recompute, which the ViT does not implement yet (only the colocated schedule's
+    whole-encoder recompute in phase 3 exists)."""
+    if cfg.placement != "non_colocated":
+        return []
+    return [f"warning: {m}.layout.recompute={lay.recompute} on an island: the memory above assumes "
+            "per-layer recompute, which the encoder does not implement yet (set it to none to see "
+            "what runs today)" for m, lay in layouts.items() if m != "llm" and lay.recompute != "none"]
+
+
 def run_plan(cfg, out_dir) -> dict:
     """Plan the configured layout; print it, write `plan.json` and `plan.png`, return the plan.
 
@@ -180,7 +202,8 @@ def run_plan(cfg, out_dir) -> dict:
                     for (m, lay), counts in zip(layouts.items(), group_counts(cfg, layouts).values())},
         "rank_map": rank_runs(roles),
         "memory_gib": per_rank,
-        "warnings": node_warnings(cfg, layouts),
+        "memory_by_role": memory_by_role(rank_runs(roles), per_rank),
+        "warnings": node_warnings(cfg, layouts) + encoder_recompute_warnings(cfg, layouts),
     }
     worst = max(per_rank, key=lambda r: r["total"])
     llm = layouts["llm"]
@@ -222,6 +245,9 @@ def format_plan(plan: dict) -> str:
     lines.append(f"  memory: max {worst['total']:.2f} GiB on rank {worst['rank']} (weights {worst['weights']:.2f}, "
                  f"grads {worst['grads']:.2f}, optimizer {worst['optimizer']:.2f}, activations "
                  f"{worst['activations']:.2f}) of {plan['device_memory_gib']} GiB")
+    if len(plan.get("memory_by_role", [])) > 1:
+        lines.append("  memory by role: " + "; ".join(f"{r['role']} ({r['ranks']} ranks) {r['max_gib']:.2f}"
+                                                       for r in plan["memory_by_role"]) + " GiB")
     est = plan["estimate"]
     lines.append(f"  estimate: step {est['step_time_s']:.3g} s, {est['tflops_per_gpu']:.0f} TFLOPS/GPU, "
                  f"bubble {est['bubble_fraction']:.1%}, {est['micro_batches']} micro-batches per pool, "
