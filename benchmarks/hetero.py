@@ -212,12 +212,13 @@ def summarize(name, per_rank, world, overrides, args) -> dict:
 
 
 def print_table(results) -> None:
-    print(f"{'layout':<14} {'loss':>8} {'critical s':>10} {'modeled s':>9} {'wall s':>7} "
+    w = max(14, *map(len, results))
+    print(f"{'layout':<{w}} {'loss':>8} {'critical s':>10} {'modeled s':>9} {'wall s':>7} "
           f"{'tokens/s':>8} {'bubble per island (stage)':<28} {'LLM stage busy s':<17} {'bal':>5} "
           f"{'enc GFLOP/rank':>14} {'images/rank':>16} {'route MB':>8} {'min MB':>7}")
     for name, r in results.items():
         bub = " ".join(f"{m} " + "/".join(f"{b:.0%}" for b in v) for m, v in r["bubble"].items())
-        print(f"{name:<14} {r['loss']:8.5f} {r['critical_path_s']:10.3f} {r['modeled_step_s']:9.3f} "
+        print(f"{name:<{w}} {r['loss']:8.5f} {r['critical_path_s']:10.3f} {r['modeled_step_s']:9.3f} "
               f"{r['step_wall_s']:7.3f} {r['tokens_per_s']:8.0f} {bub:<28} "
               f"{'/'.join(f'{s:.3f}' for s in r['llm_stage_busy_s']):<17} {r['llm_stage_balance']:5.2f} "
               f"{max(r['encoder_flops_per_rank']) / 1e9:14.2f} "
@@ -279,6 +280,38 @@ def measured_conclusion(results) -> str:
     return "\n".join(lines)
 
 
+def regime_summary(out: dict) -> str:
+    """The seed's finding (colocated wins with memory headroom; non-colocated wins when encoder
+    state squeezes the LLM's memory), checked against this run's measured and planned numbers."""
+    parts, colo, squeeze = [], 0, 0
+    lay = out.get("layouts", {})
+    islands = [n for n in lay if n.startswith("non_colocated")]
+    if islands and "heterogeneous" in lay:
+        best = min(islands, key=lambda n: lay[n]["modeled_step_s"])
+        ratio = lay[best]["modeled_step_s"] / lay["heterogeneous"]["modeled_step_s"]
+        colo += ratio > 1
+        parts.append(f"measured on CPU (memory never binds): colocated {'faster' if ratio > 1 else 'slower'} "
+                     f"than the best non-colocated layout by {max(ratio, 1 / ratio):.2f}x (modeled step)")
+    cases = out.get("plan", {}).get("cases", [])
+    for scenario in dict.fromkeys(c["scenario"] for c in cases):
+        rows = [c for c in cases if c["scenario"] == scenario and "error" not in c]
+        fit = [c for c in rows if c["fits"]]
+        if not fit:
+            continue
+        best = min(fit, key=lambda c: c["step_s"])
+        co = next((c for c in rows if c["placement"].startswith("colocated")), None)
+        if best["placement"].startswith("colocated"):
+            colo += 1
+            parts.append(f"{scenario}: colocated wins with headroom (max {best['max_gib']:.1f} of "
+                         f"{best['device_memory_gib']:.0f} GiB)")
+        elif co is not None:
+            squeeze += not co["fits"] or co["step_s"] > best["step_s"]
+            parts.append(f"{scenario}: non-colocated wins, colocated ranks would need "
+                         f"{co['max_gib']:.1f} GiB{'' if co['fits'] else ' (does not fit)'}")
+    verdict = ("reproduced" if colo and squeeze else "partly reproduced" if colo or squeeze else "not tested")
+    return f"seed's finding {verdict}: " + "; ".join(parts)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -334,6 +367,8 @@ def main(argv=None) -> dict:
                                             / results["heterogeneous"]["critical_path_s"])
     if args.plan == "full" or args.plan_only:
         out["plan"] = hetero_plan.plan_section()
+    out["regime"] = regime_summary(out)
+    print(out["regime"])
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

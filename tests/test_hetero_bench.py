@@ -48,6 +48,7 @@ def test_hetero_benchmark_three_layouts_on_8_ranks(tmp_path):
     row = 256 * 4
     assert het["route_min_bytes_by_direction"] == [2 * 384 * row, 384 * row]
     assert nc["route_min_bytes_by_direction"] == inter["route_min_bytes_by_direction"] == [384 * row] * 2
+    assert out["regime"].startswith("seed's finding") and "measured on CPU" in out["regime"]
 
 
 @pytest.mark.slow
@@ -61,3 +62,19 @@ def test_hetero_benchmark_two_layouts_on_4_ranks(tmp_path):
     assert het["route_bytes"] == het["route_min_bytes"] > 0 and homo["route_bytes"] == 0
     assert homo["images_per_rank"] == [12] * 4 and het["images_per_rank"] == [3] * 4
     assert max(het["encoder_flops_per_rank"]) * 4 == pytest.approx(max(homo["encoder_flops_per_rank"]))
+
+
+@pytest.mark.slow
+def test_plan_section_compares_placements_at_full_size(capsys):
+    """The plan table of llava_hetero both ways: a non-colocated LLM rank holds no encoder state
+    and less than a colocated one, the encoder island less still; both fit, colocated is faster
+    (the LLM keeps all 64 ranks), which the regime summary calls headroom."""
+    import hetero_plan
+
+    out = hetero_plan.plan_section(hetero_plan.CASES[:2])
+    co, nc = out["cases"]
+    assert (co["placement"], nc["placement"]) == ("colocated", "non_colocated")
+    assert co["encoder_rank_max_gib"] is None and nc["encoder_rank_max_gib"] < nc["llm_rank_max_gib"] < co["llm_rank_max_gib"]
+    assert co["fits"] and nc["fits"] and co["step_s"] < nc["step_s"]
+    assert "colocated wins" in out["conclusion"] and "llava_hetero" in capsys.readouterr().out
+    assert "colocated wins with headroom" in hetero.regime_summary({"plan": out})
