@@ -344,8 +344,13 @@ def main(argv=None) -> dict:
     out = {"config": {"world": world, "steps": args.steps, "warmup": args.warmup,
                       "samples": args.samples, "text_tokens": args.text_tokens}}
     if not args.plan_only:
+        from hcp.config.errors import ConfigError
+
         for name in names:
-            _, layouts = compose(layout_overrides(world, name, args))
+            try:
+                _, layouts = compose(layout_overrides(world, name, args))
+            except ConfigError as err:
+                ap.error(f"layout {name}: {err}")
             for m, lay in layouts.items():
                 if args.samples % lay.dp:
                     ap.error(f"--samples {args.samples} does not split into {name}'s {m} dp={lay.dp} lanes")
