@@ -19,7 +19,7 @@ stated in the output); trailing Hydra overrides change it. On 8 ranks (`LAYOUTS[
   encoder lanes holding blocks of the batch as the step plan gives them (a fan-in edge 4 -> 1:
   the LLM consumes lane 0's block first, then lane 1's, ..., so the lanes take turns);
 - non_colocated_interleaved: the same, but every micro-batch's samples are dealt over the
-  encoder lanes (`hetero_rank.encoder_lanes`), so all lanes encode part of every micro-batch.
+  encoder lanes (`hetero_rank.interleaved_lanes`), so all lanes encode part of every micro-batch.
 The encoder is deepened on 8 ranks (`MODEL_8`) so that it carries about as many FLOPs as the
 LLM: the regime where the island split matters. All layouts run the same global batch, packing,
 weights and seed on freshly forked gloo ranks (`benchmarks/hetero_rank.py`), and must report the

@@ -10,11 +10,16 @@ CP shards), weights and seed; the LLM always runs the graph-aware 1F1B executor
 - `heterogeneous` (colocated, DESIGN.md 4.4): the encoder side (`LlavaEncoder`) on every rank
   under its own layout, the three-phase `ColocatedStep` around the LLM's pipeline, image rows
   moved by one `all_to_all_single` per direction (the step plan's route);
-- `non_colocated`: the encoder side on its own island of ranks, as stage(s) before the LLM's
+- `non_colocated`: the encoder side on its own island of ranks, as a stage before the LLM's
   first stage in one graph-aware 1F1B (`hcp.schedule.graph`), per micro-batch: each encoder lane
-  encodes its samples of that micro-batch (`hcp.parallel.islands.island_micro_batches`) and a
-  batched P2P route (`hcp.comm.island` via `RouteLink`, routes from `build_routes` over the edge
-  group `edge_ranks`) delivers the rows to the CP rank that holds their positions.
+  encodes its samples of that micro-batch and a batched P2P route (`hcp.comm.island` via
+  `RouteLink`) delivers the rows to the CP rank that holds their positions; lanes and routes are
+  the step plan's (`RankPlan.encoder_micro_batches` / `island_routes`, as the trainer's
+  `hcp.train.islands` runs them, block lanes);
+- `non_colocated_interleaved`: the same with every micro-batch's samples dealt over the encoder
+  lanes (`interleaved_lanes`, routes from `build_routes` over the same edge group).
+The encoder here is `LlavaEncoder` whole on each island rank (encoder pp 1; the trainer's
+`hcp.model.encoder_stage` also splits it over island stages).
 One step = forward and backward of every micro-batch plus each module's gradient all-reduce over
 its own DP (x CP) group; data loading and the optimizer step are left out (the same in all).
 """
@@ -120,25 +125,19 @@ def dst_keys(mb, samples, offset) -> np.ndarray:
     return local[local >= 0].astype(np.int64)
 
 
-def encoder_lanes(plan, dp: int, interleave: bool) -> dict[int, list[list[int]]]:
-    """{lane: [micro-batch][samples]} of the encoder island's `dp` lanes, micro-batches in the
-    order the LLM consumes them. Block lanes (the step plan's rule: lane e encodes block e of the
-    batch) serialize a fan-in edge's lanes, since the LLM consumes the blocks one after another;
-    `interleave` deals each micro-batch's samples over the lanes instead, each to the lane with
-    the fewest image rows in that micro-batch (then in the step), so every lane encodes part of
-    every micro-batch."""
-    from hcp.parallel.islands import island_micro_batches
-
+def interleaved_lanes(plan, dp: int) -> dict[int, list[list[int]]]:
+    """{lane: [micro-batch][samples]} of an encoder island's `dp` lanes when every micro-batch's
+    samples (in the LLM's consumption order) are dealt over the lanes, each to the lane with the
+    fewest image rows in that micro-batch (then in the step), so every lane encodes part of every
+    micro-batch. The step plan's block lanes (lane e encodes block e of the batch) serialize a
+    fan-in edge's lanes instead, since the LLM consumes the blocks one after another."""
     consumed = [[s for g in r.groups for s in g.seq_indices] for r in plan.packing.rounds]
-    if not interleave:
-        n = len(plan.sizes) // dp
-        return {e: island_micro_batches(range(e * n, (e + 1) * n), consumed) for e in range(dp)}
     lanes = {e: [[] for _ in consumed] for e in range(dp)}
     rows = plan.sizes.image_rows
     step = [0] * dp
     for i, mb in enumerate(consumed):
         here = [0] * dp
-        for s in mb:  # to the lane with the fewest rows in this micro-batch, then in the step
+        for s in mb:
             e = min(range(dp), key=lambda e: (here[e], step[e], e))
             lanes[e][i].append(s)
             here[e] += int(rows[s])
@@ -146,14 +145,19 @@ def encoder_lanes(plan, dp: int, interleave: bool) -> dict[int, list[list[int]]]
     return lanes
 
 
-def island_routes(plan, layouts, samples, interleave: bool = False):
-    """Per micro-batch routes of the non-colocated edge vision -> llm over its group
-    (`edge_ranks`: the encoder's ranks, then the LLM's first-stage ranks; direct variant: every
-    TP rank of a destination receives, TP rank 0 returns the gradient), plus the encoder lanes'
-    samples per micro-batch and every group rank's destination keys (for the minimum bytes).
+def island_side(plan, layouts, samples, rank: int, interleave: bool):
+    """This rank's part of the non-colocated edge vision -> llm, per micro-batch.
 
-    `interleave`: see `encoder_lanes`. Returns (group ranks, [micro-batch][group rank] RankRoute, {lane: [micro-batch][samples]},
-    [group rank] needed keys over all micro-batches)."""
+    Block lanes (`interleave` False): the step plan's own (`RankPlan.encoder_micro_batches`,
+    `RankPlan.island_routes`, planned with `island_route="direct"`). Interleaved lanes
+    (`interleaved_lanes`): routes built here by `build_routes` over the same edge group
+    (`edge_ranks`: the encoder's ranks, then the LLM's first-stage ranks; every TP rank of a
+    destination receives, TP rank 0 returns the gradient).
+
+    Returns (edge group ranks, this rank's RankRoute per micro-batch or None outside the group,
+    its encoder samples per micro-batch or None off the encoder island, the image-row ids it
+    needs over the step: the minimum bytes' input, computed from the CP shards independently of
+    the routes)."""
     from hcp.parallel.grid import Grid
     from hcp.parallel.islands import edge_ranks
     from hcp.parallel.routing import build_routes
@@ -161,28 +165,36 @@ def island_routes(plan, layouts, samples, interleave: bool = False):
     vis, llm = Grid.of(layouts["vision"]), Grid.of(layouts["llm"])
     ranks = edge_ranks(vis, llm)
     offset = row_offsets(samples)
-    lanes = encoder_lanes(plan, vis.dp, interleave)
     dst_plans = {r: plan.rank(r).micro_batches for r in ranks if llm.contains(r)}
-    routes, needed = [], {r: [] for r in ranks}
+    keys = {r: [dst_keys(mb, samples, offset) for mb in dst_plans[r]] for r in dst_plans}
+    needed = np.concatenate(keys[rank]) if rank in keys else np.zeros(0, np.int64)
+    if rank not in ranks:
+        return ranks, None, None, needed
+    if not interleave:
+        mine = plan.rank(rank)
+        edge = next(e for e in mine.island_routes if e[1] == "llm")
+        if plan.island_ranks[edge] != ranks:
+            raise AssertionError(f"edge group {plan.island_ranks[edge]} != {ranks}")
+        return ranks, list(mine.island_routes[edge]), mine.encoder_micro_batches.get("vision"), needed
+    lanes = interleaved_lanes(plan, vis.dp)
+    me, routes = ranks.index(rank), []
+    empty = np.zeros(0, np.int64)
     for i in range(plan.num_micro_batches):
         src, dst, owner = [], [], []
         for r in ranks:
             if vis.contains(r):
-                mine = lanes[vis.coords(r)["dp"]][i]
-                src.append(np.concatenate([np.arange(offset[s], offset[s + 1]) for s in mine])
-                           if mine else np.zeros(0, np.int64))
-                dst.append(np.zeros(0, np.int64))
+                lane_mb = lanes[vis.coords(r)["dp"]][i]
+                src.append(np.concatenate([np.arange(offset[s], offset[s + 1]) for s in lane_mb])
+                           if lane_mb else empty)
+                dst.append(empty)
                 owner.append(np.zeros(0, bool))
             else:
-                keys = dst_keys(dst_plans[r][i], samples, offset)
-                src.append(np.zeros(0, np.int64))
-                dst.append(keys)
-                owner.append(np.full(len(keys), llm.coords(r)["tp"] == 0))
-                needed[r].append(keys)
-        built = build_routes(src, dst, owner)
-        routes.append([built[j] for j in range(len(ranks))])
-    needed = [np.concatenate(needed[r]) if needed[r] else np.zeros(0, np.int64) for r in ranks]
-    return ranks, routes, lanes, needed
+                src.append(empty)
+                dst.append(keys[r][i])
+                owner.append(np.full(len(keys[r][i]), llm.coords(r)["tp"] == 0))
+        routes.append(build_routes(src, dst, owner, ranks=[me])[me])
+    lane = lanes[vis.coords(rank)["dp"]] if vis.contains(rank) else None
+    return ranks, routes, lane, needed
 
 
 def schedule_graph(cfg, layouts):
@@ -240,7 +252,7 @@ def _measure(rank, world, port, name, composed, args) -> dict:
     island = cfg.placement == "non_colocated"
     samples, sizes = make_data(cfg, args.samples, args.text_tokens)
     edges = tuple(tuple(e) for e in cfg.graph.edges)
-    plan = plan_step(sizes, layouts, cfg.packing, cfg.trainer.micro_batch_tokens, () if island else edges)
+    plan = plan_step(sizes, layouts, cfg.packing, cfg.trainer.micro_batch_tokens, edges, island_route="direct")
     mine = plan.rank(rank)
     total = int(sizes.loss_tokens.sum())
     num_micro = plan.num_micro_batches
@@ -250,7 +262,7 @@ def _measure(rank, world, port, name, composed, args) -> dict:
     graph = schedule_graph(cfg, layouts)
     gidx = graph.index
     model = encoder = step = None
-    links, inputs_key, encoded, needed = {}, None, (), None
+    links, inputs_key, encoded = {}, None, ()
     if llm_grid.contains(rank):
         c = llm_grid.coords(rank)
         spec = StageSpec.of(llm.pp_layers, c["pp"])
@@ -276,19 +288,17 @@ def _measure(rank, world, port, name, composed, args) -> dict:
         init_parameters(encoder, cfg.seed)
         encoded = mine.encoder_samples["vision"]
     if island:
-        ranks, routes, lanes, needed = island_routes(plan, layouts, samples, name.endswith("interleaved"))
-        edge_rank = ranks.index(rank) if rank in ranks else None
+        ranks, routes, lane, needed = island_side(plan, layouts, samples, rank, name.endswith("interleaved"))
+        edge = None if routes is None else IslandEdge(ranks, ranks.index(rank))
         if vis_grid.contains(rank):
-            stage_id, lane = gidx("vision", 0), lanes[vis_grid.coords(rank)["dp"]]
+            stage_id = gidx("vision", 0)
             encoded = [s for mb in lane for s in mb]
-            links[gidx("llm", 0)] = RouteLink(IslandEdge(ranks, edge_rank), [r[edge_rank] for r in routes],
-                                              hidden, torch.float32, counter=counter)
+            links[gidx("llm", 0)] = RouteLink(edge, routes, hidden, torch.float32, counter=counter)
             pixels = [torch.cat([samples[s]["images"] for s in lane[i]]) if lane[i] else None
                       for i in range(num_micro)]
-        elif edge_rank is not None:
+        elif edge is not None:
             inputs_key = gidx("vision", 0)
-            links[inputs_key] = RouteLink(IslandEdge(ranks, edge_rank), [r[edge_rank] for r in routes],
-                                          hidden, torch.float32, counter=counter)
+            links[inputs_key] = RouteLink(edge, routes, hidden, torch.float32, counter=counter)
     elif name == "heterogeneous":
         route = mine.routes[next(e for e in mine.routes if e[1] == "llm")]
         step = ColocatedStep(encoder, None, cfg.vision.layout.recompute == "full", counter)
@@ -370,8 +380,8 @@ def _measure(rank, world, port, name, composed, args) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     here = np.zeros(0, np.int64)  # image-row ids this rank needs over the step (minimum bytes)
-    if island and rank in ranks:
-        here = needed[ranks.index(rank)]
+    if island:
+        here = needed
     elif name == "heterogeneous" and model is not None and model.stage.first:
         offset = row_offsets(samples)
         here = np.concatenate([dst_keys(mb, samples, offset) for mb in mine.micro_batches])
