@@ -73,3 +73,23 @@ def test_plan_prints_memory_per_island_and_warns_of_encoder_recompute_it_cannot_
     assert roles["llm pp0"]["max_gib"] == max(r["total"] for r in plan["memory_gib"])
     assert any("vision.layout.recompute=full on an island" in w for w in plan["warnings"])
     assert "memory by role: vision pp0, projector pp0 (16 ranks)" in capsys.readouterr().out
+
+
+def test_projector_is_charged_on_the_last_encoder_stage_only():
+    """On an island the projector runs on the encoder's last stage with its TP and DP
+    (`hcp.plan.step.island_head`), so only those ranks carry its state and activations."""
+    from hcp.train.plan import running_layouts
+
+    cfg, layouts, stage, per_rank = _plan("llava_hetero", *NON_COLOCATED, "vision.layout.pp=2",
+                                          "vision.layout.pp_layers=[12,11]")
+    proj = running_layouts(cfg, layouts)["projector"]
+    assert (proj.rank_offset, proj.num_ranks, proj.dp, proj.pp) == (8, 8, 8, 1)
+    roles = role_table(running_layouts(cfg, layouts), 64)
+    assert roles[0].modules == ("vision",) and roles[8].modules == ("vision", "projector")
+    state = lambda s: s.weights + s.grads + s.optimizer  # noqa: E731
+    assert per_rank[0]["total"] * GIB == pytest.approx(state(stage["vision"][0]) + stage["vision"][0].activations)
+    assert per_rank[8]["total"] * GIB == pytest.approx(state(stage["vision"][1]) + state(stage["projector"][0])
+                                                       + stage["vision"][1].activations + stage["projector"][0].activations)
+    # 16 images per lane (dp8), at most 14 per LLM micro-batch (4096 x cp2 / 576): 2 micro-batches,
+    # both in flight on the last stage (pp - s + llm pp = 1 + 3 is more)
+    assert stage["projector"][0].activations == int(2 * 14 * 576 * (1024 + 2 * 5120) * 2)

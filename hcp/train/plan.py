@@ -15,6 +15,7 @@ sweep of plans ends with one comparison table (`hcp.train.plan_table`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -27,6 +28,7 @@ from hcp.config.layouts import check_layouts, world_size_of
 from hcp.model.llava import LlavaModel
 from hcp.parallel.grid import KINDS, Grid
 from hcp.parallel.roles import logging_rank, role_table
+from hcp.plan.step import island_head
 from hcp.train.estimate import ASSUMPTIONS, estimate_step
 from hcp.train.memory import GIB, STATE_BYTES, module_memory, rank_activations
 from hcp.train.plan_figure import draw_plan
@@ -78,11 +80,31 @@ def _fix_for(cfg, layout, stage_mem) -> tuple[str, object, str]:
     return f"{m}.layout.pp", layout.pp, "raise pp or tp"
 
 
+def running_layouts(cfg, layouts) -> dict:
+    """The layouts modules run under: under `non_colocated` a module sharing an encoder's island
+    (the projector; `hcp.plan.step.island_head`) runs on the head's LAST stage with the head's
+    TP and DP, so its grid is that stage's ranks (one stage, its own recompute and dp_shard);
+    every other module keeps its layout."""
+    edges = [tuple(e) for e in cfg.graph.edges]
+    out = {}
+    for m, lay in layouts.items():
+        head = m if m == "llm" else island_head(layouts, edges, m)
+        h = layouts[head]
+        stage_ranks = h.tp * h.cp * h.dp
+        out[m] = lay if head == m else dataclasses.replace(
+            h, module=m, pp=1, pp_layers=(1,), num_ranks=stage_ranks,
+            rank_offset=h.rank_offset + (h.pp - 1) * stage_ranks, recompute=lay.recompute,
+            dp_shard=lay.dp_shard)
+    return out
+
+
 def stage_memory(cfg, layouts, shapes=None) -> dict:
-    """{module: [StageMemory of one rank of each PP stage]} (`hcp.train.memory.module_memory`);
-    `shapes`: `named_shapes(cfg)` if known."""
+    """{module: [StageMemory of one rank of each PP stage]} (`hcp.train.memory.module_memory`)
+    under the layouts the modules run with (`running_layouts`); `shapes`: `named_shapes(cfg)`
+    if known."""
     shapes = shapes or named_shapes(cfg)
-    return {m: module_memory(cfg, lay, shapes[m], layouts) for m, lay in layouts.items()}
+    running = running_layouts(cfg, layouts)
+    return {m: module_memory(cfg, lay, shapes[m], running) for m, lay in running.items()}
 
 
 def memory_per_rank(cfg, layouts, world: int, stage_mem=None) -> list[dict]:
@@ -92,7 +114,7 @@ def memory_per_rank(cfg, layouts, world: int, stage_mem=None) -> list[dict]:
     if stage_mem is None:
         stage_mem = stage_memory(cfg, layouts)
     per_rank = []
-    for role in role_table(layouts, world):
+    for role in role_table(running_layouts(cfg, layouts), world):
         parts = [stage_mem[m][role.stage(m)] for m in role.modules]
         row = {k: sum(getattr(p, k) for p in parts) / GIB for k in ("weights", "grads", "optimizer")}
         row["activations"] = rank_activations(parts) / GIB
@@ -185,7 +207,7 @@ def run_plan(cfg, out_dir) -> dict:
     layouts = check_layouts(cfg, world)
     shapes = named_shapes(cfg)
     stage_mem = stage_memory(cfg, layouts, shapes)
-    roles = role_table(layouts, world)
+    roles = role_table(running_layouts(cfg, layouts), world)
     per_rank = memory_per_rank(cfg, layouts, world, stage_mem)
     plan = {
         "world_size": world,
