@@ -108,7 +108,7 @@ def _layer_elements(h: int, h_kv: int, f: int, gated: bool, layout) -> dict[str,
 
 def _encoder_source(cfg, module: str) -> str:
     """The encoder whose images an encoder-side module runs on (the projector: its source)."""
-    if module in ("projector",):
+    if module == "projector":
         return next((s for s, d in cfg.graph.edges if d == module), "vision")
     return module
 
