@@ -46,6 +46,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -104,15 +105,20 @@ def _collect(world, name, overrides, args) -> list[dict]:
     for p in procs:
         p.start()
     results = {}
+    deadline = time.monotonic() + args.timeout
     try:
         while len(results) < world:
             try:
                 rank, payload = queue.get(timeout=5)
-            except queue_mod.Empty:  # no word yet: make sure no rank died silently
+            except queue_mod.Empty:  # no word yet: make sure no rank died silently or hangs
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead:
                     raise RuntimeError(f"{name}: rank {dead[0]} died (exit code "
                                        f"{procs[dead[0]].exitcode})") from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world)) - set(results))
+                    raise RuntimeError(f"{name}: ranks {missing} did not finish within --timeout "
+                                       f"{args.timeout} s") from None
                 continue
             if isinstance(payload, str):
                 raise RuntimeError(f"{name}: rank {rank} failed:\n{payload}")
@@ -308,7 +314,9 @@ def regime_summary(out: dict) -> str:
             squeeze += not co["fits"] or co["step_s"] > best["step_s"]
             parts.append(f"{scenario}: non-colocated wins, colocated ranks would need "
                          f"{co['max_gib']:.1f} GiB{'' if co['fits'] else ' (does not fit)'}")
-    verdict = ("reproduced" if colo and squeeze else "partly reproduced" if colo or squeeze else "not tested")
+    if not parts:
+        return "seed's finding not tested (it needs a non-colocated layout or the plan section)"
+    verdict = "reproduced" if colo and squeeze else "partly reproduced" if colo or squeeze else "refuted"
     return f"seed's finding {verdict}: " + "; ".join(parts)
 
 
@@ -326,6 +334,7 @@ def main(argv=None) -> dict:
                     help="global batch size (a multiple of every module's dp); default 8 on 4 "
                          "ranks, 16 on 8")
     ap.add_argument("--text-tokens", type=int, default=96, help="text tokens per sample")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per layout before the run fails")
     ap.add_argument("--plan", choices=("full", "none"), default="full",
                     help="print plan mode's memory of the full-size recipes (full) or not")
     ap.add_argument("--plan-only", action="store_true", help="only the plan section")
