@@ -191,6 +191,12 @@ def summarize(name, per_rank, world, overrides, args) -> dict:
     if name == "heterogeneous":  # thread CPU s per phase: max over ranks, mean over steps
         ph = np.array([r["phases"] for r in per_rank])                  # [ranks, steps, phases]
         extra["phase_busy_s"] = dict(zip(PHASES, ph.max(axis=0).mean(axis=0).round(4).tolist()))
+        enc = ph[:, :, [PHASES.index("encoder_forward"), PHASES.index("encoder_backward")]].sum(2)
+        extra["encoder_busy_s_per_image"] = float(np.mean([e.mean() / r["images"] for e, r in zip(enc, per_rank)]))
+    elif name.startswith("non_colocated"):  # thread CPU s of the encoder stage's micro-batches
+        extra["encoder_busy_s_per_image"] = float(np.mean(
+            [np.mean([sum(f) + sum(b) for f, b in r["per_micro"]]) / r["images"]
+             for r in per_rank if r["stage"] == graph.index("vision", 0) and r["images"]]))
     step_wall = float(wall.max(axis=0).mean())
     loss = next(r["records"][-1][2] for r in per_rank if r["last_llm"])
     return {**extra,
@@ -281,7 +287,10 @@ def measured_conclusion(results) -> str:
         lines.append(f"measured (memory not binding on CPU): {winner} is faster; colocated / {best} "
                      f"modeled step {co['modeled_step_s']:.3f} / {nc['modeled_step_s']:.3f} s "
                      f"({nc['modeled_step_s'] / co['modeled_step_s']:.2f}x), critical path "
-                     f"{co['critical_path_s']:.3f} / {nc['critical_path_s']:.3f} s; LLM stage balance "
+                     f"{co['critical_path_s']:.3f} / {nc['critical_path_s']:.3f} s (busy time has no "
+                     f"pipeline waits); encoder thread CPU s per image {co['encoder_busy_s_per_image']:.3f} "
+                     f"(one batch per step) / {nc['encoder_busy_s_per_image']:.3f} (one per micro-batch); "
+                     "LLM stage balance "
                      + ", ".join(f"{n} {r['llm_stage_balance']:.2f}" for n, r in results.items()))
     return "\n".join(lines)
 
