@@ -92,7 +92,11 @@ class MicroBatchPlan:
     """Slots of this rank's CP shard: sum over documents of 2 * ceil(L / 2c) (L without CP)."""
     image_rows: tuple[int, int]
     """[start, end) of its image rows in the tensor received over the edge into the LLM (only
-    on the LLM's first stage; rows in slot order of the local shard)."""
+    on the LLM's first stage; rows in slot order of the local shard). Several edges into the
+    LLM: the default stream's (`projector`, else the first edge's)."""
+    stream_rows: dict = field(default_factory=dict)
+    """Every edge into the LLM, by source projector: [start, end) of this micro-batch's rows
+    in the tensor received over that edge (`image_rows` is one of them)."""
 
     @property
     def empty(self) -> bool:
@@ -109,7 +113,9 @@ class Counts:
     sum_sq_lengths: float
     """Sum over documents of the squared merged length (attention FLOPs)."""
     image_rows: int = 0
-    """Image rows (image tokens) of the whole batch."""
+    """Image rows (image tokens) of the whole batch (all streams into the LLM)."""
+    stream_rows: dict = field(default_factory=dict)
+    """Rows of the whole batch per stream into the LLM, by source projector."""
 
 
 @dataclass(frozen=True)
@@ -147,7 +153,10 @@ class StepPlan:
     local_tokens: np.ndarray
     """[num groups] slots per rank of each group."""
     image_row_offsets: np.ndarray
-    """[pool, J + 1] prefix sums of image rows per pool position over micro-batches."""
+    """[pool, J + 1] prefix sums of image rows per pool position over micro-batches (the
+    default stream's; `stream_row_offsets` has every stream's)."""
+    stream_row_offsets: dict = field(default_factory=dict)
+    """Source projector of each edge into the LLM -> its [pool, J + 1] prefix sums."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -180,7 +189,9 @@ class StepPlan:
         if llm.contains(rank):
             c = llm.coords(rank)
             pos = c["dp"] * llm.cp + c["cp"]
-            rows = self.image_row_offsets[pos] if c["pp"] == 0 else np.zeros(len(self.group_at) + 1, np.int64)
+            zero = np.zeros(len(self.group_at) + 1, np.int64)
+            rows = self.image_row_offsets[pos] if c["pp"] == 0 else zero
+            streams = {src: off[pos] if c["pp"] == 0 else zero for src, off in self.stream_row_offsets.items()}
             for j in range(self.num_micro_batches):
                 g = self.groups[self.group_at[j, pos]]
                 lengths = self.sizes.tokens[np.asarray(g.seq_indices, dtype=np.int64)]
@@ -190,7 +201,8 @@ class StepPlan:
                                           int(lengths.max()) if len(lengths) else 0, g.cp_size,
                                           g.rank_offset // g.cp_size, pos - g.rank_offset,
                                           int(self.local_tokens[self.group_at[j, pos]]),
-                                          (int(rows[j]), int(rows[j + 1]))))
+                                          (int(rows[j]), int(rows[j + 1])),
+                                          {src: (int(r[j]), int(r[j + 1])) for src, r in streams.items()}))
         routes = {e: t.route(rank) for e, t in self.tables.items()}
         return RankPlan(rank, enc, mbs, routes, self.counts, self.checksum() if checksum else 0)
 
@@ -231,7 +243,7 @@ def _flatten(plan: Plan, pool: int, batch: int):
 
 
 def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_tokens: int,
-              edges=()) -> StepPlan:
+              edges=(), stream_sizes: dict | None = None) -> StepPlan:
     """The step plan of one global batch (module docstring).
 
     Args:
@@ -240,6 +252,10 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
         packing: a registered policy name (`first_fit`, or `dynamic_cp` once registered).
         micro_batch_tokens: THD capacity per rank and micro-batch (tokens).
         edges: module-graph edges `(src, dst)`; those into `llm` are routed.
+        stream_sizes: several streams into the LLM (`hcp.config.modules.streams`): source
+            projector -> the batch's sizes with that stream's rows as its image arrays
+            (`hcp.plan.lengths.stream_indexes`); a stream without an entry uses `sizes`. Text
+            tokens and loss tokens always come from `sizes`.
 
     Raises:
         ValueError: unknown policy; a policy output that misses or repeats a sample or does not
@@ -273,20 +289,28 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
         if B % lay.dp:
             raise ValueError(f"trainer.global_batch_size={B} is not divisible by {m}'s dp={lay.dp}")
         encoder_lanes[m] = lay.dp
-    row_counts = np.zeros((pool, J), dtype=np.int64)
+    stream_sizes = stream_sizes or {}
+    offsets, stream_rows = {}, {}
     for src, dst in edges:
         if dst != "llm":
             continue
-        table, counts = _route_into_llm(sizes, layouts[src], llm, s_group, doc_start, group_at,
-                                         mb_base, size, off, mb_of_group)
+        rows = stream_sizes.get(src, sizes)
+        if not np.array_equal(rows.tokens, sizes.tokens):
+            raise ValueError(f"stream_sizes[{src!r}] has other sample lengths than sizes: both must "
+                             "index the same global batch")
+        table, row_counts = _route_into_llm(rows, layouts[src], llm, s_group, doc_start, group_at,
+                                            mb_base, size, off, mb_of_group)
         tables[(src, dst)] = table
-        row_counts = counts
-    image_row_offsets = np.concatenate([np.zeros((pool, 1), np.int64), np.cumsum(row_counts, 1)], 1)
+        offsets[src] = np.concatenate([np.zeros((pool, 1), np.int64), np.cumsum(row_counts, 1)], 1)
+        stream_rows[src] = int(rows.image_rows_each.sum())
+    default = "projector" if "projector" in offsets else next(iter(offsets), None)
+    image_row_offsets = offsets[default] if default else np.zeros((pool, J + 1), np.int64)
     tok = sizes.tokens
     counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()), float((tok.astype(np.float64) ** 2).sum()),
-                    int(sizes.image_rows_each.sum()))
+                    sum(stream_rows.values()) if stream_rows else int(sizes.image_rows_each.sum()),
+                    stream_rows)
     return StepPlan(sizes, layouts, plan, counts, encoder_lanes, tables, group_at, groups,
-                    local_tokens, image_row_offsets)
+                    local_tokens, image_row_offsets, offsets)
 
 
 def _route_into_llm(sizes, src_lay, llm, s_group, doc_start, group_at, mb_base, size, off, mb_of_group):
