@@ -150,8 +150,8 @@ def check_graph(cfg) -> None:
         src, dst = edge
         allowed = {"encoder": "projector", "projector": "llm"}.get(kind(cfg, src))
         if kind(cfg, dst) != allowed:
-            raise ConfigError("graph.edges", list(edge), f"edge {src}->{dst} goes from a "
-                              f"{kind(cfg, src)} to a {kind(cfg, dst)}; edges go encoder -> "
+            raise ConfigError("graph.edges", list(edge), f"edge {src}->{dst} goes from an "
+                              f"{kind(cfg, src)} to {'an' if kind(cfg, dst) == 'llm' else 'a'} {kind(cfg, dst)}; edges go encoder -> "
                               "projector -> llm", f"route {src} through a projector into the llm"
                               if kind(cfg, src) == "encoder" else "remove the edge")
     if len(set(edges)) != len(edges):

@@ -16,13 +16,21 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from hcp.config.modules import Stream
+from hcp.config.modules import Stream, streams as graph_streams
 from hcp.model.collectives import copy_to_group
 from hcp.model.projector import Projector
 from hcp.model.vit import ViTEncoder
 
 DEFAULT_STREAMS = (Stream("projector", "vision"),)
 """LLaVA's graph: vision -> projector -> llm."""
+
+
+def graph_kwargs(cfg) -> dict:
+    """`LlavaModel` keyword arguments for a config's named encoders and projectors and its
+    streams (`hcp.config.modules`): `LlavaModel(cfg.vision, cfg.projector, cfg.llm,
+    **graph_kwargs(cfg))` is the whole single-process model."""
+    return dict(encoders=dict(cfg.get("encoders") or {}), projectors=dict(cfg.get("projectors") or {}),
+                streams=graph_streams(cfg.graph.edges) if cfg.get("vision") is not None else None)
 
 
 def add_encoder_modules(parent: nn.Module, encoders: Mapping, projectors: Mapping, streams,

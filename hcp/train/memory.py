@@ -34,6 +34,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from hcp.config.modules import kind, module_cfg
+
 STATE_BYTES = {"bf16": {"weights": 2, "grads": 4, "optimizer": 12},
                "fp32": {"weights": 4, "grads": 4, "optimizer": 8}}
 """Bytes per trained parameter by precision (optimizer: fp32 master weights if any + 2 moments)."""
@@ -93,9 +95,10 @@ def _activations(cfg, layout, stage: int) -> float:
     """Activation bytes of one rank of `stage`."""
     tokens, e = cfg.trainer.micro_batch_tokens, ACT_BYTES[cfg.precision]
     m = layout.module
-    if m == "projector":
-        return tokens * (cfg.vision.hidden_size + 2 * cfg.llm.hidden_size / layout.tp) * e
-    c = cfg[m]
+    if kind(cfg, m) == "projector":  # fed by its one encoder (hcp.config.modules)
+        src = next(s for s, d in cfg.graph.edges if d == m)
+        return tokens * (module_cfg(cfg, src).hidden_size + 2 * cfg.llm.hidden_size / layout.tp) * e
+    c = module_cfg(cfg, m)
     h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if m == "llm" else c.hidden_size
     elems = _layer_elements(c.hidden_size, h_kv, c.ffn_hidden_size, m == "llm", layout)
     in_flight = layout.pp - stage
@@ -109,7 +112,7 @@ def _activations(cfg, layout, stage: int) -> float:
 
 def _needs_grad(cfg, module: str) -> bool:
     """Whether gradients flow through `module`: it or a module upstream of it trains."""
-    if not cfg[module].freeze:
+    if not module_cfg(cfg, module).freeze:
         return True
     return any(_needs_grad(cfg, src) for src, dst in cfg.graph.edges if dst == module)
 
@@ -119,7 +122,7 @@ def module_memory(cfg, layout, named_shapes) -> list[StageMemory]:
     vocab = cfg.llm.vocab_size if layout.module == "llm" else None
     state = STATE_BYTES[cfg.precision]
     shard = layout.dp * layout.cp if layout.dp_shard else 1
-    trained = not cfg[layout.module].freeze
+    trained = not module_cfg(cfg, layout.module).freeze
     stages = []
     for s, params in enumerate(stage_params(named_shapes, layout, vocab)):
         acts = _activations(cfg, layout, s) if _needs_grad(cfg, layout.module) else 0
