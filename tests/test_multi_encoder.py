@@ -299,3 +299,99 @@ def test_second_stream_positions_are_filled_by_its_own_projector():
     torch.testing.assert_close(embeds[batch.stream_masks["projector2"]], rows2, rtol=0, atol=0)
     torch.testing.assert_close(embeds[batch.image_mask], rows1, rtol=0, atol=0)
     assert rows2.shape[0] > 0 and rows1.shape[0] > 0
+
+
+# --- config, data and plan mode of the two-encoder recipe -------------------------------------
+
+RECIPE = ["+recipe=llava_tiny_two_encoders"]
+BRANCH = ["+projectors={pooled:{pool:2,layout:{tp:${vision.layout.tp}}}}", "graph.edges=[[vision,projector],[vision,pooled],[projector,llm],"
+          "[pooled,llm],[vision2,projector2],[projector2,llm]]"]
+
+
+def _cfg(*overrides):
+    from cfg_utils import compose_cfg
+    return compose_cfg([*RECIPE, *overrides])
+
+
+def test_two_encoder_recipe_reads_both_inputs_and_plans_every_stream():
+    from hcp.config.validate import validate
+    from hcp.data.build import build_datasets, stream_token_ids
+    from hcp.data.packing import collate
+    from hcp.plan.lengths import stream_indexes
+
+    cfg = _cfg(*BRANCH, "llm.layout.tp=2", "encoders.vision2.layout.tp=1")
+    layouts = validate(cfg, 4)
+    assert {m: (lay.tp, lay.dp) for m, lay in layouts.items()} == {
+        "vision": (2, 2), "vision2": (1, 4), "projector": (2, 2), "projector2": (1, 4), "pooled": (2, 2),
+        "llm": (2, 2)}
+    flows = streams(cfg.graph.edges)
+    assert flows == (Stream("projector", "vision"), Stream("pooled", "vision"), Stream("projector2", "vision2"))
+    tok, train, held_out = build_datasets(cfg)
+    ids = stream_token_ids(cfg, tok)
+    assert ids == {"projector": 259, "pooled": 260, "projector2": 261} and tok.vocab_size == 262
+    s = train[0]
+    assert len(s.images) == 1 and len(s.inputs["vision2"]) == 1 and held_out is not None
+    counts = {p: s.input_ids.count(i) for p, i in ids.items()}
+    assert counts == {"projector": 16, "pooled": 4, "projector2": 4}  # 2x2 patches, 2x2 pool, 4x4 patches
+    assert s.input_ids.index(ids["pooled"]) == s.input_ids.index(ids["projector"]) + 16  # one <image>, two runs
+    assert train.pixel_values(s, "vision2").shape == (1, 1, 8, 8)
+    rows = {f.projector: 16 if f.projector == "projector" else 4 for f in flows}
+    index = stream_indexes(_First(train, 16), ids, rows,
+                           {f.projector: f.encoder for f in flows})
+    plan = plan_step(index["projector"], layouts, "first_fit", cfg.trainer.micro_batch_tokens, cfg.graph.edges,
+                     index)
+    assert set(plan.tables) == {("projector", "llm"), ("pooled", "llm"), ("projector2", "llm")}
+    assert plan.counts.stream_rows == {"projector": 256, "pooled": 64, "projector2": 64}
+    mb = plan.rank(0).micro_batches[0]
+    assert set(mb.stream_rows) == {"projector", "pooled", "projector2"}
+    batch = collate([train[i] for i in mb.samples], [], tok.image_token_id, ids)
+    assert set(batch.stream_masks) == {"pooled", "projector2"}
+    a, b = mb.stream_rows["projector2"]
+    assert b - a == int(batch.stream_masks["projector2"].sum())  # llm cp = 1: all of them
+
+
+class _First:
+    """The first n samples of a data set."""
+
+    def __init__(self, ds, n):
+        self.ds, self.n = ds, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.ds[i]
+
+
+@pytest.mark.parametrize("overrides, field, text", [
+    (["+encoders={llm:{}}"], "encoders.llm", "built-in"),
+    (["+projectors={vision2:{}}"], "projectors.vision2", "also used"),
+    (["graph.edges=[[vision,projector],[projector,llm],[vision2,llm]]"], "graph.edges", "projector"),
+    (["graph.edges=[[vision,projector],[projector,llm]]"], "graph.edges", "projector2"),
+    (["graph.edges=[[vision,projector],[projector,llm],[vision2,projector2],[projector2,llm],[vision,projector2]]"],
+     "graph.edges", "exactly one"),
+    (["projectors.projector2.pool=3"], "projectors.projector2.pool", "patch grid"),
+    (["encoders.vision2.layout.tp=3"], "encoders.vision2.layout.tp", "not divisible"),
+    (["projectors.projector2.layout.tp=2"], "projectors.projector2.layout", "vision2's layout"),
+    (["encoders.vision2.hiden_size=3"], "encoders.vision2.hiden_size", "hidden_size"),
+    (["vision=null", "projector=null", "graph.edges=[[vision2,projector2],[projector2,llm]]"], "vision",
+     "default encoder"),
+])
+def test_bad_names_edges_and_layouts_of_named_modules_are_named(overrides, field, text):
+    from hcp.config.errors import ConfigError
+    from hcp.config.validate import validate
+
+    with pytest.raises(ConfigError, match=text) as err:
+        validate(_cfg(*overrides), 4)
+    assert err.value.field == field
+
+
+@pytest.mark.slow
+def test_plan_mode_lists_named_modules(tmp_path, capsys):
+    from hcp.train.plan import run_plan
+
+    plan = run_plan(_cfg(*BRANCH), str(tmp_path))
+    out = capsys.readouterr().out
+    for m in ("vision2", "projector2", "pooled"):
+        assert f"  {m}" in out
+    assert (tmp_path / "plan.json").is_file() and plan is not None
