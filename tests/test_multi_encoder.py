@@ -316,7 +316,6 @@ def _cfg(*overrides):
 def test_two_encoder_recipe_reads_both_inputs_and_plans_every_stream():
     from hcp.config.validate import validate
     from hcp.data.build import build_datasets, stream_token_ids
-    from hcp.data.packing import collate
     from hcp.plan.lengths import stream_indexes
 
     cfg = _cfg(*BRANCH, "llm.layout.tp=2", "encoders.vision2.layout.tp=1")
@@ -344,8 +343,10 @@ def test_two_encoder_recipe_reads_both_inputs_and_plans_every_stream():
     assert plan.counts.stream_rows == {"projector": 256, "pooled": 64, "projector2": 64}
     mb = plan.rank(0).micro_batches[0]
     assert set(mb.stream_rows) == {"projector", "pooled", "projector2"}
-    batch = collate([train[i] for i in mb.samples], [], tok.image_token_id, ids)
-    assert set(batch.stream_masks) == {"pooled", "projector2"}
+    batch = train.collate([train[i] for i in mb.samples])
+    assert set(batch.stream_masks) == {"pooled", "projector2"} and train.stream_ids == ids
+    assert batch.encoder_pixels["vision2"].shape == (len(mb.samples), 1, 8, 8)
+    assert batch.pixel_values.shape == (len(mb.samples), 1, 8, 8)
     a, b = mb.stream_rows["projector2"]
     assert b - a == int(batch.stream_masks["projector2"].sum())  # llm cp = 1: all of them
 

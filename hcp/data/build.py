@@ -41,7 +41,8 @@ def encoder_inputs(cfg, tok) -> tuple[EncoderInput, ...] | None:
     out = []
     for e in encoder_names(cfg):
         c = module_cfg(cfg, e)
-        expansion = tuple((ids[s.projector], rows_per_item(cfg, s)) for s in all_streams if s.encoder == e)
+        expansion = tuple((s.projector, ids[s.projector], rows_per_item(cfg, s)) for s in all_streams
+                          if s.encoder == e)
         out.append(EncoderInput(e, expansion, c.image_size, c.num_channels,
                                 load_clip_image if c.arch == "clip" else load_image))
     return tuple(out)

@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from PIL import Image
 
+from hcp.data.packing import collate
+
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
 
@@ -89,11 +91,11 @@ def load_image(path: str, image_size: int, num_channels: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class EncoderInput:
     """How a sample feeds one encoder: its placeholder (`<image>`, `<name>`), record key
-    (`image`, `name`), what each placeholder expands into ((token id, count) per stream, in
-    order) and how an input file is read into `[C, H, W]`."""
+    (`image`, `name`), what each placeholder expands into ((projector, token id, count) per
+    stream, in order) and how an input file is read into `[C, H, W]`."""
 
     name: str
-    expansion: tuple[tuple[int, int], ...]
+    expansion: tuple[tuple[str, int, int], ...]
     image_size: int
     num_channels: int
     loader: Callable = None
@@ -140,7 +142,8 @@ class LlavaDataset:
         self.image_size, self.num_channels = image_size, num_channels
         self.image_loader = image_loader
         self.encoders = {e.name: e for e in encoders} if encoders else {"vision": EncoderInput(
-            "vision", ((tokenizer.image_token_id, num_image_tokens),), image_size, num_channels, image_loader)}
+            "vision", (("projector", tokenizer.image_token_id, num_image_tokens),), image_size,
+            num_channels, image_loader)}
         self._split = re.compile("(" + "|".join(re.escape(e.placeholder) for e in self.encoders.values()) + ")")
         self.max_seq_len, self.system_prompt = max_seq_len, system_prompt
         self.skipped = SkipReport()
@@ -172,6 +175,18 @@ class LlavaDataset:
 
     def __getitem__(self, i: int) -> Sample:
         return self.samples[i]
+
+    @property
+    def stream_ids(self) -> dict[str, int]:
+        """Placeholder id of every stream into the LLM, by projector."""
+        return {p: token for e in self.encoders.values() for p, token, _ in e.expansion}
+
+    def collate(self, samples):
+        """`hcp.data.packing.collate` of `samples` with every encoder's inputs and every
+        stream's mask (`Batch.stream_masks`, `Batch.encoder_pixels`)."""
+        named = [e for e in self.encoders if e != "vision"]
+        return collate(samples, [self.pixel_values(s) for s in samples], self.tok.image_token_id,
+                       self.stream_ids, {e: [self.pixel_values(s, e) for s in samples] for e in named})
 
     def pixel_values(self, sample: Sample, encoder: str = "vision") -> torch.Tensor:
         """The sample's inputs of `encoder` (default: its images), `[I, C, H, W]` fp32 (I may be 0)."""
@@ -243,7 +258,7 @@ class LlavaDataset:
                 by_text = {e.placeholder: e for e in self.encoders.values()}
                 for j, part in enumerate(self._split.split(turn["value"])):
                     if j % 2:  # a placeholder: every stream's ids of its encoder, in turn
-                        for token, count in by_text[part].expansion:
+                        for _, token, count in by_text[part].expansion:
                             add([token] * count)
                     elif part:
                         add(tok.encode(part))
