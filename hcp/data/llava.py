@@ -181,12 +181,15 @@ class LlavaDataset:
         """Placeholder id of every stream into the LLM, by projector."""
         return {p: token for e in self.encoders.values() for p, token, _ in e.expansion}
 
-    def collate(self, samples):
+    def collate(self, samples, sources=None):
         """`hcp.data.packing.collate` of `samples` with every encoder's inputs and every
-        stream's mask (`Batch.stream_masks`, `Batch.encoder_pixels`)."""
+        stream's mask (`Batch.stream_masks`, `Batch.encoder_pixels`). `sources`: the `Sample`s
+        whose inputs to read, one per sample (default: `samples`; greedy decoding collates
+        growing prompts of them)."""
+        sources = samples if sources is None else sources
         named = [e for e in self.encoders if e != "vision"]
-        return collate(samples, [self.pixel_values(s) for s in samples], self.tok.image_token_id,
-                       self.stream_ids, {e: [self.pixel_values(s, e) for s in samples] for e in named})
+        return collate(samples, [self.pixel_values(s) for s in sources], self.tok.image_token_id,
+                       self.stream_ids, {e: [self.pixel_values(s, e) for s in sources] for e in named})
 
     def pixel_values(self, sample: Sample, encoder: str = "vision") -> torch.Tensor:
         """The sample's inputs of `encoder` (default: its images), `[I, C, H, W]` fp32 (I may be 0)."""
