@@ -156,8 +156,10 @@ class LlavaModel(nn.Module):
             if rows is None:
                 rows = self._encode(batch, stream, mask, shard, slots, encoded)
             elif rows.shape[0] != slots.shape[0]:
-                raise ValueError(f"the routed rows of {stream.projector} are {rows.shape[0]} but this "
-                                 f"rank's tokens hold {slots.shape[0]} of its positions: they must be equal")
+                what = ("batch.image_rows" if stream.projector == "projector"
+                        else f"batch.stream_rows[{stream.projector!r}]")
+                raise ValueError(f"{what} has {rows.shape[0]} rows but this rank's tokens hold "
+                                 f"{slots.shape[0]} image positions: they must be equal")
             if rows is not None:
                 embeds = embeds.index_put((slots,), rows.to(embeds.dtype))
         return embeds
