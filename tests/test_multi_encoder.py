@@ -209,7 +209,7 @@ def _worker(rank, world, name):
     init_parameters(side, SEED)
     init_parameters(model, SEED)
     default, per_stream = sizes_of(flows, ids, labels)
-    plan = plan_step(default, layouts, "first_fit", MBT, GRAPHS[graph], per_stream)
+    plan = plan_step(default, layouts, "first_fit", MBT, GRAPHS[graph], stream_sizes=per_stream)
     sent = _bitwise_second_edge(plan, rank, layouts, flows, ids)
     mine = plan.rank(rank)
     total = plan.counts.loss_tokens
@@ -338,7 +338,7 @@ def test_two_encoder_recipe_reads_both_inputs_and_plans_every_stream():
     index = stream_indexes(_First(train, 16), ids, rows,
                            {f.projector: f.encoder for f in flows})
     plan = plan_step(index["projector"], layouts, "first_fit", cfg.trainer.micro_batch_tokens, cfg.graph.edges,
-                     index)
+                     stream_sizes=index)
     assert set(plan.tables) == {("projector", "llm"), ("pooled", "llm"), ("projector2", "llm")}
     assert plan.counts.stream_rows == {"projector": 256, "pooled": 64, "projector2": 64}
     mb = plan.rank(0).micro_batches[0]
