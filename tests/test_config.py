@@ -121,9 +121,9 @@ def test_missing_gpu_backend_says_how_to_install():
 
 @pytest.mark.parametrize("overrides, field", [
     (["vision.layout.cp=2", "projector.layout.cp=2"], "vision.layout.cp"),
-    (["vision.layout.dp_shard=true"], "vision.layout.dp_shard"),
     (["llm.layout.pp=2", "llm.tie_embeddings=true"], "llm.tie_embeddings"),
-    (["placement=non_colocated", "vision.layout.num_ranks=2"], "placement"),
+    (["placement=non_colocated", "vision.layout.num_ranks=2", "llm.layout.dp_shard=true"],
+     "llm.layout.dp_shard"),
     (["packing=dynamic_cp"], "packing"),
 ])
 def test_training_rejects_layouts_it_cannot_run_yet_with_a_fix(overrides, field):

@@ -41,7 +41,9 @@ def _step(rank, world, container, run_dir):
     weights = {n: _whole(p.data if not isinstance(p, DTensor) else p, p, groups[n.split(".")[0]])
                for n, p in named}
     return dict(loss=loss, counts=counts, norm=norm, grads=grads, weights=weights,
-                encoder_grad_sq=getattr(tr, "encoder_grad_sq", None))
+                encoder_grad_sq=getattr(tr, "encoder_grad_sq", None),
+                groups={g["name"]: (g["lr"], g["weight_decay"]) for g in tr.optimizer.param_groups},
+                sharded=sorted({n.split(".")[0] for n, p in named if isinstance(p, DTensor)}))
 
 
 def _merged(results, key):

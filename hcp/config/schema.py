@@ -39,6 +39,22 @@ class LayoutConfig:
 
 
 @dataclass
+class ModuleOptimConfig:
+    """A module's own optimizer settings (`vision.optim`, `projector.optim`, `llm.optim`): its
+    parameters form their own AdamW parameter groups (`<module>.decay`, `<module>.no_decay`),
+    e.g. LLaVA's lower learning rate for a fine-tuned vision tower (`vision.optim.lr=2e-6`,
+    its `mm_vision_tower_lr`) or a projector without weight decay. Unset fields use `optim.*`;
+    the warmup and cosine schedule scale every group's peak alike. On resume this config's
+    values win over the checkpoint's (the log says what changed). hcp.train.optim."""
+
+    lr: Optional[float] = None
+    """Peak learning rate of this module; None: `optim.lr`."""
+    weight_decay: Optional[float] = None
+    """Weight decay of this module's weight matrices (norms, biases and embeddings never
+    decay); None: `optim.weight_decay`."""
+
+
+@dataclass
 class VisionConfig:
     """ViT image encoder (CLIP-style: patch embedding, CLS token, pre-norm blocks)."""
 
@@ -55,6 +71,8 @@ class VisionConfig:
     norm_eps: float = 1e-5
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
+    optim: ModuleOptimConfig = field(default_factory=ModuleOptimConfig)
+    """This module's own learning rate / weight decay (`ModuleOptimConfig`)."""
     init_from: Optional[str] = None
     """A local Hugging Face CLIP checkpoint folder (config.json + safetensors); its architecture
     fields replace this block's (a conflicting command-line value is an error)."""
@@ -74,6 +92,8 @@ class ProjectorConfig:
     stream, e.g. the pooled branch of one vision tower feeding two projectors)."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
+    optim: ModuleOptimConfig = field(default_factory=ModuleOptimConfig)
+    """This module's own learning rate / weight decay (`ModuleOptimConfig`)."""
 
 
 @dataclass
@@ -93,6 +113,8 @@ class LLMConfig:
     """`auto` (fastest installed), `torch` (pure torch, CPU reference), `te`, `flash`."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
+    optim: ModuleOptimConfig = field(default_factory=ModuleOptimConfig)
+    """This module's own learning rate / weight decay (`ModuleOptimConfig`)."""
     init_from: Optional[str] = None
     """A local Hugging Face LLaMA checkpoint folder (config.json + safetensors, one file or
     sharded with its index); its architecture fields replace this block's (a conflicting

@@ -1,4 +1,7 @@
-"""Sharded data parallelism (`llm.layout.dp_shard=true`) with torch's FSDP2 (`fully_shard`).
+"""Sharded data parallelism (`<module>.layout.dp_shard=true`) with torch's FSDP2 (`fully_shard`).
+
+Each module shards over its own DP group (`shard_model`: the LLM; `shard_encoder`: the vision
+encoder and the projector, each on its own mesh, colocated on the same ranks).
 
 Parameters, gradients and AdamW state are sharded over the LLM's joint DP x CP group (a 1-D
 `DeviceMesh` made from the existing process group): each decoder layer is one FSDP unit (its
@@ -19,6 +22,17 @@ Composition with the other parallelisms:
   `set_reduce_scatter_unused_params`), so every rank's reduce-scatter has the same size.
 - bf16: compute runs under autocast (`hcp.train.step`), so parameters, gradients and their
   reduction stay fp32.
+
+The encoder side (`shard_encoder`) shards each module whose layout has `dp_shard` over that
+module's DP group (the encoder's lanes; under encoder TP each rank's TP slice is sharded, as
+above): each ViT block is one unit, the `vision` root holds the patch and position embeddings and
+the pre-norm; the projector is one unit. The encoder runs once per step (phase 1 of
+`hcp.schedule.colocated`, recomputed in phase 3 under `recompute=full`) and backward once, so its
+reduce-scatter runs once per step with no gradient-sync toggling. Every encoder lane runs that
+forward and backward, also with no image (a `[0, C, H, W]` batch, whose zero gradients still
+reach every parameter), so lanes with no or fewer images issue the same all-gathers and
+reduce-scatters. Its gradients are summed like the LLM's (divide factor 1); the clipping norm
+sums the shards' squares over the module's DP group (`hcp.train.modules.encoder_sq_norm`).
 """
 from __future__ import annotations
 
@@ -33,21 +47,44 @@ def shard_model(model, groups) -> None:
     Raises RuntimeError when this torch's FSDP2 cannot reduce-scatter unused parameters (a lane
     without images would otherwise hang or fail the reduce-scatter).
     """
+    _shard(model, list(model.llm.layers), groups.group("llm", "dp_cp"), "llm")
+
+
+def shard_encoder(encoder, layouts: dict, groups) -> tuple[str, ...]:
+    """Apply FSDP2 in place to the encoder-side modules of `encoder` (`hcp.model.llava.
+    LlavaEncoder`) whose layout has `dp_shard`, each over its own DP group (module docstring).
+    Returns the names of the sharded modules (() when none asked for it, or no encoder).
+
+    Raises RuntimeError as `shard_model`.
+    """
+    if encoder is None:
+        return ()
+    sharded = tuple(m for m in ("vision", "projector") if layouts[m].dp_shard)
+    for m in sharded:
+        module = encoder.get_submodule(m)
+        _shard(module, list(getattr(module, "blocks", ())), groups.group(m, "dp"), m)
+    return sharded
+
+
+def _shard(root, units: list, group, name: str) -> None:
+    """`fully_shard` each of `units`, then `root` (the rest of its parameters), over `group`:
+    gradients summed (divide factor 1), unused parameters reduce-scattered as zeros, and the
+    TP `shard_spec` of every parameter carried over to its DTensor."""
     if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
-        raise RuntimeError(f"llm.layout.dp_shard=true needs FSDPModule.set_reduce_scatter_unused_params, "
+        raise RuntimeError(f"{name}.layout.dp_shard=true needs FSDPModule.set_reduce_scatter_unused_params, "
                            f"which torch {torch.__version__} lacks: upgrade torch (2.13 has it) or "
-                           "set llm.layout.dp_shard=false")
-    specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
-    device = next(model.parameters()).device.type
-    mesh = DeviceMesh.from_group(groups.group("llm", "dp_cp"), device_type=device)
-    for layer in model.llm.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    for module in model.modules():
+                           f"set {name}.layout.dp_shard=false")
+    specs = {n: p.shard_spec for n, p in root.named_parameters() if getattr(p, "shard_spec", None)}
+    device = next(root.parameters()).device.type
+    mesh = DeviceMesh.from_group(group, device_type=device)
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(root, mesh=mesh)
+    for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
             module.set_reduce_scatter_unused_params(True)
-    for name, p in model.named_parameters():
-        if name in specs:
-            p.shard_spec = specs[name]
+    for n, p in root.named_parameters():
+        if n in specs:
+            p.shard_spec = specs[n]

@@ -37,8 +37,10 @@ class RankModules(nn.Module):
 
 def sync_grads(params, group) -> None:
     """Sum the gradients of the trainable `params` over `group` in one flat buffer (no-op for
-    size 1). A parameter without a gradient joins with zeros, so every rank's buffer is the same."""
-    params = [p for p in params if p.requires_grad]
+    size 1). A parameter without a gradient joins with zeros, so every rank's buffer is the same.
+    FSDP-sharded parameters (DTensors: a module under `dp_shard`) are left out: their backward
+    already reduce-scattered them over the module's DP group."""
+    params = [p for p in params if p.requires_grad and not isinstance(p, DTensor)]
     if group_size(group) == 1 or not params:
         return
     grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
@@ -49,6 +51,27 @@ def sync_grads(params, group) -> None:
             p.grad = synced
         else:
             p.grad.copy_(synced)
+
+
+def whole_state(module, tp_group) -> dict | None:
+    """`module`'s parameters made whole on this rank, {FQN: tensor}: FSDP shards (DTensors)
+    gathered over their DP group, then TP shards (with `shard_spec`) over `tp_group`; None when
+    every parameter is whole here already (no TP group, no FSDP). Collectives over both groups
+    in parameter order: every rank of the module calls it."""
+    params = list(module.named_parameters())
+    if tp_group is None and not any(isinstance(p, DTensor) for _, p in params):
+        return None
+    state = {}
+    for name, p in params:
+        t = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        spec = getattr(p, "shard_spec", None)
+        if spec is None:
+            state[name] = t
+            continue
+        parts = [torch.empty_like(t) for _ in range(spec.world)]
+        dist.all_gather(parts, t.contiguous(), group=tp_group)
+        state[name] = torch.cat(parts, dim=spec.dim)
+    return state
 
 
 def _squares(params, device) -> torch.Tensor:
@@ -75,6 +98,29 @@ def module_sq_norm(params, device, tp_group=None, shard_group=None, pp_group=Non
     if pp_group is not None and group_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)
     return sq.sum()
+
+
+def encoder_sq_norm(encoder, device, groups) -> torch.Tensor:
+    """Squared L2 norm of the encoder side's gradients over all its ranks (0-d float64, the same
+    on every rank): per module (`vision`, `projector`), TP shards summed over the encoder's TP
+    group and, for a module under `dp_shard` (FSDP), the shards summed over the module's DP
+    group (`module_sq_norm`). Collectives in the same order on every rank (the sharding is a
+    config fact)."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for name in ("vision", "projector"):
+        module = getattr(encoder, name)
+        params = list(module.parameters())
+        sharded = any(isinstance(p, DTensor) for p in params)
+        sq = sq + module_sq_norm(params, device, encoder.tp_group,
+                                 groups.group(name, "dp") if sharded else None)
+    return sq
+
+
+def local_grad_sq(params) -> float:
+    """Sum of squares of this rank's own gradient tensors (an FSDP shard's local part; no
+    collective), e.g. to check that a rank got a gradient."""
+    return sum(float((p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).double().pow(2).sum())
+               for p in params if p.grad is not None)
 
 
 def clip_(params, norm: float, max_norm: float) -> None:

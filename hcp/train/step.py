@@ -2,8 +2,9 @@
 
 Token-level loss (DESIGN.md section 3): every micro-batch's loss sum is divided by the number
 of loss tokens of the whole global batch (all micro-batches, DP lanes and CP ranks), counted
-with one all-reduce over the first stage's DP group before any forward pass, so gradients summed
-over DP x CP equal the single-process gradient of the same global batch.
+with one all-reduce over the first stage's DP group before any forward pass, or taken from the
+step plan (`planned`: no collective), so gradients summed over DP x CP equal the
+single-process gradient of the same global batch.
 
 Pipeline: the first stage holds the data; it broadcasts [number of micro-batches, global loss
 tokens, global tokens] over the `pp` group (the number may change every step), then every
@@ -112,14 +113,15 @@ class StepRunner:
         stage; None elsewhere), synchronized over DP x CP. `metas`: every micro-batch's
         `StageMeta` when the caller knows them (the step plan), else broadcast from the first
         stage. `planned`: the step plan's global [loss tokens, tokens, sum of squared document
-        lengths, image rows], used instead of counting (`packing=dynamic_cp`, where one
-        micro-batch runs on several DP positions; pp = 1 and no FSDP only). Returns (global loss, [global loss tokens, global tokens, global sum of squared
+        lengths, image rows], used instead of counting them with a collective (`_counts`); the
+        micro-batch count is then `len(metas)` (the plan pads every lane of an FSDP group to
+        the same count). Returns (global loss, [global loss tokens, global tokens, global sum of squared
         document lengths], micro-batches run per lane (padded under FSDP), this stage's
         timings)."""
-        if planned is not None and (self.stage.num_stages > 1 or self.sharded):
-            raise ValueError("planned counts need pp = 1 and no FSDP (every lane runs its own count)")
+        if planned is not None and metas is None:
+            raise ValueError("planned counts need every micro-batch's metas (the step plan's)")
         counts = (self._counts(batches) if planned is None else
-                  torch.tensor([len(batches), *planned], dtype=torch.float64, device=self.device))
+                  torch.tensor([len(metas), *planned], dtype=torch.float64, device=self.device))
         n_micro, global_tokens = int(counts[0]), counts[1].item()
         if self.stage.first:  # FSDP: a lane with fewer micro-batches still joins every collective
             batches = pad_micro_batches(batches, n_micro, self.device)

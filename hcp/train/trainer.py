@@ -21,12 +21,11 @@ import torch
 import torch.distributed as dist
 
 from hcp.config.layouts import resolve_layouts
-from hcp.config.schema import MODULES
 from hcp.data.build import build_datasets, num_image_tokens
 from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
-from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, micro_batch_group
+from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, with_cp_group
 from hcp.model import LlavaModel, init_parameters
 from hcp.model.hf_load import load_pretrained
 from hcp.model.llava import LlavaEncoder
@@ -41,12 +40,14 @@ from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
 from hcp.train.failures import NonFiniteGuard
-from hcp.train.fsdp import shard_model
+from hcp.train.fsdp import shard_encoder, shard_model
 from hcp.train.metrics_log import RunLogger, whole_step_metrics
-from hcp.train.modules import RankModules, clip_, module_sq_norm, sync_grads
-from hcp.train.optim import build_optimizer, build_scheduler
+from hcp.train.modules import (RankModules, clip_, encoder_sq_norm, local_grad_sq, module_sq_norm,
+                               sync_grads)
+from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
 from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
+from hcp.train.whole_encoder import whole_encoder
 
 
 class Trainer:
@@ -54,7 +55,15 @@ class Trainer:
 
     `run_dir` is the run directory chosen once by the launching process; only the logging
     rank writes into it (checkpoints are written by every rank, as DCP shards).
+    `Trainer(cfg, run_dir)` under `placement=non_colocated` builds the island trainer
+    (`hcp.train.islands.IslandTrainer`: a rank builds only its island's modules).
     """
+
+    def __new__(cls, cfg, run_dir: str):
+        if cls is Trainer and cfg.placement == "non_colocated":
+            from hcp.train.islands import IslandTrainer  # it subclasses Trainer
+            cls = IslandTrainer
+        return super().__new__(cls)
 
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.run_dir = cfg, run_dir
@@ -67,26 +76,30 @@ class Trainer:
         if self.dynamic_cp:
             register_policy("dynamic_cp", dynamic_cp_policy(cfg.llm, cfg.packing_profile))
         llm = self.layouts["llm"]
-        coords = self.groups.grids["llm"].coords(self.rank)
-        self.dp, self.lane, self.cp = llm.dp, coords["dp"], llm.cp
-        self.stage = StageSpec.of(llm.pp_layers, coords["pp"])
-        self.dp_group = self.groups.group("llm", "dp")
-        self.grad_group = self.groups.group("llm", "dp_cp")
-        self.tp_group = self.groups.group("llm", "tp") if llm.tp > 1 else None
-        self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
+        self.dp, self.cp, self.lane, self.stage = llm.dp, llm.cp, None, None
+        self.dp_group = self.grad_group = self.tp_group = self.cp_group = None
+        if self.groups.runs("llm"):  # every rank but an encoder island's (non_colocated)
+            coords = self.groups.grids["llm"].coords(self.rank)
+            self.lane, self.stage = coords["dp"], StageSpec.of(llm.pp_layers, coords["pp"])
+            self.dp_group = self.groups.group("llm", "dp")
+            self.grad_group = self.groups.group("llm", "dp_cp")
+            self.tp_group = self.groups.group("llm", "tp") if llm.tp > 1 else None
+            self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg)
         self.edges = tuple(tuple(e) for e in cfg.graph.edges)
         self.encoder = self._build_encoder()
         self.model = self._build_model()
-        self.modules = RankModules(self.encoder, self.model)
+        self.modules = self._rank_modules()
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's slices
         if llm.dp_shard:
             shard_model(self.model, self.groups)
-        self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
+        shard_encoder(self.encoder, self.layouts, self.groups)  # {vision,projector}.layout.dp_shard
+        self.runner = (StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
+                       if self.model is not None else None)
         self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full")
-                          if self.encoder is not None else None)
-        self.optimizer = build_optimizer(self.modules, cfg.optim)
+                          if self.encoder is not None and cfg.placement == "colocated" else None)
+        self.optimizer = build_optimizer(self.modules, cfg.optim, module_overrides(cfg))  # groups per module
         self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
@@ -126,6 +139,10 @@ class Trainer:
         if cfg.llm.freeze:
             model.llm.requires_grad_(False)
         return model.to(self.device)
+
+    def _rank_modules(self) -> RankModules:
+        """This rank's modules under one root keyed by module FQN (checkpoints, optimizer)."""
+        return RankModules(self.encoder, self.model)
 
     def _resume(self) -> None:
         resume = self.cfg.resume
@@ -167,7 +184,9 @@ class Trainer:
         dynamic CP (`hcp.dcp.policy.cp_histogram`, else {})). Only this rank's samples are read: images
         only for its encoder samples, text only on the LLM's first stage (and the labels on the
         last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
-        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives."""
+        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives;
+        under non_colocated, where every LLM lane runs every micro-batch of the encoder islands;
+        and under dynamic CP with PP (every stage rank of the pool keeps the plan's order)."""
         step = self.plan(indices)
         mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
         ds, device = self.train_set, self.device
@@ -175,34 +194,35 @@ class Trainer:
         if self.encoder is not None:
             images = [ds.pixel_values(ds[indices[s]]) for s in mine.encoder_samples["vision"]]
             pixels = torch.cat(images).to(device)
-        keep_empty = self.layouts["llm"].dp_shard
+        keep_empty = (self.layouts["llm"].dp_shard or self.cfg.placement == "non_colocated"
+                      or (self.dynamic_cp and self.stage.num_stages > 1))
         batches, metas = [] if self.stage.first else None, []
+        tag = ((lambda b, mb: with_cp_group(b, self.groups, mb, self.rank)) if self.dynamic_cp
+               else (lambda b, mb: b))  # dynamic CP: each micro-batch's own pre-built CP group
         for mb in mine.micro_batches:
             if mb.empty:
                 if keep_empty:
                     empty = empty_batch(device)
-                    metas.append(StageMeta.of(empty))
+                    metas.append(tag(StageMeta.of(empty), mb))
                     if batches is not None:
-                        batches.append((mb, empty))
+                        batches.append((mb, tag(empty, mb)))
                 continue
             cu = torch.as_tensor(mb.cu_seqlens, device=device)
             if self.stage.first or self.stage.last:
                 samples = [ds[indices[s]] for s in mb.samples]
             if self.stage.first:
-                batch = collate(samples, [], self.tok.image_token_id).to(device)
-                if self.dynamic_cp:  # the micro-batch's own CP group (None at CP size 1)
-                    batch.cp_group = micro_batch_group(self.groups, mb, self.rank)
+                batch = tag(collate(samples, [], self.tok.image_token_id).to(device), mb)
                 if not torch.equal(batch.cu_seqlens, cu):
                     raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
                                        f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
                 batches.append((mb, batch))
-                metas.append(StageMeta.of(batch))
+                metas.append(tag(StageMeta.of(batch), mb))
                 continue
             lengths = (cu[1:] - cu[:-1]).tolist()
             labels = (torch.tensor([t for s in samples for t in s.labels], device=device)
                       if self.stage.last else torch.full((int(cu[-1]),), -100, device=device))
-            metas.append(StageMeta(cu, mb.max_seqlen, torch.cat([torch.arange(n, device=device)
-                                                                 for n in lengths]), labels))
+            metas.append(tag(StageMeta(cu, mb.max_seqlen, torch.cat(
+                [torch.arange(n, device=device) for n in lengths]), labels), mb))
         return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}
 
     def train_step(self) -> dict:
@@ -217,7 +237,7 @@ class Trainer:
         if update:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.scheduler.lr
         if update:
             self.scheduler.step()
         self.step += 1
@@ -236,8 +256,9 @@ class Trainer:
             if batches is not None and leaf is not None:
                 for mb, batch in batches:
                     batch.image_rows = leaf[mb.image_rows[0]:mb.image_rows[1]]
-            c = mine.counts  # dynamic CP: a micro-batch runs on several DP positions, count once
-            planned = [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows] if self.dynamic_cp else None
+            c = mine.counts  # the plan's global counts (no collective); trainer.check_plan counts too
+            check = self.cfg.trainer.get("check_plan") and not self.dynamic_cp
+            planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
             return self.runner.forward_backward([b for _, b in batches] if batches is not None else None,
                                                 metas, planned)
 
@@ -247,8 +268,7 @@ class Trainer:
 
         route = mine.routes[next(e for e in mine.routes if e[1] == "llm")]
         (loss, counts, n_micro, self.stage_times), self.phase_times = self.colocated.run(pixels, route, llm_phase)
-        self.encoder_grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.encoder.parameters()
-                                   if p.grad is not None)   # this rank's own, before the DP sum
+        self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())  # before the DP sum (FSDP: after)
         sync_grads(self.encoder.parameters(), self.groups.group("vision", "dp"))
         if mine.counts.image_rows == 0:  # no image anywhere: as in one process, no encoder update
             for p in self.encoder.parameters():
@@ -267,7 +287,8 @@ class Trainer:
 
     @staticmethod
     def _plan_counts(mine, counted) -> list[float]:
-        """The plan's global counts, checked against the loss tokens the schedule counted."""
+        """The plan's global counts, checked against the loss tokens the schedule counted
+        (under `trainer.check_plan` it counts them with a collective; else it takes the plan's)."""
         c = mine.counts
         if counted[0] != c.loss_tokens:
             raise RuntimeError(f"the step plan counts {c.loss_tokens} loss tokens, the micro-batches "
@@ -281,7 +302,7 @@ class Trainer:
                             self.grad_group if llm.dp_shard else None,
                             self.groups.group("llm", "pp") if llm.pp > 1 else None)
         if self.encoder is not None:
-            sq = sq + module_sq_norm(self.encoder.parameters(), self.device, self.encoder.tp_group)
+            sq = sq + encoder_sq_norm(self.encoder, self.device, self.groups)
         norm = float(sq.sqrt())
         clip_(self.modules.parameters(), norm, max_norm)
         return norm
@@ -313,25 +334,8 @@ class Trainer:
         return max(mbt, self.cfg.data.max_seq_len) if self.dynamic_cp else mbt
 
     def _whole_encoder(self) -> LlavaEncoder | None:
-        """The encoder side whole on this rank, for evaluation (greedy decoding re-encodes each
-        prompt's images inside the LLM's first stage): the training encoder itself under
-        encoder tp = 1, else a copy whose TP shards are gathered over the encoder's TP group
-        (a collective over it: every rank evaluates)."""
-        if self.encoder is None or self.encoder.tp_group is None:
-            return self.encoder
-        cfg, group = self.cfg, self.encoder.tp_group
-        whole = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size).to(self.device)
-        state = {}
-        for name, p in self.encoder.named_parameters():
-            spec = getattr(p, "shard_spec", None)
-            if spec is None:
-                state[name] = p.detach()
-                continue
-            parts = [torch.empty_like(p) for _ in range(spec.world)]
-            dist.all_gather(parts, p.detach().contiguous(), group=group)
-            state[name] = torch.cat(parts, dim=spec.dim)
-        whole.load_state_dict(state)
-        return whole
+        """The encoder side whole on this rank, for evaluation (`hcp.train.whole_encoder`)."""
+        return whole_encoder(self.encoder, self.cfg, self.device)
 
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
