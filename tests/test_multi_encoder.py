@@ -396,3 +396,20 @@ def test_plan_mode_lists_named_modules(tmp_path, capsys):
     for m in ("vision2", "projector2", "pooled"):
         assert f"  {m}" in out
     assert (tmp_path / "plan.json").is_file() and plan is not None
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["placement=non_colocated", "vision.layout.num_ranks=1", "encoders.vision2.layout.num_ranks=1"], "placement"),
+    (["encoders.vision2.layout.dp_shard=true"], "encoders.vision2.layout.dp_shard"),
+    (["encoders.vision2.init_from=/tmp/clip"], "encoders.vision2.init_from"),
+    (["vision.layout.recompute=full"], "encoders.vision2.layout.recompute"),
+])
+def test_training_refuses_what_several_encoders_do_not_run_yet(overrides, field):
+    from hcp.config.errors import ConfigError
+    from hcp.config.validate import validate
+    from hcp.train.support import check_trainable
+
+    cfg = _cfg(*overrides)
+    with pytest.raises(ConfigError) as err:
+        check_trainable(cfg, validate(cfg, 4))
+    assert err.value.field == field
