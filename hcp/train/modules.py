@@ -21,12 +21,16 @@ from hcp.model.collectives import group_size
 
 class RankModules(nn.Module):
     """This rank's modules under one root: the encoder side's `vision` and `projector`
-    (`hcp.model.llava.LlavaEncoder`, None for a text-only LM) and the LLM stage's `llm`."""
+    (`hcp.model.llava.LlavaEncoder`, None for a text-only LM; an `EncoderSide` adds its named
+    encoders and projectors) and the LLM stage's `llm`."""
 
     def __init__(self, encoder, llm_stage):
         super().__init__()
         self.vision = encoder.vision if encoder is not None else None
         self.projector = encoder.projector if encoder is not None else None
+        for name, child in encoder.named_children() if encoder is not None else ():
+            if name not in ("vision", "projector"):  # named encoders and projectors (EncoderSide)
+                self.add_module(name, child)
         self.llm = llm_stage.llm
         self.stage, self.cp_group = llm_stage.stage, llm_stage.cp_group  # what checkpoints label
 
