@@ -1,8 +1,8 @@
 """hcp's framework overhead: its `dp4` training step beside a plain torch DDP loop of the same
 model, data, initial weights and schedule (issue 10 part 3).
 
-    python benchmarks/overhead.py                    # 4 gloo ranks, +recipe=llama_tiny, 12 steps
-    python benchmarks/overhead.py --steps 20 --profile 3
+    python benchmarks/overhead.py                    # 4 gloo ranks, +recipe=llama_tiny, 3 x 8 steps
+    python benchmarks/overhead.py --reps 5 --steps 10 --profile 3
 
 On each of `--nproc` forked gloo ranks: hcp's `Trainer` (`+recipe=llama_tiny`, pure DP) and a
 plain loop written here with nothing from hcp's model, step or trainer code (one file, the way a
@@ -11,10 +11,13 @@ for gradient accumulation, `clip_grad_norm_`, AdamW, the same cosine schedule). 
 the same weights (copied from hcp's layout-invariant init by parameter name) and read the same
 micro-batches (hcp's step plan and data reading, `Trainer.prepare`, which the plain loop calls
 too, on its own prefetch thread like hcp's `PlanAhead`, so data costs the same). The two loops alternate step by step, so both see the same machine
-load; each step's wall time and every rank's thread CPU time are measured.
+load (which of the two goes first alternates too); each step's wall time and every rank's
+thread CPU time are measured.
 
-Prints tokens/s of each (global tokens / mean step wall time), the ratio hcp / plain, the
-critical path (largest per-rank CPU seconds per step) of each, thread CPU time per step in the
+Prints, for each of `--reps` repetitions of `--steps` steps (one after the other in the same
+processes) and their median: tokens/s of each (global tokens / mean step wall time), the ratio
+hcp / plain, the critical path (largest per-rank CPU seconds per step) of each and its ratio
+plain / hcp. Then, over all measured steps, thread CPU time per step in the
 sections of a step (data, forward + backward with gradient sync, clipping, optimizer, hcp's
 metrics), and the largest difference of
 their per-step losses (they must be identical up to fp32 summation order: checked against
@@ -27,6 +30,7 @@ import argparse
 import math
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -259,7 +263,7 @@ def _rank(rank, world, port, overrides, steps, warmup, profile, queue):
         if i == warmup:
             for sec in sections.values():
                 sec.total.clear()
-        for name in ("hcp", "plain"):
+        for name in ("hcp", "plain") if i % 2 == 0 else ("plain", "hcp"):
             dist.barrier()
             cpu0, t0 = time.thread_time(), time.perf_counter()
             if name == "hcp":
@@ -309,17 +313,19 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--nproc", type=int, default=4, help="gloo ranks (pure DP)")
-    ap.add_argument("--steps", type=int, default=12, help="measured steps of each loop")
+    ap.add_argument("--steps", type=int, default=8, help="measured steps of each loop per repetition")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions (reported each and their median)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured first steps of each loop")
     ap.add_argument("--profile", type=int, default=0, help="profile this many more steps")
     ap.add_argument("--loss-rtol", type=float, default=1e-4)
     ap.add_argument("overrides", nargs="*", help="extra hcp config overrides")
     args = ap.parse_args(argv)
-    if args.steps < 1 or args.nproc < 1:
-        ap.error("--steps and --nproc must be >= 1")
+    if min(args.steps, args.nproc, args.reps) < 1:
+        ap.error("--steps, --reps and --nproc must be >= 1")
+    measured = args.reps * args.steps
     ctx = mp.get_context("fork")
     queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_rank, args=(r, args.nproc, port, args.overrides, args.steps,
+    procs = [ctx.Process(target=_rank, args=(r, args.nproc, port, args.overrides, measured,
                                              args.warmup, args.profile, queue))
              for r in range(args.nproc)]
     for p in procs:
@@ -337,35 +343,41 @@ def main(argv=None) -> dict:
     results.sort(key=lambda r: r[0])
     for p in procs:
         p.join()
-    out = {}
-    for name in ("hcp", "plain"):
-        per_rank = [rows[name] for _, rows, _, _ in results]
-        wall = [max(r[i][0] for r in per_rank) for i in range(args.steps)]
-        out[name] = dict(tokens_per_s=sum(r[3] for r in per_rank[0]) / sum(wall),
-                         critical_cpu_s=sum(max(r[i][1] for r in per_rank) for i in range(args.steps)) / args.steps,
-                         losses=[r[2] for r in per_rank[0]])
+    def loop(name, first, last):
+        """tokens/s, critical-path CPU s per step and losses of steps [first, last)."""
+        per_rank = [rows[name][first:last] for _, rows, _, _ in results]
+        wall = [max(r[i][0] for r in per_rank) for i in range(last - first)]
+        return dict(tokens_per_s=sum(r[3] for r in per_rank[0]) / sum(wall),
+                    critical_cpu_s=sum(max(r[i][1] for r in per_rank)
+                                       for i in range(last - first)) / (last - first),
+                    losses=[r[2] for r in per_rank[0]])
+
+    print(f"{args.nproc} gloo ranks, +recipe=llama_tiny {' '.join(args.overrides)}, {args.reps} x "
+          f"{args.steps} steps of each (after {args.warmup} warm-up), alternating")
+    print(f"{'rep':<6} {'hcp tok/s':>9} {'plain tok/s':>11} {'ratio':>6} {'hcp cpu s':>9} "
+          f"{'plain cpu s':>11} {'cpu ratio':>9}")
+    reps = []
+    for k in range(args.reps):
+        h, p = (loop(n, k * args.steps, (k + 1) * args.steps) for n in ("hcp", "plain"))
+        reps.append((h["tokens_per_s"] / p["tokens_per_s"], p["critical_cpu_s"] / h["critical_cpu_s"]))
+        print(f"{k + 1:<6} {h['tokens_per_s']:9.0f} {p['tokens_per_s']:11.0f} {reps[-1][0]:6.3f} "
+              f"{h['critical_cpu_s']:9.4f} {p['critical_cpu_s']:11.4f} {reps[-1][1]:9.3f}")
+    ratio, cpu_ratio = (statistics.median(r[i] for r in reps) for i in range(2))
+    out = {n: loop(n, 0, measured) for n in ("hcp", "plain")}
     diff = max(abs(a - b) / abs(b) for a, b in zip(out["hcp"]["losses"], out["plain"]["losses"]))
-    print(f"{args.nproc} gloo ranks, +recipe=llama_tiny {' '.join(args.overrides)}, "
-          f"{args.steps} steps each (after {args.warmup} warm-up), alternating")
-    print(f"{'loop':<6} {'tokens/s':>9} {'cpu s/step':>10} {'first loss':>10} {'last loss':>10}")
-    for name in ("hcp", "plain"):
-        o = out[name]
-        print(f"{name:<6} {o['tokens_per_s']:9.0f} {o['critical_cpu_s']:10.4f} {o['losses'][0]:10.5f} "
-              f"{o['losses'][-1]:10.5f}")
-    ratio = out["hcp"]["tokens_per_s"] / out["plain"]["tokens_per_s"]
-    cpu_ratio = out["plain"]["critical_cpu_s"] / out["hcp"]["critical_cpu_s"]
-    print(f"hcp / plain tokens/s: {ratio:.3f}x (critical-path CPU: {cpu_ratio:.3f}x); "
-          f"largest relative loss difference {diff:.2e} (rtol {args.loss_rtol:g}): "
+    print(f"median hcp / plain tokens/s: {ratio:.3f}x (critical-path CPU: {cpu_ratio:.3f}x); "
+          f"losses {out['hcp']['losses'][0]:.5f} -> {out['hcp']['losses'][-1]:.5f}, largest "
+          f"relative difference {diff:.2e} (rtol {args.loss_rtol:g}): "
           f"{'identical' if diff <= args.loss_rtol else 'DIFFERENT'}")
     names = ["data", "forward_backward", "clip", "optimizer", "metrics"]
     for i, what in enumerate(("thread CPU", "wall")):
         mean = lambda loop, n: sum(r[3][loop].get(n, (0, 0))[i] for r in results) / len(results)  # noqa: E731
         print(f"{what} ms per step by section, mean over ranks (hcp / plain): " + ", ".join(
-            f"{n} {mean('hcp', n) / args.steps * 1e3:.1f} / {mean('plain', n) / args.steps * 1e3:.1f}"
+            f"{n} {mean('hcp', n) / measured * 1e3:.1f} / {mean('plain', n) / measured * 1e3:.1f}"
             for n in names))
     if results[0][2]:
         print(results[0][2])
-    out.update(ratio=ratio, cpu_ratio=cpu_ratio, loss_rel_diff=diff)
+    out.update(ratio=ratio, cpu_ratio=cpu_ratio, reps=reps, loss_rel_diff=diff)
     if diff > args.loss_rtol:
         raise SystemExit(f"the loss curves differ by {diff:.2e} > --loss-rtol {args.loss_rtol:g}")
     return out
