@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hcp.comm.boundary import RouteBytes
 from hcp.comm.island import IslandEdge
 from hcp.model import init_parameters
 from hcp.model.encoder_stage import EncoderStage
@@ -150,22 +151,28 @@ class IslandTrainer(Trainer):
         return contextlib.nullcontext()
 
     def _route_links(self, mine, graph) -> dict:
-        """{peer global stage: RouteLink} of every island edge this rank is on."""
+        """{peer global stage: RouteLink} of every island edge this rank is on; the bytes this
+        rank sends over them accumulate in `self.route_bytes` (forward rows, returned gradients;
+        the TP leader's broadcast inside the LLM island not counted)."""
         links, llm = {}, self.layouts["llm"]
+        if not hasattr(self, "route_bytes"):
+            self.route_bytes = RouteBytes()
         for edge, routes in mine.island_routes.items():
             src = island_head(self.layouts, self.edges, edge[0])
             ranks = edge_ranks(Grid.of(self.layouts[src]), Grid.of(llm))
             link_edge = IslandEdge(ranks, ranks.index(self.rank))
             hidden = self.cfg.llm.hidden_size
             if self.encoder is not None:
-                links[graph.index("llm", 0)] = RouteLink(link_edge, routes, hidden, torch.float32, self.device)
+                links[graph.index("llm", 0)] = RouteLink(link_edge, routes, hidden, torch.float32,
+                                                         self.device, self.route_bytes)
                 continue
             leader = None
             if llm.tp > 1:  # the plan's default `leader` route: TP rank 0 receives, broadcasts
                 rows = [mb.image_rows[1] - mb.image_rows[0] for mb in mine.micro_batches]
                 leader = (self.tp_group, self.groups.ranks("llm", "tp")[0], rows)
             peer = graph.index(src, self.layouts[src].pp - 1)
-            links[peer] = RouteLink(link_edge, routes, hidden, torch.float32, self.device, leader=leader)
+            links[peer] = RouteLink(link_edge, routes, hidden, torch.float32, self.device,
+                                    self.route_bytes, leader=leader)
         return links
 
     def _pipe_links(self, module: str, stage: StageSpec, g: int, spec) -> dict:
