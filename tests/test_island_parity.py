@@ -112,3 +112,6 @@ def test_non_colocated_trains_encoder_pp_and_refuses_what_it_cannot_run_with_a_f
         with pytest.raises(ConfigError) as e:
             check_trainable(cfg, validate(cfg, world_size=4))
         assert e.value.field == field and "Fix:" in str(e.value)
+    cfg = compose_cfg(["+recipe=llama_tiny", "placement=non_colocated"])     # text only: no island
+    with pytest.raises(ConfigError, match="no encoder island"):
+        check_trainable(cfg, validate(cfg, world_size=4))

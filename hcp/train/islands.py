@@ -47,6 +47,7 @@ from hcp.model.encoder_stage import EncoderStage
 from hcp.model.stage import StageSpec
 from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
+from hcp.parallel.roles import logging_rank
 from hcp.plan.step import island_head
 from hcp.schedule.graph import graph_one_f_one_b, stage_graph
 from hcp.schedule.graph_executor import GraphStageExecutor, PipeLink, RouteLink
@@ -232,13 +233,8 @@ class IslandTrainer(Trainer):
         self._sync(mine)
         if self.encoder is None and stage.last:
             dist.all_reduce(loss_total, group=self.grad_group)
-        dist.broadcast(loss_total, self.logging_rank)  # every rank: the same loss (non-finite guard)
+        dist.broadcast(loss_total, logging_rank(self.layouts))  # every rank: the same loss (non-finite guard)
         return loss_total.item() / c.loss_tokens, [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths], n_micro
-
-    @property
-    def logging_rank(self) -> int:
-        from hcp.parallel.roles import logging_rank
-        return logging_rank(self.layouts)
 
     def _sync(self, mine) -> None:
         """Each module's gradients summed over its own DP (x CP) group."""
