@@ -238,8 +238,9 @@ class IslandTrainer(Trainer):
 
     def _sync(self, mine) -> None:
         """Each module's gradients summed over its own DP (x CP) group."""
-        if self.encoder is None:
-            self.runner._sync_grads()
+        if self.encoder is None:  # the LLM's DP x CP sum (buckets launched after the schedule)
+            if self.runner.reducer is not None:
+                self.runner.reducer.finish()
             return
         params = list(self.encoder.parameters())
         self.encoder_grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None)
