@@ -51,7 +51,7 @@ from hcp.parallel.roles import logging_rank
 from hcp.plan.step import island_head
 from hcp.schedule.graph import graph_one_f_one_b, stage_graph
 from hcp.schedule.graph_executor import GraphStageExecutor, PipeLink, RouteLink
-from hcp.train.modules import clip_, module_sq_norm, sync_grads
+from hcp.train.modules import clip_, module_sq_norm, sync_grads, whole_state
 from hcp.train.trainer import Trainer
 
 
@@ -294,8 +294,10 @@ class IslandTrainer(Trainer):
         members = sorted({*senders, *(int(r) for r in Grid.of(self.layouts["llm"]).ranks[0].ravel())})
         if getattr(self, "_eval_group", None) is None:
             self._eval_group = dist.new_group(members)  # every rank calls new_group
-        state = ({n: _whole_tensor(p, self.encoder.tp_group) for n, p in self.encoder.named_parameters()}
-                 if self.encoder is not None else {})
+        state = {}
+        if self.encoder is not None:  # TP shards gathered (a collective over the TP group)
+            state = (whole_state(self.encoder, self.encoder.tp_group)
+                     or {n: p.detach() for n, p in self.encoder.named_parameters()})
         if self.rank not in members:
             return None
         projector = self._projector_name()
@@ -324,12 +326,3 @@ class IslandTrainer(Trainer):
                    and island_head(self.layouts, self.edges, m) == self.heads[0]]
         return members[0] if members else "projector"
 
-
-def _whole_tensor(p: torch.Tensor, group) -> torch.Tensor:
-    """A parameter made whole over its TP group (`shard_spec`; a collective over it)."""
-    spec = getattr(p, "shard_spec", None)
-    if spec is None:
-        return p.detach()
-    parts = [torch.empty_like(p) for _ in range(spec.world)]
-    dist.all_gather(parts, p.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=spec.dim)
