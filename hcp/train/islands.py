@@ -228,7 +228,8 @@ class IslandTrainer(Trainer):
                 with self._autocast():
                     out = self.encoder(inputs[i] if stage.first else received[g - 1])
                 return out.float()
-        executor = GraphStageExecutor(forward, links)
+        reducer = self.runner.reducer if self.runner is not None else None
+        executor = GraphStageExecutor(forward, links, reducer.sync_in_backward if reducer else None)
         self.stage_times = executor.run(graph_one_f_one_b(graph, n_micro)[g])
         self._sync(mine)
         if self.encoder is None and stage.last:
@@ -238,7 +239,7 @@ class IslandTrainer(Trainer):
 
     def _sync(self, mine) -> None:
         """Each module's gradients summed over its own DP (x CP) group."""
-        if self.encoder is None:  # the LLM's DP x CP sum (buckets launched after the schedule)
+        if self.encoder is None:  # the LLM's DP x CP sum (buckets launched in the last backward)
             if self.runner.reducer is not None:
                 self.runner.reducer.finish()
             return
