@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from hcp.dcp.baselines import greedy, packing_only
 from hcp.dcp.cost_model import load_cost, recipe_llm
 from hcp.dcp.lower_bound import lower_bound
-from hcp.dcp.pipeline_bound import lp_makespan, pipeline_bound, stage_classes, _floors
+from hcp.dcp.pipeline_bound import lp_makespan, pipeline_bound, stage_classes, stage_floors
 from hcp.dcp.plan import Group, Plan, Round, fill_idle, rank_tokens, validate_plan
 from hcp.dcp.solver import simulate_plan, solve
 
@@ -90,7 +90,7 @@ def test_lp_of_fixed_sizes_is_the_simulated_time():
     duration per stage class and must reproduce the simulator's time exactly."""
     cost = COSTS[3]
     lens = np.array([3000])
-    work, smallest = _floors(lens, cost, 1, 4096)
+    work, smallest = stage_floors(lens, cost, 1, 4096)
     plan = Plan([Round([Group([0], 1, 0)])])
     # fwd_floor = fwd at c = 1 (no communication), so the floors are the plan's durations
     assert lp_makespan(1, cost, work, smallest) == pytest.approx(
