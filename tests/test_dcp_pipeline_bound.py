@@ -121,6 +121,8 @@ def test_on_a_tiny_case_the_bound_lies_strictly_between_the_simple_bound_and_the
     res = pipeline_bound(lens, cost, 2, 1024)
     opt = best_time(lens, cost, 2, 1024)
     assert 1.1 * res.simple < res.bound <= opt  # 1.127x the simple bound, 0.83x the optimum
+    capped = pipeline_bound(lens, cost, 2, 1024, max_micro_batches=res.best_m - 1)
+    assert res.simple < capped.bound < res.bound and capped.lps < res.lps and capped.best_m is None
     # with three stages the relaxation drops stage 1's order: lower than all stages' LP,
     # still above the simple bound (1.0747x and 1.0774x it)
     lens, cost3 = np.array([372, 1641, 1780, 1192]), COSTS[3]

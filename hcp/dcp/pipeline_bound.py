@@ -216,7 +216,7 @@ def pipeline_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int
     best, best_m, lps = np.inf, None, 0
     while _staged(cost, work, smallest, M) < best:
         if max_micro_batches is not None and M > max_micro_batches:
-            best, best_m = min(best, _staged(cost, work, smallest, M)), best_m
+            best, best_m = _staged(cost, work, smallest, M), None  # < best: loop condition
             break
         t = lp_makespan(M, cost, work, smallest, stages)
         lps += 1
