@@ -187,6 +187,10 @@ class DataConfig:
     """`byte` (nothing to download) or a path to a Hugging Face `tokenizer.json`."""
     max_seq_len: int = 256
     """Longest sample in tokens after `<image>` expansion."""
+    images_per_sample: float = 1.0
+    """Plan mode: images (or tiles) per sample that the encoder's memory estimate assumes
+    (LLaVA-1.5: 1; dynamic high-resolution tiling: the mean tile count). Training counts the
+    real images."""
     system_prompt: str = ""
     """Vicuna-v1 system prompt; LLaVA-1.5 uses a long one, the tiny recipe none."""
     on_error: str = "error"

@@ -15,7 +15,9 @@ H100 step of 7.5 s (0.15 of the step, hidden on the plan-ahead thread); planning
 and broadcasting the plan (~18 KiB) would cost every other rank 0.06 s of broadcast plus 0.05 s
 of routing on the main thread, and put a collective between the ranks and their next step. In
 the CLI (llama_tiny, 8 ranks, pool 8) prepare takes 0.35 s per step against 1.67 s of step
-time, fully hidden from step 2 on (`plan_s`, `plan_hidden_s` in metrics.jsonl).
+time, fully hidden from step 2 on (`plan_s`, `plan_hidden_s` in metrics.jsonl). At pool 64
+(PP 8 and PP 1) planning stays under 0.1 of the step in thread CPU time
+(benchmarks/dynamic_cp_broadcast.py).
 
 Runtime (hcp/train/trainer.py `prepare`, `with_cp_group`): the pool of a TP index and pipeline
 stage is the dp * cp ranks that share them (ranks strided by tp), so every TP rank of a pool

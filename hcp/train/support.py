@@ -88,8 +88,9 @@ def _check_dynamic_cp_trainable(cfg, layouts: dict) -> None:
     encoder side (image rows routed to the CP rank that holds their positions). Raises
     ConfigError (`hcp.dcp.policy.check_dynamic_cp`) unless the pool is a power of two and the
     longest sample (`data.max_seq_len`) fits it at `trainer.micro_batch_tokens` per rank, head-tail
-    padding counted, and `packing_profile` loads. A global batch with fewer samples than pool
-    ranks trains: the ranks without a sample run empty micro-batches (no collective hangs)."""
+    padding counted, and `packing_profile` loads (islands refuse dynamic CP in
+    `_check_islands_trainable`). A global batch with fewer samples than pool ranks trains: the
+    ranks without a sample run empty micro-batches (no collective hangs)."""
     from hcp.dcp.policy import check_dynamic_cp
 
     check_dynamic_cp(cfg, layouts["llm"])
@@ -125,6 +126,10 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
                 raise ConfigError(f"{m}.layout.recompute", lay.recompute,
                                   "encoder recompute is not built for placement=non_colocated yet",
                                   "use recompute=none")
+            if lay.dp_shard:
+                raise ConfigError(f"{m}.layout.dp_shard", True, "FSDP of an encoder island is not "
+                                  "built for placement=non_colocated yet", f"set {m}.layout.dp_shard="
+                                  "false, or use placement=colocated")
         for island in (members, ["llm"]):
             if all(cfg[m].freeze for m in island):
                 raise ConfigError(f"{island[0]}.freeze", True, f"every module of the island "

@@ -12,6 +12,9 @@ their gradients back, the encoder backward. Loss is token-level over the whole g
 (DESIGN.md section 3): every module is scaled by the same global count; gradients are summed
 over each module's own DP (x CP) group, the clipping norm is global over every module, and one
 optimizer steps them all. A text-only LM (no vision) runs the LLM phase alone.
+Under `placement=non_colocated` `Trainer(cfg, run_dir)` is the island trainer
+(`hcp.train.islands.IslandTrainer`): a rank builds only its island's modules and the step is the
+graph-aware 1F1B across the islands.
 """
 from __future__ import annotations
 
