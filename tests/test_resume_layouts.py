@@ -73,8 +73,9 @@ def test_resume_at_another_layout_continues_the_run(whole, case):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_resume_with_the_encoder_at_another_dp_size(tmp_path):
-    """A heterogeneous LLaVA run (encoder dp4, LLM tp2 x cp2) saved at step 2 resumes with the
-    encoder at tp2 x dp2 (another DP size) and logs the uninterrupted run's losses."""
+    """A heterogeneous LLaVA run (encoder dp4 under dp_shard: FSDP over the encoder's DP group,
+    LLM tp2 x cp2) saved at step 2 resumes with the encoder at tp2 x dp2 (another DP size)
+    without dp_shard and logs the uninterrupted run's losses."""
     common = ["+recipe=llava_tiny_hetero", "logger=none", "trainer.log_every=1", "trainer.eval_every=0",
               "trainer.progress_bar=false", "trainer.eval_samples=4", "trainer.max_steps=4"]
 
@@ -86,7 +87,7 @@ def test_resume_with_the_encoder_at_another_dp_size(tmp_path):
         with open(run_dir / "metrics.jsonl") as f:
             return {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}, proc.stdout
 
-    ref, _ = run(tmp_path / "whole", "trainer.save_every=2")
+    ref, _ = run(tmp_path / "whole", "trainer.save_every=2", "vision.layout.dp_shard=true")
     losses, log = run(tmp_path / "resumed", "vision.layout.tp=2", "projector.layout.tp=2",
                       f"resume={tmp_path / 'whole' / 'checkpoints' / 'step_00000002'}")
     assert sorted(losses) == [3, 4]

@@ -206,7 +206,8 @@ def _remove(path: str) -> None:
 
 
 def layout_label(model, tp_group) -> str:
-    """This run's LLM layout as users write it, e.g. `dp4`, `tp2 x dp2`, `pp2 x dp2 (dp_shard)`;
+    """This run's LLM layout as users write it, e.g. `dp4`, `tp2 x dp2`, `pp2 x dp2 (dp_shard)`
+    (`(dp_shard)`: the LLM's own parameters are FSDP shards; the encoder side's do not count);
     a model that names its run's layout itself (`layout_label`, e.g. the islands of
     `hcp.train.islands.IslandModules`) gives the same label on every rank."""
     if isinstance(getattr(model, "layout_label", None), str):
@@ -216,7 +217,8 @@ def layout_label(model, tp_group) -> str:
     pp = model.stage.num_stages if hasattr(model, "stage") else 1
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dist.get_world_size() // (tp * cp * pp)}
     label = " x ".join(f"{k}{v}" for k, v in sizes.items() if v > 1) or "1 rank"
-    return label + (" (dp_shard)" if any(isinstance(p, DTensor) for p in model.parameters()) else "")
+    llm_sharded = any(isinstance(p, DTensor) for n, p in model.named_parameters() if n.startswith("llm."))
+    return label + (" (dp_shard)" if llm_sharded else "")
 
 
 def _size(group) -> int:
@@ -237,13 +239,14 @@ def _check_folder(key: str, path) -> None:
 
 def expected_trainable(cfg) -> set[str]:
     """FQNs this config trains (the whole model, every stage; built on the meta device)."""
-    from hcp.config.schema import MODULES
+    from hcp.config.modules import module_cfg, module_names
+    from hcp.model.encoder_side import graph_kwargs
     from hcp.model.llava import LlavaModel
 
-    with torch.device("meta"):
-        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm)
+    with torch.device("meta"):  # named encoders and projectors too (h-encoders)
+        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, **graph_kwargs(cfg))
     return {n for n, _ in model.named_parameters()
-            if not cfg[n.split(".")[0]].freeze and n.split(".")[0] in MODULES}
+            if n.split(".")[0] in module_names(cfg) and not module_cfg(cfg, n.split(".")[0]).freeze}
 
 
 def check_resume(cfg) -> None:

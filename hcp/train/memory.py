@@ -48,6 +48,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from hcp.config.modules import kind, module_cfg
+
 STATE_BYTES = {"bf16": {"weights": 2, "grads": 4, "optimizer": 12},
                "fp32": {"weights": 4, "grads": 4, "optimizer": 8}}
 """Bytes per trained parameter by precision (optimizer: fp32 master weights if any + 2 moments)."""
@@ -108,15 +110,15 @@ def _layer_elements(h: int, h_kv: int, f: int, gated: bool, layout) -> dict[str,
 
 def _encoder_source(cfg, module: str) -> str:
     """The encoder whose images an encoder-side module runs on (the projector: its source)."""
-    if module == "projector":
-        return next((s for s, d in cfg.graph.edges if d == module), "vision")
+    if kind(cfg, module) == "projector":
+        return next(s for s, d in cfg.graph.edges if d == module)
     return module
 
 
 def encoder_activation_tokens(cfg, layout, stage: int, layouts: dict) -> tuple[float, int]:
     """(tokens per rank whose activations an encoder-side module's `stage` keeps per micro-batch,
     micro-batches in flight), module docstring."""
-    enc = cfg[_encoder_source(cfg, layout.module)]
+    enc = module_cfg(cfg, _encoder_source(cfg, layout.module))
     patches = (enc.image_size // enc.patch_size) ** 2
     per_image = patches + (0 if layout.module == "projector" else 1)
     images = cfg.trainer.global_batch_size / layout.dp * float(cfg.data.images_per_sample)
@@ -134,9 +136,10 @@ def _activations(cfg, layout, stage: int, layouts=None) -> float:
     in_flight = layout.pp - stage
     if m != "llm" and layouts is not None:
         tokens, in_flight = encoder_activation_tokens(cfg, layout, stage, layouts)
-    if m == "projector":
-        return in_flight * tokens * (cfg.vision.hidden_size + 2 * cfg.llm.hidden_size / layout.tp) * e
-    c = cfg[m]
+    if kind(cfg, m) == "projector":  # fed by its one encoder (hcp.config.modules)
+        src = next(s for s, d in cfg.graph.edges if d == m)
+        return in_flight * tokens * (module_cfg(cfg, src).hidden_size + 2 * cfg.llm.hidden_size / layout.tp) * e
+    c = module_cfg(cfg, m)
     h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if m == "llm" else c.hidden_size
     elems = _layer_elements(c.hidden_size, h_kv, c.ffn_hidden_size, m == "llm", layout)
     if _phase3_recompute(cfg, layout, layouts):
@@ -165,7 +168,7 @@ def rank_activations(parts) -> int:
 
 def _needs_grad(cfg, module: str) -> bool:
     """Whether gradients flow through `module`: it or a module upstream of it trains."""
-    if not cfg[module].freeze:
+    if not module_cfg(cfg, module).freeze:
         return True
     return any(_needs_grad(cfg, src) for src, dst in cfg.graph.edges if dst == module)
 
@@ -177,7 +180,7 @@ def module_memory(cfg, layout, named_shapes, layouts=None) -> list[StageMemory]:
     vocab = cfg.llm.vocab_size if layout.module == "llm" else None
     state = STATE_BYTES[cfg.precision]
     shard = layout.dp * layout.cp if layout.dp_shard else 1
-    trained = not cfg[layout.module].freeze
+    trained = not module_cfg(cfg, layout.module).freeze
     stages = []
     for s, params in enumerate(stage_params(named_shapes, layout, vocab)):
         acts = _activations(cfg, layout, s, layouts) if _needs_grad(cfg, layout.module) else 0

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts, world_size_of
+from hcp.model.encoder_side import graph_kwargs
 from hcp.model.llava import LlavaModel
 from hcp.parallel.grid import KINDS, Grid
 from hcp.parallel.roles import logging_rank, role_table
@@ -40,7 +41,8 @@ def named_shapes(cfg) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
         return OmegaConf.to_object(cfg[key]) if cfg.get(key) is not None else None
 
     with torch.device("meta"):
-        model = LlavaModel(part("vision"), part("projector"), part("llm"))
+        model = LlavaModel(part("vision"), part("projector"), part("llm"),
+                           **graph_kwargs(cfg))  # named encoders and projectors (h-encoders)
     return {m: [(n, tuple(p.shape)) for n, p in sub.named_parameters()]
             for m, sub in model.named_children() if sub is not None}
 
