@@ -11,3 +11,44 @@ REPO = os.path.dirname(CONF_DIR)
 def compose_cfg(overrides=(), resolve=True, run_dir="/tmp/hcp-test-run"):
     """`hcp.config.compose.compose_config` with a test run directory."""
     return compose_config(overrides, run_dir=run_dir, resolve=resolve)
+
+
+def long_tail_corpus(root, n: int = 96):
+    """`n` source files in `root` (created): mostly short (8-100 bytes), every eighth long
+    (300-500), so a global batch mixes documents that fit one rank at 128 tokens per rank
+    with ones that need a CP group of 4 (dynamic CP then really uses several CP sizes)."""
+    import numpy as np
+
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        size = int(rng.integers(300, 500) if i % 8 == 0 else rng.integers(8, 100))
+        with open(os.path.join(root, f"f{i:03d}.py"), "w") as f:
+            f.write("".join(rng.choice(list("abcdef ghij=()\n"), size)))
+    return root
+
+
+def train_cli(run_dir, args, timeout: float = 400) -> list[dict]:
+    """Run `python train.py *args hydra.run.dir=run_dir` from the repository; return the
+    records of its metrics.jsonl. Fails the test with the end of stderr when the run fails."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "train.py", *args, f"hydra.run.dir={run_dir}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f)]
+
+
+CLI_RUN = ("trainer.max_steps=10", "logger=none", "trainer.log_every=1", "trainer.eval_every=0",
+           "trainer.eval_samples=16", "trainer.progress_bar=false")
+"""Overrides of a short CLI training run whose every step's loss is logged."""
+
+
+def cli_metrics(run_dir, recipe: str, extra=(), timeout: float = 400) -> list[dict]:
+    """Run `python train.py +recipe=RECIPE` with `CLI_RUN` and `extra` overrides into `run_dir`
+    and return its logged steps (metrics.jsonl records with a loss)."""
+    return [r for r in train_cli(run_dir, [f"+recipe={recipe}", *CLI_RUN, *extra], timeout)
+            if "loss" in r]

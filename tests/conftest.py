@@ -11,3 +11,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def llava_tiny_cli(tmp_path_factory):
+    """The logged steps of 10 CLI steps of `+recipe=llava_tiny` (`cfg_utils.cli_metrics`), run
+    once per session: the reference of the CLI comparisons of other layouts."""
+    from cfg_utils import cli_metrics
+
+    return cli_metrics(tmp_path_factory.mktemp("llava_tiny"), "llava_tiny")

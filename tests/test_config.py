@@ -46,6 +46,24 @@ def test_group_choices_and_hydra_keys_are_not_schema_keys():
                      "~vision", "llm.layout.pp_layers=[1,1]", "optim.lr=1e-3,3e-3"], config_groups())
 
 
+@pytest.mark.parametrize("override, message", [
+    ("trainer.max_steps=abc", "trainer.max_steps='abc': expects an integer"),
+    ("optim.lr=fast", "optim.lr='fast': expects a number"),
+    ("+recipe=llava_tin", "recipe='llava_tin': no such recipe (conf/recipe/llava_tin.yaml). "
+                          "Fix: did you mean `recipe=llava_tiny`?"),
+    ("data=nope", "data='nope': no such data"),
+])
+def test_a_wrong_value_type_or_group_option_is_one_config_error_before_hydra(override, message):
+    from hcp.config.compose import CONF_DIR, config_groups
+    from hcp.config.keys import check_overrides
+
+    with pytest.raises(ConfigError) as err:
+        check_overrides([override], config_groups(), CONF_DIR)
+    assert str(err.value).startswith(message)
+    check_overrides(["trainer.max_steps=3,4", "optim.lr=${oc.env:LR}", "resume=null",
+                     "+recipe=llava_tiny", "llm.init_from=null"], config_groups(), CONF_DIR)
+
+
 def test_removed_keys_nothing_reads_are_unknown():
     for override in ("vision.offload=true", "launcher.name=slurm"):
         with pytest.raises(ConfigError):
@@ -53,8 +71,10 @@ def test_removed_keys_nothing_reads_are_unknown():
 
 
 def test_wrong_type_fails():
-    with pytest.raises((ConfigCompositionException, ValidationError)) as e:
+    with pytest.raises(ConfigError, match="trainer.max_steps='many': expects an integer"):
         compose_cfg(["trainer.max_steps=many"])
+    with pytest.raises((ConfigCompositionException, ValidationError)) as e:  # Hydra's own check
+        compose_cfg(["trainer.max_steps=${oc.env:HCP_NO_SUCH_VARIABLE,many}"])
     assert "max_steps" in str(e.value) + str(e.value.__cause__)
 
 
@@ -102,8 +122,8 @@ def test_missing_gpu_backend_says_how_to_install():
 @pytest.mark.parametrize("overrides, field", [
     (["vision.layout.cp=2", "projector.layout.cp=2"], "vision.layout.cp"),
     (["llm.layout.pp=2", "llm.tie_embeddings=true"], "llm.tie_embeddings"),
-    (["placement=non_colocated", "vision.layout.num_ranks=2"], "placement"),
-    (["packing=dynamic_cp"], "packing"),
+    (["placement=non_colocated", "vision.layout.num_ranks=2", "llm.layout.dp_shard=true"],
+     "llm.layout.dp_shard"),
 ])
 def test_training_rejects_layouts_it_cannot_run_yet_with_a_fix(overrides, field):
     from hcp.train.support import check_trainable

@@ -79,3 +79,30 @@ def test_plans_are_deterministic():
     b = plan_step(sizes(tokens), {"llm": lay(dp=4)}, "dynamic_cp", 256)
     assert (a.group_at == b.group_at).all()
     assert [g.seq_indices for g in a.groups] == [g.seq_indices for g in b.groups]
+
+
+def test_tp_and_pp_peers_run_the_same_micro_batches_and_group_members_agree():
+    """What keeps TP > 1 and PP > 1 from hanging (Megatron's first dynamic-CP version hung with
+    TP > 1): every TP rank and every stage of a pool position runs the same micro-batches in the
+    same order, and at each micro-batch the members of a pre-built group (Grid.dynamic_cp_groups)
+    all run it, each with its own shard index."""
+    from hcp.parallel.grid import Grid
+
+    rng = np.random.default_rng(3)
+    tokens = np.r_[rng.integers(20, 300, 30), [700, 1000]]
+    llm = lay(tp=2, cp=2, dp=2, pp=2)
+    plan = plan_step(sizes(tokens), {"llm": llm}, "dynamic_cp", 256)
+    grid = Grid.of(llm)
+    key = [[(mb.samples, mb.cp_size, mb.cp_block, mb.cp_rank) for mb in plan.rank(r).micro_batches]
+           for r in range(llm.num_ranks)]
+    for r in range(llm.num_ranks):
+        c = grid.coords(r)
+        assert key[r] == key[int(grid.ranks[0, c["dp"], c["cp"], 0])]  # its tp 0, stage 0 peer
+    seen = set()
+    for r in range(llm.num_ranks):
+        for j, (samples, size, block, shard) in enumerate(key[r]):
+            members = grid.dynamic_cp_groups(size)[grid.dynamic_cp_index(size, r)].tolist()
+            assert members.index(r) == shard and block == (grid.coords(r)["dp"] * llm.cp + grid.coords(r)["cp"]) // size
+            assert all(key[m][j][:3] == (samples, size, block) for m in members)
+            seen.add(size)
+    assert {1, 2, 4} <= seen

@@ -90,9 +90,7 @@ def _rank(rank, world, lens, docs, cap):
             labels = labels[sh.token_index].masked_fill(~sh.valid, -100)
         else:
             pos = torch.cat([torch.arange(len(docs[s])) for s in mb.samples])
-        # tokens this rank really holds (the step plan's local_tokens counts 2 * ceil(L / 2)
-        # at c = 1, where nothing is sharded or padded, so it may exceed the cap there)
-        assert ids.shape[0] <= cap
+        assert ids.shape[0] == mb.local_tokens <= cap  # the plan's count of this rank's slots
         part = loss_sum(m, ids, labels, pos, cu, mb.max_seqlen, group) / total
         part.backward()
         loss += part.item()

@@ -64,3 +64,16 @@ def test_local_ranks_that_cannot_fit_this_machine_fail_before_they_start():
     assert "more than this machine's 64.0 GiB" in str(e.value) and "mode=plan" in str(e.value)
     tiny = compose_cfg()
     check_fits_here(tiny, validate(tiny, 4), 4, [], memory=(64.0, "memory", True))
+
+
+def test_ctrl_c_names_the_checkpoint_to_resume_from_or_says_there_is_none(tmp_path):
+    from hcp.train.checkpoint import latest
+    from hcp.train.entry import interrupted_hint
+
+    empty = interrupted_hint(str(tmp_path / "ckpt"))
+    assert "no checkpoint was saved" in empty and "step 0" in empty and "resume=auto" not in empty
+    (tmp_path / "ckpt" / "step_00000004").mkdir(parents=True)
+    found = latest(str(tmp_path / "ckpt"))
+    assert found == str(tmp_path / "ckpt" / "step_00000004")
+    assert interrupted_hint(str(tmp_path / "ckpt")) == (
+        f"resume=auto continues from the last complete checkpoint, {found}")

@@ -116,7 +116,8 @@ def check_plan(sizes, lays, mbt):
         c = llm.coords(r)
         for mb in plans[r].micro_batches:
             assert mb.cp_rank == (c["dp"] * llm.cp + c["cp"]) - mb.cp_block * mb.cp_size
-            assert mb.local_tokens == sum(2 * -(-int(sizes.tokens[s]) // (2 * mb.cp_size)) for s in mb.samples)
+            assert mb.local_tokens == sum(int(sizes.tokens[s]) if mb.cp_size == 1 else
+                                       2 * -(-int(sizes.tokens[s]) // (2 * mb.cp_size)) for s in mb.samples)
     # routing: sources hold their lane's rows in sample order; receivers get exactly the image
     # rows of their CP shard in (micro-batch, slot) order, each row's gradient returns once
     ids = row_ids(sizes)

@@ -33,7 +33,7 @@ def compose_config(overrides=(), run_dir: str = "/tmp/hcp-run", resolve: bool = 
     from hcp.config.keys import check_overrides
     from hcp.config.schema import register
 
-    check_overrides(list(overrides), config_groups())
+    check_overrides(list(overrides), config_groups(), CONF_DIR)
     register()
     with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
         cfg = compose("config", overrides=[f"checkpoint.dir={run_dir}/checkpoints", "logger=none",

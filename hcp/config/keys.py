@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 
 from hcp.config.errors import ConfigError
@@ -84,22 +85,64 @@ def check_known_keys(cfg, cls=HCPConfig, prefix: str = "") -> None:
             check_known_keys(value, sub, f"{prefix}{key}.")
 
 
-def check_overrides(overrides: list[str], config_groups: set[str]) -> None:
-    """Check the keys of command-line overrides (`a.b=1`, `+a.b=1`, `++a.b=1`, `~a.b`) against
-    the schema before Hydra composes. Group choices (`data=llava_json`, `+recipe=x`, `hydra/...`)
-    and Hydra's own keys (`hydra.*`) are left to Hydra.
+_SWEEP = (",", "(", "[", "{", "$")
+"""Characters of Hydra's sweep and interpolation syntax: such a value is left to Hydra."""
+
+
+def _check_scalar(key: str, value: str) -> None:
+    """Raise ConfigError when `value` cannot be the int or float that field `key` declares
+    (Hydra's own message for this is a multi-line block). Other types are left to Hydra."""
+    tp = lookup(key, value)
+    args = typing.get_args(tp)
+    if value in ("null", "None") and type(None) in args:
+        return
+    base = next((a for a in args if a is not type(None)), tp) if args else tp
+    if base not in (int, float) or not value or any(c in value for c in _SWEEP):
+        return
+    try:
+        int(value) if base is int else float(value)
+    except ValueError:
+        kind = "an integer" if base is int else "a number"
+        raise ConfigError(key, value, f"expects {kind}", f"give {key} {kind}, e.g. "
+                          f"{key}={'4' if base is int else '1e-4'}") from None
+
+
+def _check_group_choice(group: str, value: str, conf_dir: str) -> None:
+    """Raise ConfigError when `group=value` names no `conf/<group>/<value>.yaml`."""
+    if not value or value == "null" or any(c in value for c in _SWEEP):
+        return
+    options = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, group)) if f.endswith(".yaml"))
+    if value not in options:
+        close = difflib.get_close_matches(value, options, n=1, cutoff=0.5)
+        hint = f"did you mean `{group}={close[0]}`? " if close else ""
+        raise ConfigError(group, value, f"no such {group} (conf/{group}/{value}.yaml)",
+                          f"{hint}use one of {', '.join(options)}")
+
+
+def check_overrides(overrides: list[str], config_groups: set[str], conf_dir: str | None = None) -> None:
+    """Check command-line overrides (`a.b=1`, `+a.b=1`, `++a.b=1`, `~a.b`) against the schema
+    before Hydra composes: keys, int/float values, and (given `conf_dir`) group choices
+    (`+recipe=llava_tiny` must name `conf/recipe/llava_tiny.yaml`). Sweeps (`a=1,2`),
+    interpolations and Hydra's own keys (`hydra.*`, `hydra/...`) are left to Hydra.
 
     Raises:
-        ConfigError: an override names a key no schema field declares (the fix names the closest).
+        ConfigError: an override names a key no schema field declares (the fix names the
+            closest), a value that is not the field's int/float, or a group option that does
+            not exist (the fix lists the options).
     """
     for raw in overrides:
         key, _, value = raw.lstrip("~+").partition("=")
-        key = key.strip()
+        key, value = key.strip(), value.strip()
         if key.startswith("@"):
             continue
         key = key.split("@", 1)[0]
         if not key or key == "hydra" or key.startswith(("hydra.", "hydra/")) or "/" in key:
             continue
         if key in config_groups:
+            if conf_dir is not None and not raw.startswith("~"):
+                _check_group_choice(key, value, conf_dir)
             continue
-        lookup(key, value)
+        if raw.startswith("~"):
+            lookup(key, value)
+        else:
+            _check_scalar(key, value)

@@ -16,6 +16,12 @@ ranks), o_proj and fc2 row-parallel (their outputs all-reduced), so the residual
 norms, the patch and position embeddings stay replicated and every TP rank returns the whole
 output. Parameter names and whole shapes are those of the unsharded model (`nn.Linear`'s
 `weight [out, in]` and `bias`), so init and checkpoints do not depend on the TP size.
+
+Pipeline stages (`stage`, a `hcp.model.stage.StageSpec` over the blocks, placement=
+non_colocated): stage s holds blocks [start, stop) under their global indices (`blocks.7.*`
+on whichever stage holds block 7); the first stage also holds the patch and position
+embeddings and the pre-norm and takes pixel values, later stages take the hidden states
+[I, P + 1, D] of the stage before; only the last stage drops the CLS token.
 """
 from __future__ import annotations
 
@@ -77,7 +83,7 @@ class ViTEncoder(nn.Module):
     P = (image_size / patch_size)^2 (the CLS token is dropped from the output). `tp_group`:
     the blocks' TP group (module docstring); the output is whole on every TP rank."""
 
-    def __init__(self, cfg: VisionConfig, tp_group=None):
+    def __init__(self, cfg: VisionConfig, tp_group=None, stage=None):
         super().__init__()
         if cfg.image_size % cfg.patch_size:
             raise ValueError(f"vision: image_size {cfg.image_size} must be a multiple of "
@@ -85,18 +91,27 @@ class ViTEncoder(nn.Module):
         if not -cfg.num_layers <= cfg.select_layer < 0:
             raise ValueError(f"vision: select_layer {cfg.select_layer} must be in "
                              f"[-{cfg.num_layers}, -1]")
-        self.cfg = cfg
+        self.cfg, self.stage = cfg, stage
         self.num_patches = (cfg.image_size // cfg.patch_size) ** 2
         d = cfg.hidden_size
-        self.patch_embed = nn.Linear(cfg.num_channels * cfg.patch_size ** 2, d, bias=False)
-        self.class_embedding = nn.Parameter(torch.zeros(d))
-        self.position_embedding = nn.Parameter(torch.zeros(self.num_patches + 1, d))
-        self.pre_norm = nn.LayerNorm(d, eps=cfg.norm_eps)
+        if stage is None or stage.first:
+            self.patch_embed = nn.Linear(cfg.num_channels * cfg.patch_size ** 2, d, bias=False)
+            self.class_embedding = nn.Parameter(torch.zeros(d))
+            self.position_embedding = nn.Parameter(torch.zeros(self.num_patches + 1, d))
+            self.pre_norm = nn.LayerNorm(d, eps=cfg.norm_eps)
         used = cfg.num_layers + cfg.select_layer + 1
-        self.blocks = nn.ModuleList(VisionBlock(cfg, tp_group) for _ in range(used))
+        if stage is None:
+            self.blocks = nn.ModuleList(VisionBlock(cfg, tp_group) for _ in range(used))
+        else:
+            self.blocks = nn.ModuleDict({str(i): VisionBlock(cfg, tp_group)
+                                         for i in range(stage.start, stage.stop)})
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Raises ValueError when the images are not [I, num_channels, image_size, image_size]."""
+        """pixel_values: images, or on a later pipeline stage the hidden states [I, P + 1, D].
+        Returns [I, P, D], or on a non-last stage the hidden states [I, P + 1, D].
+        Raises ValueError when the images are not [I, num_channels, image_size, image_size]."""
+        if self.stage is not None and not self.stage.first:
+            return self._blocks(pixel_values)
         c, s, p = self.cfg.num_channels, self.cfg.image_size, self.cfg.patch_size
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c, s, s):
             raise ValueError(f"vision: pixel_values must be [I, {c}, {s}, {s}], "
@@ -107,6 +122,10 @@ class ViTEncoder(nn.Module):
         x = self.patch_embed(patches.to(self.patch_embed.weight.dtype))
         cls = self.class_embedding.expand(i, 1, -1)
         x = self.pre_norm(torch.cat([cls, x], dim=1) + self.position_embedding)
-        for block in self.blocks:
+        return self._blocks(x)
+
+    def _blocks(self, x: torch.Tensor) -> torch.Tensor:
+        blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
+        for block in blocks:
             x = block(x)
-        return x[:, 1:]
+        return x[:, 1:] if self.stage is None or self.stage.last else x

@@ -207,7 +207,11 @@ def _remove(path: str) -> None:
 
 def layout_label(model, tp_group) -> str:
     """This run's LLM layout as users write it, e.g. `dp4`, `tp2 x dp2`, `pp2 x dp2 (dp_shard)`
-    (`(dp_shard)`: the LLM's own parameters are FSDP shards; the encoder side's do not count)."""
+    (`(dp_shard)`: the LLM's own parameters are FSDP shards; the encoder side's do not count);
+    a model that names its run's layout itself (`layout_label`, e.g. the islands of
+    `hcp.train.islands.IslandModules`) gives the same label on every rank."""
+    if isinstance(getattr(model, "layout_label", None), str):
+        return model.layout_label
     tp = _size(tp_group.get("llm") if isinstance(tp_group, dict) else tp_group)
     cp = _size(getattr(model, "cp_group", None))
     pp = model.stage.num_stages if hasattr(model, "stage") else 1

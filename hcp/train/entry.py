@@ -138,9 +138,20 @@ def _task(cfg: DictConfig):
             raise  # Hydra records the failed job and the sweep goes on
         sys.exit(2)
     except KeyboardInterrupt:
-        print("hcp: interrupted (resume=auto continues from the last complete checkpoint)",
-              file=sys.stderr)
+        print(f"hcp: interrupted; {interrupted_hint(cfg.checkpoint.dir)}", file=sys.stderr)
         sys.exit(130)
+
+
+def interrupted_hint(checkpoint_dir: str) -> str:
+    """What a user can do after Ctrl-C: resume from the newest complete checkpoint under
+    `checkpoint_dir` if there is one, else say that the run starts over (none was saved)."""
+    from hcp.train.checkpoint import latest
+
+    path = latest(checkpoint_dir)
+    if path is None:
+        return (f"no checkpoint was saved in checkpoint.dir={checkpoint_dir} (trainer.save_every "
+                "saves during training), so a new run starts at step 0")
+    return f"resume=auto continues from the last complete checkpoint, {path}"
 
 
 def command_line_overrides(argv: list[str]) -> list[str]:
@@ -158,7 +169,7 @@ def main() -> None:
     from hcp.train.launch import run_name
 
     try:
-        check_overrides(command_line_overrides(sys.argv[1:]), config_groups())
+        check_overrides(command_line_overrides(sys.argv[1:]), config_groups(), CONF_DIR)
     except ConfigError as e:
         if _is_first(launched_rank_env(os.environ)):
             print(f"hcp: error: {e}", file=sys.stderr)

@@ -10,6 +10,13 @@ DP lanes also run in lock-step, whatever their data: under FSDP every forward al
 DP x CP, so every call of `run` gets the same number of micro-batches on every lane (a lane
 with fewer, or with no sample at all, is padded with `empty_batch`es), and greedy decoding goes
 on until the last prompt of every lane is done (one all-reduce of the active count per token).
+
+Under `packing=dynamic_cp` evaluation keeps the static layout: lanes of `llm.layout.dp`, the
+model's own CP group of `llm.layout.cp` (evaluation batches carry no per-micro-batch
+`cp_group`), packed first-fit per lane with the trainer's raised capacity (`Trainer.
+_eval_capacity`: a sample that training spreads over a larger CP group runs whole on its lane,
+forward only). So the collectives are those of `first_fit` (lock-step as above, no hang) and
+the held-out loss equals first_fit's for the same weights (tests/test_dcp_train.py).
 """
 from __future__ import annotations
 

@@ -52,14 +52,16 @@ def shard_model(model, groups) -> None:
 
 def shard_encoder(encoder, layouts: dict, groups) -> tuple[str, ...]:
     """Apply FSDP2 in place to the encoder-side modules of `encoder` (`hcp.model.llava.
-    LlavaEncoder`) whose layout has `dp_shard`, each over its own DP group (module docstring).
+    LlavaEncoder`: its children named after their modules, `vision`, `projector`) whose layout
+    has `dp_shard`, each over its own DP group (module docstring).
     Returns the names of the sharded modules (() when none asked for it, or no encoder).
 
     Raises RuntimeError as `shard_model`.
     """
     if encoder is None:
         return ()
-    sharded = tuple(m for m in ("vision", "projector") if layouts[m].dp_shard)
+    sharded = tuple(m for m, module in encoder.named_children()
+                    if m in layouts and layouts[m].dp_shard and any(True for _ in module.parameters()))
     for m in sharded:
         module = encoder.get_submodule(m)
         _shard(module, list(getattr(module, "blocks", ())), groups.group(m, "dp"), m)

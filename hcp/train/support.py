@@ -4,7 +4,9 @@ Plan mode accepts every valid layout. Training runs the LLM under TP, CP (allgat
 (1F1B), DP and FSDP, and the encoder side (vision encoder + projector) under its own TP and DP
 (and FSDP over its own DP group: `vision.layout.dp_shard`, `projector.layout.dp_shard`),
 colocated on the same ranks: the step plan routes the projector's rows into the LLM's layout
-(`hcp.plan`). The rest of the layout space raises `ConfigError` with what to use instead.
+(`hcp.plan`), with `packing=first_fit` or `dynamic_cp`; or, under `placement=non_colocated`,
+one encoder island (encoder + projector under the encoder's TP, DP and PP) before the LLM island
+(`hcp.train.islands`). The rest of the layout space raises `ConfigError` with what to use instead.
 """
 from __future__ import annotations
 
@@ -14,16 +16,17 @@ from hcp.config.errors import ConfigError
 def check_trainable(cfg, layouts: dict) -> None:
     """Raise ConfigError for a valid layout that training does not run yet.
 
-    Not yet trained: non-colocated placement, encoder-side CP and PP (encoder PP comes with
-    non-colocated placement), `selective` recompute outside the LLM, tied embeddings across LLM
-    stages, and `packing=dynamic_cp` beyond a text-only LLM with tp = 1, pp = 1 and no
-    dp_shard. Each can be planned with `mode=plan`.
+    Not yet trained: encoder-side CP, encoder PP under colocated placement (encoder PP runs on
+    its own island under non_colocated); under non_colocated several encoder islands, FSDP,
+    dynamic CP, encoder recompute, a fully frozen island (`_check_islands_trainable`);
+    `selective` recompute outside the LLM, and tied embeddings across LLM stages. Each can be
+    planned with `mode=plan`. `packing=dynamic_cp` trains under every colocated LLM layout that
+    trains (TP, PP, dp_shard, an encoder side), given a power-of-two CP pool that holds the
+    longest sample (`_check_dynamic_cp_trainable`).
     """
     llm = layouts["llm"]
     if cfg.placement == "non_colocated":
-        raise ConfigError("placement", "non_colocated", "training on islands needs the non-colocated "
-                          "boundary communicators, which are not built yet", "train with "
-                          "placement=colocated, or plan islands with mode=plan")
+        _check_islands_trainable(cfg, layouts)
     if llm.pp > 1 and cfg.llm.tie_embeddings:
         raise ConfigError("llm.tie_embeddings", True, f"the embedding (first of {llm.pp} pipeline "
                           "stages) and the LM head (last stage) cannot share one table",
@@ -31,7 +34,7 @@ def check_trainable(cfg, layouts: dict) -> None:
     for m, lay in layouts.items():
         if m == "llm":
             continue
-        if lay.pp > 1:
+        if lay.pp > 1 and cfg.placement == "colocated":
             raise ConfigError(f"{m}.layout.pp", lay.pp, f"{m} runs whole on every rank of its lane "
                               "(encoder pipelines come with placement=non_colocated)",
                               f"use {m}.layout.pp=1 (more {m}.layout.dp or tp), or mode=plan to plan it")
@@ -47,20 +50,53 @@ def check_trainable(cfg, layouts: dict) -> None:
 
 
 def _check_dynamic_cp_trainable(cfg, layouts: dict) -> None:
-    """`packing=dynamic_cp` trains a text-only LLM with tp = 1, pp = 1 and plain DP (its CP
-    pool dp * cp regrouped per micro-batch); the rest raises ConfigError, then the pool and
-    the longest sample are checked (`hcp.dcp.policy.check_dynamic_cp`)."""
+    """`packing=dynamic_cp` regroups the LLM's CP pool (dp * cp ranks of one TP index and
+    pipeline stage) per micro-batch; it trains with TP (every TP rank of a pool position runs
+    the same micro-batches), PP (every stage of a pool position runs the plan's micro-batches,
+    empty ones included, with its CP group of each), `llm.layout.dp_shard` (one micro-batch
+    per group and round, so every micro-batch's FSDP all-gather spans the whole pool) and an
+    encoder side (image rows routed to the CP rank that holds their positions). Raises
+    ConfigError (`hcp.dcp.policy.check_dynamic_cp`) unless the pool is a power of two and the
+    longest sample (`data.max_seq_len`) fits it at `trainer.micro_batch_tokens` per rank, head-tail
+    padding counted, and `packing_profile` loads. A global batch with fewer samples than pool
+    ranks trains: the ranks without a sample run empty micro-batches (no collective hangs)."""
     from hcp.dcp.policy import check_dynamic_cp
 
-    llm = layouts["llm"]
-    why = "dynamic-CP training is wired for a text-only LLM with tp=1, pp=1 and no dp_shard"
-    for field, value, ok in (("llm.layout.tp", llm.tp, 1), ("llm.layout.pp", llm.pp, 1),
-                             ("llm.layout.dp_shard", bool(llm.dp_shard), False)):
-        if value != ok:
-            raise ConfigError(field, value, why, f"set {field}={str(ok).lower()} with "
-                              "packing=dynamic_cp, or use packing=first_fit")
-    others = [m for m in layouts if m != "llm"]
-    if others:
-        raise ConfigError("packing", "dynamic_cp", f"{why} (this model also has {others})",
-                          "use packing=first_fit for a model with an encoder side")
-    check_dynamic_cp(cfg, llm)
+    check_dynamic_cp(cfg, layouts["llm"])
+
+
+def _check_islands_trainable(cfg, layouts: dict) -> None:
+    """`placement=non_colocated` trains one encoder island (the encoder with its projector under
+    the encoder's TP, DP and PP) and the LLM island (`hcp.train.islands`); the rest raises
+    ConfigError."""
+    from hcp.plan.step import island_head
+
+    edges = [tuple(e) for e in cfg.graph.edges]
+    heads = list(dict.fromkeys(island_head(layouts, edges, m) for m in layouts if m != "llm"))
+    if len(heads) > 1:
+        raise ConfigError("placement", "non_colocated", f"the trainer runs one encoder island; "
+                          f"this graph has {len(heads)} ({heads})", "use placement=colocated, or one "
+                          "encoder, or mode=plan to plan the islands")
+    fix = "use placement=colocated for it, or mode=plan to plan it"
+    for field, bad in (("llm.layout.dp_shard", bool(layouts["llm"].dp_shard)),
+                       ("packing", cfg.packing != "first_fit")):
+        if bad:
+            raise ConfigError(field, cfg.packing if field == "packing" else True,
+                              "not built for placement=non_colocated yet", fix)
+    for head in heads:
+        members = [m for m in layouts if m != "llm" and island_head(layouts, edges, m) == head]
+        for m in members:
+            lay = layouts[m]
+            if m != head and (lay.tp != layouts[head].tp or lay.pp != 1 or lay.cp != 1):
+                raise ConfigError(f"{m}.layout.tp", lay.tp, f"{m} runs on the last stage of "
+                                  f"{head}'s island with {head}'s TP group (tp={layouts[head].tp})",
+                                  f"set {m}.layout.tp={layouts[head].tp} and leave its pp and cp at 1")
+            if lay.recompute != "none":
+                raise ConfigError(f"{m}.layout.recompute", lay.recompute,
+                                  "encoder recompute is not built for placement=non_colocated yet",
+                                  "use recompute=none")
+        for island in (members, ["llm"]):
+            if all(cfg[m].freeze for m in island):
+                raise ConfigError(f"{island[0]}.freeze", True, f"every module of the island "
+                                  f"{island} is frozen: its ranks would have nothing to train",
+                                  "use placement=colocated for this stage (e.g. LLaVA pretraining)")

@@ -21,12 +21,11 @@ import torch
 import torch.distributed as dist
 
 from hcp.config.layouts import resolve_layouts
-from hcp.config.schema import MODULES
 from hcp.data.build import build_datasets, num_image_tokens
 from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
-from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, micro_batch_group
+from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, with_cp_group
 from hcp.model import LlavaModel, init_parameters
 from hcp.model.hf_load import load_pretrained
 from hcp.model.llava import LlavaEncoder
@@ -44,10 +43,11 @@ from hcp.train.failures import NonFiniteGuard
 from hcp.train.fsdp import shard_encoder, shard_model
 from hcp.train.metrics_log import RunLogger, whole_step_metrics
 from hcp.train.modules import (RankModules, clip_, encoder_sq_norm, local_grad_sq, module_sq_norm,
-                               sync_grads, whole_state)
+                               sync_grads)
 from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
 from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
+from hcp.train.whole_encoder import whole_encoder
 
 
 class Trainer:
@@ -55,7 +55,15 @@ class Trainer:
 
     `run_dir` is the run directory chosen once by the launching process; only the logging
     rank writes into it (checkpoints are written by every rank, as DCP shards).
+    `Trainer(cfg, run_dir)` under `placement=non_colocated` builds the island trainer
+    (`hcp.train.islands.IslandTrainer`: a rank builds only its island's modules).
     """
+
+    def __new__(cls, cfg, run_dir: str):
+        if cls is Trainer and cfg.placement == "non_colocated":
+            from hcp.train.islands import IslandTrainer  # it subclasses Trainer
+            cls = IslandTrainer
+        return super().__new__(cls)
 
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.run_dir = cfg, run_dir
@@ -68,26 +76,29 @@ class Trainer:
         if self.dynamic_cp:
             register_policy("dynamic_cp", dynamic_cp_policy(cfg.llm, cfg.packing_profile))
         llm = self.layouts["llm"]
-        coords = self.groups.grids["llm"].coords(self.rank)
-        self.dp, self.lane, self.cp = llm.dp, coords["dp"], llm.cp
-        self.stage = StageSpec.of(llm.pp_layers, coords["pp"])
-        self.dp_group = self.groups.group("llm", "dp")
-        self.grad_group = self.groups.group("llm", "dp_cp")
-        self.tp_group = self.groups.group("llm", "tp") if llm.tp > 1 else None
-        self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
+        self.dp, self.cp, self.lane, self.stage = llm.dp, llm.cp, None, None
+        self.dp_group = self.grad_group = self.tp_group = self.cp_group = None
+        if self.groups.runs("llm"):  # every rank but an encoder island's (non_colocated)
+            coords = self.groups.grids["llm"].coords(self.rank)
+            self.lane, self.stage = coords["dp"], StageSpec.of(llm.pp_layers, coords["pp"])
+            self.dp_group = self.groups.group("llm", "dp")
+            self.grad_group = self.groups.group("llm", "dp_cp")
+            self.tp_group = self.groups.group("llm", "tp") if llm.tp > 1 else None
+            self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg)
         self.edges = tuple(tuple(e) for e in cfg.graph.edges)
         self.encoder = self._build_encoder()
         self.model = self._build_model()
-        self.modules = RankModules(self.encoder, self.model)
+        self.modules = self._rank_modules()
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's slices
         if llm.dp_shard:
             shard_model(self.model, self.groups)
         shard_encoder(self.encoder, self.layouts, self.groups)  # {vision,projector}.layout.dp_shard
-        self.runner = StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
+        self.runner = (StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
+                       if self.model is not None else None)
         self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full")
-                          if self.encoder is not None else None)
+                          if self.encoder is not None and cfg.placement == "colocated" else None)
         self.optimizer = build_optimizer(self.modules, cfg.optim, module_overrides(cfg))  # groups per module
         self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
@@ -129,6 +140,10 @@ class Trainer:
             model.llm.requires_grad_(False)
         return model.to(self.device)
 
+    def _rank_modules(self) -> RankModules:
+        """This rank's modules under one root keyed by module FQN (checkpoints, optimizer)."""
+        return RankModules(self.encoder, self.model)
+
     def _resume(self) -> None:
         resume = self.cfg.resume
         path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
@@ -169,7 +184,9 @@ class Trainer:
         dynamic CP (`hcp.dcp.policy.cp_histogram`, else {})). Only this rank's samples are read: images
         only for its encoder samples, text only on the LLM's first stage (and the labels on the
         last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
-        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives."""
+        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives;
+        under non_colocated, where every LLM lane runs every micro-batch of the encoder islands;
+        and under dynamic CP with PP (every stage rank of the pool keeps the plan's order)."""
         step = self.plan(indices)
         mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
         ds, device = self.train_set, self.device
@@ -177,34 +194,35 @@ class Trainer:
         if self.encoder is not None:
             images = [ds.pixel_values(ds[indices[s]]) for s in mine.encoder_samples["vision"]]
             pixels = torch.cat(images).to(device)
-        keep_empty = self.layouts["llm"].dp_shard
+        keep_empty = (self.layouts["llm"].dp_shard or self.cfg.placement == "non_colocated"
+                      or (self.dynamic_cp and self.stage.num_stages > 1))
         batches, metas = [] if self.stage.first else None, []
+        tag = ((lambda b, mb: with_cp_group(b, self.groups, mb, self.rank)) if self.dynamic_cp
+               else (lambda b, mb: b))  # dynamic CP: each micro-batch's own pre-built CP group
         for mb in mine.micro_batches:
             if mb.empty:
                 if keep_empty:
                     empty = empty_batch(device)
-                    metas.append(StageMeta.of(empty))
+                    metas.append(tag(StageMeta.of(empty), mb))
                     if batches is not None:
-                        batches.append((mb, empty))
+                        batches.append((mb, tag(empty, mb)))
                 continue
             cu = torch.as_tensor(mb.cu_seqlens, device=device)
             if self.stage.first or self.stage.last:
                 samples = [ds[indices[s]] for s in mb.samples]
             if self.stage.first:
-                batch = collate(samples, [], self.tok.image_token_id).to(device)
-                if self.dynamic_cp:  # the micro-batch's own CP group (None at CP size 1)
-                    batch.cp_group = micro_batch_group(self.groups, mb, self.rank)
+                batch = tag(collate(samples, [], self.tok.image_token_id).to(device), mb)
                 if not torch.equal(batch.cu_seqlens, cu):
                     raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
                                        f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
                 batches.append((mb, batch))
-                metas.append(StageMeta.of(batch))
+                metas.append(tag(StageMeta.of(batch), mb))
                 continue
             lengths = (cu[1:] - cu[:-1]).tolist()
             labels = (torch.tensor([t for s in samples for t in s.labels], device=device)
                       if self.stage.last else torch.full((int(cu[-1]),), -100, device=device))
-            metas.append(StageMeta(cu, mb.max_seqlen, torch.cat([torch.arange(n, device=device)
-                                                                 for n in lengths]), labels))
+            metas.append(tag(StageMeta(cu, mb.max_seqlen, torch.cat(
+                [torch.arange(n, device=device) for n in lengths]), labels), mb))
         return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}
 
     def train_step(self) -> dict:
@@ -316,17 +334,8 @@ class Trainer:
         return max(mbt, self.cfg.data.max_seq_len) if self.dynamic_cp else mbt
 
     def _whole_encoder(self) -> LlavaEncoder | None:
-        """The encoder side whole on this rank, for evaluation (greedy decoding re-encodes each
-        prompt's images inside the LLM's first stage): the training encoder itself when its
-        parameters are whole here, else a copy gathered over the encoder's TP group and, under
-        dp_shard, its DP group (`hcp.train.modules.whole_state`; collectives: every rank evaluates)."""
-        state = whole_state(self.encoder, self.encoder.tp_group) if self.encoder is not None else None
-        if state is None:
-            return self.encoder
-        cfg = self.cfg
-        whole = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size).to(self.device)
-        whole.load_state_dict(state)
-        return whole
+        """The encoder side whole on this rank, for evaluation (`hcp.train.whole_encoder`)."""
+        return whole_encoder(self.encoder, self.cfg, self.device)
 
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),

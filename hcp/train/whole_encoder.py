@@ -1,0 +1,21 @@
+"""The encoder side made whole on one rank, for evaluation: greedy decoding re-encodes each
+prompt's images inside the LLM's first stage, so the LLM's ranks need the whole encoder."""
+from __future__ import annotations
+
+from hcp.model.llava import LlavaEncoder
+from hcp.train.modules import whole_state
+
+
+def whole_encoder(encoder, cfg, device) -> LlavaEncoder | None:
+    """The colocated encoder side (`LlavaEncoder`) whole on this rank: the training encoder itself
+    when its parameters are whole here, else a copy gathered over the encoder's TP group and,
+    under dp_shard, its DP group (`hcp.train.modules.whole_state`; collectives: every rank of
+    the encoder calls it). None for a text-only LM."""
+    if encoder is None:
+        return None
+    state = whole_state(encoder, encoder.tp_group)
+    if state is None:
+        return encoder
+    whole = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size).to(device)
+    whole.load_state_dict(state)
+    return whole

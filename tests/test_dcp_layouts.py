@@ -1,0 +1,146 @@
+"""`packing=dynamic_cp` under TP, PP, dp_shard and the tiny LLaVA, through the trainer on forked
+gloo ranks: one step's loss, global counts and every gradient (made whole over TP and FSDP,
+merged over PP stages) equal `packing=first_fit` on one rank (dp-only) for the same global
+batch, rtol 1e-5 / atol 1e-6, while the step really ran micro-batches on CP groups of more than
+one size (asserted from the plan's histogram, so the test cannot hold by construction)."""
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
+
+from cfg_utils import compose_cfg, long_tail_corpus
+from dist_utils import run_ranks
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+COMMON = ["trainer.progress_bar=false", "trainer.eval_every=0",
+          "logger=none", "trainer.check_plan=true"]
+TEXT = ["+recipe=llama_tiny", "data.max_seq_len=512"]
+LLAVA = ["data=llava_json", "data.max_seq_len=256", "data.system_prompt=''"]  # + _llava_data
+
+# name: (model, dynamic-CP layout on 4 ranks, tokens per rank, global batch). The cap makes the
+# long samples (300-500 text tokens; 150-250 merged LLaVA tokens) need CP > 1, the short ones not.
+# dp4 (no TP/PP/FSDP, text and LLaVA) runs in tests/test_dcp_runtime.py and the CLI tests.
+CASES = {
+    "pp2_dp2": ("text", ["llm.layout.pp=2"], 256, 16),
+    "cp2_dp2_dp_shard": ("text", ["llm.layout.cp=2", "llm.layout.dp_shard=true"], 128, 16),
+    "llava_tp2_dp2": ("llava", ["llm.layout.tp=2", "vision.layout.tp=1"], 128, 16),
+    # 2 samples on a pool of 4 under FSDP: ranks without a sample run empty micro-batches
+    "cp4_dp_shard_2_samples": ("text", ["llm.layout.cp=4", "llm.layout.dp_shard=true"], 512, 2),
+}
+
+
+def _whole(t, p, group):
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    spec = getattr(p, "shard_spec", None)
+    if spec is None:
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(spec.world)]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=spec.dim)
+
+
+def _step(rank, world, container, run_dir):
+    from hcp.train.trainer import Trainer
+
+    tr = Trainer(OmegaConf.create(container), run_dir)
+    before = tr.groups.num_created
+    indices = tr.sampler.batch(0)
+    prepared = tr.prepare(indices)
+    tr._check_plan(prepared[0].checksum)
+    loss, counts, _ = tr.forward_backward(indices, prepared)
+    assert tr.groups.num_created == before  # every micro-batch's CP group was pre-built
+    groups = {"vision": getattr(tr.encoder, "tp_group", None), "llm": tr.tp_group}
+    groups["projector"] = groups["vision"]
+    grads = {n: _whole(p.grad, p, groups[n.split(".")[0]]) for n, p in tr.modules.named_parameters()
+             if p.grad is not None}
+    return dict(loss=loss, counts=counts, grads=grads, histogram=prepared[4],
+                cp_sizes=sorted({mb.cp_size for mb in prepared[0].micro_batches if not mb.empty}))
+
+
+def _container(overrides, run_dir):
+    return OmegaConf.to_container(compose_cfg(overrides, run_dir=str(run_dir)), resolve=True)
+
+
+def _llava_data(root):
+    """LLaVA-JSON records with a long tail of lengths: 8x8 images on most samples (16 image rows
+    each), answers of 2-40 bytes, every fourth 150-200 bytes; a few text-only samples."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    records = []
+    for i in range(48):
+        n = int(rng.integers(150, 200) if i % 4 == 0 else rng.integers(2, 40))
+        answer = "".join(rng.choice(list("abcdefgh "), n))
+        human = "<image>\nwhat is it?" if i % 6 else "say something"
+        rec = {"id": f"s{i}", "conversations": [{"from": "human", "value": human},
+                                                 {"from": "gpt", "value": answer}]}
+        if i % 6:
+            Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(root / f"{i}.png")
+            rec["image"] = f"{i}.png"
+        records.append(rec)
+    (root / "d.json").write_text(json.dumps(records))
+    return [f"data.path={root / 'd.json'}", f"data.image_folder={root}"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return str(long_tail_corpus(tmp_path_factory.mktemp("src")))
+
+
+@pytest.fixture(scope="module")
+def llava_data(tmp_path_factory):
+    return _llava_data(tmp_path_factory.mktemp("llava"))
+
+
+@pytest.fixture(scope="module")
+def models(corpus, llava_data):
+    return {"text": [*TEXT, f"data.path={corpus}"], "llava": [*LLAVA, *llava_data]}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, models):
+    """first_fit on one rank (dp-only, every sample whole) of (model, global batch), cached."""
+    cache = {}
+
+    def get(model, batch):
+        if (model, batch) not in cache:
+            run = tmp_path_factory.mktemp(f"ref_{model}")
+            container = _container([*models[model], *COMMON, "trainer.micro_batch_tokens=512",
+                                    f"trainer.global_batch_size={batch}"], run)
+            cache[model, batch] = run_ranks(_step, 1, container, str(run))[0]
+        return cache[model, batch]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", CASES)
+def test_dynamic_cp_step_equals_first_fit_on_one_rank(name, reference, models, tmp_path):
+    model, layout, cap, batch = CASES[name]
+    ref = reference(model, batch)
+    container = _container([*models[model], *COMMON, *layout, "packing=dynamic_cp",
+                            f"trainer.micro_batch_tokens={cap}", f"trainer.global_batch_size={batch}"],
+                           tmp_path)
+    results = run_ranks(_step, 4, container, str(tmp_path), timeout=280)
+    sizes = {c for r in results for c in r["cp_sizes"]}
+    hist = results[0]["histogram"]
+    assert {int(k.removeprefix("micro_batches_cp")) for k in hist} == sizes
+    if batch < 4:   # fewer samples than pool ranks: some ranks ran only empty micro-batches
+        assert any(not r["cp_sizes"] for r in results), hist
+    else:
+        assert len(sizes) > 1 and max(sizes) > 1, sizes   # several CP sizes really ran
+    grads = {}
+    for r in results:  # stages hold different names; TP/DP replicas hold equal whole tensors
+        assert r["histogram"] == hist
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert r["counts"] == ref["counts"]
+        grads.update(r["grads"])
+    assert set(grads) == set(ref["grads"])
+    for key, g in ref["grads"].items():
+        torch.testing.assert_close(grads[key], g, **TOL, msg=lambda m, key=key: f"grad {key}: {m}")

@@ -1,0 +1,23 @@
+"""Through the CLI: llava_tiny_hetero with placement=non_colocated (a vision island of 2 ranks,
+the LLM's tp2 x cp2 on ranks 2-5) logs the same losses as llava_tiny for 10 steps, and a run
+resumed from its step-5 checkpoint (each island saved its own modules) continues with them."""
+import pytest
+
+from cfg_utils import cli_metrics
+
+ISLANDS = ["placement=non_colocated", "vision.layout.num_ranks=2", "launcher.nproc_per_node=6",
+           "trainer.check_plan=true"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_non_colocated_llava_tiny_hetero_logs_llava_tiny_losses_and_resumes(llava_tiny_cli, tmp_path):
+    homogeneous = llava_tiny_cli
+    islands = cli_metrics(tmp_path / "islands", "llava_tiny_hetero", [*ISLANDS, "trainer.save_every=5"])
+    a, b = [r["loss"] for r in homogeneous], [r["loss"] for r in islands]
+    assert len(a) == 10 and a[-1] < a[0]
+    assert b == pytest.approx(a, abs=1e-4)
+    step5 = tmp_path / "islands" / "checkpoints" / "step_00000005"
+    resumed = cli_metrics(tmp_path / "resumed", "llava_tiny_hetero", [*ISLANDS, f"resume={step5}"])
+    assert [r["step"] for r in resumed] == list(range(6, 11))
+    assert [r["loss"] for r in resumed] == pytest.approx(b[5:], abs=1e-4)

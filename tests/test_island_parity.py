@@ -1,0 +1,87 @@
+"""placement=non_colocated through the trainer equals the single-process LLaVA (FP32): one
+step's loss, every module's gradients (made whole over TP, gathered over the islands and
+pipeline stages), the global gradient norm and the weights after one AdamW step; rtol 1e-5 /
+atol 1e-6. Islands: encoder dp2 (ranks 0-1) + LLM tp2 (ranks 2-3); encoder dp2 + LLM pp2 x cp2;
+an encoder with PP 2 (blocks split, projector on the last stage) + an LLM with TP 2."""
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from cfg_utils import compose_cfg
+from dist_utils import run_ranks
+from test_hetero_parity import SMALL, TOL, _merged, _whole
+
+NON_COLOCATED = ["placement=non_colocated", "vision.layout.tp=1"]
+
+
+def _island_step(rank, world, container, run_dir):
+    from hcp.train.trainer import Trainer
+
+    tr = Trainer(OmegaConf.create(container), run_dir)
+    loss, counts, n_micro = tr.forward_backward(tr.sampler.batch(0))
+    group = tr.encoder.tp_group if tr.encoder is not None else tr.tp_group
+    named = list(tr.modules.named_parameters())
+    grads = {n: _whole(p.grad, p, group) for n, p in named}
+    norm = tr.clip(tr.cfg.trainer.grad_clip)
+    tr.optimizer.step()
+    weights = {n: _whole(p.data, p, group) for n, p in named}
+    return dict(loss=loss, counts=counts, norm=norm, grads=grads, weights=weights, n_micro=n_micro,
+                encoder=tr.encoder is not None, encoder_grad_sq=getattr(tr, "encoder_grad_sq", None))
+
+
+CASES = {
+    "enc_dp2__llm_tp2": (4, ["vision.layout.num_ranks=2", "llm.layout.tp=2"]),
+    "enc_dp2__llm_pp2_cp2": (6, ["vision.layout.num_ranks=2", "llm.layout.pp=2", "llm.layout.cp=2"]),
+    "enc_pp2__llm_tp2": (4, ["vision.layout.num_ranks=2", "vision.layout.pp=2", "llm.layout.tp=2",
+                             "trainer.global_batch_size=8"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    from test_hetero_parity import _step
+
+    run = tmp_path_factory.mktemp("ref")
+    container = OmegaConf.to_container(compose_cfg(SMALL, run_dir=str(run)), resolve=True)
+    return run_ranks(_step, 1, container, str(run))[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", CASES)
+def test_non_colocated_step_equals_single_process(name, reference, tmp_path):
+    world, extra = CASES[name]
+    container = OmegaConf.to_container(compose_cfg([*SMALL, *NON_COLOCATED, *extra],
+                                                   run_dir=str(tmp_path)), resolve=True)
+    results = run_ranks(_island_step, world, container, str(tmp_path), timeout=220)
+    grads, weights = _merged(results, "grads"), _merged(results, "weights")
+    assert set(grads) == set(reference["grads"])
+    assert len({r["n_micro"] for r in results}) == 1 and results[0]["n_micro"] > 1
+    for r in results:
+        assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert r["counts"] == reference["counts"]
+        assert r["norm"] == pytest.approx(reference["norm"], rel=1e-5)
+    assert all(r["encoder_grad_sq"] > 0 for r in results if r["encoder"] and "vision.patch_embed.weight" in r["grads"])
+    for key, ref in reference["grads"].items():
+        torch.testing.assert_close(grads[key], ref, **TOL, msg=lambda m, key=key: f"grad {key}: {m}")
+    for key, ref in reference["weights"].items():
+        torch.testing.assert_close(weights[key], ref, **TOL, msg=lambda m, key=key: f"weight {key}: {m}")
+
+
+def test_non_colocated_trains_encoder_pp_and_refuses_what_it_cannot_run_with_a_fix():
+    from hcp.config.errors import ConfigError
+    from hcp.config.validate import validate
+    from hcp.train.support import check_trainable
+
+    base = ["placement=non_colocated", "vision.layout.num_ranks=2", "vision.layout.tp=1"]
+    cfg = compose_cfg([*base, "vision.layout.pp=2"])
+    check_trainable(cfg, validate(cfg, world_size=4))                   # encoder PP on its island
+    for extra, field in [(["llm.layout.dp_shard=true"], "llm.layout.dp_shard"),
+                         (["projector.layout.tp=2"], "projector.layout.tp"),
+                         (["vision.layout.recompute=full"], "vision.layout.recompute"),
+                         (["vision.freeze=true", "projector.freeze=true"], "vision.freeze"),
+                         (["llm.freeze=true"], "llm.freeze")]:
+        cfg = compose_cfg([*base, *extra])
+        with pytest.raises(ConfigError) as e:
+            check_trainable(cfg, validate(cfg, world_size=4))
+        assert e.value.field == field and "Fix:" in str(e.value)

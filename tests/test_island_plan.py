@@ -1,0 +1,152 @@
+"""The step plan under placement=non_colocated (hcp.plan.step): encoder micro-batches follow the
+order the LLM consumes them, and per-micro-batch routes over the edge group (encoder last stage
+-> LLM first stage) deliver every image row to the CP shard holding its position, checked
+against an independent reference (the merged sequence cut by `cp_shard`), with encoder TP, DP
+and PP, LLM TP, CP, DP and PP, and both destination-TP variants (leader, direct)."""
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hcp.parallel.cp_sharding import cp_shard
+from hcp.parallel.grid import Grid
+from hcp.parallel.islands import edge_ranks
+from hcp.parallel.routing import build_routes
+from hcp.plan.step import plan_step
+from test_step_plan import EDGE, EDGES, random_sizes, row_ids
+
+
+def island_layouts(enc, llm):
+    """enc = (tp, dp, pp) of the vision island on ranks [0, n); llm = (tp, cp, dp, pp) after it;
+    the projector shares the vision island with its own (default) sizes."""
+    (etp, edp, epp), (tp, cp, dp, pp) = enc, llm
+    n = etp * edp * epp
+    return {"vision": NS(module="vision", tp=etp, cp=1, pp=epp, dp=edp, rank_offset=0, num_ranks=n),
+            "projector": NS(module="projector", tp=etp, cp=1, pp=1, dp=edp * epp, rank_offset=0,
+                            num_ranks=n),
+            "llm": NS(module="llm", tp=tp, cp=cp, pp=pp, dp=dp, rank_offset=n,
+                      num_ranks=tp * cp * dp * pp)}
+
+
+def check_island_plan(sizes, lays, mbt, variant="leader"):
+    plan = plan_step(sizes, lays, "first_fit", mbt, EDGES, island_route=variant)
+    enc, llm = Grid.of(lays["vision"]), Grid.of(lays["llm"])
+    world, B, J = enc.size + llm.size, len(sizes), plan.num_micro_batches
+    plans = [plan.rank(r) for r in range(world)]
+    assert not plan.tables and set(plan.island_tables) == {EDGE}
+    # what the LLM consumes in micro-batch j, in packing order
+    consumed = [[] for _ in range(J)]
+    for r in llm.ranks[0, :, :, 0].ravel():
+        for j, mb in enumerate(plans[r].micro_batches):
+            if mb.cp_rank == 0:
+                consumed[j] += list(mb.samples)
+    assert sorted(s for c in consumed for s in c) == list(range(B))            # consumed once
+    # every encoder rank of a lane (all stages, TP replicas) encodes the lane's block, as one
+    # micro-batch per LLM micro-batch, in the order micro-batch j consumes them
+    lanes = {}
+    for r in range(enc.size):
+        c = enc.coords(r)
+        for m in ("vision", "projector"):
+            mbs = plans[r].encoder_micro_batches[m]
+            assert len(mbs) == J
+            assert sorted(s for mb in mbs for s in mb) == list(plans[r].encoder_samples[m])
+            lanes.setdefault(c["dp"], mbs)
+            assert mbs == lanes[c["dp"]]
+    for j in range(J):
+        got = sorted((s for lane in lanes.values() for s in lane[j]), key=consumed[j].index)
+        assert got == consumed[j]
+    assert sorted(s for lane in lanes.values() for mb in lane for s in mb) == list(range(B))
+    # per micro-batch: move row ids by the routes, compare with the CP shards' image rows
+    ranks = edge_ranks(enc, llm)
+    assert plan.island_ranks[EDGE] == ranks
+    G = len(ranks)
+    ids = row_ids(sizes)
+    returned = np.zeros(int(sizes.image_rows.sum()), np.int64)
+    for j in range(J):
+        routes = [plans[g].island_routes[EDGE][j] for g in ranks]
+        src = [np.concatenate([ids[s][ids[s] >= 0] for s in lanes[enc.coords(g)["dp"]][j]] or
+                              [np.zeros(0, np.int64)]) if g < enc.size else np.zeros(0, np.int64)
+               for g in ranks]
+        recv = {d: [] for d in range(G)}
+        for e in range(G):
+            sent = src[e][list(routes[e].send_index)] if routes[e].send_index else np.zeros(0, np.int64)
+            cuts = np.cumsum((0,) + routes[e].send_splits)
+            for d in range(G):
+                recv[d].append(sent[cuts[d]:cuts[d + 1]])
+        wants = []
+        for d, g in enumerate(ranks):
+            r = routes[d]
+            assert tuple(len(p) for p in recv[d]) == r.recv_splits
+            dst = np.full(r.dst_rows, -2, np.int64)
+            dst[list(r.recv_index)] = np.concatenate(recv[d])
+            if g < enc.size:
+                assert r.dst_rows == 0
+                wants.append(dst)
+                continue
+            c = llm.coords(g)
+            mb = plans[g].micro_batches[j]
+            want = []
+            if not mb.empty:
+                merged = np.concatenate([ids[s] for s in mb.samples])
+                shard = cp_shard(torch.as_tensor(mb.cu_seqlens), mb.cp_size, mb.cp_rank)
+                local = merged[shard.token_index.numpy()][shard.valid.numpy()]
+                want = local[local >= 0].tolist()
+            assert mb.image_rows == (0, len(want))
+            if variant == "leader" and c["tp"] > 0:
+                assert r.dst_rows == 0 and not any(r.send_splits)                # gets it by broadcast
+            else:
+                assert dst.tolist() == want, f"micro-batch {j}, rank {g}"
+            wants.append(dst)
+        # gradients: each row returns once, to the rank that sent it
+        for e in range(G):
+            r = routes[e]
+            back = [routes[d].grad_send_splits[e] for d in range(G)]
+            assert tuple(back) == r.grad_recv_splits
+            idx = np.asarray(r.send_index, np.int64)[np.asarray(r.grad_returns, bool)]
+            np.add.at(returned, src[e][idx], 1)
+        owner = [np.full(len(w), g >= enc.size and llm.coords(g)["tp"] == 0) for g, w in zip(ranks, wants)]
+        assert build_routes(src, wants, owner) == dict(enumerate(routes))
+    assert (returned == 1).all()
+    # only the edge group holds routes; later LLM stages and earlier encoder stages have none
+    assert all(EDGE not in plans[r].island_routes for r in range(world) if r not in ranks)
+    return plan, plans
+
+
+@st.composite
+def island_cases(draw):
+    enc = tuple(draw(st.sampled_from(v)) for v in ([1, 2], [1, 2, 4], [1, 2, 3]))
+    llm = tuple(draw(st.sampled_from(v)) for v in ([1, 2], [1, 2, 4], [1, 2], [1, 2]))
+    lanes = int(np.lcm(enc[1], llm[2]))
+    return enc, llm, lanes * draw(st.integers(1, 3)), draw(st.integers(0, 2**16)), \
+        draw(st.sampled_from(["leader", "direct"]))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(island_cases())
+def test_island_plans_encode_in_consumption_order_and_route_rows_to_their_cp_shard(case):
+    enc, llm, batch, seed, variant = case
+    sizes = random_sizes(np.random.default_rng(seed), batch)
+    check_island_plan(sizes, island_layouts(enc, llm), mbt=48, variant=variant)
+
+
+def test_island_sources_are_the_encoder_last_stage_and_the_leader_takes_the_rows():
+    """Encoder tp2 dp2 pp2 on ranks 0-7, LLM tp2 cp2 on ranks 8-11: rows leave from ranks 4-7
+    (the last encoder stage), only LLM TP rank 0 of each CP rank (ranks 8, 10) receives."""
+    sizes = random_sizes(np.random.default_rng(4), 8)
+    plan, plans = check_island_plan(sizes, island_layouts((2, 2, 2), (2, 2, 1, 1)), mbt=64)
+    senders = {g for j in range(plan.num_micro_batches) for g in range(12)
+               if 12 > g and EDGE in plans[g].island_routes and any(plans[g].island_routes[EDGE][j].send_splits)}
+    receivers = {g for j in range(plan.num_micro_batches) for g in range(8, 12)
+                 if plans[g].island_routes[EDGE][j].dst_rows}
+    assert senders <= {4, 5, 6, 7} and senders and receivers == {8, 10}
+
+
+def test_island_plan_refuses_encoder_cp():
+    sizes = random_sizes(np.random.default_rng(0), 4)
+    lays = island_layouts((1, 2, 1), (1, 1, 2, 1))
+    lays["vision"] = NS(**{**vars(lays["vision"]), "cp": 2, "dp": 1})
+    with pytest.raises(ValueError, match="encoder-side CP"):
+        plan_step(sizes, lays, "first_fit", 48, EDGES)
