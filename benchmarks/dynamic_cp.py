@@ -9,13 +9,14 @@ optimum (small instances, pp=1); `--megatron` adds Megatron-Core's `BalancedCPSc
     # distributions, against Megatron's scheduler at pp = 1
     python benchmarks/dynamic_cp.py --lengths lognormal --global-batch 256 --pp 1 \
         --max-tokens-per-rank 2048 --max-len 8192 --seeds 100-109 --megatron
-    # seed-sized: 64 GPUs = PP 8 x CP pool 8, global batch 2048
+    # seed-sized: 64 GPUs = PP 8 x CP pool 8, global batch 2048 (--lp-bound: the tighter
+    # pipeline bound, hcp/dcp/pipeline_bound.py, minutes per batch)
     python benchmarks/dynamic_cp.py --global-batch 2048 --cp-pool 8 --pp 8 \
-        --max-tokens-per-rank 8192 --max-len 65536 --seeds 100-109 --json out.json
+        --max-tokens-per-rank 8192 --max-len 65536 --seeds 100-109 --json out.json [--lp-bound]
 
 Per batch and on average: simulated iteration time (s), its ratio to the provable lower bound
-(hcp/dcp/lower_bound.py), rounds, CP-size histogram (sequences per CP size), planning wall
-time, and TFLOPS/GPU = model FLOPs of the real tokens (hcp/model/flops.py) / (iteration time *
+(hcp/dcp/lower_bound.py; with `--lp-bound` and pp > 1 the tighter hcp/dcp/pipeline_bound.py),
+rounds, CP-size histogram (sequences per CP size), planning wall time, and TFLOPS/GPU = model FLOPs of the real tokens (hcp/model/flops.py) / (iteration time *
 GPUs), GPUs = pool * pp * tp. At pp = 1 (without `--dp-shard`) a group may run several
 micro-batches per round (hcp/dcp/plan.py), for our solver and for Megatron's scheduler alike.
 Lengths (`--lengths`): `wikipedia` (FlexSP's Wikipedia sample, hcp/data/lengths/), `code`
@@ -43,6 +44,7 @@ from hcp.dcp.cost_model import CostModel, load_profile, recipe_llm
 from hcp.dcp.exact import solve_exact
 from hcp.dcp.lower_bound import lower_bound
 from hcp.dcp.megatron_peer import megatron_plan
+from hcp.dcp.pipeline_bound import pipeline_bound
 from hcp.dcp.plan import max_length, prepare_lengths, validate_plan
 from hcp.dcp.solver import simulate_plan, solve
 
@@ -59,7 +61,8 @@ COLUMNS = """columns, per batch and method (the summary averages them over the b
   /opt        time_s over the best plan the exact solver found (--exact only; else -)
   opt<=       (summary, --exact) time_s over the larger proven lower bound: an upper bound on /opt
   M, rounds   rounds of the plan (a round: the pool's groups between two synchronisations)
-  plan_ms     wall time to compute the plan (mean/max in the summary)
+  plan_ms     wall time to compute the plan (mean/max in the summary); the summary also gives
+              the solver's planning thread CPU time over time_s (the step it must hide behind)
   TFLOPS      model FLOPs of the batch (3 x forward, real tokens) / time_s / GPUs (cp-pool x pp x tp)
   cp histogram  {CP size: sequences planned at that size}"""
 
@@ -96,6 +99,9 @@ def parse_args(argv=None):
                    help="also solve exactly (pp=1, small only; branch and bound, hcp/dcp/exact.py; "
                         "plans of one micro-batch per group and round)")
     p.add_argument("--exact-time-limit", type=float, default=10.0, help="seconds per batch")
+    p.add_argument("--lp-bound", action="store_true",
+                   help="pp > 1: /bound against the tighter pipeline bound (min over M of a 1F1B "
+                        "linear program, hcp/dcp/pipeline_bound.py; seconds to minutes per batch)")
     p.add_argument("--timeline", help="PNG of the solver's timeline for the first batch")
     p.add_argument("--json", help="write the summary here")
     args = p.parse_args(argv)
@@ -211,11 +217,13 @@ def draw_batches(args, lengths: np.ndarray) -> list[np.ndarray]:
 
 
 def plan_batch(method, lens, cost, args):
-    """(plan, planning seconds) for one method. A full garbage collection runs first, so that
-    a collection of earlier garbage (the timeline figure's objects) is not charged to it."""
+    """(plan, planning wall seconds, planning thread CPU seconds) for one method. A full garbage
+    collection runs first, so that a collection of earlier garbage (the timeline figure's
+    objects) is not charged to it. The CPU time is what the planning costs on an idle core
+    (wall time on this shared machine counts the other processes' load too)."""
     pool, m = args.cp_pool, args.max_tokens_per_rank
     gc.collect()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.thread_time()
     if method == "packing_only":
         plan = packing_only(lens, pool, m, args.max_len)
     elif method == "greedy":
@@ -224,7 +232,7 @@ def plan_batch(method, lens, cost, args):
         plan = megatron_plan(lens, pool, m)
     else:
         plan = solve(lens, cost, pool, m, args.max_len, args.several_per_round).plan
-    return plan, time.perf_counter() - start
+    return plan, time.perf_counter() - start, time.thread_time() - cpu
 
 
 def draw_timeline(path, plan, lens, cost, pool):
@@ -281,13 +289,20 @@ def main(argv=None):
         lens, _ = prepare_lengths(raw, args.cp_pool, args.max_tokens_per_rank)
         bound = lower_bound(lens, cost, args.cp_pool, args.max_tokens_per_rank,
                             args.several_per_round)
+        if args.lp_bound and args.pp > 1:
+            pb = pipeline_bound(lens, cost, args.cp_pool, args.max_tokens_per_rank)
+            print(f"{b:>5} pipeline bound {pb.bound:.3f} s (simple {pb.simple:.3f}, "
+                  f"x{pb.bound / pb.simple:.3f}; least LP at M={pb.best_m}, {pb.lps} LPs, "
+                  f"{pb.seconds:.1f} s)")
+            bound = pb.bound
         flops = cost.model_flops(lens)
-        plans = {}
+        plans, plan_cpu = {}, {}
         for k in planners:
-            plan, secs = plan_batch(k, lens, cost, args)
+            plan, secs, cpu = plan_batch(k, lens, cost, args)
             validate_plan(plan, lens, args.cp_pool, args.max_tokens_per_rank,
                           args.several_per_round)
             plans[k] = (plan, secs, simulate_plan(plan, lens, cost).iteration_time)
+            plan_cpu[k] = cpu
         opt = None
         if args.exact:
             start = time.perf_counter()
@@ -304,6 +319,9 @@ def main(argv=None):
             row = {"time": t, "over_bound": t / bound, "rounds": plan.num_rounds,
                    "solve_ms": 1e3 * secs, "tflops_per_gpu": flops / t / gpus / 1e12,
                    "cp_histogram": plan.cp_histogram()}
+            if k in plan_cpu:  # planning CPU time over the step it plans (to hide behind it)
+                row["plan_cpu_ms"] = 1e3 * plan_cpu[k]
+                row["plan_over_step"] = plan_cpu[k] / t
             if opt is not None:
                 row["over_optimum"] = t / opt
                 row["over_optimum_dual"] = t / opt_low
@@ -331,6 +349,7 @@ def summarize(rows, exact):
              "mean_solve_ms": float(np.mean([r["solve_ms"] for r in rs])),
              "max_solve_ms": float(np.max([r["solve_ms"] for r in rs])),
              "mean_rounds": float(np.mean([r["rounds"] for r in rs])),
+             "max_plan_over_step": float(np.max([r.get("plan_over_step", np.nan) for r in rs])),
              "tflops_per_gpu": float(np.mean([r["tflops_per_gpu"] for r in rs]))}
         if exact:
             s["mean_time_over_optimum"] = float(np.mean([r["over_optimum"] for r in rs]))
@@ -368,6 +387,9 @@ def print_summary(s, args):
         r = s[f"solver_over_{k}"]
         print(f"solver time / {k}: mean {r['mean']:.3f}, worst {r['max']:.3f}, slower on "
               f"{r['batches_slower']} of {r['batches']} batches")
+    v = s["solver"]
+    print(f"solver planning: thread CPU time / simulated step time, worst batch: "
+          f"{v['max_plan_over_step']:.3f} (< 1: hidden behind the step it plans)")
     print(f"TFLOPS/GPU gain over packing-only: {s['tflops_gain_over_packing_only']:.2f}x "
           f"(published Megatron-LM dynamic CP at GBS 2048 PP 8 CP 8, for comparison: GitHub "
           f"1.48x, CommonCrawl 1.25x)")

@@ -1,25 +1,44 @@
 """Measured dynamic CP on forked gloo ranks: static CP (packing-only at cp = pool) vs dynamic CP.
 
-    python benchmarks/dynamic_cp_train.py --ranks 8 --steps 3 --json out.json
+    python benchmarks/dynamic_cp_train.py --ranks 8 --steps 2 --reps 3 --json out.json
 
 Setup: `--ranks` CPU ranks (gloo, one thread each) form one CP pool; the tiny LLaMA of
 `+recipe=llama_tiny` (fp32) runs forward + backward of every micro-batch of the step plan
-(hcp/plan/step.py) on global batches of the code corpus's document lengths (this Python's
-standard-library sources, byte-level, split at `--max-len` like the `code_corpus` data set;
-token ids drawn at random: the content does not change the time). Static: `first_fit` at
-cp = pool (dp 1, every micro-batch on the whole pool, the static CP a run with this max length
-needs). Dynamic: the `dynamic_cp` policy (hcp/dcp/policy.py) with the cost model under the
-profile calibrated on this machine (`--profile`, else `mode=calibrate`'s fit is run first over
-CP sizes up to the pool). Each micro-batch runs on its CP group from the pre-built
-dynamic-CP groups. Not measured: gradient sync and the optimizer step (the same for both).
+(hcp/plan/step.py) on global batches drawn from the code corpus's long-tail document lengths
+(`code_lengths`: this Python's standard-library sources, byte-level, the documents that fit
+`--ranks x --micro-batch-tokens` tokens; or `--lengths wikipedia`, FlexSP's Wikipedia sample;
+token ids drawn at random: the content does not change the time). The cap forces static CP = pool: the longest documents need the whole pool, and a
+static run sizes its CP for them. Static: `first_fit` at cp = pool (dp 1, every micro-batch on
+the whole pool). Dynamic: the `dynamic_cp` policy (hcp/dcp/policy.py) with the cost model under
+the profile calibrated on this machine (`--profile`, else `mode=calibrate`'s fit is run first,
+over every CP size 1 .. pool and the cap's region, hcp/train/calibrate.py `grid`; with `--json
+X.json` the profile is kept as X.profile.yaml). Each micro-batch runs on its CP group from the
+pre-built dynamic-CP groups. Not measured: gradient sync and the optimizer step (the same for
+both).
 
-Reported per method: wall tokens/s (rank 0's wall time per step; 2 shared cores hide
-imbalance), and the critical path from each rank's busy time (thread CPU time of each
-micro-batch): a micro-batch starts on its group when all its ranks are free and lasts as long as
-its slowest rank; the step lasts until the last rank is free. Speed-ups are critical-path
-ratios, static / dynamic; the predicted one is the simulator's (hcp/schedule/simulator.py via
-hcp/dcp/solver.simulate_plan) under the same profile. `--json PATH` writes
-`{"static": {...}, "dynamic": {...}, "predicted_speedup": x, "measured_speedup": y}`.
+Reported per method and rep (`--reps` measurements of both methods on the same plans, the
+order alternating): wall tokens/s (rank 0's wall time; 2 shared cores hide imbalance), and the
+critical path from each rank's busy time (thread CPU time of each micro-batch's forward and
+backward, so the machine's other load and the cores the ranks share do not count): a
+micro-batch starts on its group when all its ranks are free and lasts as long as its slowest
+rank; the step lasts until the last rank is free. Speed-ups are critical-path ratios, static /
+dynamic, per rep and their median; the predicted one is the simulator's
+(hcp/schedule/simulator.py via hcp/dcp/solver.simulate_plan) under the same profile, and
+`bound_speedup` the static prediction over the provable lower bound (hcp/dcp/lower_bound.py):
+the most any plan could gain under that profile. `--json
+PATH` writes `{"static": {...}, "dynamic": {...}, "predicted_speedup": x, "measured_speedup":
+y, "measured_speedup_reps": [...], "bound_speedup": z}`.
+
+Measured (seed 100, 2 steps x 3 reps, 8 ranks on 2 cores shared with other jobs, load 30-60):
+- `--lengths code` (default; cap 512): critical path static 5.99 / 5.71 / 6.04 s, dynamic
+  6.24 / 5.08 / 5.17 s: 0.96x, 1.12x, 1.17x, median 1.12x; predicted 1.03x (0.91 of it);
+  wall tokens/s 590 vs 1107.
+- `--lengths wikipedia --global-batch 64 --micro-batch-tokens 256`: 0.92x, 1.04x, 1.06x,
+  median 1.04x; predicted 1.10x (1.06 of it).
+Under those runs' fitted profiles (mean fit error 14-15%) static is only 1.06x / 1.16x the
+provable lower bound, so no plan could reach 1.3x here: the long documents' attention (the
+pure-torch CP attention is quadratic and dominates) costs the same at any CP size, and the
+extra per-rank cost of CP (the gathered K/V) is small next to it.
 """
 from __future__ import annotations
 
@@ -36,11 +55,13 @@ import numpy as np
 
 from hcp.config.compose import compose_config
 from hcp.dcp.cost_model import CostModel, load_profile
+from hcp.dcp.lower_bound import lower_bound
 from hcp.dcp.policy import dynamic_cp_policy
 from hcp.dcp.solver import simulate_plan
 from hcp.plan.step import first_fit_policy
 
 METHODS = ("static", "dynamic")
+WIKIPEDIA = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"
 
 
 def layout(dp: int, cp: int, layers: int):
@@ -50,14 +71,21 @@ def layout(dp: int, cp: int, layers: int):
 
 
 def code_lengths(max_len: int) -> np.ndarray:
-    """Sample lengths of the code corpus: each file `[bos] + bytes + [eos]` cut at max_len."""
+    """The code corpus's document lengths that fit the pool, `[bos] + bytes + [eos]` of each
+    standard-library source file of at most `max_len` tokens (whole files, not cut: cutting
+    long files at max_len made most documents exactly max_len long, every one needing the
+    whole pool, so dynamic CP had nothing to choose). At max_len 4096: 732 documents, median
+    1062, 10% under 60 and 10% over 3329 tokens."""
     from hcp.data.code_corpus import stdlib_sources
 
-    out = []
-    for f in stdlib_sources():
-        n = os.path.getsize(f) + 2
-        out += [max_len] * (n // max_len) + ([n % max_len] if n % max_len else [])
-    return np.array(out, dtype=np.int64)
+    lens = np.array([os.path.getsize(f) + 2 for f in stdlib_sources()], dtype=np.int64)
+    return np.sort(lens[lens <= max_len])
+
+
+def wikipedia_lengths(max_len: int) -> np.ndarray:
+    """FlexSP's Wikipedia lengths (hcp/data/lengths/, median 347) of at most max_len tokens."""
+    lens = np.loadtxt(WIKIPEDIA, dtype=np.int64)
+    return np.sort(lens[lens <= max_len])
 
 
 def _rank(payload) -> None:
@@ -86,49 +114,55 @@ def _rank(payload) -> None:
     model = LlamaDecoder(cfg.llm)
     init_parameters(model, 7, prefix="llm.")
     gen = torch.Generator().manual_seed(0)
-    out = {}
+    plans, plan_s = {}, {}
     for method in METHODS:
         packing = "first_fit" if method == "static" else "dynamic_cp"
-        busy, walls, plan_s = [], [], []
+        plans[method], plan_s[method] = [], []
         for lens in payload["batches"]:
             sizes = SampleSizes.from_lists(list(lens), list(lens), [[] for _ in lens])
             t0 = time.perf_counter()
-            plan = plan_step(sizes, layouts[method], packing, payload["cap"]).rank(rank)
-            plan_s.append(time.perf_counter() - t0)
-            dist.barrier()
-            w0 = time.perf_counter()
-            step = []
-            for mb in plan.micro_batches:
-                if mb.empty:
-                    step.append(0.0)
-                    continue
-                group = micro_batch_group(groups, mb, rank)
-                n = int(mb.cu_seqlens[-1])
-                ids = torch.randint(0, cfg.llm.vocab_size, (n,), generator=gen)
-                cu = torch.from_numpy(mb.cu_seqlens)
-                if mb.cp_size > 1:
-                    sh = cp_shard(cu, mb.cp_size, mb.cp_rank)
-                    ids, pos = ids[sh.token_index], sh.position_ids
-                else:
-                    pos = torch.cat([torch.arange(int(b - a)) for a, b in
-                                     zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])])
-                c0 = time.thread_time()
-                h = model.exit(model.run_layers(model.enter(model.embed(ids)), pos, cu,
-                                                mb.max_seqlen, cp_group=group), ids.shape[0])
-                F.cross_entropy(model.logits(h), ids).backward()
-                step.append(time.thread_time() - c0)
-            dist.barrier()
-            walls.append(time.perf_counter() - w0)
-            busy.append(step)
-        out[method] = {"busy": busy, "wall": walls, "plan_s": plan_s,
-                       "groups": [[(mb.cp_size, mb.cp_block) for mb in
-                                   plan_step(SampleSizes.from_lists(list(lens), list(lens),
-                                                                    [[] for _ in lens]),
-                                             layouts[method], packing,
-                                             payload["cap"]).rank(rank).micro_batches]
-                                  for lens in payload["batches"]]}
+            plans[method].append(plan_step(sizes, layouts[method], packing,
+                                           payload["cap"]).rank(rank))
+            plan_s[method].append(time.perf_counter() - t0)
+    reps = []
+    for rep in range(payload["reps"]):
+        out = {}
+        # alternate which method runs first, so a drift of the machine's load hits both
+        for method in (METHODS if rep % 2 == 0 else METHODS[::-1]):
+            busy, walls = [], []
+            for plan in plans[method]:
+                dist.barrier()
+                w0 = time.perf_counter()
+                step = []
+                for mb in plan.micro_batches:
+                    if mb.empty:
+                        step.append(0.0)
+                        continue
+                    group = micro_batch_group(groups, mb, rank)
+                    n = int(mb.cu_seqlens[-1])
+                    ids = torch.randint(0, cfg.llm.vocab_size, (n,), generator=gen)
+                    cu = torch.from_numpy(mb.cu_seqlens)
+                    if mb.cp_size > 1:
+                        sh = cp_shard(cu, mb.cp_size, mb.cp_rank)
+                        ids, pos = ids[sh.token_index], sh.position_ids
+                    else:
+                        pos = torch.cat([torch.arange(int(b - a)) for a, b in
+                                         zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])])
+                    c0 = time.thread_time()
+                    h = model.exit(model.run_layers(model.enter(model.embed(ids)), pos, cu,
+                                                    mb.max_seqlen, cp_group=group), ids.shape[0])
+                    F.cross_entropy(model.logits(h), ids).backward()
+                    step.append(time.thread_time() - c0)
+                dist.barrier()
+                walls.append(time.perf_counter() - w0)
+                busy.append(step)
+            out[method] = {"busy": busy, "wall": walls}
+        reps.append(out)
+    mine = {"reps": reps, "plan_s": plan_s,
+            "groups": {m: [[(mb.cp_size, mb.cp_block) for mb in pl.micro_batches]
+                           for pl in plans[m]] for m in METHODS}}
     gathered = [None] * world
-    dist.all_gather_object(gathered, out)
+    dist.all_gather_object(gathered, mine)
     if rank == 0:
         Path(payload["out"]).write_text(json.dumps(gathered))
     dist.barrier()
@@ -155,19 +189,28 @@ def critical_path(busy, groups) -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--ranks", type=int, default=8, help="gloo ranks: the CP pool")
+    p.add_argument("--steps", type=int, default=2, help="global batches (steps) per rep")
+    p.add_argument("--reps", type=int, default=3, help="measurements of both methods")
+    p.add_argument("--lengths", choices=("code", "wikipedia"), default="code",
+                   help="document lengths: the code corpus's, or FlexSP's Wikipedia sample")
+    p.add_argument("--global-batch", type=int, default=32, help="documents per step")
     p.add_argument("--micro-batch-tokens", type=int, default=512, help="cap per rank")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=100, help="draws the global batches")
     p.add_argument("--profile", help="a mode=calibrate profile.yaml (default: calibrate now)")
-    p.add_argument("--json")
+    p.add_argument("--json", help="write the results here (and the fitted profile beside it)")
     args = p.parse_args(argv)
     if args.ranks < 1 or args.ranks & (args.ranks - 1):
         p.error(f"--ranks {args.ranks}: the CP pool must be a power of two")
+    for flag in ("steps", "reps", "global_batch", "micro_batch_tokens"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     cfg = compose_config(["+recipe=llama_tiny", f"launcher.nproc_per_node={args.ranks}"])
     max_len = args.ranks * args.micro_batch_tokens
-    pool = code_lengths(max_len)
+    pool = (code_lengths if args.lengths == "code" else wikipedia_lengths)(max_len)
+    if pool.size < args.global_batch:
+        p.error(f"--global-batch {args.global_batch}: only {pool.size} documents fit "
+                f"{max_len} tokens; lower it")
     rng = np.random.default_rng(args.seed)
     batches = [rng.choice(pool, args.global_batch, replace=False) for _ in range(args.steps)]
     from omegaconf import OmegaConf
@@ -176,16 +219,20 @@ def main(argv=None) -> dict:
 
     # mkdtemp, not TemporaryDirectory: forked ranks inherit its finalizer and would delete it
     tmp = tempfile.mkdtemp(prefix="dcp-train-")
+    keep = None
     try:
         profile = args.profile
-        if profile is None:
+        if profile is None:  # every CP size the plans use, over the plans' region (the cap)
             from hcp.train.calibrate import run_calibrate
             sizes = [1 << e for e in range(args.ranks.bit_length())]
-            profile = run_calibrate(cfg, tmp, sizes)
+            profile = run_calibrate(cfg, tmp, sizes, args.micro_batch_tokens)
+            keep = Path(args.json).with_suffix(".profile.yaml") if args.json else None
+            if keep:
+                shutil.copy(profile, keep)
         out = os.path.join(tmp, "measured.json")
         payload = {"cfg": OmegaConf.to_container(cfg, resolve=True), "profile": profile,
                    "batches": [b.tolist() for b in batches], "cap": args.micro_batch_tokens,
-                   "out": out}
+                   "reps": args.reps, "out": out}
         start_local_ranks(_rank, args.ranks, payload, "fork")
         ranks = json.loads(Path(out).read_text())
         hw = load_profile(profile)
@@ -193,43 +240,62 @@ def main(argv=None) -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     cost = CostModel(cfg.llm, hw, pp=1, tp=1, recompute=False)
-    result = {}
     tokens = float(sum(b.sum() for b in batches))
+    result = {}
     for method in METHODS:
-        crit = [critical_path([r[method]["busy"][s] for r in ranks],
-                              [r[method]["groups"][s] for r in ranks])
-                for s in range(args.steps)]
-        wall = [r[method]["wall"] for r in ranks][0]
         lay = layout(1, args.ranks, cfg.llm.num_layers) if method == "static" else \
             layout(args.ranks, 1, cfg.llm.num_layers)
         plans = [first_fit_policy(b, lay, args.micro_batch_tokens) if method == "static"
                  else policy(b, lay, args.micro_batch_tokens) for b in batches]
         pred = [simulate_plan(pl, b, cost).iteration_time for pl, b in zip(plans, batches)]
-        result[method] = {"tokens_per_s_wall": tokens / sum(wall),
-                          "critical_path_s": float(sum(crit)), "wall_s": float(sum(wall)),
+        crit = [sum(critical_path([r["reps"][k][method]["busy"][s] for r in ranks],
+                                  [r["groups"][method][s] for r in ranks])
+                    for s in range(args.steps)) for k in range(args.reps)]
+        wall = [sum(ranks[0]["reps"][k][method]["wall"]) for k in range(args.reps)]
+        result[method] = {"critical_path_s": float(np.median(crit)),
+                          "critical_path_s_reps": crit, "wall_s_reps": wall,
+                          "tokens_per_s_wall": tokens / float(np.median(wall)),
                           "predicted_s": float(sum(pred)),
-                          "plan_s_mean": float(np.mean(ranks[0][method]["plan_s"])),
+                          "plan_s_mean": float(np.mean(ranks[0]["plan_s"][method])),
                           "micro_batches": float(np.mean([len(x) for x in
-                                                          ranks[0][method]["busy"]]))}
+                                                          ranks[0]["groups"][method]])),
+                          "cp_histogram": _histogram(plans)}
+    per_rep = [s / d for s, d in zip(result["static"]["critical_path_s_reps"],
+                                     result["dynamic"]["critical_path_s_reps"])]
+    result["measured_speedup_reps"] = per_rep
+    result["measured_speedup"] = float(np.median(per_rep))
     result["predicted_speedup"] = result["static"]["predicted_s"] / result["dynamic"]["predicted_s"]
-    result["measured_speedup"] = (result["static"]["critical_path_s"]
-                                  / result["dynamic"]["critical_path_s"])
-    print(f"{args.ranks} gloo ranks, llama_tiny, code-corpus lengths (max {max_len}), "
-          f"GBS {args.global_batch}, cap {args.micro_batch_tokens}/rank, {args.steps} steps")
-    print(f"{'method':>8} {'tokens/s(wall)':>15} {'crit_path_s':>12} {'wall_s':>8} "
-          f"{'predicted_s':>12} {'micro-batches':>14} {'plan_ms':>8}")
+    # the most any plan could gain under the profile: static over the provable lower bound
+    bound = sum(lower_bound(b, cost, args.ranks, args.micro_batch_tokens, several_per_round=True)
+                for b in batches)
+    result["bound_speedup"] = result["static"]["predicted_s"] / bound
+    result["profile"] = str(keep) if keep else args.profile
+    print(f"{args.ranks} gloo ranks, llama_tiny, {args.lengths} documents <= {max_len} tokens, "
+          f"GBS {args.global_batch}, cap {args.micro_batch_tokens}/rank, {args.steps} steps x "
+          f"{args.reps} reps (seed {args.seed})")
+    print(f"{'method':>8} {'tokens/s(wall)':>15} {'crit_path_s (per rep)':>30} {'predicted_s':>12} "
+          f"{'micro-batches':>14} {'plan_ms':>8}  sequences per CP size")
     for m in METHODS:
         v = result[m]
-        print(f"{m:>8} {v['tokens_per_s_wall']:15.0f} {v['critical_path_s']:12.3f} "
-              f"{v['wall_s']:8.2f} {v['predicted_s']:12.3f} {v['micro_batches']:14.1f} "
-              f"{1e3 * v['plan_s_mean']:8.1f}")
-    print(f"speed-up (critical path, static / dynamic): measured "
-          f"{result['measured_speedup']:.2f}x, predicted {result['predicted_speedup']:.2f}x "
-          f"(prediction / measurement = "
-          f"{result['predicted_speedup'] / result['measured_speedup']:.2f})")
+        reps = " ".join(f"{x:.2f}" for x in v["critical_path_s_reps"])
+        print(f"{m:>8} {v['tokens_per_s_wall']:15.0f} {reps:>30} {v['predicted_s']:12.3f} "
+              f"{v['micro_batches']:14.1f} {1e3 * v['plan_s_mean']:8.1f}  {v['cp_histogram']}")
+    print(f"speed-up (critical path, static / dynamic) per rep: "
+          f"{', '.join(f'{x:.2f}x' for x in per_rep)}; median {result['measured_speedup']:.2f}x; "
+          f"predicted {result['predicted_speedup']:.2f}x (prediction / measurement = "
+          f"{result['predicted_speedup'] / result['measured_speedup']:.2f}); no plan can beat "
+          f"{result['bound_speedup']:.2f}x under this profile (static / lower bound)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result
+
+
+def _histogram(plans) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for pl in plans:
+        for c, n in pl.cp_histogram().items():
+            out[c] = out.get(c, 0) + n
+    return dict(sorted(out.items()))
 
 
 if __name__ == "__main__":

@@ -1,33 +1,42 @@
-"""Homogeneous vs colocated heterogeneous layouts of an encoder-heavy LLaVA on 4 CPU ranks
-(issue 12 section 7).
+"""Homogeneous vs colocated vs non-colocated heterogeneous layouts of an encoder-heavy LLaVA on 8
+CPU ranks in one run (issue 14 section 5; the 4-rank two-layout comparison of issue 12 section 7
+with --world 4), and plan mode's per-rank memory of the full-size recipes in both placements.
 
-    python benchmarks/hetero.py                        # 3 timed steps after 1 warm-up
+    python benchmarks/hetero.py                        # 8 ranks, 3 timed steps after 1 warm-up
     python benchmarks/hetero.py --steps 5 --json hetero.json
-    python benchmarks/hetero.py vision.num_layers=6 vision.layout.tp=2   # any config override
+    python benchmarks/hetero.py --world 4              # issue 12: homogeneous vs colocated
+    python benchmarks/hetero.py --plan-only            # only the full-size memory table
+    python benchmarks/hetero.py vision.num_layers=6    # any config override (all layouts)
 
-The configuration is `+recipe=llava_tiny_hetero` (encoder tp1 x dp4, LLM tp2 x cp2 on 4 ranks)
-with a wider ViT on larger images (`MODEL` below, stated in the output) so that the encoder
-carries at least 40% of the homogeneous step's FLOPs; trailing Hydra overrides change it. Both
-layouts run the same global batch (synthetic samples with 1 or 2 images), the same step plan
-(`hcp.plan.plan_step`: first-fit micro-batches, CP shards, routes), weights and seed, on freshly
-forked gloo ranks one after the other in this process tree, and must report the same loss:
-- homogeneous (the behaviour before issue 12): the vision encoder and projector live in the
-  LLM's first stage, so every rank of the LLM's TP x CP group loads and encodes every image of
-  its micro-batches (`LlavaModel(encoder=True)`);
-- heterogeneous (colocated, DESIGN.md 4.4): the encoder side under its own layout
-  (`LlavaEncoder`), each image encoded once per step by its encoder lane, its rows routed by one
-  `all_to_all_single` per direction (`hcp.comm.boundary`) in the three-phase schedule of
-  `hcp.schedule.colocated`, as the trainer runs it.
-One step = forward and backward of every micro-batch plus each module's gradient all-reduce over
-its own DP (x CP) group; data loading and the optimizer step are left out (the same in both).
-The trainer itself can no longer run the homogeneous layout, hence this harness.
+The configuration is `+recipe=llava_tiny_hetero` with a wider ViT on larger images (`MODEL`,
+stated in the output); trailing Hydra overrides change it. On 8 ranks (`LAYOUTS[8]`):
+- homogeneous: the LLM at tp2 x cp2 x pp2, the ViT inside its first stage (every first-stage
+  rank encodes every image of its micro-batches);
+- heterogeneous (colocated): the same LLM, the encoder at tp1 x dp8 on all 8 ranks, the
+  three-phase schedule;
+- non_colocated: the encoder at dp4 on an island of ranks 0-3 (`--encoder-ranks`), the LLM at
+  cp2 x pp2 on ranks 4-7, one graph-aware 1F1B over encoder stage -> LLM stage 0 -> stage 1, the
+  encoder lanes holding blocks of the batch as the step plan gives them (a fan-in edge 4 -> 1:
+  the LLM consumes lane 0's block first, then lane 1's, ..., so the lanes take turns);
+- non_colocated_interleaved: the same, but every micro-batch's samples are dealt over the
+  encoder lanes (`hetero_rank.interleaved_lanes`), so all lanes encode part of every micro-batch.
+The encoder is deepened on 8 ranks (`MODEL_8`) so that it carries about as many FLOPs as the
+LLM: the regime where the island split matters. All layouts run the same global batch, packing,
+weights and seed on freshly forked gloo ranks (`benchmarks/hetero_rank.py`), and must report the
+same loss.
 
-Reported per layout: step wall time (max over ranks, mean over steps), the critical path (max
-over ranks of the step's thread CPU time, mean over steps: the 2 shared cores hide imbalance in
-wall time), tokens/s (global merged tokens per wall second), encoder training FLOPs per rank
-(3 x forward, analytic), images loaded and encoded per rank, and the bytes the boundary routes
-moved (both directions, summed over ranks) against the minimum
-(`hcp.parallel.routing.min_route_rows`).
+Reported per layout: the critical path (max over ranks of the step's thread CPU time, mean over
+steps: the 2 shared cores hide imbalance in wall time); the modeled step (each stage's measured
+per-micro-batch forward/backward thread CPU times, max over the stage's ranks, replayed through
+the schedule's action lists by `hcp.schedule.graph_timing`, plus the colocated encoder phases:
+the step on dedicated cores with free transfers, which the busy maximum misses because it has no
+pipeline waits); step wall time and tokens/s (merged tokens per wall second); the pipeline bubble
+of each stage of each island (idle share of the modeled step); the LLM stage-time balance
+(busy seconds of each LLM stage's micro-batches, max/min); encoder FLOPs and images per rank;
+bytes both routes moved (summed over ranks) against the minimum (`min_route_rows`).
+Plan mode (`benchmarks/hetero_plan.py`): per-rank memory of `+recipe=llava_hetero` colocated and
+non-colocated and of `+recipe=internvit6b_llama70b` (a 6B encoder and a 70B LLM) both ways, with
+the estimated LLM step; then the regime conclusion.
 """
 from __future__ import annotations
 
@@ -39,339 +48,350 @@ import queue as queue_mod
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
+import hetero_plan  # noqa: E402
+# autograd.backward(out, grad) imports this lazily (seconds per forked rank on a loaded machine,
+# inside the first timed step): import it once here, before the ranks fork
+import torch.fx.experimental.symbolic_shapes  # noqa: E402,F401
+import functools  # noqa: E402
+
+import hetero_rank  # noqa: E402
+from hetero_rank import PHASES, encoder_flops, make_data, run_rank, schedule_graph  # noqa: E402,F401
 from hcp.train.launch import free_port  # noqa: E402
 
-WORLD = 4
-PHASES = ("encoder_forward", "route_forward", "llm", "route_backward", "encoder_backward")
 MODEL = ["vision.image_size=32", "vision.patch_size=4", "vision.hidden_size=256",
          "vision.num_layers=4", "vision.num_heads=4", "vision.ffn_hidden_size=1024",
          "llm.hidden_size=256", "llm.num_layers=4", "llm.num_heads=8", "llm.num_kv_heads=4",
          "llm.ffn_hidden_size=768", "trainer.micro_batch_tokens=512"]
+MODEL_8 = ["vision.num_layers=8", "trainer.micro_batch_tokens=256", "llm.layout.pp=2"]
+"""On 8 ranks: an encoder with about the LLM's FLOPs, and more micro-batches for the pipeline."""
+LAYOUTS = {
+    4: {"homogeneous": [], "heterogeneous": []},
+    8: {"homogeneous": [], "heterogeneous": [],
+        "non_colocated": ["placement=non_colocated", "vision.layout.num_ranks={enc}", "llm.layout.tp=1"],
+        "non_colocated_interleaved": ["placement=non_colocated", "vision.layout.num_ranks={enc}",
+                                      "llm.layout.tp=1"]},
+}
+"""World size -> layout name -> its overrides (`{enc}`: --encoder-ranks)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _compose(overrides: tuple):
+    return hetero_rank.compose(list(overrides))
 
 
 def compose(overrides):
-    """(config, resolved layouts) of the benchmark's run."""
-    from hcp.config.compose import compose_config
-    from hcp.config.layouts import resolve_layouts
-
-    cfg = compose_config(["+recipe=llava_tiny_hetero", *MODEL, *overrides])
-    return cfg, resolve_layouts(cfg, WORLD)
+    """(config, resolved layouts) of the overrides (cached: Hydra takes ~1 s per call)."""
+    return _compose(tuple(overrides))
 
 
-def encoder_flops(vision, llm_hidden: int, images: int) -> float:
-    """Training FLOPs (3 x forward) of the ViT + mlp2x_gelu projector over `images` images:
-    matrix multiplies 2 * tokens * weights per block, attention 4 * S^2 * D per image and block
-    (S = patches + CLS), patch embedding and projector over the patches."""
-    p = (vision.image_size // vision.patch_size) ** 2
-    s, d, f = p + 1, vision.hidden_size, vision.ffn_hidden_size
-    used = vision.num_layers + vision.select_layer + 1
-    block = 2 * s * (4 * d * d + 2 * d * f) + 4 * s * s * d
-    embed = 2 * p * vision.num_channels * vision.patch_size ** 2 * d
-    projector = 2 * p * (d * llm_hidden + llm_hidden * llm_hidden)
-    return 3.0 * images * (used * block + embed + projector)
+def layout_overrides(world: int, name: str, args) -> list[str]:
+    """Every override of one layout's run."""
+    extra = [o.format(enc=args.encoder_ranks) for o in LAYOUTS[world][name]]
+    return [*MODEL, *(MODEL_8 if world == 8 else []), f"launcher.nproc_per_node={world}", *extra,
+            *args.overrides]
 
 
-def make_data(cfg, num_samples: int, text_tokens: int):
-    """(samples, their `SampleSizes`): sample s has 1 + s % 2 images (each `patches` rows, the
-    first after a 4-token prompt, the second in the middle of the text) and `text_tokens` text
-    tokens; labels -100 at image positions."""
-    import numpy as np
-    import torch
-
-    from hcp.plan.lengths import SampleSizes
-
-    v = cfg.vision
-    g = torch.Generator().manual_seed(0)
-    p = (v.image_size // v.patch_size) ** 2
-    samples, starts = [], []
-    for s in range(num_samples):
-        n_img = 1 + s % 2
-        at = [4 + i * (p + text_tokens // 2) for i in range(n_img)]
-        mask = torch.zeros(text_tokens + n_img * p, dtype=torch.bool)
-        for a in at:
-            mask[a:a + p] = True
-        labels = torch.randint(0, cfg.llm.vocab_size, (len(mask),), generator=g)
-        labels[mask] = -100
-        samples.append(dict(ids=torch.randint(0, cfg.llm.vocab_size, (len(mask),), generator=g),
-                            labels=labels, mask=mask,
-                            images=torch.randn(n_img, v.num_channels, v.image_size, v.image_size,
-                                               generator=g)))
-        starts += at
-    images = np.array([len(x["images"]) for x in samples], dtype=np.int64)
-    sizes = SampleSizes(tokens=np.array([len(x["ids"]) for x in samples], dtype=np.int64),
-                        loss_tokens=np.array([int((x["labels"] != -100).sum()) for x in samples],
-                                             dtype=np.int64),
-                        image_offsets=np.concatenate([[0], np.cumsum(images)]).astype(np.int64),
-                        image_starts=np.array(starts, dtype=np.int64),
-                        image_rows_each=np.full(int(images.sum()), p, dtype=np.int64))
-    return samples, sizes
-
-
-class MicroBatch:
-    """One packed micro-batch of `samples` (THD, the attributes `LlavaModel` reads)."""
-
-    def __init__(self, samples, members):
-        import torch
-
-        lengths = [len(samples[s]["ids"]) for s in members]
-        self.input_ids = torch.cat([samples[s]["ids"] for s in members])
-        self.labels = torch.cat([samples[s]["labels"] for s in members])
-        self.image_mask = torch.cat([samples[s]["mask"] for s in members])
-        self.pixel_values = torch.cat([samples[s]["images"] for s in members])
-        self.position_ids = torch.cat([torch.arange(n) for n in lengths])
-        self.cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        self.max_seqlen = max(lengths)
-        self.image_rows = None
-
-
-def _all_reduce_grads(params, group) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
-        p.grad = g
-
-
-def _rank(rank, port, layout, args, queue):
-    try:
-        queue.put((rank, _measure(rank, port, layout, args)))
-    except BaseException:  # noqa: BLE001 - hand the failure to the parent instead of hanging it
-        import traceback
-
-        queue.put((rank, traceback.format_exc()))
-
-
-def _measure(rank, port, layout, args) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    from hcp.comm.boundary import RouteBytes
-    from hcp.model import init_parameters
-    from hcp.model.llava import LlavaEncoder, LlavaModel
-    from hcp.parallel.groups import ProcessGroupRegistry
-    from hcp.plan.step import plan_step
-    from hcp.schedule.colocated import ColocatedStep
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, init_method=f"tcp://127.0.0.1:{port}")
-    cfg, layouts = compose(args.overrides)
-    groups = ProcessGroupRegistry(layouts)
-    llm = layouts["llm"]
-    size1 = lambda g, n: g if n > 1 else None  # noqa: E731 - the model takes None for size 1
-    tp_group, cp_group = size1(groups.group("llm", "tp"), llm.tp), size1(groups.group("llm", "cp"), llm.cp)
-    samples, sizes = make_data(cfg, args.samples, args.text_tokens)
-    edges = tuple(tuple(e) for e in cfg.graph.edges)
-    mine = plan_step(sizes, layouts, cfg.packing, cfg.trainer.micro_batch_tokens, edges).rank(rank)
-    mbs = [mb for mb in mine.micro_batches if not mb.empty]
-    total = int(sizes.loss_tokens.sum())
-    hetero = layout == "heterogeneous"
-    model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=tp_group, cp_group=cp_group,
-                       encoder=not hetero)
-    init_parameters(model, cfg.seed)
-    counter = RouteBytes()
-    if hetero:
-        vision_tp = size1(groups.group("vision", "tp"), layouts["vision"].tp)
-        encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=vision_tp)
-        init_parameters(encoder, cfg.seed)
-        encoded = mine.encoder_samples["vision"]
-        pixels = torch.cat([samples[s]["images"] for s in encoded])
-        route = mine.routes[next(e for e in mine.routes if e[1] == "llm")]
-        step = ColocatedStep(encoder, None, cfg.vision.layout.recompute == "full", counter)
-    else:
-        encoded = [s for mb in mbs for s in mb.samples]
-    images = sum(len(samples[s]["images"]) for s in encoded)
-
-    def llm_phase(leaf=None):
-        loss = torch.zeros((), dtype=torch.float64)
-        for mb in mbs:
-            batch = MicroBatch(samples, mb.samples)
-            if leaf is not None:
-                batch.image_rows, batch.pixel_values = leaf[mb.image_rows[0]:mb.image_rows[1]], None
-            loss_sum, _ = model(batch)
-            (loss_sum / total).backward()
-            loss += loss_sum.detach().double() / total
-        return loss
-
-    records, phases = [], []
-    for it in range(args.warmup + args.steps):
-        params = list(model.parameters()) + (list(encoder.parameters()) if hetero else [])
-        for p in params:
-            p.grad = None
-        dist.barrier()
-        wall0, cpu0 = time.perf_counter(), time.thread_time()
-        if hetero:
-            loss, times = step.run(pixels, route, llm_phase)
-            _all_reduce_grads(list(encoder.parameters()), groups.group("vision", "dp"))
-        else:
-            loss = llm_phase()
-        _all_reduce_grads(list(model.parameters()), groups.group("llm", "dp_cp"))
-        busy, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
-        dist.all_reduce(loss, group=groups.group("llm", "dp_cp"))
-        if it >= args.warmup:
-            records.append((busy, wall, float(loss)))
-            if hetero:
-                phases.append([getattr(times, k) for k in PHASES])
-    dist.barrier()
-    dist.destroy_process_group()
-    return dict(records=records, images=images, route=(counter.forward, counter.backward),
-                flops=encoder_flops(cfg.vision, cfg.llm.hidden_size, images) /
-                (layouts["vision"].tp if hetero else 1),
-                dst_keys=_dst_keys(mine, sizes, samples, mbs) if hetero else None,
-                micro_batches=len(mbs), phases=phases)
-
-
-def _dst_keys(mine, sizes, samples, mbs):
-    """Global image-row ids this rank's LLM shards need (for the minimum route bytes): the image
-    rows of each micro-batch's CP shard of the merged sequence, read from the plan."""
-    import numpy as np
-
-    from hcp.parallel.cp_sharding import cp_shard
-
-    offset = np.concatenate([[0], np.cumsum([int(s["mask"].sum()) for s in samples])])
-    parts = []
-    for mb in mbs:
-        batch = MicroBatch(samples, mb.samples)
-        key = np.full(len(batch.input_ids), -1)
-        key[batch.image_mask.numpy()] = np.concatenate(
-            [np.arange(offset[s], offset[s + 1]) for s in mb.samples])
-        shard = cp_shard(batch.cu_seqlens, mb.cp_size, mb.cp_rank)
-        local = np.where(shard.valid.numpy(), key[shard.token_index.numpy()], -1)
-        parts.append(local[local >= 0])
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-
-def run_layout(layout: str, args) -> dict:
-    import numpy as np
-
-    from hcp.parallel.routing import min_route_rows
-
+def _collect(world, name, overrides, args) -> list[dict]:
+    composed = compose(overrides)
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, layout, args, queue), daemon=True)
-             for r in range(WORLD)]
+    procs = [ctx.Process(target=run_rank, args=(r, world, port, name, composed, args, queue), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     results = {}
+    deadline = time.monotonic() + args.timeout
     try:
-        while len(results) < WORLD:
+        while len(results) < world:
             try:
                 rank, payload = queue.get(timeout=5)
-            except queue_mod.Empty:  # no word yet: make sure no rank died silently
+            except queue_mod.Empty:  # no word yet: make sure no rank died silently or hangs
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
                 if dead:
-                    raise RuntimeError(f"{layout}: rank {dead[0]} died (exit code "
+                    raise RuntimeError(f"{name}: rank {dead[0]} died (exit code "
                                        f"{procs[dead[0]].exitcode})") from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(world)) - set(results))
+                    raise RuntimeError(f"{name}: ranks {missing} did not finish within --timeout "
+                                       f"{args.timeout} s") from None
                 continue
             if isinstance(payload, str):
-                raise RuntimeError(f"{layout}: rank {rank} failed:\n{payload}")
+                raise RuntimeError(f"{name}: rank {rank} failed:\n{payload}")
             results[rank] = payload
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    per_rank = [results[r] for r in range(WORLD)]
+    return [results[r] for r in range(world)]
+
+
+def _modeled(per_rank, graph, colocated: bool):
+    """Per step: (modeled step seconds, busy seconds per global stage, pipeline busy per stage)
+    from the measured per-micro-batch times (module docstring)."""
+    import numpy as np
+
+    from hcp.schedule.graph import graph_one_f_one_b
+    from hcp.schedule.graph_timing import time_actions
+
+    n_stages, steps = len(graph.stages), len(per_rank[0]["per_micro"])
+    m = len(per_rank[0]["per_micro"][0][0])
+    programs = graph_one_f_one_b(graph, m)
+    out = []
+    for k in range(steps):
+        fwd, bwd = np.zeros((n_stages, m)), np.zeros((n_stages, m))
+        pre = post = 0.0
+        for r in per_rank:
+            f, b = r["per_micro"][k]
+            fwd[r["stage"]] = np.maximum(fwd[r["stage"]], f)
+            bwd[r["stage"]] = np.maximum(bwd[r["stage"]], b)
+            if colocated:
+                ph = dict(zip(PHASES, r["phases"][k]))
+                pre = max(pre, ph["encoder_forward"] + ph["route_forward"])
+                post = max(post, ph["route_backward"] + ph["encoder_backward"])
+        tl = time_actions(programs, fwd.tolist(), bwd.tolist())
+        pipe = np.array(tl.busy)
+        out.append((pre + tl.iteration_time + post, pipe + pre + post, pipe))
+    return out
+
+
+def summarize(name, per_rank, world, overrides, args) -> dict:
+    """One layout's figures (module docstring) from its ranks' measurements."""
+    import numpy as np
+
+    from hcp.parallel.grid import Grid
+    from hcp.parallel.routing import min_route_rows
+
+    cfg, layouts = compose(overrides)
+    _, sizes = make_data(cfg, args.samples, args.text_tokens)
+    graph = schedule_graph(cfg, layouts)
     busy = np.array([[rec[0] for rec in r["records"]] for r in per_rank])   # [ranks, steps]
     wall = np.array([[rec[1] for rec in r["records"]] for r in per_rank])
-    cfg, layouts = compose(args.overrides)
-    _, sizes = make_data(cfg, args.samples, args.text_tokens)
+    modeled = _modeled(per_rank, graph, name == "heterogeneous")
+    step_s = float(np.mean([mo[0] for mo in modeled]))
+    stage_busy = np.mean([mo[1] for mo in modeled], axis=0)
+    pipe_busy = np.mean([mo[2] for mo in modeled], axis=0)
+    bubble = {}
+    for g, (module, s) in enumerate(graph.stages):
+        bubble.setdefault(module, []).append(round(float(1 - stage_busy[g] / step_s), 4))
+    llm_stages = [float(pipe_busy[g]) for g, (module, _) in enumerate(graph.stages) if module == "llm"]
     steps = args.warmup + args.steps
     route = [sum(r["route"][i] for r in per_rank) / steps for i in (0, 1)]
-    minimum = [0, 0]
-    if layout == "heterogeneous":
-        llm = layouts["llm"]
-        shard_of = [r // llm.tp for r in range(WORLD)]  # the ranks of one TP group: one shard
-        rows = min_route_rows([r["dst_keys"] for r in per_rank], shard_of)
-        minimum = [n * cfg.llm.hidden_size * 4 for n in rows]
-    step_wall = float(wall.max(axis=0).mean())
+    llm_grid = Grid.of(layouts["llm"])
+    shard_of = [(lambda c: c["dp"] * llm_grid.cp + c["cp"])(llm_grid.coords(r)) if llm_grid.contains(r)
+                else -1 - r for r in range(world)]  # the ranks of one TP group: one shard
+    rows = min_route_rows([r["dst_keys"] for r in per_rank], shard_of)
+    minimum = [n * cfg.llm.hidden_size * 4 for n in rows] if name != "homogeneous" else [0, 0]
     extra = {}
-    if layout == "heterogeneous":  # thread CPU s per phase: max over ranks, mean over steps
+    if name == "heterogeneous":  # thread CPU s per phase: max over ranks, mean over steps
         ph = np.array([r["phases"] for r in per_rank])                  # [ranks, steps, phases]
         extra["phase_busy_s"] = dict(zip(PHASES, ph.max(axis=0).mean(axis=0).round(4).tolist()))
+        enc = ph[:, :, [PHASES.index("encoder_forward"), PHASES.index("encoder_backward")]].sum(2)
+        extra["encoder_busy_s_per_image"] = float(np.mean([e.mean() / r["images"] for e, r in zip(enc, per_rank)]))
+    elif name.startswith("non_colocated"):  # thread CPU s of the encoder stage's micro-batches
+        extra["encoder_busy_s_per_image"] = float(np.mean(
+            [np.mean([sum(f) + sum(b) for f, b in r["per_micro"]]) / r["images"]
+             for r in per_rank if r["stage"] == graph.index("vision", 0) and r["images"]]))
+    step_wall = float(wall.max(axis=0).mean())
+    loss = next(r["records"][-1][2] for r in per_rank if r["last_llm"])
     return {**extra,
-        "loss": per_rank[0]["records"][-1][2],
-        "critical_path_s": float(busy.max(axis=0).mean()),
-        "mean_busy_s": float(busy.mean()),
-        "step_wall_s": step_wall,
-        "tokens_per_s": float(sizes.tokens.sum()) / step_wall,
-        "encoder_flops_per_rank": [r["flops"] for r in per_rank],
-        "images_per_rank": [r["images"] for r in per_rank],
-        "micro_batches_per_rank": [r["micro_batches"] for r in per_rank],
-        "route_bytes": int(sum(route)),
-        "route_min_bytes": int(sum(minimum)),
-        "route_bytes_by_direction": [int(b) for b in route],
-        "route_min_bytes_by_direction": [int(b) for b in minimum],
-    }
+            "placement": cfg.placement,
+            "layouts": {m: f"{lay.tp}x{lay.cp}x{lay.pp}x{lay.dp} ranks {lay.rank_offset}-"
+                           f"{lay.rank_offset + lay.num_ranks - 1}" for m, lay in layouts.items()},
+            "loss": loss,
+            "critical_path_s": float(busy.max(axis=0).mean()),
+            "mean_busy_s": float(busy.mean()),
+            "modeled_step_s": step_s,
+            "step_wall_s": step_wall,
+            "tokens_per_s": float(sizes.tokens.sum()) / step_wall,
+            "modeled_tokens_per_s": float(sizes.tokens.sum()) / step_s,
+            "bubble": bubble,
+            "llm_stage_busy_s": llm_stages,
+            "llm_stage_balance": max(llm_stages) / max(min(llm_stages), 1e-12),
+            "encoder_flops_per_rank": [r["flops"] for r in per_rank],
+            "images_per_rank": [r["images"] for r in per_rank],
+            "micro_batches": max(r["micro_batches"] for r in per_rank),
+            "route_bytes": int(sum(route)),
+            "route_min_bytes": int(sum(minimum)),
+            "route_bytes_by_direction": [int(b) for b in route],
+            "route_min_bytes_by_direction": [int(b) for b in minimum],
+            }
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    ap.add_argument("--samples", type=int, default=8,
-                    help="global batch size (a multiple of every module's dp)")
-    ap.add_argument("--text-tokens", type=int, default=96, help="text tokens per sample")
-    ap.add_argument("--json", metavar="PATH", help="write the results here")
-    ap.add_argument("overrides", nargs="*", help="config overrides, as for train.py")
-    args = ap.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.samples < 1 or args.text_tokens < 8:
-        ap.error("--steps >= 1, --warmup >= 0, --samples >= 1 and --text-tokens >= 8 are needed")
-    if args.json and os.path.isdir(args.json):
-        ap.error(f"--json {args.json} is a directory: give a file path")
-    cfg, layouts = compose(args.overrides)
-    for m, lay in layouts.items():
-        if args.samples % lay.dp:
-            ap.error(f"--samples {args.samples} does not split into {m}'s dp={lay.dp} lanes")
+def print_table(results) -> None:
+    w = max(14, *map(len, results))
+    print(f"{'layout':<{w}} {'loss':>8} {'critical s':>10} {'modeled s':>9} {'wall s':>7} "
+          f"{'tokens/s':>8} {'bubble per island (stage)':<28} {'LLM stage busy s':<17} {'bal':>5} "
+          f"{'enc GFLOP/rank':>14} {'images/rank':>16} {'route MB':>8} {'min MB':>7}")
+    for name, r in results.items():
+        bub = " ".join(f"{m} " + "/".join(f"{b:.0%}" for b in v) for m, v in r["bubble"].items())
+        print(f"{name:<{w}} {r['loss']:8.5f} {r['critical_path_s']:10.3f} {r['modeled_step_s']:9.3f} "
+              f"{r['step_wall_s']:7.3f} {r['tokens_per_s']:8.0f} {bub:<28} "
+              f"{'/'.join(f'{s:.3f}' for s in r['llm_stage_busy_s']):<17} {r['llm_stage_balance']:5.2f} "
+              f"{max(r['encoder_flops_per_rank']) / 1e9:14.2f} "
+              f"{'/'.join(map(str, r['images_per_rank'])):>16} {r['route_bytes'] / 1e6:8.3f} "
+              f"{r['route_min_bytes'] / 1e6:7.3f}")
 
+
+def _describe(world, args) -> dict:
+    """Print the batch and model; return the encoder's FLOPs share of the homogeneous step."""
     from hcp.plan.step import plan_step
     from hcp.train.throughput import model_flops
 
+    cfg, layouts = compose(layout_overrides(world, "homogeneous", args))
     _, sizes = make_data(cfg, args.samples, args.text_tokens)
     plan = plan_step(sizes, layouts, cfg.packing, cfg.trainer.micro_batch_tokens,
                      tuple(tuple(e) for e in cfg.graph.edges))
     llm, v = layouts["llm"], cfg.vision
     images = int(sizes.images.sum())
     lengths = sizes.tokens.astype(float)
-    llm_per_rank = model_flops(cfg.llm, lengths.sum(), (lengths ** 2).sum()) / (llm.tp * llm.cp * llm.dp)
+    llm_all = model_flops(cfg.llm, lengths.sum(), (lengths ** 2).sum())
+    enc_all = encoder_flops(v, cfg.llm.hidden_size, images)
     enc_homo = encoder_flops(v, cfg.llm.hidden_size, images / llm.dp)
-    share = enc_homo / (enc_homo + llm_per_rank)
-    lay = lambda m: "x".join(f"{a}{getattr(layouts[m], a)}" for a in ("tp", "cp", "pp", "dp"))  # noqa: E731
+    llm_first = llm_all / (llm.tp * llm.cp * llm.dp * llm.pp)
+    share = enc_homo / (enc_homo + llm_first)
     print(f"global batch: {args.samples} samples, {images} images of {v.image_size}x{v.image_size} "
           f"({(v.image_size // v.patch_size) ** 2} patches each), {int(lengths.sum())} merged tokens "
           f"in {plan.num_micro_batches} micro-batches per lane; ViT {v.num_layers}x{v.hidden_size} "
           f"(ffn {v.ffn_hidden_size}), LLM {cfg.llm.num_layers}x{cfg.llm.hidden_size} (ffn "
-          f"{cfg.llm.ffn_hidden_size}); LLM {lay('llm')}, heterogeneous encoder {lay('vision')}, "
-          f"{WORLD} CPU ranks")
-    print(f"encoder share of the homogeneous step's FLOPs per rank: {share:.0%}")
+          f"{cfg.llm.ffn_hidden_size}); {world} CPU ranks")
+    print(f"encoder share of all training FLOPs {enc_all / (enc_all + llm_all):.0%}; of a homogeneous "
+          f"first-stage rank's FLOPs {share:.0%}")
+    return {"encoder_flops_share_homogeneous": share,
+            "encoder_flops_share": enc_all / (enc_all + llm_all)}
 
-    results = {name: run_layout(name, args) for name in ("homogeneous", "heterogeneous")}
-    print(f"{'layout':<14} {'loss':>8} {'critical s':>10} {'wall s':>8} {'tokens/s':>9} "
-          f"{'enc GFLOP/rank':>15} {'images/rank':>12} {'route MB':>9} {'min MB':>7}")
+
+def measured_conclusion(results) -> str:
+    """One paragraph on what the measured layouts show."""
+    homo = results["homogeneous"]
+    lines = []
     for name, r in results.items():
-        print(f"{name:<14} {r['loss']:8.5f} {r['critical_path_s']:10.3f} {r['step_wall_s']:8.3f} "
-              f"{r['tokens_per_s']:9.0f} {max(r['encoder_flops_per_rank']) / 1e9:15.2f} "
-              f"{'/'.join(map(str, r['images_per_rank'])):>12} {r['route_bytes'] / 1e6:9.3f} "
-              f"{r['route_min_bytes'] / 1e6:7.3f}")
-    homo, het = results["homogeneous"], results["heterogeneous"]
-    print("heterogeneous phases (thread CPU s, max over ranks): " + ", ".join(
-        f"{k} {v:.3f}" for k, v in het["phase_busy_s"].items()))
-    speedup = homo["critical_path_s"] / het["critical_path_s"]
-    print(f"critical-path speed-up {speedup:.2f}x (target >= 1.3x), wall speed-up "
-          f"{homo['step_wall_s'] / het['step_wall_s']:.2f}x, loss difference "
-          f"{abs(homo['loss'] - het['loss']):.2e}")
-    out = {"config": {"overrides": [*MODEL, *args.overrides], "steps": args.steps,
-                      "warmup": args.warmup, "samples": args.samples,
-                      "text_tokens": args.text_tokens, "encoder_flops_share_homogeneous": share},
-           "layouts": results, "critical_path_speedup": speedup}
+        if name == "homogeneous":
+            continue
+        lines.append(f"{name} vs homogeneous: critical-path speed-up "
+                     f"{homo['critical_path_s'] / r['critical_path_s']:.2f}x, modeled-step speed-up "
+                     f"{homo['modeled_step_s'] / r['modeled_step_s']:.2f}x, wall speed-up "
+                     f"{homo['step_wall_s'] / r['step_wall_s']:.2f}x, loss difference "
+                     f"{abs(homo['loss'] - r['loss']):.2e}")
+    islands = [n for n in results if n.startswith("non_colocated")]
+    if islands and "heterogeneous" in results:
+        co = results["heterogeneous"]
+        best = min(islands, key=lambda n: results[n]["modeled_step_s"])
+        nc = results[best]
+        winner = "colocated" if co["modeled_step_s"] < nc["modeled_step_s"] else best
+        lines.append(f"measured (memory not binding on CPU): {winner} is faster; colocated / {best} "
+                     f"modeled step {co['modeled_step_s']:.3f} / {nc['modeled_step_s']:.3f} s "
+                     f"({nc['modeled_step_s'] / co['modeled_step_s']:.2f}x), critical path "
+                     f"{co['critical_path_s']:.3f} / {nc['critical_path_s']:.3f} s (busy time has no "
+                     f"pipeline waits); encoder thread CPU s per image {co['encoder_busy_s_per_image']:.3f} "
+                     f"(one batch per step) / {nc['encoder_busy_s_per_image']:.3f} (one per micro-batch); "
+                     "LLM stage balance "
+                     + ", ".join(f"{n} {r['llm_stage_balance']:.2f}" for n, r in results.items()))
+    return "\n".join(lines)
+
+
+def regime_summary(out: dict) -> str:
+    """The seed's finding (colocated wins with memory headroom; non-colocated wins when encoder
+    state squeezes the LLM's memory), checked against this run's measured and planned numbers."""
+    parts, colo, squeeze = [], 0, 0
+    lay = out.get("layouts", {})
+    islands = [n for n in lay if n.startswith("non_colocated")]
+    if islands and "heterogeneous" in lay:
+        best = min(islands, key=lambda n: lay[n]["modeled_step_s"])
+        ratio = lay[best]["modeled_step_s"] / lay["heterogeneous"]["modeled_step_s"]
+        colo += ratio > 1
+        parts.append(f"measured on CPU (memory never binds): colocated {'faster' if ratio > 1 else 'slower'} "
+                     f"than the best non-colocated layout by {max(ratio, 1 / ratio):.2f}x (modeled step)")
+    cases = out.get("plan", {}).get("cases", [])
+    for scenario in dict.fromkeys(c["scenario"] for c in cases):
+        rows = [c for c in cases if c["scenario"] == scenario and "error" not in c]
+        fit = [c for c in rows if c["fits"]]
+        if not fit:
+            continue
+        best = min(fit, key=lambda c: c["step_s"])
+        co = next((c for c in rows if c["placement"].startswith("colocated")), None)
+        if best["placement"].startswith("colocated"):
+            colo += 1
+            parts.append(f"{scenario}: colocated wins with headroom (max {best['max_gib']:.1f} of "
+                         f"{best['device_memory_gib']:.0f} GiB)")
+        elif co is not None:
+            squeeze += not co["fits"] or co["step_s"] > best["step_s"]
+            parts.append(f"{scenario}: non-colocated wins, colocated ranks would need "
+                         f"{co['max_gib']:.1f} GiB{'' if co['fits'] else ' (does not fit)'}")
+    if not parts:
+        return "seed's finding not tested (it needs a non-colocated layout or the plan section)"
+    verdict = "reproduced" if colo and squeeze else "partly reproduced" if colo or squeeze else "refuted"
+    return f"seed's finding {verdict}: " + "; ".join(parts)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--world", type=int, default=8, choices=sorted(LAYOUTS),
+                    help="CPU ranks: 8 runs three layouts, 4 the two of issue 12")
+    ap.add_argument("--layouts", default=None,
+                    help="comma-separated subset of the world's layouts (default: all)")
+    ap.add_argument("--encoder-ranks", type=int, default=4, help="encoder island size (non_colocated)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    ap.add_argument("--samples", type=int, default=None,
+                    help="global batch size (a multiple of every module's dp); default 8 on 4 "
+                         "ranks, 16 on 8")
+    ap.add_argument("--text-tokens", type=int, default=96, help="text tokens per sample")
+    ap.add_argument("--timeout", type=float, default=900, help="seconds per layout before the run fails")
+    ap.add_argument("--plan", choices=("full", "none"), default="full",
+                    help="print plan mode's memory of the full-size recipes (full) or not")
+    ap.add_argument("--plan-only", action="store_true", help="only the plan section")
+    ap.add_argument("--json", metavar="PATH", help="write the results here")
+    ap.add_argument("overrides", nargs="*", help="config overrides, as for train.py")
+    args = ap.parse_args(argv)
+    args.samples = args.samples or (16 if args.world == 8 else 8)
+    if args.steps < 1 or args.warmup < 0 or args.samples < 1 or args.text_tokens < 8:
+        ap.error("--steps >= 1, --warmup >= 0, --samples >= 1 and --text-tokens >= 8 are needed")
+    if args.json and os.path.isdir(args.json):
+        ap.error(f"--json {args.json} is a directory: give a file path")
+    world = args.world
+    names = list(LAYOUTS[world]) if args.layouts is None else args.layouts.split(",")
+    if not set(names) <= set(LAYOUTS[world]) or "homogeneous" not in names:
+        ap.error(f"--layouts {args.layouts}: choose from {list(LAYOUTS[world])}, homogeneous included")
+    out = {"config": {"world": world, "steps": args.steps, "warmup": args.warmup,
+                      "samples": args.samples, "text_tokens": args.text_tokens}}
+    if not args.plan_only:
+        from hcp.config.errors import ConfigError
+
+        for name in names:
+            try:
+                _, layouts = compose(layout_overrides(world, name, args))
+            except ConfigError as err:
+                ap.error(f"layout {name}: {err}")
+            for m, lay in layouts.items():
+                if args.samples % lay.dp:
+                    ap.error(f"--samples {args.samples} does not split into {name}'s {m} dp={lay.dp} lanes")
+        out["config"] |= {"overrides": layout_overrides(world, "homogeneous", args), **_describe(world, args)}
+        results = {}
+        for name in names:
+            ovr = layout_overrides(world, name, args)
+            results[name] = summarize(name, _collect(world, name, ovr, args), world, ovr, args)
+            print(f"{name}: " + ", ".join(f"{m} {s}" for m, s in results[name]["layouts"].items()))
+        print_table(results)
+        if "heterogeneous" in results:
+            print("heterogeneous phases (thread CPU s, max over ranks): " + ", ".join(
+                f"{k} {v:.3f}" for k, v in results["heterogeneous"]["phase_busy_s"].items()))
+        text = measured_conclusion(results)
+        print(text)
+        out |= {"layouts": results, "conclusion_measured": text}
+        if "heterogeneous" in results:
+            out["critical_path_speedup"] = (results["homogeneous"]["critical_path_s"]
+                                            / results["heterogeneous"]["critical_path_s"])
+    if args.plan == "full" or args.plan_only:
+        out["plan"] = hetero_plan.plan_section()
+    out["regime"] = regime_summary(out)
+    print(out["regime"])
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

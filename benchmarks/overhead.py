@@ -9,8 +9,8 @@ plain loop written here with nothing from hcp's model, step or trainer code (one
 torch user writes it: `nn.Module`s, per-document SDPA, `DistributedDataParallel` with `no_sync`
 for gradient accumulation, `clip_grad_norm_`, AdamW, the same cosine schedule). Both start from
 the same weights (copied from hcp's layout-invariant init by parameter name) and read the same
-micro-batches (hcp's sampler, lane split and first-fit packing, which the plain loop calls too,
-so data costs the same). The two loops alternate step by step, so both see the same machine
+micro-batches (hcp's step plan and data reading, `Trainer.prepare`, which the plain loop calls
+too, on its own prefetch thread like hcp's `PlanAhead`, so data costs the same). The two loops alternate step by step, so both see the same machine
 load; each step's wall time and every rank's thread CPU time are measured.
 
 Prints tokens/s of each (global tokens / mean step wall time), the ratio hcp / plain, the
@@ -162,11 +162,11 @@ def instrument(trainer) -> Sections:
     import hcp.train.trainer as trainer_module
 
     sec = Sections()
-    sec.wrap(trainer, "micro_batches", "data", start=True)
+    sec.wrap(trainer.ahead, "next", "data", start=True)
     sec.wrap(trainer.runner, "forward_backward", "forward_backward")
-    sec.wrap(trainer.runner, "clip", "clip")
+    sec.wrap(trainer, "clip", "clip")
     sec.wrap(trainer.scheduler, "step", "optimizer")
-    sec.wrap(trainer_module, "step_metrics", "metrics")
+    sec.wrap(trainer_module, "whole_step_metrics", "metrics")
     return sec
 
 
@@ -177,7 +177,9 @@ class PlainLoop:
         import torch
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        from hcp.data.loader import GlobalBatchSampler
         from hcp.model import LlavaModel, init_parameters
+        from hcp.plan.ahead import PlanAhead
 
         cfg = trainer.cfg
         self.trainer, self.cfg = trainer, cfg
@@ -199,17 +201,17 @@ class PlainLoop:
             return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.step, self.sections = 0, Sections()
+        sampler = GlobalBatchSampler(len(trainer.train_set), cfg.trainer.global_batch_size, cfg.seed)
+        self.ahead = PlanAhead(sampler, trainer.prepare)  # the same batches, prefetched the same way
 
     def train_step(self) -> tuple[float, int]:
         """One step on global batch `self.step`: (global mean loss, global tokens)."""
         import torch
         import torch.distributed as dist
 
-        from hcp.data.loader import lane_slice
-
-        t, sec = self.trainer, self.sections
+        sec = self.sections
         sec.start()
-        batches = t.micro_batches(lane_slice(t.sampler.batch(self.step), t.dp, t.lane))
+        batches = [b for _, b in self.ahead.next()[1][2]]
         sec.mark("data")
         counts = torch.tensor([float(sum(int((b.labels != -100).sum()) for b in batches)),
                                float(sum(b.labels.numel() for b in batches))], dtype=torch.float64)
@@ -322,7 +324,17 @@ def main(argv=None) -> dict:
              for r in range(args.nproc)]
     for p in procs:
         p.start()
-    results = sorted((queue.get(timeout=1800) for _ in procs), key=lambda r: r[0])
+    results = []
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=5))
+        except Exception:  # queue.Empty: a rank that died never reports, say so instead of waiting
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise SystemExit(f"rank(s) {dead} failed (traceback above)")
+    results.sort(key=lambda r: r[0])
     for p in procs:
         p.join()
     out = {}

@@ -28,6 +28,32 @@ def long_tail_corpus(root, n: int = 96):
     return root
 
 
+def long_tail_llava(root) -> list[str]:
+    """LLaVA-JSON records in `root` (a pathlib.Path) with a long tail of lengths, for the tiny
+    LLaVA: 48 records, 8x8 images on most (16 image rows each), answers of 2-40 bytes, every
+    fourth 150-200 bytes, every sixth text-only. Returns the `data.path` and
+    `data.image_folder` overrides (use with `data=llava_json data.system_prompt=''`)."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    records = []
+    for i in range(48):
+        n = int(rng.integers(150, 200) if i % 4 == 0 else rng.integers(2, 40))
+        answer = "".join(rng.choice(list("abcdefgh "), n))
+        human = "<image>\nwhat is it?" if i % 6 else "say something"
+        rec = {"id": f"s{i}", "conversations": [{"from": "human", "value": human},
+                                                 {"from": "gpt", "value": answer}]}
+        if i % 6:
+            Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(root / f"{i}.png")
+            rec["image"] = f"{i}.png"
+        records.append(rec)
+    (root / "d.json").write_text(json.dumps(records))
+    return [f"data.path={root / 'd.json'}", f"data.image_folder={root}"]
+
+
 def train_cli(run_dir, args, timeout: float = 400) -> list[dict]:
     """Run `python train.py *args hydra.run.dir=run_dir` from the repository; return the
     records of its metrics.jsonl. Fails the test with the end of stderr when the run fails."""
@@ -47,8 +73,29 @@ CLI_RUN = ("trainer.max_steps=10", "logger=none", "trainer.log_every=1", "traine
 """Overrides of a short CLI training run whose every step's loss is logged."""
 
 
-def cli_metrics(run_dir, recipe: str, extra=(), timeout: float = 400) -> list[dict]:
+def cli_run(run_dir, recipe: str, extra=(), timeout: float = 400):
     """Run `python train.py +recipe=RECIPE` with `CLI_RUN` and `extra` overrides into `run_dir`
-    and return its logged steps (metrics.jsonl records with a loss)."""
-    return [r for r in train_cli(run_dir, [f"+recipe={recipe}", *CLI_RUN, *extra], timeout)
-            if "loss" in r]
+    (a pathlib.Path, `train_cli`) and return `run_dir`."""
+    train_cli(run_dir, [f"+recipe={recipe}", *CLI_RUN, *extra], timeout)
+    return run_dir
+
+
+def logged_steps(run_dir) -> list[dict]:
+    """A run's logged training steps (metrics.jsonl records with a loss)."""
+    import json
+
+    with open(run_dir / "metrics.jsonl") as f:
+        return [r for r in map(json.loads, f) if "loss" in r]
+
+
+def run_summary(run_dir) -> dict:
+    """A run's summary.json (final loss, evaluation metrics, throughput)."""
+    import json
+
+    with open(run_dir / "summary.json") as f:
+        return json.load(f)
+
+
+def cli_metrics(run_dir, recipe: str, extra=(), timeout: float = 400) -> list[dict]:
+    """`cli_run`, then its logged steps (metrics.jsonl records with a loss)."""
+    return logged_steps(cli_run(run_dir, recipe, extra, timeout))

@@ -17,8 +17,8 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def llava_tiny_cli(tmp_path_factory):
-    """The logged steps of 10 CLI steps of `+recipe=llava_tiny` (`cfg_utils.cli_metrics`), run
-    once per session: the reference of the CLI comparisons of other layouts."""
-    from cfg_utils import cli_metrics
+    """The run directory of 10 CLI steps of `+recipe=llava_tiny` (`cfg_utils.cli_run`), run once
+    per session: the reference of the CLI comparisons of other layouts."""
+    from cfg_utils import cli_run
 
-    return cli_metrics(tmp_path_factory.mktemp("llava_tiny"), "llava_tiny")
+    return cli_run(tmp_path_factory.mktemp("llava_tiny"), "llava_tiny")

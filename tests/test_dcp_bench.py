@@ -32,3 +32,29 @@ def test_benchmark_pipeline_run():
     s = load_bench().main(["--global-batch", "64", "--cp-pool", "4", "--pp", "4",
                            "--max-tokens-per-rank", "2048", "--max-len", "8192", "--seeds", "100"])
     assert s["solver"]["mean_time_over_bound"] <= s["greedy"]["mean_time_over_bound"]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"benchmarks/{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_critical_path_lets_groups_run_ahead_and_waits_for_the_slowest_member():
+    cp = _load("dynamic_cp_train").critical_path
+    # 4 ranks; micro-batch 0: two CP-2 groups, micro-batch 1: one group of all 4 ranks
+    groups = [[(2, 0), (4, 0)]] * 2 + [[(2, 1), (4, 0)]] * 2
+    busy = [[1.0, 0.5], [3.0, 0.5], [2.0, 0.25], [2.0, 1.0]]
+    assert cp(busy, groups) == 3.0 + 1.0  # the whole-pool one starts after rank 1's 3 s
+    # two CP-1 lanes never wait for each other
+    assert cp([[1.0, 1.0], [5.0, 0.0]], [[(1, 0), (1, 0)], [(1, 1), (1, 1)]]) == 5.0
+
+
+def test_broadcast_benchmark_times_both_ways_on_forked_ranks(tmp_path):
+    out = tmp_path / "b.json"
+    res = _load("dynamic_cp_broadcast").main(["--ranks", "2", "--reps", "1", "--settings",
+                                              "pool64_pp1_lognormal", "--json", str(out)])
+    v = json.loads(out.read_text())["pool64_pp1_lognormal"]
+    assert v == res["pool64_pp1_lognormal"]
+    assert v["plan_s"] > 0 and v["broadcast_s"] > 0 and v["bytes"] > 1000 and v["step_s"] > 0

@@ -9,14 +9,14 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
-from cfg_utils import compose_cfg, long_tail_corpus
+from cfg_utils import compose_cfg, long_tail_corpus, long_tail_llava
 from dist_utils import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 COMMON = ["trainer.progress_bar=false", "trainer.eval_every=0",
           "logger=none", "trainer.check_plan=true"]
 TEXT = ["+recipe=llama_tiny", "data.max_seq_len=512"]
-LLAVA = ["data=llava_json", "data.max_seq_len=256", "data.system_prompt=''"]  # + _llava_data
+LLAVA = ["data=llava_json", "data.max_seq_len=256", "data.system_prompt=''"]  # + long_tail_llava
 
 # name: (model, dynamic-CP layout on 4 ranks, tokens per rank, global batch). The cap makes the
 # long samples (300-500 text tokens; 150-250 merged LLaVA tokens) need CP > 1, the short ones not.
@@ -45,15 +45,21 @@ def _step(rank, world, container, run_dir):
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
-    before = tr.groups.num_created
     indices = tr.sampler.batch(0)
-    prepared = tr.prepare(indices)
-    tr._check_plan(prepared[0].checksum)
-    loss, counts, _ = tr.forward_backward(indices, prepared)
-    assert tr.groups.num_created == before  # every micro-batch's CP group was pre-built
-    groups = {"vision": getattr(tr.encoder, "tp_group", None), "llm": tr.tp_group}
-    groups["projector"] = groups["vision"]
-    grads = {n: _whole(p.grad, p, groups[n.split(".")[0]]) for n, p in tr.modules.named_parameters()
+    new_group = dist.new_group
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process group was created during the step")
+
+    dist.new_group = refuse   # every micro-batch's CP group must be a pre-built one
+    try:
+        prepared = tr.prepare(indices)
+        tr._check_plan(prepared[0].checksum)
+        loss, counts, _ = tr.forward_backward(indices, prepared)
+    finally:
+        dist.new_group = new_group
+    groups = tr._tp_groups() or {}   # each module's TP group (by the FQN's first name)
+    grads = {n: _whole(p.grad, p, groups.get(n.split(".")[0])) for n, p in tr.modules.named_parameters()
              if p.grad is not None}
     return dict(loss=loss, counts=counts, grads=grads, histogram=prepared[4],
                 cp_sizes=sorted({mb.cp_size for mb in prepared[0].micro_batches if not mb.empty}))
@@ -63,30 +69,6 @@ def _container(overrides, run_dir):
     return OmegaConf.to_container(compose_cfg(overrides, run_dir=str(run_dir)), resolve=True)
 
 
-def _llava_data(root):
-    """LLaVA-JSON records with a long tail of lengths: 8x8 images on most samples (16 image rows
-    each), answers of 2-40 bytes, every fourth 150-200 bytes; a few text-only samples."""
-    import json
-
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(1)
-    records = []
-    for i in range(48):
-        n = int(rng.integers(150, 200) if i % 4 == 0 else rng.integers(2, 40))
-        answer = "".join(rng.choice(list("abcdefgh "), n))
-        human = "<image>\nwhat is it?" if i % 6 else "say something"
-        rec = {"id": f"s{i}", "conversations": [{"from": "human", "value": human},
-                                                 {"from": "gpt", "value": answer}]}
-        if i % 6:
-            Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(root / f"{i}.png")
-            rec["image"] = f"{i}.png"
-        records.append(rec)
-    (root / "d.json").write_text(json.dumps(records))
-    return [f"data.path={root / 'd.json'}", f"data.image_folder={root}"]
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return str(long_tail_corpus(tmp_path_factory.mktemp("src")))
@@ -94,7 +76,7 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llava_data(tmp_path_factory):
-    return _llava_data(tmp_path_factory.mktemp("llava"))
+    return long_tail_llava(tmp_path_factory.mktemp("llava"))
 
 
 @pytest.fixture(scope="module")
@@ -102,20 +84,27 @@ def models(corpus, llava_data):
     return {"text": [*TEXT, f"data.path={corpus}"], "llava": [*LLAVA, *llava_data]}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The comparisons in this process on one thread: a fork after torch ran a multi-threaded
+    op in the parent can leave the child's first parallel op waiting forever."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, models):
-    """first_fit on one rank (dp-only, every sample whole) of (model, global batch), cached."""
-    cache = {}
-
-    def get(model, batch):
-        if (model, batch) not in cache:
-            run = tmp_path_factory.mktemp(f"ref_{model}")
-            container = _container([*models[model], *COMMON, "trainer.micro_batch_tokens=512",
-                                    f"trainer.global_batch_size={batch}"], run)
-            cache[model, batch] = run_ranks(_step, 1, container, str(run))[0]
-        return cache[model, batch]
-
-    return get
+    """first_fit on one rank (dp-only, every sample whole) of (model, global batch), every one
+    computed before any test compares."""
+    out = {}
+    for model, batch in sorted({(m, b) for m, _, _, b in CASES.values()}):
+        run = tmp_path_factory.mktemp(f"ref_{model}")
+        container = _container([*models[model], *COMMON, "trainer.micro_batch_tokens=512",
+                                f"trainer.global_batch_size={batch}"], run)
+        out[model, batch] = run_ranks(_step, 1, container, str(run))[0]
+    return out
 
 
 @pytest.mark.slow
@@ -123,7 +112,7 @@ def reference(tmp_path_factory, models):
 @pytest.mark.parametrize("name", CASES)
 def test_dynamic_cp_step_equals_first_fit_on_one_rank(name, reference, models, tmp_path):
     model, layout, cap, batch = CASES[name]
-    ref = reference(model, batch)
+    ref = reference[model, batch]
     container = _container([*models[model], *COMMON, *layout, "packing=dynamic_cp",
                             f"trainer.micro_batch_tokens={cap}", f"trainer.global_batch_size={batch}"],
                            tmp_path)

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from cfg_utils import compose_cfg, long_tail_corpus, train_cli
+from cfg_utils import compose_cfg, long_tail_corpus, long_tail_llava, train_cli
 from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
 from hcp.train.support import check_trainable
@@ -49,6 +49,28 @@ def test_dynamic_cp_trains_with_the_losses_of_first_fit(tmp_path):
     assert not any(k.startswith("micro_batches_cp") for r in ff for k in r)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dynamic_cp_trains_the_tiny_llava_with_the_losses_of_first_fit(tmp_path):
+    """The encoder side at its own layout (tp 1, dp 4) feeds the LLM (tp 2 x dp 2) whose image
+    rows go to the CP rank that holds their positions in each dynamic group."""
+    (tmp_path / "data").mkdir()
+    llava = ["data=llava_json", "data.system_prompt=''", "data.max_seq_len=256", "vision.layout.tp=1",
+             *long_tail_llava(tmp_path / "data")]
+    run = [x for x in RUN if not x.startswith(("+recipe", "data."))]
+    ff = [r for r in train_cli(tmp_path / "ff", [*run, *llava, "trainer.micro_batch_tokens=512"],
+                               timeout=600) if "loss" in r]
+    dyn = [r for r in train_cli(tmp_path / "dyn", [*run, *llava, "packing=dynamic_cp", "llm.layout.tp=2",
+                                                   "trainer.micro_batch_tokens=128"], timeout=600)
+           if "loss" in r]
+    losses = [r["loss"] for r in ff]
+    assert len(losses) == 10 and losses[-1] < losses[0]
+    assert [r["loss"] for r in dyn] == pytest.approx(losses, rel=1e-4, abs=1e-4)
+    assert [r["loss_tokens"] for r in dyn] == [r["loss_tokens"] for r in ff]
+    used = {int(k.removeprefix("micro_batches_cp")) for r in dyn for k in r if k.startswith("micro_batches_cp")}
+    assert used == {1, 2}, used
+
+
 @pytest.mark.parametrize("overrides, world, field, words", [
     (["trainer.global_batch_size=12"], 6, "llm.layout.cp", "power of two"),      # pool dp*cp = 6
     # 4 ranks x 1023 tokens hold 4092, but head-tail padding (2c chunks) leaves 4088
@@ -71,3 +93,4 @@ def test_dynamic_cp_training_refuses_bad_input_before_ranks_start(overrides, wor
 def test_dynamic_cp_training_accepts_tp_pp_dp_shard_and_llava(overrides, world):
     cfg = compose_cfg(["packing=dynamic_cp", *overrides])
     check_trainable(cfg, validate(cfg, world_size=world))
+

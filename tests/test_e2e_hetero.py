@@ -2,13 +2,13 @@
 losses, and the plan-ahead time is reported."""
 import pytest
 
-from cfg_utils import cli_metrics
+from cfg_utils import cli_metrics, logged_steps
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_llava_tiny_and_llava_tiny_hetero_log_the_same_losses(llava_tiny_cli, tmp_path):
-    homogeneous = llava_tiny_cli
+    homogeneous = logged_steps(llava_tiny_cli)
     hetero = cli_metrics(tmp_path / "hetero", "llava_tiny_hetero", ["trainer.check_plan=true"])
     a, b = [r["loss"] for r in homogeneous], [r["loss"] for r in hetero]
     assert len(a) == 10 and a[-1] < a[0]

@@ -1,9 +1,11 @@
 """Through the CLI: llava_tiny_hetero with placement=non_colocated (a vision island of 2 ranks,
 the LLM's tp2 x cp2 on ranks 2-5) logs the same losses as llava_tiny for 10 steps, and a run
-resumed from its step-5 checkpoint (each island saved its own modules) continues with them."""
+resumed from its step-5 checkpoint (each island saved its own modules) with the encoder split
+into two pipeline stages instead of two DP lanes continues with them; the
+final held-out evaluation (encoder weights sent to the LLM island) gives llava_tiny's."""
 import pytest
 
-from cfg_utils import cli_metrics
+from cfg_utils import cli_metrics, logged_steps, run_summary
 
 ISLANDS = ["placement=non_colocated", "vision.layout.num_ranks=2", "launcher.nproc_per_node=6",
            "trainer.check_plan=true"]
@@ -12,12 +14,18 @@ ISLANDS = ["placement=non_colocated", "vision.layout.num_ranks=2", "launcher.npr
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_non_colocated_llava_tiny_hetero_logs_llava_tiny_losses_and_resumes(llava_tiny_cli, tmp_path):
-    homogeneous = llava_tiny_cli
+    homogeneous = logged_steps(llava_tiny_cli)
     islands = cli_metrics(tmp_path / "islands", "llava_tiny_hetero", [*ISLANDS, "trainer.save_every=5"])
     a, b = [r["loss"] for r in homogeneous], [r["loss"] for r in islands]
     assert len(a) == 10 and a[-1] < a[0]
     assert b == pytest.approx(a, abs=1e-4)
+    # the final held-out evaluation re-encodes images on the LLM island with the island's weights
+    ref, got = run_summary(llava_tiny_cli), run_summary(tmp_path / "islands")
+    assert got["eval/samples"] == ref["eval/samples"] == 16
+    assert got["eval/loss"] == pytest.approx(ref["eval/loss"], abs=1e-4)
     step5 = tmp_path / "islands" / "checkpoints" / "step_00000005"
-    resumed = cli_metrics(tmp_path / "resumed", "llava_tiny_hetero", [*ISLANDS, f"resume={step5}"])
+    # resumed with the encoder split into two pipeline stages instead of two DP lanes
+    resumed = cli_metrics(tmp_path / "resumed", "llava_tiny_hetero",
+                          [*ISLANDS, "vision.layout.pp=2", f"resume={step5}"])
     assert [r["step"] for r in resumed] == list(range(6, 11))
     assert [r["loss"] for r in resumed] == pytest.approx(b[5:], abs=1e-4)

@@ -79,6 +79,7 @@ def test_non_colocated_trains_encoder_pp_and_refuses_what_it_cannot_run_with_a_f
     for extra, field in [(["llm.layout.dp_shard=true"], "llm.layout.dp_shard"),
                          (["projector.layout.tp=2"], "projector.layout.tp"),
                          (["vision.layout.recompute=full"], "vision.layout.recompute"),
+                         (["vision.layout.dp_shard=true"], "vision.layout.dp_shard"),
                          (["vision.freeze=true", "projector.freeze=true"], "vision.freeze"),
                          (["llm.freeze=true"], "llm.freeze")]:
         cfg = compose_cfg([*base, *extra])

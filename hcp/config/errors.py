@@ -9,7 +9,7 @@ class ConfigError(ValueError):
     """
 
     def __init__(self, field: str, value, problem: str, fix: str):
-        self.field, self.value = field, value
+        self.field, self.value, self.problem, self.fix = field, value, problem, fix
         super().__init__(f"{field}={value!r}: {problem}. Fix: {fix}")
 
 

@@ -18,12 +18,23 @@ from hcp.config.schema import HCPConfig
 
 
 def _dataclass_of(tp):
-    """The dataclass inside `tp` (`Optional[X]`, `X`), else None."""
+    """The dataclass inside `tp` (`Optional[X]`, `X`), else None (also for `Dict[str, X]`:
+    `_named_of`)."""
     if dataclasses.is_dataclass(tp):
         return tp
+    if typing.get_origin(tp) is dict:
+        return None
     for arg in typing.get_args(tp):
         if dataclasses.is_dataclass(arg):
             return arg
+    return None
+
+
+def _named_of(tp):
+    """X of a `Dict[str, X]` field whose values are dataclasses (named modules), else None."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is dict and len(args) == 2 and dataclasses.is_dataclass(args[1]):
+        return args[1]
     return None
 
 
@@ -65,10 +76,27 @@ def lookup(key: str, value=None):
         if part not in fields:
             raise _unknown(key, value)
         sub = _dataclass_of(fields[part])
+        named = _named_of(fields[part])
+        if named is not None and i + 2 < len(parts):  # encoders.NAME.key: check key in X
+            return lookup_in(named, parts[i + 2:], key, value)
         if sub is None:
             return fields[part]
         if i == len(parts) - 1:
             return sub
+        cls = sub
+    return cls
+
+
+def lookup_in(cls, parts: list[str], key: str, value=None):
+    """`lookup` of `parts` below dataclass `cls` (the rest of `key`, named in errors)."""
+    for i, part in enumerate(parts):
+        fields = _fields(cls)
+        if part not in fields:
+            raise ConfigError(key, value, "no such config key (a `+` does not make it one)",
+                              f"the keys of {cls.__name__} are {sorted(fields)}")
+        sub = _dataclass_of(fields[part])
+        if sub is None or i == len(parts) - 1:
+            return sub or fields[part]
         cls = sub
     return cls
 
@@ -83,6 +111,10 @@ def check_known_keys(cfg, cls=HCPConfig, prefix: str = "") -> None:
         sub = _dataclass_of(fields[key])
         if sub is not None and hasattr(value, "keys") and not value._is_none():
             check_known_keys(value, sub, f"{prefix}{key}.")
+        named = _named_of(fields[key])
+        if named is not None and hasattr(value, "keys") and not value._is_none():
+            for name in value:
+                check_known_keys(value[name], named, f"{prefix}{key}.{name}.")
 
 
 _SWEEP = (",", "(", "[", "{", "$")

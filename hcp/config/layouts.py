@@ -16,17 +16,18 @@ Placement:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from hcp.config.errors import ConfigError, check_choice
-from hcp.config.schema import MODULES
+from hcp.config.modules import kind, module_cfg, module_key, module_names
 
 PLACEMENTS = ("colocated", "non_colocated")
 PACKINGS = ("first_fit", "dynamic_cp")
 CP_COMMS = ("allgather", "p2p")
 RECOMPUTES = ("none", "selective", "full")
 NON_ENCODERS = ("projector", "llm")
-"""Modules that are not encoders; every other module key is an encoder (e.g. `vision`)."""
+"""The built-in modules that are not encoders (named ones: `hcp.config.modules.kind`)."""
 
 
 @dataclass(frozen=True)
@@ -62,18 +63,19 @@ class ResolvedLayout:
 
 
 def present_modules(cfg) -> tuple[str, ...]:
-    """Module keys whose config is not None, in graph order."""
-    return tuple(m for m in MODULES if cfg.get(m) is not None)
+    """Configured modules in graph order (`hcp.config.modules.module_names`: encoders,
+    projectors, llm)."""
+    return module_names(cfg)
 
 
 def num_layers(cfg, module: str) -> int:
     """Pipeline-splittable layers of a module: the projector is one layer; an encoder holds only
     the blocks up to its `select_layer` (-2 on 24 blocks: 23), the LLM `num_layers`."""
-    if module == "projector":
+    if kind(cfg, module) == "projector":
         return 1
     if module == "llm":
         return int(cfg.llm.num_layers)
-    return int(cfg[module].num_layers + cfg[module].select_layer + 1)
+    return int(module_cfg(cfg, module).num_layers + module_cfg(cfg, module).select_layer + 1)
 
 
 def world_size_of(cfg, auto_nproc: int = 4) -> int:
@@ -116,7 +118,7 @@ def _edges(cfg, modules) -> list[tuple[str, str]]:
 
 def _colocated_spans(cfg, modules, world_size) -> dict[str, tuple[int, int]]:
     for m in modules:
-        lay = cfg[m].layout
+        lay = module_cfg(cfg, m).layout
         if lay.num_ranks not in (None, world_size):
             raise ConfigError(f"{m}.layout.num_ranks", lay.num_ranks,
                               f"placement=colocated: every module spans all {world_size} ranks",
@@ -132,9 +134,9 @@ def _island_heads(cfg, modules, edges) -> dict[str, str]:
     """Map each module to the module heading its island (itself or the encoder it joins)."""
     head = {}
     for m in modules:
-        lay = cfg[m].layout
+        lay = module_cfg(cfg, m).layout
         if lay.num_ranks is None and lay.rank_offset is None:
-            src = next((s for s, d in edges if d == m and s not in NON_ENCODERS), None)
+            src = next((s for s, d in edges if d == m and kind(cfg, s) == "encoder"), None)
             if src is not None:
                 head[m] = head[src]
                 continue
@@ -143,7 +145,7 @@ def _island_heads(cfg, modules, edges) -> dict[str, str]:
 
 
 def _island_size(cfg, m) -> int | None:
-    lay = cfg[m].layout
+    lay = module_cfg(cfg, m).layout
     if lay.num_ranks is not None:
         if lay.num_ranks < 1:
             raise ConfigError(f"{m}.layout.num_ranks", lay.num_ranks, "an island needs >= 1 rank",
@@ -184,9 +186,9 @@ def _non_colocated_spans(cfg, modules, edges, world_size) -> dict[str, tuple[int
         sizes[open_[0]] = rest
     used: dict[int, str] = {}
     offsets = {}
-    explicit = [h for h in islands if cfg[h].layout.rank_offset is not None]
+    explicit = [h for h in islands if module_cfg(cfg, h).layout.rank_offset is not None]
     for h in explicit + [h for h in islands if h not in explicit]:
-        offset = cfg[h].layout.rank_offset
+        offset = module_cfg(cfg, h).layout.rank_offset
         if offset is None:
             offset = _lowest_free(used, h, sizes[h], world_size)
         if offset < 0 or offset + sizes[h] > world_size:
@@ -225,7 +227,7 @@ def _indivisible(m: str, lay, count: int, product: str) -> ConfigError:
 
 
 def _resolve_one(cfg, m: str, offset: int, count: int) -> ResolvedLayout:
-    lay = cfg[m].layout
+    lay = module_cfg(cfg, m).layout
     for axis in ("tp", "cp", "pp"):
         if lay[axis] < 1:
             raise ConfigError(f"{m}.layout.{axis}", lay[axis], "sizes must be >= 1", "use a positive size")
@@ -257,7 +259,26 @@ def _resolve_one(cfg, m: str, offset: int, count: int) -> ResolvedLayout:
                           lay.cp_comm, bool(lay.sequence_parallel), lay.recompute, bool(lay.dp_shard))
 
 
+def _named_keys(cfg, error: ConfigError) -> ConfigError:
+    """`error` with a named module's field and mentions spelled as typed (`vision2.layout.tp`
+    -> `encoders.vision2.layout.tp`); the rules below name modules by module name."""
+    named = [m for m in module_names(cfg) if module_key(cfg, m) != m]
+    if not named:
+        return error
+    pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, named)) + r")\.(?=layout|num_heads|ffn)")
+    spell = lambda text: pattern.sub(lambda mt: module_key(cfg, mt.group(1)) + ".", str(text))  # noqa: E731
+    return ConfigError(spell(error.field), error.value, spell(error.problem), spell(error.fix))
+
+
 def resolve_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
+    """`_resolve_layouts` with named modules' fields spelled as typed (`encoders.NAME...`)."""
+    try:
+        return _resolve_layouts(cfg, world_size)
+    except ConfigError as e:
+        raise _named_keys(cfg, e) from None
+
+
+def _resolve_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
     """Resolve every present module's layout over `world_size` ranks, in graph order.
 
     Raises ConfigError: unknown placement; an edge naming an absent module; colocated modules not
@@ -293,11 +314,12 @@ def _check_tensor_parallel(cfg, lay: ResolvedLayout) -> None:
         _tp_divides(m, tp, {"llm.num_heads": c.num_heads, "llm.num_kv_heads": c.num_kv_heads,
                             "llm.ffn_hidden_size": c.ffn_hidden_size, "llm.vocab_size": c.vocab_size},
                     padding=("llm.vocab_size",))
-    elif m == "projector":
+    elif kind(cfg, m) == "projector":
         _tp_divides(m, tp, {"llm.hidden_size": cfg.llm.hidden_size})
     else:
-        c = cfg[m]
-        _tp_divides(m, tp, {f"{m}.num_heads": c.num_heads, f"{m}.ffn_hidden_size": c.ffn_hidden_size})
+        c = module_cfg(cfg, m)
+        _tp_divides(m, tp, {f"{module_key(cfg, m)}.num_heads": c.num_heads,
+                            f"{module_key(cfg, m)}.ffn_hidden_size": c.ffn_hidden_size})
 
 
 def _check_tokens(cfg, lay: ResolvedLayout) -> None:
@@ -351,6 +373,14 @@ def _check_launcher(cfg, world_size: int) -> None:
 
 
 def check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
+    """`_check_layouts` with named modules' fields spelled as typed (`encoders.NAME...`)."""
+    try:
+        return _check_layouts(cfg, world_size)
+    except ConfigError as e:
+        raise _named_keys(cfg, e) from None
+
+
+def _check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
     """Check every layout rule for `world_size` ranks; return the resolved layouts.
 
     Raises ConfigError (field, value, problem, fix) for the rules of `resolve_layouts` and: unknown
@@ -362,8 +392,8 @@ def check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
     """
     check_choice("packing", cfg.packing, PACKINGS)
     for m in present_modules(cfg):
-        check_choice(f"{m}.layout.cp_comm", cfg[m].layout.cp_comm, CP_COMMS)
-        check_choice(f"{m}.layout.recompute", cfg[m].layout.recompute, RECOMPUTES)
+        check_choice(f"{m}.layout.cp_comm", module_cfg(cfg, m).layout.cp_comm, CP_COMMS)
+        check_choice(f"{m}.layout.recompute", module_cfg(cfg, m).layout.recompute, RECOMPUTES)
     _check_launcher(cfg, world_size)
     layouts = resolve_layouts(cfg, world_size)
     for lay in sorted(layouts.values(), key=lambda lay: lay.module != "llm"):

@@ -7,7 +7,7 @@ Cross-field rules live in `hcp.config.validate`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 
 @dataclass
@@ -86,6 +86,10 @@ class ProjectorConfig:
 
     type: str = "mlp2x_gelu"
     """`mlp2x_gelu` (Linear GELU Linear, LLaVA-1.5) or `linear`."""
+    pool: int = 1
+    """Average-pool the encoder's patch grid over `pool` x `pool` windows before projecting:
+    (image_size / patch_size / pool)^2 rows per image instead of one per patch (a summary
+    stream, e.g. the pooled branch of one vision tower feeding two projectors)."""
     layout: LayoutConfig = field(default_factory=LayoutConfig)
     freeze: bool = False
     optim: ModuleOptimConfig = field(default_factory=ModuleOptimConfig)
@@ -171,7 +175,8 @@ class OptimConfig:
 class DataConfig:
     name: str = "digits_vqa"
     """`digits_vqa` (built in), `llava_json` (your data), `code_corpus` (stdlib sources) or
-    `tokens` (your Megatron .bin/.idx or JSONL text, blended)."""
+    `tokens` (your Megatron .bin/.idx or JSONL text, blended); `digits_pair` (built in, two
+    encoders: `vision` and `vision2` each read one digit, hcp.data.digits)."""
     path: Optional[str] = None
     """LLaVA conversation JSON (data=llava_json)."""
     image_folder: Optional[str] = None
@@ -184,6 +189,10 @@ class DataConfig:
     """`byte` (nothing to download) or a path to a Hugging Face `tokenizer.json`."""
     max_seq_len: int = 256
     """Longest sample in tokens after `<image>` expansion."""
+    images_per_sample: float = 1.0
+    """Plan mode: images (or tiles) per sample that the encoder's memory estimate assumes
+    (LLaVA-1.5: 1; dynamic high-resolution tiling: the mean tile count). Training counts the
+    real images."""
     system_prompt: str = ""
     """Vicuna-v1 system prompt; LLaVA-1.5 uses a long one, the tiny recipe none."""
     on_error: str = "error"
@@ -294,6 +303,14 @@ class HCPConfig:
     vision: Optional[VisionConfig] = field(default_factory=VisionConfig)
     projector: Optional[ProjectorConfig] = field(default_factory=ProjectorConfig)
     llm: LLMConfig = field(default_factory=LLMConfig)
+    encoders: Dict[str, VisionConfig] = field(default_factory=dict)
+    """More encoder modules by name, each with its own architecture and layout (a second vision
+    tower, a second modality), e.g. `+encoder@encoders.vision2=vit_tiny`; `graph.edges` wires
+    each to its projector(s). Samples give it inputs under the record key `<name>` and the
+    text placeholder `<name>` (hcp.data.llava). hcp.config.modules."""
+    projectors: Dict[str, ProjectorConfig] = field(default_factory=dict)
+    """More projector modules by name, e.g. `+projectors={projector2:{}}`, each fed by one
+    encoder and feeding the LLM (`graph.edges`); its rows fill its own placeholders."""
     graph: GraphConfig = field(default_factory=GraphConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -10,6 +10,7 @@ from hcp.config.choices import ATTENTION_BACKENDS, BACKEND_MODULES, CP_BACKENDS,
 from hcp.config.errors import ConfigError, check_choice
 from hcp.config.keys import check_known_keys
 from hcp.config.layouts import check_layouts
+from hcp.config.modules import check_graph, encoder_names, module_cfg, module_names, streams
 
 _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "mode": ("train", "plan", "export", "calibrate"),
@@ -55,20 +56,25 @@ def check_model(cfg) -> None:
     if (v is None) != (cfg.projector is None):
         raise ConfigError("projector", cfg.projector, "vision and projector must both be set or both "
                           "be null", "set both (LLaVA) or `vision: null` and `projector: null` (text LM)")
-    if v is not None:
-        check_choice("vision.arch", v.arch, ("vit", "clip"))
-    if v is not None and v.image_size % v.patch_size:
-        raise ConfigError("vision.patch_size", v.patch_size, f"does not divide vision.image_size="
-                          f"{v.image_size}", "pick a patch size that divides the image size")
-    present = {"llm"} | ({"vision", "projector"} if v is not None else set())
-    if all(cfg[m].freeze for m in present):
+    check_graph(cfg)
+    for m in encoder_names(cfg):
+        key, e = ("vision" if m == "vision" else f"encoders.{m}"), module_cfg(cfg, m)
+        check_choice(f"{key}.arch", e.arch, ("vit", "clip"))
+        if e.image_size % e.patch_size:
+            raise ConfigError(f"{key}.patch_size", e.patch_size, f"does not divide {key}.image_size="
+                              f"{e.image_size}", "pick a patch size that divides the image size")
+    for s in streams(cfg.graph.edges):
+        key = "projector" if s.projector == "projector" else f"projectors.{s.projector}"
+        p, e = module_cfg(cfg, s.projector), module_cfg(cfg, s.encoder)
+        check_choice(f"{key}.type", p.type, PROJECTOR_TYPES)
+        side = e.image_size // e.patch_size
+        if p.pool < 1 or side % p.pool:
+            raise ConfigError(f"{key}.pool", p.pool, f"must divide the {side} x {side} patch grid of "
+                              f"{s.encoder}", f"use a pool in {[d for d in range(1, side + 1) if side % d == 0]}")
+    present = module_names(cfg)
+    if all(module_cfg(cfg, m).freeze for m in present):
         raise ConfigError("llm.freeze", True, f"every module ({', '.join(sorted(present))}) is frozen: "
                           "nothing would train", "unfreeze one, e.g. llm.freeze=false or +stage=pretrain")
-    for edge in cfg.graph.edges:
-        for name in edge:
-            if name not in present:
-                raise ConfigError("graph.edges", list(edge), f"module {name!r} is not configured",
-                                  f"use modules among {sorted(present)} or configure {name}")
 
 
 def check_trainer(cfg, layouts) -> None:

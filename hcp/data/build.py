@@ -7,8 +7,9 @@ import sysconfig
 from hcp.config.errors import ConfigError
 from hcp.data.clip_image import load_clip_image
 from hcp.data.code_corpus import CodeCorpus, stdlib_sources
-from hcp.data.digits import build_digits_vqa
-from hcp.data.llava import LlavaDataset, load_image
+from hcp.config.modules import encoder_names, module_cfg, rows_per_item, streams
+from hcp.data.digits import build_digits_pair, build_digits_vqa
+from hcp.data.llava import EncoderInput, LlavaDataset, load_image
 from hcp.data.tokenizer import build_tokenizer
 from hcp.data.tokens import build_tokens
 
@@ -16,6 +17,35 @@ from hcp.data.tokens import build_tokens
 def num_image_tokens(vision_cfg) -> int:
     """Image tokens per image: the encoder's patches, (image_size / patch_size)^2."""
     return 0 if vision_cfg is None else (vision_cfg.image_size // vision_cfg.patch_size) ** 2
+
+
+def stream_token_ids(cfg, tok) -> dict[str, int]:
+    """Placeholder id of every stream into the LLM (`hcp.config.modules.streams`), by projector:
+    the default `projector` takes the tokenizer's image id, every other stream an id after the
+    vocabulary (`add_placeholders`: the tokenizer's vocab_size grows accordingly)."""
+    names = [s.projector for s in streams(cfg.graph.edges)]
+    extra = tok.add_placeholders([n for n in names if n != "projector"])
+    return {n: tok.image_token_id if n == "projector" else extra[n] for n in names}
+
+
+def encoder_inputs(cfg, tok) -> tuple[EncoderInput, ...] | None:
+    """What each encoder reads from a sample and what its placeholder expands into
+    (`hcp.data.llava.EncoderInput`), or None for the plain LLaVA graph (vision -> projector ->
+    llm, unpooled), which `LlavaDataset` builds from its own arguments."""
+    all_streams = streams(cfg.graph.edges)
+    plain = [(s.projector, s.encoder) for s in all_streams] == [("projector", "vision")]
+    if cfg.get("vision") is None or (plain and int(cfg.projector.get("pool", 1)) == 1
+                                     and encoder_names(cfg) == ("vision",)):
+        return None
+    ids = stream_token_ids(cfg, tok)
+    out = []
+    for e in encoder_names(cfg):
+        c = module_cfg(cfg, e)
+        expansion = tuple((s.projector, ids[s.projector], rows_per_item(cfg, s)) for s in all_streams
+                          if s.encoder == e)
+        out.append(EncoderInput(e, expansion, c.image_size, c.num_channels,
+                                load_clip_image if c.arch == "clip" else load_image))
+    return tuple(out)
 
 
 def prepare_data(cfg) -> list[str]:
@@ -32,12 +62,15 @@ def prepare_data(cfg) -> list[str]:
             file none of whose records is usable.
     """
     tok = build_tokenizer(cfg.data.tokenizer)
+    encoder_inputs(cfg, tok)  # more streams: more placeholder ids the LLM's vocabulary must hold
     if cfg.llm.vocab_size < tok.vocab_size:
         raise ConfigError("llm.vocab_size", cfg.llm.vocab_size, f"smaller than the {tok.vocab_size} "
                           f"ids of data.tokenizer={cfg.data.tokenizer!r}",
                           f"set llm.vocab_size to at least {tok.vocab_size} (a multiple of tp)")
     if cfg.data.name == "digits_vqa":
         build_digits_vqa(cfg.data.root, cfg.data.eval_fraction)
+    elif cfg.data.name == "digits_pair":
+        build_digits_pair(cfg.data.root, cfg.data.eval_fraction)
     _, train, held_out = build_datasets(cfg)  # every record validated here, before any rank
     if len(train) < cfg.trainer.global_batch_size:
         raise ConfigError("trainer.global_batch_size", cfg.trainer.global_batch_size,
@@ -60,8 +93,8 @@ def build_datasets(cfg):
     """
     d, v = cfg.data, cfg.vision
     tok = build_tokenizer(d.tokenizer)
-    if d.name == "digits_vqa":
-        root = build_digits_vqa(d.root, d.eval_fraction)
+    if d.name in ("digits_vqa", "digits_pair"):
+        root = (build_digits_vqa if d.name == "digits_vqa" else build_digits_pair)(d.root, d.eval_fraction)
         train_path, eval_path, folder = (os.path.join(root, "train.json"),
                                          os.path.join(root, "eval.json"), root)
     elif d.name == "code_corpus":
@@ -78,12 +111,14 @@ def build_datasets(cfg):
                               "add data.path=FILE.json (and data.image_folder=DIR)")
         train_path, eval_path, folder = d.path, d.eval_path, d.image_folder
     else:
-        raise ConfigError("data.name", d.name, "unknown data set", "use digits_vqa, llava_json, "
-                          "code_corpus or tokens")
+        raise ConfigError("data.name", d.name, "unknown data set", "use digits_vqa, digits_pair, "
+                          "llava_json, code_corpus or tokens")
     if v is None:
         raise ConfigError("data.name", d.name, "LLaVA data has images but the config has no vision "
                           "encoder", "use a LLaVA model config, or data=code_corpus for a text-only LM")
     loader = load_clip_image if v.arch == "clip" else load_image  # CLIP: LLaVA-1.5's pad + normalize
+    inputs = encoder_inputs(cfg, tok)  # several encoders or streams (hcp.config.modules)
     make = lambda p: LlavaDataset(p, folder, tok, num_image_tokens(v), v.image_size,  # noqa: E731
-                                  v.num_channels, d.max_seq_len, d.system_prompt, d.on_error, loader)
+                                  v.num_channels, d.max_seq_len, d.system_prompt, d.on_error, loader,
+                                  inputs)
     return tok, make(train_path), (make(eval_path) if eval_path else None)

@@ -59,3 +59,47 @@ def build_digits_vqa(root: str, eval_fraction: float = 0.15) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+PAIR_QUESTION = "Which two digits are shown?"
+PAIR_KEY = "vision2"
+"""The record key (and encoder name) of the second digit of `digits_pair`."""
+
+
+def build_digits_pair(root: str, eval_fraction: float = 0.15) -> str:
+    """Built-in `digits_pair`, the tiny two-encoder task: each record shows two digit scans,
+    the first to the `vision` encoder (`image`, `<image>`) and the second to the encoder named
+    `vision2` (`vision2`, `<vision2>`), and asks for both ("<image> <vision2>\\nWhich two digits
+    are shown?" -> "seven three"); neither encoder alone can answer. The scans are
+    `digits_vqa`'s (built under root if needed); the pairs follow its split (a held-out record
+    pairs two held-out scans) and a seeded shuffle. Written once to
+    `root/digits_pair-eval{eval_fraction}` (a temporary folder renamed into place). Returns it."""
+    out = os.path.join(root, f"digits_pair-eval{eval_fraction:g}")
+    if os.path.isfile(os.path.join(out, "eval.json")):
+        return out
+    scans = build_digits_vqa(root, eval_fraction)
+    tmp = tempfile.mkdtemp(prefix=".digits_pair-", dir=root)
+    rel = os.path.join("..", os.path.basename(scans))  # the scans' folder, relative to `out`
+    try:
+        for name in ("train.json", "eval.json"):
+            with open(os.path.join(scans, name)) as f:
+                singles = json.load(f)
+            partner = np.random.default_rng([SPLIT_SEED, len(singles)]).permutation(len(singles))
+            records = []
+            for a, b in zip(singles, (singles[j] for j in partner)):
+                words = [a["conversations"][1]["value"], b["conversations"][1]["value"]]
+                records.append({"id": f"{a['id']}+{b['id'][len('digits-'):]}",
+                                "image": os.path.join(rel, a["image"]),
+                                PAIR_KEY: os.path.join(rel, b["image"]), "conversations": [
+                                    {"from": "human", "value": f"<image> <{PAIR_KEY}>\n{PAIR_QUESTION}"},
+                                    {"from": "gpt", "value": " ".join(words)}]})
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(records, f)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another run finished first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -4,16 +4,25 @@ A record is `{"id": ..., "image": "rel/path.png" | [paths] | absent, "conversati
 [{"from": "human", "value": "<image>\\nQuestion"}, {"from": "gpt", "value": "Answer"}, ...]}`.
 Each `<image>` expands into `num_image_tokens` placeholder ids before the label shift, so image
 tokens per sample vary with the number of images. Labels are shifted here, once.
+
+Several encoders (`encoders`, `hcp.config.modules`): a named encoder `e` takes its inputs from
+the record key `e` (a path or a list of paths) and the text marks each with `<e>`; each
+placeholder of an encoder expands into every one of its streams' placeholder ids in turn (a
+branch: one tower feeding two projectors gives each input two runs, one per projector).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from PIL import Image
+
+from hcp.data.packing import collate
 
 IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
@@ -45,6 +54,12 @@ class Sample:
     images: list[str]
     prompt_len: int
     answer: str
+    inputs: dict = field(default_factory=dict)
+    """Named encoders' input paths, {encoder: [paths]} (`vision`'s are `images`)."""
+
+    def items(self, encoder: str = "vision") -> list[str]:
+        """Input paths of `encoder`, in order of appearance."""
+        return self.images if encoder == "vision" else self.inputs.get(encoder, [])
 
 
 @dataclass
@@ -73,6 +88,27 @@ def load_image(path: str, image_size: int, num_channels: int) -> torch.Tensor:
     return t / 127.5 - 1.0
 
 
+@dataclass(frozen=True)
+class EncoderInput:
+    """How a sample feeds one encoder: its placeholder (`<image>`, `<name>`), record key
+    (`image`, `name`), what each placeholder expands into ((projector, token id, count) per
+    stream, in order) and how an input file is read into `[C, H, W]`."""
+
+    name: str
+    expansion: tuple[tuple[str, int, int], ...]
+    image_size: int
+    num_channels: int
+    loader: Callable = None
+
+    @property
+    def placeholder(self) -> str:
+        return IMAGE_PLACEHOLDER if self.name == "vision" else f"<{self.name}>"
+
+    @property
+    def record_key(self) -> str:
+        return "image" if self.name == "vision" else self.name
+
+
 class LlavaDataset:
     """Reads a LLaVA JSON file into `Sample`s, validating every record up front.
 
@@ -88,6 +124,8 @@ class LlavaDataset:
             and counts them in `self.skipped`.
         image_loader: (path, image_size, num_channels) -> `[C, H, W]`; `load_image` by default
             (`hcp.data.clip_image.load_clip_image` for a CLIP encoder).
+        encoders: every encoder's `EncoderInput` when the model has several encoders or
+            streams (module docstring); None: `vision` alone, from the arguments above.
 
     Raises:
         DataError: a bad record under `on_error=error`, or an unreadable JSON file.
@@ -96,13 +134,17 @@ class LlavaDataset:
     has_answers = True
 
     def __init__(self, path, image_folder, tokenizer, num_image_tokens, image_size, num_channels,
-                 max_seq_len, system_prompt="", on_error="error", image_loader=load_image):
+                 max_seq_len, system_prompt="", on_error="error", image_loader=load_image, encoders=None):
         if on_error not in ("error", "skip"):
             raise ValueError(f"data.on_error={on_error!r}: use `error` or `skip`")
         self.path, self.image_folder = path, image_folder or os.path.dirname(path)
         self.tok, self.num_image_tokens = tokenizer, num_image_tokens
         self.image_size, self.num_channels = image_size, num_channels
         self.image_loader = image_loader
+        self.encoders = {e.name: e for e in encoders} if encoders else {"vision": EncoderInput(
+            "vision", (("projector", tokenizer.image_token_id, num_image_tokens),), image_size,
+            num_channels, image_loader)}
+        self._split = re.compile("(" + "|".join(re.escape(e.placeholder) for e in self.encoders.values()) + ")")
         self.max_seq_len, self.system_prompt = max_seq_len, system_prompt
         self.skipped = SkipReport()
         try:
@@ -134,11 +176,29 @@ class LlavaDataset:
     def __getitem__(self, i: int) -> Sample:
         return self.samples[i]
 
-    def pixel_values(self, sample: Sample) -> torch.Tensor:
-        """The sample's images, `[I, C, H, W]` fp32 (I may be 0)."""
-        if not sample.images:
-            return torch.zeros(0, self.num_channels, self.image_size, self.image_size)
-        return torch.stack([self.image_loader(p, self.image_size, self.num_channels) for p in sample.images])
+    @property
+    def stream_ids(self) -> dict[str, int]:
+        """Placeholder id of every stream into the LLM, by projector."""
+        return {p: token for e in self.encoders.values() for p, token, _ in e.expansion}
+
+    def collate(self, samples, sources=None):
+        """`hcp.data.packing.collate` of `samples` with every encoder's inputs and every
+        stream's mask (`Batch.stream_masks`, `Batch.encoder_pixels`). `sources`: the `Sample`s
+        whose inputs to read, one per sample (default: `samples`; greedy decoding collates
+        growing prompts of them)."""
+        sources = samples if sources is None else sources
+        named = [e for e in self.encoders if e != "vision"]
+        return collate(samples, [self.pixel_values(s) for s in sources], self.tok.image_token_id,
+                       self.stream_ids, {e: [self.pixel_values(s, e) for s in sources] for e in named})
+
+    def pixel_values(self, sample: Sample, encoder: str = "vision") -> torch.Tensor:
+        """The sample's inputs of `encoder` (default: its images), `[I, C, H, W]` fp32 (I may be 0)."""
+        e = self.encoders[encoder]
+        paths = sample.items(encoder)
+        if not paths:
+            return torch.zeros(0, e.num_channels, e.image_size, e.image_size)
+        load = e.loader or self.image_loader
+        return torch.stack([load(p, e.image_size, e.num_channels) for p in paths])
 
     def _build(self, rec, index) -> Sample:
         rid = rec.get("id", f"#{index}") if isinstance(rec, dict) else f"#{index}"
@@ -156,21 +216,25 @@ class LlavaDataset:
             self.leading_turns_dropped += 1
         if not any(t["from"] == "gpt" for t in convs):
             raise fail("no assistant turn", "no turn has from='gpt'")
-        images = rec.get("image")
-        images = [] if images is None else [images] if isinstance(images, str) else images
-        if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
-            raise fail("malformed record", "`image` must be a path or a list of paths")
-        n_ph = sum(t["value"].count(IMAGE_PLACEHOLDER) for t in convs)
-        if n_ph != len(images):
-            raise fail("image count mismatch", f"{n_ph} <image> placeholders but {len(images)} images")
-        paths = [os.path.join(self.image_folder, p) for p in images]
-        for p in paths:
+        inputs = {}
+        for e in self.encoders.values():
+            paths = rec.get(e.record_key)
+            paths = [] if paths is None else [paths] if isinstance(paths, str) else paths
+            if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
+                raise fail("malformed record", f"`{e.record_key}` must be a path or a list of paths")
+            n_ph = sum(t["value"].count(e.placeholder) for t in convs)
+            if n_ph != len(paths):
+                what = "images" if e.name == "vision" else f"`{e.record_key}` inputs"
+                raise fail("image count mismatch", f"{n_ph} {e.placeholder} placeholders but {len(paths)} {what}")
+            inputs[e.name] = [os.path.join(self.image_folder, p) for p in paths]
+        for p in (p for paths in inputs.values() for p in paths):
             try:
                 with Image.open(p) as im:
                     im.verify()
             except (OSError, SyntaxError) as e:
                 kind = "missing image" if not os.path.exists(p) else "unreadable image"
                 raise fail(kind, f"{p}: {e}") from e
+        paths = inputs.pop("vision", [])
         ids, target = self._tokenize(convs)
         if len(ids) > self.max_seq_len:
             raise fail("sample too long", f"{len(ids)} tokens > data.max_seq_len={self.max_seq_len}")
@@ -178,7 +242,7 @@ class LlavaDataset:
         labels.append(IGNORE_INDEX)
         prompt_len = target.index(True)
         answer = next(t["value"] for t in convs if t["from"] == "gpt")
-        return Sample(str(rid), ids, labels, paths, prompt_len, answer)
+        return Sample(str(rid), ids, labels, paths, prompt_len, answer, inputs)
 
     def _tokenize(self, convs):
         """Vicuna v1: `SYSTEM USER: q ASSISTANT: a</s>USER: ...`; returns ids and target mask."""
@@ -194,10 +258,13 @@ class LlavaDataset:
         for turn in convs:
             if turn["from"] == "human":
                 add(tok.encode("USER: "))
-                for j, part in enumerate(turn["value"].split(IMAGE_PLACEHOLDER)):
-                    if j:
-                        add([tok.image_token_id] * self.num_image_tokens)
-                    add(tok.encode(part))
+                by_text = {e.placeholder: e for e in self.encoders.values()}
+                for j, part in enumerate(self._split.split(turn["value"])):
+                    if j % 2:  # a placeholder: every stream's ids of its encoder, in turn
+                        for _, token, count in by_text[part].expansion:
+                            add([token] * count)
+                    elif part:
+                        add(tok.encode(part))
                 add(tok.encode(" ASSISTANT:"))
             else:
                 add(tok.encode(" " + turn["value"]) + [tok.eos_id], is_target=True)

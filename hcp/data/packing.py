@@ -20,6 +20,9 @@ class Batch:
     input_ids / labels / position_ids: `[T]` int64; cu_seqlens: `[N + 1]` int32; max_seqlen: int;
     pixel_values: `[I, C, H, W]` fp32 or None (images in order of appearance); image_mask: `[T]`
     bool, True where an image embedding replaces the placeholder; sample_ids: N record ids.
+    Several streams into the LLM (`hcp.config.modules`): stream_masks {projector: bool [T]} of
+    every stream but the default `projector`; encoder_pixels {encoder: [I_e, C, H, W]} of every
+    named encoder (the single-process model encodes them; `hcp.model.llava`).
     """
 
     input_ids: torch.Tensor
@@ -30,12 +33,16 @@ class Batch:
     pixel_values: Optional[torch.Tensor]
     image_mask: torch.Tensor
     sample_ids: list = field(default_factory=list)
+    stream_masks: dict = field(default_factory=dict)
+    encoder_pixels: dict = field(default_factory=dict)
 
     def to(self, device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
         return Batch(move(self.input_ids), move(self.labels), move(self.position_ids),
                      move(self.cu_seqlens), self.max_seqlen, move(self.pixel_values),
-                     move(self.image_mask), self.sample_ids)
+                     move(self.image_mask), self.sample_ids,
+                     {k: move(v) for k, v in self.stream_masks.items()},
+                     {k: move(v) for k, v in self.encoder_pixels.items()})
 
 
 def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -64,13 +71,17 @@ def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
     return packs
 
 
-def collate(samples, pixel_values: list[torch.Tensor], image_token_id: int) -> Batch:
+def collate(samples, pixel_values: list[torch.Tensor], image_token_id: int,
+            stream_ids: dict | None = None, encoder_pixels: dict | None = None) -> Batch:
     """Concatenate samples into one THD `Batch`.
 
     Args:
         samples: `hcp.data.llava.Sample`s (input_ids, labels of equal length S_i).
         pixel_values: per sample `[I_i, C, H, W]` (I_i may be 0).
         image_token_id: the placeholder id that marks image-token positions.
+        stream_ids: {projector: placeholder id} of the other streams into the LLM
+            (`hcp.data.build.stream_token_ids`; the default `projector` is `image_token_id`).
+        encoder_pixels: {encoder: per sample `[I_i, C, H, W]`} of named encoders.
     """
     lengths = [len(s.input_ids) for s in samples]
     cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
@@ -79,9 +90,11 @@ def collate(samples, pixel_values: list[torch.Tensor], image_token_id: int) -> B
     labels = torch.tensor([t for s in samples for t in s.labels], dtype=torch.long)
     position_ids = torch.cat([torch.arange(n) for n in lengths])
     images = [p for p in pixel_values if p.shape[0] > 0]
+    masks = {p: input_ids == i for p, i in (stream_ids or {}).items() if p != "projector"}
     return Batch(input_ids, labels, position_ids, cu, max(lengths),
                  torch.cat(images) if images else None, input_ids == image_token_id,
-                 [s.id for s in samples])
+                 [s.id for s in samples], masks,
+                 {e: torch.cat(per) for e, per in (encoder_pixels or {}).items() if per})
 
 
 def empty_batch(device=None) -> Batch:

@@ -17,6 +17,10 @@ class ByteTokenizer:
     vocab_size = 260
     eos_text = "</s>"
 
+    def add_placeholders(self, names) -> dict[str, int]:
+        """Placeholder ids for more row streams (`hcp.data.build.stream_token_ids`)."""
+        return _add_placeholders(self, names)
+
     def encode(self, text: str) -> list[int]:
         """Text -> byte ids (no specials added)."""
         return list(text.encode("utf-8"))
@@ -62,11 +66,28 @@ class HFTokenizer:
         self.image_token_id = vocab.get("<image>", spare)
         self.vocab_size = max(n, self.image_token_id + 1)
 
+    def add_placeholders(self, names) -> dict[str, int]:
+        """Placeholder ids for more row streams (`hcp.data.build.stream_token_ids`)."""
+        return _add_placeholders(self, names)
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
-        return self._tok.decode([i for i in ids if i != self.image_token_id])
+        extra = set(getattr(self, "placeholder_ids", {}).values())
+        return self._tok.decode([i for i in ids if i != self.image_token_id and i not in extra])
+
+
+def _add_placeholders(tok, names) -> dict[str, int]:
+    """Give each name in `names` (row streams besides the default `<image>` one) an id after the
+    tokenizer's vocabulary, once: the vocabulary grows by one id per new name (the LLM's
+    embedding must hold them: `llm.vocab_size >= vocab_size`). Returns {name: id} for `names`."""
+    ids = tok.__dict__.setdefault("placeholder_ids", {})
+    for name in names:
+        if name not in ids:
+            ids[name] = tok.vocab_size
+            tok.vocab_size += 1
+    return {name: ids[name] for name in names}
 
 
 def build_tokenizer(spec: str):

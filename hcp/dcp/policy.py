@@ -9,13 +9,14 @@ hardware profile `packing_profile` (`h100` or a `mode=calibrate` YAML). Every ra
 the same plan from the same lengths (the solver is deterministic: move and node budgets, no
 clock), so no rank has to broadcast it; on a background thread (hcp/plan/ahead.py) a broadcast
 would need a collective off the main thread, which could cross the step's collectives.
-Measured (benchmarks/plan_broadcast.py, LLaMA-13B recipe, GBS 2048, pool 8, PP 8, Wikipedia
-lengths, seeds 100-101, a loaded 2-core CPU): planning takes 1.10 s per rank against a simulated
-H100 step of 7.5 s (0.15 of the step, hidden on the plan-ahead thread); planning on one rank
-and broadcasting the plan (~18 KiB) would cost every other rank 0.06 s of broadcast plus 0.05 s
-of routing on the main thread, and put a collective between the ranks and their next step. In
-the CLI (llama_tiny, 8 ranks, pool 8) prepare takes 0.35 s per step against 1.67 s of step
-time, fully hidden from step 2 on (`plan_s`, `plan_hidden_s` in metrics.jsonl).
+Measured (benchmarks/dynamic_cp_broadcast.py, 8 forked gloo ranks on a loaded 2-core CPU,
+seed 100, H100 profile, LLaMA-13B): planning costs 10-36% of the simulated step it plans in
+thread CPU time (pool 8 at PP 8: 872 ms against 7.6 s; pool 64: 558 ms against 1.55 s at PP 8,
+197 ms against 2.0 s at PP 1), hidden on the plan-ahead thread; broadcasting rank 0's pickled
+plan (9-25 KB) costs 0.2-0.6% of the step, but exposed on the main thread of every rank (or a
+collective off it), and the planning rank must still hide its own plan time. So every rank
+plans. In the CLI (llama_tiny, 8 ranks, pool 8) prepare takes 0.35 s per step against 1.67 s
+of step time, fully hidden from step 2 on (`plan_s`, `plan_hidden_s` in metrics.jsonl).
 
 Runtime (hcp/train/trainer.py `prepare`, `with_cp_group`): the pool of a TP index and pipeline
 stage is the dp * cp ranks that share them (ranks strided by tp), so every TP rank of a pool

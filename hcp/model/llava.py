@@ -4,6 +4,11 @@ Submodules are named after the config keys (`vision`, `projector`, `llm`) so eve
 with its module key: per-module freeze, optimizers and process groups select parameters by it.
 With `vision_cfg=None` (and `projector_cfg=None`) it is a plain language model.
 
+Several encoders (`encoders`, `projectors`, `streams`: hcp.config.modules, hcp.model.encoder_side):
+named encoders and projectors sit next to `vision` and `projector` under their own names; every
+stream (a projector into the LLM) fills its own placeholder positions with its rows. A join: two
+encoders with a projector each; a branch: one tower (run once) feeding two projectors.
+
 Two ways to run the encoder (DESIGN.md 4.2, 4.4):
 - inside the LLM's first stage (`LlavaModel(..., encoder=True)`, the default and the
   single-process reference): every rank of the LLM's TP x CP group encodes the micro-batch's
@@ -22,6 +27,10 @@ The micro-batch `batch` is any object with these attributes (shapes per micro-ba
     image_mask    bool [T] or None: positions replaced, in order, by the I * P image embeddings
     image_rows    float [R, H] or None (`encoder=False`): the image embeddings of THIS rank's
                                 CP shard, in local slot order (all I * P of them without CP)
+  and, for streams other than the default `projector` (`vision`'s inputs are `pixel_values`):
+    stream_masks    {projector: bool [T]}: that stream's positions
+    encoder_pixels  {encoder: float [I_e, C, H, W]} (`encoder=True`): a named encoder's inputs
+    stream_rows     {projector: float [R_s, H]} (`encoder=False`): routed rows, as image_rows
 
 Parallelism of the LLM (`tp_group`, `cp_group`, `cp_comm`, `sequence_parallel`: see
 `hcp.model.llama`). Every rank of a TP x CP group gets the SAME whole micro-batch (text); the
@@ -46,6 +55,7 @@ from torch import nn
 from hcp.config.schema import LLMConfig, ProjectorConfig, VisionConfig
 from hcp.model.collectives import (copy_to_group, gather_from_group, gather_seq, group_rank,
                                    group_size)
+from hcp.model.encoder_side import DEFAULT_STREAMS, add_encoder_modules, encode_streams
 from hcp.model.llama import LlamaDecoder
 from hcp.model.projector import Projector
 from hcp.model.stage import StageSpec
@@ -95,74 +105,91 @@ class LlavaModel(nn.Module):
     def __init__(self, vision_cfg: VisionConfig | None, projector_cfg: ProjectorConfig | None,
                  llm_cfg: LLMConfig, tp_group=None, cp_group=None, cp_comm: str | None = None,
                  sequence_parallel: bool | None = None, stage: StageSpec | None = None,
-                 recompute: str | None = None, encoder: bool = True):
+                 recompute: str | None = None, encoder: bool = True, encoders: dict | None = None,
+                 projectors: dict | None = None, streams=None):
         """`encoder=False`: build no vision encoder and projector; image embeddings come routed
-        in `batch.image_rows` (module docstring).
+        in `batch.image_rows` (module docstring). `encoders` / `projectors`: named modules
+        besides vision and projector (name -> VisionConfig / ProjectorConfig); `streams`: the
+        streams into the LLM (`hcp.config.modules.streams`; default: vision -> projector).
 
-        Raises ValueError when exactly one of vision_cfg / projector_cfg is given."""
+        Raises ValueError when exactly one of vision_cfg / projector_cfg is given, or a stream
+        names a module without a config."""
         super().__init__()
         if (vision_cfg is None) != (projector_cfg is None):
             raise ValueError("vision and projector must be given together (or both None for a "
                              "text-only LM)")
         first = (stage is None or stage.first) and encoder
-        self.vision = ViTEncoder(vision_cfg) if vision_cfg is not None and first else None
-        self.projector = (Projector(projector_cfg, vision_cfg.hidden_size, llm_cfg.hidden_size)
-                          if projector_cfg is not None and first else None)
+        self.streams = (tuple(streams) if streams is not None else
+                        DEFAULT_STREAMS if vision_cfg is not None else ())
+        if first and vision_cfg is not None:
+            add_encoder_modules(self, {"vision": vision_cfg, **(encoders or {})},
+                                {"projector": projector_cfg, **(projectors or {})}, self.streams,
+                                llm_cfg.hidden_size)
+        else:
+            self.vision = self.projector = None
         self.llm = LlamaDecoder(llm_cfg, tp_group, cp_group, cp_comm, sequence_parallel, stage,
                                 recompute)
         self.stage = self.llm.stage
         self.tp_group, self.cp_group = tp_group, cp_group
 
     def embed(self, batch, shard: CPShard | None = None) -> torch.Tensor:
-        """Text embeddings of this rank's tokens (the CP shard's slots, or all T) with the image
-        embeddings written over the image positions: [T_loc, H] (T without CP).
+        """Text embeddings of this rank's tokens (the CP shard's slots, or all T) with every
+        stream's rows written over its positions: [T_loc, H] (T without CP).
 
-        Image embeddings: `batch.image_rows` when set (routed, already this shard's, in slot
-        order), else this model's encoder over `batch.pixel_values`.
+        A stream's rows: routed (`batch.image_rows` / `batch.stream_rows`, already this shard's,
+        in slot order) when set, else this model's encoder over the stream encoder's inputs
+        (each encoder runs once, whatever the number of streams it feeds).
 
-        Raises ValueError when the image embeddings do not match the image positions, or images
-        reach a model without an encoder.
+        Raises ValueError when a stream's rows do not match its positions, or inputs reach a
+        model without an encoder.
         """
         ids = batch.input_ids if shard is None else batch.input_ids[shard.token_index]
         embeds = self.llm.embed(ids)
-        image_mask = getattr(batch, "image_mask", None)
-        if image_mask is None:
-            local = None
-        else:
-            local = image_mask if shard is None else image_mask[shard.token_index] & shard.valid
-        slots = (local.nonzero().squeeze(1) if local is not None
-                 else torch.zeros(0, dtype=torch.long, device=embeds.device))
-        rows = getattr(batch, "image_rows", None)
-        if rows is None:
-            rows = self._encode(batch, image_mask, shard, slots)
-        elif rows.shape[0] != slots.shape[0]:
-            raise ValueError(f"batch.image_rows has {rows.shape[0]} rows but this rank's "
-                             f"tokens hold {slots.shape[0]} image positions: they must be equal")
-        if rows is None:
-            return embeds
-        return embeds.index_put((slots,), rows.to(embeds.dtype))
+        encoded: dict = {}
+        for stream in self.streams or DEFAULT_STREAMS[:int(_mask(batch, "projector") is not None)]:
+            mask = _mask(batch, stream.projector)
+            if mask is None:
+                continue
+            local = mask if shard is None else mask[shard.token_index] & shard.valid
+            slots = local.nonzero().squeeze(1)
+            rows = _routed(batch, stream.projector)
+            if rows is None:
+                rows = self._encode(batch, stream, mask, shard, slots, encoded)
+            elif rows.shape[0] != slots.shape[0]:
+                what = ("batch.image_rows" if stream.projector == "projector"
+                        else f"batch.stream_rows[{stream.projector!r}]")
+                raise ValueError(f"{what} has {rows.shape[0]} rows but this rank's tokens hold "
+                                 f"{slots.shape[0]} image positions: they must be equal")
+            if rows is not None:
+                embeds = embeds.index_put((slots,), rows.to(embeds.dtype))
+        return embeds
 
-    def _encode(self, batch, image_mask, shard, slots) -> torch.Tensor | None:
-        """This rank's image embeddings [R, H] from the micro-batch's images (None: no images)."""
-        pixel_values = getattr(batch, "pixel_values", None)
-        num_slots = int(image_mask.sum()) if image_mask is not None else 0
+    def _encode(self, batch, stream, mask, shard, slots, encoded: dict) -> torch.Tensor | None:
+        """This rank's rows [R, H] of `stream` from the micro-batch's inputs of its encoder (None:
+        no inputs and no positions). `encoded` caches each encoder's streams within one embed."""
+        pixel_values = _inputs(batch, stream.encoder)
+        num_slots = int(mask.sum())
         if pixel_values is None or pixel_values.shape[0] == 0:
             if num_slots:
-                raise ValueError(f"image_mask marks {num_slots} positions but the batch has no images")
+                what = "images" if stream.encoder == "vision" else f"{stream.encoder} inputs"
+                raise ValueError(f"{'image_mask' if stream.projector == 'projector' else stream.projector} "
+                                 f"marks {num_slots} positions but the batch has no {what}")
             return None
-        if self.vision is None:
+        if getattr(self, stream.encoder, None) is None:
             raise ValueError("the batch has pixel_values but the model has no vision encoder "
                              "(built with encoder=False: pass the routed batch.image_rows)")
-        feats = self.projector(self.vision(pixel_values))                # [I, P, H]
-        feats = feats.reshape(-1, feats.shape[-1])
+        if stream.encoder not in encoded:
+            encoded[stream.encoder] = encode_streams(self, self.streams, stream.encoder, pixel_values)
+        feats = encoded[stream.encoder][stream.projector]                 # [I * R_s, H]
         if num_slots != feats.shape[0]:
-            raise ValueError(f"image_mask marks {num_slots} positions but {pixel_values.shape[0]} "
-                             f"images x {self.vision.num_patches} patches = {feats.shape[0]} "
-                             "image embeddings: they must be equal")
+            what = "image_mask" if stream.projector == "projector" else f"{stream.projector}'s mask"
+            raise ValueError(f"{what} marks {num_slots} positions but {pixel_values.shape[0]} inputs "
+                             f"of {stream.encoder} give {feats.shape[0]} rows of {stream.projector}: "
+                             "they must be equal")
         if shard is None:
             return feats
-        # each image position's row in the whole sequence, read at this shard's image slots
-        row_of = torch.cumsum(image_mask.long(), 0) - 1
+        # each position's row in the whole sequence, read at this shard's slots of the stream
+        row_of = torch.cumsum(mask.long(), 0) - 1
         return feats[row_of[shard.token_index[slots]]]
 
     def _cp_group(self, batch):
@@ -243,3 +270,24 @@ class LlavaModel(nn.Module):
         every = gather_seq(logits, group)                        # [c * T_loc, V]
         return every.new_zeros(batch.labels.shape[0], every.shape[1]).index_put(
             (index[valid],), every[valid])
+
+
+def _mask(batch, projector: str):
+    """Positions of `projector`'s stream in `batch` (bool [T]) or None."""
+    if projector == "projector":
+        return getattr(batch, "image_mask", None)
+    return (getattr(batch, "stream_masks", None) or {}).get(projector)
+
+
+def _routed(batch, projector: str):
+    """Routed rows of `projector`'s stream for this rank ([R, H]) or None."""
+    if projector == "projector":
+        return getattr(batch, "image_rows", None)
+    return (getattr(batch, "stream_rows", None) or {}).get(projector)
+
+
+def _inputs(batch, encoder: str):
+    """Inputs of `encoder` in `batch` ([I, C, H, W]) or None."""
+    if encoder == "vision":
+        return getattr(batch, "pixel_values", None)
+    return (getattr(batch, "encoder_pixels", None) or {}).get(encoder)

@@ -10,7 +10,7 @@ every module spans all ranks (so the encoder's ranks cover the LLM's).
 from __future__ import annotations
 
 from hcp.config.errors import ConfigError
-from hcp.config.layouts import NON_ENCODERS
+from hcp.config.modules import kind, module_key
 
 
 def _describe(lay) -> str:
@@ -25,13 +25,14 @@ def check_joins(cfg, layouts: dict) -> None:
     if cfg.placement != "colocated":
         return
     for src, dst in (tuple(e) for e in cfg.graph.edges):
-        if src in NON_ENCODERS or dst != "projector":
+        if kind(cfg, src) != "encoder" or kind(cfg, dst) != "projector":
             continue
         a, b = layouts[src], layouts[dst]
         if (a.tp, a.cp, a.pp, a.dp) != (b.tp, b.cp, b.pp, b.dp):
-            fix = " ".join(f"{dst}.layout.{k}={getattr(a, k)}" for k in ("tp", "cp", "pp", "dp")
+            key = module_key(cfg, dst)
+            fix = " ".join(f"{key}.layout.{k}={getattr(a, k)}" for k in ("tp", "cp", "pp", "dp")
                            if getattr(a, k) != getattr(b, k))
-            raise ConfigError(f"{dst}.layout", f"tp{b.tp} cp{b.cp} pp{b.pp} dp{b.dp}",
+            raise ConfigError(f"{key}.layout", f"tp{b.tp} cp{b.cp} pp{b.pp} dp{b.dp}",
                               f"edge {src}->{dst} joins {_describe(a)} and {_describe(b)}; the projector "
                               f"runs right after {src} on the same ranks, without a route between them",
                               f"give it {src}'s layout: {fix}")

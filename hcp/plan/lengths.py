@@ -109,7 +109,8 @@ def _runs(positions: np.ndarray, rows_per_image: int) -> tuple[np.ndarray, np.nd
     return starts, np.full(len(starts), rows_per_image, dtype=np.int64)
 
 
-def build_length_index(dataset, image_token_id: int, rows_per_image: int) -> SampleSizes:
+def build_length_index(dataset, image_token_id: int, rows_per_image: int,
+                       encoder: str = "vision") -> SampleSizes:
     """Sizes of every sample of `dataset` (`hcp.data` LLaVA, code corpus or token data sets),
     without images.
 
@@ -118,6 +119,8 @@ def build_length_index(dataset, image_token_id: int, rows_per_image: int) -> Sam
             `hcp.data.code_corpus.CodeCorpus` and `hcp.data.tokens.BlendedTokens` are read
             from their document tables instead (no token is read).
         image_token_id: the placeholder id; rows_per_image: placeholders per image (patches).
+        encoder: whose inputs the placeholders stand for (`Sample.items(encoder)`; several
+            encoders: one index per stream into the LLM, `hcp.plan.lengths.stream_indexes`).
 
     Raises:
         ValueError: a sample's placeholders do not form whole images.
@@ -149,8 +152,9 @@ def build_length_index(dataset, image_token_id: int, rows_per_image: int) -> Sam
         tokens[i] = len(ids)
         loss[i] = int(np.count_nonzero(np.asarray(s.labels) != IGNORE_INDEX))
         a, b = _runs(np.flatnonzero(ids == image_token_id), rows_per_image)
-        if len(a) != len(s.images):
-            raise ValueError(f"sample {s.id!r}: {len(a)} image-token runs but {len(s.images)} images")
+        items = s.items(encoder) if hasattr(s, "items") else s.images
+        if len(a) != len(items):
+            raise ValueError(f"sample {s.id!r}: {len(a)} image-token runs but {len(items)} images")
         counts[i] = len(a)
         starts.append(a)
         rows.append(b)
@@ -158,3 +162,12 @@ def build_length_index(dataset, image_token_id: int, rows_per_image: int) -> Sam
     np.cumsum(counts, out=off[1:])
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0, dtype=np.int64)  # noqa: E731
     return SampleSizes(tokens, loss, off, cat(starts), cat(rows))
+
+
+def stream_indexes(dataset, token_ids: dict[str, int], rows_per_item: dict[str, int],
+                   encoders: dict[str, str]) -> dict[str, SampleSizes]:
+    """One length index per stream into the LLM (`hcp.config.modules.streams`), by projector:
+    the stream's placeholder id (`token_ids`), rows per input (`rows_per_item`) and encoder
+    (`encoders`). Tokens and loss tokens are the same in every index; the image arrays are the
+    stream's rows. Raises ValueError as `build_length_index`."""
+    return {p: build_length_index(dataset, token_ids[p], rows_per_item[p], encoders[p]) for p in token_ids}

@@ -111,7 +111,11 @@ class MicroBatchPlan:
     """[start, end) of its image rows in the tensor received over the edge into the LLM (only
     on the LLM's first stage; rows in slot order of the local shard). Colocated: one tensor
     for the step; non-colocated: one tensor per micro-batch, so (0, rows) (every TP rank of
-    the shard gets it, also under the `leader` route)."""
+    the shard gets it, also under the `leader` route). Several edges into the LLM: the default
+    stream's (`projector`, else the first edge's)."""
+    stream_rows: dict = field(default_factory=dict)
+    """Every edge into the LLM, by source projector: [start, end) of this micro-batch's rows
+    in the tensor received over that edge (`image_rows` is one of them)."""
 
     @property
     def empty(self) -> bool:
@@ -128,7 +132,9 @@ class Counts:
     sum_sq_lengths: float
     """Sum over documents of the squared merged length (attention FLOPs)."""
     image_rows: int = 0
-    """Image rows (image tokens) of the whole batch."""
+    """Image rows (image tokens) of the whole batch (all streams into the LLM)."""
+    stream_rows: dict = field(default_factory=dict)
+    """Rows of the whole batch per stream into the LLM, by source projector."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +178,8 @@ class StepPlan:
     local_tokens: np.ndarray
     """[num groups] slots per rank of each group."""
     image_row_offsets: np.ndarray
-    """[pool, J + 1] prefix sums of image rows per pool position over micro-batches."""
+    """[pool, J + 1] prefix sums of image rows per pool position over micro-batches (the
+    default stream's; `stream_row_offsets` has every stream's)."""
     encoder_grids: dict[str, Grid] = field(default_factory=dict)
     """Encoder-side module -> the grid it runs on (non-colocated: its island head's)."""
     island_tables: dict[tuple[str, str], list[RowTable]] = field(default_factory=dict)
@@ -183,6 +190,8 @@ class StepPlan:
     """[B] each sample's position in the LLM's consumption order (micro-batch, group, packing)."""
     sample_micro_batch: np.ndarray | None = None
     """[B] the LLM micro-batch that consumes each sample."""
+    stream_row_offsets: dict = field(default_factory=dict)
+    """Source projector of each edge into the LLM -> its [pool, J + 1] prefix sums."""
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -217,9 +226,12 @@ class StepPlan:
         if llm.contains(rank):
             c = llm.coords(rank)
             pos = c["dp"] * llm.cp + c["cp"]
-            rows = self.image_row_offsets[pos] if c["pp"] == 0 else np.zeros(len(self.group_at) + 1, np.int64)
+            zero = np.zeros(len(self.group_at) + 1, np.int64)
+            every = {src: off[pos] if c["pp"] == 0 else zero for src, off in self.stream_row_offsets.items()}
+            rows = self.image_row_offsets[pos] if c["pp"] == 0 else zero
             if self.island_tables:  # one received tensor per micro-batch
                 rows = np.concatenate([[0], np.diff(rows)])
+                every = {src: np.concatenate([[0], np.diff(r)]) for src, r in every.items()}
             for j in range(self.num_micro_batches):
                 g = self.groups[self.group_at[j, pos]]
                 lengths = self.sizes.tokens[np.asarray(g.seq_indices, dtype=np.int64)]
@@ -229,7 +241,9 @@ class StepPlan:
                                           int(lengths.max()) if len(lengths) else 0, g.cp_size,
                                           g.rank_offset // g.cp_size, pos - g.rank_offset,
                                           int(self.local_tokens[self.group_at[j, pos]]),
-                                          (0 if self.island_tables else int(rows[j]), int(rows[j + 1]))))
+                                          (0 if self.island_tables else int(rows[j]), int(rows[j + 1])),
+                                          {src: (0 if self.island_tables else int(r[j]), int(r[j + 1]))
+                                           for src, r in every.items()}))
         routes = {e: t.route(rank) for e, t in self.tables.items()}
         island = {e: tuple(t.route(self.island_ranks[e].index(rank)) for t in ts)
                   for e, ts in self.island_tables.items() if rank in self.island_ranks[e]}
@@ -280,7 +294,7 @@ def _flatten(plan: Plan, pool: int, batch: int):
 
 
 def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_tokens: int,
-              edges=(), island_route: str = "leader") -> StepPlan:
+              edges=(), island_route: str = "leader", stream_sizes: dict | None = None) -> StepPlan:
     """The step plan of one global batch (module docstring).
 
     Args:
@@ -291,6 +305,10 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
         micro_batch_tokens: THD capacity per rank and micro-batch (tokens).
         edges: module-graph edges `(src, dst)`; those into `llm` are routed.
         island_route: `leader` or `direct`, the destination-TP variant of non-colocated edges.
+        stream_sizes: several streams into the LLM (`hcp.config.modules.streams`): source
+            projector -> the batch's sizes with that stream's rows as its image arrays
+            (`hcp.plan.lengths.stream_indexes`); a stream without an entry uses `sizes`. Text
+            tokens and loss tokens always come from `sizes`.
 
     Raises:
         ValueError: unknown policy or island_route; a policy output that misses or repeats a
@@ -332,25 +350,34 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
         if B % lay.dp:
             raise ValueError(f"trainer.global_batch_size={B} is not divisible by {m}'s dp={lay.dp}")
         encoder_lanes[m], grids[m] = lay.dp, Grid.of(lay)
-    row_counts = np.zeros((pool, J), dtype=np.int64)
     island_tables, island_ranks = {}, {}
-    args = (sizes, llm, s_group, doc_start, size, off, mb_of_group)
+    stream_sizes = stream_sizes or {}
+    offsets, stream_rows = {}, {}
     for src, dst in edges:
         if dst != "llm":
             continue
+        rows = stream_sizes.get(src, sizes)
+        if not np.array_equal(rows.tokens, sizes.tokens):
+            raise ValueError(f"stream_sizes[{src!r}] has other sample lengths than sizes: both must "
+                             "index the same global batch")
+        args = (rows, llm, s_group, doc_start, size, off, mb_of_group)
         head = layouts[source[src]]
         if _same_span(head, llm):
             tables[(src, dst)], row_counts = _route_into_llm(layouts[src], mb_base, J, *args)
         else:
             island_tables[(src, dst)], row_counts = _island_route(head, consume, island_route, J, *args)
             island_ranks[(src, dst)] = edge_ranks(Grid.of(head), Grid.of(llm))
-    image_row_offsets = np.concatenate([np.zeros((pool, 1), np.int64), np.cumsum(row_counts, 1)], 1)
+        offsets[src] = np.concatenate([np.zeros((pool, 1), np.int64), np.cumsum(row_counts, 1)], 1)
+        stream_rows[src] = int(rows.image_rows_each.sum())
+    default = "projector" if "projector" in offsets else next(iter(offsets), None)
+    image_row_offsets = offsets[default] if default else np.zeros((pool, J + 1), np.int64)
     tok = sizes.tokens
     counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()), float((tok.astype(np.float64) ** 2).sum()),
-                    int(sizes.image_rows_each.sum()))
+                    sum(stream_rows.values()) if stream_rows else int(sizes.image_rows_each.sum()),
+                    stream_rows)
     return StepPlan(sizes, layouts, plan, counts, encoder_lanes, tables, group_at, groups,
                     local_tokens, image_row_offsets, grids, island_tables, island_ranks, consume,
-                    mb_of_group[s_group])
+                    mb_of_group[s_group], offsets)
 
 
 def _same_span(a, b) -> bool:

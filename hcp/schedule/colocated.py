@@ -16,6 +16,10 @@ the same sequence of collectives everywhere. Cutting the step at the leaf keeps 
 of the LLM's pipeline schedule: the encoder runs once per step over all of this rank's images
 (one large batch instead of one per micro-batch), and its gradient leaves in one message.
 
+Several encoders and streams (`run_streams`, `hcp.model.encoder_side.EncoderSide`): phase 1
+runs every encoder and routes every stream (one `all_to_all_single` per edge into the LLM, in
+stream order); phase 3 routes every stream's gradient back, then runs each encoder's backward.
+
 Encoder recompute (`recompute=True`, `vision.layout.recompute=full`): phase 1 runs without
 autograd and phase 3 recomputes the encoder forward before its backward, so no encoder
 activation is held across phase 2 (the price: one more encoder forward, its collectives
@@ -64,8 +68,8 @@ class ColocatedStep:
 
     Args:
         encoder: this rank's encoder side (`hcp.model.llava.LlavaEncoder`: pixel_values
-            [I, C, H, W] -> rows [I * P, H]; its output's backward all-reduces over the encoder
-            TP group).
+            [I, C, H, W] -> rows [I * P, H], for `run`; or an `EncoderSide`, for `run_streams`;
+            its outputs' backward all-reduces over each encoder's TP group).
         group: the route's process group (colocated: the world, or the ranks both modules span).
         recompute: encoder recompute (module docstring).
         counter: accumulates the bytes both routes send from this rank.
@@ -78,7 +82,8 @@ class ColocatedStep:
 
     def run(self, pixel_values: torch.Tensor, route: RankRoute,
             llm_phase: Callable[[torch.Tensor], Any]) -> tuple[Any, PhaseTimes]:
-        """One step: returns (what `llm_phase(leaf)` returned, this rank's `PhaseTimes`).
+        """One step of one encoder side with one stream (`LlavaEncoder`): returns (what
+        `llm_phase(leaf)` returned, this rank's `PhaseTimes`).
 
         pixel_values: this rank's encoder samples' images in order [I, C, H, W] (I may be 0);
         route: this rank's `RankRoute` of the image edge for the step; llm_phase: runs the
@@ -86,6 +91,28 @@ class ColocatedStep:
         [route.dst_rows, H] (0 rows on ranks that receive none). The encoder's parameter
         gradients are accumulated into `.grad` as usual; nothing is reduced over DP here.
         """
+        return self._run(lambda: {"projector": self.encoder(pixel_values)}, {"projector": route},
+                         lambda leaves: llm_phase(leaves["projector"]), (("projector",),))
+
+    def run_streams(self, inputs: dict, routes: dict, llm_phase: Callable[[dict], Any]) -> tuple[Any, PhaseTimes]:
+        """One step of several encoders and streams (`hcp.model.encoder_side.EncoderSide`):
+        every encoder forward (phase 1), then each stream's forward route in stream order; the
+        LLM phase reads {projector: leaf [route.dst_rows, H]}; then each stream's backward
+        route in stream order and each encoder's backward (phase 3), encoder by encoder in
+        graph order (a branch's tower gets the sum of its projectors' gradients in one pass).
+        Every rank runs the same routes in the same order (NCCL sees one sequence).
+
+        inputs: {encoder: this rank's encoder samples' inputs [I_e, C, H, W]}; routes:
+        {projector: this rank's `RankRoute` of its edge into the LLM}, one per stream.
+        Raises KeyError when a stream has no route."""
+        side = self.encoder
+        per_encoder = tuple(side.streams_of(e) for e in side.encoder_names)
+        return self._run(lambda: side(inputs), {s.projector: routes[s.projector] for s in side.streams},
+                         llm_phase, per_encoder)
+
+    def _run(self, forward, routes: dict, llm_phase, per_encoder) -> tuple[Any, PhaseTimes]:
+        """The three phases; `forward()` -> {projector: rows}, `per_encoder`: the projectors of
+        each encoder (one backward each)."""
         times = PhaseTimes()
         wall0 = time.perf_counter()
         tick = time.thread_time()
@@ -98,21 +125,25 @@ class ColocatedStep:
 
         no_grad = torch.no_grad() if self.recompute else contextlib.nullcontext()
         with no_grad:
-            out = self.encoder(pixel_values)                              # [I * P, H]
+            outs = forward()                                              # {p: [rows_p, H]}
         lap("encoder_forward")
-        leaf = route_forward(out.detach(), route, self.group, self.counter).requires_grad_()
+        leaves = {p: route_forward(outs[p].detach(), r, self.group, self.counter).requires_grad_()
+                  for p, r in routes.items()}
         lap("route_forward")
 
-        result = llm_phase(leaf)
+        result = llm_phase(leaves)
         lap("llm")
 
-        grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        grad_src = route_backward(grad, route, out.shape[0], self.group, self.counter)
+        grads = {p: route_backward(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),
+                                   routes[p], outs[p].shape[0], self.group, self.counter)
+                 for p, leaf in leaves.items()}
         lap("route_backward")
         if self.recompute and any(p.requires_grad for p in self.encoder.parameters()):
-            out = self.encoder(pixel_values)  # a frozen encoder needs no recompute
-        if out.requires_grad:
-            out.backward(grad_src)
+            outs = forward()  # a frozen encoder needs no recompute
+        for projectors in per_encoder:
+            pairs = [(outs[p], grads[p]) for p in projectors if outs[p].requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         lap("encoder_backward")
         times.wall = time.perf_counter() - wall0
         return result, times

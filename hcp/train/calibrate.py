@@ -3,7 +3,12 @@
 `python train.py +recipe=llama_tiny mode=calibrate` times real forward + backward passes of the
 configured LLM (`llm.*`, one pipeline stage, no TP) on this machine over a grid of document
 lengths L, documents per micro-batch d and CP sizes c (powers of two up to the local ranks and
-`CALIBRATE_MAX_CP`; on CPU gloo ranks, each with one thread), then fits by non-negative
+`CALIBRATE_MAX_CP`; on CPU gloo ranks, each with one thread). The grid covers what plans run
+under the per-rank cap m = `trainer.micro_batch_tokens` (`grid`): at each c, lengths from m / 4
+to the longest a group of c holds (c m), each as one document and packed to the group's
+capacity, so that no point lies outside the region the solver plans in (a fit over 4,096-token
+micro-batches at c = 1, 8x a 512-token cap, bent the fit where the plans are). Then it fits by
+non-negative
 least squares (scipy.optimize.nnls) the per-rank model of hcp/dcp/cost_model.py at pp = 1:
     time(T, S, c) = (1 + k) (a T / c + b S / c + g T (c - 1) / c) + o
 with T = d L tokens, S = d L^2, k = 2 + recompute, and writes `profile.yaml` in the run
@@ -38,14 +43,25 @@ from hcp.model.flops import (head_flops_per_token, kv_dim, layer_attention_flops
 
 LENGTHS = (128, 256, 512, 1024)  # tokens per document
 DOCS = (1, 4)  # documents per micro-batch
+MIN_LENGTH = 32  # tokens: the shortest document of a capped grid
 CALIBRATE_MAX_CP = 8
 REPEATS = 3
 NEGLIGIBLE = 1e18  # rate (FLOP/s) or bandwidth (bytes/s) written for a coefficient fitted to 0
 
 
-def grid() -> list[tuple[int, int]]:
-    """(document length, documents) per point, tokens."""
-    return [(L, d) for L in LENGTHS for d in DOCS]
+def grid(max_tokens_per_rank: int | None = None, cp: int = 1) -> list[tuple[int, int]]:
+    """(document length, documents) per point, tokens. Without a cap: `LENGTHS` x `DOCS`. With
+    the per-rank cap m at CP size `cp`: lengths L = m / 4, m / 2, m, 2m, ..., cp * m (powers of
+    two times m / 4, at least `MIN_LENGTH`), each as one document and as `cp * m // L`
+    documents (the group's capacity: m tokens per rank, head-tail padding being zero for
+    these L, multiples of 2 cp when m / 4 is a multiple of 2 cp)."""
+    if max_tokens_per_rank is None:
+        return [(L, d) for L in LENGTHS for d in DOCS]
+    out, L = [], max(MIN_LENGTH, max_tokens_per_rank // 4)
+    while L <= cp * max_tokens_per_rank:
+        out += [(L, d) for d in dict.fromkeys((1, max(1, cp * max_tokens_per_rank // L)))]
+        L *= 2
+    return out
 
 
 def _rank(payload) -> None:
@@ -68,7 +84,7 @@ def _rank(payload) -> None:
     torch.manual_seed(0)
     model = LlamaDecoder(cfg.llm, cp_group=group).to(device)
     rows = []
-    for L, d in grid():
+    for L, d in payload["points"]:
         cu = torch.arange(d + 1, dtype=torch.int32) * L
         shard = cp_shard(cu, c, rank) if c > 1 else None
         n = shard.token_index.numel() if shard else d * L
@@ -95,8 +111,10 @@ def _rank(payload) -> None:
     dist.destroy_process_group()
 
 
-def measure(cfg, run_dir: str, sizes) -> list[list[float]]:
-    """Every grid point at every CP size of `sizes`: rows `[L, d, c, seconds]`."""
+def measure(cfg, run_dir: str, sizes, max_tokens_per_rank: int | None = None
+            ) -> list[list[float]]:
+    """Every point of `grid(max_tokens_per_rank, c)` at every CP size c of `sizes`: rows
+    `[L, d, c, seconds]`."""
     from omegaconf import OmegaConf
 
     from hcp.train.launch import start_local_ranks
@@ -105,7 +123,9 @@ def measure(cfg, run_dir: str, sizes) -> list[list[float]]:
     rows = []
     for c in sizes:
         out = os.path.join(run_dir, f"calibrate_cp{c}.json")
-        start_local_ranks(_rank, c, {"cfg": container, "out": out}, cfg.launcher.start_method)
+        points = grid(max_tokens_per_rank, c)
+        start_local_ranks(_rank, c, {"cfg": container, "out": out, "points": points},
+                          cfg.launcher.start_method)
         rows += json.loads(Path(out).read_text())
     return rows
 
@@ -152,14 +172,19 @@ def fit(rows, llm, recompute: bool, bytes_per_element: int, max_cp: int) -> dict
     return profile
 
 
-def run_calibrate(cfg, run_dir: str, sizes=None) -> str:
-    """Measure, fit, write `run_dir/profile.yaml`, print the per-point fit; return its path."""
+def run_calibrate(cfg, run_dir: str, sizes=None, max_tokens_per_rank: int | None = None) -> str:
+    """Measure at the CP sizes `sizes` (default: powers of two up to the local ranks and
+    CALIBRATE_MAX_CP) over `grid(max_tokens_per_rank, c)` (default cap:
+    `trainer.micro_batch_tokens`), fit, write `run_dir/profile.yaml`, print the per-point fit;
+    return its path."""
+    if max_tokens_per_rank is None:
+        max_tokens_per_rank = int(cfg.trainer.micro_batch_tokens)
     if sizes is None:
         world = int(cfg.launcher.nproc_per_node) if str(cfg.launcher.nproc_per_node).isdigit() \
             else (os.cpu_count() or 1)
         top = min(CALIBRATE_MAX_CP, max(1, world))
         sizes = [1 << e for e in range(top.bit_length()) if 1 << e <= top]
-    rows = measure(cfg, run_dir, sizes)
+    rows = measure(cfg, run_dir, sizes, max_tokens_per_rank)
     recompute = cfg.llm.layout.recompute == "full"
     bytes_per_element = 2 if cfg.precision == "bf16" else 4
     profile = fit(rows, cfg.llm, recompute, bytes_per_element, max(sizes))

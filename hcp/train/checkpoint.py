@@ -239,13 +239,14 @@ def _check_folder(key: str, path) -> None:
 
 def expected_trainable(cfg) -> set[str]:
     """FQNs this config trains (the whole model, every stage; built on the meta device)."""
-    from hcp.config.schema import MODULES
+    from hcp.config.modules import module_cfg, module_names
+    from hcp.model.encoder_side import graph_kwargs
     from hcp.model.llava import LlavaModel
 
-    with torch.device("meta"):
-        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm)
+    with torch.device("meta"):  # named encoders and projectors too (h-encoders)
+        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, **graph_kwargs(cfg))
     return {n for n, _ in model.named_parameters()
-            if not cfg[n.split(".")[0]].freeze and n.split(".")[0] in MODULES}
+            if n.split(".")[0] in module_names(cfg) and not module_cfg(cfg, n.split(".")[0]).freeze}
 
 
 def check_resume(cfg) -> None:

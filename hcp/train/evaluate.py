@@ -62,8 +62,7 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
 
     samples = [dataset[i] for i in indices]
     loss_sum = torch.zeros(3, dtype=torch.float64)  # loss, tokens, correct
-    batches = [collate(pack, [dataset.pixel_values(s) for s in pack], tokenizer.image_token_id).to(device)
-               for pack in _packs(samples, capacity)]
+    batches = [_collate(dataset, tokenizer, pack, pack).to(device) for pack in _packs(samples, capacity)]
     for out in lockstep(batches, lambda b, h: torch.tensor([float(t) for t in model.loss(b, h)],
                                                           dtype=torch.float64, device=device)):
         loss_sum[0] += float(out[0])
@@ -80,8 +79,7 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
             break
         still = []
         packs = _packs(active, capacity + max_new_tokens)
-        batches = [collate(pack, [dataset.pixel_values(p.src) for p in pack],
-                           tokenizer.image_token_id).to(device) for pack in packs]
+        batches = [_collate(dataset, tokenizer, pack, [p.src for p in pack]).to(device) for pack in packs]
         next_tokens = lockstep(batches, lambda b, h: model.logits(b, h)[b.cu_seqlens[1:].long() - 1]
                                .argmax(-1))
         for pack, toks in zip(packs, next_tokens):
@@ -96,6 +94,14 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
     for s in samples:
         loss_sum[2] += float(tokenizer.decode(generated[s.id]).strip() == s.answer.strip())
     return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), True, device)
+
+
+def _collate(dataset, tokenizer, pack, sources):
+    """One evaluation micro-batch of `pack` with the inputs of `sources` (a LLaVA data set:
+    every encoder's inputs and every stream's mask, `LlavaDataset.collate`; h-encoders)."""
+    if hasattr(dataset, "collate"):
+        return dataset.collate(pack, sources)
+    return collate(pack, [dataset.pixel_values(s) for s in sources], tokenizer.image_token_id)
 
 
 def _reduce(model, was_training, sums, num_samples, groups, with_accuracy, device) -> dict:

@@ -26,9 +26,11 @@ and counts from the plan (the loss is shared with every rank by one world broadc
 logging rank, the lowest rank of the LLM's last stage, so every rank takes the same
 non-finite decision). Checkpoints: each rank saves its own modules under their FQNs.
 
+Evaluation: the encoder island sends its whole weights to the LLM's first stage, which then
+evaluates as under colocation (`IslandTrainer.evaluate`).
+
 Not built yet (refused in `hcp.train.support`): several encoder islands (joins, branches) in
-the trainer, FSDP (`dp_shard`) and encoder recompute or CP on an island, `packing=dynamic_cp`;
-evaluation under non_colocated is skipped with a log line (the LLM ranks hold no encoder).
+the trainer, FSDP (`dp_shard`), encoder recompute and encoder CP, `packing=dynamic_cp`.
 """
 from __future__ import annotations
 
@@ -99,17 +101,14 @@ class IslandTrainer(Trainer):
         self.head, self.island_stage, self.heads = self._island()
         if self.head == "llm":
             return None
-        head = self.head
-        members = [m for m in layouts if m not in (head, "llm")
-                   and island_head(layouts, self.edges, m) == head]
-        projector = members[0] if members else None
+        head, projector = self.head, self._projector_name()
         tp = self.groups.group(head, "tp") if layouts[head].tp > 1 else None
         torch.manual_seed(cfg.seed)
-        encoder = EncoderStage(head, cfg[head], cfg[projector] if projector else None,
-                               cfg.llm.hidden_size, self.island_stage, tp, projector or "projector")
+        encoder = EncoderStage(head, cfg[head], cfg[projector] if projector in layouts else None,
+                               cfg.llm.hidden_size, self.island_stage, tp, projector)
         init_parameters(encoder, cfg.seed)
         for name in (head, projector):
-            if name is not None and cfg[name].freeze and getattr(encoder, name, None) is not None:
+            if name in layouts and cfg[name].freeze and getattr(encoder, name, None) is not None:
                 getattr(encoder, name).requires_grad_(False)
         return encoder.to(self.device)
 
@@ -266,8 +265,67 @@ class IslandTrainer(Trainer):
         return norm
 
     def evaluate(self) -> dict:
-        """Not built under non_colocated (the LLM's ranks hold no encoder): skipped, said once."""
-        if self.eval_set is not None and self.log and not getattr(self, "_eval_said", False):
-            self.log.write("evaluation is not built for placement=non_colocated yet: skipped")
-            self._eval_said = True
-        return {}
+        """Held-out evaluation: greedy decoding re-encodes each prompt's images inside the LLM's
+        first stage, so the encoder island first sends its whole weights there
+        (`_island_encoder`, a collective over the island heads and the LLM's first stage); then
+        the LLM island evaluates as under colocation and the encoder ranks return {}."""
+        if self.eval_set is None:
+            return {}
+        whole = self._island_encoder()
+        if self.model is None:
+            return {}
+        self._whole = whole
+        return super().evaluate()
+
+    def _whole_encoder(self):
+        return getattr(self, "_whole", None)
+
+    def _island_encoder(self) -> EncoderStage | None:
+        """The encoder and projector whole on the LLM's first-stage ranks (None elsewhere): each
+        encoder stage gathers its TP shards (lane 0 sends), then one broadcast per stage over a
+        group of those senders and the LLM's first stage; shapes come from the config."""
+        cfg, lay, head = self.cfg, self.layouts[self.heads[0]], self.heads[0]
+        grid = Grid.of(lay)
+        senders = [grid.rank_at(pp=s) for s in range(lay.pp)]
+        members = sorted({*senders, *(int(r) for r in Grid.of(self.layouts["llm"]).ranks[0].ravel())})
+        if getattr(self, "_eval_group", None) is None:
+            self._eval_group = dist.new_group(members)  # every rank calls new_group
+        state = ({n: _whole_tensor(p, self.encoder.tp_group) for n, p in self.encoder.named_parameters()}
+                 if self.encoder is not None else {})
+        if self.rank not in members:
+            return None
+        projector = self._projector_name()
+        proj_cfg = cfg[projector] if projector in self.layouts else None
+
+        def stage(spec, device="meta"):
+            with torch.device(device):
+                return EncoderStage(head, cfg[head], proj_cfg, cfg.llm.hidden_size, spec, None, projector)
+        received = {}
+        for s, src in enumerate(senders):
+            shapes = [(n, p.shape) for n, p in stage(StageSpec.of(lay.pp_layers, s)).named_parameters()]
+            flat = (torch.cat([state[n].flatten() for n, _ in shapes]) if self.rank == src else
+                    torch.empty(sum(shape.numel() for _, shape in shapes), device=self.device))
+            dist.broadcast(flat, src, group=self._eval_group)
+            for (n, shape), t in zip(shapes, flat.split([shape.numel() for _, shape in shapes])):
+                received[n] = t.view(shape)
+        if self.model is None or not self.stage.first:
+            return None
+        whole = stage(StageSpec.whole(sum(lay.pp_layers)), self.device)
+        whole.load_state_dict(received, assign=True)
+        return whole
+
+    def _projector_name(self) -> str:
+        """The module sharing the encoder's island (LLaVA's projector; `projector` if none)."""
+        members = [m for m in self.layouts if m not in (self.heads[0], "llm")
+                   and island_head(self.layouts, self.edges, m) == self.heads[0]]
+        return members[0] if members else "projector"
+
+
+def _whole_tensor(p: torch.Tensor, group) -> torch.Tensor:
+    """A parameter made whole over its TP group (`shard_spec`; a collective over it)."""
+    spec = getattr(p, "shard_spec", None)
+    if spec is None:
+        return p.detach()
+    parts = [torch.empty_like(p) for _ in range(spec.world)]
+    dist.all_gather(parts, p.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=spec.dim)

@@ -25,14 +25,30 @@ h_kv, FFN f, TP t (flash-style attention: no T^2 score matrix is stored):
 - `full`: only the layer input, h (divided by t under sequence parallelism), plus one layer's
   `none` activations while it is recomputed.
 Under 1F1B, stage s holds pp - s micro-batches in flight. The LLM's last stage adds fp32 logits
-(T x vocab/t x 4 B). The projector stores (its input width + 2h/t) per token for one micro-batch.
+(T x vocab/t x 4 B). The projector stores (its input width + 2h/t) per token.
 A module stores activations only when gradients flow through it (it or a module upstream trains).
+
+Encoder-side modules (every module but the LLM) run image tokens, not `micro_batch_tokens`
+(`encoder_activation_tokens`): an encoder lane encodes I = global_batch / dp * `data.images_per_sample`
+images per step, each of (image_size / patch_size)^2 patches (+ 1 CLS token in the ViT):
+- `colocated` (the three-phase schedule, `hcp.schedule.colocated`): phase 1 encodes all I images
+  at once and their activations stay alive through the LLM's phase 2 until phase 3. Under
+  `vision.layout.recompute=full` phase 1 keeps nothing and phase 3 recomputes the whole encoder
+  over the I images: the same `none` activations, but only while the LLM's are freed, so a rank
+  holds max(LLM + other activations, these) (`StageMemory.held` False);
+- `non_colocated` (graph-aware 1F1B): per micro-batch a lane encodes its images of that
+  micro-batch, at most n = min(I, llm micro_batch_tokens * cp // patches), the images whose
+  tokens fill one LLM micro-batch (reached under the step plan's block lanes, where one encoder
+  lane feeds a whole LLM micro-batch); the island acts as stages before the LLM's first stage,
+  so encoder stage s holds min(ceil(I / n), pp - s + llm pp) micro-batches in flight.
 """
 from __future__ import annotations
 
 import math
 import re
 from dataclasses import dataclass
+
+from hcp.config.modules import kind, module_cfg
 
 STATE_BYTES = {"bf16": {"weights": 2, "grads": 4, "optimizer": 12},
                "fp32": {"weights": 4, "grads": 4, "optimizer": 8}}
@@ -51,6 +67,9 @@ class StageMemory:
     grads: int
     optimizer: int
     activations: int
+    held: bool = True
+    """False: the activations live only outside the LLM's phase (the colocated encoder's phase-3
+    recompute), never at the same time as the held ones (`rank_activations`)."""
 
     @property
     def total(self) -> int:
@@ -89,16 +108,42 @@ def _layer_elements(h: int, h_kv: int, f: int, gated: bool, layout) -> dict[str,
     return {"none": none, "selective": none - (h + f) / t, "full": h / (t if sp else 1)}
 
 
-def _activations(cfg, layout, stage: int) -> float:
+def _encoder_source(cfg, module: str) -> str:
+    """The encoder whose images an encoder-side module runs on (the projector: its source)."""
+    if kind(cfg, module) == "projector":
+        return next(s for s, d in cfg.graph.edges if d == module)
+    return module
+
+
+def encoder_activation_tokens(cfg, layout, stage: int, layouts: dict) -> tuple[float, int]:
+    """(tokens per rank whose activations an encoder-side module's `stage` keeps per micro-batch,
+    micro-batches in flight), module docstring."""
+    enc = module_cfg(cfg, _encoder_source(cfg, layout.module))
+    patches = (enc.image_size // enc.patch_size) ** 2
+    per_image = patches + (0 if layout.module == "projector" else 1)
+    images = cfg.trainer.global_batch_size / layout.dp * float(cfg.data.images_per_sample)
+    if cfg.placement != "non_colocated":
+        return images * per_image, 1
+    llm = layouts["llm"]
+    per_micro = min(images, max(1, cfg.trainer.micro_batch_tokens * llm.cp // patches))
+    return per_micro * per_image, min(math.ceil(images / per_micro), layout.pp - stage + llm.pp)
+
+
+def _activations(cfg, layout, stage: int, layouts=None) -> float:
     """Activation bytes of one rank of `stage`."""
     tokens, e = cfg.trainer.micro_batch_tokens, ACT_BYTES[cfg.precision]
     m = layout.module
-    if m == "projector":
-        return tokens * (cfg.vision.hidden_size + 2 * cfg.llm.hidden_size / layout.tp) * e
-    c = cfg[m]
+    in_flight = layout.pp - stage
+    if m != "llm" and layouts is not None:
+        tokens, in_flight = encoder_activation_tokens(cfg, layout, stage, layouts)
+    if kind(cfg, m) == "projector":  # fed by its one encoder (hcp.config.modules)
+        src = next(s for s, d in cfg.graph.edges if d == m)
+        return in_flight * tokens * (module_cfg(cfg, src).hidden_size + 2 * cfg.llm.hidden_size / layout.tp) * e
+    c = module_cfg(cfg, m)
     h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if m == "llm" else c.hidden_size
     elems = _layer_elements(c.hidden_size, h_kv, c.ffn_hidden_size, m == "llm", layout)
-    in_flight = layout.pp - stage
+    if _phase3_recompute(cfg, layout, layouts):
+        return layout.pp_layers[stage] * tokens * elems["none"] * e
     total = in_flight * layout.pp_layers[stage] * tokens * elems[layout.recompute] * e
     if layout.recompute == "full":
         total += tokens * elems["none"] * e
@@ -107,23 +152,40 @@ def _activations(cfg, layout, stage: int) -> float:
     return total
 
 
+def _phase3_recompute(cfg, layout, layouts) -> bool:
+    """Whether the module is a colocated encoder side under `vision.layout.recompute=full` (the
+    three-phase schedule recomputes the whole encoder side in phase 3)."""
+    return (layouts is not None and layout.module != "llm" and cfg.placement != "non_colocated"
+            and cfg.vision is not None and cfg.vision.layout.recompute == "full")
+
+
+def rank_activations(parts) -> int:
+    """Activation bytes of one rank holding the `StageMemory` parts: the held ones together, or
+    the phase-3-only ones together, whichever is larger."""
+    held = sum(p.activations for p in parts if p.held)
+    return max(held, sum(p.activations for p in parts if not p.held))
+
+
 def _needs_grad(cfg, module: str) -> bool:
     """Whether gradients flow through `module`: it or a module upstream of it trains."""
-    if not cfg[module].freeze:
+    if not module_cfg(cfg, module).freeze:
         return True
     return any(_needs_grad(cfg, src) for src, dst in cfg.graph.edges if dst == module)
 
 
-def module_memory(cfg, layout, named_shapes) -> list[StageMemory]:
-    """Memory of one rank of each PP stage of a module."""
+def module_memory(cfg, layout, named_shapes, layouts=None) -> list[StageMemory]:
+    """Memory of one rank of each PP stage of a module. `layouts` (all resolved layouts) gives
+    encoder-side modules their image tokens (`encoder_activation_tokens`); without it they are
+    charged `trainer.micro_batch_tokens` like the LLM (the estimate before issue 14)."""
     vocab = cfg.llm.vocab_size if layout.module == "llm" else None
     state = STATE_BYTES[cfg.precision]
     shard = layout.dp * layout.cp if layout.dp_shard else 1
-    trained = not cfg[layout.module].freeze
+    trained = not module_cfg(cfg, layout.module).freeze
     stages = []
     for s, params in enumerate(stage_params(named_shapes, layout, vocab)):
-        acts = _activations(cfg, layout, s) if _needs_grad(cfg, layout.module) else 0
+        acts = _activations(cfg, layout, s, layouts) if _needs_grad(cfg, layout.module) else 0
         stages.append(StageMemory(params, params * state["weights"] // shard,
                                   params * state["grads"] // shard if trained else 0,
-                                  params * state["optimizer"] // shard if trained else 0, int(acts)))
+                                  params * state["optimizer"] // shard if trained else 0, int(acts),
+                                  not _phase3_recompute(cfg, layout, layouts)))
     return stages

@@ -21,12 +21,16 @@ from hcp.model.collectives import group_size
 
 class RankModules(nn.Module):
     """This rank's modules under one root: the encoder side's `vision` and `projector`
-    (`hcp.model.llava.LlavaEncoder`, None for a text-only LM) and the LLM stage's `llm`."""
+    (`hcp.model.llava.LlavaEncoder`, None for a text-only LM; an `EncoderSide` adds its named
+    encoders and projectors) and the LLM stage's `llm`."""
 
     def __init__(self, encoder, llm_stage):
         super().__init__()
         self.vision = encoder.vision if encoder is not None else None
         self.projector = encoder.projector if encoder is not None else None
+        for name, child in encoder.named_children() if encoder is not None else ():
+            if name not in ("vision", "projector"):  # named encoders and projectors (EncoderSide)
+                self.add_module(name, child)
         self.llm = llm_stage.llm
         self.stage, self.cp_group = llm_stage.stage, llm_stage.cp_group  # what checkpoints label
 
@@ -70,15 +74,22 @@ def whole_state(module, tp_group) -> dict | None:
     return state
 
 
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient (an FSDP shard's local tensor; a view, so in-place ops
+    change the gradient)."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
 def _squares(params, device) -> torch.Tensor:
-    """[sum of squares of TP-sharded grads, of replicated grads] (float64) of local tensors."""
-    sq = torch.zeros(2, dtype=torch.float64, device=device)
+    """[sum of squares of TP-sharded grads, of replicated grads] (float64) of local tensors:
+    one fused `torch._foreach_norm` per kind (fp32 per tensor, as `clip_grad_norm_`), the
+    squares summed in float64."""
+    grads = ([], [])
     for p in params:
-        if p.grad is None:
-            continue
-        g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        sq[0 if getattr(p, "shard_spec", None) else 1] += g.double().pow(2).sum()
-    return sq
+        if p.grad is not None:
+            grads[0 if getattr(p, "shard_spec", None) else 1].append(_local(p.grad))
+    return torch.stack([torch.stack(torch._foreach_norm(gs)).double().pow(2).sum() if gs else
+                        torch.zeros((), dtype=torch.float64, device=device) for gs in grads])
 
 
 def module_sq_norm(params, device, tp_group=None, shard_group=None, pp_group=None) -> torch.Tensor:
@@ -116,13 +127,12 @@ def encoder_sq_norm(encoder, device, groups) -> torch.Tensor:
 def local_grad_sq(params) -> float:
     """Sum of squares of this rank's own gradient tensors (an FSDP shard's local part; no
     collective), e.g. to check that a rank got a gradient."""
-    return sum(float((p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).double().pow(2).sum())
-               for p in params if p.grad is not None)
+    return sum(float(_local(p.grad).double().pow(2).sum()) for p in params if p.grad is not None)
 
 
 def clip_(params, norm: float, max_norm: float) -> None:
-    """Scale every gradient by max_norm / norm when norm > max_norm > 0 (norm: global)."""
+    """Scale every gradient by max_norm / norm when norm > max_norm > 0 (norm: global), in one
+    fused `torch._foreach_mul_` over the local tensors (FSDP shards and plain gradients mix)."""
     if max_norm > 0 and norm > max_norm:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(max_norm / (norm + 1e-6))
+        torch._foreach_mul_([_local(p.grad) for p in params if p.grad is not None],
+                            max_norm / (norm + 1e-6))

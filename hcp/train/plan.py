@@ -15,6 +15,7 @@ sweep of plans ends with one comparison table (`hcp.train.plan_table`).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -24,11 +25,13 @@ from omegaconf import OmegaConf
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts, world_size_of
+from hcp.model.encoder_side import graph_kwargs
 from hcp.model.llava import LlavaModel
 from hcp.parallel.grid import KINDS, Grid
 from hcp.parallel.roles import logging_rank, role_table
+from hcp.plan.step import island_head
 from hcp.train.estimate import ASSUMPTIONS, estimate_step
-from hcp.train.memory import GIB, STATE_BYTES, module_memory
+from hcp.train.memory import GIB, STATE_BYTES, module_memory, rank_activations
 from hcp.train.plan_figure import draw_plan
 
 
@@ -38,7 +41,8 @@ def named_shapes(cfg) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
         return OmegaConf.to_object(cfg[key]) if cfg.get(key) is not None else None
 
     with torch.device("meta"):
-        model = LlavaModel(part("vision"), part("projector"), part("llm"))
+        model = LlavaModel(part("vision"), part("projector"), part("llm"),
+                           **graph_kwargs(cfg))  # named encoders and projectors (h-encoders)
     return {m: [(n, tuple(p.shape)) for n, p in sub.named_parameters()]
             for m, sub in model.named_children() if sub is not None}
 
@@ -78,17 +82,45 @@ def _fix_for(cfg, layout, stage_mem) -> tuple[str, object, str]:
     return f"{m}.layout.pp", layout.pp, "raise pp or tp"
 
 
+def running_layouts(cfg, layouts) -> dict:
+    """The layouts modules run under: under `non_colocated` a module sharing an encoder's island
+    (the projector; `hcp.plan.step.island_head`) runs on the head's LAST stage with the head's
+    TP and DP, so its grid is that stage's ranks (one stage, its own recompute and dp_shard);
+    every other module keeps its layout."""
+    edges = [tuple(e) for e in cfg.graph.edges]
+    out = {}
+    for m, lay in layouts.items():
+        head = m if m == "llm" else island_head(layouts, edges, m)
+        h = layouts[head]
+        stage_ranks = h.tp * h.cp * h.dp
+        out[m] = lay if head == m else dataclasses.replace(
+            h, module=m, pp=1, pp_layers=(1,), num_ranks=stage_ranks,
+            rank_offset=h.rank_offset + (h.pp - 1) * stage_ranks, recompute=lay.recompute,
+            dp_shard=lay.dp_shard)
+    return out
+
+
+def stage_memory(cfg, layouts, shapes=None) -> dict:
+    """{module: [StageMemory of one rank of each PP stage]} (`hcp.train.memory.module_memory`)
+    under the layouts the modules run with (`running_layouts`); `shapes`: `named_shapes(cfg)`
+    if known."""
+    shapes = shapes or named_shapes(cfg)
+    running = running_layouts(cfg, layouts)
+    return {m: module_memory(cfg, lay, shapes[m], running) for m, lay in running.items()}
+
+
 def memory_per_rank(cfg, layouts, world: int, stage_mem=None) -> list[dict]:
     """Each rank's estimated memory in GiB, `[{rank, weights, grads, optimizer, activations,
-    total}]` (`hcp.train.memory`); `stage_mem` ({module: [StageMemory per stage]}) if known."""
+    total}]` (`hcp.train.memory`): the modules and PP stages of the rank's role only (under
+    `non_colocated` its island's); `stage_mem` (`stage_memory`'s result) if known."""
     if stage_mem is None:
-        shapes = named_shapes(cfg)
-        stage_mem = {m: module_memory(cfg, lay, shapes[m]) for m, lay in layouts.items()}
+        stage_mem = stage_memory(cfg, layouts)
     per_rank = []
-    for role in role_table(layouts, world):
+    for role in role_table(running_layouts(cfg, layouts), world):
         parts = [stage_mem[m][role.stage(m)] for m in role.modules]
-        per_rank.append({"rank": role.rank, **{k: sum(getattr(p, k) for p in parts) / GIB for k in
-                                                ("weights", "grads", "optimizer", "activations", "total")}})
+        row = {k: sum(getattr(p, k) for p in parts) / GIB for k in ("weights", "grads", "optimizer")}
+        row["activations"] = rank_activations(parts) / GIB
+        per_rank.append({"rank": role.rank, **row, "total": sum(row.values())})
     return per_rank
 
 
@@ -137,6 +169,28 @@ def node_warnings(cfg, layouts) -> list[str]:
     return out
 
 
+def memory_by_role(runs, per_rank) -> list[dict]:
+    """The largest per-rank memory (GiB) of each role of the rank map (`rank_runs`), as
+    [{role, ranks, max_gib}] in first-rank order: under `non_colocated` one row per island stage."""
+    out: dict[str, dict] = {}
+    for run in runs:
+        row = out.setdefault(run["role"], {"role": run["role"], "ranks": 0, "max_gib": 0.0})
+        row["ranks"] += run["last"] - run["first"] + 1
+        row["max_gib"] = max([row["max_gib"]] + [r["total"] for r in per_rank[run["first"]:run["last"] + 1]])
+    return list(out.values())
+
+
+def encoder_recompute_warnings(cfg, layouts) -> list[str]:
+    """Under `non_colocated`, an encoder-side module with recompute: the memory estimate charges
+    per-layer recompute, which the ViT does not implement yet (only the colocated schedule's
+    whole-encoder recompute in phase 3 exists)."""
+    if cfg.placement != "non_colocated":
+        return []
+    return [f"warning: {m}.layout.recompute={lay.recompute} on an island: the memory above assumes "
+            "per-layer recompute, which the encoder does not implement yet (set it to none to see "
+            "what runs today)" for m, lay in layouts.items() if m != "llm" and lay.recompute != "none"]
+
+
 def run_plan(cfg, out_dir) -> dict:
     """Plan the configured layout; print it, write `plan.json` and `plan.png`, return the plan.
 
@@ -154,8 +208,8 @@ def run_plan(cfg, out_dir) -> dict:
                           f"{world} ranks exceed the cluster's {capacity} GPUs", "match cluster.* to the launcher")
     layouts = check_layouts(cfg, world)
     shapes = named_shapes(cfg)
-    stage_mem = {m: module_memory(cfg, lay, shapes[m]) for m, lay in layouts.items()}
-    roles = role_table(layouts, world)
+    stage_mem = stage_memory(cfg, layouts, shapes)
+    roles = role_table(running_layouts(cfg, layouts), world)
     per_rank = memory_per_rank(cfg, layouts, world, stage_mem)
     plan = {
         "world_size": world,
@@ -172,7 +226,8 @@ def run_plan(cfg, out_dir) -> dict:
                     for (m, lay), counts in zip(layouts.items(), group_counts(cfg, layouts).values())},
         "rank_map": rank_runs(roles),
         "memory_gib": per_rank,
-        "warnings": node_warnings(cfg, layouts),
+        "memory_by_role": memory_by_role(rank_runs(roles), per_rank),
+        "warnings": node_warnings(cfg, layouts) + encoder_recompute_warnings(cfg, layouts),
     }
     worst = max(per_rank, key=lambda r: r["total"])
     llm = layouts["llm"]
@@ -214,6 +269,9 @@ def format_plan(plan: dict) -> str:
     lines.append(f"  memory: max {worst['total']:.2f} GiB on rank {worst['rank']} (weights {worst['weights']:.2f}, "
                  f"grads {worst['grads']:.2f}, optimizer {worst['optimizer']:.2f}, activations "
                  f"{worst['activations']:.2f}) of {plan['device_memory_gib']} GiB")
+    if len(plan.get("memory_by_role", [])) > 1:
+        lines.append("  memory by role: " + "; ".join(f"{r['role']} ({r['ranks']} ranks) {r['max_gib']:.2f}"
+                                                       for r in plan["memory_by_role"]) + " GiB")
     est = plan["estimate"]
     lines.append(f"  estimate: step {est['step_time_s']:.3g} s, {est['tflops_per_gpu']:.0f} TFLOPS/GPU, "
                  f"bubble {est['bubble_fraction']:.1%}, {est['micro_batches']} micro-batches per pool, "

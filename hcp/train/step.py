@@ -15,9 +15,10 @@ together. Activations and their gradients travel in the compute dtype (bf16 unde
 plain gradient accumulation). Only the last stage computes the loss; the reported loss is
 reduced over DP x CP there and then shared with every stage.
 
-Gradient sync: plain DP sums the flat gradients over DP x CP after the schedule; under FSDP
-(`sharded=True`, the model is `fully_shard`-ed by `hcp.train.fsdp`) the reduce-scatter runs in
-the last micro-batch's backward and nothing is summed here.
+Gradient sync: plain DP sums the gradients over DP x CP in buckets launched during the last
+micro-batch's backward, in the same order on every rank (`hcp.train.grad_reduce.GradReducer`,
+as DDP); under FSDP (`sharded=True`, the model is `fully_shard`-ed by `hcp.train.fsdp`) the
+reduce-scatter runs in the last micro-batch's backward and nothing is summed here.
 
 Uneven data, same collectives on every rank: under FSDP each micro-batch's forward and backward
 all-gather over DP x CP, so a lane that packs fewer micro-batches than another is padded with
@@ -33,13 +34,12 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.distributed.tensor import DTensor
 
 from hcp.comm.p2p import StageLink, StageMeta, broadcast_metas
 from hcp.data.packing import pad_micro_batches
 from hcp.model.collectives import group_rank, group_size
 from hcp.schedule.pipeline import StageTimes, forward_only, one_f_one_b
+from hcp.train.grad_reduce import GradReducer
 
 
 class StepRunner:
@@ -63,6 +63,10 @@ class StepRunner:
         self.link = StageLink(pp_ranks, self.stage.index, device, self.pp_group)
         self.precision = precision
         self.wire_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        # every trainable parameter joins, frozen ones stay out on every rank; never over TP
+        # (TP shards are distinct, TP replicas already hold full gradients)
+        self.reducer = (GradReducer(model.parameters(), self.grad_group)
+                        if not sharded and group_size(self.grad_group) > 1 else None)
 
     def _autocast(self):
         if self.precision == "bf16":
@@ -136,12 +140,13 @@ class StepRunner:
             loss_total = loss_total + loss_sum.detach().double()
             return loss_sum.float() / global_tokens
 
-        sync = self.model.set_requires_gradient_sync if self.sharded else None
+        sync = (self.model.set_requires_gradient_sync if self.sharded else
+                None if self.reducer is None else self.reducer.sync_in_backward)
         times = one_f_one_b(forward, self.link, self.stage.index, self.stage.num_stages, batches,
                             metas if metas is not None else self._metas(batches, n_micro),
                             self._act_spec, sync)
-        if not self.sharded:
-            self._sync_grads()
+        if self.reducer is not None:  # the buckets not launched in backward, then the sums
+            self.reducer.finish()
         if counts[4] == 0:
             self._drop_unused_image_grads()
         loss = self._share_loss(loss_total)
@@ -155,27 +160,9 @@ class StepRunner:
             dist.broadcast(loss_total, self.last_rank, group=self.pp_group)
         return loss_total.item()
 
-    def _sync_grads(self) -> None:
-        """Sum gradients over DP x CP in one flat buffer (each already scaled by 1/global
-        tokens). Every parameter that requires grad joins, with zeros where this rank got no
-        gradient (a lane without images leaves the encoder and projector out of its graph), so
-        the buffers are the same on every rank; frozen parameters stay out on every rank.
-        Never over TP: TP shards are distinct, TP replicas already hold full grads."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if group_size(self.grad_group) == 1 or not params:
-            return
-        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.grad_group)
-        for p, synced in zip(params, _unflatten_dense_tensors(flat, grads)):
-            if p.grad is None:
-                p.grad = synced
-            else:
-                p.grad.copy_(synced)
-
     def _drop_unused_image_grads(self) -> None:
         """No image anywhere in the global batch: the encoder and projector got no gradient on
-        any rank (only the zeros of `_sync_grads`, or FSDP's reduce-scatter of unused
+        any rank (only the zeros of the `GradReducer`, or FSDP's reduce-scatter of unused
         parameters). Set them to None, as in one process, so AdamW leaves them untouched."""
         for name in ("vision", "projector"):
             module = getattr(self.model, name, None)
@@ -201,27 +188,3 @@ class StepRunner:
             dist.broadcast(out, self.last_rank, group=self.pp_group)
             shared.append(out)
         return shared
-
-    def clip(self, max_norm: float) -> float:
-        """Clip to `max_norm` (0: never) by the global L2 norm; return the norm before clipping.
-
-        Squares of TP-sharded parameters (marked with `shard_spec`) are summed over TP,
-        replicated ones counted once; FSDP shards (DTensors) are summed over DP x CP; every
-        stage's share is summed over PP.
-        """
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        sq = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for p in params:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            sq[0 if getattr(p, "shard_spec", None) else 1] += g.double().pow(2).sum()
-        if self.sharded:
-            dist.all_reduce(sq, group=self.grad_group)
-        if group_size(self.tp_group) > 1:
-            dist.all_reduce(sq[:1], group=self.tp_group)
-        if self.stage.num_stages > 1:
-            dist.all_reduce(sq, group=self.pp_group)
-        norm = float(sq.sum().sqrt())
-        if max_norm > 0 and norm > max_norm:
-            for p in params:
-                p.grad.mul_(max_norm / (norm + 1e-6))
-        return norm

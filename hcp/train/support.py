@@ -25,6 +25,7 @@ def check_trainable(cfg, layouts: dict) -> None:
     longest sample (`_check_dynamic_cp_trainable`).
     """
     llm = layouts["llm"]
+    _check_several_encoders_trainable(cfg, layouts)
     if cfg.placement == "non_colocated":
         _check_islands_trainable(cfg, layouts)
     if llm.pp > 1 and cfg.llm.tie_embeddings:
@@ -49,6 +50,35 @@ def check_trainable(cfg, layouts: dict) -> None:
         _check_dynamic_cp_trainable(cfg, layouts)
 
 
+def _check_several_encoders_trainable(cfg, layouts: dict) -> None:
+    """Several encoders or streams (joins, branches: `hcp.config.modules`) train colocated, each
+    encoder at its own TP/DP layout (`hcp.train.encoders`); the rest raises ConfigError: other
+    placements, FSDP of the encoder side, a named encoder's `init_from`, and encoder recompute
+    that differs between encoders (the colocated step recomputes the whole encoder side)."""
+    from hcp.config.modules import encoder_names, module_cfg, module_key
+    from hcp.train.encoders import several_streams
+
+    if not several_streams(cfg):
+        return
+    side = [m for m in layouts if m != "llm"]
+    if cfg.placement != "colocated":
+        raise ConfigError("placement", cfg.placement, f"several encoders or streams ({side}) train "
+                          "colocated only (one encoder island per run under non_colocated)",
+                          "use placement=colocated, or mode=plan to plan the islands")
+    for m in side:
+        key = module_key(cfg, m)
+        if layouts[m].dp_shard:
+            raise ConfigError(f"{key}.layout.dp_shard", True, "FSDP of the encoder side is built for "
+                              "LLaVA's one encoder and projector", f"set {key}.layout.dp_shard=false")
+        if m != "vision" and m in encoder_names(cfg) and module_cfg(cfg, m).get("init_from"):
+            raise ConfigError(f"{key}.init_from", module_cfg(cfg, m).init_from, "weights are loaded for "
+                              "`vision` and `llm` only", f"remove {key}.init_from (it would be ignored)")
+        if layouts[m].recompute != layouts["vision"].recompute:
+            raise ConfigError(f"{key}.layout.recompute", layouts[m].recompute, "the colocated step "
+                              "recomputes the whole encoder side or none of it (vision.layout.recompute="
+                              f"{layouts['vision'].recompute})", f"set it to {layouts['vision'].recompute}")
+
+
 def _check_dynamic_cp_trainable(cfg, layouts: dict) -> None:
     """`packing=dynamic_cp` regroups the LLM's CP pool (dp * cp ranks of one TP index and
     pipeline stage) per micro-batch; it trains with TP (every TP rank of a pool position runs
@@ -58,8 +88,9 @@ def _check_dynamic_cp_trainable(cfg, layouts: dict) -> None:
     encoder side (image rows routed to the CP rank that holds their positions). Raises
     ConfigError (`hcp.dcp.policy.check_dynamic_cp`) unless the pool is a power of two and the
     longest sample (`data.max_seq_len`) fits it at `trainer.micro_batch_tokens` per rank, head-tail
-    padding counted, and `packing_profile` loads. A global batch with fewer samples than pool
-    ranks trains: the ranks without a sample run empty micro-batches (no collective hangs)."""
+    padding counted, and `packing_profile` loads (islands refuse dynamic CP in
+    `_check_islands_trainable`). A global batch with fewer samples than pool ranks trains: the
+    ranks without a sample run empty micro-batches (no collective hangs)."""
     from hcp.dcp.policy import check_dynamic_cp
 
     check_dynamic_cp(cfg, layouts["llm"])
@@ -95,6 +126,10 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
                 raise ConfigError(f"{m}.layout.recompute", lay.recompute,
                                   "encoder recompute is not built for placement=non_colocated yet",
                                   "use recompute=none")
+            if lay.dp_shard:
+                raise ConfigError(f"{m}.layout.dp_shard", True, "FSDP of an encoder island is not "
+                                  "built for placement=non_colocated yet", f"set {m}.layout.dp_shard="
+                                  "false, or use placement=colocated")
         for island in (members, ["llm"]):
             if all(cfg[m].freeze for m in island):
                 raise ConfigError(f"{island[0]}.freeze", True, f"every module of the island "

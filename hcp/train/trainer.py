@@ -12,6 +12,9 @@ their gradients back, the encoder backward. Loss is token-level over the whole g
 (DESIGN.md section 3): every module is scaled by the same global count; gradients are summed
 over each module's own DP (x CP) group, the clipping norm is global over every module, and one
 optimizer steps them all. A text-only LM (no vision) runs the LLM phase alone.
+Under `placement=non_colocated` `Trainer(cfg, run_dir)` is the island trainer
+(`hcp.train.islands.IslandTrainer`): a rank builds only its island's modules and the step is the
+graph-aware 1F1B across the islands.
 """
 from __future__ import annotations
 
@@ -21,19 +24,19 @@ import torch
 import torch.distributed as dist
 
 from hcp.config.layouts import resolve_layouts
-from hcp.data.build import build_datasets, num_image_tokens
+from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
 from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, with_cp_group
 from hcp.model import LlavaModel, init_parameters
 from hcp.model.hf_load import load_pretrained
+from hcp.model.encoder_side import graph_kwargs
 from hcp.model.llava import LlavaEncoder
 from hcp.model.stage import StageSpec
 from hcp.parallel.groups import ProcessGroupRegistry
 from hcp.parallel.roles import logging_rank
 from hcp.plan.ahead import PlanAhead
-from hcp.plan.lengths import build_length_index
 from hcp.plan.step import plan_step, register_policy
 from hcp.schedule.colocated import ColocatedStep
 from hcp.train import checkpoint
@@ -42,11 +45,11 @@ from hcp.train.evaluate import evaluate
 from hcp.train.failures import NonFiniteGuard
 from hcp.train.fsdp import shard_encoder, shard_model
 from hcp.train.metrics_log import RunLogger, whole_step_metrics
-from hcp.train.modules import (RankModules, clip_, encoder_sq_norm, local_grad_sq, module_sq_norm,
-                               sync_grads)
+from hcp.train.modules import RankModules, clip_, local_grad_sq, module_sq_norm
 from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
 from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
+from hcp.train import encoders as sides  # one or several encoders (joins, branches)
 from hcp.train.whole_encoder import whole_encoder
 
 
@@ -103,8 +106,7 @@ class Trainer:
         self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
-        self.index = build_length_index(self.train_set, self.tok.image_token_id,
-                                        num_image_tokens(cfg.vision))
+        self.index = sides.LengthIndexes(cfg, self.train_set, self.tok)  # one per stream into the LLM
         self.step, self.resume_note = 0, None
         self._resume()
         self.ahead = PlanAhead(self.sampler, self.prepare)
@@ -118,8 +120,8 @@ class Trainer:
     def _build_encoder(self) -> LlavaEncoder | None:
         """The encoder side (vision + projector) on its own TP group, or None (text-only LM)."""
         cfg = self.cfg
-        if cfg.vision is None:
-            return None
+        if cfg.vision is None or sides.several_streams(cfg):  # named encoders: an EncoderSide
+            return sides.build_encoder_side(cfg, self.groups, self.layouts, self.device) if cfg.vision else None
         tp = self.groups.group("vision", "tp") if self.layouts["vision"].tp > 1 else None
         torch.manual_seed(cfg.seed)
         encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp)
@@ -134,7 +136,8 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
-                           cp_group=self.cp_group, stage=self.stage, encoder=False)
+                           cp_group=self.cp_group, stage=self.stage, encoder=False,
+                           streams=graph_kwargs(cfg)["streams"])
         init_parameters(model, cfg.seed)
         if cfg.llm.freeze:
             model.llm.requires_grad_(False)
@@ -168,14 +171,14 @@ class Trainer:
     def _tp_groups(self):
         """TP group of each module's TP-sharded parameters, for checkpoints (None: no TP)."""
         groups = {"llm": self.tp_group}
-        if self.encoder is not None and self.layouts["vision"].tp > 1:
-            groups.update(vision=self.encoder.tp_group, projector=self.encoder.tp_group)
+        groups.update(sides.tp_groups(self.encoder))
         return groups if any(g is not None for g in groups.values()) else None
 
     def plan(self, indices):
         """The step plan of the global batch `indices` (pure; the same on every rank)."""
-        return plan_step(self.index.take(indices), self.layouts, self.cfg.packing,
-                         self.cfg.trainer.micro_batch_tokens, self.edges)
+        sizes, streams = self.index.take(indices)
+        return plan_step(sizes, self.layouts, self.cfg.packing, self.cfg.trainer.micro_batch_tokens,
+                         self.edges, stream_sizes=streams)
 
     def prepare(self, indices):
         """On the plan-ahead thread: this rank's plan and data, (RankPlan, pixel values of its
@@ -192,8 +195,7 @@ class Trainer:
         ds, device = self.train_set, self.device
         pixels = None
         if self.encoder is not None:
-            images = [ds.pixel_values(ds[indices[s]]) for s in mine.encoder_samples["vision"]]
-            pixels = torch.cat(images).to(device)
+            pixels = sides.encoder_inputs(ds, indices, mine, self.encoder, device)
         keep_empty = (self.layouts["llm"].dp_shard or self.cfg.placement == "non_colocated"
                       or (self.dynamic_cp and self.stage.num_stages > 1))
         batches, metas = [] if self.stage.first else None, []
@@ -211,7 +213,8 @@ class Trainer:
             if self.stage.first or self.stage.last:
                 samples = [ds[indices[s]] for s in mb.samples]
             if self.stage.first:
-                batch = tag(collate(samples, [], self.tok.image_token_id).to(device), mb)
+                ids = getattr(ds, "stream_ids", None)  # every stream's placeholder positions
+                batch = tag(collate(samples, [], self.tok.image_token_id, ids).to(device), mb)
                 if not torch.equal(batch.cu_seqlens, cu):
                     raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
                                        f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
@@ -254,8 +257,7 @@ class Trainer:
 
         def llm_phase(leaf):
             if batches is not None and leaf is not None:
-                for mb, batch in batches:
-                    batch.image_rows = leaf[mb.image_rows[0]:mb.image_rows[1]]
+                sides.attach_rows(batches, leaf)
             c = mine.counts  # the plan's global counts (no collective); trainer.check_plan counts too
             check = self.cfg.trainer.get("check_plan") and not self.dynamic_cp
             planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
@@ -266,13 +268,10 @@ class Trainer:
             loss, counts, n_micro, self.stage_times = llm_phase(None)
             return loss, self._plan_counts(mine, counts), n_micro
 
-        route = mine.routes[next(e for e in mine.routes if e[1] == "llm")]
-        (loss, counts, n_micro, self.stage_times), self.phase_times = self.colocated.run(pixels, route, llm_phase)
+        (loss, counts, n_micro, self.stage_times), self.phase_times = sides.run_colocated(
+            self.colocated, self.encoder, pixels, mine, llm_phase)
         self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())  # before the DP sum (FSDP: after)
-        sync_grads(self.encoder.parameters(), self.groups.group("vision", "dp"))
-        if mine.counts.image_rows == 0:  # no image anywhere: as in one process, no encoder update
-            for p in self.encoder.parameters():
-                p.grad = None
+        sides.sync_encoder_grads(self.encoder, self.groups, mine.counts)  # no row anywhere: no update
         return loss, self._plan_counts(mine, counts), n_micro
 
     def _check_plan(self, checksum: int) -> None:
@@ -302,7 +301,7 @@ class Trainer:
                             self.grad_group if llm.dp_shard else None,
                             self.groups.group("llm", "pp") if llm.pp > 1 else None)
         if self.encoder is not None:
-            sq = sq + encoder_sq_norm(self.encoder, self.device, self.groups)
+            sq = sq + sides.sq_norm(self.encoder, self.device, self.groups)
         norm = float(sq.sqrt())
         clip_(self.modules.parameters(), norm, max_norm)
         return norm
@@ -316,14 +315,15 @@ class Trainer:
         per = -(-n // self.dp)
         indices = list(range(self.lane * per, min(n, (self.lane + 1) * per)))
         whole = self._whole_encoder()
-        if whole is not None and self.stage.first:  # held-out images are encoded in place
-            self.model.vision, self.model.projector = whole.vision, whole.projector
+        lent = dict(whole.named_children()) if whole is not None and self.stage.first else {}
+        for name, module in lent.items():  # held-out images are encoded in place
+            setattr(self.model, name, module)
         try:
             return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok, indices,
                             self._eval_capacity(), self.device, self.grad_group, self.dp_group)
         finally:
-            if whole is not None and self.stage.first:
-                self.model.vision, self.model.projector = None, None
+            for name in lent:
+                setattr(self.model, name, None)
 
     def _eval_capacity(self) -> int:
         """Tokens per evaluation micro-batch. Evaluation keeps the static layout; under dynamic

@@ -2,7 +2,9 @@
 prompt's images inside the LLM's first stage, so the LLM's ranks need the whole encoder."""
 from __future__ import annotations
 
+from hcp.model.encoder_side import EncoderSide
 from hcp.model.llava import LlavaEncoder
+from hcp.train.encoders import whole_encoder_side
 from hcp.train.modules import whole_state
 
 
@@ -13,6 +15,8 @@ def whole_encoder(encoder, cfg, device) -> LlavaEncoder | None:
     the encoder calls it). None for a text-only LM."""
     if encoder is None:
         return None
+    if isinstance(encoder, EncoderSide):  # several encoders (hcp.train.encoders)
+        return whole_encoder_side(encoder, cfg, device)
     state = whole_state(encoder, encoder.tp_group)
     if state is None:
         return encoder

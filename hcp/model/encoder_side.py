@@ -1,0 +1,104 @@
+"""The encoder side of a module graph: several encoders and their projectors, each stream of rows
+into the LLM computed once (DESIGN.md 1: join, branch; `hcp.config.modules`).
+
+A *stream* (`hcp.config.modules.Stream`) is a projector fed by one encoder whose rows fill that
+projector's placeholder positions in the LLM's merged sequence. Two encoders with a projector
+each are a join; one encoder feeding two projectors is a branch: the tower runs once per input
+batch, each projector reads its features, and the tower's gradient is the sum of both
+consumers'. Modules are registered under their config names (`vision`, `projector`, `vision2`,
+...), so FQNs, and with them initialization (hcp.model.init) and checkpoints, are those of the
+single-process model (`hcp.model.llava.LlavaModel`) whatever the layout.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from hcp.config.modules import Stream, streams as graph_streams
+from hcp.model.collectives import copy_to_group
+from hcp.model.projector import Projector
+from hcp.model.vit import ViTEncoder
+
+DEFAULT_STREAMS = (Stream("projector", "vision"),)
+"""LLaVA's graph: vision -> projector -> llm."""
+
+
+def graph_kwargs(cfg) -> dict:
+    """`LlavaModel` keyword arguments for a config's named encoders and projectors and its
+    streams (`hcp.config.modules`): `LlavaModel(cfg.vision, cfg.projector, cfg.llm,
+    **graph_kwargs(cfg))` is the whole single-process model."""
+    return dict(encoders=dict(cfg.get("encoders") or {}), projectors=dict(cfg.get("projectors") or {}),
+                streams=graph_streams(cfg.graph.edges) if cfg.get("vision") is not None else None)
+
+
+def add_encoder_modules(parent: nn.Module, encoders: Mapping, projectors: Mapping, streams,
+                        llm_hidden: int, tp_groups: Mapping | None = None) -> None:
+    """Register on `parent` one `ViTEncoder` per entry of `encoders` (name -> VisionConfig) and
+    one `Projector` per stream (from its encoder's width to `llm_hidden`), under their names.
+    `tp_groups`: encoder name -> its TP group (None: TP size 1); a projector uses its encoder's.
+
+    Raises ValueError when a stream names an encoder or projector without a config."""
+    tp_groups = tp_groups or {}
+    for name, cfg in encoders.items():
+        parent.add_module(name, ViTEncoder(cfg, tp_groups.get(name)))
+    for s in streams:
+        if s.encoder not in encoders or s.projector not in projectors:
+            raise ValueError(f"stream {s.encoder} -> {s.projector} -> llm: no config for "
+                             f"{s.encoder if s.encoder not in encoders else s.projector}")
+        parent.add_module(s.projector, Projector(projectors[s.projector], encoders[s.encoder].hidden_size,
+                                                 llm_hidden, tp_groups.get(s.encoder)))
+
+
+def encode_streams(parent: nn.Module, streams, encoder: str, pixel_values: torch.Tensor) -> dict:
+    """Run `encoder` (a child of `parent`) once over pixel_values [I, C, H, W] and every stream
+    it feeds: {projector: rows [I * R_s, H]} (R_s rows per input of stream s, inputs in order)."""
+    feats = getattr(parent, encoder)(pixel_values)                         # [I, P, D]
+    out = {}
+    for s in streams:
+        if s.encoder == encoder:
+            rows = getattr(parent, s.projector)(feats)                     # [I, R_s, H]
+            out[s.projector] = rows.reshape(-1, rows.shape[-1])
+    return out
+
+
+class EncoderSide(nn.Module):
+    """Encoders and projectors as their own module (colocated: every rank runs them at their
+    own TP/DP layout and routes each stream's rows to the LLM's shards, `hcp.schedule.colocated`).
+
+    Args:
+        encoders: name -> VisionConfig of every encoder (`vision` first for LLaVA).
+        projectors: name -> ProjectorConfig of every projector.
+        streams: the streams into the LLM (`hcp.config.modules.streams`), in edge order.
+        llm_hidden: the LLM's hidden size H.
+        tp_groups: encoder name -> TP group (its projectors share it); None: TP size 1.
+
+    `forward(inputs)`: {encoder: pixel_values [I_e, C, H, W]} -> {projector: rows [I_e * R_s, H]},
+    every stream; each output passes Megatron's copy-to-TP-region of its encoder's TP group
+    (identity forward, gradient all-reduce backward), as `hcp.model.llava.LlavaEncoder`'s.
+    An encoder missing from `inputs` gets 0 inputs.
+    """
+
+    def __init__(self, encoders: Mapping, projectors: Mapping, streams, llm_hidden: int,
+                 tp_groups: Mapping | None = None):
+        super().__init__()
+        self.streams = tuple(streams)
+        self.encoder_names = tuple(encoders)
+        self.tp_groups = dict(tp_groups or {})
+        self._input_shape = {e: (c.num_channels, c.image_size, c.image_size) for e, c in encoders.items()}
+        add_encoder_modules(self, encoders, projectors, self.streams, llm_hidden, self.tp_groups)
+
+    def streams_of(self, encoder: str) -> tuple[str, ...]:
+        """Projectors fed by `encoder`, in stream order."""
+        return tuple(s.projector for s in self.streams if s.encoder == encoder)
+
+    def forward(self, inputs: Mapping) -> dict:
+        out = {}
+        for e in self.encoder_names:
+            x = inputs.get(e)
+            if x is None:
+                x = torch.zeros(0, *self._input_shape[e], device=next(self.parameters()).device)
+            for p, rows in encode_streams(self, self.streams, e, x).items():
+                out[p] = copy_to_group(rows, self.tp_groups.get(e))
+        return out

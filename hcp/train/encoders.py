@@ -1,0 +1,152 @@
+"""The trainer's encoder side when the module graph has several encoders or streams (colocated
+placement): named encoders and projectors (`hcp.config.modules`) built as one
+`hcp.model.encoder_side.EncoderSide`, a length index per stream into the LLM, each encoder's
+inputs for this rank, gradient sync over each encoder's own DP group and its share of the
+global clipping norm over its own TP group (DESIGN.md 4.4, last bullet).
+
+LLaVA's plain graph (vision -> projector -> llm) keeps `hcp.model.llava.LlavaEncoder`
+(`several_streams(cfg)` says which one the trainer builds); the helpers that take `encoder`
+accept either, so the trainer has one code path.
+"""
+from __future__ import annotations
+
+import torch
+
+from hcp.config.modules import encoder_names, module_cfg, rows_per_item, streams
+from hcp.model import init_parameters
+from hcp.model.encoder_side import EncoderSide
+from hcp.plan.lengths import build_length_index, stream_indexes
+from hcp.train.modules import encoder_sq_norm, module_sq_norm, sync_grads, whole_state
+
+
+def several_streams(cfg) -> bool:
+    """Whether the graph is more than vision -> projector -> llm: named encoders or projectors
+    (a join, a branch)."""
+    return cfg.get("vision") is not None and (len(encoder_names(cfg)) > 1 or len(streams(cfg.graph.edges)) > 1)
+
+
+def build_encoder_side(cfg, groups, layouts, device) -> EncoderSide:
+    """Every encoder and projector of the config on its own TP group (projectors share their
+    encoder's), initialized layout-invariantly from (seed, FQN), frozen per module's `freeze`."""
+    flows = streams(cfg.graph.edges)
+    encoders = {e: module_cfg(cfg, e) for e in encoder_names(cfg)}
+    projectors = {s.projector: module_cfg(cfg, s.projector) for s in flows}
+    tp = {e: groups.group(e, "tp") if layouts[e].tp > 1 else None for e in encoders}
+    torch.manual_seed(cfg.seed)
+    side = EncoderSide(encoders, projectors, flows, cfg.llm.hidden_size, tp)
+    init_parameters(side, cfg.seed)
+    for m in (*encoders, *projectors):
+        if module_cfg(cfg, m).freeze:
+            getattr(side, m).requires_grad_(False)
+    return side.to(device)
+
+
+class LengthIndexes:
+    """The length index of the default stream (LLaVA's `<image>` rows, or a text-only model's
+    lengths) and, with several streams, one per stream into the LLM (`stream_indexes`)."""
+
+    def __init__(self, cfg, dataset, tok):
+        flows = streams(cfg.graph.edges) if hasattr(dataset, "stream_ids") else ()
+        self.streams = stream_indexes(dataset, dataset.stream_ids, {s.projector: rows_per_item(cfg, s) for s in flows},
+                                      {s.projector: s.encoder for s in flows}) if flows else {}
+        first = "projector" if "projector" in self.streams else flows[0].projector if flows else None
+        self.default = self.streams[first] if first else build_length_index(dataset, tok.image_token_id, 0)
+
+    def take(self, indices):
+        """(the batch's default sizes, {projector: sizes} of every stream or {})."""
+        return self.default.take(indices), {p: ix.take(indices) for p, ix in self.streams.items()}
+
+
+def encoder_inputs(dataset, indices, mine, encoder, device):
+    """This rank's encoder samples' inputs: [I, C, H, W] of `vision` for a `LlavaEncoder`, or
+    {encoder: [I_e, C, H, W]} for an `EncoderSide` (`mine`: the rank's `RankPlan`)."""
+    if not isinstance(encoder, EncoderSide):
+        return torch.cat([dataset.pixel_values(dataset[indices[s]]) for s in mine.encoder_samples["vision"]]).to(device)
+    return {e: torch.cat([dataset.pixel_values(dataset[indices[s]], e) for s in mine.encoder_samples[e]]).to(device)
+            for e in encoder.encoder_names}
+
+
+def attach_rows(batches, leaf) -> None:
+    """Give each first-stage micro-batch `(mb, batch)` its routed rows: `batch.image_rows` from
+    one leaf tensor, or with several streams (a {projector: leaf} dict) each stream's rows
+    (`batch.stream_rows`; the default `projector`'s in `image_rows`)."""
+    for mb, batch in batches:
+        if isinstance(leaf, dict):
+            rows = {p: leaf[p][a:b] for p, (a, b) in mb.stream_rows.items()}
+            batch.image_rows, batch.stream_rows = rows.pop("projector", None), rows
+        else:
+            batch.image_rows = leaf[mb.image_rows[0]:mb.image_rows[1]]
+
+
+def run_colocated(step, encoder, inputs, mine, llm_phase):
+    """`ColocatedStep.run` (one stream) or `run_streams` (an `EncoderSide`) with the plan's routes."""
+    if isinstance(encoder, EncoderSide):
+        return step.run_streams(inputs, {s: r for (s, d), r in mine.routes.items() if d == "llm"}, llm_phase)
+    return step.run(inputs, mine.routes[next(e for e in mine.routes if e[1] == "llm")], llm_phase)
+
+
+def _members(side: EncoderSide, encoder: str):
+    """`encoder` and the projectors it feeds, by name."""
+    return (encoder, *side.streams_of(encoder))
+
+
+def _params(side: EncoderSide, encoder: str):
+    return [p for m in _members(side, encoder) for p in getattr(side, m).parameters()]
+
+
+def sync_encoder_grads(encoder, groups, counts) -> None:
+    """Sum the encoder side's gradients over each encoder's own DP group (a projector with its
+    encoder's); an encoder whose streams had no row anywhere in the batch gets no gradient, as
+    in one process (LLaVA: no image in the batch)."""
+    if not isinstance(encoder, EncoderSide):
+        sync_grads(encoder.parameters(), groups.group("vision", "dp"))
+        if counts.image_rows == 0:
+            for p in encoder.parameters():
+                p.grad = None
+        return
+    for e in encoder.encoder_names:
+        params = _params(encoder, e)
+        sync_grads(params, groups.group(e, "dp"))
+        if sum(counts.stream_rows.get(p, 0) for p in encoder.streams_of(e)) == 0:
+            for p in params:
+                p.grad = None
+
+
+def sq_norm(encoder, device, groups) -> torch.Tensor:
+    """Squared gradient norm of the whole encoder side (0-d float64, the same on every rank):
+    `hcp.train.modules.encoder_sq_norm` for a `LlavaEncoder`; for an `EncoderSide` each encoder
+    with its projectors over its own TP group (collectives in encoder order)."""
+    if not isinstance(encoder, EncoderSide):
+        return encoder_sq_norm(encoder, device, groups)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for e in encoder.encoder_names:
+        sq = sq + module_sq_norm(_params(encoder, e), device, encoder.tp_groups.get(e))
+    return sq
+
+
+def tp_groups(encoder) -> dict:
+    """Module -> TP group of the encoder side's TP-sharded modules (checkpoints); {} without TP."""
+    if isinstance(encoder, EncoderSide):
+        return {m: encoder.tp_groups[e] for e in encoder.encoder_names if encoder.tp_groups.get(e) is not None
+                for m in _members(encoder, e)}
+    return {} if encoder is None or encoder.tp_group is None else {"vision": encoder.tp_group,
+                                                                  "projector": encoder.tp_group}
+
+
+def whole_encoder_side(side: EncoderSide, cfg, device) -> EncoderSide:
+    """The encoder side whole on this rank (evaluation encodes prompts' inputs in place): itself
+    when no encoder uses TP, else a copy whose TP shards are gathered over each encoder's TP
+    group (`hcp.train.modules.whole_state`, encoder by encoder: every rank calls it)."""
+    if all(g is None for g in side.tp_groups.values()):
+        return side
+    whole = EncoderSide({e: module_cfg(cfg, e) for e in side.encoder_names},
+                        {s.projector: module_cfg(cfg, s.projector) for s in side.streams}, side.streams,
+                        cfg.llm.hidden_size).to(device)
+    for e in side.encoder_names:
+        for m in _members(side, e):
+            state = whole_state(getattr(side, m), side.tp_groups.get(e))
+            if state is not None:
+                getattr(whole, m).load_state_dict(state)
+            else:
+                getattr(whole, m).load_state_dict(getattr(side, m).state_dict())
+    return whole
