@@ -240,8 +240,7 @@ class IslandTrainer(Trainer):
     def _sync(self, mine) -> None:
         """Each module's gradients summed over its own DP (x CP) group."""
         if self.encoder is None:  # the LLM's DP x CP sum (buckets launched in the last backward)
-            if self.runner.reducer is not None:
-                self.runner.reducer.finish()
+            self.runner.sync_grads()
             return
         params = list(self.encoder.parameters())
         self.encoder_grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None)

@@ -145,12 +145,19 @@ class StepRunner:
         times = one_f_one_b(forward, self.link, self.stage.index, self.stage.num_stages, batches,
                             metas if metas is not None else self._metas(batches, n_micro),
                             self._act_spec, sync)
-        if self.reducer is not None:  # the buckets not launched in backward, then the sums
-            self.reducer.finish()
+        self.sync_grads()
         if counts[4] == 0:
             self._drop_unused_image_grads()
         loss = self._share_loss(loss_total)
         return loss / global_tokens, counts[1:4].tolist(), n_micro, times
+
+    def sync_grads(self) -> None:
+        """Sum the gradients over DP x CP after the backward passes: the buckets not launched
+        during the last backward (all of them when no schedule armed the reducer), then the
+        sums (`GradReducer.finish`). Nothing under FSDP (its backward reduce-scatters) or on a
+        DP x CP group of one."""
+        if self.reducer is not None:
+            self.reducer.finish()
 
     def _share_loss(self, loss_total: torch.Tensor) -> float:
         """Sum over DP x CP on the last stage (each CP rank holds part of the loss), then give
