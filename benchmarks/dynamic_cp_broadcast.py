@@ -13,15 +13,16 @@ gloo ranks (one thread each) measure, on the same global batch:
 - the simulated step time of the plan (H100 profile, LLaMA-13B), which planning must hide
   behind.
 
-Measured here (8 gloo ranks forked on 2 cores shared with other jobs, seed 100, H100 profile):
+Measured here (8 gloo ranks forked on 2 cores shared with other jobs, load ~35, seed 100,
+H100 profile; the solver with its LP-shaped candidates):
                   setting  plan_ms  bcast_ms    bytes  step_s plan/step bcast/step
-      pool8_pp8_wikipedia    271.1     19.57    18165   7.598     0.036     0.0026
-     pool64_pp8_wikipedia    213.5      7.50    50024   2.276     0.094     0.0033
-     pool64_pp1_lognormal    159.8      6.83     9426   1.955     0.082     0.0035
+      pool8_pp8_wikipedia    871.8     11.34    25094   7.571     0.115     0.0015
+     pool64_pp8_wikipedia    557.9      8.87    17967   1.551     0.360     0.0057
+     pool64_pp1_lognormal    196.9      5.88     9426   1.955     0.101     0.0030
 
-Decision (the default of hcp/dcp/policy.py stays "every rank plans"): planning costs 4-9% of
-the step it plans in CPU time and runs on the data iterator's background thread while step k
-computes, so it is hidden and needs no collective. The broadcast is cheap (0.3% of the step)
+Decision (the default of hcp/dcp/policy.py stays "every rank plans"): planning costs 10-36%
+of the step it plans in CPU time and runs on the data iterator's background thread while step k
+computes, so it is hidden and needs no collective. The broadcast is cheap (0.2-0.6% of the step)
 but could only be hidden on that background thread too, where a collective may interleave
 differently with the main thread's collectives on different ranks (a hang under NCCL); on the
 main thread between steps it is exposed on every step, and the planning rank still has to hide

@@ -19,7 +19,8 @@ stated in the output); trailing Hydra overrides change it. On 8 ranks (`LAYOUTS[
   encoder lanes holding blocks of the batch as the step plan gives them (a fan-in edge 4 -> 1:
   the LLM consumes lane 0's block first, then lane 1's, ..., so the lanes take turns);
 - non_colocated_interleaved: the same, but every micro-batch's samples are dealt over the
-  encoder lanes (`hetero_rank.interleaved_lanes`), so all lanes encode part of every micro-batch.
+  encoder lanes (`hetero_rank.interleaved_lanes`), so the lanes encode parts of every
+  micro-batch (at most as many lanes work at once as an LLM micro-batch holds samples).
 The encoder is deepened on 8 ranks (`MODEL_8`) so that it carries about as many FLOPs as the
 LLM: the regime where the island split matters. All layouts run the same global batch, packing,
 weights and seed on freshly forked gloo ranks (`benchmarks/hetero_rank.py`), and must report the
@@ -216,6 +217,8 @@ def summarize(name, per_rank, world, overrides, args) -> dict:
             "encoder_flops_per_rank": [r["flops"] for r in per_rank],
             "images_per_rank": [r["images"] for r in per_rank],
             "micro_batches": max(r["micro_batches"] for r in per_rank),
+            "samples_per_micro_batch": args.samples / max(r["micro_batches"] for r in per_rank),
+            "encoder_lanes": layouts["vision"].dp,
             "route_bytes": int(sum(route)),
             "route_min_bytes": int(sum(minimum)),
             "route_bytes_by_direction": [int(b) for b in route],
@@ -289,8 +292,9 @@ def measured_conclusion(results) -> str:
                      f"({nc['modeled_step_s'] / co['modeled_step_s']:.2f}x), critical path "
                      f"{co['critical_path_s']:.3f} / {nc['critical_path_s']:.3f} s (busy time has no "
                      f"pipeline waits); encoder thread CPU s per image {co['encoder_busy_s_per_image']:.3f} "
-                     f"(one batch per step) / {nc['encoder_busy_s_per_image']:.3f} (one per micro-batch); "
-                     "LLM stage balance "
+                     f"(one batch per step) / {nc['encoder_busy_s_per_image']:.3f} (one per micro-batch; "
+                     f"{nc['samples_per_micro_batch']:.1f} samples per LLM micro-batch keep at most that many "
+                     f"of the island's {nc['encoder_lanes']} lanes busy at once); LLM stage balance "
                      + ", ".join(f"{n} {r['llm_stage_balance']:.2f}" for n, r in results.items()))
     return "\n".join(lines)
 

@@ -58,9 +58,8 @@ def _step(rank, world, container, run_dir):
         loss, counts, _ = tr.forward_backward(indices, prepared)
     finally:
         dist.new_group = new_group
-    groups = {"vision": getattr(tr.encoder, "tp_group", None), "llm": tr.tp_group}
-    groups["projector"] = groups["vision"]
-    grads = {n: _whole(p.grad, p, groups[n.split(".")[0]]) for n, p in tr.modules.named_parameters()
+    groups = tr._tp_groups() or {}   # each module's TP group (by the FQN's first name)
+    grads = {n: _whole(p.grad, p, groups.get(n.split(".")[0])) for n, p in tr.modules.named_parameters()
              if p.grad is not None}
     return dict(loss=loss, counts=counts, grads=grads, histogram=prepared[4],
                 cp_sizes=sorted({mb.cp_size for mb in prepared[0].micro_batches if not mb.empty}))

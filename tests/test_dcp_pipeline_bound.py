@@ -10,7 +10,7 @@ from hypothesis import given, settings, strategies as st
 from hcp.dcp.baselines import greedy, packing_only
 from hcp.dcp.cost_model import load_cost, recipe_llm
 from hcp.dcp.lower_bound import lower_bound
-from hcp.dcp.pipeline_bound import lp_makespan, pipeline_bound, stage_classes, _floors
+from hcp.dcp.pipeline_bound import lp_makespan, pipeline_bound, stage_classes, stage_floors
 from hcp.dcp.plan import Group, Plan, Round, fill_idle, rank_tokens, validate_plan
 from hcp.dcp.solver import simulate_plan, solve
 
@@ -90,7 +90,7 @@ def test_lp_of_fixed_sizes_is_the_simulated_time():
     duration per stage class and must reproduce the simulator's time exactly."""
     cost = COSTS[3]
     lens = np.array([3000])
-    work, smallest = _floors(lens, cost, 1, 4096)
+    work, smallest = stage_floors(lens, cost, 1, 4096)
     plan = Plan([Round([Group([0], 1, 0)])])
     # fwd_floor = fwd at c = 1 (no communication), so the floors are the plan's durations
     assert lp_makespan(1, cost, work, smallest) == pytest.approx(
@@ -121,6 +121,8 @@ def test_on_a_tiny_case_the_bound_lies_strictly_between_the_simple_bound_and_the
     res = pipeline_bound(lens, cost, 2, 1024)
     opt = best_time(lens, cost, 2, 1024)
     assert 1.1 * res.simple < res.bound <= opt  # 1.127x the simple bound, 0.83x the optimum
+    capped = pipeline_bound(lens, cost, 2, 1024, max_micro_batches=res.best_m - 1)
+    assert res.simple < capped.bound < res.bound and capped.lps < res.lps and capped.best_m is None
     # with three stages the relaxation drops stage 1's order: lower than all stages' LP,
     # still above the simple bound (1.0747x and 1.0774x it)
     lens, cost3 = np.array([372, 1641, 1780, 1192]), COSTS[3]

@@ -2,7 +2,8 @@
 step's loss, every module's gradients (made whole over TP, gathered over the islands and
 pipeline stages), the global gradient norm and the weights after one AdamW step; rtol 1e-5 /
 atol 1e-6. Islands: encoder dp2 (ranks 0-1) + LLM tp2 (ranks 2-3); encoder dp2 + LLM pp2 x cp2;
-an encoder with PP 2 (blocks split, projector on the last stage) + an LLM with TP 2."""
+an encoder with PP 2 (blocks split, projector on the last stage) + an LLM with TP 2. Only the
+encoder's first stage reads images, only the LLM's first stage reads text."""
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -15,18 +16,36 @@ NON_COLOCATED = ["placement=non_colocated", "vision.layout.tp=1"]
 
 
 def _island_step(rank, world, container, run_dir):
+    import hcp.train.trainer as trainer_module
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
+    reads = {"images": 0, "text": 0}
+    pixel_values, collate = tr.train_set.pixel_values, trainer_module.collate
+
+    def count_images(sample):
+        reads["images"] += 1
+        return pixel_values(sample)
+
+    def count_text(samples, *args):
+        reads["text"] += len(samples)
+        return collate(samples, *args)
+
+    tr.train_set.pixel_values, trainer_module.collate = count_images, count_text
     loss, counts, n_micro = tr.forward_backward(tr.sampler.batch(0))
+    trainer_module.collate = collate
     group = tr.encoder.tp_group if tr.encoder is not None else tr.tp_group
     named = list(tr.modules.named_parameters())
     grads = {n: _whole(p.grad, p, group) for n, p in named}
     norm = tr.clip(tr.cfg.trainer.grad_clip)
     tr.optimizer.step()
     weights = {n: _whole(p.data, p, group) for n, p in named}
+    first = (tr.encoder.stage if tr.encoder is not None else tr.stage).first
+    sent = getattr(tr, "route_bytes", None)
+    image_rows = tr.plan(tr.sampler.batch(0)).counts.image_rows
     return dict(loss=loss, counts=counts, norm=norm, grads=grads, weights=weights, n_micro=n_micro,
-                encoder=tr.encoder is not None, encoder_grad_sq=getattr(tr, "encoder_grad_sq", None))
+                encoder=tr.encoder is not None, first=first, reads=reads, image_rows=image_rows,
+                route_bytes=(sent.forward, sent.backward) if sent is not None else (0, 0), encoder_grad_sq=getattr(tr, "encoder_grad_sq", None))
 
 
 CASES = {
@@ -57,10 +76,17 @@ def test_non_colocated_step_equals_single_process(name, reference, tmp_path):
     grads, weights = _merged(results, "grads"), _merged(results, "weights")
     assert set(grads) == set(reference["grads"])
     assert len({r["n_micro"] for r in results}) == 1 and results[0]["n_micro"] > 1
-    for r in results:
+    for r in results:  # images only on the encoder's first stage, text only on the LLM's
+        assert (r["reads"]["images"] > 0) == (r["encoder"] and r["first"])
+        assert (r["reads"]["text"] > 0) == (not r["encoder"] and r["first"])
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert r["counts"] == reference["counts"]
         assert r["norm"] == pytest.approx(reference["norm"], rel=1e-5)
+    # the route moves each image row once forward and its gradient once back (the minimum,
+    # leader route: one LLM TP rank per shard receives), from the encoder's last stage only
+    rows = sum(r["route_bytes"][0] for r in results if r["encoder"]) // (4 * 128)
+    assert rows == results[0]["image_rows"] > 0
+    assert sum(r["route_bytes"][1] for r in results) == sum(r["route_bytes"][0] for r in results)
     assert all(r["encoder_grad_sq"] > 0 for r in results if r["encoder"] and "vision.patch_embed.weight" in r["grads"])
     for key, ref in reference["grads"].items():
         torch.testing.assert_close(grads[key], ref, **TOL, msg=lambda m, key=key: f"grad {key}: {m}")
@@ -86,3 +112,6 @@ def test_non_colocated_trains_encoder_pp_and_refuses_what_it_cannot_run_with_a_f
         with pytest.raises(ConfigError) as e:
             check_trainable(cfg, validate(cfg, world_size=4))
         assert e.value.field == field and "Fix:" in str(e.value)
+    cfg = compose_cfg(["+recipe=llama_tiny", "placement=non_colocated"])     # text only: no island
+    with pytest.raises(ConfigError, match="no encoder island"):
+        check_trainable(cfg, validate(cfg, world_size=4))

@@ -413,3 +413,19 @@ def test_training_refuses_what_several_encoders_do_not_run_yet(overrides, field)
     with pytest.raises(ConfigError) as err:
         check_trainable(cfg, validate(cfg, 4))
     assert err.value.field == field
+
+
+def test_named_modules_take_their_own_optimizer_settings():
+    from hcp.train.optim import module_overrides
+
+    cfg = _cfg("encoders.vision2.optim.lr=1e-4", "projectors.projector2.optim.weight_decay=0.1")
+    assert module_overrides(cfg) == {"vision2": {"lr": 1e-4}, "projector2": {"weight_decay": 0.1}}
+
+
+def test_export_refuses_named_modules_instead_of_dropping_them(tmp_path):
+    from hcp.config.errors import ConfigError
+    from hcp.train.export import start_export
+
+    with pytest.raises(ConfigError, match="left out") as err:
+        start_export(_cfg(f"export.dir={tmp_path}"), str(tmp_path), None, 1)
+    assert err.value.field == "graph.edges"

@@ -150,7 +150,9 @@ class TrainerConfig:
     or `skip` (drop that step's update, count it and go on). hcp.train.failures."""
     check_plan: bool = False
     """Debug: all-reduce a checksum of every step's plan and fail, naming the ranks, when they
-    computed different plans (which would otherwise hang a collective). hcp.plan.step."""
+    computed different plans (which would otherwise hang a collective), and count the step's
+    loss tokens with a collective to check the plan's counts, which the step otherwise takes
+    as they are (no collective). hcp.plan.step."""
 
 
 @dataclass

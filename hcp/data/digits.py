@@ -70,11 +70,14 @@ def build_digits_pair(root: str, eval_fraction: float = 0.15) -> str:
     """Built-in `digits_pair`, the tiny two-encoder task: each record shows two digit scans,
     the first to the `vision` encoder (`image`, `<image>`) and the second to the encoder named
     `vision2` (`vision2`, `<vision2>`), and asks for both ("<image> <vision2>\\nWhich two digits
-    are shown?" -> "seven three"); neither encoder alone can answer. The scans are
+    are shown?" -> "7 3"); neither encoder alone can answer (digits, not words: greedy
+    evaluation decodes at most 8 tokens, hcp.train.evaluate, and each answer token then
+    depends on the images). The scans are
     `digits_vqa`'s (built under root if needed); the pairs follow its split (a held-out record
     pairs two held-out scans) and a seeded shuffle. Written once to
-    `root/digits_pair-eval{eval_fraction}` (a temporary folder renamed into place). Returns it."""
-    out = os.path.join(root, f"digits_pair-eval{eval_fraction:g}")
+    `root/digits_pair-v2-eval{eval_fraction}` (a temporary folder renamed into place; `v2` is
+    the record format, so a cache of an older format is never read). Returns it."""
+    out = os.path.join(root, f"digits_pair-v2-eval{eval_fraction:g}")
     if os.path.isfile(os.path.join(out, "eval.json")):
         return out
     scans = build_digits_vqa(root, eval_fraction)
@@ -87,7 +90,7 @@ def build_digits_pair(root: str, eval_fraction: float = 0.15) -> str:
             partner = np.random.default_rng([SPLIT_SEED, len(singles)]).permutation(len(singles))
             records = []
             for a, b in zip(singles, (singles[j] for j in partner)):
-                words = [a["conversations"][1]["value"], b["conversations"][1]["value"]]
+                words = [str(WORDS.index(r["conversations"][1]["value"])) for r in (a, b)]
                 records.append({"id": f"{a['id']}+{b['id'][len('digits-'):]}",
                                 "image": os.path.join(rel, a["image"]),
                                 PAIR_KEY: os.path.join(rel, b["image"]), "conversations": [

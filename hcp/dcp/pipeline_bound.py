@@ -83,7 +83,7 @@ class PipelineBound:
     seconds: float
 
 
-def _floors(lens: np.ndarray, cost: CostModel, pool: int, m: int):
+def stage_floors(lens: np.ndarray, cost: CostModel, pool: int, m: int):
     """phi `[p, K, n]` (inf where infeasible), Phi `[p]` and the smallest phi `[p]`."""
     cs = cp_sizes(pool).astype(np.float64)[:, None]
     x = lens.astype(np.float64)[None, :]
@@ -117,12 +117,13 @@ def stage_classes(cost: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def lp_makespan(M: int, cost: CostModel, work: np.ndarray, smallest: np.ndarray,
-                stages=None) -> float:
+                stages=None, sizes: bool = False):
     """LP(M) of the module docstring (seconds); `work`, `smallest`: Phi_s and the least phi_s
     per stage `[p]`. `stages` (sorted, with 0 and p - 1; default all) keeps the op order of
     those stages only; between kept stages a < b the skipped ones contribute their durations:
     F(a, j) ends + sum_{a<s<b} F_sj <= F(b, j) starts, and likewise for B from b to a (implied
-    by (d), so this is a relaxation: a lower bound on LP(M))."""
+    by (d), so this is a relaxation: a lower bound on LP(M)). With `sizes`, returns
+    `(LP(M), x)`, x `[p, M]` the optimal forward seconds of each stage and micro-batch."""
     p, k = cost.pp, cost.bwd_factor
     kept = list(range(p)) if stages is None else sorted(set(stages))
     if kept[0] != 0 or kept[-1] != p - 1:
@@ -191,6 +192,8 @@ def lp_makespan(M: int, cost: CostModel, work: np.ndarray, smallest: np.ndarray,
                   bounds=np.stack([lower, np.full(tv + 1, np.inf)], axis=1))
     if res.status != 0:
         raise RuntimeError(f"pipeline LP at M={M} failed: {res.message}")
+    if sizes:
+        return float(res.fun), res.x[:nx].reshape(C, M)[cls]
     return float(res.fun)
 
 
@@ -207,13 +210,13 @@ def pipeline_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int
     simple = lower_bound(lens, cost, pool, m)
     if cost.pp == 1:
         return PipelineBound(simple, simple, None, 0, time.perf_counter() - start)
-    work, smallest = _floors(lens, cost, pool, m)
+    work, smallest = stage_floors(lens, cost, pool, m)
     stages = None if full else [0, cost.pp - 1]
     M = int(np.ceil(lens.sum() / (pool * m)))
     best, best_m, lps = np.inf, None, 0
     while _staged(cost, work, smallest, M) < best:
         if max_micro_batches is not None and M > max_micro_batches:
-            best, best_m = min(best, _staged(cost, work, smallest, M)), best_m
+            best, best_m = _staged(cost, work, smallest, M), None  # < best: loop condition
             break
         t = lp_makespan(M, cost, work, smallest, stages)
         lps += 1

@@ -146,7 +146,7 @@ class LlavaModel(nn.Module):
         ids = batch.input_ids if shard is None else batch.input_ids[shard.token_index]
         embeds = self.llm.embed(ids)
         encoded: dict = {}
-        for stream in self.streams or DEFAULT_STREAMS[:int(_mask(batch, "projector") is not None)]:
+        for stream in self.streams or DEFAULT_STREAMS:  # a text-only LM: image positions are an error
             mask = _mask(batch, stream.projector)
             if mask is None:
                 continue

@@ -128,4 +128,6 @@ class ViTEncoder(nn.Module):
         blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
         for block in blocks:
             x = block(x)
-        return x[:, 1:] if self.stage is None or self.stage.last else x
+        # a copy, not a view: under FSDP (`vision.layout.dp_shard`) the module's output carries
+        # its pre-backward hook, which an in-place op on a view would drop
+        return x[:, 1:].clone() if self.stage is None or self.stage.last else x

@@ -35,6 +35,12 @@ micro-batch in slot order (`RankPlan.island_routes`, one `RankRoute` per micro-b
 only TP rank 0 of each destination TP group is in the table and broadcasts inside its group,
 `hcp.comm.island`) or `direct` (every TP rank receives, TP rank 0 returns the gradient).
 
+Several encoders or streams (joins, branches: `hcp.config.modules`): every edge into the LLM is
+routed from its own stream's sizes (`stream_sizes`, one length index per stream), so each
+stream's rows reach the CP rank holding its own placeholder positions; `MicroBatchPlan.
+stream_rows` and `Counts.stream_rows` give each stream's rows by source projector, and
+`RankPlan.encoder_samples` every encoder's and projector's samples.
+
 Conventions of the routed rows (projector output, one row per image token): `hcp.parallel.routing`.
 """
 from __future__ import annotations

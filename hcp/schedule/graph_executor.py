@@ -100,11 +100,14 @@ class GraphStageExecutor:
 
     Args:
         forward: `forward(micro, inputs) -> Tensor` (module docstring);
-        links: {peer global stage: `PipeLink` | `RouteLink`} for every neighbour of the stage.
+        links: {peer global stage: `PipeLink` | `RouteLink`} for every neighbour of the stage;
+        grad_sync: called before each backward with True only before the last one (e.g. a
+            `hcp.train.grad_reduce.GradReducer.sync_in_backward`, so the DP sum of the
+            gradients overlaps the last backward), or None.
     """
 
-    def __init__(self, forward: Callable, links: dict):
-        self.forward, self.links = forward, links
+    def __init__(self, forward: Callable, links: dict, grad_sync: Callable[[bool], None] | None = None):
+        self.forward, self.links, self.grad_sync = forward, links, grad_sync
         self.times = StageTimes()
         self.inputs: dict = {}       # micro -> {peer: received leaf}
         self.outputs: dict = {}      # micro -> output (kept until its backward)
@@ -115,6 +118,7 @@ class GraphStageExecutor:
         """Run `actions` in order; busy_s is this thread's CPU time in forward and backward
         (host time on CUDA), wall_s the whole list's wall time."""
         wall0 = time.perf_counter()
+        last = max((a.micro for a in actions if isinstance(a, A.Compute) and a.kind == "B"), default=-1)
         for action in actions:
             t0 = time.thread_time()
             if isinstance(action, A.Exchange):
@@ -124,6 +128,8 @@ class GraphStageExecutor:
                 self.outputs[action.micro] = self.forward(action.micro,
                                                           self.inputs.get(action.micro, {}))
             else:
+                if self.grad_sync is not None:
+                    self.grad_sync(action.micro == last)
                 self._backward(action.micro)
             self.times.busy_s += time.thread_time() - t0
         self.times.wall_s = time.perf_counter() - wall0

@@ -123,16 +123,23 @@ def start_export(cfg, run_dir: str, joined, world: int) -> None:
     on this launch's ranks (joined, or started locally like training's).
 
     Raises:
-        ConfigError: no `export.dir`.
+        ConfigError: no `export.dir`; named encoders or projectors (Hugging Face's LLaVA has one
+            vision tower and one projector: they would be left out).
     """
     from omegaconf import OmegaConf
 
     from hcp.config.errors import ConfigError
+    from hcp.train.encoders import several_streams
     from hcp.train.launch import export_rank_env, start_local_ranks
 
     if not cfg.export.dir:
         raise ConfigError("export.dir", cfg.export.dir, "mode=export needs a folder to write",
                           "add export.dir=OUT")
+    if several_streams(cfg):
+        raise ConfigError("graph.edges", [list(e) for e in cfg.graph.edges], "mode=export writes "
+                          "Hugging Face's LLaVA (one vision tower, one projector); the named "
+                          "encoders and projectors would be left out", "export a config with "
+                          "vision -> projector -> llm only")
     payload = (OmegaConf.to_container(cfg, resolve=True), run_dir)
     if joined:
         export_rank_env(joined)

@@ -31,12 +31,15 @@ the pre-norm; the projector is one unit. The encoder runs once per step (phase 1
 reduce-scatter runs once per step with no gradient-sync toggling. Every encoder lane runs that
 forward and backward, also with no image (a `[0, C, H, W]` batch, whose zero gradients still
 reach every parameter), so lanes with no or fewer images issue the same all-gathers and
-reduce-scatters. Its gradients are summed like the LLM's (divide factor 1); the clipping norm
+reduce-scatters. Each module's root unit reshards after its forward too (FSDP keeps a root whole
+by default): its backward comes only after the LLM's phase, which should not hold it whole.
+Its gradients are summed like the LLM's (divide factor 1); the clipping norm
 sums the shards' squares over the module's DP group (`hcp.train.modules.encoder_sq_norm`).
 """
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -52,24 +55,29 @@ def shard_model(model, groups) -> None:
 
 def shard_encoder(encoder, layouts: dict, groups) -> tuple[str, ...]:
     """Apply FSDP2 in place to the encoder-side modules of `encoder` (`hcp.model.llava.
-    LlavaEncoder`) whose layout has `dp_shard`, each over its own DP group (module docstring).
+    LlavaEncoder`: its children named after their modules, `vision`, `projector`) whose layout
+    has `dp_shard`, each over its own DP group (module docstring).
     Returns the names of the sharded modules (() when none asked for it, or no encoder).
 
     Raises RuntimeError as `shard_model`.
     """
     if encoder is None:
         return ()
-    sharded = tuple(m for m in ("vision", "projector") if layouts[m].dp_shard)
+    sharded = tuple(m for m, module in encoder.named_children()
+                    if m in layouts and layouts[m].dp_shard and any(True for _ in module.parameters()))
     for m in sharded:
         module = encoder.get_submodule(m)
-        _shard(module, list(getattr(module, "blocks", ())), groups.group(m, "dp"), m)
+        blocks = getattr(module, "blocks", ())  # ViT blocks: a list, or a dict on a pipeline stage
+        units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+        _shard(module, units, groups.group(m, "dp"), m, reshard_root=True)
     return sharded
 
 
-def _shard(root, units: list, group, name: str) -> None:
+def _shard(root, units: list, group, name: str, reshard_root: bool | None = None) -> None:
     """`fully_shard` each of `units`, then `root` (the rest of its parameters), over `group`:
     gradients summed (divide factor 1), unused parameters reduce-scattered as zeros, and the
-    TP `shard_spec` of every parameter carried over to its DTensor."""
+    TP `shard_spec` of every parameter carried over to its DTensor. `reshard_root`: FSDP's
+    `reshard_after_forward` of the root (None: torch's default, kept whole after forward)."""
     if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
         raise RuntimeError(f"{name}.layout.dp_shard=true needs FSDPModule.set_reduce_scatter_unused_params, "
                            f"which torch {torch.__version__} lacks: upgrade torch (2.13 has it) or "
@@ -79,7 +87,7 @@ def _shard(root, units: list, group, name: str) -> None:
     mesh = DeviceMesh.from_group(group, device_type=device)
     for unit in units:
         fully_shard(unit, mesh=mesh)
-    fully_shard(root, mesh=mesh)
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard_root)
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -40,16 +40,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hcp.comm.boundary import RouteBytes
 from hcp.comm.island import IslandEdge
 from hcp.model import init_parameters
 from hcp.model.encoder_stage import EncoderStage
 from hcp.model.stage import StageSpec
 from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
+from hcp.parallel.roles import logging_rank
 from hcp.plan.step import island_head
 from hcp.schedule.graph import graph_one_f_one_b, stage_graph
 from hcp.schedule.graph_executor import GraphStageExecutor, PipeLink, RouteLink
-from hcp.train.modules import clip_, module_sq_norm, sync_grads
+from hcp.train.modules import clip_, module_sq_norm, sync_grads, whole_state
 from hcp.train.trainer import Trainer
 
 
@@ -150,22 +152,28 @@ class IslandTrainer(Trainer):
         return contextlib.nullcontext()
 
     def _route_links(self, mine, graph) -> dict:
-        """{peer global stage: RouteLink} of every island edge this rank is on."""
+        """{peer global stage: RouteLink} of every island edge this rank is on; the bytes this
+        rank sends over them accumulate in `self.route_bytes` (forward rows, returned gradients;
+        the TP leader's broadcast inside the LLM island not counted)."""
         links, llm = {}, self.layouts["llm"]
+        if not hasattr(self, "route_bytes"):
+            self.route_bytes = RouteBytes()
         for edge, routes in mine.island_routes.items():
             src = island_head(self.layouts, self.edges, edge[0])
             ranks = edge_ranks(Grid.of(self.layouts[src]), Grid.of(llm))
             link_edge = IslandEdge(ranks, ranks.index(self.rank))
             hidden = self.cfg.llm.hidden_size
             if self.encoder is not None:
-                links[graph.index("llm", 0)] = RouteLink(link_edge, routes, hidden, torch.float32, self.device)
+                links[graph.index("llm", 0)] = RouteLink(link_edge, routes, hidden, torch.float32,
+                                                         self.device, self.route_bytes)
                 continue
             leader = None
             if llm.tp > 1:  # the plan's default `leader` route: TP rank 0 receives, broadcasts
                 rows = [mb.image_rows[1] - mb.image_rows[0] for mb in mine.micro_batches]
                 leader = (self.tp_group, self.groups.ranks("llm", "tp")[0], rows)
             peer = graph.index(src, self.layouts[src].pp - 1)
-            links[peer] = RouteLink(link_edge, routes, hidden, torch.float32, self.device, leader=leader)
+            links[peer] = RouteLink(link_edge, routes, hidden, torch.float32, self.device,
+                                    self.route_bytes, leader=leader)
         return links
 
     def _pipe_links(self, module: str, stage: StageSpec, g: int, spec) -> dict:
@@ -220,22 +228,18 @@ class IslandTrainer(Trainer):
                 with self._autocast():
                     out = self.encoder(inputs[i] if stage.first else received[g - 1])
                 return out.float()
-        executor = GraphStageExecutor(forward, links)
+        reducer = self.runner.reducer if self.runner is not None else None
+        executor = GraphStageExecutor(forward, links, reducer.sync_in_backward if reducer else None)
         self.stage_times = executor.run(graph_one_f_one_b(graph, n_micro)[g])
         self._sync(mine)
         if self.encoder is None and stage.last:
             dist.all_reduce(loss_total, group=self.grad_group)
-        dist.broadcast(loss_total, self.logging_rank)  # every rank: the same loss (non-finite guard)
+        dist.broadcast(loss_total, logging_rank(self.layouts))  # every rank: the same loss (non-finite guard)
         return loss_total.item() / c.loss_tokens, [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths], n_micro
-
-    @property
-    def logging_rank(self) -> int:
-        from hcp.parallel.roles import logging_rank
-        return logging_rank(self.layouts)
 
     def _sync(self, mine) -> None:
         """Each module's gradients summed over its own DP (x CP) group."""
-        if self.encoder is None:
+        if self.encoder is None:  # the LLM's DP x CP sum (buckets launched in the last backward)
             self.runner.sync_grads()
             return
         params = list(self.encoder.parameters())
@@ -290,8 +294,10 @@ class IslandTrainer(Trainer):
         members = sorted({*senders, *(int(r) for r in Grid.of(self.layouts["llm"]).ranks[0].ravel())})
         if getattr(self, "_eval_group", None) is None:
             self._eval_group = dist.new_group(members)  # every rank calls new_group
-        state = ({n: _whole_tensor(p, self.encoder.tp_group) for n, p in self.encoder.named_parameters()}
-                 if self.encoder is not None else {})
+        state = {}
+        if self.encoder is not None:  # TP shards gathered (a collective over the TP group)
+            state = (whole_state(self.encoder, self.encoder.tp_group)
+                     or {n: p.detach() for n, p in self.encoder.named_parameters()})
         if self.rank not in members:
             return None
         projector = self._projector_name()
@@ -320,12 +326,3 @@ class IslandTrainer(Trainer):
                    and island_head(self.layouts, self.edges, m) == self.heads[0]]
         return members[0] if members else "projector"
 
-
-def _whole_tensor(p: torch.Tensor, group) -> torch.Tensor:
-    """A parameter made whole over its TP group (`shard_spec`; a collective over it)."""
-    spec = getattr(p, "shard_spec", None)
-    if spec is None:
-        return p.detach()
-    parts = [torch.empty_like(p) for _ in range(spec.world)]
-    dist.all_gather(parts, p.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=spec.dim)

@@ -120,7 +120,11 @@ def encoder_activation_tokens(cfg, layout, stage: int, layouts: dict) -> tuple[f
     micro-batches in flight), module docstring."""
     enc = module_cfg(cfg, _encoder_source(cfg, layout.module))
     patches = (enc.image_size // enc.patch_size) ** 2
-    per_image = patches + (0 if layout.module == "projector" else 1)
+    if kind(cfg, layout.module) == "projector":  # one row per (pooled) patch
+        pool = int(module_cfg(cfg, layout.module).get("pool", 1) or 1)
+        per_image = (enc.image_size // enc.patch_size // pool) ** 2
+    else:
+        per_image = patches + 1  # + CLS
     images = cfg.trainer.global_batch_size / layout.dp * float(cfg.data.images_per_sample)
     if cfg.placement != "non_colocated":
         return images * per_image, 1

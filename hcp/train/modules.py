@@ -109,18 +109,19 @@ def module_sq_norm(params, device, tp_group=None, shard_group=None, pp_group=Non
 
 def encoder_sq_norm(encoder, device, groups) -> torch.Tensor:
     """Squared L2 norm of the encoder side's gradients over all its ranks (0-d float64, the same
-    on every rank): per module (`vision`, `projector`), TP shards summed over the encoder's TP
-    group and, for a module under `dp_shard` (FSDP), the shards summed over the module's DP
-    group (`module_sq_norm`). Collectives in the same order on every rank (the sharding is a
-    config fact)."""
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    for name in ("vision", "projector"):
-        module = getattr(encoder, name)
+    on every rank): TP shards summed over the encoder's TP group and, for a module under
+    `dp_shard` (FSDP; the encoder's children are named after their modules: `vision`,
+    `projector`), the shards summed over that module's DP group (`module_sq_norm`; the
+    replicated modules together). Collectives in the same order on every rank (the sharding
+    is a config fact)."""
+    replicated, sq = [], torch.zeros((), dtype=torch.float64, device=device)
+    for name, module in encoder.named_children():
         params = list(module.parameters())
-        sharded = any(isinstance(p, DTensor) for p in params)
-        sq = sq + module_sq_norm(params, device, encoder.tp_group,
-                                 groups.group(name, "dp") if sharded else None)
-    return sq
+        if any(isinstance(p, DTensor) for p in params):
+            sq = sq + module_sq_norm(params, device, encoder.tp_group, groups.group(name, "dp"))
+        else:
+            replicated += params
+    return sq + module_sq_norm(replicated, device, encoder.tp_group)
 
 
 def local_grad_sq(params) -> float:

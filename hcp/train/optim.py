@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hcp.config.choices import OPTIMIZERS
-from hcp.config.schema import MODULES
+from hcp.config.modules import module_cfg, module_names
 
 
 def decays(module: nn.Module, name: str, param: torch.Tensor) -> bool:
@@ -27,8 +27,8 @@ def module_overrides(cfg) -> dict[str, dict]:
     "weight_decay": ...}} with only the fields it sets (`<module>.optim`, schema
     `ModuleOptimConfig`); modules without such a block or setting nothing are left out."""
     out = {}
-    for m in MODULES:
-        block = cfg.get(m)
+    for m in module_names(cfg):  # named encoders and projectors too (hcp.config.modules)
+        block = module_cfg(cfg, m)
         own = block.get("optim") if block is not None else None
         if own is not None:
             set_ = {k: float(own[k]) for k in ("lr", "weight_decay") if own.get(k) is not None}

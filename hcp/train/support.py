@@ -104,6 +104,9 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
 
     edges = [tuple(e) for e in cfg.graph.edges]
     heads = list(dict.fromkeys(island_head(layouts, edges, m) for m in layouts if m != "llm"))
+    if not heads:
+        raise ConfigError("placement", "non_colocated", "a text-only LLM has no encoder island "
+                          "to place apart", "use placement=colocated")
     if len(heads) > 1:
         raise ConfigError("placement", "non_colocated", f"the trainer runs one encoder island; "
                           f"this graph has {len(heads)} ({heads})", "use placement=colocated, or one "

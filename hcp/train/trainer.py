@@ -11,7 +11,8 @@ CP shards that hold their positions, the LLM's 1F1B (`hcp.train.step.StepRunner`
 their gradients back, the encoder backward. Loss is token-level over the whole global batch
 (DESIGN.md section 3): every module is scaled by the same global count; gradients are summed
 over each module's own DP (x CP) group, the clipping norm is global over every module, and one
-optimizer steps them all. A text-only LM (no vision) runs the LLM phase alone.
+optimizer steps them all. A text-only LM (no vision) runs the LLM phase alone. Several encoders
+(joins, branches: `hcp.train.encoders`) run as one encoder side with one route per stream.
 Under `placement=non_colocated` `Trainer(cfg, run_dir)` is the island trainer
 (`hcp.train.islands.IslandTrainer`): a rank builds only its island's modules and the step is the
 graph-aware 1F1B across the islands.
