@@ -72,6 +72,9 @@ def test_plan_prints_memory_per_island_and_warns_of_encoder_recompute_it_cannot_
     assert roles["vision pp0, projector pp0"]["ranks"] == 16 and roles["llm pp0"]["ranks"] == 16
     assert roles["llm pp0"]["max_gib"] == max(r["total"] for r in plan["memory_gib"])
     assert any("vision.layout.recompute=full on an island" in w for w in plan["warnings"])
+    assert [w for w in plan["warnings"] if "training refuses" in w] == [
+        "warning: training refuses this layout today: vision.layout.recompute='full': encoder "
+        "recompute is not built for placement=non_colocated yet. Fix: use recompute=none"]
     assert "memory by role: vision pp0, projector pp0 (16 ranks)" in capsys.readouterr().out
 
 

@@ -10,7 +10,7 @@ from hcp.config.choices import ATTENTION_BACKENDS, BACKEND_MODULES, CP_BACKENDS,
 from hcp.config.errors import ConfigError, check_choice
 from hcp.config.keys import check_known_keys
 from hcp.config.layouts import check_layouts
-from hcp.config.modules import check_graph, encoder_names, module_cfg, module_names, streams
+from hcp.config.modules import check_graph, encoder_names, module_cfg, module_key, module_names, streams
 
 _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "mode": ("train", "plan", "export", "calibrate"),
@@ -77,6 +77,22 @@ def check_model(cfg) -> None:
                           "nothing would train", "unfreeze one, e.g. llm.freeze=false or +stage=pretrain")
 
 
+def _check_optim(cfg) -> None:
+    """`optim.lr` > 0 and `optim.weight_decay` >= 0, and the same for every module's own
+    `<module>.optim.lr` / `weight_decay` (named modules by their config path)."""
+    blocks = [("optim", cfg.optim)]
+    for m in module_names(cfg):
+        block = module_cfg(cfg, m)
+        if block is not None and block.get("optim") is not None:
+            blocks.append((f"{module_key(cfg, m)}.optim", block.optim))
+    for path, block in blocks:
+        lr, wd = block.get("lr"), block.get("weight_decay")
+        if lr is not None and lr <= 0:
+            raise ConfigError(f"{path}.lr", lr, "must be > 0", f"use e.g. {path}.lr=1e-3")
+        if wd is not None and wd < 0:
+            raise ConfigError(f"{path}.weight_decay", wd, "must be >= 0", f"use e.g. {path}.weight_decay=0.0")
+
+
 def check_trainer(cfg, layouts) -> None:
     t = cfg.trainer
     for key in ("max_steps", "global_batch_size", "micro_batch_tokens", "log_every"):
@@ -85,8 +101,7 @@ def check_trainer(cfg, layouts) -> None:
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError("data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)",
                           "use e.g. data.eval_fraction=0.15")
-    if cfg.optim.lr <= 0:
-        raise ConfigError("optim.lr", cfg.optim.lr, "must be > 0", "use e.g. optim.lr=1e-3")
+    _check_optim(cfg)
     # micro_batch_tokens is a per-rank capacity: a document may span the CP group (or, under
     # dynamic CP, the whole CP pool), so the longest sample is that many ranks' worth.
     llm = layouts["llm"]

@@ -191,6 +191,18 @@ def encoder_recompute_warnings(cfg, layouts) -> list[str]:
             "what runs today)" for m, lay in layouts.items() if m != "llm" and lay.recompute != "none"]
 
 
+def trainable_warnings(cfg, layouts) -> list[str]:
+    """A layout that plan mode accepts but `python train.py` refuses today
+    (`hcp.train.support.check_trainable`): one warning with training's own error."""
+    from hcp.train.support import check_trainable
+
+    try:
+        check_trainable(cfg, layouts)
+    except ConfigError as e:
+        return [f"warning: training refuses this layout today: {e}"]
+    return []
+
+
 def run_plan(cfg, out_dir) -> dict:
     """Plan the configured layout; print it, write `plan.json` and `plan.png`, return the plan.
 
@@ -227,7 +239,8 @@ def run_plan(cfg, out_dir) -> dict:
         "rank_map": rank_runs(roles),
         "memory_gib": per_rank,
         "memory_by_role": memory_by_role(rank_runs(roles), per_rank),
-        "warnings": node_warnings(cfg, layouts) + encoder_recompute_warnings(cfg, layouts),
+        "warnings": (node_warnings(cfg, layouts) + encoder_recompute_warnings(cfg, layouts)
+                     + trainable_warnings(cfg, layouts)),
     }
     worst = max(per_rank, key=lambda r: r["total"])
     llm = layouts["llm"]
