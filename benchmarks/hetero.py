@@ -328,7 +328,8 @@ def regime_summary(out: dict) -> str:
             parts.append(f"{scenario}: non-colocated wins, colocated ranks would need "
                          f"{co['max_gib']:.1f} GiB{'' if co['fits'] else ' (does not fit)'}")
     if not parts:
-        return "seed's finding not tested (it needs a non-colocated layout or the plan section)"
+        return ("seed's finding not tested (it needs both the colocated `heterogeneous` layout and a "
+                "non-colocated one, or the plan section)")
     verdict = "reproduced" if colo and squeeze else "partly reproduced" if colo or squeeze else "refuted"
     return f"seed's finding {verdict}: " + "; ".join(parts)
 
@@ -339,7 +340,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--world", type=int, default=8, choices=sorted(LAYOUTS),
                     help="CPU ranks: 8 runs three layouts, 4 the two of issue 12")
     ap.add_argument("--layouts", default=None,
-                    help="comma-separated subset of the world's layouts (default: all)")
+                    help="comma-separated subset of the world's layouts, `homogeneous` always "
+                         "among them (the baseline); 8 ranks: " + ",".join(LAYOUTS[8]) + "; 4 ranks: "
+                         + ",".join(LAYOUTS[4]) + " (default: all)")
     ap.add_argument("--encoder-ranks", type=int, default=4, help="encoder island size (non_colocated)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per layout")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
