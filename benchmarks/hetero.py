@@ -342,7 +342,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--layouts", default=None,
                     help="comma-separated subset of the world's layouts, `homogeneous` always "
                          "among them (the baseline); 8 ranks: " + ",".join(LAYOUTS[8]) + "; 4 ranks: "
-                         + ",".join(LAYOUTS[4]) + " (default: all)")
+                         + ",".join(LAYOUTS[4]) + "; omitted: all")
     ap.add_argument("--encoder-ranks", type=int, default=4, help="encoder island size (non_colocated)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per layout")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
