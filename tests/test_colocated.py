@@ -20,6 +20,7 @@ from hcp.model import init_parameters
 from hcp.model.llava import LlavaEncoder, LlavaModel
 from hcp.parallel.routing import build_routes
 from hcp.schedule.colocated import ColocatedStep
+from parity_utils import whole
 
 SEED = 5
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -112,15 +113,6 @@ def _groups(rank, world, tp):
     return mine["tp"], mine["rest"]
 
 
-def _whole(tensor, param, tp_group):
-    spec = getattr(param, "shard_spec", None)
-    if spec is None:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(spec.world)]
-    dist.all_gather(parts, tensor.contiguous(), group=tp_group)
-    return torch.cat(parts, dim=spec.dim)
-
-
 def _colocated_worker(rank, world, enc, llm, num_micro, recompute, samples):
     n = len(samples.ids)
     enc_tp, enc_dp = _groups(rank, world, enc.tp)
@@ -170,7 +162,7 @@ def _colocated_worker(rank, world, enc, llm, num_micro, recompute, samples):
         for name, p in module.named_parameters():
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(grad, group=rest)
-            grads[name] = _whole(grad, p, tp_group)
+            grads[name] = whole(grad, p, tp_group)
     return dict(loss=loss / total, grads=grads if rank == 0 else None,
                 saved_in_phase1=saved["encoder"], enc_grad_nonzero=enc_grad_nonzero,
                 busy=times.busy)

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.distributed.tensor import DTensor
 
 from cfg_utils import compose_cfg, long_tail_corpus, long_tail_llava
 from dist_utils import run_ranks
+from parity_utils import whole
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 COMMON = ["trainer.progress_bar=false", "trainer.eval_every=0",
@@ -28,17 +28,6 @@ CASES = {
     # 2 samples on a pool of 4 under FSDP: ranks without a sample run empty micro-batches
     "cp4_dp_shard_2_samples": ("text", ["llm.layout.cp=4", "llm.layout.dp_shard=true"], 512, 2),
 }
-
-
-def _whole(t, p, group):
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    spec = getattr(p, "shard_spec", None)
-    if spec is None:
-        return t.detach().clone()
-    parts = [torch.empty_like(t) for _ in range(spec.world)]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=spec.dim)
 
 
 def _step(rank, world, container, run_dir):
@@ -59,7 +48,7 @@ def _step(rank, world, container, run_dir):
     finally:
         dist.new_group = new_group
     groups = tr._tp_groups() or {}   # each module's TP group (by the FQN's first name)
-    grads = {n: _whole(p.grad, p, groups.get(n.split(".")[0])) for n, p in tr.modules.named_parameters()
+    grads = {n: whole(p.grad, p, groups.get(n.split(".")[0])) for n, p in tr.modules.named_parameters()
              if p.grad is not None}
     return dict(loss=loss, counts=counts, grads=grads, histogram=prepared[4],
                 cp_sizes=sorted({mb.cp_size for mb in prepared[0].micro_batches if not mb.empty}))

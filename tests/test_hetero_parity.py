@@ -3,29 +3,18 @@ loss, every module's gradients (made whole over TP and FSDP, gathered over PP st
 gradient norm and the weights after one AdamW step; rtol 1e-5 / atol 1e-6."""
 import pytest
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
 from cfg_utils import compose_cfg
 from dist_utils import run_ranks
+from parity_utils import whole
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 SMALL = ["trainer.micro_batch_tokens=160", "trainer.global_batch_size=8", "trainer.progress_bar=false",
          "trainer.eval_every=0", "optim.warmup_ratio=0", "trainer.grad_clip=1.0", "optim.eps=1e-4"]
 # eps 1e-4: Adam's first update is about lr * g / (|g| + eps), so fp32 noise on a near-zero
 # gradient would move a weight by up to lr * noise / eps (tests/test_tp_cp_parity.py::adamw_step)
-
-
-def _whole(t, p, group):
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    spec = getattr(p, "shard_spec", None)
-    if spec is None:
-        return t.detach().clone()
-    parts = [torch.empty_like(t) for _ in range(spec.world)]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=spec.dim)
 
 
 def _step(rank, world, container, run_dir):
@@ -35,10 +24,10 @@ def _step(rank, world, container, run_dir):
     loss, counts, _ = tr.forward_backward(tr.sampler.batch(0))
     groups = {"vision": tr.encoder.tp_group, "projector": tr.encoder.tp_group, "llm": tr.tp_group}
     named = list(tr.modules.named_parameters())
-    grads = {n: _whole(p.grad, p, groups[n.split(".")[0]]) for n, p in named}
+    grads = {n: whole(p.grad, p, groups[n.split(".")[0]]) for n, p in named}
     norm = tr.clip(tr.cfg.trainer.grad_clip)
     tr.optimizer.step()
-    weights = {n: _whole(p.data if not isinstance(p, DTensor) else p, p, groups[n.split(".")[0]])
+    weights = {n: whole(p.data if not isinstance(p, DTensor) else p, p, groups[n.split(".")[0]])
                for n, p in named}
     return dict(loss=loss, counts=counts, norm=norm, grads=grads, weights=weights,
                 encoder_grad_sq=getattr(tr, "encoder_grad_sq", None),

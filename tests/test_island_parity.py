@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from cfg_utils import compose_cfg
 from dist_utils import run_ranks
-from test_hetero_parity import SMALL, TOL, _merged, _whole
+from parity_utils import whole
+from test_hetero_parity import SMALL, TOL, _merged
 
 NON_COLOCATED = ["placement=non_colocated", "vision.layout.tp=1"]
 
@@ -36,10 +37,10 @@ def _island_step(rank, world, container, run_dir):
     trainer_module.collate = collate
     group = tr.encoder.tp_group if tr.encoder is not None else tr.tp_group
     named = list(tr.modules.named_parameters())
-    grads = {n: _whole(p.grad, p, group) for n, p in named}
+    grads = {n: whole(p.grad, p, group) for n, p in named}
     norm = tr.clip(tr.cfg.trainer.grad_clip)
     tr.optimizer.step()
-    weights = {n: _whole(p.data, p, group) for n, p in named}
+    weights = {n: whole(p.data, p, group) for n, p in named}
     first = (tr.encoder.stage if tr.encoder is not None else tr.stage).first
     sent = getattr(tr, "route_bytes", None)
     image_rows = tr.plan(tr.sampler.batch(0)).counts.image_rows

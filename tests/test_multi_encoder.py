@@ -29,6 +29,7 @@ from hcp.parallel.groups import ProcessGroupRegistry
 from hcp.plan.lengths import SampleSizes
 from hcp.plan.step import plan_step
 from hcp.schedule.colocated import ColocatedStep
+from parity_utils import whole
 
 SEED, B, MBT = 7, 8, 32
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -151,15 +152,6 @@ def reference(graph):
     return float(loss.detach()), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _whole(t, p, group):
-    spec = getattr(p, "shard_spec", None)
-    if spec is None:
-        return t.detach().clone()
-    parts = [torch.empty_like(t) for _ in range(spec.world)]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=spec.dim)
-
-
 def _bitwise_second_edge(plan, rank, layouts, flows, ids, group=None):
     """Route row keys (sample * 1000 + row) over the last stream's edge: every LLM first-stage
     rank receives exactly its CP shard's rows, in slot order; the gradients come back exact."""
@@ -238,9 +230,9 @@ def _worker(rank, world, name):
             dist.all_reduce(p.grad, group=groups.group(m, "dp_cp"))
     group_of = {**{e: tp(e) for e in encs}, **{f.projector: tp(f.encoder) for f in flows}, "llm": tp("llm")}
     named = list(side.named_parameters()) + list(model.named_parameters())
-    grads = {n: _whole(p.grad, p, group_of[n.split(".")[0]]) for n, p in named}
+    grads = {n: whole(p.grad, p, group_of[n.split(".")[0]]) for n, p in named}
     torch.optim.AdamW([p for _, p in named], **ADAM).step()
-    weights = {n: _whole(p.detach(), p, group_of[n.split(".")[0]]) for n, p in named}
+    weights = {n: whole(p.detach(), p, group_of[n.split(".")[0]]) for n, p in named}
     return float(loss) / total, grads, weights, sent
 
 

@@ -6,11 +6,11 @@ every module's gradients made whole over TP, the global gradient norm and the we
 one AdamW step. The single-rank run itself equals the plain `LlavaModel` with every encoder."""
 import pytest
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from cfg_utils import compose_cfg
 from dist_utils import run_ranks
+from parity_utils import whole
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 SMALL = ["+recipe=llava_tiny_two_encoders", "trainer.micro_batch_tokens=160", "trainer.global_batch_size=8",
@@ -22,15 +22,6 @@ SMALL = ["+recipe=llava_tiny_two_encoders", "trainer.micro_batch_tokens=160", "t
 LAYOUT = ["llm.layout.tp=2", "llm.layout.cp=2", "encoders.vision2.layout.tp=1"]
 
 
-def _whole(t, p, group):
-    spec = getattr(p, "shard_spec", None)
-    if spec is None:
-        return t.detach().clone()
-    parts = [torch.empty_like(t) for _ in range(spec.world)]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=spec.dim)
-
-
 def _step(rank, world, container, run_dir):
     from hcp.train.trainer import Trainer
 
@@ -38,10 +29,10 @@ def _step(rank, world, container, run_dir):
     loss, counts, _ = tr.forward_backward(tr.sampler.batch(0))
     groups = tr._tp_groups() or {}
     named = list(tr.modules.named_parameters())
-    grads = {n: _whole(p.grad, p, groups.get(n.split(".")[0])) for n, p in named}
+    grads = {n: whole(p.grad, p, groups.get(n.split(".")[0])) for n, p in named}
     norm = tr.clip(tr.cfg.trainer.grad_clip)
     tr.optimizer.step()
-    weights = {n: _whole(p.data, p, groups.get(n.split(".")[0])) for n, p in named}
+    weights = {n: whole(p.data, p, groups.get(n.split(".")[0])) for n, p in named}
     return dict(loss=loss, counts=counts, norm=norm, grads=grads, weights=weights,
                 encoder_grad_sq=tr.encoder_grad_sq)
 

@@ -262,7 +262,7 @@ def test_cluster_scale_plans_conserve_rows_and_agree_on_micro_batch_counts(case,
     sizes = random_sizes(rng, 2048, max_text=1200, rows=64, max_images=3)
     lays = layouts(enc_tp, enc_dp, tp, cp, dp, pp)
     plan = plan_step(sizes, lays, "first_fit", 2048, EDGES)
-    llm, world = Grid.of(lays["llm"]), enc_tp * enc_dp
+    world = enc_tp * enc_dp
     packed = np.array([s for g in plan.groups for s in g.seq_indices])
     assert sorted(packed.tolist()) == list(range(2048))                  # consumed once
     assert plan.counts.tokens == int(sizes.tokens[packed].sum())

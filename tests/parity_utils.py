@@ -1,0 +1,18 @@
+"""Shared pieces of the multi-rank parity tests."""
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def whole(t: torch.Tensor, p, group) -> torch.Tensor:
+    """Parameter `p`'s tensor `t` (its data or gradient) made whole on this rank, a copy: an
+    FSDP shard (DTensor) gathered over its mesh, then a TP shard (`p.shard_spec`) gathered over
+    `group` along its split dim (a collective over `group`: every rank of it calls it)."""
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    spec = getattr(p, "shard_spec", None)
+    if spec is None:
+        return t.detach().clone()
+    parts = [torch.empty_like(t) for _ in range(spec.world)]
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
+    return torch.cat(parts, dim=spec.dim)
