@@ -88,6 +88,7 @@ def test_wrong_type_fails():
     (["vision.patch_size=3"], "vision.patch_size"),
     (["optim.lr=0"], "optim.lr"),
     (["optim.weight_decay=-0.1"], "optim.weight_decay"),
+    (["vision.layout.pp=2"], "vision.layout.pp"),
     (["vision.optim.lr=-1"], "vision.optim.lr"),
     (["projector.optim.weight_decay=-0.1"], "projector.optim.weight_decay"),
     (["data.on_error=ignore"], "data.on_error"),

@@ -18,7 +18,8 @@ def _describe(lay) -> str:
 
 
 def check_joins(cfg, layouts: dict) -> None:
-    """Raise ConfigError when an encoder -> projector edge joins two different layouts.
+    """Raise ConfigError when an encoder -> projector edge joins two different layouts, or the
+    encoder asks for PP (colocated encoders run whole; their pipelines run on islands).
 
     The error names both layouts and the overrides that make the projector's equal the encoder's.
     """
@@ -28,6 +29,12 @@ def check_joins(cfg, layouts: dict) -> None:
         if kind(cfg, src) != "encoder" or kind(cfg, dst) != "projector":
             continue
         a, b = layouts[src], layouts[dst]
+        if a.pp > 1:  # the projector would need a.pp stages of its own: not a layout to fix
+            skey = module_key(cfg, src)
+            raise ConfigError(f"{skey}.layout.pp", a.pp, f"under placement=colocated {src} runs whole "
+                              f"on every rank of its lane, its projector right after it; encoder "
+                              f"pipelines run on their own island", f"set placement=non_colocated "
+                              f"with {skey}.layout.num_ranks=N (its island), or {skey}.layout.pp=1")
         if (a.tp, a.cp, a.pp, a.dp) != (b.tp, b.cp, b.pp, b.dp):
             key = module_key(cfg, dst)
             fix = " ".join(f"{key}.layout.{k}={getattr(a, k)}" for k in ("tp", "cp", "pp", "dp")
