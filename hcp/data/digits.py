@@ -7,6 +7,7 @@ format ("What digit is in the image?" -> "seven"); they are then read back throu
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,6 +19,23 @@ from PIL import Image
 WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 QUESTION = "What digit is in the image?"
 SPLIT_SEED = 0
+
+
+@contextlib.contextmanager
+def _written_in_place(root: str, out: str, prefix: str):
+    """Yield a new temporary folder under `root` to write a data set into; when the body
+    finishes, rename it to `out` (if another run got there first, keep theirs); if the body
+    raises, remove it. Concurrent runs and a crash never leave a half-written set."""
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=root)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another run finished first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def build_digits_vqa(root: str, eval_fraction: float = 0.15) -> str:
@@ -34,8 +52,7 @@ def build_digits_vqa(root: str, eval_fraction: float = 0.15) -> str:
     from sklearn.datasets import load_digits
 
     os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".digits_vqa-", dir=root)
-    try:
+    with _written_in_place(root, out, ".digits_vqa-") as tmp:
         digits = load_digits()
         os.makedirs(os.path.join(tmp, "images"))
         records = []
@@ -51,13 +68,6 @@ def build_digits_vqa(root: str, eval_fraction: float = 0.15) -> str:
         for name, idx in (("train.json", order[n_eval:]), ("eval.json", order[:n_eval])):
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump([records[j] for j in sorted(idx)], f)
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another run finished first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -81,9 +91,8 @@ def build_digits_pair(root: str, eval_fraction: float = 0.15) -> str:
     if os.path.isfile(os.path.join(out, "eval.json")):
         return out
     scans = build_digits_vqa(root, eval_fraction)
-    tmp = tempfile.mkdtemp(prefix=".digits_pair-", dir=root)
     rel = os.path.join("..", os.path.basename(scans))  # the scans' folder, relative to `out`
-    try:
+    with _written_in_place(root, out, ".digits_pair-") as tmp:
         for name in ("train.json", "eval.json"):
             with open(os.path.join(scans, name)) as f:
                 singles = json.load(f)
@@ -98,11 +107,4 @@ def build_digits_pair(root: str, eval_fraction: float = 0.15) -> str:
                                     {"from": "gpt", "value": " ".join(words)}]})
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(records, f)
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another run finished first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
