@@ -16,3 +16,19 @@ def whole(t: torch.Tensor, p, group) -> torch.Tensor:
     parts = [torch.empty_like(t) for _ in range(spec.world)]
     dist.all_gather(parts, t.detach().contiguous(), group=group)
     return torch.cat(parts, dim=spec.dim)
+
+
+def merged(results: list[dict], key: str) -> dict:
+    """{name: tensor} of every rank's `results[r][key]` together (stages hold different names;
+    TP/DP replicas hold equal whole tensors)."""
+    out = {}
+    for r in results:
+        out.update(r[key])
+    return out
+
+
+def assert_all_close(got: dict, reference: dict, what: str, **tol) -> None:
+    """Every tensor of `reference` equals `got`'s of the same name within `tol`; a failure
+    names `what` (e.g. `grad`) and the tensor."""
+    for key, ref in reference.items():
+        torch.testing.assert_close(got[key], ref, **tol, msg=lambda m, key=key: f"{what} {key}: {m}")

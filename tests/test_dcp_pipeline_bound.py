@@ -13,19 +13,10 @@ from hcp.dcp.lower_bound import lower_bound
 from hcp.dcp.pipeline_bound import lp_makespan, pipeline_bound, stage_classes, stage_floors
 from hcp.dcp.plan import Group, Plan, Round, fill_idle, rank_tokens, validate_plan
 from hcp.dcp.solver import simulate_plan, solve
+from test_dcp_exact import set_partitions
 
 COSTS = {pp: load_cost(recipe_llm(), pp=pp) for pp in (2, 3, 4)}
 
-
-def set_partitions(items):
-    if not items:
-        yield []
-        return
-    first, rest = items[0], items[1:]
-    for part in set_partitions(rest):
-        for k in range(len(part)):
-            yield part[:k] + [(first,) + part[k]] + part[k + 1:]
-        yield [(first,)] + part
 
 
 def rounds_of(seqs, lens, pool, cap):

@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 
 from cfg_utils import compose_cfg
 from dist_utils import run_ranks
-from test_hetero_parity import SMALL, TOL, _merged, _step
+from parity_utils import merged
+from test_hetero_parity import SMALL, TOL, _step
 
 IMAGES_PER_POSITION = [0, 0, 1, 1, 2, 0, 1, 2]  # by position in global batch 0: lanes of 2 samples
 OPTIM = ["optim.lr=1e-3", "optim.weight_decay=0.1", "vision.optim.lr=4e-4", "projector.optim.weight_decay=0.02"]
@@ -81,7 +82,7 @@ def test_encoder_under_dp_shard_steps_like_one_process(name, base, tmp_path):
     layout, sharded = CASES[name]
     results = run_ranks(_step, 4, _container([*overrides, *layout], tmp_path), str(tmp_path),
                         timeout=220)
-    grads, weights = _merged(results, "grads"), _merged(results, "weights")
+    grads, weights = merged(results, "grads"), merged(results, "weights")
     assert set(grads) == set(ref["grads"])
     for r in results:
         assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5)

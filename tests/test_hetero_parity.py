@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from cfg_utils import compose_cfg
 from dist_utils import run_ranks
-from parity_utils import whole
+from parity_utils import assert_all_close, merged, whole
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 SMALL = ["trainer.micro_batch_tokens=160", "trainer.global_batch_size=8", "trainer.progress_bar=false",
@@ -35,12 +35,6 @@ def _step(rank, world, container, run_dir):
                 sharded=sorted({n.split(".")[0] for n, p in named if isinstance(p, DTensor)}))
 
 
-def _merged(results, key):
-    out = {}
-    for r in results:  # stages hold different names; TP/DP replicas hold equal whole tensors
-        out.update(r[key])
-    return out
-
 
 CASES = {
     "enc_dp4__llm_tp2_dp2": ["llm.layout.tp=2", "vision.layout.tp=1"],
@@ -65,17 +59,15 @@ def test_heterogeneous_layout_step_equals_single_process(name, reference, tmp_pa
     container = OmegaConf.to_container(compose_cfg([*SMALL, *CASES[name]], run_dir=str(tmp_path)),
                                        resolve=True)
     results = run_ranks(_step, 4, container, str(tmp_path), timeout=220)
-    grads, weights = _merged(results, "grads"), _merged(results, "weights")
+    grads, weights = merged(results, "grads"), merged(results, "weights")
     assert set(grads) == set(reference["grads"])
     for r in results:
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert r["counts"] == reference["counts"]
         assert r["norm"] == pytest.approx(reference["norm"], rel=1e-5)
         assert r["encoder_grad_sq"] > 0, "an encoder rank got no gradient of its own"
-    for key, ref in reference["grads"].items():
-        torch.testing.assert_close(grads[key], ref, **TOL, msg=lambda m, key=key: f"grad {key}: {m}")
-    for key, ref in reference["weights"].items():
-        torch.testing.assert_close(weights[key], ref, **TOL, msg=lambda m, key=key: f"weight {key}: {m}")
+    assert_all_close(grads, reference["grads"], "grad", **TOL)
+    assert_all_close(weights, reference["weights"], "weight", **TOL)
 
 
 def _plain_llava(rank, world, container):

@@ -5,13 +5,12 @@ atol 1e-6. Islands: encoder dp2 (ranks 0-1) + LLM tp2 (ranks 2-3); encoder dp2 +
 an encoder with PP 2 (blocks split, projector on the last stage) + an LLM with TP 2. Only the
 encoder's first stage reads images, only the LLM's first stage reads text."""
 import pytest
-import torch
 from omegaconf import OmegaConf
 
 from cfg_utils import compose_cfg
 from dist_utils import run_ranks
-from parity_utils import whole
-from test_hetero_parity import SMALL, TOL, _merged
+from parity_utils import assert_all_close, merged, whole
+from test_hetero_parity import SMALL, TOL
 
 NON_COLOCATED = ["placement=non_colocated", "vision.layout.tp=1"]
 
@@ -74,7 +73,7 @@ def test_non_colocated_step_equals_single_process(name, reference, tmp_path):
     container = OmegaConf.to_container(compose_cfg([*SMALL, *NON_COLOCATED, *extra],
                                                    run_dir=str(tmp_path)), resolve=True)
     results = run_ranks(_island_step, world, container, str(tmp_path), timeout=220)
-    grads, weights = _merged(results, "grads"), _merged(results, "weights")
+    grads, weights = merged(results, "grads"), merged(results, "weights")
     assert set(grads) == set(reference["grads"])
     assert len({r["n_micro"] for r in results}) == 1 and results[0]["n_micro"] > 1
     for r in results:  # images only on the encoder's first stage, text only on the LLM's
@@ -89,10 +88,8 @@ def test_non_colocated_step_equals_single_process(name, reference, tmp_path):
     assert rows == results[0]["image_rows"] > 0
     assert sum(r["route_bytes"][1] for r in results) == sum(r["route_bytes"][0] for r in results)
     assert all(r["encoder_grad_sq"] > 0 for r in results if r["encoder"] and "vision.patch_embed.weight" in r["grads"])
-    for key, ref in reference["grads"].items():
-        torch.testing.assert_close(grads[key], ref, **TOL, msg=lambda m, key=key: f"grad {key}: {m}")
-    for key, ref in reference["weights"].items():
-        torch.testing.assert_close(weights[key], ref, **TOL, msg=lambda m, key=key: f"weight {key}: {m}")
+    assert_all_close(grads, reference["grads"], "grad", **TOL)
+    assert_all_close(weights, reference["weights"], "weight", **TOL)
 
 
 def test_non_colocated_trains_encoder_pp_and_refuses_what_it_cannot_run_with_a_fix():

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from cfg_utils import compose_cfg
 from dist_utils import run_ranks
-from parity_utils import whole
+from parity_utils import assert_all_close, merged, whole
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 SMALL = ["+recipe=llava_tiny_two_encoders", "trainer.micro_batch_tokens=160", "trainer.global_batch_size=8",
@@ -51,10 +51,7 @@ def reference(tmp_path_factory):
 @pytest.mark.timeout(240)
 def test_join_and_branch_at_their_own_layouts_equal_the_single_rank_run(reference, tmp_path):
     results = run_ranks(_step, 4, _container([*SMALL, *LAYOUT], tmp_path), str(tmp_path), timeout=220)
-    grads, weights = {}, {}
-    for r in results:
-        grads.update(r["grads"])
-        weights.update(r["weights"])
+    grads, weights = merged(results, "grads"), merged(results, "weights")
     assert {n.split(".")[0] for n in grads} == {"vision", "vision2", "projector", "projector2", "pooled", "llm"}
     assert set(grads) == set(reference["grads"])
     for r in results:
@@ -62,10 +59,8 @@ def test_join_and_branch_at_their_own_layouts_equal_the_single_rank_run(referenc
         assert r["counts"] == reference["counts"]
         assert r["norm"] == pytest.approx(reference["norm"], rel=1e-5)
         assert r["encoder_grad_sq"] > 0, "an encoder rank got no gradient of its own"
-    for key, ref in reference["grads"].items():
-        torch.testing.assert_close(grads[key], ref, **TOL, msg=lambda m, key=key: f"grad {key}: {m}")
-    for key, ref in reference["weights"].items():
-        torch.testing.assert_close(weights[key], ref, **TOL, msg=lambda m, key=key: f"weight {key}: {m}")
+    assert_all_close(grads, reference["grads"], "grad", **TOL)
+    assert_all_close(weights, reference["weights"], "weight", **TOL)
 
 
 def _plain(rank, world, container):
