@@ -23,9 +23,9 @@ def _island_step(rank, world, container, run_dir):
     reads = {"images": 0, "text": 0}
     pixel_values, collate = tr.train_set.pixel_values, trainer_module.collate
 
-    def count_images(sample):
+    def count_images(sample, *encoder):
         reads["images"] += 1
-        return pixel_values(sample)
+        return pixel_values(sample, *encoder)
 
     def count_text(samples, *args):
         reads["text"] += len(samples)

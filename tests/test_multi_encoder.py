@@ -391,7 +391,12 @@ def test_plan_mode_lists_named_modules(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["placement=non_colocated", "vision.layout.num_ranks=1", "encoders.vision2.layout.num_ranks=1"], "placement"),
+    (["placement=non_colocated", "vision.layout.num_ranks=1", "encoders.vision2.layout.num_ranks=1",
+      "projectors.projector2.layout.num_ranks=1", "vision.layout.tp=1", "encoders.vision2.layout.tp=1",
+      "projectors.projector2.layout.tp=1"], "projectors.projector2.layout"),
+    (["placement=non_colocated", "vision.layout.num_ranks=1", "encoders.vision2.layout.num_ranks=1",
+      "vision.layout.tp=1", "encoders.vision2.layout.tp=1", "encoders.vision2.layout.recompute=full"],
+     "encoders.vision2.layout.recompute"),
     (["encoders.vision2.layout.dp_shard=true"], "encoders.vision2.layout.dp_shard"),
     (["encoders.vision2.init_from=/tmp/clip"], "encoders.vision2.init_from"),
     (["vision.layout.recompute=full"], "encoders.vision2.layout.recompute"),
