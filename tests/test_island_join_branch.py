@@ -22,7 +22,8 @@ CASES = {
     "vision_1__vision2_1__llm_tp2": (4, ["vision.layout.num_ranks=1", "encoders.vision2.layout.num_ranks=1",
                                          "llm.layout.tp=2"]),
     "vision_pp2__vision2_dp2__llm_cp2": (6, ["vision.layout.num_ranks=2", "vision.layout.pp=2",
-                                             "encoders.vision2.layout.num_ranks=2", "llm.layout.cp=2"]),
+                                             "encoders.vision2.layout.num_ranks=2", "llm.layout.cp=2",
+                                             "launcher.nproc_per_node=6"]),
 }
 
 
@@ -60,3 +61,15 @@ def test_join_and_branch_on_islands_equal_the_single_process_model(name, referen
     assert sum(r["route_bytes"][1] for r in results) == sum(r["route_bytes"][0] for r in results)
     assert_all_close(grads, reference["grads"], "grad", **TOL)
     assert_all_close(weights, reference["weights"], "weight", **TOL)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_join_and_branch_on_islands_pass_the_training_checks(name):
+    from hcp.config.validate import validate
+    from hcp.train.support import check_trainable
+
+    world, extra = CASES[name]
+    cfg = compose_cfg([*SMALL, *ISLANDS, *extra])
+    layouts = validate(cfg, world)
+    check_trainable(cfg, layouts)
+    assert layouts["llm"].rank_offset == world - layouts["llm"].num_ranks
