@@ -5,8 +5,8 @@ global gradient norm and the weights after one AdamW step. The graph is the two-
 with a branch on top: `vision` feeds `projector` and a pooled `pooled` projector (a branch on
 its island: the tower runs once, its gradient is the sum of both), `vision2` feeds `projector2`
 (a join: two islands into the LLM's first stage). Islands: vision on rank 0, vision2 on rank 1,
-LLM tp2 on ranks 2-3; vision pp2 on ranks 0-1, vision2 dp2 on ranks 2-3 (fan-in), LLM cp2 on
-ranks 4-5. Each island reads only its own encoder's inputs, the LLM only text; every stream's
+LLM tp2 on ranks 2-3; vision pp2 on ranks 0-1, vision2 dp2 on ranks 2-3 (fan-in), LLM pp2 x cp2
+on ranks 4-7. Each island reads only its own encoder's inputs, the LLM only text; every stream's
 rows cross the islands once forward and once backward (the minimum)."""
 import pytest
 from omegaconf import OmegaConf
@@ -21,9 +21,9 @@ ISLANDS = ["placement=non_colocated", "vision.layout.tp=1", "encoders.vision2.la
 CASES = {
     "vision_1__vision2_1__llm_tp2": (4, ["vision.layout.num_ranks=1", "encoders.vision2.layout.num_ranks=1",
                                          "llm.layout.tp=2"]),
-    "vision_pp2__vision2_dp2__llm_cp2": (6, ["vision.layout.num_ranks=2", "vision.layout.pp=2",
-                                             "encoders.vision2.layout.num_ranks=2", "llm.layout.cp=2",
-                                             "launcher.nproc_per_node=6"]),
+    "vision_pp2__vision2_dp2__llm_pp2_cp2": (8, ["vision.layout.num_ranks=2", "vision.layout.pp=2",
+                                                 "encoders.vision2.layout.num_ranks=2", "llm.layout.cp=2",
+                                                 "llm.layout.pp=2", "launcher.nproc_per_node=8"]),
 }
 
 
