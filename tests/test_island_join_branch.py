@@ -5,8 +5,8 @@ global gradient norm and the weights after one AdamW step. The graph is the two-
 with a branch on top: `vision` feeds `projector` and a pooled `pooled` projector (a branch on
 its island: the tower runs once, its gradient is the sum of both), `vision2` feeds `projector2`
 (a join: two islands into the LLM's first stage). Islands: vision on rank 0, vision2 on rank 1,
-LLM tp2 on ranks 2-3; vision pp2 on ranks 0-1, vision2 dp2 on ranks 2-3 (fan-in), LLM pp2 x cp2
-on ranks 4-7. Each island reads only its own encoder's inputs, the LLM only text; every stream's
+LLM tp2 on ranks 2-3; vision pp2 with `recompute=full` (each ViT block runs its forward
+again in its backward) on ranks 0-1, vision2 dp2 on ranks 2-3 (fan-in), LLM pp2 x cp2 on ranks 4-7. Each island reads only its own encoder's inputs, the LLM only text; every stream's
 rows cross the islands once forward and once backward (the minimum)."""
 import pytest
 from omegaconf import OmegaConf
@@ -21,9 +21,10 @@ ISLANDS = ["placement=non_colocated", "vision.layout.tp=1", "encoders.vision2.la
 CASES = {
     "vision_1__vision2_1__llm_tp2": (4, ["vision.layout.num_ranks=1", "encoders.vision2.layout.num_ranks=1",
                                          "llm.layout.tp=2"]),
-    "vision_pp2__vision2_dp2__llm_pp2_cp2": (8, ["vision.layout.num_ranks=2", "vision.layout.pp=2",
-                                                 "encoders.vision2.layout.num_ranks=2", "llm.layout.cp=2",
-                                                 "llm.layout.pp=2", "launcher.nproc_per_node=8"]),
+    "vision_pp2_recompute__vision2_dp2__llm_pp2_cp2": (8, [
+        "vision.layout.num_ranks=2", "vision.layout.pp=2", "vision.layout.recompute=full",
+        "encoders.vision2.layout.num_ranks=2", "llm.layout.cp=2", "llm.layout.pp=2",
+        "launcher.nproc_per_node=8"]),
 }
 
 
@@ -48,7 +49,11 @@ def test_join_and_branch_on_islands_equal_the_single_process_model(name, referen
     assert {n.split(".")[0] for n in grads} == {"vision", "vision2", "projector", "projector2", "pooled", "llm"}
     assert set(grads) == set(reference["grads"])
     assert len({r["n_micro"] for r in results}) == 1 and results[0]["n_micro"] > 1
+    recompute = "vision.layout.recompute=full" in extra
     for r in results:  # inputs only on an encoder's first stage, text only on the LLM's
+        # the recomputing island runs each block's forward again in its backward
+        assert r["forwards"] == (0 if not r["encoder"] else
+                                 r["n_micro"] * (2 if recompute and r["head"] == "vision" else 1))
         assert (r["reads"]["images"] > 0) == (r["encoder"] and r["first"])
         assert (r["reads"]["text"] > 0) == (not r["encoder"] and r["first"])
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)

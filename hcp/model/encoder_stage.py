@@ -31,6 +31,8 @@ class EncoderStage(nn.Module):
     per micro-batch, each projector reads its features, and the tower's gradient is the sum of
     theirs (autograd inside the stage).
 
+    `recompute`: the encoder's blocks recompute their forward in backward (`ViTEncoder`).
+
     forward(x): x is pixel values [I, C, H, W] on the first stage, else the previous stage's
     hidden states [I, P + 1, D]; returns hidden states [I, P + 1, D] (not last) or the rows of
     every stream, concatenated in stream order, [sum_s I * R_s, H_llm] (last; the island's link,
@@ -38,12 +40,12 @@ class EncoderStage(nn.Module):
     """
 
     def __init__(self, name: str, enc_cfg, projectors: dict, llm_hidden: int, stage: StageSpec,
-                 tp_group=None):
+                 tp_group=None, recompute: bool = False):
         super().__init__()
         self.name, self.stage, self.tp_group = name, stage, tp_group
         self.projector_names = tuple(projectors) if stage.last else ()
         self.hidden_size = enc_cfg.hidden_size
-        setattr(self, name, ViTEncoder(enc_cfg, tp_group, stage))
+        setattr(self, name, ViTEncoder(enc_cfg, tp_group, stage, recompute))
         for p in self.projector_names:
             setattr(self, p, Projector(projectors[p], enc_cfg.hidden_size, llm_hidden, tp_group))
 

@@ -35,8 +35,13 @@ non-finite decision). Checkpoints: each rank saves its own modules under their F
 Evaluation: every encoder island sends its whole weights to the LLM's first stage, which then
 evaluates as under colocation (`IslandTrainer.evaluate`, `hcp.train.island_eval`).
 
-Not built yet (refused in `hcp.train.support`): FSDP (`dp_shard`), encoder recompute and
-encoder CP, `packing=dynamic_cp`, a projector on an island of its own.
+Encoder recompute (`<encoder>.layout.recompute=full`, its projectors follow): each ViT block
+of the island keeps only its input per micro-batch in flight and runs its forward again in its
+backward (`hcp.model.vit.ViTEncoder`'s `recompute`; TP collectives of the recompute run on every
+TP rank at the same schedule step), as plan mode's memory estimate assumes.
+
+Not built yet (refused in `hcp.train.support`): FSDP (`dp_shard`), selective encoder
+recompute, encoder CP, `packing=dynamic_cp`, a projector on an island of its own.
 """
 from __future__ import annotations
 
@@ -127,7 +132,7 @@ class IslandTrainer(Trainer):
         projectors = {p: module_cfg(cfg, p) for p in self.island_streams[head]}
         torch.manual_seed(cfg.seed)
         encoder = EncoderStage(head, module_cfg(cfg, head), projectors, cfg.llm.hidden_size,
-                               self.island_stage, tp)
+                               self.island_stage, tp, layouts[head].recompute == "full")
         init_parameters(encoder, cfg.seed)
         for name in (head, *projectors):
             if module_cfg(cfg, name).freeze and getattr(encoder, name, None) is not None:

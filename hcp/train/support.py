@@ -17,8 +17,8 @@ def check_trainable(cfg, layouts: dict) -> None:
     """Raise ConfigError for a valid layout that training does not run yet.
 
     Not yet trained: encoder-side CP, encoder PP under colocated placement (encoder PP runs on
-    its own island under non_colocated); under non_colocated FSDP, dynamic CP, encoder
-    recompute, a fully frozen island, a projector on an island of its own
+    its own island under non_colocated); under non_colocated FSDP, dynamic CP, a projector's
+    recompute other than its island's, a fully frozen island, a projector on an island of its own
     (`_check_islands_trainable`);
     `selective` recompute outside the LLM, and tied embeddings across LLM stages. Each can be
     planned with `mode=plan`. `packing=dynamic_cp` trains under every colocated LLM layout that
@@ -129,10 +129,12 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
                 raise ConfigError(f"{key}.layout.tp", lay.tp, f"{m} runs on the last stage of "
                                   f"{head}'s island with {head}'s TP group (tp={layouts[head].tp})",
                                   f"set {key}.layout.tp={layouts[head].tp} and leave its pp and cp at 1")
-            if lay.recompute != "none":
-                raise ConfigError(f"{key}.layout.recompute", lay.recompute,
-                                  "encoder recompute is not built for placement=non_colocated yet",
-                                  "use recompute=none")
+            if m != head and lay.recompute not in ("none", layouts[head].recompute):
+                raise ConfigError(f"{key}.layout.recompute", lay.recompute, f"{m} runs inside "
+                                  f"{head}'s last stage, which recomputes as {head} says "
+                                  f"(recompute={layouts[head].recompute})",
+                                  f"set {module_key(cfg, head)}.layout.recompute={lay.recompute} "
+                                  f"for the island, or {key}.layout.recompute=none")
             if lay.dp_shard:
                 raise ConfigError(f"{key}.layout.dp_shard", True, "FSDP of an encoder island is not "
                                   "built for placement=non_colocated yet", f"set {key}.layout.dp_shard="
