@@ -6,6 +6,7 @@ an encoder with PP 2 (blocks split, projector on the last stage) + an LLM with T
 encoder's first stage reads images, only the LLM's first stage reads text."""
 import pytest
 from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
 
 from cfg_utils import compose_cfg
 from dist_utils import run_ranks
@@ -50,7 +51,7 @@ def _island_step(rank, world, container, run_dir):
     image_rows = tr.plan(tr.sampler.batch(0)).counts.image_rows
     return dict(loss=loss, counts=counts, norm=norm, grads=grads, weights=weights, n_micro=n_micro,
                 encoder=tr.encoder is not None, first=first, head=getattr(tr, "head", None),
-                forwards=len(forwards), reads=reads, image_rows=image_rows,
+                forwards=len(forwards), sharded=any(isinstance(p, DTensor) for _, p in named), reads=reads, image_rows=image_rows,
                 route_bytes=(sent.forward, sent.backward) if sent is not None else (0, 0), encoder_grad_sq=getattr(tr, "encoder_grad_sq", None))
 
 
@@ -104,12 +105,12 @@ def test_non_colocated_trains_encoder_pp_and_refuses_what_it_cannot_run_with_a_f
     from hcp.train.support import check_trainable
 
     base = ["placement=non_colocated", "vision.layout.num_ranks=2", "vision.layout.tp=1"]
-    cfg = compose_cfg([*base, "vision.layout.pp=2", "vision.layout.recompute=full"])
-    check_trainable(cfg, validate(cfg, world_size=4))         # encoder PP and recompute on its island
+    cfg = compose_cfg([*base, "vision.layout.pp=2", "vision.layout.recompute=full", "vision.layout.dp_shard=true"])
+    check_trainable(cfg, validate(cfg, world_size=4))   # encoder PP, recompute and FSDP on its island
     for extra, field in [(["llm.layout.dp_shard=true"], "llm.layout.dp_shard"),
                          (["projector.layout.tp=2"], "projector.layout.tp"),
                          (["projector.layout.recompute=full"], "projector.layout.recompute"),
-                         (["vision.layout.dp_shard=true"], "vision.layout.dp_shard"),
+                         (["projector.layout.dp_shard=true"], "projector.layout.dp_shard"),
                          (["vision.freeze=true", "projector.freeze=true"], "vision.freeze"),
                          (["llm.freeze=true"], "llm.freeze")]:
         cfg = compose_cfg([*base, *extra])

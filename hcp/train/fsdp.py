@@ -73,6 +73,20 @@ def shard_encoder(encoder, layouts: dict, groups) -> tuple[str, ...]:
     return sharded
 
 
+def shard_island(stage, group) -> None:
+    """Apply FSDP2 in place to one encoder island's stage (`hcp.model.encoder_stage.
+    EncoderStage`, placement=non_colocated) over the island's DP group: each ViT block and each
+    projector one unit, the stage the root (the embeddings on the first stage), resharded after
+    its forward. The island's schedule runs one forward and backward per micro-batch on every
+    lane (empty ones included) and turns gradient sync on for the last backward only
+    (`set_requires_gradient_sync`), so each step reduce-scatters once. Raises RuntimeError as
+    `shard_model`."""
+    blocks = getattr(stage.encoder, "blocks", ())
+    units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+    units += [getattr(stage, p) for p in stage.projector_names]
+    _shard(stage, units, group, stage.name, reshard_root=True)
+
+
 def _shard(root, units: list, group, name: str, reshard_root: bool | None = None) -> None:
     """`fully_shard` each of `units`, then `root` (the rest of its parameters), over `group`:
     gradients summed (divide factor 1), unused parameters reduce-scattered as zeros, and the

@@ -40,8 +40,11 @@ of the island keeps only its input per micro-batch in flight and runs its forwar
 backward (`hcp.model.vit.ViTEncoder`'s `recompute`; TP collectives of the recompute run on every
 TP rank at the same schedule step), as plan mode's memory estimate assumes.
 
-Not built yet (refused in `hcp.train.support`): FSDP (`dp_shard`), selective encoder
-recompute, encoder CP, `packing=dynamic_cp`, a projector on an island of its own.
+FSDP (`<encoder>.layout.dp_shard=true`, its projectors follow): the island's stage shards over
+its DP group (`hcp.train.fsdp.shard_island`), reduce-scattering once per step.
+
+Not built yet (refused in `hcp.train.support`): LLM FSDP (`llm.layout.dp_shard`), selective
+encoder recompute, encoder CP, `packing=dynamic_cp`, a projector on an island of its own.
 """
 from __future__ import annotations
 
@@ -64,7 +67,8 @@ from hcp.plan.step import island_head
 from hcp.schedule.graph import graph_one_f_one_b, stage_graph
 from hcp.schedule.graph_executor import GraphStageExecutor, PipeLink, RouteLink, StreamsLink
 from hcp.train.island_eval import whole_island_encoders
-from hcp.train.modules import clip_, module_sq_norm, sync_grads
+from hcp.train.fsdp import shard_island
+from hcp.train.modules import clip_, local_grad_sq, module_sq_norm, sync_grads
 from hcp.train.trainer import Trainer
 
 
@@ -141,6 +145,17 @@ class IslandTrainer(Trainer):
 
     def _build_model(self):
         return super()._build_model() if self.head == "llm" else None
+
+    def _sharded(self) -> bool:
+        """Whether this rank's island shards with FSDP (its encoder's `layout.dp_shard`; its
+        projectors follow)."""
+        return self.encoder is not None and bool(self.layouts[self.head].dp_shard)
+
+    def _shard_encoder(self) -> None:
+        """FSDP2 of this rank's island stage over the island's DP group
+        (`hcp.train.fsdp.shard_island`) when its encoder asks for `dp_shard`."""
+        if self._sharded():
+            shard_island(self.encoder, self.groups.group(self.head, "dp"))
 
     def _rank_modules(self) -> IslandModules:
         return IslandModules(self.encoder, self.model, islands_label(self.layouts, self.heads))
@@ -273,7 +288,10 @@ class IslandTrainer(Trainer):
                     out = self.encoder(inputs[i] if stage.first else received[g - 1])
                 return out.float()
         reducer = self.runner.reducer if self.runner is not None else None
-        executor = GraphStageExecutor(forward, links, reducer.sync_in_backward if reducer else None)
+        grad_sync = reducer.sync_in_backward if reducer else None
+        if self._sharded():  # FSDP: one reduce-scatter per step, in the last backward
+            grad_sync = self.encoder.set_requires_gradient_sync
+        executor = GraphStageExecutor(forward, links, grad_sync)
         self.stage_times = executor.run(graph_one_f_one_b(graph, n_micro)[g])
         self._sync(mine)
         if self.encoder is None and stage.last:
@@ -287,8 +305,8 @@ class IslandTrainer(Trainer):
             self.runner.sync_grads()
             return
         params = list(self.encoder.parameters())
-        self.encoder_grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None)
-        sync_grads(params, self.groups.group(self.head, "dp"))
+        self.encoder_grad_sq = local_grad_sq(params)
+        sync_grads(params, self.groups.group(self.head, "dp"))  # FSDP shards: already reduced
         if sum(mine.counts.stream_rows.get(p, 0) for p in self.island_streams[self.head]) == 0:
             for p in params:  # no input of this encoder anywhere: as in one process, no update
                 p.grad = None
@@ -304,7 +322,8 @@ class IslandTrainer(Trainer):
         own = self.encoder if self.encoder is not None else self.model
         tp = self.encoder.tp_group if self.encoder is not None else self.tp_group
         pp = self.groups.group(module, "pp") if lay.pp > 1 else None
-        part = module_sq_norm(own.parameters(), self.device, tp, None, pp)
+        shards = self.groups.group(module, "dp") if self._sharded() else None
+        part = module_sq_norm(own.parameters(), self.device, tp, shards, pp)
         if self.rank == lay.rank_offset:
             sq[modules.index(module)] = part
         dist.all_reduce(sq)
