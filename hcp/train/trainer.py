@@ -145,8 +145,12 @@ class Trainer:
         return model.to(self.device)
 
     def _rank_modules(self) -> RankModules:
-        """This rank's modules under one root keyed by module FQN (checkpoints, optimizer)."""
-        return RankModules(self.encoder, self.model)
+        """This rank's modules under one root keyed by module FQN (checkpoints, optimizer); with
+        an encoder side, its checkpoints name every module's layout (`checkpoint.layouts_label`)."""
+        modules = RankModules(self.encoder, self.model)
+        if self.encoder is not None:
+            modules.layout_label = checkpoint.layouts_label(self.layouts)
+        return modules
 
     def _resume(self) -> None:
         resume = self.cfg.resume
