@@ -16,6 +16,7 @@ Placement:
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -300,11 +301,12 @@ def _resolve_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
 
 
 def _tp_divides(m: str, tp: int, quantities: dict[str, int], padding: tuple[str, ...] = ()) -> None:
+    """Every quantity must divide by tp; the fix lists the tp values that divide them ALL."""
     for name, n in quantities.items():
         if n % tp:
             extra = "; it would need padding to a multiple of tp, which hcp does not do" if name in padding else ""
             raise ConfigError(f"{m}.layout.tp", tp, f"{name}={n} is not divisible by it{extra}",
-                              f"use tp in {_divisors(n)}")
+                              f"use {m}.layout.tp in {_divisors(math.gcd(*quantities.values()))}")
 
 
 def _check_tensor_parallel(cfg, lay: ResolvedLayout) -> None:
