@@ -27,6 +27,8 @@ CASES = {
     "llava_tp2_dp2": ("llava", ["llm.layout.tp=2", "vision.layout.tp=1"], 128, 16),
     # 2 samples on a pool of 4 under FSDP: ranks without a sample run empty micro-batches
     "cp4_dp_shard_2_samples": ("text", ["llm.layout.cp=4", "llm.layout.dp_shard=true"], 512, 2),
+    # 10 samples on dp 4: no static LLM lanes under dynamic CP, so the batch need not divide by dp
+    "dp4_10_samples": ("text", [], 256, 10),
 }
 
 

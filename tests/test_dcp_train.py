@@ -72,16 +72,23 @@ def test_dynamic_cp_trains_the_tiny_llava_with_the_losses_of_first_fit(tmp_path)
 
 
 @pytest.mark.parametrize("overrides, world, field, words", [
-    (["trainer.global_batch_size=12"], 6, "llm.layout.cp", "power of two"),      # pool dp*cp = 6
+    # pool dp*cp = 6: dp (inferred from 6 ranks) is the cause, cp=1 is a power of two
+    (["trainer.global_batch_size=12"], 6, "llm.layout.dp", "run the LLM on 4 or 8 ranks"),
+    (["trainer.global_batch_size=12", "llm.layout.dp=6"], 6, "llm.layout.dp", "factor 3"),
+    (["llm.layout.cp=3", "trainer.micro_batch_tokens=384"], 6, "llm.layout.cp", "llm.layout.cp=2 or 4"),
     # 4 ranks x 1023 tokens hold 4092, but head-tail padding (2c chunks) leaves 4088
-    (["data.max_seq_len=4090", "trainer.micro_batch_tokens=1023"], 4, "data.max_seq_len", "4088 tokens"),
+    (["data.max_seq_len=4090", "trainer.micro_batch_tokens=1023"], 4, "trainer.micro_batch_tokens",
+     "at most 4088 tokens"),
     (["packing_profile=nowhere.yaml"], 4, "packing_profile", "h100"),
+    # the tiny LLaVA's encoder side keeps static lanes: 10 samples do not split over its dp 4
+    (["data=llava_json", "trainer.global_batch_size=10"], 4, "trainer.global_batch_size", "vision's dp=4"),
 ])
 def test_dynamic_cp_training_refuses_bad_input_before_ranks_start(overrides, world, field, words):
-    cfg = compose_cfg(["+recipe=llama_tiny", "packing=dynamic_cp", *overrides])
+    recipe = [] if "data=llava_json" in overrides else ["+recipe=llama_tiny"]
+    cfg = compose_cfg([*recipe, "packing=dynamic_cp", f"launcher.nproc_per_node={world}", *overrides])
     with pytest.raises(ConfigError) as e:
         check_trainable(cfg, validate(cfg, world_size=world))
-    assert e.value.field == field and "Fix:" in str(e.value) and words in str(e.value)
+    assert e.value.field == field and "Fix:" in str(e.value) and words in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("overrides, world", [
@@ -89,8 +96,9 @@ def test_dynamic_cp_training_refuses_bad_input_before_ranks_start(overrides, wor
     (["+recipe=llama_tiny", "llm.layout.tp=2", "llm.layout.pp=2", "llm.layout.dp_shard=true"], 8),
     (["llm.layout.tp=2"], 4),                                    # the tiny LLaVA: an encoder side
     (["+recipe=llama_tiny", "trainer.global_batch_size=2", "llm.layout.cp=4"], 4),  # 2 samples, 4 ranks
+    # no static LLM lanes: 10 samples on dp 4 (trains: tests/test_dcp_layouts.py dp4_10_samples)
+    (["+recipe=llama_tiny", "trainer.global_batch_size=10"], 4),
 ])
 def test_dynamic_cp_training_accepts_tp_pp_dp_shard_and_llava(overrides, world):
-    cfg = compose_cfg(["packing=dynamic_cp", *overrides])
+    cfg = compose_cfg(["packing=dynamic_cp", f"launcher.nproc_per_node={world}", *overrides])
     check_trainable(cfg, validate(cfg, world_size=world))
-

@@ -40,7 +40,7 @@ import numpy as np
 
 from hcp.config.errors import ConfigError
 from hcp.dcp.cost_model import CostModel, load_profile
-from hcp.dcp.plan import Group, Plan, Round, check_pool, max_length, prepare_lengths
+from hcp.dcp.plan import Group, Plan, Round, check_pool, prepare_lengths
 from hcp.dcp.solver import solve
 from hcp.parallel.groups import DYNAMIC_CP
 
@@ -85,20 +85,13 @@ def cp_histogram(plan: Plan) -> dict[str, int]:
     return {f"micro_batches_cp{c}": sizes.count(c) for c in dict.fromkeys(sizes)}
 
 
-def check_dynamic_cp(cfg, llm) -> None:
-    """Before any rank starts: ConfigError naming the field and the fix unless the LLM's CP
-    pool (dp * cp) is a power of two and the longest sample (`data.max_seq_len`) fits the
-    pool at `trainer.micro_batch_tokens` per rank, head-tail padding counted, and the profile
-    loads. `llm` is the LLM's ResolvedLayout."""
-    check_pool(llm.dp * llm.cp, cfg.trainer.micro_batch_tokens)
-    limit = max_length(llm.dp * llm.cp, cfg.trainer.micro_batch_tokens)
-    if cfg.data.max_seq_len > limit:
-        raise ConfigError("data.max_seq_len", cfg.data.max_seq_len,
-                          f"longer than the CP pool of {llm.dp * llm.cp} ranks holds at "
-                          f"trainer.micro_batch_tokens={cfg.trainer.micro_batch_tokens} "
-                          f"({limit} tokens, head-tail padding counted)",
-                          f"use data.max_seq_len <= {limit} or raise "
-                          f"trainer.micro_batch_tokens or the pool")
+def check_dynamic_cp(cfg) -> None:
+    """Before any rank starts: ConfigError naming `packing_profile` and the fix unless the
+    hardware profile loads. The other dynamic-CP rules run
+    in `hcp.config.validate.validate`, which every entry point calls first: a power-of-two CP
+    pool (`hcp.config.layouts`) and the longest sample fitting the pool at
+    `trainer.micro_batch_tokens` per rank, head-tail padding counted (`max_length`, the limit
+    the planner applies)."""
     try:
         load_profile(cfg.packing_profile)
     except ValueError as err:

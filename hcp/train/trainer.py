@@ -321,7 +321,8 @@ class Trainer:
             setattr(self.model, name, module)
         try:
             return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok, indices,
-                            self._eval_capacity(), self.device, self.grad_group, self.dp_group)
+                            self._eval_capacity(), self.device, self.grad_group, self.dp_group,
+                            self.cfg.trainer.get("eval_max_new_tokens"))
         finally:
             for name in lent:
                 setattr(self.model, name, None)
