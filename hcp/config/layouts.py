@@ -408,8 +408,9 @@ def _check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
     packing, cp_comm or recompute; a world size differing from the launcher's nodes x ranks per
     node; heads, KV heads, FFN width or vocabulary (no padding) not divisible by tp;
     `trainer.micro_batch_tokens` not divisible by 2*cp (nor by tp under sequence parallelism);
-    the global batch not divisible by a module's dp; an edge whose two dp sizes do not divide;
-    under `packing=dynamic_cp` an LLM CP pool dp*cp that is not a power of two.
+    the global batch not divisible by a module's dp (the LLM's only under first_fit); an edge
+    whose two dp sizes do not divide; under `packing=dynamic_cp` an LLM CP pool dp*cp that is
+    not a power of two.
     """
     check_choice("packing", cfg.packing, PACKINGS)
     for m in present_modules(cfg):

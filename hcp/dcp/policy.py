@@ -71,11 +71,19 @@ def dynamic_cp_policy(llm_cfg, profile: str = "h100"):
             costs[key] = CostModel(llm_cfg, hw, pp=llm.pp, tp=llm.tp,
                                    recompute=llm.recompute == "full", pp_layers=layers)
         lens, _ = prepare_lengths(tokens, pool, micro_batch_tokens)
-        several = llm.pp == 1 and not llm.dp_shard
         return rows(solve(lens, costs[key], pool, micro_batch_tokens,
-                          several_per_round=several).plan)
+                          several_per_round=several_per_round(llm)).plan)
 
     return policy
+
+
+def several_per_round(llm) -> bool:
+    """Whether a CP group of the LLM's layout `llm` may run several micro-batches in a round
+    (pp = 1 without dp_shard, `hcp.dcp.plan`), so the ranks of a pool run different numbers of
+    micro-batches in a step (the trainer skips the empty rows): then no collective over the
+    whole pool (its gradient all-reduce) may start inside a rank's last backward
+    (`hcp.train.step.StepRunner.overlap_grad_sync`)."""
+    return llm.pp == 1 and not llm.dp_shard
 
 
 def cp_histogram(plan: Plan) -> dict[str, int]:
