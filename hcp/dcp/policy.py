@@ -28,8 +28,10 @@ the same on every rank that shares a collective.
 The step plan runs rows of one micro-batch per group (`group_at[j, pool position]`), so a
 round whose groups run several micro-batches (pp = 1 without dp_shard) is laid out as
 `max_g n_g` rows over the same blocks; a group that has run out of micro-batches gets an
-empty group there (its ranks run an empty micro-batch: nothing to wait for, since no
-collective spans two groups inside a round).
+empty group there, which its ranks skip (nothing to wait for: no collective spans two groups
+inside a round). So the ranks of a pool run different micro-batch counts, and the gradient
+all-reduce over the pool starts after each rank's last micro-batch, never inside its backward
+(`several_per_round`).
 
 A batch with fewer sequences than pool ranks gives groups with no sequences: those ranks run
 empty micro-batches, as the step plan pads any lane (never a rank left out of a collective).
