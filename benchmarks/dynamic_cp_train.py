@@ -93,6 +93,17 @@ def wikipedia_lengths(max_len: int) -> np.ndarray:
     return np.sort(lens[lens <= max_len])
 
 
+def lognormal_lengths(max_len: int) -> np.ndarray:
+    """Megatron's dynamic-CP example's lengths (lognormal, sigma 1.5, median 1024, clipped to
+    [128, 8192]) scaled by max_len / 8192, so that the longest needs the whole pool as in the
+    other settings: a fixed pool of 100,000 draws of numpy `lognormal(ln(max_len / 8), 1.5)`,
+    rounded and clipped to [max_len / 64, max_len] (default_rng(20260101)). At max_len 8192 it
+    is the example's distribution; at 2048 (pool 8, cap 256): median 256, mean about 530."""
+    rng = np.random.default_rng(20260101)
+    draws = np.rint(rng.lognormal(np.log(max_len / 8), 1.5, 100_000))
+    return np.sort(np.clip(draws, max(1, max_len // 64), max_len).astype(np.int64))
+
+
 def _rank(payload) -> None:
     import torch
     import torch.distributed as dist
@@ -176,6 +187,9 @@ def _rank(payload) -> None:
     dist.destroy_process_group()
 
 
+LENGTHS = {"code": code_lengths, "wikipedia": wikipedia_lengths, "lognormal": lognormal_lengths}
+
+
 def critical_path(busy, groups) -> float:
     """Seconds: micro-batch j of a group starts when all its ranks are free and lasts as long
     as its slowest rank (busy[r][j]); the end of the last rank. `groups[r][j]` = (c, block)."""
@@ -199,8 +213,9 @@ def main(argv=None) -> dict:
     p.add_argument("--ranks", type=int, default=8, help="gloo ranks: the CP pool")
     p.add_argument("--steps", type=int, default=2, help="global batches (steps) per rep")
     p.add_argument("--reps", type=int, default=3, help="measurements of both methods")
-    p.add_argument("--lengths", choices=("code", "wikipedia"), default="code",
-                   help="document lengths: the code corpus's, or FlexSP's Wikipedia sample")
+    p.add_argument("--lengths", choices=tuple(LENGTHS), default="code",
+                   help="document lengths: the code corpus's, FlexSP's Wikipedia sample, or "
+                        "Megatron's example's lognormal scaled to the pool")
     p.add_argument("--global-batch", type=int, default=32, help="documents per step")
     p.add_argument("--micro-batch-tokens", type=int, default=512, help="cap per rank")
     p.add_argument("--seed", type=int, default=100, help="draws the global batches")
@@ -214,7 +229,7 @@ def main(argv=None) -> dict:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     cfg = compose_config(["+recipe=llama_tiny", f"launcher.nproc_per_node={args.ranks}"])
     max_len = args.ranks * args.micro_batch_tokens
-    pool = (code_lengths if args.lengths == "code" else wikipedia_lengths)(max_len)
+    pool = LENGTHS[args.lengths](max_len)
     if pool.size < args.global_batch:
         p.error(f"--global-batch {args.global_batch}: only {pool.size} documents fit "
                 f"{max_len} tokens; lower it")

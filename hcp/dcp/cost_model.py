@@ -227,8 +227,9 @@ class CostModel:
         compute, exposed K/V traffic and the collectives' latency."""
         compute, attn, comm = self._parts(tokens, sq, c)
         exposed = np.maximum((1.0 - self.hw.comm_overlap) * comm, comm - attn)
-        lat = self.latency(c)
-        return compute + exposed + np.where(np.asarray(tokens) > 0, lat, 0.0)
+        if not self.hw.cp_latency:
+            return compute + exposed
+        return compute + exposed + np.where(np.asarray(tokens) > 0, self.latency(c), 0.0)
 
     def fwd_floor(self, tokens, sq, c) -> np.ndarray:
         """Additive lower envelope of `fwd`: compute + (1 - overlap) * comm, `[pp, *S]` seconds.
