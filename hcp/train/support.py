@@ -86,14 +86,15 @@ def _check_dynamic_cp_trainable(cfg, layouts: dict) -> None:
     empty ones included, with its CP group of each), `llm.layout.dp_shard` (one micro-batch
     per group and round, so every micro-batch's FSDP all-gather spans the whole pool) and an
     encoder side (image rows routed to the CP rank that holds their positions). Raises
-    ConfigError (`hcp.dcp.policy.check_dynamic_cp`) unless the pool is a power of two and the
-    longest sample (`data.max_seq_len`) fits it at `trainer.micro_batch_tokens` per rank, head-tail
-    padding counted, and `packing_profile` loads (islands refuse dynamic CP in
-    `_check_islands_trainable`). A global batch with fewer samples than pool ranks trains: the
-    ranks without a sample run empty micro-batches (no collective hangs)."""
+    ConfigError (`hcp.dcp.policy.check_dynamic_cp`) unless `packing_profile` loads; `validate`
+    has already refused a pool that is not a power of two and a `data.max_seq_len` the pool
+    cannot hold at `trainer.micro_batch_tokens` per rank, head-tail padding counted (islands
+    refuse dynamic CP in `_check_islands_trainable`). A global batch with fewer samples than
+    pool ranks trains (the ranks without a sample run empty micro-batches: no collective
+    hangs), and so does one that does not divide by the LLM's dp (no static lanes)."""
     from hcp.dcp.policy import check_dynamic_cp
 
-    check_dynamic_cp(cfg, layouts["llm"])
+    check_dynamic_cp(cfg)
 
 
 def _check_islands_trainable(cfg, layouts: dict) -> None:
