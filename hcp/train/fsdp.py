@@ -43,6 +43,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from hcp.model.encoder_stage import EncoderStage
+
 
 def shard_model(model, groups) -> None:
     """Apply FSDP2 in place to this rank's `LlavaModel` stage over the LLM's `dp_cp` group.
@@ -56,13 +58,20 @@ def shard_model(model, groups) -> None:
 def shard_encoder(encoder, layouts: dict, groups) -> tuple[str, ...]:
     """Apply FSDP2 in place to the encoder-side modules of `encoder` (`hcp.model.llava.
     LlavaEncoder`: its children named after their modules, `vision`, `projector`) whose layout
-    has `dp_shard`, each over its own DP group (module docstring).
+    has `dp_shard`, each over its own DP group (module docstring); an encoder island's stage
+    (`EncoderStage`) as one, over its island's DP group, when its encoder has `dp_shard`
+    (`shard_island`: its projectors follow).
     Returns the names of the sharded modules (() when none asked for it, or no encoder).
 
     Raises RuntimeError as `shard_model`.
     """
     if encoder is None:
         return ()
+    if isinstance(encoder, EncoderStage):  # an encoder island's stage (placement=non_colocated)
+        if not layouts[encoder.name].dp_shard:
+            return ()
+        shard_island(encoder, groups.group(encoder.name, "dp"))
+        return (encoder.name, *encoder.projector_names)
     sharded = tuple(m for m, module in encoder.named_children()
                     if m in layouts and layouts[m].dp_shard and any(True for _ in module.parameters()))
     for m in sharded:

@@ -67,7 +67,6 @@ from hcp.plan.step import island_head
 from hcp.schedule.graph import graph_one_f_one_b, stage_graph
 from hcp.schedule.graph_executor import GraphStageExecutor, PipeLink, RouteLink, StreamsLink
 from hcp.train.island_eval import whole_island_encoders
-from hcp.train.fsdp import shard_island
 from hcp.train.modules import clip_, local_grad_sq, module_sq_norm, sync_grads
 from hcp.train.trainer import Trainer
 
@@ -148,14 +147,9 @@ class IslandTrainer(Trainer):
 
     def _sharded(self) -> bool:
         """Whether this rank's island shards with FSDP (its encoder's `layout.dp_shard`; its
-        projectors follow)."""
+        projectors follow; applied by the base class, `hcp.train.fsdp.shard_encoder`)."""
         return self.encoder is not None and bool(self.layouts[self.head].dp_shard)
 
-    def _shard_encoder(self) -> None:
-        """FSDP2 of this rank's island stage over the island's DP group
-        (`hcp.train.fsdp.shard_island`) when its encoder asks for `dp_shard`."""
-        if self._sharded():
-            shard_island(self.encoder, self.groups.group(self.head, "dp"))
 
     def _rank_modules(self) -> IslandModules:
         return IslandModules(self.encoder, self.model, islands_label(self.layouts, self.heads))

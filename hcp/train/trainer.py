@@ -98,7 +98,7 @@ class Trainer:
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's slices
         if llm.dp_shard:
             shard_model(self.model, self.groups)
-        self._shard_encoder()  # {vision,projector}.layout.dp_shard
+        shard_encoder(self.encoder, self.layouts, self.groups)  # {vision,projector}.layout.dp_shard
         self.runner = (StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
                        if self.model is not None else None)
         if self.runner is not None and self.dynamic_cp and several_per_round(llm):
@@ -133,10 +133,6 @@ class Trainer:
             if cfg[name].freeze:
                 encoder.get_submodule(name).requires_grad_(False)
         return encoder.to(self.device)
-
-    def _shard_encoder(self) -> None:
-        """FSDP2 of the encoder side's modules under `dp_shard` (`hcp.train.fsdp.shard_encoder`)."""
-        shard_encoder(self.encoder, self.layouts, self.groups)
 
     def _build_model(self) -> LlavaModel:
         """This rank's LLM stage; image rows arrive routed from the encoder side."""
