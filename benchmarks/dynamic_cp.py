@@ -10,12 +10,13 @@ optimum (small instances, pp=1); `--megatron` adds Megatron-Core's `BalancedCPSc
     python benchmarks/dynamic_cp.py --lengths lognormal --global-batch 256 --pp 1 \
         --max-tokens-per-rank 2048 --max-len 8192 --seeds 100-109 --megatron
     # seed-sized: 64 GPUs = PP 8 x CP pool 8, global batch 2048 (--lp-bound: the tighter
-    # pipeline bound, hcp/dcp/pipeline_bound.py, minutes per batch)
+    # pipeline bound, hcp/dcp/pipeline_bound.py with the longest sequence pinned,
+    # hcp/dcp/pinned_bound.py; seconds to a minute per batch, needs highspy: .[bench])
     python benchmarks/dynamic_cp.py --global-batch 2048 --cp-pool 8 --pp 8 \
         --max-tokens-per-rank 8192 --max-len 65536 --seeds 100-109 --json out.json [--lp-bound]
 
 Per batch and on average: simulated iteration time (s), its ratio to the provable lower bound
-(hcp/dcp/lower_bound.py; with `--lp-bound` and pp > 1 the tighter hcp/dcp/pipeline_bound.py),
+(hcp/dcp/lower_bound.py; with `--lp-bound` and pp > 1 the tighter hcp/dcp/pinned_bound.py),
 rounds, CP-size histogram (sequences per CP size), planning wall time, and TFLOPS/GPU = model FLOPs of the real tokens (hcp/model/flops.py) / (iteration time *
 GPUs), GPUs = pool * pp * tp. At pp = 1 (without `--dp-shard`) a group may run several
 micro-batches per round (hcp/dcp/plan.py), for our solver and for Megatron's scheduler alike.
@@ -34,24 +35,26 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from hcp.dcp.baselines import greedy, packing_only
-from hcp.dcp.cost_model import CostModel, load_profile, recipe_llm
-from hcp.dcp.exact import solve_exact
-from hcp.dcp.lower_bound import lower_bound
-from hcp.dcp.megatron_peer import megatron_plan
-from hcp.dcp.pipeline_bound import pipeline_bound
-from hcp.dcp.plan import max_length, prepare_lengths, validate_plan
-from hcp.dcp.solver import simulate_plan, solve
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # dynamic_cp_report beside this file
+
+from dynamic_cp_report import METHODS, draw_timeline, print_summary, summarize  # noqa: E402
+from hcp.dcp.baselines import greedy, packing_only  # noqa: E402
+from hcp.dcp.cost_model import CostModel, load_profile, recipe_llm  # noqa: E402
+from hcp.dcp.exact import solve_exact  # noqa: E402
+from hcp.dcp.lower_bound import lower_bound  # noqa: E402
+from hcp.dcp.megatron_peer import megatron_plan  # noqa: E402
+from hcp.dcp.pinned_bound import pinned_bound  # noqa: E402
+from hcp.dcp.plan import max_length, prepare_lengths, validate_plan  # noqa: E402
+from hcp.dcp.solver import simulate_plan, solve  # noqa: E402
 
 WIKIPEDIA = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"
 DISTRIBUTIONS = ("wikipedia", "code", "lognormal")
-METHODS = ("packing_only", "greedy", "solver")
-ONE_PER_ROUND = "one micro-batch per group and round"
 
 
 COLUMNS = """columns, per batch and method (the summary averages them over the batches):
@@ -101,7 +104,8 @@ def parse_args(argv=None):
     p.add_argument("--exact-time-limit", type=float, default=10.0, help="seconds per batch")
     p.add_argument("--lp-bound", action="store_true",
                    help="pp > 1: /bound against the tighter pipeline bound (min over M of a 1F1B "
-                        "linear program, hcp/dcp/pipeline_bound.py; seconds to minutes per batch)")
+                        "linear program, the longest sequence's micro-batch pinned, "
+                        "hcp/dcp/pinned_bound.py; seconds to a minute per batch; needs highspy)")
     p.add_argument("--timeline", help="PNG of the solver's timeline for the first batch")
     p.add_argument("--json", help="write the summary here")
     args = p.parse_args(argv)
@@ -235,46 +239,6 @@ def plan_batch(method, lens, cost, args):
     return plan, time.perf_counter() - start, time.thread_time() - cpu
 
 
-def draw_timeline(path, plan, lens, cost, pool):
-    """Ranks (stage-major) x time (s); each rank's share of every op, one colour per micro-batch
-    (forward solid, backward lighter); gaps are idle time. One `broken_barh` per rank row."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.colors import to_rgba
-    tl = simulate_plan(plan, lens, cost, record=True)
-    arr = np.asarray(lens, dtype=np.float64)
-    busy = np.zeros((cost.pp, plan.num_rounds, pool))  # forward s of [stage, mb, rank]
-    for j, mb in enumerate(plan.rounds):
-        for g in mb.groups:
-            f = sum(cost.fwd(arr[q].sum(), (arr[q] ** 2).sum(), g.cp_size)  # [pp]
-                    for q in g.micro_batches)
-            busy[:, j, g.rank_offset:g.rank_offset + g.cp_size] = np.asarray(f)[:, None]
-    cmap = plt.get_cmap("tab20")
-    fig, ax = plt.subplots(figsize=(14, 0.12 * pool * cost.pp + 2))
-    hw = cost.hw
-    for s in range(cost.pp):
-        ops = [o for o in tl.ops if o.stage == s]
-        fwd = np.array([o.kind == "F" for o in ops])
-        mbs = np.array([o.micro_batch for o in ops])
-        starts = np.array([o.start for o in ops])
-        spans = np.where(fwd[:, None], hw.micro_batch_overhead_fwd + busy[s, mbs],  # [ops, rank]
-                         hw.micro_batch_overhead_bwd + cost.bwd_factor * busy[s, mbs])
-        colours = [to_rgba(cmap(j % 20), 1.0 if f else 0.55) for j, f in zip(mbs, fwd)]
-        for r in range(pool):
-            ax.broken_barh(np.stack([starts, spans[:, r]], axis=1), (s * pool + r - 0.45, 0.9),
-                           facecolors=colours)
-    ax.set_xlim(left=0)
-    ax.invert_yaxis()
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("rank (stage * pool + pool rank)")
-    ax.set_title(f"solver plan: {plan.num_rounds} micro-batches, "
-                 f"iteration {tl.iteration_time:.3f} s")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main(argv=None):
     args, cost, lengths = parse_args(argv)
     gpus = args.cp_pool * args.pp * cost.tp
@@ -290,10 +254,11 @@ def main(argv=None):
         bound = lower_bound(lens, cost, args.cp_pool, args.max_tokens_per_rank,
                             args.several_per_round)
         if args.lp_bound and args.pp > 1:
-            pb = pipeline_bound(lens, cost, args.cp_pool, args.max_tokens_per_rank)
-            print(f"{b:>5} pipeline bound {pb.bound:.3f} s (simple {pb.simple:.3f}, "
-                  f"x{pb.bound / pb.simple:.3f}; least LP at M={pb.best_m}, {pb.lps} LPs, "
-                  f"{pb.seconds:.1f} s)")
+            pb = pinned_bound(lens, cost, args.cp_pool, args.max_tokens_per_rank)
+            u = pb.unpinned
+            print(f"{b:>5} pipeline bound {pb.bound:.3f} s (simple {u.simple:.3f}; LP {u.bound:.3f} "
+                  f"at M={u.best_m}, {u.lps} LPs; longest sequence pinned x{pb.bound / u.bound:.3f}"
+                  f" at M in {pb.best_range}, {pb.lps} LPs; {pb.seconds:.1f} s)")
             bound = pb.bound
         flops = cost.model_flops(lens)
         plans, plan_cpu = {}, {}
@@ -338,65 +303,6 @@ def main(argv=None):
         Path(args.json).write_text(json.dumps({"args": vars(args), **summary, "batches": rows},
                                               indent=1, default=str))
     return summary
-
-
-def summarize(rows, exact):
-    out = {}
-    for k, rs in rows.items():
-        s = {"mean_time_s": float(np.mean([r["time"] for r in rs])),
-             "mean_time_over_bound": float(np.mean([r["over_bound"] for r in rs])),
-             "max_time_over_bound": float(np.max([r["over_bound"] for r in rs])),
-             "mean_solve_ms": float(np.mean([r["solve_ms"] for r in rs])),
-             "max_solve_ms": float(np.max([r["solve_ms"] for r in rs])),
-             "mean_rounds": float(np.mean([r["rounds"] for r in rs])),
-             "max_plan_over_step": float(np.max([r.get("plan_over_step", np.nan) for r in rs])),
-             "tflops_per_gpu": float(np.mean([r["tflops_per_gpu"] for r in rs]))}
-        if exact:
-            s["mean_time_over_optimum"] = float(np.mean([r["over_optimum"] for r in rs]))
-            s["mean_time_over_optimum_dual_bound"] = float(
-                np.mean([r["over_optimum_dual"] for r in rs]))
-            s["optimum_proven_batches"] = int(sum(r["optimal_proven"] for r in rs))
-        out[k] = s
-    sol = np.array([r["time"] for r in rows["solver"]])
-    for k in rows:
-        if k != "solver":  # solver time / peer time per batch: < 1 means ours is faster
-            ratio = sol / np.array([r["time"] for r in rows[k]])
-            out[f"solver_over_{k}"] = {"mean": float(ratio.mean()), "max": float(ratio.max()),
-                                       "batches_slower": int((ratio > 1 + 1e-9).sum()),
-                                       "batches": int(ratio.size)}
-    out["tflops_gain_over_packing_only"] = (out["solver"]["tflops_per_gpu"]
-                                            / out["packing_only"]["tflops_per_gpu"])
-    return out
-
-
-def print_summary(s, args):
-    print(f"\nlengths {args.lengths}, seeds {args.seeds[0]}-{args.seeds[-1]} x {args.batches} "
-          f"batches, GBS {args.global_batch}, pool {args.cp_pool}, pp {args.pp}, "
-          f"cap {args.max_tokens_per_rank}/rank, "
-          f"{'several micro-batches per round' if args.several_per_round else ONE_PER_ROUND}")
-    print("method        time_s  /bound  max/bound   /opt  opt<=  rounds  plan_ms(mean/max)  "
-          "TFLOPS/GPU")
-    for k in (m for m in (*METHODS, "megatron", "exact") if m in s):
-        v = s[k]
-        opt = (f"{v['mean_time_over_optimum']:6.3f} {v['mean_time_over_optimum_dual_bound']:6.3f}"
-               if "mean_time_over_optimum" in v else "     -      -")
-        print(f"{k:>12} {v['mean_time_s']:7.3f} {v['mean_time_over_bound']:7.3f} "
-              f"{v['max_time_over_bound']:9.3f} {opt} {v['mean_rounds']:6.1f} "
-              f"{v['mean_solve_ms']:8.1f}/{v['max_solve_ms']:<8.1f} {v['tflops_per_gpu']:8.1f}")
-    for k in (m for m in (*METHODS, "megatron", "exact") if f"solver_over_{m}" in s):
-        r = s[f"solver_over_{k}"]
-        print(f"solver time / {k}: mean {r['mean']:.3f}, worst {r['max']:.3f}, slower on "
-              f"{r['batches_slower']} of {r['batches']} batches")
-    v = s["solver"]
-    print(f"solver planning: thread CPU time / simulated step time, worst batch: "
-          f"{v['max_plan_over_step']:.3f} (< 1: hidden behind the step it plans)")
-    print(f"TFLOPS/GPU gain over packing-only: {s['tflops_gain_over_packing_only']:.2f}x "
-          f"(published Megatron-LM dynamic CP at GBS 2048 PP 8 CP 8, for comparison: GitHub "
-          f"1.48x, CommonCrawl 1.25x)")
-    if "exact" in s:
-        print(f"exact: optimum proven within 1% on {s['exact']['optimum_proven_batches']} "
-              f"batches; /opt is against the best plan found, opt<= against the larger of the "
-              f"branch and bound's proven bound and ours (an upper bound on the true ratio)")
 
 
 if __name__ == "__main__":

@@ -29,9 +29,12 @@ def test_benchmark_tiny_run_writes_json_and_timeline(tmp_path):
 
 
 def test_benchmark_pipeline_run():
-    s = load_bench().main(["--global-batch", "64", "--cp-pool", "4", "--pp", "4",
-                           "--max-tokens-per-rank", "2048", "--max-len", "8192", "--seeds", "100"])
+    args = ["--global-batch", "64", "--cp-pool", "4", "--pp", "4", "--max-tokens-per-rank",
+            "2048", "--max-len", "8192", "--seeds", "100"]
+    s = load_bench().main(args)
     assert s["solver"]["mean_time_over_bound"] <= s["greedy"]["mean_time_over_bound"]
+    tight = load_bench().main(args + ["--lp-bound"])  # the pinned pipeline bound: tighter
+    assert 1.0 <= tight["solver"]["mean_time_over_bound"] < s["solver"]["mean_time_over_bound"]
 
 
 def _load(name):

@@ -93,7 +93,7 @@ def stage_floors(lens: np.ndarray, cost: CostModel, pool: int, m: int):
     return work, phi.min(axis=(1, 2))
 
 
-def _staged(cost: CostModel, work, smallest, M: int) -> float:
+def staged_bound(cost: CostModel, work, smallest, M: int) -> float:
     """lower_bound.py's staged bound with `M` micro-batches (work per stage `Phi_s`)."""
     k, o = cost.bwd_factor, cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
     w = (1 + k) * work + M * o
@@ -116,19 +116,22 @@ def stage_classes(cost: CostModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return cls, np.minimum(mm, n), np.maximum(mm, n)
 
 
-def lp_makespan(M: int, cost: CostModel, work: np.ndarray, smallest: np.ndarray,
-                stages=None, sizes: bool = False):
-    """LP(M) of the module docstring (seconds); `work`, `smallest`: Phi_s and the least phi_s
-    per stage `[p]`. `stages` (sorted, with 0 and p - 1; default all) keeps the op order of
-    those stages only; between kept stages a < b the skipped ones contribute their durations:
-    F(a, j) ends + sum_{a<s<b} F_sj <= F(b, j) starts, and likewise for B from b to a (implied
-    by (d), so this is a relaxation: a lower bound on LP(M)). With `sizes`, returns
-    `(LP(M), x)`, x `[p, M]` the optimal forward seconds of each stage and micro-batch."""
+def lp_model(M: int, cost: CostModel, work: np.ndarray, smallest: np.ndarray, stages=None,
+             free: int = 0):
+    """The LP of `lp_makespan` as `(A [rows, n] csr, b [rows], lower [n], cls [p])`: minimise the
+    last variable (T) s.t. `A v <= b`, `v >= lower`. Variables: x[c, j] at `c * M + j` (C
+    stage classes), then the start times, then T. The first `free` rows are "maybe void":
+    no overheads and `x >= 0` (hcp/dcp/pinned_bound.py; first and last stage kept only)."""
     p, k = cost.pp, cost.bwd_factor
     kept = list(range(p)) if stages is None else sorted(set(stages))
     if kept[0] != 0 or kept[-1] != p - 1:
         raise ValueError(f"stages {stages} must include 0 and {p - 1}")
+    if free and len(kept) > 2:
+        raise ValueError(f"free={free} rows need the first and last stage's order only "
+                         f"(stages [0, {p - 1}]), not {kept}: pinned_bound's proof")
     o_f, o_b = cost.hw.micro_batch_overhead_fwd, cost.hw.micro_batch_overhead_bwd
+    of_j = np.where(np.arange(M) < free, 0.0, o_f)  # overheads per row [M]
+    ob_j = np.where(np.arange(M) < free, 0.0, o_b)
     cls, lo, hi = stage_classes(cost)
     C = lo.size
     nx = C * M  # x[c, j] at c * M + j; then start of F(s, j), of B(s, j); then T
@@ -153,21 +156,21 @@ def lp_makespan(M: int, cost: CostModel, work: np.ndarray, smallest: np.ndarray,
         start = np.where(kind, f0, b0) + pos[s] * M + j
         dvar = cls[s] * M + j
         coef = np.where(kind, 1.0, k)
-        const = np.where(kind, o_f, o_b)
+        const = np.where(kind, of_j[j], ob_j[j])
         chain(start[:-1], dvar[:-1], coef[:-1], const[:-1], start[1:])
     j = np.arange(M)
     for a, b in zip(kept[:-1], kept[1:]):  # F(a, j) -> F(b, j); B(b, j) -> B(a, j)
         for src, dst, stages_between, coef, const in (
-                (f0 + pos[a] * M + j, f0 + pos[b] * M + j, range(a, b), 1.0, o_f),
-                (b0 + pos[b] * M + j, b0 + pos[a] * M + j, range(a + 1, b + 1), k, o_b)):
+                (f0 + pos[a] * M + j, f0 + pos[b] * M + j, range(a, b), 1.0, of_j),
+                (b0 + pos[b] * M + j, b0 + pos[a] * M + j, range(a + 1, b + 1), k, ob_j)):
             n = len(stages_between)  # the durations of these stages (sums over classes)
             r = len(rhs) + np.arange(M)
             rows.extend([r, r] + [r] * n)
             cols.extend([src, dst] + [cls[s] * M + j for s in stages_between])
             vals.extend([np.ones(M), -np.ones(M)] + [np.full(M, coef)] * n)
-            rhs.extend([-n * const] * M)
+            rhs.extend((-n * const).tolist())
     chain(np.array([b0 + M - 1]), np.array([cls[0] * M + M - 1]), np.array([k]),
-          np.array([o_b]), np.array([tv]))
+          np.array([ob_j[M - 1]]), np.array([tv]))
     for c in range(C):  # work: -sum_j x[c, j] <= -Phi (the largest Phi of the class)
         r = len(rhs)
         rows.append(np.full(M, r))
@@ -185,15 +188,29 @@ def lp_makespan(M: int, cost: CostModel, work: np.ndarray, smallest: np.ndarray,
                           shape=(len(rhs), tv + 1))
     lower = np.zeros(tv + 1)
     for c in range(C):
-        lower[c * M:(c + 1) * M] = float(smallest[cls == c].max())
-    objective = np.zeros(tv + 1)
-    objective[tv] = 1.0
-    res = linprog(objective, A_ub=A, b_ub=np.asarray(rhs), method="highs",
-                  bounds=np.stack([lower, np.full(tv + 1, np.inf)], axis=1))
+        lower[c * M + free:(c + 1) * M] = float(smallest[cls == c].max())
+    return A, np.asarray(rhs), lower, cls
+
+
+def lp_makespan(M: int, cost: CostModel, work: np.ndarray, smallest: np.ndarray,
+                stages=None, sizes: bool = False):
+    """LP(M) of the module docstring (seconds); `work`, `smallest`: Phi_s and the least phi_s
+    per stage `[p]`. `stages` (sorted, with 0 and p - 1; default all) keeps the op order of
+    those stages only; between kept stages a < b the skipped ones contribute their durations:
+    F(a, j) ends + sum_{a<s<b} F_sj <= F(b, j) starts, and likewise for B from b to a (implied
+    by (d), so this is a relaxation: a lower bound on LP(M)). With `sizes`, returns
+    `(LP(M), x)`, x `[p, M]` the optimal forward seconds of each stage and micro-batch."""
+    A, rhs, lower, cls = lp_model(M, cost, work, smallest, stages)
+    n = lower.size
+    objective = np.zeros(n)
+    objective[-1] = 1.0
+    res = linprog(objective, A_ub=A, b_ub=rhs, method="highs",
+                  bounds=np.stack([lower, np.full(n, np.inf)], axis=1))
     if res.status != 0:
         raise RuntimeError(f"pipeline LP at M={M} failed: {res.message}")
     if sizes:
-        return float(res.fun), res.x[:nx].reshape(C, M)[cls]
+        C = int(cls.max()) + 1
+        return float(res.fun), res.x[:C * M].reshape(C, M)[cls]
     return float(res.fun)
 
 
@@ -214,9 +231,9 @@ def pipeline_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int
     stages = None if full else [0, cost.pp - 1]
     M = int(np.ceil(lens.sum() / (pool * m)))
     best, best_m, lps = np.inf, None, 0
-    while _staged(cost, work, smallest, M) < best:
+    while staged_bound(cost, work, smallest, M) < best:
         if max_micro_batches is not None and M > max_micro_batches:
-            best, best_m = _staged(cost, work, smallest, M), None  # < best: loop condition
+            best, best_m = staged_bound(cost, work, smallest, M), None  # < best: loop condition
             break
         t = lp_makespan(M, cost, work, smallest, stages)
         lps += 1

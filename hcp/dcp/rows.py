@@ -1,0 +1,223 @@
+"""Row packing for the dynamic-CP solver (hcp/dcp/solver.py, steps 2-3 and 4b): sequences ->
+micro-batch rows of `pool` ranks, each sequence on an aligned power-of-two CP block, under the
+per-rank token cap (head-tail padding counted). Seconds and tokens throughout.
+"""
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from hcp.dcp.lower_bound import cp_sizes
+from hcp.dcp.plan import Group, Plan, Round, fill_idle, rank_tokens
+
+# A micro-batch j much slower than the rest (one sequence longer than the level even on the
+# whole pool) stalls 1F1B: its backwards on stages s < p - 1 delay their forwards of j + p - s,
+# which the last stage waits for after running only j + 1 .. j + p - s - 1. Its p - 1
+# "escort" rows are filled up to ESCORT_LIFT x its excess above the level (the token cap
+# usually binds first); descending order puts them right after it, where they overlap the stall
+# with useful work (measured on the seed-sized benchmark: lifts 1-5 within 0.001, 0.5 worse).
+ESCORT_LIFT = 2.0
+
+
+class _Row:
+    """One micro-batch under construction: a free-rank bit mask, `nfree` and groups as
+    `[offset, c, seq indices, tokens per rank (padding counted), load (s)]`."""
+
+    def __init__(self, pool: int):
+        self.pool, self.mask, self.nfree = pool, (1 << pool) - 1, pool
+        self.groups: list[list] = []
+
+    def take_block(self, c: int) -> int:
+        """Mark the first free aligned block of c ranks busy; return its offset (-1 if none)."""
+        full = (1 << c) - 1
+        for o in range(0, self.pool, c):
+            if (self.mask >> o) & full == full:
+                self.mask &= ~(full << o)
+                self.nfree -= c
+                return o
+        return -1
+
+    def free_ranks(self) -> list[int]:
+        return [k for k in range(self.pool) if (self.mask >> k) & 1]
+
+
+def _place_multi(rows, order, cs, lens, height, tau, pool, m):
+    """Step 3 for sequences with c > 1 (`order` sorted by c, then height, descending; sizes
+    only shrink, so a row with >= c free ranks always has a free aligned block of c)."""
+    for i in order:
+        c, h = int(cs[i]), float(height[i])
+        n = int(rank_tokens(lens[i], c))
+        groups = [g for r in rows for g in r.groups if g[1] == c and g[3] + n <= m]
+        under = [g for g in groups if g[4] + h <= tau]
+        if under:
+            g = max(under, key=lambda g: g[4])
+        else:
+            open_rows = [r for r in rows if r.nfree >= c]
+            if open_rows or not groups:
+                r = min(open_rows, key=lambda r: r.nfree) if open_rows else _Row(pool)
+                if not open_rows:
+                    rows.append(r)
+                g = [r.take_block(c), c, [], 0, 0.0]
+                r.groups.append(g)
+            else:
+                g = min(groups, key=lambda g: g[4])
+        g[2].append(int(i))
+        g[3] += n
+        g[4] += h
+
+
+def _fit_len(room: int, c: int) -> int:
+    """The longest document that fits `room` free tokens per rank of a group of c ranks."""
+    return room if c == 1 else 2 * c * (room // 2)
+
+
+def _place_single(rows, order, lens, heights, pool, m, offsets):
+    """Step 3 for sequences with c = 1: LPT over the free ranks and the open groups (a short
+    sequence may join a group of size c at its per-rank cost `heights[log2 c, i]`), tokens
+    per rank capped (padding counted). A free rank of row r starts at load `offsets[r]`
+    (seconds) so ramp rows end up lighter; the recorded loads exclude it."""
+    heap = []
+    for ri, r in enumerate(rows):
+        heap += [(offsets[ri] + g[4], ri, g[0], g) for g in r.groups]
+        heap += [(offsets[ri], ri, k, None) for k in r.free_ranks()]
+    heapq.heapify(heap)
+    shortest = int(lens[order].min()) if order else 0
+    waiting = []  # slots too full for the current sequence, by room: `order` is longest first,
+    for i in order:  # so a slot comes back once the sequences get short enough to fit it
+        n = int(lens[i])
+        while waiting and -waiting[0][0] >= n:
+            heapq.heappush(heap, heapq.heappop(waiting)[1])
+        while heap:
+            key, ri, k, g = heapq.heappop(heap)
+            if g is None:
+                g = [k, 1, [], 0, 0.0]
+                rows[ri].mask &= ~(1 << k)
+                rows[ri].nfree -= 1
+                rows[ri].groups.append(g)
+            room = _fit_len(m - g[3], g[1])
+            if n <= room:
+                break
+            if room >= shortest:  # full for this one; a shorter sequence may still fit
+                heapq.heappush(waiting, (-room, (key, ri, k, g)))
+        else:
+            r = _Row(pool)
+            rows.append(r)
+            offsets.append(0.0)
+            ri, key = len(rows) - 1, 0.0
+            g = [r.take_block(1), 1, [], 0, 0.0]
+            r.groups.append(g)
+            for q in r.free_ranks():
+                heapq.heappush(heap, (0.0, ri, q, None))
+        h = float(heights[int(g[1]).bit_length() - 1, i])
+        g[2].append(int(i))
+        g[3] += int(rank_tokens(n, g[1]))
+        g[4] += h
+        heapq.heappush(heap, (key + h, ri, g[0], g))
+
+
+def level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open: int = 0,
+                escort: int = 0) -> tuple[Plan, int, int, bool]:
+    """Steps 2-3 for one micro-batch count: `rows_target` row-equivalents of work, as one light
+    row per entry of `fractions` (filled to that fraction of the level; the first `n_open` open
+    the pipeline) and full rows for the rest. With `escort > 0`, each body row whose slowest
+    group exceeds the level `tau` by `e` seconds (a sequence too long for tau even on the whole
+    pool) gets `escort` body rows filled up to `ESCORT_LIFT * e` above the level (token cap
+    permitting; see `ESCORT_LIFT`). Returns the plan (light rows first, in `fractions` order),
+    its opening-row and light-row counts (rows left empty are dropped) and whether any row was
+    escorted."""
+    cmin_idx = np.argmax(feasible, axis=0)
+    n_idx = np.arange(lens.size)
+    work = float((cp_sizes(pool)[cmin_idx] * heights[cmin_idx, n_idx]).sum())
+    tau = work / (pool * rows_target)
+    ok = feasible & (heights <= tau)
+    # none under tau: the fastest feasible size (not the largest: above a node, InfiniBand can
+    # make a larger CP group slower)
+    c_idx = np.where(ok.any(axis=0), np.argmax(ok, axis=0), np.argmin(heights, axis=0))
+    cs = cp_sizes(pool)[c_idx]
+    height = heights[c_idx, n_idx]
+    body = [_Row(pool) for _ in range(max(1, int(round(rows_target - np.sum(fractions)))))]
+    multi = np.flatnonzero(cs > 1)
+    multi = multi[np.lexsort((-height[multi], -cs[multi]))]
+    _place_multi(body, multi.tolist(), cs, lens, height, tau, pool, m)
+    single = np.flatnonzero(cs == 1)
+    single = single[np.argsort(-height[single], kind="stable")]
+    rows = [_Row(pool) for _ in fractions] + body
+    slots = sum(r.nfree for r in body) + pool * float(np.sum(fractions))
+    level = float(height[single].sum()) / max(1.0, slots)
+    offsets = [(1.0 - f) * level for f in fractions] + [0.0] * len(body)
+    excess = [max((g[4] for g in r.groups), default=0.0) - tau for r in body]
+    heavy = sum(e > 0 for e in excess)
+    if escort and heavy:
+        calm = [ri for ri, e in enumerate(excess) if e <= 0][:escort * heavy]
+        for ri in calm:
+            offsets[len(fractions) + ri] = -ESCORT_LIFT * max(excess)
+    _place_single(rows, single.tolist(), lens, heights, pool, m, offsets)
+    plan = Plan()
+    opened = light = 0
+    for ri, r in enumerate(rows):
+        groups = [Group(sorted(g[2]), g[1], g[0]) for g in r.groups if g[2]]
+        if groups:
+            plan.rounds.append(Round(fill_idle(groups, pool)))
+            opened += ri < n_open
+            light += ri < len(fractions)
+    return plan, opened, light, bool(escort and heavy)
+
+
+def shaped_plan(lens, heights, feasible, shape, pool, m, scale) -> Plan:
+    """Rows with target heights proportional to `shape` (one entry per row, e.g. the optimal
+    micro-batch sizes of the pipeline LP, hcp/dcp/pipeline_bound.py), scaled so that the
+    targets hold `scale` x the batch's rank-seconds at the smallest feasible CP sizes.
+    Sequences take the smallest feasible c whose height fits the tallest target; those with
+    c > 1, largest c first, then tallest, go where they leave the most room under the target
+    (joining a group of their size with token room or opening a block in a row with enough free
+    ranks; a new row when none can); sequences with c = 1 fill the rows by LPT, each row's
+    free ranks starting at (tallest target - its target), so rows end near their targets."""
+    cmin_idx = np.argmax(feasible, axis=0)
+    n_idx = np.arange(lens.size)
+    work = float((cp_sizes(pool)[cmin_idx] * heights[cmin_idx, n_idx]).sum())
+    shape = np.asarray(shape, dtype=np.float64) / float(np.max(shape))
+    targets = list(shape * scale * work / (pool * shape.sum()))
+    peak = max(targets)
+    ok = feasible & (heights <= peak)
+    c_idx = np.where(ok.any(axis=0), np.argmax(ok, axis=0), np.argmin(heights, axis=0))
+    cs = cp_sizes(pool)[c_idx]
+    height = heights[c_idx, n_idx]
+    rows = [_Row(pool) for _ in targets]
+    by_size: list[dict[int, list]] = [{} for _ in targets]  # per row: CP size -> its groups
+    multi = np.flatnonzero(cs > 1)
+    for i in multi[np.lexsort((-height[multi], -cs[multi]))].tolist():
+        c, h = int(cs[i]), float(height[i])
+        n = int(rank_tokens(lens[i], c))
+        best = None  # (room left under the target, row, group or None for a new block)
+        for ri, r in enumerate(rows):
+            room = targets[ri] - h
+            if best is not None and room <= best[0]:
+                continue  # no group of this row can leave more room
+            if r.nfree >= c:
+                best = (room, ri, None)
+            for g in by_size[ri].get(c, ()):
+                if g[3] + n <= m and (best is None or room - g[4] > best[0]):
+                    best = (room - g[4], ri, g)
+        if best is None:
+            rows.append(_Row(pool))
+            by_size.append({})
+            targets.append(peak)
+            best = (0.0, len(rows) - 1, None)
+        _, ri, g = best
+        if g is None:
+            g = [rows[ri].take_block(c), c, [], 0, 0.0]
+            rows[ri].groups.append(g)
+            by_size[ri].setdefault(c, []).append(g)
+        g[2].append(int(i))
+        g[3] += n
+        g[4] += h
+    single = np.flatnonzero(cs == 1)
+    single = single[np.argsort(-height[single], kind="stable")]
+    _place_single(rows, single.tolist(), lens, heights, pool, m, [peak - t for t in targets])
+    plan = Plan()
+    for r in rows:
+        groups = [Group(sorted(g[2]), g[1], g[0]) for g in r.groups if g[2]]
+        if groups:
+            plan.rounds.append(Round(fill_idle(groups, pool)))
+    return plan
