@@ -61,8 +61,13 @@ where an all_reduce of the same tensor costs 5 ms) and static CP pays them at c 
 micro-batch. On the code lengths dynamic CP cannot avoid much of it: the cap admits documents
 up to 8 x 512 tokens, of which 54% need a group of >= 4 ranks and 29% the whole pool, so the
 dynamic plan keeps 24% of its busy time in communication against static's 26%.
-`bound_speedup` (1.3x code, 1.8-2.1x Wikipedia and lognormal) overstates what a plan could
-gain here: the lower bound is additive per sequence and leaves the per-micro-batch latency out.
+No plan can do much better on the code lengths: under the calibrated profiles (whose
+predictions are within 6% of these measurements there) `bound_speedup` is 1.14x / 1.15x /
+1.12x for seeds 100 / 200 / 300 (Wikipedia 1.35x / 1.52x / 1.43x, lognormal 1.27x / 1.37x /
+1.25x; the bound counts each sequence's share of its micro-batch's CP latency,
+hcp/dcp/lower_bound.py step 1), so the 1.3x target is out of reach there, not missed by the
+planner. On an NCCL cluster the ring-step latency is microseconds and these ratios would
+differ: they measure gloo on one host.
 """
 from __future__ import annotations
 
