@@ -6,16 +6,16 @@ Setup: `--ranks` CPU ranks (gloo, one thread each) form one CP pool; the tiny LL
 `+recipe=llama_tiny` (fp32) runs forward + backward of every micro-batch of the step plan
 (hcp/plan/step.py) on global batches drawn from the code corpus's long-tail document lengths
 (`code_lengths`: this Python's standard-library sources, byte-level, the documents that fit
-`--ranks x --micro-batch-tokens` tokens; or `--lengths wikipedia`, FlexSP's Wikipedia sample;
-or `--lengths lognormal`, Megatron's dynamic-CP example's lengths scaled to the pool; token ids
+`--ranks x --micro-batch-tokens` tokens; or `--lengths wikipedia`, FlexSP's Wikipedia sample; or
+`--lengths lognormal`, Megatron's dynamic-CP example's lengths scaled to the pool; token ids
 drawn at random: the content does not change the time). The cap forces static CP = pool: the
 longest documents need the whole pool, and a static run sizes its CP for them. Static:
-`first_fit` at cp = pool (dp 1, every micro-batch on the whole pool). Dynamic: the `dynamic_cp` policy (hcp/dcp/policy.py) with the cost model under
-the profile calibrated on this machine (`--profile`, else `mode=calibrate`'s fit is run first,
-over every CP size 1 .. pool and the cap's region, hcp/train/calibrate.py `grid`; with `--json
-X.json` the profile is kept as X.profile.yaml). Each micro-batch runs on its CP group from the
-pre-built dynamic-CP groups. Not measured: gradient sync and the optimizer step (the same for
-both).
+`first_fit` at cp = pool (dp 1, every micro-batch on the whole pool). Dynamic: the `dynamic_cp`
+policy (hcp/dcp/policy.py) with the cost model under the profile calibrated on this machine
+(`--profile`, else `mode=calibrate`'s fit is run first, over every CP size 1 .. pool and the
+cap's region, hcp/train/calibrate.py `grid`; with `--json X.json` the profile is kept as
+X.profile.yaml). Each micro-batch runs on its CP group from the pre-built dynamic-CP groups. Not
+measured: gradient sync and the optimizer step (the same for both).
 
 Reported per method and rep (`--reps` measurements of both methods on the same plans, the
 order alternating): wall tokens/s (rank 0's wall time; 2 shared cores hide imbalance), and the
@@ -52,14 +52,14 @@ setting's pool, cap and global batch):
                            300   1.14 1.17 1.18     1.17x   1.14x (0.97)           0.41 / 0.35
 Wall tokens/s static / dynamic: code 1971 / 2127, 1912 / 2470, 2250 / 2977; Wikipedia 2161 /
 3023, 1840 / 2193, 2144 / 2538; lognormal 1650 / 2641, 1699 / 2071, 1630 / 1824. Calibration
-fits: mean |error| 16.6% (code, cap 512), 10.4% (Wikipedia), 9.8% (lognormal). The
-prediction is within 15% everywhere; the 1.3x target is met on Wikipedia lengths only (2 of 3
-seeds). Nearly all of the gain is communication saved: counting the calling thread only, the
-speed-ups read 0.99-1.12x. gloo's CP collectives are costly on CPU (fitted: 2.5-3.2 ms of CPU
-per ring step per micro-batch forward, e.g. 24 ms for one reduce-scatter of [4096, 2, 2, 32] fp32 over 8 ranks,
+fits: mean |error| 16.6% (code, cap 512), 10.4% (Wikipedia), 9.8% (lognormal). The prediction is
+within 15% everywhere; the 1.3x target is met on Wikipedia lengths only (2 of 3 seeds). Nearly
+all of the gain is communication saved: counting the calling thread only, the speed-ups read
+0.99-1.12x. gloo's CP collectives are costly on CPU (fitted: 2.5-3.2 ms of CPU per ring step per
+micro-batch forward, e.g. 24 ms for one reduce-scatter of [4096, 2, 2, 32] fp32 over 8 ranks,
 where an all_reduce of the same tensor costs 5 ms) and static CP pays them at c = 8 in every
-micro-batch. On the code lengths dynamic CP cannot avoid much of it: the cap admits documents
-up to 8 x 512 tokens, of which 54% need a group of >= 4 ranks and 29% the whole pool, so the
+micro-batch. On the code lengths dynamic CP cannot avoid much of it: the cap admits documents up
+to 8 x 512 tokens, of which 54% need a group of >= 4 ranks and 29% the whole pool, so the
 dynamic plan keeps 24% of its busy time in communication against static's 26%.
 No plan can do much better on the code lengths: under the calibrated profiles (whose
 predictions are within 6% of these measurements there) `bound_speedup` is 1.14x / 1.15x /
