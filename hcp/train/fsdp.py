@@ -47,11 +47,14 @@ from hcp.model.encoder_stage import EncoderStage
 
 
 def shard_model(model, groups) -> None:
-    """Apply FSDP2 in place to this rank's `LlavaModel` stage over the LLM's `dp_cp` group.
+    """Apply FSDP2 in place to this rank's `LlavaModel` stage over the LLM's `dp_cp` group
+    (nothing when this rank has none: `model` None on an encoder island).
 
     Raises RuntimeError when this torch's FSDP2 cannot reduce-scatter unused parameters (a lane
     without images would otherwise hang or fail the reduce-scatter).
     """
+    if model is None:  # an encoder island's rank (placement=non_colocated): no LLM stage here
+        return
     _shard(model, list(model.llm.layers), groups.group("llm", "dp_cp"), "llm")
 
 

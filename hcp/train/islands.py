@@ -40,11 +40,13 @@ of the island keeps only its input per micro-batch in flight and runs its forwar
 backward (`hcp.model.vit.ViTEncoder`'s `recompute`; TP collectives of the recompute run on every
 TP rank at the same schedule step), as plan mode's memory estimate assumes.
 
-FSDP (`<encoder>.layout.dp_shard=true`, its projectors follow): the island's stage shards over
-its DP group (`hcp.train.fsdp.shard_island`), reduce-scattering once per step.
+FSDP (`<encoder>.layout.dp_shard=true`, its projectors follow; `llm.layout.dp_shard=true`):
+an encoder island's stage shards over its DP group (`hcp.train.fsdp.shard_island`), the LLM's
+over its DP x CP group; each reduce-scatters once per step (gradient sync on for the last
+backward only).
 
-Not built yet (refused in `hcp.train.support`): LLM FSDP (`llm.layout.dp_shard`), selective
-encoder recompute, encoder CP, `packing=dynamic_cp`, a projector on an island of its own.
+Not built yet (refused in `hcp.train.support`): selective encoder recompute, encoder CP,
+`packing=dynamic_cp`, a projector on an island of its own.
 """
 from __future__ import annotations
 
@@ -146,9 +148,11 @@ class IslandTrainer(Trainer):
         return super()._build_model() if self.head == "llm" else None
 
     def _sharded(self) -> bool:
-        """Whether this rank's island shards with FSDP (its encoder's `layout.dp_shard`; its
-        projectors follow; applied by the base class, `hcp.train.fsdp.shard_encoder`)."""
-        return self.encoder is not None and bool(self.layouts[self.head].dp_shard)
+        """Whether this rank's island shards with FSDP: an encoder island by its encoder's
+        `layout.dp_shard` (its projectors follow), over its DP group; the LLM island by
+        `llm.layout.dp_shard`, over its DP x CP group (both applied by the base class,
+        `hcp.train.fsdp`)."""
+        return bool(self.layouts[self.head].dp_shard)
 
 
     def _rank_modules(self) -> IslandModules:
@@ -284,7 +288,7 @@ class IslandTrainer(Trainer):
         reducer = self.runner.reducer if self.runner is not None else None
         grad_sync = reducer.sync_in_backward if reducer else None
         if self._sharded():  # FSDP: one reduce-scatter per step, in the last backward
-            grad_sync = self.encoder.set_requires_gradient_sync
+            grad_sync = (self.encoder if self.encoder is not None else self.model).set_requires_gradient_sync
         executor = GraphStageExecutor(forward, links, grad_sync)
         self.stage_times = executor.run(graph_one_f_one_b(graph, n_micro)[g])
         self._sync(mine)
@@ -316,7 +320,8 @@ class IslandTrainer(Trainer):
         own = self.encoder if self.encoder is not None else self.model
         tp = self.encoder.tp_group if self.encoder is not None else self.tp_group
         pp = self.groups.group(module, "pp") if lay.pp > 1 else None
-        shards = self.groups.group(module, "dp") if self._sharded() else None
+        shards = (None if not self._sharded() else self.grad_group if module == "llm"
+                  else self.groups.group(module, "dp"))
         part = module_sq_norm(own.parameters(), self.device, tp, shards, pp)
         if self.rank == lay.rank_offset:
             sq[modules.index(module)] = part

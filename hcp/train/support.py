@@ -17,7 +17,7 @@ def check_trainable(cfg, layouts: dict) -> None:
     """Raise ConfigError for a valid layout that training does not run yet.
 
     Not yet trained: encoder-side CP, encoder PP under colocated placement (encoder PP runs on
-    its own island under non_colocated); under non_colocated LLM FSDP, dynamic CP, a projector's
+    its own island under non_colocated); under non_colocated dynamic CP, a projector's
     recompute or dp_shard other than its island's, a fully frozen island, a projector on an
     island of its own
     (`_check_islands_trainable`);
@@ -118,11 +118,8 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
                               "island into the LLM only)", f"remove {key}.layout.num_ranks, "
                               f"rank_offset and dp (it takes its encoder's layout)")
     fix = "use placement=colocated for it, or mode=plan to plan it"
-    for field, bad in (("llm.layout.dp_shard", bool(layouts["llm"].dp_shard)),
-                       ("packing", cfg.packing != "first_fit")):
-        if bad:
-            raise ConfigError(field, cfg.packing if field == "packing" else True,
-                              "not built for placement=non_colocated yet", fix)
+    if cfg.packing != "first_fit":
+        raise ConfigError("packing", cfg.packing, "not built for placement=non_colocated yet", fix)
     for head in heads:
         members = [m for m in layouts if m != "llm" and island_head(layouts, edges, m) == head]
         for m in members:
