@@ -18,10 +18,15 @@ both).
 
 Reported per method and rep (`--reps` measurements of both methods on the same plans, the
 order alternating): wall tokens/s (rank 0's wall time; 2 shared cores hide imbalance), and the
-critical path from each rank's busy time (thread CPU time of each micro-batch's forward and
-backward, so the machine's other load and the cores the ranks share do not count): a
-micro-batch starts on its group when all its ranks are free and lasts as long as its slowest
-rank; the step lasts until the last rank is free. Speed-ups are critical-path ratios, static /
+critical path from each rank's busy time per micro-batch (hcp/train/calibrate.py `busy_time`:
+the CPU time of the rank's whole process over the micro-batch's forward and backward, so that
+gloo's CP all-gathers and reduce-scatters, which run on gloo's own threads, count, while
+waiting for a peer does not: a blocked gloo rank sleeps; neither does the machine's other
+load): a micro-batch starts on its group when all its ranks are free and lasts as long as its
+slowest rank; the step lasts until the last rank is free. `comm_share` is the part of the
+ranks' busy time spent outside the calling thread (communication); the speed-up that the
+calling thread's CPU time alone would show (the measure used before, which leaves
+communication out) is printed beside it as `compute_only_speedup`. Speed-ups are critical-path ratios, static /
 dynamic, per rep and their median; the predicted one is the simulator's
 (hcp/schedule/simulator.py via hcp/dcp/solver.simulate_plan) under the same profile, and
 `bound_speedup` the static prediction over the provable lower bound (hcp/dcp/lower_bound.py):
@@ -88,6 +93,17 @@ def wikipedia_lengths(max_len: int) -> np.ndarray:
     return np.sort(lens[lens <= max_len])
 
 
+def lognormal_lengths(max_len: int) -> np.ndarray:
+    """Megatron's dynamic-CP example's lengths (lognormal, sigma 1.5, median 1024, clipped to
+    [128, 8192]) scaled by max_len / 8192, so that the longest needs the whole pool as in the
+    other settings: a fixed pool of 100,000 draws of numpy `lognormal(ln(max_len / 8), 1.5)`,
+    rounded and clipped to [max_len / 64, max_len] (default_rng(20260101)). At max_len 8192 it
+    is the example's distribution; at 2048 (pool 8, cap 256): median 256, mean about 530."""
+    rng = np.random.default_rng(20260101)
+    draws = np.rint(rng.lognormal(np.log(max_len / 8), 1.5, 100_000))
+    return np.sort(np.clip(draws, max(1, max_len // 64), max_len).astype(np.int64))
+
+
 def _rank(payload) -> None:
     import torch
     import torch.distributed as dist
@@ -101,6 +117,7 @@ def _rank(payload) -> None:
     from hcp.plan.lengths import SampleSizes
     from hcp.plan.step import plan_step, register_policy
     from hcp.dcp.policy import micro_batch_group
+    from hcp.train.calibrate import busy_time
     from hcp.train.distributed import init_distributed
 
     cfg = OmegaConf.create(payload["cfg"])
@@ -129,14 +146,14 @@ def _rank(payload) -> None:
         out = {}
         # alternate which method runs first, so a drift of the machine's load hits both
         for method in (METHODS if rep % 2 == 0 else METHODS[::-1]):
-            busy, walls = [], []
+            busy, compute, walls = [], [], []
             for plan in plans[method]:
                 dist.barrier()
                 w0 = time.perf_counter()
                 step = []
                 for mb in plan.micro_batches:
                     if mb.empty:
-                        step.append(0.0)
+                        step.append((0.0, 0.0))
                         continue
                     group = micro_batch_group(groups, mb, rank)
                     n = int(mb.cu_seqlens[-1])
@@ -148,15 +165,16 @@ def _rank(payload) -> None:
                     else:
                         pos = torch.cat([torch.arange(int(b - a)) for a, b in
                                          zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])])
-                    c0 = time.thread_time()
+                    b0, c0 = busy_time(), time.thread_time()
                     h = model.exit(model.run_layers(model.enter(model.embed(ids)), pos, cu,
                                                     mb.max_seqlen, cp_group=group), ids.shape[0])
                     F.cross_entropy(model.logits(h), ids).backward()
-                    step.append(time.thread_time() - c0)
+                    step.append((busy_time() - b0, time.thread_time() - c0))
                 dist.barrier()
                 walls.append(time.perf_counter() - w0)
-                busy.append(step)
-            out[method] = {"busy": busy, "wall": walls}
+                busy.append([b for b, _ in step])
+                compute.append([c for _, c in step])
+            out[method] = {"busy": busy, "compute": compute, "wall": walls}
         reps.append(out)
     mine = {"reps": reps, "plan_s": plan_s,
             "groups": {m: [[(mb.cp_size, mb.cp_block) for mb in pl.micro_batches]
@@ -167,6 +185,9 @@ def _rank(payload) -> None:
         Path(payload["out"]).write_text(json.dumps(gathered))
     dist.barrier()
     dist.destroy_process_group()
+
+
+LENGTHS = {"code": code_lengths, "wikipedia": wikipedia_lengths, "lognormal": lognormal_lengths}
 
 
 def critical_path(busy, groups) -> float:
@@ -192,8 +213,9 @@ def main(argv=None) -> dict:
     p.add_argument("--ranks", type=int, default=8, help="gloo ranks: the CP pool")
     p.add_argument("--steps", type=int, default=2, help="global batches (steps) per rep")
     p.add_argument("--reps", type=int, default=3, help="measurements of both methods")
-    p.add_argument("--lengths", choices=("code", "wikipedia"), default="code",
-                   help="document lengths: the code corpus's, or FlexSP's Wikipedia sample")
+    p.add_argument("--lengths", choices=tuple(LENGTHS), default="code",
+                   help="document lengths: the code corpus's, FlexSP's Wikipedia sample, or "
+                        "Megatron's example's lognormal scaled to the pool")
     p.add_argument("--global-batch", type=int, default=32, help="documents per step")
     p.add_argument("--micro-batch-tokens", type=int, default=512, help="cap per rank")
     p.add_argument("--seed", type=int, default=100, help="draws the global batches")
@@ -207,7 +229,7 @@ def main(argv=None) -> dict:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     cfg = compose_config(["+recipe=llama_tiny", f"launcher.nproc_per_node={args.ranks}"])
     max_len = args.ranks * args.micro_batch_tokens
-    pool = (code_lengths if args.lengths == "code" else wikipedia_lengths)(max_len)
+    pool = LENGTHS[args.lengths](max_len)
     if pool.size < args.global_batch:
         p.error(f"--global-batch {args.global_batch}: only {pool.size} documents fit "
                 f"{max_len} tokens; lower it")
@@ -248,14 +270,20 @@ def main(argv=None) -> dict:
         plans = [first_fit_policy(b, lay, args.micro_batch_tokens) if method == "static"
                  else policy(b, lay, args.micro_batch_tokens) for b in batches]
         pred = [simulate_plan(pl, b, cost).iteration_time for pl, b in zip(plans, batches)]
-        crit = [sum(critical_path([r["reps"][k][method]["busy"][s] for r in ranks],
-                                  [r["groups"][method][s] for r in ranks])
-                    for s in range(args.steps)) for k in range(args.reps)]
+        crit, crit_compute = ([sum(critical_path([r["reps"][k][method][key][s] for r in ranks],
+                                                 [r["groups"][method][s] for r in ranks])
+                                   for s in range(args.steps)) for k in range(args.reps)]
+                              for key in ("busy", "compute"))
         wall = [sum(ranks[0]["reps"][k][method]["wall"]) for k in range(args.reps)]
+        # the share of the ranks' busy time that is not the calling thread's: communication
+        tot = {key: sum(sum(map(sum, r["reps"][k][method][key])) for r in ranks
+                        for k in range(args.reps)) for key in ("busy", "compute")}
         result[method] = {"critical_path_s": float(np.median(crit)),
                           "critical_path_s_reps": crit, "wall_s_reps": wall,
+                          "critical_path_compute_s_reps": crit_compute,
                           "tokens_per_s_wall": tokens / float(np.median(wall)),
                           "predicted_s": float(sum(pred)),
+                          "comm_share": 1.0 - tot["compute"] / tot["busy"],
                           "plan_s_mean": float(np.mean(ranks[0]["plan_s"][method])),
                           "micro_batches": float(np.mean([len(x) for x in
                                                           ranks[0]["groups"][method]])),
@@ -264,6 +292,9 @@ def main(argv=None) -> dict:
                                      result["dynamic"]["critical_path_s_reps"])]
     result["measured_speedup_reps"] = per_rep
     result["measured_speedup"] = float(np.median(per_rep))
+    result["compute_only_speedup"] = float(np.median(
+        [s / d for s, d in zip(result["static"]["critical_path_compute_s_reps"],
+                               result["dynamic"]["critical_path_compute_s_reps"])]))
     result["predicted_speedup"] = result["static"]["predicted_s"] / result["dynamic"]["predicted_s"]
     # the most any plan could gain under the profile: static over the provable lower bound
     bound = sum(lower_bound(b, cost, args.ranks, args.micro_batch_tokens, several_per_round=True)
@@ -274,17 +305,22 @@ def main(argv=None) -> dict:
           f"GBS {args.global_batch}, cap {args.micro_batch_tokens}/rank, {args.steps} steps x "
           f"{args.reps} reps (seed {args.seed})")
     print(f"{'method':>8} {'tokens/s(wall)':>15} {'crit_path_s (per rep)':>30} {'predicted_s':>12} "
-          f"{'micro-batches':>14} {'plan_ms':>8}  sequences per CP size")
+          f"{'comm_share':>10} {'micro-batches':>14} {'plan_ms':>8}  sequences per CP size")
     for m in METHODS:
         v = result[m]
         reps = " ".join(f"{x:.2f}" for x in v["critical_path_s_reps"])
         print(f"{m:>8} {v['tokens_per_s_wall']:15.0f} {reps:>30} {v['predicted_s']:12.3f} "
-              f"{v['micro_batches']:14.1f} {1e3 * v['plan_s_mean']:8.1f}  {v['cp_histogram']}")
+              f"{v['comm_share']:10.2f} {v['micro_batches']:14.1f} {1e3 * v['plan_s_mean']:8.1f}  "
+              f"{v['cp_histogram']}")
     print(f"speed-up (critical path, static / dynamic) per rep: "
           f"{', '.join(f'{x:.2f}x' for x in per_rep)}; median {result['measured_speedup']:.2f}x; "
           f"predicted {result['predicted_speedup']:.2f}x (prediction / measurement = "
           f"{result['predicted_speedup'] / result['measured_speedup']:.2f}); no plan can beat "
           f"{result['bound_speedup']:.2f}x under this profile (static / lower bound)")
+    print(f"communication's share of busy time: static {result['static']['comm_share']:.2f}, "
+          f"dynamic {result['dynamic']['comm_share']:.2f}; counting the calling thread's CPU "
+          f"time only (no communication) the speed-up would read "
+          f"{result['compute_only_speedup']:.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

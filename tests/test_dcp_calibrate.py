@@ -1,4 +1,5 @@
-"""mode=calibrate: the fit recovers a known cost model and its profile reproduces it."""
+"""mode=calibrate: the fit recovers a known cost model and its profile reproduces it; the busy
+time it measures counts gloo's communication."""
 import subprocess
 import sys
 from pathlib import Path
@@ -6,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from dist_utils import run_ranks
 
 from hcp.config.compose import compose_config
 from hcp.train.calibrate import fit, grid
@@ -15,18 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 LLM = compose_config(["+recipe=llama_tiny"]).llm
 
 
-def synthetic(a, b, g, o, k1=3.0):
-    return [[L, d, c, k1 * (a * d * L / c + b * d * L * L / c + g * d * L * (c - 1) / c) + o]
-            for L, d in grid() for c in (1, 2, 4)]
+def synthetic(a, b, g, o, k1=3.0, lat=0.0):
+    return [[L, d, c, k1 * (a * d * L / c + b * d * L * L / c + g * d * L * (c - 1) / c
+                            + lat * (c - 1)) + o]
+            for L, d in grid() for c in (1, 2, 4, 8)]
 
 
 def test_fit_recovers_coefficients_and_the_profile_reproduces_the_times(tmp_path):
-    rows = synthetic(2e-6, 3e-9, 5e-7, 4e-3)
-    prof = fit(rows, LLM, recompute=False, bytes_per_element=4, max_cp=4)
+    rows = synthetic(2e-6, 3e-9, 5e-7, 4e-3, lat=1.5e-3)
+    prof = fit(rows, LLM, recompute=False, bytes_per_element=4, max_cp=8)
     got = prof.pop("fit")
     assert max(abs(p["rel_error"]) for p in got["points"]) < 1e-9
-    np.testing.assert_allclose([got["coefficients"][k] for k in "abgo"],
-                               [2e-6, 3e-9, 5e-7, 4e-3], rtol=1e-6)
+    np.testing.assert_allclose([got["coefficients"][k] for k in "abglo"],
+                               [2e-6, 3e-9, 5e-7, 1.5e-3, 4e-3], rtol=1e-6)
+    assert prof["cp_latency"] == pytest.approx(1.5e-3 / LLM.num_layers)
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({**prof, "fit": got}))
     cost = CostModel(LLM, load_profile(path), pp=1, tp=1, recompute=False)
@@ -40,7 +44,40 @@ def test_a_coefficient_fitted_to_zero_is_a_negligible_cost():
     prof = fit(synthetic(2e-6, 3e-9, 0.0, 4e-3), LLM, False, 4, 4)
     prof.pop("fit")
     hw = HardwareProfile(**prof)  # valid: every field in range
-    assert hw.nvlink_bandwidth >= 1e17
+    assert hw.nvlink_bandwidth >= 1e17 and hw.cp_latency == 0.0
+
+
+def _collectives(rank, world):
+    """(busy, thread) seconds of 5 all-reduces of 16 MB and of one barrier that waits 1 s for
+    rank 1 (0 for rank 1's own sleep)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from hcp.train.calibrate import busy_time
+
+    x = torch.ones(1 << 22)
+    dist.barrier()
+    b0, t0 = busy_time(), time.thread_time()
+    for _ in range(5):
+        dist.all_reduce(x)
+    work = (busy_time() - b0, time.thread_time() - t0)
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)
+    b0 = busy_time()
+    dist.barrier()
+    return work, busy_time() - b0
+
+
+def test_busy_time_counts_gloo_communication_but_not_waiting():
+    """gloo runs a collective on its own threads: the caller's thread CPU time misses it, the
+    rank's busy time (its process's CPU time) counts it; a rank blocked on a late peer sleeps,
+    so a 1 s wait adds (almost) nothing."""
+    for (busy, thread), waited in run_ranks(_collectives, 2):
+        assert busy > 0.01 and busy > 5 * thread, (busy, thread)  # 5 x 16 MB summed, sent
+        assert waited < 0.1, waited
 
 
 @pytest.mark.slow

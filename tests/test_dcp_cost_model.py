@@ -1,4 +1,6 @@
 """Cost model: FLOP counts, scaling with CP size, bandwidth tiers, the additive floor."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -108,3 +110,36 @@ def test_one_model_flops_implementation():
     lens = np.array([5, 100, 37])
     cost = CostModel(llm, load_profile("h100"), pp=1)
     assert cost.model_flops(lens) == model_flops(llm, lens.sum(), (lens**2).sum())
+
+
+def _with_latency(lat=2e-4, pp=1):
+    hw = HardwareProfile(**{**load_profile("h100").__dict__, "cp_latency": lat})
+    return CostModel(recipe_llm(), hw, pp=pp, recompute=False)
+
+
+def test_cp_latency_is_paid_once_per_micro_batch_per_ring_step():
+    """alpha (c - 1) per layer on top of the bandwidth term; the floor stays additive (it
+    leaves the per-micro-batch latency out) and local search's scalar time includes it."""
+    from hcp.dcp.local_search import GroupTime
+
+    lat, base = _with_latency(), _with_latency(0.0)
+    lens = np.array([300, 5000, 12000], dtype=float)
+    t, s = lens.sum(), (lens**2).sum()
+    for c in (1, 2, 8):
+        extra = lat.fwd(t, s, c)[0] - base.fwd(t, s, c)[0]
+        assert extra == pytest.approx(2e-4 * 40 * (c - 1), rel=1e-9, abs=1e-15)
+        assert lat.fwd(t, s, c)[0] >= lat.fwd_floor(lens, lens**2, c).sum() - 1e-15
+        assert GroupTime(lat)(t, s, c) == pytest.approx(float(lat.fwd(t, s, c)[0]), rel=1e-12)
+    assert (lat.fwd(0.0, 0.0, 8) == 0).all()  # an empty group runs no collective
+    per_stage = _with_latency(pp=4).latency(4)  # each stage's layers pay it
+    assert per_stage.shape == (4,) and per_stage.sum() == pytest.approx(2e-4 * 40 * 3)
+
+
+def test_a_profile_without_cp_latency_loads_with_none(tmp_path):
+    text = (Path(__file__).resolve().parents[1] / "hcp/dcp/profiles/h100.yaml").read_text()
+    lines = [x for x in text.splitlines() if not x.startswith("cp_latency")]
+    (tmp_path / "p.yaml").write_text("\n".join(lines))
+    assert HardwareProfile.from_yaml(tmp_path / "p.yaml").cp_latency == 0.0
+    (tmp_path / "q.yaml").write_text("\n".join(lines + ["cp_latncy: 1.0e-6"]))
+    with pytest.raises(ValueError, match="unknown keys"):
+        HardwareProfile.from_yaml(tmp_path / "q.yaml")

@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from cfg_utils import compose_cfg, long_tail_corpus, long_tail_llava
 from dist_utils import run_ranks
-from parity_utils import whole
+from parity_utils import assert_all_close, merged, whole
+from hcp.dcp.plan import Group, Plan, Round
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 COMMON = ["trainer.progress_bar=false", "trainer.eval_every=0",
@@ -27,13 +28,18 @@ CASES = {
     "llava_tp2_dp2": ("llava", ["llm.layout.tp=2", "vision.layout.tp=1"], 128, 16),
     # 2 samples on a pool of 4 under FSDP: ranks without a sample run empty micro-batches
     "cp4_dp_shard_2_samples": ("text", ["llm.layout.cp=4", "llm.layout.dp_shard=true"], 512, 2),
+    # 10 samples on dp 4: no static LLM lanes under dynamic CP, so the batch need not divide by dp
+    "dp4_10_samples": ("text", [], 256, 10),
 }
 
 
-def _step(rank, world, container, run_dir):
+def _step(rank, world, container, run_dir, policy=None):
+    from hcp.plan.step import register_policy
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
+    if policy is not None:  # a given plan instead of the solver's
+        register_policy("dynamic_cp", policy)
     indices = tr.sampler.batch(0)
     new_group = dist.new_group
 
@@ -51,7 +57,8 @@ def _step(rank, world, container, run_dir):
     grads = {n: whole(p.grad, p, groups.get(n.split(".")[0])) for n, p in tr.modules.named_parameters()
              if p.grad is not None}
     return dict(loss=loss, counts=counts, grads=grads, histogram=prepared[4],
-                cp_sizes=sorted({mb.cp_size for mb in prepared[0].micro_batches if not mb.empty}))
+                cp_sizes=sorted({mb.cp_size for mb in prepared[0].micro_batches if not mb.empty}),
+                run=[mb.cp_size for mb in prepared[0].micro_batches if not mb.empty])
 
 
 def _container(overrides, run_dir):
@@ -122,3 +129,32 @@ def test_dynamic_cp_step_equals_first_fit_on_one_rank(name, reference, models, t
     assert set(grads) == set(ref["grads"])
     for key, g in ref["grads"].items():
         torch.testing.assert_close(grads[key], g, **TOL, msg=lambda m, key=key: f"grad {key}: {m}")
+
+
+def _pool_then_rank_0(tokens, llm, micro_batch_tokens):
+    """A plan whose ranks run different micro-batch counts: every sample longer than the cap
+    alone on the whole pool, then every other one alone on pool position 0 (the rest idle)."""
+    pool = llm.dp * llm.cp
+    long = [i for i, n in enumerate(tokens) if n > micro_batch_tokens]
+    short = [i for i, n in enumerate(tokens) if n <= micro_batch_tokens]
+    return Plan([Round([Group([i], pool, 0)]) for i in long] +
+                [Round([Group([i], 1, 0), *(Group([], 1, p) for p in range(1, pool))]) for i in short])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_that_ends_on_the_whole_pool_syncs_gradients_after_the_others(reference, models, tmp_path):
+    """At pp = 1 without FSDP the ranks of a pool run different micro-batch counts. Ranks 1-3
+    end on a micro-batch of the whole pool, whose CP group has the ranks (so the communicator)
+    of the gradient all-reduce, while rank 0 goes on: a bucket launched inside their last
+    backward would cross the pool group's CP collectives on rank 0 (gloo failed: a collective
+    mismatch at step 4 of a pool of 8 in tests/test_dcp_train.py)."""
+    container = _container([*models["text"], *COMMON, "packing=dynamic_cp", "trainer.micro_batch_tokens=256",
+                            "trainer.global_batch_size=16"], tmp_path)
+    results = run_ranks(_step, 4, container, str(tmp_path), _pool_then_rank_0, timeout=280)
+    ref = reference["text", 16]
+    assert results[1]["run"][-1] == 4 and len(results[0]["run"]) > len(results[1]["run"]) > 0
+    for r in results:
+        assert r["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+        assert r["counts"] == ref["counts"]
+    assert_all_close(merged(results, "grads"), ref["grads"], "grad", **TOL)

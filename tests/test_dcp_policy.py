@@ -4,14 +4,19 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 
+from omegaconf import OmegaConf
+
+from hcp.config.capacity import max_length, tokens_per_rank
 from hcp.config.compose import compose_config
 from hcp.config.errors import ConfigError
-from hcp.dcp.plan import Group, Plan, Round, validate_plan
+from hcp.config.validate import validate
+from hcp.dcp.plan import Group, Plan, Round, prepare_lengths, rank_tokens, validate_plan
 from hcp.dcp.policy import check_dynamic_cp, dynamic_cp_policy, rows
 from hcp.plan.lengths import SampleSizes
 from hcp.plan.step import plan_step, register_policy
 
 CFG = compose_config(["+recipe=llama_tiny"])
+DYNAMIC = compose_config(["+recipe=llama_tiny", "packing=dynamic_cp"])
 register_policy("dynamic_cp", dynamic_cp_policy(CFG.llm))
 
 
@@ -60,16 +65,30 @@ def test_fewer_samples_than_pool_ranks_leave_ranks_with_empty_micro_batches():
 
 
 def test_clear_errors_before_ranks_start():
-    with pytest.raises(ConfigError, match="cp_pool=6: .*power of two"):
-        check_dynamic_cp(CFG, lay(dp=6))
-    cfg = compose_config(["+recipe=llama_tiny", "data.max_seq_len=5000",
-                          "trainer.micro_batch_tokens=256"])
-    with pytest.raises(ConfigError, match=r"data.max_seq_len=5000: longer than the CP pool of 4 "
-                                          r"ranks holds .* \(1024 tokens"):
-        check_dynamic_cp(cfg, lay(dp=4))
     bad = compose_config(["+recipe=llama_tiny", "packing_profile=/nonexistent.yaml"])
     with pytest.raises(ConfigError, match="packing_profile='/nonexistent.yaml'"):
-        check_dynamic_cp(bad, lay(dp=4))
+        check_dynamic_cp(bad)
+
+
+@pytest.mark.parametrize("pool", [1, 2, 4, 8, 16])
+def test_the_config_check_and_the_planner_accept_the_same_longest_sample(pool):
+    """One rule (hcp.config.capacity) for `validate` and the planner: a sample of `limit`
+    tokens plans at every cap, one more token is refused by both, and `tokens_per_rank` is the
+    smallest cap that holds it (head-tail padding to 2c counted)."""
+    for cap in (2, 7, 128, 1023):
+        limit = max_length(pool, cap)
+        assert rank_tokens(limit, pool) <= cap < rank_tokens(limit + 1, pool)
+        assert tokens_per_rank(limit + 1, pool) == rank_tokens(limit + 1, pool) > cap
+        prepare_lengths([limit], pool, cap)
+        with pytest.raises(ValueError, match=f"more than the pool can hold: {limit}"):
+            prepare_lengths([limit + 1], pool, cap)
+        cfg = OmegaConf.merge(DYNAMIC, {"trainer": {"micro_batch_tokens": cap}, "launcher": {"nproc_per_node": pool},
+                                        "data": {"max_seq_len": limit + 1}})
+        with pytest.raises(ConfigError, match=f"at most {limit} tokens") as e:
+            validate(cfg, world_size=pool)
+        assert e.value.field == "trainer.micro_batch_tokens"
+        assert f"trainer.micro_batch_tokens >= {tokens_per_rank(limit + 1, pool)}" in e.value.fix
+        validate(OmegaConf.merge(cfg, {"data": {"max_seq_len": limit}}), world_size=pool)
 
 
 def test_plans_are_deterministic():

@@ -2,7 +2,10 @@
 the LLM's tp2 x cp2 on ranks 2-5) logs the same losses as llava_tiny for 10 steps, and a run
 resumed from its step-5 checkpoint (each island saved its own modules) with the encoder split
 into two pipeline stages instead of two DP lanes continues with them; the
-final held-out evaluation (encoder weights sent to the LLM island) gives llava_tiny's."""
+final held-out evaluation (encoder weights sent to the LLM island) gives llava_tiny's. Several
+encoders: 10 steps of llava_tiny_two_encoders with a branch on top, each encoder on its own
+island (vision + projector + pooled on rank 0, vision2 + projector2 on rank 1, the LLM dp2 on
+ranks 2-3), log the colocated run's losses and held-out evaluation."""
 import pytest
 
 from cfg_utils import cli_metrics, logged_steps, run_summary
@@ -29,3 +32,23 @@ def test_non_colocated_llava_tiny_hetero_logs_llava_tiny_losses_and_resumes(llav
                           [*ISLANDS, "vision.layout.pp=2", f"resume={step5}"])
     assert [r["step"] for r in resumed] == list(range(6, 11))
     assert [r["loss"] for r in resumed] == pytest.approx(b[5:], abs=1e-4)
+
+
+TWO_ENCODERS_BRANCH = ["+projectors={pooled:{pool:2,layout:{tp:${vision.layout.tp}}}}",
+                       "graph.edges=[[vision,projector],[vision,pooled],[projector,llm],[pooled,llm],"
+                       "[vision2,projector2],[projector2,llm]]"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_encoders_on_their_own_islands_log_the_colocated_losses(tmp_path):
+    colocated = cli_metrics(tmp_path / "colocated", "llava_tiny_two_encoders", TWO_ENCODERS_BRANCH)
+    islands = cli_metrics(tmp_path / "islands", "llava_tiny_two_encoders", [
+        *TWO_ENCODERS_BRANCH, "placement=non_colocated", "vision.layout.num_ranks=1", "vision.layout.tp=1",
+        "encoders.vision2.layout.num_ranks=1", "encoders.vision2.layout.tp=1", "trainer.check_plan=true"])
+    a, b = [r["loss"] for r in colocated], [r["loss"] for r in islands]
+    assert len(a) == 10 and a[-1] < a[0]
+    assert b == pytest.approx(a, abs=1e-4)
+    ref, got = run_summary(tmp_path / "colocated"), run_summary(tmp_path / "islands")
+    assert got["eval/samples"] == ref["eval/samples"] > 0
+    assert got["eval/loss"] == pytest.approx(ref["eval/loss"], abs=1e-4)

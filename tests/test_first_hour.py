@@ -77,3 +77,30 @@ def test_ctrl_c_names_the_checkpoint_to_resume_from_or_says_there_is_none(tmp_pa
     assert found == str(tmp_path / "ckpt" / "step_00000004")
     assert interrupted_hint(str(tmp_path / "ckpt")) == (
         f"resume=auto continues from the last complete checkpoint, {found}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ctrl_c_while_saving_prints_one_hint_and_no_rank_tracebacks(tmp_path):
+    """Ctrl-C (SIGINT to the whole foreground process group, as a terminal sends it) while two
+    ranks train and save every step: exit 130, the launcher's one hint line, no per-rank
+    traceback, every process gone."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, "+recipe=llama_tiny", "launcher.nproc_per_node=2", "logger=none",
+         "trainer.save_every=1", "trainer.max_steps=400", f"hydra.run.dir={run_dir}"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True)
+    ckpt = run_dir / "checkpoints" / "step_00000002"
+    deadline = time.time() + 200
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.5)
+    assert ckpt.exists(), "no checkpoint within 200 s"
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert "hcp: interrupted; resume=auto continues from the last complete checkpoint" in err, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]

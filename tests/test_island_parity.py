@@ -23,15 +23,20 @@ def _island_step(rank, world, container, run_dir):
     reads = {"images": 0, "text": 0}
     pixel_values, collate = tr.train_set.pixel_values, trainer_module.collate
 
-    def count_images(sample):
+    def count_images(sample, *encoder):
         reads["images"] += 1
-        return pixel_values(sample)
+        return pixel_values(sample, *encoder)
 
     def count_text(samples, *args):
         reads["text"] += len(samples)
         return collate(samples, *args)
 
     tr.train_set.pixel_values, trainer_module.collate = count_images, count_text
+    forwards = []  # forwards of the stage's first ViT block (recompute: two per micro-batch;
+    if tr.encoder is not None:  # a module hook would not see checkpoint's recompute)
+        blocks = tr.encoder.encoder.blocks
+        block = next(iter(blocks.values() if hasattr(blocks, "values") else blocks))
+        block.forward = lambda x, forward=block.forward: forwards.append(1) or forward(x)
     loss, counts, n_micro = tr.forward_backward(tr.sampler.batch(0))
     trainer_module.collate = collate
     group = tr.encoder.tp_group if tr.encoder is not None else tr.tp_group
@@ -44,7 +49,8 @@ def _island_step(rank, world, container, run_dir):
     sent = getattr(tr, "route_bytes", None)
     image_rows = tr.plan(tr.sampler.batch(0)).counts.image_rows
     return dict(loss=loss, counts=counts, norm=norm, grads=grads, weights=weights, n_micro=n_micro,
-                encoder=tr.encoder is not None, first=first, reads=reads, image_rows=image_rows,
+                encoder=tr.encoder is not None, first=first, head=getattr(tr, "head", None),
+                forwards=len(forwards), reads=reads, image_rows=image_rows,
                 route_bytes=(sent.forward, sent.backward) if sent is not None else (0, 0), encoder_grad_sq=getattr(tr, "encoder_grad_sq", None))
 
 
@@ -98,11 +104,11 @@ def test_non_colocated_trains_encoder_pp_and_refuses_what_it_cannot_run_with_a_f
     from hcp.train.support import check_trainable
 
     base = ["placement=non_colocated", "vision.layout.num_ranks=2", "vision.layout.tp=1"]
-    cfg = compose_cfg([*base, "vision.layout.pp=2"])
-    check_trainable(cfg, validate(cfg, world_size=4))                   # encoder PP on its island
+    cfg = compose_cfg([*base, "vision.layout.pp=2", "vision.layout.recompute=full"])
+    check_trainable(cfg, validate(cfg, world_size=4))         # encoder PP and recompute on its island
     for extra, field in [(["llm.layout.dp_shard=true"], "llm.layout.dp_shard"),
                          (["projector.layout.tp=2"], "projector.layout.tp"),
-                         (["vision.layout.recompute=full"], "vision.layout.recompute"),
+                         (["projector.layout.recompute=full"], "projector.layout.recompute"),
                          (["vision.layout.dp_shard=true"], "vision.layout.dp_shard"),
                          (["vision.freeze=true", "projector.freeze=true"], "vision.freeze"),
                          (["llm.freeze=true"], "llm.freeze")]:

@@ -173,3 +173,60 @@ def test_cluster_scale_island_plan_conserves_rows_and_peers_agree():
             for d in np.flatnonzero(route.send_splits)[:4]:
                 assert rank_plan(ranks[d]).island_routes[EDGE][j].recv_splits[ranks.index(src)] == \
                     route.send_splits[d]
+
+
+def _two_encoder_sizes(rng, batch):
+    """Sizes of a join + branch batch: each `vision` input is 4 `projector` rows then 1 `pooled`
+    row, each `vision2` input 4 `projector2` rows, at random places between text."""
+    from hcp.plan.lengths import SampleSizes
+
+    tokens, per = [], {p: [] for p in ("projector", "pooled", "projector2")}
+    for _ in range(batch):
+        pos, mine = 0, {p: [] for p in per}
+        for kind in rng.choice(["vision", "vision2", "text"], int(rng.integers(0, 5))):
+            pos += int(rng.integers(0, 6))
+            if kind == "vision":
+                mine["projector"].append((pos, 4))
+                mine["pooled"].append((pos + 4, 1))
+                pos += 5
+            elif kind == "vision2":
+                mine["projector2"].append((pos, 4))
+                pos += 4
+        tokens.append(pos + 1 + int(rng.integers(0, 6)))
+        for p in per:
+            per[p].append(mine[p])
+    loss = [int(rng.integers(0, t + 1)) for t in tokens]
+    return {p: SampleSizes.from_lists(tokens, loss, images) for p, images in per.items()}
+
+
+def test_two_encoder_islands_plan_each_stream_and_each_lane_inputs_and_rows():
+    """A join + branch on islands (vision dp2 on ranks 0-1 with projector and pooled, vision2 on
+    rank 2 with projector2, LLM cp2 on ranks 3-4): every island rank's inputs and rows per
+    micro-batch (`encoder_inputs`, `encoder_rows`) are what its routes send, and every LLM
+    shard's rows per stream (`stream_rows`) what its routes deliver; all rows of each stream
+    are sent once."""
+    edges = (("vision", "projector"), ("vision", "pooled"), ("projector", "llm"), ("pooled", "llm"),
+             ("vision2", "projector2"), ("projector2", "llm"))
+    on = lambda m, off, n, **k: NS(module=m, tp=1, cp=k.get("cp", 1), pp=1, dp=k.get("dp", n),  # noqa: E731
+                                   rank_offset=off, num_ranks=n)
+    lays = {"vision": on("vision", 0, 2), "projector": on("projector", 0, 2), "pooled": on("pooled", 0, 2),
+            "vision2": on("vision2", 2, 1), "projector2": on("projector2", 2, 1), "llm": on("llm", 3, 2, cp=2, dp=1)}
+    streams = _two_encoder_sizes(np.random.default_rng(3), 8)
+    plan = plan_step(streams["projector"], lays, "first_fit", 24, edges, stream_sizes=streams)
+    assert plan.num_micro_batches > 1 and not plan.tables
+    plans = [plan.rank(r) for r in range(5)]
+    sent = {p: 0 for p in streams}
+    for r, heads in ((0, "vision"), (1, "vision"), (2, "vision2")):
+        mine = plans[r]
+        for j, mb in enumerate(mine.encoder_micro_batches[heads]):
+            images = streams["projector" if heads == "vision" else "projector2"].images
+            assert mine.encoder_inputs[heads][j] == int(images[list(mb)].sum())
+            for p in (("projector", "pooled") if heads == "vision" else ("projector2",)):
+                route = mine.island_routes[(p, "llm")][j]
+                assert mine.encoder_rows[p][j] == sum(route.send_splits) == int(streams[p].image_rows[list(mb)].sum())
+                sent[p] += mine.encoder_rows[p][j]
+    assert sent == plan.counts.stream_rows == {p: int(s.image_rows.sum()) for p, s in streams.items()}
+    for r in (3, 4):
+        for j, mb in enumerate(plans[r].micro_batches):
+            for p in streams:
+                assert mb.stream_rows[p] == (0, plans[r].island_routes[(p, "llm")][j].dst_rows)

@@ -228,3 +228,9 @@ def test_dynamic_cp_pool_must_be_a_power_of_two():
                                        ("placement", "mixed"), ("packing", "best_fit")])
 def test_unknown_choice_values(key, value):
     fails(key, 8, f"{key}={value}", match="unknown value")
+
+
+def test_tp_fix_lists_only_values_that_pass_every_divisibility_rule():
+    """tp=3 fails on num_heads=4 first; tp=4 would then fail on num_kv_heads=2, so it is not offered."""
+    err = fails("llm.layout.tp", 12, "llm.layout.tp=3", match="llm.num_heads=4")
+    assert "use llm.layout.tp in [1, 2]" in str(err), str(err)

@@ -71,11 +71,14 @@ def test_plan_prints_memory_per_island_and_warns_of_encoder_recompute_it_cannot_
     assert list(roles) == ["vision pp0, projector pp0", "llm pp0", "llm pp1", "llm pp2"]
     assert roles["vision pp0, projector pp0"]["ranks"] == 16 and roles["llm pp0"]["ranks"] == 16
     assert roles["llm pp0"]["max_gib"] == max(r["total"] for r in plan["memory_gib"])
-    assert any("vision.layout.recompute=full on an island" in w for w in plan["warnings"])
-    assert [w for w in plan["warnings"] if "training refuses" in w] == [
-        "warning: training refuses this layout today: vision.layout.recompute='full': encoder "
-        "recompute is not built for placement=non_colocated yet. Fix: use recompute=none"]
+    assert not [w for w in plan["warnings"] if "recompute" in w]  # full: per ViT block, as estimated
     assert "memory by role: vision pp0, projector pp0 (16 ranks)" in capsys.readouterr().out
+    cfg = compose_config(["+recipe=llava_hetero", "mode=plan", *NON_COLOCATED, "vision.layout.recompute=selective"])
+    warnings = run_plan(cfg, tmp_path / "selective")["warnings"]
+    assert any("vision.layout.recompute=selective on an island" in w for w in warnings)
+    assert [w for w in warnings if "training refuses" in w] == [
+        "warning: training refuses this layout today: vision.layout.recompute='selective': selective "
+        "recompute is implemented in the LLM's decoder layers only. Fix: use recompute=none or full"]
 
 
 def test_projector_is_charged_on_the_last_encoder_stage_only():

@@ -94,3 +94,5 @@ def test_resume_with_the_encoder_at_another_dp_size(tmp_path):
     for step in (3, 4):
         assert losses[step] == pytest.approx(ref[step], rel=1e-4), step
     assert "resumed from step 2" in log
+    saved_at, now = log.split("saved at ", 1)[1].split(", now ", 1)[0], log.split(", now ", 1)[1].split(" (/", 1)[0]
+    assert "vision dp4 (dp_shard)" in saved_at and "vision tp2 x dp2" in now and "llm tp2 x cp2" in now, log

@@ -55,7 +55,7 @@ def test_stage1_then_stage2_from_its_weights_with_a_fresh_optimizer(tmp_path):
     changed = {n.split(".")[0] for n in start2 if not torch.equal(start2[n], end2[n])}
     assert changed == {"llm", "projector"}  # stage 2 trains the LLM and the projector
     saved = json.load(open(tmp_path / "s2" / "checkpoints" / "step_00000002" / "trainer.json"))
-    assert saved["layout"] == "tp2" and "llm.embed_tokens.weight" in saved["trainable"]
+    assert saved["layout"] == "llm tp2 | projector dp2 | vision dp2" and "llm.embed_tokens.weight" in saved["trainable"]
 
     with pytest.raises(ConfigError) as e:  # continuing "the same run" with other trainables
         check_resume(_cfg(tmp_path / "s2b", "+stage=finetune", f"resume={ckpt}"))

@@ -5,7 +5,7 @@ class ConfigError(ValueError):
     """A config value is invalid.
 
     The message names the field (dotted key as typed on the CLI), the value and a fix, e.g.
-    `llm.layout.tp=3: llm.num_heads=4 is not divisible by it; use tp in {1, 2, 4}`.
+    `llm.layout.tp=3: llm.num_heads=4 is not divisible by it. Fix: use llm.layout.tp in [1, 2]`.
     """
 
     def __init__(self, field: str, value, problem: str, fix: str):

@@ -16,6 +16,7 @@ Placement:
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -300,11 +301,12 @@ def _resolve_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
 
 
 def _tp_divides(m: str, tp: int, quantities: dict[str, int], padding: tuple[str, ...] = ()) -> None:
+    """Every quantity must divide by tp; the fix lists the tp values that divide them ALL."""
     for name, n in quantities.items():
         if n % tp:
             extra = "; it would need padding to a multiple of tp, which hcp does not do" if name in padding else ""
             raise ConfigError(f"{m}.layout.tp", tp, f"{name}={n} is not divisible by it{extra}",
-                              f"use tp in {_divisors(n)}")
+                              f"use {m}.layout.tp in {_divisors(math.gcd(*quantities.values()))}")
 
 
 def _check_tensor_parallel(cfg, lay: ResolvedLayout) -> None:
@@ -339,6 +341,8 @@ def _check_tokens(cfg, lay: ResolvedLayout) -> None:
 def _check_lanes(cfg, layouts: dict[str, ResolvedLayout]) -> None:
     batch = cfg.trainer.global_batch_size
     for lay in layouts.values():
+        if lay.module == "llm" and cfg.packing == "dynamic_cp":
+            continue  # no static LLM lanes: the planner places every sample in the pool
         if batch % lay.dp:
             raise ConfigError("trainer.global_batch_size", batch,
                               f"not divisible by {lay.module}'s dp={lay.dp} (each lane takes a block of samples)",
@@ -352,13 +356,32 @@ def _check_lanes(cfg, layouts: dict[str, ResolvedLayout]) -> None:
 
 
 def _check_dynamic_cp(cfg, layouts: dict[str, ResolvedLayout]) -> None:
+    """The dynamic-CP pool dp * cp must be a power of two: the error names llm.layout.cp when cp
+    is not one, else llm.layout.dp (set, or inferred from the LLM's ranks), with sizes that fit."""
     if cfg.packing != "dynamic_cp":
         return
     lay = layouts["llm"]
-    if lay.cp_pool & (lay.cp_pool - 1):
-        raise ConfigError("llm.layout.cp", lay.cp,
-                          f"packing=dynamic_cp needs the CP pool dp*cp = {lay.dp}*{lay.cp} = {lay.cp_pool} "
-                          "to be a power of two", "choose dp and cp whose product is a power of two")
+    if not lay.cp_pool & (lay.cp_pool - 1):
+        return
+    pool = f"packing=dynamic_cp needs the CP pool dp*cp = {lay.dp}*{lay.cp} = {lay.cp_pool} to be a power of two"
+    if lay.cp & (lay.cp - 1):
+        low, high = _powers_near(lay.cp)
+        raise ConfigError("llm.layout.cp", lay.cp, pool, f"use llm.layout.cp={low} or {high} (and a "
+                          "power-of-two dp)")
+    low, high = _powers_near(lay.dp)
+    model, odd = lay.tp * lay.cp * lay.pp, lay.dp // (lay.dp & -lay.dp)  # odd: dp's odd factor
+    how = (f"inferred from the LLM's {lay.num_ranks} ranks / tp*cp*pp = {model}"
+           if cfg.llm.layout.dp == -1 else "set")
+    raise ConfigError("llm.layout.dp", lay.dp, f"{pool} (dp {how})",
+                      f"run the LLM on {low * model} or {high * model} ranks (launcher.nproc_per_node, "
+                      f"with llm.layout.dp=-1 or {low} or {high}), or move dp's factor {odd} into "
+                      f"llm.layout.tp or pp (dp then {lay.dp // odd})")
+
+
+def _powers_near(n: int) -> tuple[int, int]:
+    """The powers of two just below and just above `n` (n >= 1 not a power of two)."""
+    low = 1 << (n.bit_length() - 1)
+    return low, 2 * low
 
 
 def _check_launcher(cfg, world_size: int) -> None:
@@ -387,8 +410,9 @@ def _check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
     packing, cp_comm or recompute; a world size differing from the launcher's nodes x ranks per
     node; heads, KV heads, FFN width or vocabulary (no padding) not divisible by tp;
     `trainer.micro_batch_tokens` not divisible by 2*cp (nor by tp under sequence parallelism);
-    the global batch not divisible by a module's dp; an edge whose two dp sizes do not divide;
-    under `packing=dynamic_cp` an LLM CP pool dp*cp that is not a power of two.
+    the global batch not divisible by a module's dp (the LLM's only under first_fit); an edge
+    whose two dp sizes do not divide; under `packing=dynamic_cp` an LLM CP pool dp*cp that is
+    not a power of two.
     """
     check_choice("packing", cfg.packing, PACKINGS)
     for m in present_modules(cfg):

@@ -142,6 +142,9 @@ class TrainerConfig:
     """Evaluate every N steps (0: only at the end)."""
     eval_samples: int = 0
     """Held-out samples to evaluate (0: the whole held-out split)."""
+    eval_max_new_tokens: Optional[int] = None
+    """Greedy decoding's cap in tokens for `eval/answer_accuracy`; None: the longest reference
+    answer of the evaluated samples plus its EOS (hcp.train.evaluate.answer_tokens)."""
     grad_clip: float = 1.0
     """Max global gradient L2 norm (0 disables clipping)."""
     progress_bar: bool = True

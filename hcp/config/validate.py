@@ -6,6 +6,7 @@ import importlib.util
 
 from omegaconf import OmegaConf
 
+from hcp.config.capacity import max_length, tokens_per_rank
 from hcp.config.choices import ATTENTION_BACKENDS, BACKEND_MODULES, CP_BACKENDS, OPTIMIZERS, PROJECTOR_TYPES
 from hcp.config.errors import ConfigError, check_choice
 from hcp.config.keys import check_known_keys
@@ -98,19 +99,36 @@ def check_trainer(cfg, layouts) -> None:
     for key in ("max_steps", "global_batch_size", "micro_batch_tokens", "log_every"):
         if t[key] < 1:
             raise ConfigError(f"trainer.{key}", t[key], "must be >= 1", "use a positive value")
+    cap = t.get("eval_max_new_tokens")
+    if cap is not None and cap < 1:
+        raise ConfigError("trainer.eval_max_new_tokens", cap, "greedy evaluation must decode at least "
+                          "one token", "use null (the longest reference answer plus EOS) or a value >= 1")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError("data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)",
                           "use e.g. data.eval_fraction=0.15")
     _check_optim(cfg)
-    # micro_batch_tokens is a per-rank capacity: a document may span the CP group (or, under
-    # dynamic CP, the whole CP pool), so the longest sample is that many ranks' worth.
-    llm = layouts["llm"]
-    span = llm.cp_pool if cfg.packing == "dynamic_cp" else llm.cp
-    if t.micro_batch_tokens * span < cfg.data.max_seq_len:
-        raise ConfigError("trainer.micro_batch_tokens", t.micro_batch_tokens,
-                          f"x {span} CP ranks is smaller than data.max_seq_len={cfg.data.max_seq_len}: "
-                          "a longest sample would not fit", "raise trainer.micro_batch_tokens or "
-                          "llm.layout.cp, or lower data.max_seq_len")
+    _check_longest_sample(cfg, layouts["llm"])
+
+
+def _check_longest_sample(cfg, llm) -> None:
+    """`trainer.micro_batch_tokens` is a per-rank capacity: the longest sample (`data.max_seq_len`)
+    may span the LLM's CP group, under `packing=dynamic_cp` the whole CP pool (dp * cp ranks),
+    and on c > 1 ranks it is padded to a multiple of 2c (head-tail sharding), so it must fit
+    `hcp.config.capacity.max_length(c, micro_batch_tokens)` (the planner's own limit)."""
+    tokens, longest = cfg.trainer.micro_batch_tokens, cfg.data.max_seq_len
+    dynamic = cfg.packing == "dynamic_cp"
+    span = llm.cp_pool if dynamic else llm.cp
+    limit = max_length(span, tokens)
+    if longest > limit:
+        where = (f"the dynamic-CP pool of dp*cp = {llm.dp}*{llm.cp} = {span} ranks" if dynamic
+                 else f"llm.layout.cp={span} ranks")
+        pad = ", head-tail padding to a multiple of 2*cp counted" if span > 1 else ""
+        raise ConfigError("trainer.micro_batch_tokens", tokens,
+                          f"{where} at this many tokens per rank holds a sample of at most {limit} "
+                          f"tokens{pad}, less than data.max_seq_len={longest}",
+                          f"use trainer.micro_batch_tokens >= {tokens_per_rank(longest, span)}, or "
+                          f"data.max_seq_len <= {limit}, or a larger "
+                          f"{'CP pool (llm.layout.dp * llm.layout.cp)' if dynamic else 'llm.layout.cp'}")
 
 
 def validate(cfg, world_size: int) -> dict:

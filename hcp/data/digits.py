@@ -80,9 +80,8 @@ def build_digits_pair(root: str, eval_fraction: float = 0.15) -> str:
     """Built-in `digits_pair`, the tiny two-encoder task: each record shows two digit scans,
     the first to the `vision` encoder (`image`, `<image>`) and the second to the encoder named
     `vision2` (`vision2`, `<vision2>`), and asks for both ("<image> <vision2>\\nWhich two digits
-    are shown?" -> "7 3"); neither encoder alone can answer (digits, not words: greedy
-    evaluation decodes at most 8 tokens, hcp.train.evaluate, and each answer token then
-    depends on the images). The scans are
+    are shown?" -> "7 3"); neither encoder alone can answer (digits, not words: each answer
+    token then depends on the images). The scans are
     `digits_vqa`'s (built under root if needed); the pairs follow its split (a held-out record
     pairs two held-out scans) and a seeded shuffle. Written once to
     `root/digits_pair-v2-eval{eval_fraction}` (a temporary folder renamed into place; `v2` is

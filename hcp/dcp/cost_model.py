@@ -13,8 +13,13 @@ and stays on NVLink only when `c * tp <= ranks_per_node`; above, InfiniBand. A f
 `comm_overlap` of the traffic can hide behind the attention kernels (ring attention overlaps
 block transfers with block compute; FlexSP and ByteScale model CP time the same way:
 `(a L^2 + b L) / c + comm`), never more than the attention time itself:
-exposed = max((1 - overlap) * comm, comm - attention). TP's own collectives are linear in the
-tokens and left to the matmul coefficient (a calibrated profile absorbs them).
+exposed = max((1 - overlap) * comm, comm - attention). Each CP collective also pays a latency
+per ring step (the alpha of the alpha-beta model of a ring collective of c ranks, Thakur,
+Rabenseifner and Gropp 2005: `alpha (c - 1) + beta bytes (c - 1) / c`): `cp_latency * (c - 1)`
+per layer and micro-batch, never hidden (each step waits for the previous one). It is per
+micro-batch, not per token, so the additive floor `fwd_floor` leaves it out. TP's own
+collectives are linear in the tokens and left to the matmul coefficient (a calibrated profile
+absorbs them).
 Backward is twice the forward (compute and K/V plus dK/dV traffic), full recompute adds one
 forward: `bwd = (2 + recompute) * fwd`. Each micro-batch also pays a fixed overhead per stage.
 
@@ -25,7 +30,7 @@ results of shape `[pp, *S]`.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -80,6 +85,7 @@ HARDWARE_RULES = {
     "micro_batch_overhead_fwd": _OVERHEAD,
     "micro_batch_overhead_bwd": _OVERHEAD,
     "bytes_per_element": (_positive, "a positive integer number of bytes, e.g. 2 (BF16)"),
+    "cp_latency": _OVERHEAD,
 }
 
 
@@ -98,6 +104,8 @@ class HardwareProfile:
     micro_batch_overhead_fwd: float
     micro_batch_overhead_bwd: float
     bytes_per_element: int
+    cp_latency: float = 0.0
+    """Seconds per ring step of a CP collective per layer (forward); optional in a YAML."""
 
     def __post_init__(self):
         check_fields(self, HARDWARE_RULES)
@@ -127,7 +135,8 @@ def read_profile(path: str | Path) -> dict:
 def _from_mapping(cls, data, path):
     """`cls(**data)`, every error a ValueError naming the file, the key and the value."""
     names = [f.name for f in fields(cls)]
-    missing, extra = set(names) - set(data), set(data) - set(names)
+    required = [f.name for f in fields(cls) if f.default is MISSING]
+    missing, extra = set(required) - set(data), set(data) - set(names)
     if missing or extra:
         raise ValueError(f"{path}: missing keys {sorted(missing)}, unknown keys {sorted(extra)}. "
                          f"Fix: give exactly {names}")
@@ -191,6 +200,7 @@ class CostModel:
         self.attn_coef = (n * layer_attention_flops_per_sq_token(llm) / tp
                           / (hw.peak_flops * hw.attention_efficiency))  # s / token^2
         self.comm_coef = n * 2 * kv_dim(llm) / tp * hw.bytes_per_element  # bytes / token / GPU
+        self.latency_coef = n * hw.cp_latency  # s per ring step (c - 1) and micro-batch
         self.bwd_factor = 2.0 + float(recompute)
 
     def bandwidth(self, c):
@@ -206,17 +216,27 @@ class CostModel:
         comm = self.comm_coef[col] * t * (c - 1) / c / self.bandwidth(c)
         return compute, attn, comm
 
+    def latency(self, c) -> np.ndarray:
+        """Forward seconds `[pp, *S]` of the CP collectives' ring steps of one micro-batch on a
+        group of `c` ranks (shape S): `cp_latency * layers * (c - 1)`, 0 at c = 1."""
+        c = np.asarray(c, dtype=np.float64)
+        return self.latency_coef[(slice(None),) + (None,) * c.ndim] * (c - 1.0)
+
     def fwd(self, tokens, sq, c) -> np.ndarray:
-        """Forward seconds `[pp, *S]` of groups with `tokens`, `sq` on `c` ranks (no overhead)."""
+        """Forward seconds `[pp, *S]` of groups with `tokens`, `sq` on `c` ranks (no overhead):
+        compute, exposed K/V traffic and the collectives' latency."""
         compute, attn, comm = self._parts(tokens, sq, c)
         exposed = np.maximum((1.0 - self.hw.comm_overlap) * comm, comm - attn)
-        return compute + exposed
+        if not self.hw.cp_latency:
+            return compute + exposed
+        return compute + exposed + np.where(np.asarray(tokens) > 0, self.latency(c), 0.0)
 
     def fwd_floor(self, tokens, sq, c) -> np.ndarray:
         """Additive lower envelope of `fwd`: compute + (1 - overlap) * comm, `[pp, *S]` seconds.
 
         `fwd(group) >= sum over its sequences of fwd_floor(L_i, L_i^2, c)`: every term is linear
-        in (tokens, sq) and the exposed communication is never below `(1 - overlap) * comm`.
+        in (tokens, sq) and the exposed communication is never below `(1 - overlap) * comm`;
+        the latency (once per micro-batch, >= 0) is left out.
         """
         compute, _, comm = self._parts(tokens, sq, c)
         return compute + (1.0 - self.hw.comm_overlap) * comm

@@ -36,13 +36,14 @@ class GroupTime:
         self.mm, self.attn = float(cost.mm_coef[0]), float(cost.attn_coef[0])
         self.comm, self.ov = float(cost.comm_coef[0]), cost.hw.comm_overlap
         self.bw = {c: float(cost.bandwidth(c)) for c in (1 << e for e in range(40))}
+        self.lat = float(cost.latency_coef[0])  # s per ring step (c - 1)
 
     def __call__(self, t: float, s: float, c: int) -> float:
         if t <= 0:
             return 0.0
         attn = self.attn * s / c
         comm = self.comm * t * (c - 1) / c / self.bw[c]
-        return self.mm * t / c + attn + max((1.0 - self.ov) * comm, comm - attn)
+        return self.mm * t / c + attn + max((1.0 - self.ov) * comm, comm - attn) + self.lat * (c - 1)
 
 
 def _split(seqs: list[int], lens: list[int]) -> tuple[list[int], list[int]]:

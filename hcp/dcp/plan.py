@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from hcp.config.capacity import max_length
 from hcp.config.errors import ConfigError
 
 ON_OVERLONG = ("error", "truncate", "skip")
@@ -94,18 +95,11 @@ class Plan:
 
 def rank_tokens(lengths, cp_size) -> np.ndarray:
     """Tokens one rank of a CP group of `cp_size` ranks holds for documents of these lengths
-    (broadcast, int64): `2 * ceil(L / 2c)` with head-tail padding (c > 1), `L` at c = 1."""
+    (broadcast, int64): `2 * ceil(L / 2c)` with head-tail padding (c > 1), `L` at c = 1 (the
+    vectorised `hcp.config.capacity.tokens_per_rank`)."""
     lens = np.asarray(lengths, dtype=np.int64)
     c = np.asarray(cp_size, dtype=np.int64)
     return np.where(c == 1, lens, 2 * (-(-lens // (2 * c))))
-
-
-def max_length(pool: int, max_tokens_per_rank: int) -> int:
-    """The longest document the whole pool can hold: the largest L with
-    `rank_tokens(L, pool) <= max_tokens_per_rank` (`pool * m` for even m or a pool of 1)."""
-    if pool == 1:
-        return max_tokens_per_rank
-    return 2 * pool * (max_tokens_per_rank // 2)
 
 
 def check_pool(pool: int, max_tokens_per_rank: int) -> tuple[int, int]:

@@ -28,8 +28,10 @@ the same on every rank that shares a collective.
 The step plan runs rows of one micro-batch per group (`group_at[j, pool position]`), so a
 round whose groups run several micro-batches (pp = 1 without dp_shard) is laid out as
 `max_g n_g` rows over the same blocks; a group that has run out of micro-batches gets an
-empty group there (its ranks run an empty micro-batch: nothing to wait for, since no
-collective spans two groups inside a round).
+empty group there, which its ranks skip (nothing to wait for: no collective spans two groups
+inside a round). So the ranks of a pool run different micro-batch counts, and the gradient
+all-reduce over the pool starts after each rank's last micro-batch, never inside its backward
+(`several_per_round`).
 
 A batch with fewer sequences than pool ranks gives groups with no sequences: those ranks run
 empty micro-batches, as the step plan pads any lane (never a rank left out of a collective).
@@ -40,7 +42,7 @@ import numpy as np
 
 from hcp.config.errors import ConfigError
 from hcp.dcp.cost_model import CostModel, load_profile
-from hcp.dcp.plan import Group, Plan, Round, check_pool, max_length, prepare_lengths
+from hcp.dcp.plan import Group, Plan, Round, check_pool, prepare_lengths
 from hcp.dcp.solver import solve
 from hcp.parallel.groups import DYNAMIC_CP
 
@@ -71,11 +73,19 @@ def dynamic_cp_policy(llm_cfg, profile: str = "h100"):
             costs[key] = CostModel(llm_cfg, hw, pp=llm.pp, tp=llm.tp,
                                    recompute=llm.recompute == "full", pp_layers=layers)
         lens, _ = prepare_lengths(tokens, pool, micro_batch_tokens)
-        several = llm.pp == 1 and not llm.dp_shard
         return rows(solve(lens, costs[key], pool, micro_batch_tokens,
-                          several_per_round=several).plan)
+                          several_per_round=several_per_round(llm)).plan)
 
     return policy
+
+
+def several_per_round(llm) -> bool:
+    """Whether a CP group of the LLM's layout `llm` may run several micro-batches in a round
+    (pp = 1 without dp_shard, `hcp.dcp.plan`), so the ranks of a pool run different numbers of
+    micro-batches in a step (the trainer skips the empty rows): then no collective over the
+    whole pool (its gradient all-reduce) may start inside a rank's last backward
+    (`hcp.train.step.StepRunner.overlap_grad_sync`)."""
+    return llm.pp == 1 and not llm.dp_shard
 
 
 def cp_histogram(plan: Plan) -> dict[str, int]:
@@ -85,20 +95,13 @@ def cp_histogram(plan: Plan) -> dict[str, int]:
     return {f"micro_batches_cp{c}": sizes.count(c) for c in dict.fromkeys(sizes)}
 
 
-def check_dynamic_cp(cfg, llm) -> None:
-    """Before any rank starts: ConfigError naming the field and the fix unless the LLM's CP
-    pool (dp * cp) is a power of two and the longest sample (`data.max_seq_len`) fits the
-    pool at `trainer.micro_batch_tokens` per rank, head-tail padding counted, and the profile
-    loads. `llm` is the LLM's ResolvedLayout."""
-    check_pool(llm.dp * llm.cp, cfg.trainer.micro_batch_tokens)
-    limit = max_length(llm.dp * llm.cp, cfg.trainer.micro_batch_tokens)
-    if cfg.data.max_seq_len > limit:
-        raise ConfigError("data.max_seq_len", cfg.data.max_seq_len,
-                          f"longer than the CP pool of {llm.dp * llm.cp} ranks holds at "
-                          f"trainer.micro_batch_tokens={cfg.trainer.micro_batch_tokens} "
-                          f"({limit} tokens, head-tail padding counted)",
-                          f"use data.max_seq_len <= {limit} or raise "
-                          f"trainer.micro_batch_tokens or the pool")
+def check_dynamic_cp(cfg) -> None:
+    """Before any rank starts: ConfigError naming `packing_profile` and the fix unless the
+    hardware profile loads. The other dynamic-CP rules run
+    in `hcp.config.validate.validate`, which every entry point calls first: a power-of-two CP
+    pool (`hcp.config.layouts`) and the longest sample fitting the pool at
+    `trainer.micro_batch_tokens` per rank, head-tail padding counted (`max_length`, the limit
+    the planner applies)."""
     try:
         load_profile(cfg.packing_profile)
     except ValueError as err:

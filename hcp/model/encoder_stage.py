@@ -1,10 +1,11 @@
 """One pipeline stage of an encoder island (placement=non_colocated, DESIGN.md 4.4).
 
-An encoder island runs an encoder (a ViT) with its projector under the encoder's own TP, DP
+An encoder island runs an encoder (a ViT) with its projector(s) under the encoder's own TP, DP
 and PP. Stage s holds the encoder's blocks [start, stop) (`hcp.model.vit.ViTEncoder` with a
 `StageSpec`; the first stage also holds the embeddings and reads pixel values); the last stage
-also holds the projector and returns the image rows [I * P, H_llm] that the island route
-(`hcp.comm.island`) sends to the LLM's first stage. FQNs equal the single-process model's
+also holds the projectors (one per stream the encoder feeds: two under a branch) and returns
+the image rows of every stream, which the island routes (`hcp.comm.island`, one per stream)
+send to the LLM's first stage. FQNs equal the single-process model's
 (`vision.blocks.1.*`, `projector.*`), so `init_parameters(stage, seed)` gives the same weights
 and checkpoints are keyed by module FQN whatever the layout.
 
@@ -24,22 +25,29 @@ from hcp.model.vit import ViTEncoder
 
 
 class EncoderStage(nn.Module):
-    """Stage `stage` of the encoder `name` (its config `enc_cfg`) and, on the last stage, its
-    projector `projector_name` (config `projector_cfg`, None: the encoder's output is the row).
+    """Stage `stage` of the encoder `name` (its config `enc_cfg`) and, on the last stage, the
+    projectors it feeds on its island (`projectors`: name -> ProjectorConfig, in stream order;
+    {}: the encoder's output is the row). Several projectors are a branch: the tower runs once
+    per micro-batch, each projector reads its features, and the tower's gradient is the sum of
+    theirs (autograd inside the stage).
+
+    `recompute`: the encoder's blocks recompute their forward in backward (`ViTEncoder`).
 
     forward(x): x is pixel values [I, C, H, W] on the first stage, else the previous stage's
-    hidden states [I, P + 1, D]; returns hidden states [I, P + 1, D] (not last) or image rows
-    [I * P, H_llm] (last).
+    hidden states [I, P + 1, D]; returns hidden states [I, P + 1, D] (not last) or the rows of
+    every stream, concatenated in stream order, [sum_s I * R_s, H_llm] (last; the island's link,
+    `hcp.schedule.graph_executor.StreamsLink`, cuts them by stream with the plan's rows).
     """
 
-    def __init__(self, name: str, enc_cfg, projector_cfg, llm_hidden: int, stage: StageSpec,
-                 tp_group=None, projector_name: str = "projector"):
+    def __init__(self, name: str, enc_cfg, projectors: dict, llm_hidden: int, stage: StageSpec,
+                 tp_group=None, recompute: bool = False):
         super().__init__()
-        self.name, self.projector_name, self.stage, self.tp_group = name, projector_name, stage, tp_group
+        self.name, self.stage, self.tp_group = name, stage, tp_group
+        self.projector_names = tuple(projectors) if stage.last else ()
         self.hidden_size = enc_cfg.hidden_size
-        setattr(self, name, ViTEncoder(enc_cfg, tp_group, stage))
-        if stage.last and projector_cfg is not None:
-            setattr(self, projector_name, Projector(projector_cfg, enc_cfg.hidden_size, llm_hidden, tp_group))
+        setattr(self, name, ViTEncoder(enc_cfg, tp_group, stage, recompute))
+        for p in self.projector_names:
+            setattr(self, p, Projector(projectors[p], enc_cfg.hidden_size, llm_hidden, tp_group))
 
     @property
     def encoder(self) -> ViTEncoder:
@@ -53,6 +61,6 @@ class EncoderStage(nn.Module):
         h = self.encoder(x)
         if not self.stage.last:
             return h
-        projector = getattr(self, self.projector_name, None)
-        feats = projector(h) if projector is not None else h
-        return copy_to_group(feats.reshape(-1, feats.shape[-1]), self.tp_group)
+        outs = [getattr(self, p)(h) for p in self.projector_names] or [h]
+        feats = torch.cat([o.reshape(-1, o.shape[-1]) for o in outs])
+        return copy_to_group(feats, self.tp_group)

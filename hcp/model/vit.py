@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hcp.config.schema import VisionConfig
 from hcp.model.collectives import group_size
@@ -81,10 +82,15 @@ class VisionBlock(nn.Module):
 class ViTEncoder(nn.Module):
     """pixel_values [I, C, H, W] (H = W = image_size) -> patch features [I, P, D], with
     P = (image_size / patch_size)^2 (the CLS token is dropped from the output). `tp_group`:
-    the blocks' TP group (module docstring); the output is whole on every TP rank."""
+    the blocks' TP group (module docstring); the output is whole on every TP rank.
+    `recompute`: full per-block recompute (`torch.utils.checkpoint`, non-reentrant): each block
+    keeps only its input [I, P + 1, D] and runs its forward again during its backward (an
+    encoder island's `layout.recompute=full`; the colocated schedule recomputes the whole
+    encoder side in its phase 3 instead)."""
 
-    def __init__(self, cfg: VisionConfig, tp_group=None, stage=None):
+    def __init__(self, cfg: VisionConfig, tp_group=None, stage=None, recompute: bool = False):
         super().__init__()
+        self.recompute = recompute
         if cfg.image_size % cfg.patch_size:
             raise ValueError(f"vision: image_size {cfg.image_size} must be a multiple of "
                              f"patch_size {cfg.patch_size}")
@@ -127,7 +133,8 @@ class ViTEncoder(nn.Module):
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
         for block in blocks:
-            x = block(x)
+            x = (checkpoint(block, x, use_reentrant=False) if self.recompute and torch.is_grad_enabled()
+                 else block(x))
         # a copy, not a view: under FSDP (`vision.layout.dp_shard`) the module's output carries
         # its pre-backward hook, which an in-place op on a view would drop
         return x[:, 1:].clone() if self.stage is None or self.stage.last else x

@@ -2,44 +2,33 @@
 
 `plan_step(sizes, layouts, packing, micro_batch_tokens, edges)` maps the global batch's sample
 sizes (`hcp.plan.lengths`) to a `StepPlan`, identical on every rank (no randomness, no process
-group, no rank asks another what to expect). `StepPlan.rank(r)` is rank r's part: the samples it
-encodes per encoder-side module, the LLM micro-batches it runs (packed samples, `cu_seqlens`,
-`max_seqlen`, CP group and shard, the offsets of its image rows), the routing of every edge into
-the LLM (`hcp.parallel.routing.RankRoute`) and the global counts.
+group, no rank asks another what to expect). `StepPlan.rank(r)` is rank r's part
+(`hcp.plan.rank_plan.RankPlan`): the samples it encodes per encoder-side module, the LLM
+micro-batches it runs (packed samples, `cu_seqlens`, `max_seqlen`, CP group and shard, the
+offsets of its image rows), the routing of every edge into the LLM
+(`hcp.parallel.routing.RankRoute`) and the global counts.
 
-Packing policies map the samples' merged lengths to a `hcp.dcp.plan.Plan` over the LLM's CP pool
-(dp * cp ranks of one pipeline stage and TP index, pool position = dp * cp + cp): micro-batches in
-execution order, each a set of groups (samples, CP size c, aligned block offset) tiling the pool,
-so every rank of the pool runs the same number of micro-batches (a rank whose group is empty runs
-an empty micro-batch). `first_fit` is today's static packing: DP lane l takes the contiguous block
-l of the global batch and packs it first-fit (each document padded to 2*cp, capacity
-micro_batch_tokens * cp), at block offset l*cp with c = cp. `dynamic_cp` (h-dcp) registers its
-solver with `register_policy`.
+The pieces: the packing policy (`hcp.plan.policies`: `first_fit`, or `dynamic_cp` once
+registered) decides the LLM's micro-batches over its CP pool; every edge into the LLM is then
+routed, by `hcp.plan.routes` when its source shares the LLM's ranks (colocated: one table for
+the step) and by `hcp.plan.island_routes` when it sits on an island of its own (non-colocated:
+one table per micro-batch over the edge group, the encoder lanes' micro-batches in the order
+the LLM consumes them). Both placements are policies of this one plan.
 
 Encoder-side modules (every module but the LLM) use static lanes: lane l of a module with dp
 lanes encodes block l of the global batch, on each of its TP replicas; encoder CP is refused
 here (`ValueError`), and encoder PP under colocated placement.
 
-Non-colocated placement (`placement=non_colocated`: an edge into the LLM whose source sits on
-other ranks than the LLM): a module on an encoder's island (the projector) runs with the
-island head's layout (the encoder's TP, DP and PP; the projector on its last stage). The
-encoder lane encodes its block as one encoder micro-batch per LLM micro-batch, in the order
-the LLM consumes them (`RankPlan.encoder_micro_batches`: encoder micro-batch j holds the lane's
-samples that LLM micro-batch j packs, over all LLM lanes, in packing order; empty when it has
-none). Each micro-batch then has its own routing table over the edge group
-(`hcp.parallel.islands.edge_ranks`: the encoder's last-stage ranks, then the LLM's first-stage
-ranks): a source rank's rows are its encoder micro-batch's rows in sample order (TP replicas
-split them as under colocation), a destination receives the image rows of its CP shard of that
-micro-batch in slot order (`RankPlan.island_routes`, one `RankRoute` per micro-batch, and
-`MicroBatchPlan.image_rows == (0, rows)`). Destination TP (`island_route`): `leader` (default;
-only TP rank 0 of each destination TP group is in the table and broadcasts inside its group,
-`hcp.comm.island`) or `direct` (every TP rank receives, TP rank 0 returns the gradient).
-
 Several encoders or streams (joins, branches: `hcp.config.modules`): every edge into the LLM is
 routed from its own stream's sizes (`stream_sizes`, one length index per stream), so each
 stream's rows reach the CP rank holding its own placeholder positions; `MicroBatchPlan.
 stream_rows` and `Counts.stream_rows` give each stream's rows by source projector, and
-`RankPlan.encoder_samples` every encoder's and projector's samples.
+`RankPlan.encoder_samples` every encoder's and projector's samples. Under non_colocated each
+encoder island has its own edge group and tables, and `RankPlan.encoder_inputs` /
+`encoder_rows` give an island rank its inputs and each stream's rows per micro-batch.
+
+Public names kept here for their callers: `plan_step`, `register_policy`, `first_fit_policy`,
+`island_head`, `MicroBatchPlan`, `Counts`, `RankPlan`, `StepPlan`.
 
 Conventions of the routed rows (projector output, one row per image token): `hcp.parallel.routing`.
 """
@@ -47,122 +36,21 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
-from hcp.data.packing import first_fit
-from hcp.dcp.plan import Group, Plan, Round
+from hcp.dcp.plan import Group, Plan
 from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
-from hcp.parallel.routing import RankRoute, RowTable, cp_slot
+from hcp.parallel.routing import RowTable
+from hcp.plan.island_routes import island_head, route_from_island, same_span
 from hcp.plan.lengths import SampleSizes
+from hcp.plan.policies import Policy, first_fit_policy, policy, register_policy
+from hcp.plan.rank_plan import Counts, MicroBatchPlan, RankPlan
+from hcp.plan.routes import excl_cumsum, route_into_llm
 
-Policy = Callable[[np.ndarray, object, int], Plan]
-"""(merged lengths int64 [B], the LLM's ResolvedLayout, micro_batch_tokens) -> Plan over the
-LLM's CP pool whose groups hold positions in the global batch."""
-
-_POLICIES: dict[str, Policy] = {}
-
-
-def register_policy(name: str, policy: Policy) -> None:
-    """Make `policy` the packing policy `packing=name` (replaces an earlier one)."""
-    _POLICIES[name] = policy
-
-
-def first_fit_policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Plan:
-    """Static lanes, first-fit inside each lane (module docstring); lanes with fewer packs get
-    empty groups, so every lane runs the same number of micro-batches.
-
-    Raises ValueError: the batch does not split into llm.dp lanes, or a sample exceeds the cap.
-    """
-    dp, cp = llm.dp, llm.cp
-    if len(tokens) % dp:
-        raise ValueError(f"trainer.global_batch_size={len(tokens)} is not divisible by llm dp={dp}")
-    n, pad = len(tokens) // dp, 2 * cp
-    padded = (-(-tokens // pad) * pad).tolist()
-    lanes = [first_fit(padded[lane * n:(lane + 1) * n], micro_batch_tokens * cp) for lane in range(dp)]
-    return Plan([Round([Group([lane * n + i for i in packs[j]] if j < len(packs) else [], cp,
-                                   lane * cp) for lane, packs in enumerate(lanes)])
-                 for j in range(max(map(len, lanes)))])
-
-
-register_policy("first_fit", first_fit_policy)
-
-
-@dataclass(frozen=True)
-class MicroBatchPlan:
-    """One LLM micro-batch as one rank runs it. Sample indices are positions in the global batch.
-
-    An empty micro-batch (`samples == ()`, `cu_seqlens == [0]`) pads a rank's schedule so every
-    rank of its collectives runs the same count; it has no tokens, loss or image rows.
-    """
-
-    samples: tuple[int, ...]
-    """Packed samples (documents) in packing order."""
-    cu_seqlens: np.ndarray
-    """int32 [N + 1]: merged document boundaries before CP sharding."""
-    max_seqlen: int
-    """Longest document (merged tokens)."""
-    cp_size: int
-    """Ranks of the CP group that shares the micro-batch."""
-    cp_block: int
-    """Index of that group among the aligned blocks of cp_size in the CP pool (DESIGN.md 3)."""
-    cp_rank: int
-    """This rank's CP shard index inside the group (head-tail chunks r and 2c-1-r)."""
-    local_tokens: int
-    """Slots of this rank's CP shard: sum over documents of 2 * ceil(L / 2c) at c > 1, of L at
-    c = 1 (no sharding, no padding)."""
-    image_rows: tuple[int, int]
-    """[start, end) of its image rows in the tensor received over the edge into the LLM (only
-    on the LLM's first stage; rows in slot order of the local shard). Colocated: one tensor
-    for the step; non-colocated: one tensor per micro-batch, so (0, rows) (every TP rank of
-    the shard gets it, also under the `leader` route). Several edges into the LLM: the default
-    stream's (`projector`, else the first edge's)."""
-    stream_rows: dict = field(default_factory=dict)
-    """Every edge into the LLM, by source projector: [start, end) of this micro-batch's rows
-    in the tensor received over that edge (`image_rows` is one of them)."""
-
-    @property
-    def empty(self) -> bool:
-        return not self.samples
-
-
-@dataclass(frozen=True)
-class Counts:
-    """Global counts of the step (all micro-batches, lanes, CP ranks)."""
-
-    loss_tokens: int
-    tokens: int
-    """Merged tokens, without CP padding."""
-    sum_sq_lengths: float
-    """Sum over documents of the squared merged length (attention FLOPs)."""
-    image_rows: int = 0
-    """Image rows (image tokens) of the whole batch (all streams into the LLM)."""
-    stream_rows: dict = field(default_factory=dict)
-    """Rows of the whole batch per stream into the LLM, by source projector."""
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """One rank's part of a `StepPlan`."""
-
-    rank: int
-    encoder_samples: dict[str, tuple[int, ...]]
-    """Encoder-side module -> the samples it encodes here, in order (only modules it runs)."""
-    micro_batches: list[MicroBatchPlan]
-    """Its LLM micro-batches in execution order (empty list when it runs no LLM stage)."""
-    routes: dict[tuple[str, str], RankRoute]
-    """Edge into the LLM -> this rank's part of its row exchange."""
-    counts: Counts
-    checksum: int = 0
-    """`StepPlan.checksum()` of the whole plan (0: not computed)."""
-    encoder_micro_batches: dict[str, tuple[tuple[int, ...], ...]] = field(default_factory=dict)
-    """Non-colocated: encoder-side module -> per LLM micro-batch j, the samples this rank's
-    lane encodes as its micro-batch j (module docstring); every stage of the lane gets it."""
-    island_routes: dict[tuple[str, str], tuple[RankRoute, ...]] = field(default_factory=dict)
-    """Non-colocated edge into the LLM -> this rank's `RankRoute` of every micro-batch (edge
-    group ranks); only ranks of the edge group have an entry."""
+__all__ = ["Counts", "MicroBatchPlan", "Policy", "RankPlan", "StepPlan", "first_fit_policy",
+           "island_head", "plan_step", "register_policy"]
 
 
 @dataclass
@@ -198,7 +86,9 @@ class StepPlan:
     """[B] the LLM micro-batch that consumes each sample."""
     stream_row_offsets: dict = field(default_factory=dict)
     """Source projector of each edge into the LLM -> its [pool, J + 1] prefix sums."""
-    _cache: dict = field(default_factory=dict, repr=False)
+    module_sizes: dict = field(default_factory=dict)
+    """Encoder-side module -> the sizes of its stream (a projector into the LLM: its own; an
+    encoder: its first stream's, whose `images` are its inputs per sample)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -218,7 +108,8 @@ class StepPlan:
     def rank(self, rank: int, checksum: bool = False) -> RankPlan:
         """Global rank `rank`'s part (colocated: edge group rank = global rank), with the plan's
         `checksum()` when asked (`trainer.check_plan`)."""
-        enc, enc_mbs = {}, {}
+        enc, enc_mbs, inputs, rows_out = {}, {}, {}, {}
+        into = {src for src, _ in self.island_tables}
         for m, dp in self.encoder_lanes.items():
             grid = self.encoder_grids.get(m) or Grid.of(self.layouts[m])
             if grid.contains(rank):
@@ -227,6 +118,11 @@ class StepPlan:
                 enc[m] = tuple(range(lane * n, (lane + 1) * n))
                 if self.island_tables:
                     enc_mbs[m] = self._encoder_micro_batches(enc[m])
+                    sz = self.module_sizes.get(m, self.sizes)
+                    per = [np.asarray(mb, dtype=np.int64) for mb in enc_mbs[m]]
+                    inputs[m] = tuple(int(sz.images[k].sum()) for k in per)
+                    if m in into:
+                        rows_out[m] = tuple(int(sz.image_rows[k].sum()) for k in per)
         llm = Grid.of(self.layouts["llm"])
         mbs = []
         if llm.contains(rank):
@@ -254,7 +150,7 @@ class StepPlan:
         island = {e: tuple(t.route(self.island_ranks[e].index(rank)) for t in ts)
                   for e, ts in self.island_tables.items() if rank in self.island_ranks[e]}
         return RankPlan(rank, enc, mbs, routes, self.counts, self.checksum() if checksum else 0,
-                        enc_mbs, island)
+                        enc_mbs, island, inputs, rows_out)
 
     def _encoder_micro_batches(self, lane_samples) -> tuple[tuple[int, ...], ...]:
         """A lane's samples per LLM micro-batch, in consumption order."""
@@ -262,12 +158,6 @@ class StepPlan:
         lane = lane[np.argsort(self.consume_order[lane], kind="stable")]
         mb = self.sample_micro_batch[lane]
         return tuple(tuple(int(s) for s in lane[mb == j]) for j in range(self.num_micro_batches))
-
-
-def _excl_cumsum(x: np.ndarray) -> np.ndarray:
-    out = np.zeros(len(x) + 1, dtype=np.int64)
-    np.cumsum(x, out=out[1:])
-    return out
 
 
 def _flatten(plan: Plan, pool: int, batch: int):
@@ -287,7 +177,7 @@ def _flatten(plan: Plan, pool: int, batch: int):
         raise ValueError(f"packing placed sample {bad} {int(seen[bad]) if bad < batch else 'out of range'} "
                          "times; every sample of the global batch must be in exactly one micro-batch")
     J = len(plan.rounds)
-    first = _excl_cumsum(size)
+    first = excl_cumsum(size)
     cover_pos = np.repeat(off, size) + np.arange(first[-1]) - np.repeat(first[:-1], size)
     cover_mb = np.repeat(mb_of_group, size)
     if (off % size).any() or (size & (size - 1)).any() or (cover_pos >= pool).any() or (cover_pos < 0).any():
@@ -321,13 +211,11 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
             sample or does not tile the pool; a batch that does not split into a module's
             lanes; an encoder-side module with cp > 1, or pp > 1 under colocated placement.
     """
-    if packing not in _POLICIES:
-        raise ValueError(f"packing={packing!r} has no registered policy: use one of {sorted(_POLICIES)}")
     if island_route not in ("leader", "direct"):
         raise ValueError(f"island_route={island_route!r}: use 'leader' or 'direct'")
     llm = layouts["llm"]
     B, pool = len(sizes), llm.dp * llm.cp
-    plan = _POLICIES[packing](sizes.tokens, llm, micro_batch_tokens)
+    plan = policy(packing)(sizes.tokens, llm, micro_batch_tokens)
     groups, mb_of_group, size, off, n_seq, samples, group_at = _flatten(plan, pool, B)
     J = group_at.shape[0]
     # per sample: its group, micro-batch, CP size, block offset, local start in its group
@@ -335,7 +223,7 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
     doc_len = sizes.tokens[samples]                                   # per packed document
     slots = np.where(size[gid] == 1, doc_len, 2 * -(-doc_len // (2 * size[gid])))  # c = 1: no padding
     local_tokens = np.bincount(gid, weights=slots, minlength=len(groups)).astype(np.int64)
-    starts = _excl_cumsum(slots)[:-1] - np.repeat(_excl_cumsum(local_tokens)[:-1], n_seq)
+    starts = excl_cumsum(slots)[:-1] - np.repeat(excl_cumsum(local_tokens)[:-1], n_seq)
     doc_start, s_group = np.empty(B, np.int64), np.empty(B, np.int64)
     doc_start[samples], s_group[samples] = starts, gid
     consume = np.empty(B, np.int64)
@@ -347,7 +235,7 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
     encoder_lanes, grids, tables = {}, {}, {}
     for m, head in source.items():
         lay = layouts[head]
-        if lay.cp > 1 or (lay.pp > 1 and _same_span(lay, llm)):
+        if lay.cp > 1 or (lay.pp > 1 and same_span(lay, llm)):
             raise ValueError(f"{head}.layout: cp={lay.cp}, pp={lay.pp}: encoder-side CP and PP are "
                              "not supported yet (PP only under placement=non_colocated); use cp=1 and pp=1")
         if head != m and (layouts[m].cp > 1 or layouts[m].pp > 1):
@@ -368,10 +256,10 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
                              "index the same global batch")
         args = (rows, llm, s_group, doc_start, size, off, mb_of_group)
         head = layouts[source[src]]
-        if _same_span(head, llm):
-            tables[(src, dst)], row_counts = _route_into_llm(layouts[src], mb_base, J, *args)
+        if same_span(head, llm):
+            tables[(src, dst)], row_counts = route_into_llm(layouts[src], mb_base, J, *args)
         else:
-            island_tables[(src, dst)], row_counts = _island_route(head, consume, island_route, J, *args)
+            island_tables[(src, dst)], row_counts = route_from_island(head, consume, island_route, J, *args)
             island_ranks[(src, dst)] = edge_ranks(Grid.of(head), Grid.of(llm))
         offsets[src] = np.concatenate([np.zeros((pool, 1), np.int64), np.cumsum(row_counts, 1)], 1)
         stream_rows[src] = int(rows.image_rows_each.sum())
@@ -381,101 +269,9 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
     counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()), float((tok.astype(np.float64) ** 2).sum()),
                     sum(stream_rows.values()) if stream_rows else int(sizes.image_rows_each.sum()),
                     stream_rows)
+    into = [src for src, dst in edges if dst == "llm"]
+    fed = {m: next((b for a, b in edges if a == m and b in into), None) for m in source}
+    module_sizes = {m: stream_sizes.get(m if m in into else fed[m], sizes) for m in source}
     return StepPlan(sizes, layouts, plan, counts, encoder_lanes, tables, group_at, groups,
                     local_tokens, image_row_offsets, grids, island_tables, island_ranks, consume,
-                    mb_of_group[s_group], offsets)
-
-
-def _same_span(a, b) -> bool:
-    return a.rank_offset == b.rank_offset and a.num_ranks == b.num_ranks
-
-
-def island_head(layouts, edges, module: str) -> str:
-    """The module whose layout `module` runs under: itself, or under non-colocated placement
-    the encoder heading its island (walking back over edges between modules on the same ranks,
-    e.g. projector -> vision). Colocated modules keep their own layouts."""
-    if _same_span(layouts[module], layouts["llm"]):
-        return module
-    head = module
-    while True:
-        prev = next((a for a, b in edges if b == head and a in layouts and a != "llm"
-                     and _same_span(layouts[a], layouts[head])), None)
-        if prev is None:
-            return head
-        head = prev
-
-
-def _image_rows(sizes, llm, s_group, doc_start, size, off, mb_of_group):
-    """Every image row of the batch (rows in sample order): (sample, merged position in it,
-    destination pool position, micro-batch, slot in that position's part of the micro-batch)."""
-    rows_each = sizes.image_rows_each
-    R = int(rows_each.sum())
-    img_first = _excl_cumsum(rows_each)
-    pos_in_sample = np.repeat(sizes.image_starts - img_first[:-1], rows_each) + np.arange(R)
-    sample = np.repeat(np.arange(len(sizes)), sizes.image_rows)
-    g = s_group[sample]
-    cp_rank, slot = cp_slot(pos_in_sample, sizes.tokens[sample], size[g])
-    return sample, off[g] + cp_rank, mb_of_group[g], doc_start[sample] + slot
-
-
-def _rank_within(key: np.ndarray, part: np.ndarray, parts: int) -> np.ndarray:
-    """Each entry's index among the entries of its `part` ordered by `key` (stable)."""
-    order = np.lexsort((key, part))
-    first = np.searchsorted(part[order], np.arange(parts))
-    out = np.empty(len(key), np.int64)
-    out[order] = np.arange(len(key)) - first[part[order]]
-    return out
-
-
-def _route_into_llm(src_lay, mb_base, J, sizes, llm, s_group, doc_start, size, off, mb_of_group):
-    """The RowTable of a colocated edge from an encoder-side module into the LLM, and the image
-    rows per (pool position, micro-batch) [pool, J]."""
-    pool = llm.dp * llm.cp
-    sample, shard, mb, local = _image_rows(sizes, llm, s_group, doc_start, size, off, mb_of_group)
-    R = len(sample)
-    row_off = _excl_cumsum(sizes.image_rows)
-    # source: lane block; TP replica floor(p * tp / R) sends lane row p (contiguous, balanced)
-    n = len(sizes) // src_lay.dp
-    lane = sample // n
-    lane_first = row_off[np.arange(src_lay.dp) * n]
-    lane_rows = row_off[np.arange(1, src_lay.dp + 1) * n] - lane_first
-    src_row = np.arange(R) - lane_first[lane]
-    tp = src_lay.tp
-    replica = src_row * tp // np.maximum(lane_rows[lane], 1)
-    src = Grid.of(src_lay).ranks[0, lane, 0, replica]
-    # destination: the CP rank whose head-tail chunks hold the row's merged position
-    stream = mb_base[mb, shard] + local
-    dst_row = _rank_within(stream, shard, pool)
-    counts = np.bincount(shard * J + mb, minlength=pool * J).reshape(pool, J)
-    shard_ranks = Grid.of(llm).ranks[0].reshape(pool, llm.tp)
-    return RowTable(src, src_row, shard, dst_row, shard_ranks, llm.num_ranks), counts
-
-
-def _island_route(src_lay, consume, variant, J, sizes, llm, s_group, doc_start, size, off, mb_of_group):
-    """One RowTable per micro-batch of a non-colocated edge into the LLM (group ranks of
-    `edge_ranks`: the source's last-stage ranks lane-major, TP fastest, then the LLM's
-    first-stage ranks in pool order, TP fastest), and the image rows per (pool position,
-    micro-batch) [pool, J]."""
-    pool = llm.dp * llm.cp
-    sample, shard, mb, local = _image_rows(sizes, llm, s_group, doc_start, size, off, mb_of_group)
-    n, tp = len(sizes) // src_lay.dp, src_lay.tp
-    lane = sample // n
-    # source row: the lane's micro-batch rows, samples in consumption order (rows in order)
-    part = lane * J + mb
-    src_row = _rank_within(consume[sample] * (int(sizes.image_rows.max(initial=0)) + 1)
-                           + np.arange(len(sample)) - _excl_cumsum(sizes.image_rows)[sample],
-                           part, src_lay.dp * J)
-    part_rows = np.bincount(part, minlength=src_lay.dp * J)
-    replica = src_row * tp // np.maximum(part_rows[part], 1)
-    src = lane * tp + replica
-    dst_row = _rank_within(local, shard * J + mb, pool * J)
-    n_src = src_lay.dp * tp
-    reps = 1 if variant == "leader" else llm.tp
-    shard_ranks = n_src + np.arange(pool)[:, None] * llm.tp + np.arange(reps)[None, :]
-    group = n_src + pool * llm.tp
-    tables = []
-    for j in range(J):
-        k = mb == j
-        tables.append(RowTable(src[k], src_row[k], shard[k], dst_row[k], shard_ranks, group))
-    counts = np.bincount(shard * J + mb, minlength=pool * J).reshape(pool, J)
-    return tables, counts
+                    mb_of_group[s_group], offsets, module_sizes=module_sizes)

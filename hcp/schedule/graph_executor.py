@@ -6,7 +6,10 @@ A link turns the schedule's abstract ops (`P2P(kind, micro, peer stage)`) into t
 - `PipeLink`: neighbouring stages of one module's pipeline (this rank to the rank with the
   same TP/CP/DP coordinates on the peer stage); shapes from `spec(micro)`;
 - `RouteLink`: an edge between islands, per micro-batch `RankRoute`s run by
-  `hcp.comm.island` (encoder last stage -> LLM first stage, fan-in/out, CP, TP).
+  `hcp.comm.island` (encoder last stage -> LLM first stage, fan-in/out, CP, TP);
+- `StreamsLink`: the routes of every stream between two islands (a branch: one encoder feeding
+  two projectors into the LLM) as one link; the stage's tensor is the streams' rows
+  concatenated in stream order, cut by rows the step plan gives.
 All ops of one `Exchange` (every peer, both kinds of link) are posted in ONE
 `batch_isend_irecv`, so every link of a rank must post on the same process group (e.g. the
 world, or the group of all islands' ranks).
@@ -93,6 +96,35 @@ class RouteLink:
         if kind == "SEND_B":
             return backward_ops(tensor, route, 0, self.edge, self.counter)[0], None
         return backward_ops(self.empty, route, tensor.shape[0], self.edge, self.counter)
+
+
+class StreamsLink:
+    """The `RouteLink`s of several streams between the same two stages as one link: the tensor
+    a stage sends or receives is every stream's rows concatenated in stream order.
+
+    Args:
+        links: one `RouteLink` per stream, in stream order (the same order on both islands);
+        rows: per stream, per micro-batch, the rows of that stream in THIS rank's tensor (on
+            the source: the rows the lane computed, `RankPlan.encoder_rows`; on a destination:
+            the rows of its shard, `MicroBatchPlan.stream_rows`), so nothing is exchanged to
+            learn the cut.
+    """
+
+    def __init__(self, links: Sequence[RouteLink], rows: Sequence[Sequence[int]]):
+        self.links, self.rows = list(links), [list(r) for r in rows]
+
+    def ops(self, kind: str, micro: int, tensor: torch.Tensor | None):
+        """As `PipeLink.ops`, over every stream's route in one list of ops."""
+        parts = ([None] * len(self.links) if tensor is None else
+                 tensor.split([r[micro] for r in self.rows]))
+        ops, finishers = [], []
+        for link, part in zip(self.links, parts):
+            p2p, finish = link.ops(kind, micro, part)
+            ops += p2p
+            finishers.append(finish)
+        if kind.startswith("SEND"):
+            return ops, None
+        return ops, lambda: torch.cat([f() for f in finishers])
 
 
 class GraphStageExecutor:

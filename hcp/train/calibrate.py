@@ -10,23 +10,23 @@ capacity, so that no point lies outside the region the solver plans in (a fit ov
 micro-batches at c = 1, 8x a 512-token cap, bent the fit where the plans are). Then it fits by
 non-negative
 least squares (scipy.optimize.nnls) the per-rank model of hcp/dcp/cost_model.py at pp = 1:
-    time(T, S, c) = (1 + k) (a T / c + b S / c + g T (c - 1) / c) + o
+    time(T, S, c) = (1 + k) (a T / c + b S / c + g T (c - 1) / c + l (c - 1)) + o
 with T = d L tokens, S = d L^2, k = 2 + recompute, and writes `profile.yaml` in the run
 directory: a HardwareProfile (so `packing_profile=PATH` and `benchmarks/dynamic_cp.py --cost
-PATH` load it) whose rates reproduce a, b, g, o for this model:
+PATH` load it) whose rates reproduce a, b, g, l, o for this model:
     matmul rate    = (layers * 2 P_layer + 2 h V) / a      FLOP/s
     attention rate = layers * 2 h / b                       FLOP/s
     peak_flops = the larger rate; each efficiency = its rate / peak;
     bandwidth      = layers * 2 d_kv * bytes / g, comm_overlap 0, every group on
                      one "node" (ranks_per_node = the next power of two >= the grid's largest c);
+    cp_latency     = l / layers                             s per ring step and layer
     overheads      o_f = o / (1 + k), o_b = o - o_f.
-A coefficient fitted to 0 (e.g. gloo's communication runs outside the timed thread) is written
-as a negligible cost: rate or bandwidth 1e18. The YAML's `fit:` entry lists every point's
-measured and predicted seconds and relative error, also printed. Measured per rank: thread CPU
-time on CPU (several ranks share the cores, so wall time would count the others' work), wall
-time after `torch.cuda.synchronize` on GPU (lazy, untested here); the slowest rank of a group
-counts, the least of `REPEATS` runs is kept. The H100 profile (profiles/h100.yaml) stays the
-analytic defaults until someone runs this on H100.
+A coefficient fitted to 0 is written as a negligible cost: rate or bandwidth 1e18, latency 0.
+The YAML's `fit:` entry lists every point's measured and predicted seconds and relative error,
+also printed. Measured per rank: its busy time (`busy_time`: CPU time of the whole process on
+CPU, wall time after `torch.cuda.synchronize` on GPU, lazy, untested here); the slowest rank of
+a group counts, the least of `REPEATS` runs is kept. The H100 profile (profiles/h100.yaml) stays
+the analytic defaults until someone runs this on H100.
 """
 from __future__ import annotations
 
@@ -47,6 +47,22 @@ MIN_LENGTH = 32  # tokens: the shortest document of a capped grid
 CALIBRATE_MAX_CP = 8
 REPEATS = 3
 NEGLIGIBLE = 1e18  # rate (FLOP/s) or bandwidth (bytes/s) written for a coefficient fitted to 0
+
+
+def busy_time() -> float:
+    """Seconds a CPU rank has worked: CPU time of its whole process, every thread
+    (`time.process_time`), so that gloo's communication counts: torch's gloo backend runs each
+    collective on its own worker and transport threads while the calling thread sleeps in
+    `wait()`, so the caller's thread CPU time (`time.thread_time`) leaves the CP all-gather,
+    reduce-scatter and ring send/recv out. Waiting for a slow peer does not count: a gloo rank
+    blocked on a peer sleeps, it does not poll (measured here: 2 s of waiting in all_reduce,
+    all_gather, barrier or recv cost its process 3-9 ms of CPU at 2 and 8 ranks; 100 all_gathers
+    each waiting 2 ms or 20 ms for a late peer cost the same CPU per call as without waiting).
+    So this is the time the rank would keep its own core busy on a machine where every rank
+    had one: compute plus the CPU work of moving its data (on one host gloo's TCP transfers
+    are CPU work). It still counts the kernel's work of switching between the ranks that share
+    a core; pinning 2 or 4 ranks to one core did not raise it (measured)."""
+    return time.process_time()
 
 
 def grid(max_tokens_per_rank: int | None = None, cp: int = 1) -> list[tuple[int, int]]:
@@ -95,12 +111,12 @@ def _rank(payload) -> None:
             dist.barrier()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            start = time.perf_counter() if device.type == "cuda" else time.thread_time()
+            start = time.perf_counter() if device.type == "cuda" else busy_time()
             out = model(x, pos.to(device), cu.to(device), L)
             model.logits(out).float().square().mean().backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            secs = (time.perf_counter() if device.type == "cuda" else time.thread_time()) - start
+            secs = (time.perf_counter() if device.type == "cuda" else busy_time()) - start
             t = torch.tensor([secs], dtype=torch.float64, device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             best = min(best, t.item()) if _ else best
@@ -138,14 +154,14 @@ def fit(rows, llm, recompute: bool, bytes_per_element: int, max_cp: int) -> dict
     arr = np.asarray(rows, dtype=np.float64)
     L, d, c, y = arr.T
     T, S = d * L, d * L * L
-    X = np.stack([T / c, S / c, T * (c - 1) / c, np.ones_like(T)], axis=1)
+    X = np.stack([T / c, S / c, T * (c - 1) / c, c - 1, np.ones_like(T)], axis=1)
     scale = X.max(axis=0)
     scale[scale == 0] = 1.0
     w = 1.0 / y  # relative errors: every point weighs the same
     coef, _ = nnls(X / scale * w[:, None], y * w)
     coef = coef / scale
     k1 = 3.0 + float(recompute)
-    a, b, g, o = coef[0] / k1, coef[1] / k1, coef[2] / k1, coef[3]
+    a, b, g, lat, o = coef[0] / k1, coef[1] / k1, coef[2] / k1, coef[3] / k1, coef[4]
     mm_flops = llm.num_layers * layer_matmul_flops_per_token(llm) + head_flops_per_token(llm)
     at_flops = llm.num_layers * layer_attention_flops_per_sq_token(llm)
     comm_bytes = llm.num_layers * 2 * kv_dim(llm) * bytes_per_element
@@ -161,10 +177,12 @@ def fit(rows, llm, recompute: bool, bytes_per_element: int, max_cp: int) -> dict
         "ranks_per_node": int(1 << max(0, int(max_cp - 1).bit_length())),
         "comm_overlap": 0.0, "micro_batch_overhead_fwd": float(o / k1),
         "micro_batch_overhead_bwd": float(o - o / k1), "bytes_per_element": int(bytes_per_element),
+        "cp_latency": float(lat / llm.num_layers),
     }
     profile["fit"] = {
-        "model": "seconds = (1 + k) (a T / c + b S / c + g T (c - 1) / c) + o",
-        "coefficients": {"a": float(a), "b": float(b), "g": float(g), "o": float(o)},
+        "model": "seconds = (1 + k) (a T / c + b S / c + g T (c - 1) / c + l (c - 1)) + o",
+        "coefficients": {"a": float(a), "b": float(b), "g": float(g), "l": float(lat),
+                         "o": float(o)},
         "points": [{"length": int(li), "docs": int(di), "cp": int(ci), "measured_s": float(yi),
                     "predicted_s": float(pi), "rel_error": float(pi / yi - 1)}
                    for li, di, ci, yi, pi in zip(L, d, c, y, pred)],

@@ -221,6 +221,17 @@ def layout_label(model, tp_group) -> str:
     return label + (" (dp_shard)" if llm_sharded else "")
 
 
+def layouts_label(layouts: dict) -> str:
+    """A colocated heterogeneous run's layout as users write it, every module named, e.g.
+    `llm tp2 x cp2 | vision dp4 (dp_shard) | projector dp4`: a resume under another encoder
+    layout says so (and derives the per-rank RNG streams) as it does for the LLM's.
+    `layouts`: module -> `hcp.config.layouts.ResolvedLayout`."""
+    def one(m, lay):
+        sizes = " x ".join(f"{k}{getattr(lay, k)}" for k in ("tp", "cp", "pp", "dp") if getattr(lay, k) > 1)
+        return f"{m} {sizes or '1 rank'}" + (" (dp_shard)" if lay.dp_shard else "")
+    return " | ".join(one(m, layouts[m]) for m in ["llm", *sorted(m for m in layouts if m != "llm")])
+
+
 def _size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 

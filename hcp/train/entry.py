@@ -29,8 +29,11 @@ def _rank_entry(payload) -> None:
     from hcp.train.trainer import run_rank
 
     container, run_dir = payload
-    with report_rank_failure():  # names the failing rank in the log (hcp.train.failures)
-        run_rank(OmegaConf.create(container), run_dir)
+    try:
+        with report_rank_failure():  # names the failing rank in the log (hcp.train.failures)
+            run_rank(OmegaConf.create(container), run_dir)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher alone says what to do next
+        sys.exit(130)
 
 
 def _is_first(joined) -> bool:

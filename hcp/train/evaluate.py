@@ -33,9 +33,18 @@ def _packs(samples, capacity):
     return [[samples[i] for i in idx] for idx in first_fit([len(s.input_ids) for s in samples], capacity)]
 
 
+def answer_tokens(sample, eos_id: int) -> int:
+    """Greedy steps `sample`'s reference answer takes: its first answer's tokens as trained (from
+    `prompt_len` to the first `eos_id`) plus one for the EOS, so that decoding can show it stops
+    there (a model that goes on past the answer then scores wrong). A sample with no EOS after
+    its prompt counts every token after the prompt, plus one."""
+    answer = list(sample.input_ids[sample.prompt_len:])
+    return (answer.index(eos_id) if eos_id in answer else len(answer)) + 1
+
+
 @torch.no_grad()
 def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, loss_group=None,
-             lane_group=None, max_new_tokens: int = 8) -> dict:
+             lane_group=None, max_new_tokens: int | None = None) -> dict:
     """Evaluate this rank's lane's share `indices` of the held-out set with `run` (see the
     module docstring); `model` is this rank's stage (`LlavaModel`).
 
@@ -45,7 +54,9 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
 
     Returns {"eval/loss": token-level mean cross-entropy, "eval/answer_accuracy": fraction of
     samples whose greedy answer (decoded from the prompt until EOS or `max_new_tokens`) equals
-    the reference answer after stripping whitespace}.
+    the reference answer after stripping whitespace}. `max_new_tokens` None (the default of
+    `trainer.eval_max_new_tokens`): the longest reference answer of the evaluated samples, EOS
+    included (`answer_tokens`, the maximum over every lane, so all lanes decode in lock-step).
     """
     was_training = model.training
     model.eval()
@@ -70,6 +81,8 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
     if not getattr(dataset, "has_answers", False):
         return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), False, device)
     # Greedy decoding of every sample in lock-step; no KV cache (tiny models).
+    if max_new_tokens is None:
+        max_new_tokens = lane_max(max((answer_tokens(s, tokenizer.eos_id) for s in samples), default=0))
     prompts = [SimpleNamespace(id=s.id, input_ids=list(s.input_ids[:s.prompt_len]),
                                labels=[IGNORE_INDEX] * s.prompt_len, src=s) for s in samples]
     generated = {p.id: [] for p in prompts}

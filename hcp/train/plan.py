@@ -181,14 +181,14 @@ def memory_by_role(runs, per_rank) -> list[dict]:
 
 
 def encoder_recompute_warnings(cfg, layouts) -> list[str]:
-    """Under `non_colocated`, an encoder-side module with recompute: the memory estimate charges
-    per-layer recompute, which the ViT does not implement yet (only the colocated schedule's
-    whole-encoder recompute in phase 3 exists)."""
+    """Under `non_colocated`, an encoder-side module with `selective` recompute: the memory
+    estimate charges it, which the ViT does not implement (`full` runs per block on an island,
+    as estimated)."""
     if cfg.placement != "non_colocated":
         return []
     return [f"warning: {m}.layout.recompute={lay.recompute} on an island: the memory above assumes "
-            "per-layer recompute, which the encoder does not implement yet (set it to none to see "
-            "what runs today)" for m, lay in layouts.items() if m != "llm" and lay.recompute != "none"]
+            "it, which the encoder does not implement (use full or none)"
+            for m, lay in layouts.items() if m != "llm" and lay.recompute not in ("none", "full")]
 
 
 def trainable_warnings(cfg, layouts) -> list[str]:

@@ -67,6 +67,14 @@ class StepRunner:
         # (TP shards are distinct, TP replicas already hold full gradients)
         self.reducer = (GradReducer(model.parameters(), self.grad_group)
                         if not sharded and group_size(self.grad_group) > 1 else None)
+        self.overlap_grad_sync = True
+        """Launch the DP x CP gradient all-reduces during the last backward (`GradReducer`); the
+        trainer turns it off when the ranks of the group may run different micro-batch counts
+        (dynamic CP at pp = 1 without FSDP): a rank's last backward may then be a micro-batch
+        of a CP group with the same ranks (the whole pool), hence the same communicator, that
+        other ranks run before more micro-batches, and a bucket launched inside it would cross
+        that group's CP collectives on the others (gloo fails, NCCL would hang). Without it every
+        bucket goes after the rank's last micro-batch, one order on every rank."""
 
     def _autocast(self):
         if self.precision == "bf16":
@@ -141,7 +149,7 @@ class StepRunner:
             return loss_sum.float() / global_tokens
 
         sync = (self.model.set_requires_gradient_sync if self.sharded else
-                None if self.reducer is None else self.reducer.sync_in_backward)
+                None if self.reducer is None or not self.overlap_grad_sync else self.reducer.sync_in_backward)
         times = one_f_one_b(forward, self.link, self.stage.index, self.stage.num_stages, batches,
                             metas if metas is not None else self._metas(batches, n_micro),
                             self._act_spec, sync)

@@ -5,8 +5,8 @@ Plan mode accepts every valid layout. Training runs the LLM under TP, CP (allgat
 (and FSDP over its own DP group: `vision.layout.dp_shard`, `projector.layout.dp_shard`),
 colocated on the same ranks: the step plan routes the projector's rows into the LLM's layout
 (`hcp.plan`), with `packing=first_fit` or `dynamic_cp`; or, under `placement=non_colocated`,
-one encoder island (encoder + projector under the encoder's TP, DP and PP) before the LLM island
-(`hcp.train.islands`). The rest of the layout space raises `ConfigError` with what to use instead.
+one island per encoder (encoder + its projectors under the encoder's TP, DP and PP: one
+encoder, a join, a branch) before the LLM island (`hcp.train.islands`). The rest of the layout space raises `ConfigError` with what to use instead.
 """
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ def check_trainable(cfg, layouts: dict) -> None:
     """Raise ConfigError for a valid layout that training does not run yet.
 
     Not yet trained: encoder-side CP, encoder PP under colocated placement (encoder PP runs on
-    its own island under non_colocated); under non_colocated several encoder islands, FSDP,
-    dynamic CP, encoder recompute, a fully frozen island (`_check_islands_trainable`);
+    its own island under non_colocated); under non_colocated FSDP, dynamic CP, a projector's
+    recompute other than its island's, a fully frozen island, a projector on an island of its own
+    (`_check_islands_trainable`);
     `selective` recompute outside the LLM, and tied embeddings across LLM stages. Each can be
     planned with `mode=plan`. `packing=dynamic_cp` trains under every colocated LLM layout that
     trains (TP, PP, dp_shard, an encoder side), given a power-of-two CP pool that holds the
@@ -52,19 +53,17 @@ def check_trainable(cfg, layouts: dict) -> None:
 
 def _check_several_encoders_trainable(cfg, layouts: dict) -> None:
     """Several encoders or streams (joins, branches: `hcp.config.modules`) train colocated, each
-    encoder at its own TP/DP layout (`hcp.train.encoders`); the rest raises ConfigError: other
-    placements, FSDP of the encoder side, a named encoder's `init_from`, and encoder recompute
-    that differs between encoders (the colocated step recomputes the whole encoder side)."""
+    encoder at its own TP/DP layout (`hcp.train.encoders`), or non_colocated, each encoder on its
+    own island (`hcp.train.islands`, checked by `_check_islands_trainable`); the rest raises
+    ConfigError: FSDP of the encoder side, a named encoder's `init_from`, and (colocated)
+    encoder recompute that differs between encoders (the colocated step recomputes the whole
+    encoder side)."""
     from hcp.config.modules import encoder_names, module_cfg, module_key
     from hcp.train.encoders import several_streams
 
     if not several_streams(cfg):
         return
     side = [m for m in layouts if m != "llm"]
-    if cfg.placement != "colocated":
-        raise ConfigError("placement", cfg.placement, f"several encoders or streams ({side}) train "
-                          "colocated only (one encoder island per run under non_colocated)",
-                          "use placement=colocated, or mode=plan to plan the islands")
     for m in side:
         key = module_key(cfg, m)
         if layouts[m].dp_shard:
@@ -73,7 +72,7 @@ def _check_several_encoders_trainable(cfg, layouts: dict) -> None:
         if m != "vision" and m in encoder_names(cfg) and module_cfg(cfg, m).get("init_from"):
             raise ConfigError(f"{key}.init_from", module_cfg(cfg, m).init_from, "weights are loaded for "
                               "`vision` and `llm` only", f"remove {key}.init_from (it would be ignored)")
-        if layouts[m].recompute != layouts["vision"].recompute:
+        if cfg.placement == "colocated" and layouts[m].recompute != layouts["vision"].recompute:
             raise ConfigError(f"{key}.layout.recompute", layouts[m].recompute, "the colocated step "
                               "recomputes the whole encoder side or none of it (vision.layout.recompute="
                               f"{layouts['vision'].recompute})", f"set it to {layouts['vision'].recompute}")
@@ -86,20 +85,22 @@ def _check_dynamic_cp_trainable(cfg, layouts: dict) -> None:
     empty ones included, with its CP group of each), `llm.layout.dp_shard` (one micro-batch
     per group and round, so every micro-batch's FSDP all-gather spans the whole pool) and an
     encoder side (image rows routed to the CP rank that holds their positions). Raises
-    ConfigError (`hcp.dcp.policy.check_dynamic_cp`) unless the pool is a power of two and the
-    longest sample (`data.max_seq_len`) fits it at `trainer.micro_batch_tokens` per rank, head-tail
-    padding counted, and `packing_profile` loads (islands refuse dynamic CP in
-    `_check_islands_trainable`). A global batch with fewer samples than pool ranks trains: the
-    ranks without a sample run empty micro-batches (no collective hangs)."""
+    ConfigError (`hcp.dcp.policy.check_dynamic_cp`) unless `packing_profile` loads; `validate`
+    has already refused a pool that is not a power of two and a `data.max_seq_len` the pool
+    cannot hold at `trainer.micro_batch_tokens` per rank, head-tail padding counted (islands
+    refuse dynamic CP in `_check_islands_trainable`). A global batch with fewer samples than
+    pool ranks trains (the ranks without a sample run empty micro-batches: no collective
+    hangs), and so does one that does not divide by the LLM's dp (no static lanes)."""
     from hcp.dcp.policy import check_dynamic_cp
 
-    check_dynamic_cp(cfg, layouts["llm"])
+    check_dynamic_cp(cfg)
 
 
 def _check_islands_trainable(cfg, layouts: dict) -> None:
-    """`placement=non_colocated` trains one encoder island (the encoder with its projector under
-    the encoder's TP, DP and PP) and the LLM island (`hcp.train.islands`); the rest raises
-    ConfigError."""
+    """`placement=non_colocated` trains one island per encoder (the encoder with the projectors
+    it feeds, under the encoder's TP, DP and PP) and the LLM island (`hcp.train.islands`): one
+    encoder, a join of several, a branch; the rest raises ConfigError."""
+    from hcp.config.modules import kind, module_cfg, module_key
     from hcp.plan.step import island_head
 
     edges = [tuple(e) for e in cfg.graph.edges]
@@ -107,10 +108,14 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
     if not heads:
         raise ConfigError("placement", "non_colocated", "a text-only LLM has no encoder island "
                           "to place apart", "use placement=colocated")
-    if len(heads) > 1:
-        raise ConfigError("placement", "non_colocated", f"the trainer runs one encoder island; "
-                          f"this graph has {len(heads)} ({heads})", "use placement=colocated, or one "
-                          "encoder, or mode=plan to plan the islands")
+    for head in heads:
+        if kind(cfg, head) != "encoder":
+            key, lay = module_key(cfg, head), module_cfg(cfg, head).layout
+            raise ConfigError(f"{key}.layout", {k: lay.get(k) for k in ("num_ranks", "rank_offset", "dp")},
+                              f"{head} would run on an island of its own; a projector runs on the "
+                              "last stage of its encoder's island (routes go from an encoder "
+                              "island into the LLM only)", f"remove {key}.layout.num_ranks, "
+                              f"rank_offset and dp (it takes its encoder's layout)")
     fix = "use placement=colocated for it, or mode=plan to plan it"
     for field, bad in (("llm.layout.dp_shard", bool(layouts["llm"].dp_shard)),
                        ("packing", cfg.packing != "first_fit")):
@@ -120,21 +125,23 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
     for head in heads:
         members = [m for m in layouts if m != "llm" and island_head(layouts, edges, m) == head]
         for m in members:
-            lay = layouts[m]
+            lay, key = layouts[m], module_key(cfg, m)
             if m != head and (lay.tp != layouts[head].tp or lay.pp != 1 or lay.cp != 1):
-                raise ConfigError(f"{m}.layout.tp", lay.tp, f"{m} runs on the last stage of "
+                raise ConfigError(f"{key}.layout.tp", lay.tp, f"{m} runs on the last stage of "
                                   f"{head}'s island with {head}'s TP group (tp={layouts[head].tp})",
-                                  f"set {m}.layout.tp={layouts[head].tp} and leave its pp and cp at 1")
-            if lay.recompute != "none":
-                raise ConfigError(f"{m}.layout.recompute", lay.recompute,
-                                  "encoder recompute is not built for placement=non_colocated yet",
-                                  "use recompute=none")
+                                  f"set {key}.layout.tp={layouts[head].tp} and leave its pp and cp at 1")
+            if m != head and lay.recompute not in ("none", layouts[head].recompute):
+                raise ConfigError(f"{key}.layout.recompute", lay.recompute, f"{m} runs inside "
+                                  f"{head}'s last stage, which recomputes as {head} says "
+                                  f"(recompute={layouts[head].recompute})",
+                                  f"set {module_key(cfg, head)}.layout.recompute={lay.recompute} "
+                                  f"for the island, or {key}.layout.recompute=none")
             if lay.dp_shard:
-                raise ConfigError(f"{m}.layout.dp_shard", True, "FSDP of an encoder island is not "
-                                  "built for placement=non_colocated yet", f"set {m}.layout.dp_shard="
+                raise ConfigError(f"{key}.layout.dp_shard", True, "FSDP of an encoder island is not "
+                                  "built for placement=non_colocated yet", f"set {key}.layout.dp_shard="
                                   "false, or use placement=colocated")
         for island in (members, ["llm"]):
-            if all(cfg[m].freeze for m in island):
-                raise ConfigError(f"{island[0]}.freeze", True, f"every module of the island "
-                                  f"{island} is frozen: its ranks would have nothing to train",
+            if all(module_cfg(cfg, m).freeze for m in island):
+                raise ConfigError(f"{module_key(cfg, island[0])}.freeze", True, f"every module of the "
+                                  f"island {island} is frozen: its ranks would have nothing to train",
                                   "use placement=colocated for this stage (e.g. LLaVA pretraining)")

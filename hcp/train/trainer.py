@@ -29,7 +29,7 @@ from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
-from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, with_cp_group
+from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, several_per_round, with_cp_group
 from hcp.model import LlavaModel, init_parameters
 from hcp.model.hf_load import load_pretrained
 from hcp.model.encoder_side import graph_kwargs
@@ -101,6 +101,8 @@ class Trainer:
         shard_encoder(self.encoder, self.layouts, self.groups)  # {vision,projector}.layout.dp_shard
         self.runner = (StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
                        if self.model is not None else None)
+        if self.runner is not None and self.dynamic_cp and several_per_round(llm):
+            self.runner.overlap_grad_sync = False  # ranks of a pool run different counts
         self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full")
                           if self.encoder is not None and cfg.placement == "colocated" else None)
         self.optimizer = build_optimizer(self.modules, cfg.optim, module_overrides(cfg))  # groups per module
@@ -145,8 +147,12 @@ class Trainer:
         return model.to(self.device)
 
     def _rank_modules(self) -> RankModules:
-        """This rank's modules under one root keyed by module FQN (checkpoints, optimizer)."""
-        return RankModules(self.encoder, self.model)
+        """This rank's modules under one root keyed by module FQN (checkpoints, optimizer); with
+        an encoder side, its checkpoints name every module's layout (`checkpoint.layouts_label`)."""
+        modules = RankModules(self.encoder, self.model)
+        if self.encoder is not None:
+            modules.layout_label = checkpoint.layouts_label(self.layouts)
+        return modules
 
     def _resume(self) -> None:
         resume = self.cfg.resume
@@ -321,7 +327,8 @@ class Trainer:
             setattr(self.model, name, module)
         try:
             return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok, indices,
-                            self._eval_capacity(), self.device, self.grad_group, self.dp_group)
+                            self._eval_capacity(), self.device, self.grad_group, self.dp_group,
+                            self.cfg.trainer.get("eval_max_new_tokens"))
         finally:
             for name in lent:
                 setattr(self.model, name, None)

@@ -1,0 +1,73 @@
+"""The non-colocated part of the step plan (DESIGN.md 4.1, 4.4): island heads and the routing
+tables of edges from an encoder island into the LLM.
+
+Non-colocated placement (`placement=non_colocated`: an edge into the LLM whose source sits on
+other ranks than the LLM): a module on an encoder's island (the projector) runs with the
+island head's layout (the encoder's TP, DP and PP; the projector on its last stage). The
+encoder lane encodes its block as one encoder micro-batch per LLM micro-batch, in the order
+the LLM consumes them (`RankPlan.encoder_micro_batches`: encoder micro-batch j holds the lane's
+samples that LLM micro-batch j packs, over all LLM lanes, in packing order; empty when it has
+none). Each micro-batch then has its own routing table over the edge group
+(`hcp.parallel.islands.edge_ranks`: the encoder's last-stage ranks, then the LLM's first-stage
+ranks): a source rank's rows are its encoder micro-batch's rows in sample order (TP replicas
+split them as under colocation), a destination receives the image rows of its CP shard of that
+micro-batch in slot order (`RankPlan.island_routes`, one `RankRoute` per micro-batch, and
+`MicroBatchPlan.image_rows == (0, rows)`). Destination TP (`island_route`): `leader` (default;
+
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from hcp.parallel.routing import RowTable
+from hcp.plan.routes import excl_cumsum, image_rows, rank_within
+
+
+def same_span(a, b) -> bool:
+    """Whether layouts `a` and `b` span the same ranks."""
+    return a.rank_offset == b.rank_offset and a.num_ranks == b.num_ranks
+
+
+def island_head(layouts, edges, module: str) -> str:
+    """The module whose layout `module` runs under: itself, or under non-colocated placement
+    the encoder heading its island (walking back over edges between modules on the same ranks,
+    e.g. projector -> vision). Colocated modules keep their own layouts."""
+    if same_span(layouts[module], layouts["llm"]):
+        return module
+    head = module
+    while True:
+        prev = next((a for a, b in edges if b == head and a in layouts and a != "llm"
+                     and same_span(layouts[a], layouts[head])), None)
+        if prev is None:
+            return head
+        head = prev
+
+
+def route_from_island(src_lay, consume, variant, J, sizes, llm, s_group, doc_start, size, off, mb_of_group):
+    """One RowTable per micro-batch of a non-colocated edge into the LLM (group ranks of
+    `edge_ranks`: the source's last-stage ranks lane-major, TP fastest, then the LLM's
+    first-stage ranks in pool order, TP fastest), and the image rows per (pool position,
+    micro-batch) [pool, J]."""
+    pool = llm.dp * llm.cp
+    sample, shard, mb, local = image_rows(sizes, llm, s_group, doc_start, size, off, mb_of_group)
+    n, tp = len(sizes) // src_lay.dp, src_lay.tp
+    lane = sample // n
+    # source row: the lane's micro-batch rows, samples in consumption order (rows in order)
+    part = lane * J + mb
+    src_row = rank_within(consume[sample] * (int(sizes.image_rows.max(initial=0)) + 1)
+                           + np.arange(len(sample)) - excl_cumsum(sizes.image_rows)[sample],
+                           part, src_lay.dp * J)
+    part_rows = np.bincount(part, minlength=src_lay.dp * J)
+    replica = src_row * tp // np.maximum(part_rows[part], 1)
+    src = lane * tp + replica
+    dst_row = rank_within(local, shard * J + mb, pool * J)
+    n_src = src_lay.dp * tp
+    reps = 1 if variant == "leader" else llm.tp
+    shard_ranks = n_src + np.arange(pool)[:, None] * llm.tp + np.arange(reps)[None, :]
+    group = n_src + pool * llm.tp
+    tables = []
+    for j in range(J):
+        k = mb == j
+        tables.append(RowTable(src[k], src_row[k], shard[k], dst_row[k], shard_ranks, group))
+    counts = np.bincount(shard * J + mb, minlength=pool * J).reshape(pool, J)
+    return tables, counts

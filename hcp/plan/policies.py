@@ -1,0 +1,57 @@
+"""Packing policies of the step plan (DESIGN.md 4.1): each maps the global batch's merged
+lengths to a `hcp.dcp.plan.Plan` over the LLM's CP pool (dp * cp ranks of one pipeline stage and
+TP index, pool position = dp * cp + cp): micro-batches in execution order, each a set of groups
+(samples, CP size c, aligned block offset) tiling the pool, so every rank of the pool runs the
+same number of micro-batches (a rank whose group is empty runs an empty micro-batch).
+
+`first_fit` is the static packing: DP lane l takes the contiguous block l of the global batch and
+packs it first-fit (each document padded to 2*cp, capacity micro_batch_tokens * cp), at block
+offset l*cp with c = cp. `dynamic_cp` (`hcp.dcp.policy`) registers its solver with
+`register_policy`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from hcp.data.packing import first_fit
+from hcp.dcp.plan import Group, Plan, Round
+
+Policy = Callable[[np.ndarray, object, int], Plan]
+"""(merged lengths int64 [B], the LLM's ResolvedLayout, micro_batch_tokens) -> Plan over the
+LLM's CP pool whose groups hold positions in the global batch."""
+
+_POLICIES: dict[str, Policy] = {}
+
+
+def register_policy(name: str, policy: Policy) -> None:
+    """Make `policy` the packing policy `packing=name` (replaces an earlier one)."""
+    _POLICIES[name] = policy
+
+
+def policy(name: str) -> Policy:
+    """The policy registered as `packing=name`. Raises ValueError for an unknown name."""
+    if name not in _POLICIES:
+        raise ValueError(f"packing={name!r} has no registered policy: use one of {sorted(_POLICIES)}")
+    return _POLICIES[name]
+
+
+def first_fit_policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Plan:
+    """Static lanes, first-fit inside each lane (module docstring); lanes with fewer packs get
+    empty groups, so every lane runs the same number of micro-batches.
+
+    Raises ValueError: the batch does not split into llm.dp lanes, or a sample exceeds the cap.
+    """
+    dp, cp = llm.dp, llm.cp
+    if len(tokens) % dp:
+        raise ValueError(f"trainer.global_batch_size={len(tokens)} is not divisible by llm dp={dp}")
+    n, pad = len(tokens) // dp, 2 * cp
+    padded = (-(-tokens // pad) * pad).tolist()
+    lanes = [first_fit(padded[lane * n:(lane + 1) * n], micro_batch_tokens * cp) for lane in range(dp)]
+    return Plan([Round([Group([lane * n + i for i in packs[j]] if j < len(packs) else [], cp,
+                                   lane * cp) for lane, packs in enumerate(lanes)])
+                 for j in range(max(map(len, lanes)))])
+
+
+register_policy("first_fit", first_fit_policy)

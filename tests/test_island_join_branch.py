@@ -1,0 +1,80 @@
+"""Several encoders under placement=non_colocated (issue 14), each on its own island, through the
+trainer, equal the single-process model (FP32, rtol 1e-5 / atol 1e-6): one step's loss, token
+counts, every module's gradients (made whole over TP, gathered over islands and stages), the
+global gradient norm and the weights after one AdamW step. The graph is the two-encoder recipe
+with a branch on top: `vision` feeds `projector` and a pooled `pooled` projector (a branch on
+its island: the tower runs once, its gradient is the sum of both), `vision2` feeds `projector2`
+(a join: two islands into the LLM's first stage). Islands: vision on rank 0, vision2 on rank 1,
+LLM tp2 on ranks 2-3; vision pp2 with `recompute=full` (each ViT block runs its forward
+again in its backward) on ranks 0-1, vision2 dp2 on ranks 2-3 (fan-in), LLM pp2 x cp2 on ranks 4-7. Each island reads only its own encoder's inputs, the LLM only text; every stream's
+rows cross the islands once forward and once backward (the minimum)."""
+import pytest
+from omegaconf import OmegaConf
+
+from cfg_utils import compose_cfg
+from dist_utils import run_ranks
+from parity_utils import assert_all_close, merged
+from test_island_parity import _island_step
+from test_multi_encoder_trainer import SMALL, TOL, _step
+
+ISLANDS = ["placement=non_colocated", "vision.layout.tp=1", "encoders.vision2.layout.tp=1"]
+CASES = {
+    "vision_1__vision2_1__llm_tp2": (4, ["vision.layout.num_ranks=1", "encoders.vision2.layout.num_ranks=1",
+                                         "llm.layout.tp=2"]),
+    "vision_pp2_recompute__vision2_dp2__llm_pp2_cp2": (8, [
+        "vision.layout.num_ranks=2", "vision.layout.pp=2", "vision.layout.recompute=full",
+        "encoders.vision2.layout.num_ranks=2", "llm.layout.cp=2", "llm.layout.pp=2",
+        "launcher.nproc_per_node=8"]),
+}
+
+
+def _container(overrides, run_dir):
+    return OmegaConf.to_container(compose_cfg(overrides, run_dir=str(run_dir)), resolve=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref")
+    return run_ranks(_step, 1, _container(SMALL, run), str(run))[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", CASES)
+def test_join_and_branch_on_islands_equal_the_single_process_model(name, reference, tmp_path):
+    world, extra = CASES[name]
+    results = run_ranks(_island_step, world, _container([*SMALL, *ISLANDS, *extra], tmp_path),
+                        str(tmp_path), timeout=220)
+    grads, weights = merged(results, "grads"), merged(results, "weights")
+    assert {n.split(".")[0] for n in grads} == {"vision", "vision2", "projector", "projector2", "pooled", "llm"}
+    assert set(grads) == set(reference["grads"])
+    assert len({r["n_micro"] for r in results}) == 1 and results[0]["n_micro"] > 1
+    recompute = "vision.layout.recompute=full" in extra
+    for r in results:  # inputs only on an encoder's first stage, text only on the LLM's
+        # the recomputing island runs each block's forward again in its backward
+        assert r["forwards"] == (0 if not r["encoder"] else
+                                 r["n_micro"] * (2 if recompute and r["head"] == "vision" else 1))
+        assert (r["reads"]["images"] > 0) == (r["encoder"] and r["first"])
+        assert (r["reads"]["text"] > 0) == (not r["encoder"] and r["first"])
+        assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert r["counts"] == reference["counts"]
+        assert r["norm"] == pytest.approx(reference["norm"], rel=1e-5)
+    # every stream's rows (projector 16 + pooled 4 per vision input, projector2 4 per vision2
+    # input) cross once forward, their gradients once back, from the encoders' last stages
+    rows = sum(r["route_bytes"][0] for r in results if r["encoder"]) // (4 * 128)
+    assert rows == results[0]["image_rows"] > 0
+    assert sum(r["route_bytes"][1] for r in results) == sum(r["route_bytes"][0] for r in results)
+    assert_all_close(grads, reference["grads"], "grad", **TOL)
+    assert_all_close(weights, reference["weights"], "weight", **TOL)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_join_and_branch_on_islands_pass_the_training_checks(name):
+    from hcp.config.validate import validate
+    from hcp.train.support import check_trainable
+
+    world, extra = CASES[name]
+    cfg = compose_cfg([*SMALL, *ISLANDS, *extra])
+    layouts = validate(cfg, world)
+    check_trainable(cfg, layouts)
+    assert layouts["llm"].rank_offset == world - layouts["llm"].num_ranks
