@@ -15,7 +15,6 @@ from hcp.dcp.plan import Plan, validate_plan
 from hcp.dcp.solver import simulate_plan, solve
 from test_dcp_pipeline_bound import COSTS, best_time
 
-pytest.importorskip("highspy")
 SAMPLE = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"
 
 
