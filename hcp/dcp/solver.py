@@ -3,8 +3,8 @@ simulated iteration time under the per-rank token cap.
 
 Method (deterministic, numpy + heaps + HiGHS LPs; planning time grows with the micro-batch
 count: measured in thread CPU time on a loaded 2-core machine, 0.50 s on average and at most
-0.72 s (0.086 of the simulated step) for 2,048 Wikipedia-like sequences over 8 stages of an
-8-rank pool (~50-100 micro-batches), 0.38 s / 0.50 s (0.184 of the step) on a pool of 64, and
+0.72 s (0.075-0.086 of the simulated step) for 2,048 Wikipedia-like sequences over 8 stages of
+an 8-rank pool (~50-100 micro-batches), 0.38 s / 0.50 s (0.184 of the step) on a pool of 64, and
 up to ~0.5 s with pp = 1 and at most `LOCAL_SEARCH_MAX_SEQS` sequences, where a local search
 runs):
 1. Rank-time of a sequence at CP size c: `c * h(L, c)`, with `h` the forward seconds summed over
