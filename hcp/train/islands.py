@@ -46,7 +46,8 @@ over its DP x CP group; each reduce-scatters once per step (gradient sync on for
 backward only).
 
 Not built yet (refused in `hcp.train.support`): selective encoder recompute, encoder CP,
-`packing=dynamic_cp`, a projector on an island of its own.
+`packing=dynamic_cp`, a projector on an island of its own (or with a recompute or dp_shard
+other than its encoder's), a fully frozen island.
 """
 from __future__ import annotations
 
