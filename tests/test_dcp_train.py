@@ -53,10 +53,9 @@ def test_dynamic_cp_trains_with_the_losses_of_first_fit(tmp_path):
             for name, (ranks, layout, cap) in DYNAMIC.items()}
     losses = [r["loss"] for r in refs["dp4"][0]]
     assert len(losses) == 10 and losses[-1] < losses[0]
-    pairs = [(name, ref) for ref in refs for name in runs] + [("first_fit cp2_dp2", "dp4")]
-    for name, ref_name in pairs:
-        (run, summary), (ref, ref_sum) = {**runs, "first_fit cp2_dp2": refs["cp2_dp2"]}[name], refs[ref_name]
-        what = f"{name} against first_fit {ref_name}"
+    pairs = {f"{name} against first_fit {ref}": (runs[name], refs[ref]) for ref in refs for name in runs}
+    pairs["first_fit cp2_dp2 against dp4"] = (refs["cp2_dp2"], refs["dp4"])
+    for what, ((run, summary), (ref, ref_sum)) in pairs.items():
         assert [r["loss"] for r in run] == pytest.approx([r["loss"] for r in ref], rel=1e-4, abs=1e-4), what
         assert [r["loss_tokens"] for r in run] == [r["loss_tokens"] for r in ref], what
         assert summary["eval/loss"] == pytest.approx(ref_sum["eval/loss"], rel=1e-4), what
