@@ -29,7 +29,8 @@ def _run(run_dir, extra):
 
 def _cp_sizes(records) -> set[int]:
     """The CP sizes of the non-empty micro-batches a run logged (`micro_batches_cp{c}`)."""
-    return {int(k.removeprefix("micro_batches_cp")) for r in records for k in r if k.startswith("micro_batches_cp")}
+    return {int(k.removeprefix("micro_batches_cp")) for r in records for k in r
+            if k.startswith("micro_batches_cp")}
 
 
 # name: (ranks, layout, tokens per rank). Caps that make the long samples (300-512 tokens) need
@@ -86,7 +87,8 @@ def test_dynamic_cp_trains_the_tiny_llava_with_the_losses_of_first_fit(tmp_path)
     dyn = steps("dyn", ["packing=dynamic_cp", "llm.layout.tp=2", "trainer.micro_batch_tokens=128"])
     losses = [r["loss"] for r in refs["dp4"]]
     assert len(losses) == 10 and losses[-1] < losses[0]
-    pairs = {"dynamic_cp against dp4": (dyn, refs["dp4"]), "dynamic_cp against cp2_dp2": (dyn, refs["cp2_dp2"]),
+    pairs = {"dynamic_cp against dp4": (dyn, refs["dp4"]),
+             "dynamic_cp against cp2_dp2": (dyn, refs["cp2_dp2"]),
              "first_fit cp2_dp2 against dp4": (refs["cp2_dp2"], refs["dp4"])}
     for what, (got, ref) in pairs.items():
         assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-4, abs=1e-4), what
