@@ -127,6 +127,11 @@ def parse_args(argv=None):
         ok = 1 << (args.cp_pool.bit_length() - 1)
         p.error(f"--cp-pool {args.cp_pool}: not a power of two (aligned CP blocks); use {ok} or "
                 f"{2 * ok}")
+    if args.lp_bound:
+        try:
+            import highspy  # noqa: F401
+        except ImportError:
+            p.error("--lp-bound needs highspy (HiGHS with warm starts): pip install -e .[bench]")
     if args.exact and args.pp > 1:
         p.error(f"--exact solves single-stage plans only; drop it or use --pp 1 (not {args.pp})")
     if not args.exact_time_limit > 0:

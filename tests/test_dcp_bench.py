@@ -61,3 +61,15 @@ def test_broadcast_benchmark_times_both_ways_on_forked_ranks(tmp_path):
     v = json.loads(out.read_text())["pool64_pp1_lognormal"]
     assert v == res["pool64_pp1_lognormal"]
     assert v["plan_s"] > 0 and v["broadcast_s"] > 0 and v["bytes"] > 1000 and v["step_s"] > 0
+
+
+def test_lp_bound_without_highspy_is_a_parser_error(monkeypatch, capsys):
+    import sys
+
+    import pytest
+
+    monkeypatch.setitem(sys.modules, "highspy", None)  # `import highspy` raises ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        load_bench().parse_args(["--lp-bound"])
+    assert exit_info.value.code == 2
+    assert "--lp-bound needs highspy" in capsys.readouterr().err

@@ -3,6 +3,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from hcp.dcp.cost_model import CostModel, HardwareProfile, load_cost, load_profile, recipe_llm
 from hcp.dcp.plan import Group, Round, Plan
@@ -143,3 +144,28 @@ def test_a_profile_without_cp_latency_loads_with_none(tmp_path):
     (tmp_path / "q.yaml").write_text("\n".join(lines + ["cp_latncy: 1.0e-6"]))
     with pytest.raises(ValueError, match="unknown keys"):
         HardwareProfile.from_yaml(tmp_path / "q.yaml")
+
+
+@settings(max_examples=20, derandomize=True, deadline=None)
+@given(st.lists(st.integers(1, 4096), min_size=1, max_size=40), st.sampled_from([2, 4, 8]),
+       st.sampled_from([512, 1024]))
+def test_lower_bound_with_cp_latency_stays_below_every_plan(raw, pool, cap):
+    """The bound counts each sequence's share of its micro-batch's latency (lower_bound.py
+    step 1); it must stay below the simulated time of every planner's plan, and rise."""
+    from hcp.dcp.baselines import greedy, packing_only
+    from hcp.dcp.lower_bound import lower_bound
+    from hcp.dcp.plan import prepare_lengths
+    from hcp.dcp.solver import simulate_plan, solve
+
+    lat = 5e-4  # s per ring step and layer: latency-heavy, like gloo's
+    cost, base = _with_latency(lat), _with_latency(0.0)
+    lens, _ = prepare_lengths(raw, pool, cap, on_overlong="truncate")
+    for rounds in (False, True):
+        bound = lower_bound(lens, cost, pool, cap, several_per_round=rounds)
+        assert bound >= lower_bound(lens, base, pool, cap, several_per_round=rounds)
+        plans = [greedy(lens, pool, cap), packing_only(lens, pool, cap),
+                 solve(lens, cost, pool, cap, several_per_round=rounds).plan]
+        for plan in plans:
+            assert bound <= simulate_plan(plan, lens, cost).iteration_time * (1 + 1e-9)
+    if (lens > cap).any():  # some sequence needs CP: the bound sees its latency
+        assert lower_bound(lens, cost, pool, cap, True) > lower_bound(lens, base, pool, cap, True)

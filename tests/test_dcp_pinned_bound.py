@@ -15,7 +15,6 @@ from hcp.dcp.plan import Plan, validate_plan
 from hcp.dcp.solver import simulate_plan, solve
 from test_dcp_pipeline_bound import COSTS, best_time
 
-pytest.importorskip("highspy")
 SAMPLE = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"
 
 
@@ -65,6 +64,8 @@ def test_one_long_sequence_tightens_the_bound_and_the_solver_stays_above_it():
     res = pinned_bound(lens, cost, 4, 8192)
     assert res.bound > 1.05 * res.unpinned.bound and res.best_range is not None
     assert solve(lens, cost, 4, 8192).time >= res.bound * (1 - 1e-9)
+    capped = pinned_bound(lens, cost, 4, 8192, max_lps=20)  # stops early: still a bound
+    assert res.unpinned.bound <= capped.bound <= res.bound and capped.lps < res.lps
     # no long sequence: the unpinned LP already has a row as heavy as the longest sequence
     short = _long_tail_batch(128, 7, 1000, others_max=1000)
     res = pinned_bound(short, cost, 4, 8192)

@@ -140,3 +140,19 @@ def test_exact_plan_is_valid_and_no_worse_than_solver():
     assert t == pytest.approx(res.time, rel=1e-9)
     assert res.dual_bound <= t * (1 + 1e-9) and res.dual_bound >= lower_bound(lens, cost, 4, 1024)
     assert t <= sol.time * (1 + 1e-9) and res.optimal
+
+
+def test_one_long_sequence_is_planned_by_the_pinned_lp_shape(monkeypatch):
+    """Step 4c: 127 Wikipedia lengths and one of 30K tokens (a whole pool of 4 at cap 8192),
+    PP 4. Rows shaped like the pipeline LP with that sequence's row pinned beat every other
+    candidate (3.05 s against 3.32 s without them) and the plan stays valid."""
+    import hcp.dcp.solver as solver
+
+    rng = np.random.default_rng(7)
+    sample = np.loadtxt(SAMPLE, dtype=np.int64)
+    lens = np.append(rng.choice(sample[sample <= 8192], 127, replace=False), 30000)
+    best = solve(lens, COSTS[4], 4, 8192)
+    check_plan(best.plan, lens, 4, 8192)
+    assert best.source.startswith("pinned-lp-shaped")
+    monkeypatch.setattr(solver, "PIN_ROW_FACTORS", ())
+    assert best.time < 0.95 * solve(lens, COSTS[4], 4, 8192).time

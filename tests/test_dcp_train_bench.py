@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_measured_run_counts_communication_in_busy_time(tmp_path):
-    spec = importlib.util.spec_from_file_location("dcp_train", ROOT / "benchmarks/dynamic_cp_train.py")
+    spec = importlib.util.spec_from_file_location("dcp_train",
+                                                  ROOT / "benchmarks/dynamic_cp_train.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     out = tmp_path / "r.json"
@@ -24,7 +25,8 @@ def test_measured_run_counts_communication_in_busy_time(tmp_path):
     assert static["cp_histogram"] == {"2": 4}  # every document on the whole pool of 2
     # the all-gathers and reduce-scatters of every CP-2 micro-batch: busy time > thread time
     assert static["comm_share"] > 0.03, static["comm_share"]
-    for crit, compute in zip(static["critical_path_s_reps"], static["critical_path_compute_s_reps"]):
+    for crit, compute in zip(static["critical_path_s_reps"],
+                             static["critical_path_compute_s_reps"]):
         assert crit > compute > 0
     assert res["measured_speedup"] == pytest.approx(
         static["critical_path_s"] / data["dynamic"]["critical_path_s"])

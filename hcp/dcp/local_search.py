@@ -43,7 +43,8 @@ class GroupTime:
             return 0.0
         attn = self.attn * s / c
         comm = self.comm * t * (c - 1) / c / self.bw[c]
-        return self.mm * t / c + attn + max((1.0 - self.ov) * comm, comm - attn) + self.lat * (c - 1)
+        exposed = max((1.0 - self.ov) * comm, comm - attn)
+        return self.mm * t / c + attn + exposed + self.lat * (c - 1)
 
 
 def _split(seqs: list[int], lens: list[int]) -> tuple[list[int], list[int]]:

@@ -6,9 +6,11 @@ group's backward is `k * f_s(g)`, overheads o_f, o_b per micro-batch and stage. 
 micro-batch j takes `F_sj = o_f + max_g f_s(g)` and `B_sj = o_b + k max_g f_s(g)` on stage s.
 
 1. Work. The groups of micro-batch j tile the N ranks, so `max_g f_s(g) >= sum_g (c_g / N) f_s(g)`
-   and `f_s(g) >= sum_{i in g} phi_s(L_i, c_g)` with `phi_s` the additive floor
-   (CostModel.fwd_floor). Hence stage s is busy at least
-       W_s = (1 + k) / N * sum_i min_{c feasible} c * phi_s(L_i, c) + M_min (o_f + o_b),
+   and `f_s(g) >= sum_{i in g} (phi_s(L_i, c_g) + lat_s(c_g) rank_tokens(L_i, c_g) / m)` with
+   `phi_s` the additive floor (CostModel.fwd_floor) and `lat_s(c)` the CP latency that f_s(g)
+   pays once (CostModel.latency), shared by the members' rank tokens, which sum to at most m.
+   Writing phi'_s(L, c) for that sum's term, stage s is busy at least
+       W_s = (1 + k) / N * sum_i min_{c feasible} c * phi'_s(L_i, c) + M_min (o_f + o_b),
    c ranging over powers of two <= N that hold L_i under the cap (`rank_tokens`, padding
    counted), and `M >= M_min = ceil(sum L / (N m))`
    because a micro-batch holds at most N m tokens.
@@ -25,7 +27,8 @@ micro-batch j takes `F_sj = o_f + max_g f_s(g)` and `B_sj = o_b + k max_g f_s(g)
    puts at most m tokens on each of its ranks, so the groups' micro-batches occupy at least
    `sum L / m` rank-micro-batches in all, each paying o_f + o_b on each of its ranks; the
    busiest rank works at least the average, so
-       T >= (1 + k) / N * sum_i min_c c * phi(L_i, c) + (o_f + o_b) * sum L / (N m).
+       T >= (1 + k) / N * sum_i min_c c * phi'(L_i, c) + (o_f + o_b) * sum L / (N m)
+   (each micro-batch pays its latency once, shared as in 1).
    Term 3 holds as it stands (a group runs each of its sequences' micro-batches through the
    stage); term 2 is void at p = 1.
 The bound is the largest of these. Seconds throughout.
@@ -56,12 +59,14 @@ def lower_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     phi = cost.fwd_floor(lens[None, :], lens[None, :] ** 2, cs)  # [p, K, n]
     feasible = rank_tokens(lens[None, :], cs) <= max_tokens_per_rank  # [K, n]
     phi = np.where(feasible[None], phi, np.inf)
+    # each sequence's share of its micro-batch's CP latency (proof step 1)
+    share = phi + cost.latency(cs) * rank_tokens(lens[None, :], cs) / max_tokens_per_rank
     k = cost.bwd_factor
     o_f, o_b = cost.hw.micro_batch_overhead_fwd, cost.hw.micro_batch_overhead_bwd
     m_min = lens.sum() / (pool * max_tokens_per_rank)
     if not several_per_round:
         m_min = np.ceil(m_min)
-    work = (1 + k) / pool * (cs[None] * phi).min(axis=1).sum(axis=1) + m_min * (o_f + o_b)  # [p]
+    work = (1 + k) / pool * (cs[None] * share).min(axis=1).sum(axis=1) + m_min * (o_f + o_b)  # [p]
     smallest = phi.min(axis=(1, 2))  # [p]
     ends = np.concatenate([[0.0], np.cumsum((1 + k) * smallest + o_f + o_b)[:-1]])
     staged = float((ends + work).max())

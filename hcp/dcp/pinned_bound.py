@@ -41,15 +41,20 @@ Claim 3 (cover). Every plan has M >= M_min = ceil(sum L / (N m)), the staged bou
 (`staged_bound`, lower_bound.py step 1-2 with M micro-batches) is valid for plans of M
 micro-batches and grows with M. So for intervals I covering [M_min, M_top],
     T >= min( min_I min_P R_I(P), S(M_top + 1) ),
-P ranging over every row of I's LP (V + j* can be any). The search starts from intervals that
-grow by GROWTH, adds intervals above while S(M_top + 1) is the least term, then halves the
-interval with the least value until that one is a single M or `max_lps` LPs are spent; each
-intermediate minimum is already a valid bound. The result is the larger of it and
-pipeline_bound.py's bound.
+P ranging over every row of I's LP (V + j* can be any). The search halves the interval with
+the least value until that one is a single M, adding an interval above (GROWTH times as
+wide, up to where S reaches the least value) while S(M_top + 1) is the least term, until
+`max_lps` LPs are spent; each intermediate minimum is already a valid bound. The result is the
+larger of it and pipeline_bound.py's bound. It skips the search when pinning costs R(M) at
+pipeline_bound.py's best M (next to) nothing: min over the cover <= that R, so pinning cannot
+raise the bound (by more than NO_GAIN).
 
 Cost: the positions of one interval are solved one after another by HiGHS's dual simplex from
-the previous basis (highspy, ~1-2 ms each at ~100 rows): ~1,000-3,000 LPs and ~5-20 s for a
-seed-sized batch. For benchmarks (`benchmarks/dynamic_cp.py --lp-bound`), not for the solver.
+the previous basis (highspy; ~2 ms each at ~50 rows, ~40 ms at ~250 under load). Measured on
+the seed-sized benchmark's held-out batches (2 shared cores): 1,750-2,750 LPs and 6-24 s
+(31-92 s under heavy load) on the 6 batches that search, 3-4 s (the unpinned LPs) on the 4
+that skip it; the bound rose 1.004-1.057x over pipeline_bound.py's on those 6. For benchmarks (`benchmarks/dynamic_cp.py
+--lp-bound`), not for the solver.
 """
 from __future__ import annotations
 
@@ -65,7 +70,10 @@ from hcp.dcp.pipeline_bound import (PipelineBound, lp_makespan, lp_model, pipeli
                                     stage_floors, staged_bound)
 from hcp.dcp.plan import check_pool, prepare_lengths, rank_tokens
 
-GROWTH = 1.5  # the initial intervals of M grow by this factor (Claim 3)
+GROWTH = 1.5  # the intervals of M added above grow by this factor (Claim 3)
+# No search when the pin raises R(M) at the unpinned LP's best M by at most this fraction:
+# the pinned minimum is at most that value, so the bound could gain no more.
+NO_GAIN = 1e-4
 
 
 @dataclass
@@ -147,13 +155,18 @@ def pinned_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
         return PinnedBound(base.bound, base, None, 0, 0, time.perf_counter() - start)
     work, smallest = stage_floors(lens, cost, pool, m)
     floor = pin_floor(lens, cost, pool, m)
-    if base.best_m is not None:  # R(best M) already has a row >= the pin: no gain possible
+    lps = intervals = 0
+    if base.best_m is not None:  # the pin costs R(best M) (next to) nothing: no gain to seek
         x = lp_makespan(base.best_m, cost, work, smallest, [0, cost.pp - 1], sizes=True)[1]
-        if (x >= floor[:, None] * (1 - 1e-9)).all(axis=0).any():
-            return PinnedBound(base.bound, base, None, 0, 0, time.perf_counter() - start)
+        gain = not (x >= floor[:, None] * (1 - 1e-9)).all(axis=0).any()
+        if gain:
+            value, lps = interval_lp(base.best_m, base.best_m, cost, work, smallest, floor)
+            gain, intervals = value > base.bound * (1 + NO_GAIN), 1
+        if not gain:
+            return PinnedBound(base.bound, base, None, lps, intervals,
+                               time.perf_counter() - start)
     top = int(np.ceil(lens.sum() / (pool * m))) - 1  # intervals cover [M_min, top]
     leaves: list[tuple[float, int, int]] = []  # heap of (value, M_a, M_b)
-    lps = intervals = 0
 
     def add(a: int, b: int) -> None:
         nonlocal lps, intervals

@@ -1,10 +1,12 @@
 """Dynamic-CP solver: a global batch of lengths -> a plan of micro-batches with minimum
 simulated iteration time under the per-rank token cap.
 
-Method (deterministic, numpy + heaps; planning time grows with the micro-batch count: ~80 ms
-for 2,048 Wikipedia-like sequences over 8 stages of an 8-rank pool (~60 micro-batches), ~0.5 s
-for 2,048 sequences of 8K tokens (256), and up to ~0.5 s with pp = 1 and at most
-`LOCAL_SEARCH_MAX_SEQS` sequences, where a local search runs):
+Method (deterministic, numpy + heaps + HiGHS LPs; planning time grows with the micro-batch
+count: measured in thread CPU time on a loaded 2-core machine, 0.50 s on average and at most
+0.72 s (0.075-0.086 of the simulated step) for 2,048 Wikipedia-like sequences over 8 stages of
+an 8-rank pool (~50-100 micro-batches), 0.38 s / 0.50 s (0.184 of the step) on a pool of 64, and
+up to ~0.5 s with pp = 1 and at most `LOCAL_SEARCH_MAX_SEQS` sequences, where a local search
+runs):
 1. Rank-time of a sequence at CP size c: `c * h(L, c)`, with `h` the forward seconds summed over
    stages (the backward is proportional). `W` = total rank-time at the smallest feasible c.
 2. For a micro-batch count M at or near the memory minimum `ceil(sum L / (N m))` (the ramps of
@@ -30,6 +32,9 @@ for 2,048 sequences of 8K tokens (256), and up to ~0.5 s with pp = 1 and at most
    program (hcp/dcp/pipeline_bound.py, first and last stage kept) at `LP_ROW_FACTORS` x the
    memory minimum: a geometric rise to a peak, then a long steady fall (`shaped_plan`), in
    `_orderings`' orders.
+   4c. Also with p > 1, when the longest sequence outweighs those rows (it stalls 1F1B): rows
+   shaped like the same LP with that sequence's row pinned to its own time (`_pinned_sizes`,
+   hcp/dcp/pinned_bound.py) at `PIN_ROW_FACTORS` x the memory minimum.
 5. With one stage (`pp = 1`, time = sum over micro-batches) and at most
    `LOCAL_SEARCH_MAX_SEQS` sequences, every candidate (the baselines' plans included) is first
    improved by local search (hcp/dcp/local_search.py: move, swap, resize and split groups,
@@ -54,6 +59,7 @@ from hcp.dcp.exact import solve_exact
 from hcp.dcp.local_search import improve
 from hcp.dcp.rounds import merge_rounds
 from hcp.dcp.lower_bound import cp_sizes
+from hcp.dcp.pinned_bound import pin_floor
 from hcp.dcp.pipeline_bound import lp_makespan, stage_floors
 from hcp.dcp.plan import Plan, max_length, prepare_lengths, rank_tokens
 from hcp.dcp.rows import level_plan, shaped_plan
@@ -81,6 +87,15 @@ UNIMODAL_STEP = 1.45  # largest ratio between consecutive rows on the climb (see
 # level plan); 2.0 or 1.05 add nothing, 3.5-4.0 are worse; ~0.3 s of planning CPU time.
 LP_ROW_FACTORS = (2.5, 3.0)
 LP_SCALES = (1.0, 1.02)
+# Step 4c: micro-batch counts (x the memory minimum) of the candidates shaped like the pipeline
+# LP with the longest sequence's row pinned to its own time (`_pinned_sizes`), when that
+# sequence outweighs the LP's rows; its row within the first PIN_ROWS_PER_STAGE x p. Measured
+# on seed 1 of the seed-sized benchmark (seed 0 has no such sequence; the only seeds used to
+# choose them): at M = 40-70 the best row gives 8.157-8.206 s against 8.225 s for the other
+# candidates; 1.6x (51 rows) 8.158 s, 1.5x 8.163 s, both 8.163 s for twice the plan time
+# (~15 ms of CPU time per LP, ~9 LPs per count).
+PIN_ROW_FACTORS = (1.6,)
+PIN_ROWS_PER_STAGE = 3
 
 
 @dataclass
@@ -158,6 +173,33 @@ def _best_order(plan: Plan, lens, cost: CostModel, opening: int = 0,
     return ordered, best[0]
 
 
+def _pinned_sizes(rows: int, cost: CostModel, work, smallest, floor) -> np.ndarray | None:
+    """Stage 0's row sizes `[rows]` (s) of the pipeline LP (first and last stage kept) with one
+    row pinned to at least `floor` `[p]`, that row chosen by a ternary search over the first
+    `PIN_ROWS_PER_STAGE * p` rows (the LP's time is close to unimodal in it); None when the
+    unpinned LP already has a row that heavy."""
+    stages = [0, cost.pp - 1]
+    x = lp_makespan(rows, cost, work, smallest, stages, sizes=True)[1]
+    if (x >= floor[:, None]).all(axis=0).any():
+        return None
+    memo: dict[int, tuple[float, np.ndarray]] = {}
+
+    def lp(j: int) -> float:
+        if j not in memo:
+            t, x = lp_makespan(rows, cost, work, smallest, stages, sizes=True, pin=(j, floor))
+            memo[j] = (t, x[0])
+        return memo[j][0]
+
+    lo, hi = 0, min(rows, PIN_ROWS_PER_STAGE * cost.pp) - 1
+    while hi - lo > 2:
+        a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        if lp(a) <= lp(b):
+            hi = b
+        else:
+            lo = a
+    return memo[min(range(lo, hi + 1), key=lp)][1]
+
+
 def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int, m_min: int,
                      baselines: list[tuple[Plan, str]]) -> Solution:
     """Step 4 (p > 1), in two passes: each closing span at the memory minimum M, then the best
@@ -202,6 +244,15 @@ def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int
             plan, t = _best_order(plan, lens, cost, int(np.argmax(x)), plan.num_rounds)
             if t < best.time - 1e-12:
                 best = Solution(plan, t, f"lp-shaped(M={rows},scale={scale})")
+    floor = pin_floor(lens, cost, pool, m)  # 4c: the longest sequence's row pinned
+    for factor in PIN_ROW_FACTORS:
+        rows = max(2, int(round(factor * m_min)))
+        x = _pinned_sizes(rows, cost, work, smallest, floor)
+        for scale in LP_SCALES if x is not None else ():
+            plan = shaped_plan(lens, heights, feasible, x, pool, m, scale)
+            plan, t = _best_order(plan, lens, cost, int(np.argmax(x)), plan.num_rounds)
+            if t < best.time - 1e-12:
+                best = Solution(plan, t, f"pinned-lp-shaped(M={rows},scale={scale})")
     return best
 
 

@@ -216,6 +216,7 @@ def run_calibrate(cfg, run_dir: str, sizes=None, max_tokens_per_rank: int | None
         print(f"{p['length']:>6} {p['docs']:>4} {p['cp']:>3} {p['measured_s']:11.5f} "
               f"{p['predicted_s']:11.5f} {100 * p['rel_error']:6.1f}%")
     errs = np.abs([p["rel_error"] for p in profile["fit"]["points"]])
-    print(f"fit: mean |error| {100 * errs.mean():.1f}%, max {100 * errs.max():.1f}%; "
+    coef = ", ".join(f"{k} {v:.3g}" for k, v in profile["fit"]["coefficients"].items())
+    print(f"fit: mean |error| {100 * errs.mean():.1f}%, max {100 * errs.max():.1f}% ({coef}); "
           f"profile written to {path} (load it with packing_profile={path})")
     return path
