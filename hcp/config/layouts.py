@@ -271,7 +271,8 @@ def _check_dynamic_cp(cfg, layouts: dict[str, ResolvedLayout]) -> None:
     lay = layouts["llm"]
     if not lay.cp_pool & (lay.cp_pool - 1):
         return
-    pool = f"packing=dynamic_cp needs the CP pool dp*cp = {lay.dp}*{lay.cp} = {lay.cp_pool} to be a power of two"
+    pool = (f"packing=dynamic_cp needs the CP pool dp*cp = {lay.dp}*{lay.cp} = {lay.cp_pool} to be a "
+            "power of two")
     if lay.cp & (lay.cp - 1):
         low, high = _powers_near(lay.cp)
         raise ConfigError("llm.layout.cp", lay.cp, pool, f"use llm.layout.cp={low} or {high} (and a "
