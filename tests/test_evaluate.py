@@ -83,3 +83,20 @@ def test_eval_max_new_tokens_is_checked_before_ranks_start():
     with pytest.raises(ConfigError, match=r"trainer.eval_max_new_tokens=0: .* Fix: use null"):
         validate(cfg, world_size=4)
     validate(compose_cfg(["+recipe=llama_tiny", "trainer.eval_max_new_tokens=64"]), world_size=4)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_static_cp_evaluates_samples_longer_than_one_ranks_cap(tmp_path):
+    """llm.layout.cp=4 with trainer.micro_batch_tokens=128 per rank trains 512-token samples
+    (capacity 128 x 4); evaluation packs with the same capacity (it crashed on the per-rank cap)
+    and gives one process's held-out loss at 512 tokens."""
+    from cfg_utils import cli_run, run_summary
+
+    common = ["trainer.max_steps=1", "trainer.eval_samples=8", "data.max_seq_len=512"]
+    cp4 = run_summary(cli_run(tmp_path / "cp4", "llama_tiny", [*common, "llm.layout.cp=4",
+                                                                "trainer.micro_batch_tokens=128"]))
+    one = run_summary(cli_run(tmp_path / "one", "llama_tiny", [*common, "launcher.nproc_per_node=1",
+                                                                "trainer.micro_batch_tokens=512"]))
+    assert cp4["final_loss"] == pytest.approx(one["final_loss"], rel=1e-4)
+    assert cp4["eval/loss"] == pytest.approx(one["eval/loss"], rel=1e-4)

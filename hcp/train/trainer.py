@@ -334,12 +334,13 @@ class Trainer:
                 setattr(self.model, name, None)
 
     def _eval_capacity(self) -> int:
-        """Tokens per evaluation micro-batch. Evaluation keeps the static layout; under dynamic
-        CP a sample longer than trainer.micro_batch_tokens (which training spreads over a
-        larger CP group) is evaluated whole on its DP lane, forward only (no activations kept
-        for a backward pass), so the capacity is raised to data.max_seq_len there."""
-        mbt = self.cfg.trainer.micro_batch_tokens
-        return max(mbt, self.cfg.data.max_seq_len) if self.dynamic_cp else mbt
+        """Tokens per evaluation micro-batch: training's, trainer.micro_batch_tokens per rank
+        times the LLM's CP size. Evaluation keeps the static layout; under dynamic CP a sample
+        that training spreads over a larger CP group is evaluated whole on its DP lane, forward
+        only (no activations kept for a backward pass), so the capacity is raised to
+        data.max_seq_len there."""
+        cap = self.cfg.trainer.micro_batch_tokens * self.layouts["llm"].cp
+        return max(cap, self.cfg.data.max_seq_len) if self.dynamic_cp else cap
 
     def _whole_encoder(self) -> LlavaEncoder | None:
         """The encoder side whole on this rank, for evaluation (`hcp.train.whole_encoder`)."""
