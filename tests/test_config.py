@@ -127,8 +127,7 @@ def test_missing_gpu_backend_says_how_to_install():
     (["vision.layout.cp=2", "projector.layout.cp=2"], "vision.layout.cp"),
     (["+recipe=llava_tiny_hetero", "vision.layout.cp=2"], "vision.layout.cp"),  # not a projector fix first
     (["llm.layout.pp=2", "llm.tie_embeddings=true"], "llm.tie_embeddings"),
-    (["placement=non_colocated", "vision.layout.num_ranks=2", "llm.layout.dp_shard=true"],
-     "llm.layout.dp_shard"),
+    (["placement=non_colocated", "vision.layout.num_ranks=2", "packing=dynamic_cp"], "packing"),
 ])
 def test_training_rejects_layouts_it_cannot_run_yet_with_a_fix(overrides, field):
     from hcp.train.support import check_trainable

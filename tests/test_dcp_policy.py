@@ -82,7 +82,8 @@ def test_the_config_check_and_the_planner_accept_the_same_longest_sample(pool):
         prepare_lengths([limit], pool, cap)
         with pytest.raises(ValueError, match=f"more than the pool can hold: {limit}"):
             prepare_lengths([limit + 1], pool, cap)
-        cfg = OmegaConf.merge(DYNAMIC, {"trainer": {"micro_batch_tokens": cap}, "launcher": {"nproc_per_node": pool},
+        cfg = OmegaConf.merge(DYNAMIC, {"trainer": {"micro_batch_tokens": cap},
+                                        "launcher": {"nproc_per_node": pool},
                                         "data": {"max_seq_len": limit + 1}})
         with pytest.raises(ConfigError, match=f"at most {limit} tokens") as e:
             validate(cfg, world_size=pool)

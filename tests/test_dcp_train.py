@@ -29,7 +29,8 @@ def _run(run_dir, extra):
 
 def _cp_sizes(records) -> set[int]:
     """The CP sizes of the non-empty micro-batches a run logged (`micro_batches_cp{c}`)."""
-    return {int(k.removeprefix("micro_batches_cp")) for r in records for k in r if k.startswith("micro_batches_cp")}
+    return {int(k.removeprefix("micro_batches_cp")) for r in records for k in r
+            if k.startswith("micro_batches_cp")}
 
 
 # name: (ranks, layout, tokens per rank). Caps that make the long samples (300-512 tokens) need
@@ -53,10 +54,9 @@ def test_dynamic_cp_trains_with_the_losses_of_first_fit(tmp_path):
             for name, (ranks, layout, cap) in DYNAMIC.items()}
     losses = [r["loss"] for r in refs["dp4"][0]]
     assert len(losses) == 10 and losses[-1] < losses[0]
-    pairs = [(name, ref) for ref in refs for name in runs] + [("first_fit cp2_dp2", "dp4")]
-    for name, ref_name in pairs:
-        (run, summary), (ref, ref_sum) = {**runs, "first_fit cp2_dp2": refs["cp2_dp2"]}[name], refs[ref_name]
-        what = f"{name} against first_fit {ref_name}"
+    pairs = {f"{name} against first_fit {ref}": (runs[name], refs[ref]) for ref in refs for name in runs}
+    pairs["first_fit cp2_dp2 against dp4"] = (refs["cp2_dp2"], refs["dp4"])
+    for what, ((run, summary), (ref, ref_sum)) in pairs.items():
         assert [r["loss"] for r in run] == pytest.approx([r["loss"] for r in ref], rel=1e-4, abs=1e-4), what
         assert [r["loss_tokens"] for r in run] == [r["loss_tokens"] for r in ref], what
         assert summary["eval/loss"] == pytest.approx(ref_sum["eval/loss"], rel=1e-4), what
@@ -72,20 +72,27 @@ def test_dynamic_cp_trains_with_the_losses_of_first_fit(tmp_path):
 @pytest.mark.timeout(900)
 def test_dynamic_cp_trains_the_tiny_llava_with_the_losses_of_first_fit(tmp_path):
     """The encoder side at its own layout (tp 1, dp 4) feeds the LLM (tp 2 x dp 2) whose image
-    rows go to the CP rank that holds their positions in each dynamic group."""
+    rows go to the CP rank that holds their positions in each dynamic group; references:
+    first_fit dp-only (dp 4) and with a static CP (cp 2 x dp 2)."""
     (tmp_path / "data").mkdir()
     llava = ["data=llava_json", "data.system_prompt=''", "data.max_seq_len=256", "vision.layout.tp=1",
              *long_tail_llava(tmp_path / "data")]
     run = [x for x in RUN if not x.startswith(("+recipe", "data."))]
-    ff = [r for r in train_cli(tmp_path / "ff", [*run, *llava, "trainer.micro_batch_tokens=512"],
-                               timeout=600) if "loss" in r]
-    dyn = [r for r in train_cli(tmp_path / "dyn", [*run, *llava, "packing=dynamic_cp", "llm.layout.tp=2",
-                                                   "trainer.micro_batch_tokens=128"], timeout=600)
-           if "loss" in r]
-    losses = [r["loss"] for r in ff]
+
+    def steps(name, extra):
+        return [r for r in train_cli(tmp_path / name, [*run, *llava, *extra], timeout=600) if "loss" in r]
+
+    refs = {"dp4": steps("ff", ["trainer.micro_batch_tokens=512"]),
+            "cp2_dp2": steps("ff_cp2", ["llm.layout.cp=2", "trainer.micro_batch_tokens=128"])}
+    dyn = steps("dyn", ["packing=dynamic_cp", "llm.layout.tp=2", "trainer.micro_batch_tokens=128"])
+    losses = [r["loss"] for r in refs["dp4"]]
     assert len(losses) == 10 and losses[-1] < losses[0]
-    assert [r["loss"] for r in dyn] == pytest.approx(losses, rel=1e-4, abs=1e-4)
-    assert [r["loss_tokens"] for r in dyn] == [r["loss_tokens"] for r in ff]
+    pairs = {"dynamic_cp against dp4": (dyn, refs["dp4"]),
+             "dynamic_cp against cp2_dp2": (dyn, refs["cp2_dp2"]),
+             "first_fit cp2_dp2 against dp4": (refs["cp2_dp2"], refs["dp4"])}
+    for what, (got, ref) in pairs.items():
+        assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-4, abs=1e-4), what
+        assert [r["loss_tokens"] for r in got] == [r["loss_tokens"] for r in ref], what
     assert _cp_sizes(dyn) == {1, 2}, _cp_sizes(dyn)
 
 

@@ -60,6 +60,19 @@ def test_join_of_two_encoders(pa, pb):
             _check(graph, m)
 
 
+@pytest.mark.parametrize("pa,pb,pc", [(1, 1, 1), (1, 2, 4), (4, 3, 1), (2, 4, 2)])
+def test_join_of_three_encoder_islands(pa, pb, pc):
+    """Three islands (e.g. two vision towers and an audio encoder) into one LLM of 1-4 stages;
+    a branch on an island is one edge here (its projectors share the island's last stage)."""
+    for pl in DEPTHS:
+        graph = stage_graph({"vision": pa, "vision2": pb, "audio": pc, "llm": pl},
+                            [["vision", "llm"], ["vision2", "llm"], ["audio", "llm"]])
+        assert graph.prev[graph.index("llm", 0)] == tuple(
+            graph.index(m, p - 1) for m, p in (("vision", pa), ("vision2", pb), ("audio", pc)))
+        for m in MICRO:
+            _check(graph, m)
+
+
 @pytest.mark.parametrize("pp,pa,pb", [(p, a, b) for p in DEPTHS for a in DEPTHS for b in (1, 4)])
 def test_branch_into_two_consumers(pp, pa, pb):
     graph = stage_graph({"vision": pp, "llm": pa, "head": pb}, [["vision", "llm"], ["vision", "head"]])

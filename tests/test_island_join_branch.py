@@ -4,9 +4,11 @@ counts, every module's gradients (made whole over TP, gathered over islands and 
 global gradient norm and the weights after one AdamW step. The graph is the two-encoder recipe
 with a branch on top: `vision` feeds `projector` and a pooled `pooled` projector (a branch on
 its island: the tower runs once, its gradient is the sum of both), `vision2` feeds `projector2`
-(a join: two islands into the LLM's first stage). Islands: vision on rank 0, vision2 on rank 1,
-LLM tp2 on ranks 2-3; vision pp2 with `recompute=full` (each ViT block runs its forward
-again in its backward) on ranks 0-1, vision2 dp2 on ranks 2-3 (fan-in), LLM pp2 x cp2 on ranks 4-7. Each island reads only its own encoder's inputs, the LLM only text; every stream's
+(a join: two islands into the LLM's first stage). Islands: vision dp2 sharded with FSDP
+(`dp_shard`) on ranks 0-1, vision2 on rank 2, LLM tp2 on ranks 3-4; vision pp2 with
+`recompute=full` (each ViT block runs its forward again in its backward) on ranks 0-1, vision2
+dp2 on ranks 2-3 (fan-in), LLM pp2 x cp2 on ranks 4-7. Each island reads only its own
+encoder's inputs, the LLM only text; every stream's
 rows cross the islands once forward and once backward (the minimum)."""
 import pytest
 from omegaconf import OmegaConf
@@ -19,8 +21,9 @@ from test_multi_encoder_trainer import SMALL, TOL, _step
 
 ISLANDS = ["placement=non_colocated", "vision.layout.tp=1", "encoders.vision2.layout.tp=1"]
 CASES = {
-    "vision_1__vision2_1__llm_tp2": (4, ["vision.layout.num_ranks=1", "encoders.vision2.layout.num_ranks=1",
-                                         "llm.layout.tp=2"]),
+    "vision_dp2_fsdp__vision2_1__llm_tp2": (5, [
+        "vision.layout.num_ranks=2", "vision.layout.dp_shard=true", "encoders.vision2.layout.num_ranks=1",
+        "llm.layout.tp=2", "launcher.nproc_per_node=5"]),
     "vision_pp2_recompute__vision2_dp2__llm_pp2_cp2": (8, [
         "vision.layout.num_ranks=2", "vision.layout.pp=2", "vision.layout.recompute=full",
         "encoders.vision2.layout.num_ranks=2", "llm.layout.cp=2", "llm.layout.pp=2",
@@ -50,6 +53,8 @@ def test_join_and_branch_on_islands_equal_the_single_process_model(name, referen
     assert set(grads) == set(reference["grads"])
     assert len({r["n_micro"] for r in results}) == 1 and results[0]["n_micro"] > 1
     recompute = "vision.layout.recompute=full" in extra
+    sharded = "vision.layout.dp_shard=true" in extra
+    assert all(r["sharded"] == (sharded and r["head"] == "vision") for r in results)
     for r in results:  # inputs only on an encoder's first stage, text only on the LLM's
         # the recomputing island runs each block's forward again in its backward
         assert r["forwards"] == (0 if not r["encoder"] else

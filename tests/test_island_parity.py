@@ -1,11 +1,13 @@
 """placement=non_colocated through the trainer equals the single-process LLaVA (FP32): one
 step's loss, every module's gradients (made whole over TP, gathered over the islands and
 pipeline stages), the global gradient norm and the weights after one AdamW step; rtol 1e-5 /
-atol 1e-6. Islands: encoder dp2 (ranks 0-1) + LLM tp2 (ranks 2-3); encoder dp2 + LLM pp2 x cp2;
+atol 1e-6. Islands: encoder dp2 (ranks 0-1) + LLM tp2 (ranks 2-3); encoder dp2 + LLM pp2 x cp2
+sharded with FSDP over its CP group (`llm.layout.dp_shard`);
 an encoder with PP 2 (blocks split, projector on the last stage) + an LLM with TP 2. Only the
 encoder's first stage reads images, only the LLM's first stage reads text."""
 import pytest
 from omegaconf import OmegaConf
+from torch.distributed.tensor import DTensor
 
 from cfg_utils import compose_cfg
 from dist_utils import run_ranks
@@ -50,13 +52,14 @@ def _island_step(rank, world, container, run_dir):
     image_rows = tr.plan(tr.sampler.batch(0)).counts.image_rows
     return dict(loss=loss, counts=counts, norm=norm, grads=grads, weights=weights, n_micro=n_micro,
                 encoder=tr.encoder is not None, first=first, head=getattr(tr, "head", None),
-                forwards=len(forwards), reads=reads, image_rows=image_rows,
+                forwards=len(forwards), sharded=any(isinstance(p, DTensor) for _, p in named), reads=reads, image_rows=image_rows,
                 route_bytes=(sent.forward, sent.backward) if sent is not None else (0, 0), encoder_grad_sq=getattr(tr, "encoder_grad_sq", None))
 
 
 CASES = {
     "enc_dp2__llm_tp2": (4, ["vision.layout.num_ranks=2", "llm.layout.tp=2"]),
-    "enc_dp2__llm_pp2_cp2": (6, ["vision.layout.num_ranks=2", "llm.layout.pp=2", "llm.layout.cp=2"]),
+    "enc_dp2__llm_pp2_cp2_dp_shard": (6, ["vision.layout.num_ranks=2", "llm.layout.pp=2", "llm.layout.cp=2",
+                                          "llm.layout.dp_shard=true"]),
     "enc_pp2__llm_tp2": (4, ["vision.layout.num_ranks=2", "vision.layout.pp=2", "llm.layout.tp=2",
                              "trainer.global_batch_size=8"]),
 }
@@ -82,6 +85,7 @@ def test_non_colocated_step_equals_single_process(name, reference, tmp_path):
     grads, weights = merged(results, "grads"), merged(results, "weights")
     assert set(grads) == set(reference["grads"])
     assert len({r["n_micro"] for r in results}) == 1 and results[0]["n_micro"] > 1
+    assert all(r["sharded"] == ("llm.layout.dp_shard=true" in extra and not r["encoder"]) for r in results)
     for r in results:  # images only on the encoder's first stage, text only on the LLM's
         assert (r["reads"]["images"] > 0) == (r["encoder"] and r["first"])
         assert (r["reads"]["text"] > 0) == (not r["encoder"] and r["first"])
@@ -104,12 +108,12 @@ def test_non_colocated_trains_encoder_pp_and_refuses_what_it_cannot_run_with_a_f
     from hcp.train.support import check_trainable
 
     base = ["placement=non_colocated", "vision.layout.num_ranks=2", "vision.layout.tp=1"]
-    cfg = compose_cfg([*base, "vision.layout.pp=2", "vision.layout.recompute=full"])
-    check_trainable(cfg, validate(cfg, world_size=4))         # encoder PP and recompute on its island
-    for extra, field in [(["llm.layout.dp_shard=true"], "llm.layout.dp_shard"),
+    cfg = compose_cfg([*base, "vision.layout.pp=2", "vision.layout.recompute=full", "vision.layout.dp_shard=true"])
+    check_trainable(cfg, validate(cfg, world_size=4))   # encoder PP, recompute and FSDP on its island
+    for extra, field in [(["packing=dynamic_cp"], "packing"),
                          (["projector.layout.tp=2"], "projector.layout.tp"),
                          (["projector.layout.recompute=full"], "projector.layout.recompute"),
-                         (["vision.layout.dp_shard=true"], "vision.layout.dp_shard"),
+                         (["projector.layout.dp_shard=true"], "projector.layout.dp_shard"),
                          (["vision.freeze=true", "projector.freeze=true"], "vision.freeze"),
                          (["llm.freeze=true"], "llm.freeze")]:
         cfg = compose_cfg([*base, *extra])

@@ -82,6 +82,8 @@ class _First:
     (["encoders.vision2.hiden_size=3"], "encoders.vision2.hiden_size", "hidden_size"),
     (["vision=null", "projector=null", "graph.edges=[[vision2,projector2],[projector2,llm]]"], "vision",
      "default encoder"),
+    (["placement=non_colocated", "vision.layout.num_ranks=1", "encoders.vision2.layout.num_ranks=1",
+      "encoders.vision2.layout.rank_offset=4"], "encoders.vision2.layout.rank_offset", "leaves the world"),
 ])
 def test_bad_names_edges_and_layouts_of_named_modules_are_named(overrides, field, text):
     from hcp.config.errors import ConfigError

@@ -12,7 +12,8 @@ Placement:
   tp*cp*pp*dp) heads its own island; a module with neither key that is the destination of an
   edge from an encoder joins that encoder's island (LLaVA's projector shares the vision island);
   at most one island may leave its size open and gets the remaining ranks. Islands with an
-  explicit `rank_offset` are placed first, the others in graph order at the lowest free rank.
+  explicit `rank_offset` are placed first, the others in graph order at the lowest free rank
+  (`hcp.config.spans`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 
 from hcp.config.errors import ConfigError, check_choice
 from hcp.config.modules import kind, module_cfg, module_key, module_names
+from hcp.config.spans import colocated_spans, non_colocated_spans
 
 PLACEMENTS = ("colocated", "non_colocated")
 PACKINGS = ("first_fit", "dynamic_cp")
@@ -117,100 +119,6 @@ def _edges(cfg, modules) -> list[tuple[str, str]]:
     return edges
 
 
-def _colocated_spans(cfg, modules, world_size) -> dict[str, tuple[int, int]]:
-    for m in modules:
-        lay = module_cfg(cfg, m).layout
-        if lay.num_ranks not in (None, world_size):
-            raise ConfigError(f"{m}.layout.num_ranks", lay.num_ranks,
-                              f"placement=colocated: every module spans all {world_size} ranks",
-                              f"remove it (or set it to {world_size}), or set placement=non_colocated")
-        if lay.rank_offset not in (None, 0):
-            raise ConfigError(f"{m}.layout.rank_offset", lay.rank_offset,
-                              "placement=colocated: every module starts at rank 0",
-                              "remove it, or set placement=non_colocated")
-    return {m: (0, world_size) for m in modules}
-
-
-def _island_heads(cfg, modules, edges) -> dict[str, str]:
-    """Map each module to the module heading its island (itself or the encoder it joins)."""
-    head = {}
-    for m in modules:
-        lay = module_cfg(cfg, m).layout
-        if lay.num_ranks is None and lay.rank_offset is None:
-            src = next((s for s, d in edges if d == m and kind(cfg, s) == "encoder"), None)
-            if src is not None:
-                head[m] = head[src]
-                continue
-        head[m] = m
-    return head
-
-
-def _island_size(cfg, m) -> int | None:
-    lay = module_cfg(cfg, m).layout
-    if lay.num_ranks is not None:
-        if lay.num_ranks < 1:
-            raise ConfigError(f"{m}.layout.num_ranks", lay.num_ranks, "an island needs >= 1 rank",
-                              "use a positive rank count")
-        return int(lay.num_ranks)
-    if lay.dp != -1:
-        return int(lay.tp * lay.cp * lay.pp * lay.dp)
-    return None
-
-
-def _lowest_free(used: dict[int, str], module: str, size: int, world_size: int) -> int:
-    """Lowest rank r with ranks [r, r + size) unclaimed; raises ConfigError when none is."""
-    run = 0
-    for r in range(world_size):
-        run = 0 if r in used else run + 1
-        if run == size:
-            return r - size + 1
-    raise ConfigError(f"{module}.layout.num_ranks", size,
-                      f"no {size} contiguous ranks remain free after the other islands",
-                      "shrink the islands or give explicit rank_offset values that fit")
-
-
-def _non_colocated_spans(cfg, modules, edges, world_size) -> dict[str, tuple[int, int]]:
-    head = _island_heads(cfg, modules, edges)
-    islands = list(dict.fromkeys(head.values()))
-    sizes = {h: _island_size(cfg, h) for h in islands}
-    open_ = [h for h in islands if sizes[h] is None]
-    if len(open_) > 1:
-        raise ConfigError(f"{open_[1]}.layout.num_ranks", None,
-                          f"the islands of {open_} all leave their size to be inferred; at most one may",
-                          f"set {open_[0]}.layout.num_ranks (or its dp)")
-    if open_:
-        rest = world_size - sum(s for s in sizes.values() if s is not None)
-        if rest < 1:
-            raise ConfigError(f"{open_[0]}.layout.num_ranks", None,
-                              f"the other islands already take {world_size - rest} of {world_size} ranks",
-                              "shrink the other islands or use more ranks")
-        sizes[open_[0]] = rest
-    used: dict[int, str] = {}
-    offsets = {}
-    explicit = [h for h in islands if module_cfg(cfg, h).layout.rank_offset is not None]
-    for h in explicit + [h for h in islands if h not in explicit]:
-        offset = module_cfg(cfg, h).layout.rank_offset
-        if offset is None:
-            offset = _lowest_free(used, h, sizes[h], world_size)
-        if offset < 0 or offset + sizes[h] > world_size:
-            raise ConfigError(f"{h}.layout.rank_offset", offset,
-                              f"island [{offset}, {offset + sizes[h]}) of {h} leaves the world "
-                              f"[0, {world_size})", "lower the offset or the island size")
-        for r in range(offset, offset + sizes[h]):
-            if r in used:
-                raise ConfigError(f"{h}.layout.rank_offset", offset,
-                                  f"island [{offset}, {offset + sizes[h]}) of {h} overlaps the island "
-                                  f"of {used[r]} at rank {r}", "make the islands disjoint")
-            used[r] = h
-        offsets[h] = offset
-    unused = [r for r in range(world_size) if r not in used]
-    if unused:
-        raise ConfigError(f"{islands[-1]}.layout.num_ranks", sizes[islands[-1]],
-                          f"the islands leave {len(unused)} of {world_size} ranks unused "
-                          f"(first: {unused[0]})", "grow an island (num_ranks) so that they cover the world")
-    return {m: (offsets[head[m]], sizes[head[m]]) for m in modules}
-
-
 def _indivisible(m: str, lay, count: int, product: str) -> ConfigError:
     """The error for tp*cp*pp not dividing a module's `count` ranks under an inferred dp: it names
     the size the user set (the largest axis other than 1 that a valid value could replace) and
@@ -291,9 +199,9 @@ def _resolve_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
     modules = present_modules(cfg)
     edges = _edges(cfg, modules)
     if cfg.placement == "colocated":
-        spans = _colocated_spans(cfg, modules, world_size)
+        spans = colocated_spans(cfg, modules, world_size)
     else:
-        spans = _non_colocated_spans(cfg, modules, edges, world_size)
+        spans = non_colocated_spans(cfg, modules, edges, world_size)
     # The LLM first: the tiny LLaVA's encoder layouts follow llm.layout by interpolation, so a
     # bad size is reported under the key the user typed.
     resolved = {m: _resolve_one(cfg, m, *spans[m]) for m in sorted(modules, key=lambda m: m != "llm")}
@@ -363,7 +271,8 @@ def _check_dynamic_cp(cfg, layouts: dict[str, ResolvedLayout]) -> None:
     lay = layouts["llm"]
     if not lay.cp_pool & (lay.cp_pool - 1):
         return
-    pool = f"packing=dynamic_cp needs the CP pool dp*cp = {lay.dp}*{lay.cp} = {lay.cp_pool} to be a power of two"
+    pool = (f"packing=dynamic_cp needs the CP pool dp*cp = {lay.dp}*{lay.cp} = {lay.cp_pool} to be a "
+            "power of two")
     if lay.cp & (lay.cp - 1):
         low, high = _powers_near(lay.cp)
         raise ConfigError("llm.layout.cp", lay.cp, pool, f"use llm.layout.cp={low} or {high} (and a "

@@ -43,26 +43,38 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from hcp.model.encoder_stage import EncoderStage
+
 
 def shard_model(model, groups) -> None:
-    """Apply FSDP2 in place to this rank's `LlavaModel` stage over the LLM's `dp_cp` group.
+    """Apply FSDP2 in place to this rank's `LlavaModel` stage over the LLM's `dp_cp` group
+    (nothing when this rank has none: `model` None on an encoder island).
 
     Raises RuntimeError when this torch's FSDP2 cannot reduce-scatter unused parameters (a lane
     without images would otherwise hang or fail the reduce-scatter).
     """
+    if model is None:  # an encoder island's rank (placement=non_colocated): no LLM stage here
+        return
     _shard(model, list(model.llm.layers), groups.group("llm", "dp_cp"), "llm")
 
 
 def shard_encoder(encoder, layouts: dict, groups) -> tuple[str, ...]:
     """Apply FSDP2 in place to the encoder-side modules of `encoder` (`hcp.model.llava.
     LlavaEncoder`: its children named after their modules, `vision`, `projector`) whose layout
-    has `dp_shard`, each over its own DP group (module docstring).
+    has `dp_shard`, each over its own DP group (module docstring); an encoder island's stage
+    (`EncoderStage`) as one, over its island's DP group, when its encoder has `dp_shard`
+    (`shard_island`: its projectors follow).
     Returns the names of the sharded modules (() when none asked for it, or no encoder).
 
     Raises RuntimeError as `shard_model`.
     """
     if encoder is None:
         return ()
+    if isinstance(encoder, EncoderStage):  # an encoder island's stage (placement=non_colocated)
+        if not layouts[encoder.name].dp_shard:
+            return ()
+        shard_island(encoder, groups.group(encoder.name, "dp"))
+        return (encoder.name, *encoder.projector_names)
     sharded = tuple(m for m, module in encoder.named_children()
                     if m in layouts and layouts[m].dp_shard and any(True for _ in module.parameters()))
     for m in sharded:
@@ -71,6 +83,20 @@ def shard_encoder(encoder, layouts: dict, groups) -> tuple[str, ...]:
         units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
         _shard(module, units, groups.group(m, "dp"), m, reshard_root=True)
     return sharded
+
+
+def shard_island(stage, group) -> None:
+    """Apply FSDP2 in place to one encoder island's stage (`hcp.model.encoder_stage.
+    EncoderStage`, placement=non_colocated) over the island's DP group: each ViT block and each
+    projector one unit, the stage the root (the embeddings on the first stage), resharded after
+    its forward. The island's schedule runs one forward and backward per micro-batch on every
+    lane (empty ones included) and turns gradient sync on for the last backward only
+    (`set_requires_gradient_sync`), so each step reduce-scatters once. Raises RuntimeError as
+    `shard_model`."""
+    blocks = getattr(stage.encoder, "blocks", ())
+    units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
+    units += [getattr(stage, p) for p in stage.projector_names]
+    _shard(stage, units, group, stage.name, reshard_root=True)
 
 
 def _shard(root, units: list, group, name: str, reshard_root: bool | None = None) -> None:

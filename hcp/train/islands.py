@@ -40,8 +40,14 @@ of the island keeps only its input per micro-batch in flight and runs its forwar
 backward (`hcp.model.vit.ViTEncoder`'s `recompute`; TP collectives of the recompute run on every
 TP rank at the same schedule step), as plan mode's memory estimate assumes.
 
-Not built yet (refused in `hcp.train.support`): FSDP (`dp_shard`), selective encoder
-recompute, encoder CP, `packing=dynamic_cp`, a projector on an island of its own.
+FSDP (`<encoder>.layout.dp_shard=true`, its projectors follow; `llm.layout.dp_shard=true`):
+an encoder island's stage shards over its DP group (`hcp.train.fsdp.shard_island`), the LLM's
+over its DP x CP group; each reduce-scatters once per step (gradient sync on for the last
+backward only).
+
+Not built yet (refused in `hcp.train.support`): selective encoder recompute, encoder CP,
+`packing=dynamic_cp`, a projector on an island of its own (or with a recompute or dp_shard
+other than its encoder's), a fully frozen island.
 """
 from __future__ import annotations
 
@@ -64,7 +70,7 @@ from hcp.plan.step import island_head
 from hcp.schedule.graph import graph_one_f_one_b, stage_graph
 from hcp.schedule.graph_executor import GraphStageExecutor, PipeLink, RouteLink, StreamsLink
 from hcp.train.island_eval import whole_island_encoders
-from hcp.train.modules import clip_, module_sq_norm, sync_grads
+from hcp.train.modules import clip_, local_grad_sq, module_sq_norm, sync_grads
 from hcp.train.trainer import Trainer
 
 
@@ -141,6 +147,14 @@ class IslandTrainer(Trainer):
 
     def _build_model(self):
         return super()._build_model() if self.head == "llm" else None
+
+    def _sharded(self) -> bool:
+        """Whether this rank's island shards with FSDP: an encoder island by its encoder's
+        `layout.dp_shard` (its projectors follow), over its DP group; the LLM island by
+        `llm.layout.dp_shard`, over its DP x CP group (both applied by the base class,
+        `hcp.train.fsdp`)."""
+        return bool(self.layouts[self.head].dp_shard)
+
 
     def _rank_modules(self) -> IslandModules:
         return IslandModules(self.encoder, self.model, islands_label(self.layouts, self.heads))
@@ -273,7 +287,10 @@ class IslandTrainer(Trainer):
                     out = self.encoder(inputs[i] if stage.first else received[g - 1])
                 return out.float()
         reducer = self.runner.reducer if self.runner is not None else None
-        executor = GraphStageExecutor(forward, links, reducer.sync_in_backward if reducer else None)
+        grad_sync = reducer.sync_in_backward if reducer else None
+        if self._sharded():  # FSDP: one reduce-scatter per step, in the last backward
+            grad_sync = (self.encoder if self.encoder is not None else self.model).set_requires_gradient_sync
+        executor = GraphStageExecutor(forward, links, grad_sync)
         self.stage_times = executor.run(graph_one_f_one_b(graph, n_micro)[g])
         self._sync(mine)
         if self.encoder is None and stage.last:
@@ -287,8 +304,8 @@ class IslandTrainer(Trainer):
             self.runner.sync_grads()
             return
         params = list(self.encoder.parameters())
-        self.encoder_grad_sq = sum(float(p.grad.double().pow(2).sum()) for p in params if p.grad is not None)
-        sync_grads(params, self.groups.group(self.head, "dp"))
+        self.encoder_grad_sq = local_grad_sq(params)
+        sync_grads(params, self.groups.group(self.head, "dp"))  # FSDP shards: already reduced
         if sum(mine.counts.stream_rows.get(p, 0) for p in self.island_streams[self.head]) == 0:
             for p in params:  # no input of this encoder anywhere: as in one process, no update
                 p.grad = None
@@ -304,7 +321,9 @@ class IslandTrainer(Trainer):
         own = self.encoder if self.encoder is not None else self.model
         tp = self.encoder.tp_group if self.encoder is not None else self.tp_group
         pp = self.groups.group(module, "pp") if lay.pp > 1 else None
-        part = module_sq_norm(own.parameters(), self.device, tp, None, pp)
+        shards = (None if not self._sharded() else self.grad_group if module == "llm"
+                  else self.groups.group(module, "dp"))
+        part = module_sq_norm(own.parameters(), self.device, tp, shards, pp)
         if self.rank == lay.rank_offset:
             sq[modules.index(module)] = part
         dist.all_reduce(sq)

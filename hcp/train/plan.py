@@ -85,8 +85,9 @@ def _fix_for(cfg, layout, stage_mem) -> tuple[str, object, str]:
 def running_layouts(cfg, layouts) -> dict:
     """The layouts modules run under: under `non_colocated` a module sharing an encoder's island
     (the projector; `hcp.plan.step.island_head`) runs on the head's LAST stage with the head's
-    TP and DP, so its grid is that stage's ranks (one stage, its own recompute and dp_shard);
-    every other module keeps its layout."""
+    TP and DP, so its grid is that stage's ranks (one stage, its own recompute; sharded when it
+    or its head has dp_shard, as training shards the island's stage whole); every other module
+    keeps its layout."""
     edges = [tuple(e) for e in cfg.graph.edges]
     out = {}
     for m, lay in layouts.items():
@@ -96,7 +97,7 @@ def running_layouts(cfg, layouts) -> dict:
         out[m] = lay if head == m else dataclasses.replace(
             h, module=m, pp=1, pp_layers=(1,), num_ranks=stage_ranks,
             rank_offset=h.rank_offset + (h.pp - 1) * stage_ranks, recompute=lay.recompute,
-            dp_shard=lay.dp_shard)
+            dp_shard=bool(lay.dp_shard or h.dp_shard))
     return out
 
 

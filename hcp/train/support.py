@@ -17,8 +17,9 @@ def check_trainable(cfg, layouts: dict) -> None:
     """Raise ConfigError for a valid layout that training does not run yet.
 
     Not yet trained: encoder-side CP, encoder PP under colocated placement (encoder PP runs on
-    its own island under non_colocated); under non_colocated FSDP, dynamic CP, a projector's
-    recompute other than its island's, a fully frozen island, a projector on an island of its own
+    its own island under non_colocated); under non_colocated dynamic CP, a projector's
+    recompute or dp_shard other than its island's, a fully frozen island, a projector on an
+    island of its own
     (`_check_islands_trainable`);
     `selective` recompute outside the LLM, and tied embeddings across LLM stages. Each can be
     planned with `mode=plan`. `packing=dynamic_cp` trains under every colocated LLM layout that
@@ -55,9 +56,9 @@ def _check_several_encoders_trainable(cfg, layouts: dict) -> None:
     """Several encoders or streams (joins, branches: `hcp.config.modules`) train colocated, each
     encoder at its own TP/DP layout (`hcp.train.encoders`), or non_colocated, each encoder on its
     own island (`hcp.train.islands`, checked by `_check_islands_trainable`); the rest raises
-    ConfigError: FSDP of the encoder side, a named encoder's `init_from`, and (colocated)
-    encoder recompute that differs between encoders (the colocated step recomputes the whole
-    encoder side)."""
+    ConfigError: (colocated) FSDP of the encoder side, a named encoder's `init_from`, and
+    (colocated) encoder recompute that differs between encoders (the colocated step recomputes
+    the whole encoder side)."""
     from hcp.config.modules import encoder_names, module_cfg, module_key
     from hcp.train.encoders import several_streams
 
@@ -66,7 +67,7 @@ def _check_several_encoders_trainable(cfg, layouts: dict) -> None:
     side = [m for m in layouts if m != "llm"]
     for m in side:
         key = module_key(cfg, m)
-        if layouts[m].dp_shard:
+        if cfg.placement == "colocated" and layouts[m].dp_shard:
             raise ConfigError(f"{key}.layout.dp_shard", True, "FSDP of the encoder side is built for "
                               "LLaVA's one encoder and projector", f"set {key}.layout.dp_shard=false")
         if m != "vision" and m in encoder_names(cfg) and module_cfg(cfg, m).get("init_from"):
@@ -117,11 +118,8 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
                               "island into the LLM only)", f"remove {key}.layout.num_ranks, "
                               f"rank_offset and dp (it takes its encoder's layout)")
     fix = "use placement=colocated for it, or mode=plan to plan it"
-    for field, bad in (("llm.layout.dp_shard", bool(layouts["llm"].dp_shard)),
-                       ("packing", cfg.packing != "first_fit")):
-        if bad:
-            raise ConfigError(field, cfg.packing if field == "packing" else True,
-                              "not built for placement=non_colocated yet", fix)
+    if cfg.packing != "first_fit":
+        raise ConfigError("packing", cfg.packing, "not built for placement=non_colocated yet", fix)
     for head in heads:
         members = [m for m in layouts if m != "llm" and island_head(layouts, edges, m) == head]
         for m in members:
@@ -136,10 +134,11 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
                                   f"(recompute={layouts[head].recompute})",
                                   f"set {module_key(cfg, head)}.layout.recompute={lay.recompute} "
                                   f"for the island, or {key}.layout.recompute=none")
-            if lay.dp_shard:
-                raise ConfigError(f"{key}.layout.dp_shard", True, "FSDP of an encoder island is not "
-                                  "built for placement=non_colocated yet", f"set {key}.layout.dp_shard="
-                                  "false, or use placement=colocated")
+            if m != head and lay.dp_shard and not layouts[head].dp_shard:
+                raise ConfigError(f"{key}.layout.dp_shard", True, f"{m} runs inside {head}'s last "
+                                  f"stage, which shards (FSDP) as {head} says (dp_shard=false)",
+                                  f"set {module_key(cfg, head)}.layout.dp_shard=true for the island, "
+                                  f"or {key}.layout.dp_shard=false")
         for island in (members, ["llm"]):
             if all(module_cfg(cfg, m).freeze for m in island):
                 raise ConfigError(f"{module_key(cfg, island[0])}.freeze", True, f"every module of the "
