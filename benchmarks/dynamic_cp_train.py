@@ -81,7 +81,7 @@ seed 100's profiles, every seed held out; load 6-8):
                            300   1.13 1.16 1.16     1.16x   1.14x (0.99)           1.25x
                            400   1.42 1.42 1.19     1.42x   1.23x (0.87)           1.34x
 Planning: 384-552 ms of a rank's CPU time per step, 0.17-0.38 of the simulated dynamic step
-(code: 164-186 ms, 0.06).
+(code: 164-186 ms, 0.05-0.06).
 """
 from __future__ import annotations
 
