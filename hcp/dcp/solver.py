@@ -8,7 +8,9 @@ an 8-rank pool (~50-100 micro-batches), 0.38 s / 0.50 s (0.184 of the step) on a
 up to ~0.5 s with pp = 1 and at most `LOCAL_SEARCH_MAX_SEQS` sequences, where a local search
 runs):
 1. Rank-time of a sequence at CP size c: `c * h(L, c)`, with `h` the forward seconds summed over
-   stages (the backward is proportional). `W` = total rank-time at the smallest feasible c.
+   stages (the backward is proportional), the CP latency of its micro-batch (paid once per
+   micro-batch, `cost_model.latency`) counted by its token share (`_heights`). `W` = total
+   rank-time at the smallest feasible c.
 2. For a micro-batch count M at or near the memory minimum `ceil(sum L / (N m))` (the ramps of
    step 4 add light rows on top), the target height is `tau = W / (N M)`. Each sequence takes
    the smallest feasible c whose height `h(L, c) <= tau` (long sequences spread over more ranks
@@ -45,7 +47,9 @@ runs):
 6. With `several_per_round` (pp = 1 without dp_shard), the best plan, greedy's and the two
    fastest other candidates are also turned into rounds of several micro-batches per group
    (hcp/dcp/rounds.py: merge rounds of the same grouping, re-balance, fill slack across
-   rounds); the fastest of all wins.
+   rounds), and a plan packed for rounds from the start competes (hcp/dcp/rank_pack.py: least
+   added rank-time per sequence, which keeps short sequences off wide groups under a
+   latency-bearing profile; ~5 ms); the fastest of all wins.
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ from hcp.dcp.baselines import greedy, packing_only
 from hcp.dcp.cost_model import CostModel
 from hcp.dcp.exact import solve_exact
 from hcp.dcp.local_search import improve
+from hcp.dcp.rank_pack import rank_time_plan
 from hcp.dcp.rounds import merge_rounds
 from hcp.dcp.lower_bound import cp_sizes
 from hcp.dcp.pinned_bound import pin_floor
@@ -256,6 +261,17 @@ def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int
     return best
 
 
+def _heights(lens, cost: CostModel, cs, m: int) -> np.ndarray:
+    """Forward seconds `[K, n]` of each sequence at each CP size `cs`, summed over stages:
+    compute and exposed K/V traffic, plus its share of its micro-batch's CP latency. A
+    micro-batch pays `cost.latency(c)` once per ring step, shared by its sequences; a sequence
+    holding `rank_tokens(L, c)` of the cap `m` is charged that fraction (as in
+    hcp/dcp/lower_bound.py step 1), not the whole latency."""
+    whole = cost.fwd(lens[None, :], lens[None, :] ** 2, cs[:, None])  # latency counted once
+    unshared = 1.0 - rank_tokens(lens[None, :], cs[:, None]) / m
+    return (whole - cost.latency(cs[:, None]) * unshared).sum(axis=0)
+
+
 def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
           max_len: int | None = None, several_per_round: bool = False) -> Solution:
     """Plan one global batch (see module docstring). `lengths` must already fit the pool (use
@@ -267,7 +283,7 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     m = max_tokens_per_rank
     cs = cp_sizes(pool)
     feasible = rank_tokens(lens[None, :], cs[:, None]) <= m  # [K, n], padding counted
-    heights = cost.fwd(lens[None, :], lens[None, :] ** 2, cs[:, None]).sum(axis=0)  # [K, n]
+    heights = _heights(lens, cost, cs, m)  # [K, n]
     heights = np.where(feasible, heights, np.inf)
     m_min = int(np.ceil(lens.sum() / (pool * m)))
     # the baselines compete too: guards for degenerate batches (e.g. one sequence); greedy
@@ -309,4 +325,8 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
             t = simulate_plan(merged, lens, cost).iteration_time
             if t < best.time - 1e-12:
                 best = Solution(merged, t, f"{source}+rounds")
+        packed = rank_time_plan(lens, cost, pool, m)  # built for rounds (rank_pack.py)
+        t = simulate_plan(packed, lens, cost).iteration_time
+        if t < best.time - 1e-12:
+            best = Solution(packed, t, "rank-pack")
     return best
