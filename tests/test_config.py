@@ -188,3 +188,13 @@ def test_launch_inputs_are_checked_before_ranks_start(tmp_path):
         prepare_data(compose_cfg(["data=llava_json"]))
     with pytest.raises(ConfigError, match="exceeds the 1527 training samples"):
         prepare_data(compose_cfg(["trainer.global_batch_size=2000"]))
+
+
+def test_a_key_below_a_plain_value_names_the_closest_key():
+    """`packing.profile=PATH`: `packing` is a choice, not a section; Hydra's message was
+    `Cannot convert 'dict' to string`."""
+    from hcp.config.keys import check_overrides
+
+    with pytest.raises(ConfigError) as e:
+        check_overrides(["packing.profile=/tmp/x.yaml"], set())
+    assert e.value.field == "packing.profile" and "did you mean `packing_profile`?" in str(e.value)

@@ -89,6 +89,6 @@ def test_calibrate_mode_writes_a_loadable_profile(tmp_path):
                           f"hydra.run.dir={tmp_path}"], capture_output=True, text=True,
                          timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "fit: mean |error|" in out.stdout
+    assert "fit: mean |error|" in out.stdout and "at CP sizes [1] " in out.stdout
     hw = load_profile(tmp_path / "profile.yaml")
     assert 0 < hw.matmul_efficiency <= 1 and hw.micro_batch_overhead_fwd >= 0

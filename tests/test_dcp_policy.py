@@ -68,6 +68,11 @@ def test_clear_errors_before_ranks_start():
     bad = compose_config(["+recipe=llama_tiny", "packing_profile=/nonexistent.yaml"])
     with pytest.raises(ConfigError, match="packing_profile='/nonexistent.yaml'"):
         check_dynamic_cp(bad)
+    from hcp.config.validate import validate  # what mode=plan runs too: an error, not a warning
+
+    dyn = compose_config(["+recipe=llama_tiny", "packing=dynamic_cp", "packing_profile=/nonexistent.yaml"])
+    with pytest.raises(ConfigError, match="packing_profile='/nonexistent.yaml'"):
+        validate(dyn, 4)
 
 
 @pytest.mark.parametrize("pool", [1, 2, 4, 8, 16])

@@ -80,6 +80,9 @@ def lookup(key: str, value=None):
         if named is not None and i + 2 < len(parts):  # encoders.NAME.key: check key in X
             return lookup_in(named, parts[i + 2:], key, value)
         if sub is None:
+            scalar = {a for a in (typing.get_args(fields[part]) or (fields[part],)) if a is not type(None)}
+            if i < len(parts) - 1 and scalar <= {str, int, float, bool}:  # `packing.profile`: no section
+                raise _unknown(key, value)
             return fields[part]
         if i == len(parts) - 1:
             return sub

@@ -198,10 +198,12 @@ def run_calibrate(cfg, run_dir: str, sizes=None, max_tokens_per_rank: int | None
     if max_tokens_per_rank is None:
         max_tokens_per_rank = int(cfg.trainer.micro_batch_tokens)
     if sizes is None:
-        world = int(cfg.launcher.nproc_per_node) if str(cfg.launcher.nproc_per_node).isdigit() \
-            else (os.cpu_count() or 1)
-        top = min(CALIBRATE_MAX_CP, max(1, world))
+        from hcp.train.launch import resolve_nproc
+
+        top = min(CALIBRATE_MAX_CP, resolve_nproc(cfg.launcher.nproc_per_node))  # training's `auto`
         sizes = [1 << e for e in range(top.bit_length()) if 1 << e <= top]
+    print(f"hcp: calibrating the configured LLM at CP sizes {list(sizes)} up to "
+          f"{max_tokens_per_rank} tokens per rank; the profile goes to {run_dir}/profile.yaml", flush=True)
     rows = measure(cfg, run_dir, sizes, max_tokens_per_rank)
     recompute = cfg.llm.layout.recompute == "full"
     bytes_per_element = 2 if cfg.precision == "bf16" else 4

@@ -24,7 +24,12 @@ def check_trainable(cfg, layouts: dict) -> None:
     `selective` recompute outside the LLM, and tied embeddings across LLM stages. Each can be
     planned with `mode=plan`. `packing=dynamic_cp` trains under every colocated LLM layout that
     trains (TP, PP, dp_shard, an encoder side), given a power-of-two CP pool that holds the
-    longest sample (`_check_dynamic_cp_trainable`).
+    longest sample (`hcp.config.validate`, with the profile: `hcp.dcp.policy.check_dynamic_cp`).
+    Under dynamic CP every TP rank of a pool position runs the same micro-batches, every
+    pipeline stage the plan's micro-batches (empty ones included) with its CP group of each,
+    `llm.layout.dp_shard` one micro-batch per group and round, and an encoder side routes image
+    rows to the CP rank that holds their positions. A global batch with fewer samples than pool
+    ranks trains (ranks without a sample run empty micro-batches: no collective hangs).
     """
     llm = layouts["llm"]
     _check_several_encoders_trainable(cfg, layouts)
@@ -48,8 +53,6 @@ def check_trainable(cfg, layouts: dict) -> None:
         if lay.recompute == "selective":
             raise ConfigError(f"{m}.layout.recompute", lay.recompute, "selective recompute is "
                               "implemented in the LLM's decoder layers only", "use recompute=none or full")
-    if cfg.packing == "dynamic_cp":
-        _check_dynamic_cp_trainable(cfg, layouts)
 
 
 def _check_several_encoders_trainable(cfg, layouts: dict) -> None:
@@ -77,24 +80,6 @@ def _check_several_encoders_trainable(cfg, layouts: dict) -> None:
             raise ConfigError(f"{key}.layout.recompute", layouts[m].recompute, "the colocated step "
                               "recomputes the whole encoder side or none of it (vision.layout.recompute="
                               f"{layouts['vision'].recompute})", f"set it to {layouts['vision'].recompute}")
-
-
-def _check_dynamic_cp_trainable(cfg, layouts: dict) -> None:
-    """`packing=dynamic_cp` regroups the LLM's CP pool (dp * cp ranks of one TP index and
-    pipeline stage) per micro-batch; it trains with TP (every TP rank of a pool position runs
-    the same micro-batches), PP (every stage of a pool position runs the plan's micro-batches,
-    empty ones included, with its CP group of each), `llm.layout.dp_shard` (one micro-batch
-    per group and round, so every micro-batch's FSDP all-gather spans the whole pool) and an
-    encoder side (image rows routed to the CP rank that holds their positions). Raises
-    ConfigError (`hcp.dcp.policy.check_dynamic_cp`) unless `packing_profile` loads; `validate`
-    has already refused a pool that is not a power of two and a `data.max_seq_len` the pool
-    cannot hold at `trainer.micro_batch_tokens` per rank, head-tail padding counted (islands
-    refuse dynamic CP in `_check_islands_trainable`). A global batch with fewer samples than
-    pool ranks trains (the ranks without a sample run empty micro-batches: no collective
-    hangs), and so does one that does not divide by the LLM's dp (no static lanes)."""
-    from hcp.dcp.policy import check_dynamic_cp
-
-    check_dynamic_cp(cfg)
 
 
 def _check_islands_trainable(cfg, layouts: dict) -> None:
