@@ -104,3 +104,19 @@ def test_ctrl_c_while_saving_prints_one_hint_and_no_rank_tracebacks(tmp_path):
     assert proc.returncode == 130, err[-3000:]
     assert "hcp: interrupted; resume=auto continues from the last complete checkpoint" in err, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+
+
+def test_a_named_module_the_config_lacks_names_the_modules_there_are():
+    """`encoders.vison2.layout.tp=1` (a typo) and a module no override adds: one ConfigError
+    naming the closest module or the override that adds one (Hydra's `+` hint fails on the type)."""
+    from hcp.config.compose import check_module_names
+
+    two = ["+recipe=llava_tiny_two_encoders"]
+    check_module_names([*two, "encoders.vision2.layout.tp=1", "projectors.projector2.layout.tp=1"])
+    with pytest.raises(ConfigError) as e:
+        check_module_names([*two, "encoders.vison2.layout.tp=1"])
+    assert e.value.field == "encoders.vison2.layout.tp" and "did you mean `encoders.vision2`?" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        check_module_names(["+recipe=llava_tiny", "encoders.vision2.layout.tp=1"])
+    assert "+encoder@encoders.vision2=vit_tiny" in str(e.value) and "encoders: none" in str(e.value)
+    check_module_names(["+recipe=llava_tiny", "+encoder@encoders.vision2=vit_tiny", "encoders.vision2.layout.tp=1"])

@@ -41,3 +41,46 @@ def compose_config(overrides=(), run_dir: str = "/tmp/hcp-run", resolve: bool = 
     if resolve:
         OmegaConf.resolve(cfg)
     return cfg
+
+
+_NAMED = {"encoders": "+encoder@encoders.{name}=vit_tiny", "projectors": "'+projectors={{{name}:{{}}}}'"}
+"""Named-module sections and how a command line adds a module to each (README, several encoders)."""
+
+
+def check_module_names(overrides: list[str]) -> None:
+    """Raise ConfigError when an override sets a key of a named module (`encoders.NAME.*`,
+    `projectors.NAME.*`) that the composed config does not have (a typo, or a module the
+    command line never adds). Hydra's own message says to add it with `+`, which then fails on
+    the type; this one names the modules there are and how to add one. The names come from
+    composing the command line without those overrides; a composition that fails is left to
+    Hydra's run.
+
+    Raises:
+        ConfigError: the field is the override's key; the fix names the closest module or the
+            override that adds one.
+    """
+    import difflib
+
+    from hcp.config.errors import ConfigError
+
+    def section(raw):
+        key = raw.lstrip("~+").partition("=")[0].strip()
+        parts = key.split(".")
+        return (parts[0], parts[1], key, raw.partition("=")[2]) if len(parts) > 2 and parts[0] in _NAMED else None
+
+    named = [(raw, section(raw)) for raw in overrides if not raw.startswith("+") and section(raw)]
+    if not named:
+        return
+    try:
+        cfg = compose_config([o for o in overrides if (o, section(o)) not in named], resolve=False)
+    except Exception:  # noqa: BLE001 - Hydra's run reports what fails to compose
+        return
+    for raw, (group, name, key, value) in named:
+        there = sorted(cfg[group] or {})
+        if name in there:
+            continue
+        close = difflib.get_close_matches(name, there, n=1, cutoff=0.5)
+        fix = (f"did you mean `{group}.{close[0]}`?" if close else
+               f"add it on the command line first: {_NAMED[group].format(name=name)}")
+        raise ConfigError(key, value, f"this config has no {group[:-1]} named `{name}` "
+                          f"({group}: {there or 'none'})", fix)

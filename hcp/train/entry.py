@@ -167,12 +167,14 @@ def main() -> None:
     found from the package (`hcp.config.compose.CONF_DIR`) wherever it runs from."""
     import hydra
 
+    from hcp.config.compose import check_module_names
     from hcp.config.keys import check_overrides
     from hcp.config.schema import register
     from hcp.train.launch import run_name
 
     try:
         check_overrides(command_line_overrides(sys.argv[1:]), config_groups(), CONF_DIR)
+        check_module_names(command_line_overrides(sys.argv[1:]))
     except ConfigError as e:
         if _is_first(launched_rank_env(os.environ)):
             print(f"hcp: error: {e}", file=sys.stderr)
