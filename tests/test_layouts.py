@@ -144,8 +144,29 @@ def test_islands_must_stay_inside_the_world():
 
 
 def test_at_most_one_island_size_is_inferred():
-    fails("llm.layout.num_ranks", 8, "placement=non_colocated", "projector.layout.num_ranks=2",
-          match="at most one")
+    fails("vision.layout.num_ranks", 8, "mode=plan", "placement=non_colocated",
+          "projector.layout.num_ranks=2", match="at most one")
+
+
+def test_open_islands_fix_names_every_island_but_one_as_typed():
+    two = cfg_of("placement=non_colocated", "mode=plan", recipe="llava_tiny_two_encoders")
+    with pytest.raises(ConfigError) as err:
+        check_layouts(two, 4)
+    assert err.value.field == "vision.layout.num_ranks"
+    assert str(err.value).endswith("Fix: set vision.layout.num_ranks and "
+                                   "encoders.vision2.layout.num_ranks (or their dp)")
+    two.vision.layout.num_ranks = two.encoders.vision2.layout.num_ranks = 1  # the fix works
+    assert check_layouts(two, 4)["llm"].num_ranks == 2
+
+
+def test_training_refuses_a_projector_island_before_the_size_rules():
+    keys = ("placement=non_colocated", "vision.layout.num_ranks=1", "vision.layout.tp=1",
+            "encoders.vision2.layout.num_ranks=1", "encoders.vision2.layout.tp=1")
+    with pytest.raises(ConfigError, match="island of its own") as err:  # not "at most one"
+        check_layouts(cfg_of(*keys, "projector.layout.rank_offset=1", recipe="llava_tiny_two_encoders"), 4)
+    assert err.value.field == "projector.layout"
+    assert "remove projector.layout.num_ranks, rank_offset and dp" in str(err.value)
+    assert check_layouts(cfg_of(*keys, recipe="llava_tiny_two_encoders"), 4)["llm"].num_ranks == 2
 
 
 def test_edges_must_name_present_modules():

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from hcp.config.errors import ConfigError, check_choice
 from hcp.config.modules import kind, module_cfg, module_key, module_names
-from hcp.config.spans import colocated_spans, non_colocated_spans
+from hcp.config.spans import check_projector_islands, colocated_spans, non_colocated_spans
 
 PLACEMENTS = ("colocated", "non_colocated")
 PACKINGS = ("first_fit", "dynamic_cp")
@@ -321,13 +321,17 @@ def _check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
     `trainer.micro_batch_tokens` not divisible by 2*cp (nor by tp under sequence parallelism);
     the global batch not divisible by a module's dp (the LLM's only under first_fit); an edge
     whose two dp sizes do not divide; under `packing=dynamic_cp` an LLM CP pool dp*cp that is
-    not a power of two.
+    not a power of two; outside mode=plan/calibrate, a projector on an island of its own
+    (`hcp.config.spans.check_projector_islands`, before the island-size rules).
     """
     check_choice("packing", cfg.packing, PACKINGS)
     for m in present_modules(cfg):
         check_choice(f"{m}.layout.cp_comm", module_cfg(cfg, m).layout.cp_comm, CP_COMMS)
         check_choice(f"{m}.layout.recompute", module_cfg(cfg, m).layout.recompute, RECOMPUTES)
     _check_launcher(cfg, world_size)
+    if cfg.placement in PLACEMENTS:  # training's projector rule first (an unknown placement: below)
+        modules = present_modules(cfg)
+        check_projector_islands(cfg, modules, _edges(cfg, modules))
     layouts = resolve_layouts(cfg, world_size)
     for lay in sorted(layouts.values(), key=lambda lay: lay.module != "llm"):
         _check_tensor_parallel(cfg, lay)

@@ -9,6 +9,8 @@
   explicit `rank_offset` are placed first, the others in graph order at the lowest free rank.
 
 Errors name the module's config path (`encoders.vision2.layout.num_ranks` for a named encoder).
+`check_projector_islands` refuses, outside `mode=plan`/`calibrate`, a projector heading an island
+of its own (training runs a projector on its encoder's island) before any island-size rule.
 """
 from __future__ import annotations
 
@@ -46,6 +48,29 @@ def _island_heads(cfg, modules, edges) -> dict[str, str]:
     return head
 
 
+def projector_island_error(cfg, m: str) -> ConfigError:
+    """The ConfigError for projector `m` heading an island of its own (its own `num_ranks`,
+    `rank_offset` or `dp` under non_colocated), which training does not run."""
+    key, lay = module_key(cfg, m), module_cfg(cfg, m).layout
+    return ConfigError(f"{key}.layout", {k: lay.get(k) for k in ("num_ranks", "rank_offset", "dp")},
+                       f"{m} would run on an island of its own; a projector runs on the "
+                       "last stage of its encoder's island (routes go from an encoder "
+                       "island into the LLM only)", f"remove {key}.layout.num_ranks, "
+                       f"rank_offset and dp (it takes its encoder's layout)")
+
+
+def check_projector_islands(cfg, modules, edges) -> None:
+    """Outside `mode=plan` and `mode=calibrate` (the modes that do not train), raise
+    `projector_island_error` for the first projector heading an island of its own under
+    `placement=non_colocated`; checked before the island-size rules so that their fixes are
+    not the first thing a user follows."""
+    if cfg.placement != "non_colocated" or cfg.get("mode") in ("plan", "calibrate"):
+        return
+    for m, h in _island_heads(cfg, modules, edges).items():
+        if m == h and kind(cfg, m) == "projector":
+            raise projector_island_error(cfg, m)
+
+
 def _island_size(cfg, m) -> int | None:
     """The island's rank count from `num_ranks` or an explicit dp, else None (inferred)."""
     lay = module_cfg(cfg, m).layout
@@ -80,10 +105,14 @@ def non_colocated_spans(cfg, modules, edges, world_size) -> dict[str, tuple[int,
     islands = list(dict.fromkeys(head.values()))
     sizes = {h: _island_size(cfg, h) for h in islands}
     open_ = [h for h in islands if sizes[h] is None]
-    if len(open_) > 1:
-        raise ConfigError(f"{module_key(cfg, open_[1])}.layout.num_ranks", None,
+    if len(open_) > 1:  # leave the LLM's island open if it is, else the last one
+        keep = "llm" if "llm" in open_ else open_[-1]
+        to_set = [module_key(cfg, h) for h in open_ if h != keep]
+        plural = len(to_set) > 1
+        raise ConfigError(f"{to_set[0]}.layout.num_ranks", None,
                           f"the islands of {open_} all leave their size to be inferred; at most one may",
-                          f"set {module_key(cfg, open_[0])}.layout.num_ranks (or its dp)")
+                          f"set {' and '.join(k + '.layout.num_ranks' for k in to_set)} "
+                          f"(or {'their' if plural else 'its'} dp)")
     if open_:
         rest = world_size - sum(s for s in sizes.values() if s is not None)
         if rest < 1:

@@ -267,7 +267,8 @@ def check_resume(cfg) -> None:
 
     Raises:
         ConfigError: a folder that is not a complete checkpoint; trainable parameters that differ
-            (names the parameters on each side and the key to use instead).
+            (names the parameters on each side: frozen now, absent now (modules this config
+            lacks) or trained now, and the key to use instead).
     """
     _check_folder("resume", cfg.resume)
     _check_folder("init_from_checkpoint", cfg.get("init_from_checkpoint"))
@@ -277,11 +278,16 @@ def check_resume(cfg) -> None:
     saved = _trainer_json(path).get("trainable")
     if saved is None:
         return
-    now = expected_trainable(cfg)
+    from hcp.config.modules import module_names
+
+    now, present = expected_trainable(cfg), set(module_names(cfg))
     gone, new = sorted(set(saved) - now), sorted(now - set(saved))
     if gone or new:
+        absent = [n for n in gone if n.split(".")[0] not in present]  # modules this config lacks
+        frozen = [n for n in gone if n.split(".")[0] in present]
         what = "; ".join(f"{label} ({len(v)}): {', '.join(v[:6])}{', ...' if len(v) > 6 else ''}"
-                         for label, v in (("trained there, frozen now", gone),
+                         for label, v in (("trained there, frozen now", frozen),
+                                          ("trained there, absent now", absent),
                                           ("frozen there, trained now", new)) if v)
         raise ConfigError("resume", cfg.resume, f"{path} trained other parameters than this config "
                           f"does ({what}), so it is not the same run", f"to start a new stage from "

@@ -87,6 +87,7 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
     it feeds, under the encoder's TP, DP and PP) and the LLM island (`hcp.train.islands`): one
     encoder, a join of several, a branch; the rest raises ConfigError."""
     from hcp.config.modules import kind, module_cfg, module_key
+    from hcp.config.spans import projector_island_error
     from hcp.plan.step import island_head
 
     edges = [tuple(e) for e in cfg.graph.edges]
@@ -96,12 +97,7 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
                           "to place apart", "use placement=colocated")
     for head in heads:
         if kind(cfg, head) != "encoder":
-            key, lay = module_key(cfg, head), module_cfg(cfg, head).layout
-            raise ConfigError(f"{key}.layout", {k: lay.get(k) for k in ("num_ranks", "rank_offset", "dp")},
-                              f"{head} would run on an island of its own; a projector runs on the "
-                              "last stage of its encoder's island (routes go from an encoder "
-                              "island into the LLM only)", f"remove {key}.layout.num_ranks, "
-                              f"rank_offset and dp (it takes its encoder's layout)")
+            raise projector_island_error(cfg, head)
     fix = "use placement=colocated for it, or mode=plan to plan it"
     if cfg.packing != "first_fit":
         raise ConfigError("packing", cfg.packing, "not built for placement=non_colocated yet", fix)
