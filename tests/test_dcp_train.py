@@ -101,6 +101,8 @@ def test_dynamic_cp_trains_the_tiny_llava_with_the_losses_of_first_fit(tmp_path)
     (["trainer.global_batch_size=12"], 6, "llm.layout.dp", "run the LLM on 4 or 8 ranks"),
     (["trainer.global_batch_size=12", "llm.layout.dp=6"], 6, "llm.layout.dp", "factor 3"),
     (["llm.layout.cp=3", "trainer.micro_batch_tokens=384"], 6, "llm.layout.cp", "llm.layout.cp=2 or 4"),
+    # the pool's rule comes before the token rule (1024 is no multiple of 2*cp = 6)
+    (["llm.layout.cp=3"], 6, "llm.layout.cp", "llm.layout.cp=2 or 4"),
     # 4 ranks x 1023 tokens hold 4092, but head-tail padding (2c chunks) leaves 4088
     (["data.max_seq_len=4090", "trainer.micro_batch_tokens=1023"], 4, "trainer.micro_batch_tokens",
      "at most 4088 tokens"),

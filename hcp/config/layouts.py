@@ -260,7 +260,7 @@ def _check_lanes(cfg, layouts: dict[str, ResolvedLayout]) -> None:
         if max(a, b) % min(a, b):
             raise ConfigError(f"{dst}.layout.dp", b,
                               f"edge {src}->{dst}: dp {a} and {b}, neither divides the other, so lanes "
-                              "cannot map in blocks", f"make one of the two dp sizes a multiple of the other")
+                              "cannot map in blocks", "make one of the two dp sizes a multiple of the other")
 
 
 def _check_dynamic_cp(cfg, layouts: dict[str, ResolvedLayout]) -> None:
@@ -333,9 +333,9 @@ def _check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
         modules = present_modules(cfg)
         check_projector_islands(cfg, modules, _edges(cfg, modules))
     layouts = resolve_layouts(cfg, world_size)
+    _check_dynamic_cp(cfg, layouts)  # the pool first: its fix changes cp, which the token rule uses
     for lay in sorted(layouts.values(), key=lambda lay: lay.module != "llm"):
         _check_tensor_parallel(cfg, lay)
         _check_tokens(cfg, lay)
     _check_lanes(cfg, layouts)
-    _check_dynamic_cp(cfg, layouts)
     return layouts
