@@ -247,7 +247,8 @@ def critical_path(busy, groups) -> float:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ranks", type=int, default=8, help="gloo ranks: the CP pool")
     p.add_argument("--steps", type=int, default=2, help="global batches (steps) per rep")
     p.add_argument("--reps", type=int, default=3, help="measurements of both methods")
@@ -257,7 +258,7 @@ def main(argv=None) -> dict:
     p.add_argument("--global-batch", type=int, default=32, help="documents per step")
     p.add_argument("--micro-batch-tokens", type=int, default=512, help="cap per rank")
     p.add_argument("--seed", type=int, default=100, help="draws the global batches")
-    p.add_argument("--profile", help="a mode=calibrate profile.yaml (default: calibrate now)")
+    p.add_argument("--profile", help="a mode=calibrate profile.yaml; None: calibrate now")
     p.add_argument("--json", help="write the results here (and the fitted profile beside it)")
     args = p.parse_args(argv)
     if args.ranks < 1 or args.ranks & (args.ranks - 1):
