@@ -13,6 +13,14 @@ def compose_cfg(overrides=(), resolve=True, run_dir="/tmp/hcp-test-run"):
     return compose_config(overrides, run_dir=run_dir, resolve=resolve)
 
 
+def compose_container(overrides, run_dir) -> dict:
+    """`compose_cfg(overrides)` resolved into a plain dict (what forked ranks receive), with
+    the run under `run_dir`."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(compose_cfg(overrides, run_dir=str(run_dir)), resolve=True)
+
+
 def long_tail_corpus(root, n: int = 96):
     """`n` source files in `root` (created): mostly short (8-100 bytes), every eighth long
     (300-500), so a global batch mixes documents that fit one rank at 128 tokens per rank

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from cfg_utils import compose_cfg, long_tail_corpus, long_tail_llava
+from cfg_utils import compose_container, long_tail_corpus, long_tail_llava
 from dist_utils import run_ranks
 from parity_utils import assert_all_close, merged, whole
 from hcp.dcp.plan import Group, Plan, Round
@@ -61,10 +61,6 @@ def _step(rank, world, container, run_dir, policy=None):
                 run=[mb.cp_size for mb in prepared[0].micro_batches if not mb.empty])
 
 
-def _container(overrides, run_dir):
-    return OmegaConf.to_container(compose_cfg(overrides, run_dir=str(run_dir)), resolve=True)
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     return str(long_tail_corpus(tmp_path_factory.mktemp("src")))
@@ -97,7 +93,7 @@ def reference(tmp_path_factory, models):
     out = {}
     for model, batch in sorted({(m, b) for m, _, _, b in CASES.values()}):
         run = tmp_path_factory.mktemp(f"ref_{model}")
-        container = _container([*models[model], *COMMON, "trainer.micro_batch_tokens=512",
+        container = compose_container([*models[model], *COMMON, "trainer.micro_batch_tokens=512",
                                 f"trainer.global_batch_size={batch}"], run)
         out[model, batch] = run_ranks(_step, 1, container, str(run))[0]
     return out
@@ -109,7 +105,7 @@ def reference(tmp_path_factory, models):
 def test_dynamic_cp_step_equals_first_fit_on_one_rank(name, reference, models, tmp_path):
     model, layout, cap, batch = CASES[name]
     ref = reference[model, batch]
-    container = _container([*models[model], *COMMON, *layout, "packing=dynamic_cp",
+    container = compose_container([*models[model], *COMMON, *layout, "packing=dynamic_cp",
                             f"trainer.micro_batch_tokens={cap}", f"trainer.global_batch_size={batch}"],
                            tmp_path)
     results = run_ranks(_step, 4, container, str(tmp_path), timeout=280)
@@ -149,7 +145,7 @@ def test_a_rank_that_ends_on_the_whole_pool_syncs_gradients_after_the_others(ref
     of the gradient all-reduce, while rank 0 goes on: a bucket launched inside their last
     backward would cross the pool group's CP collectives on rank 0 (gloo failed: a collective
     mismatch at step 4 of a pool of 8 in tests/test_dcp_train.py)."""
-    container = _container([*models["text"], *COMMON, "packing=dynamic_cp", "trainer.micro_batch_tokens=256",
+    container = compose_container([*models["text"], *COMMON, "packing=dynamic_cp", "trainer.micro_batch_tokens=256",
                             "trainer.global_batch_size=16"], tmp_path)
     results = run_ranks(_step, 4, container, str(tmp_path), _pool_then_rank_0, timeout=280)
     ref = reference["text", 16]

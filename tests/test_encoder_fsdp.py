@@ -11,9 +11,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from cfg_utils import compose_cfg
+from cfg_utils import compose_cfg, compose_container
 from dist_utils import run_ranks
 from parity_utils import merged
 from test_hetero_parity import SMALL, TOL, _step
@@ -48,16 +47,12 @@ def _data(folder, seed: int) -> list[str]:
     return ["data=llava_json", f"data.path={folder / 'data.json'}", f"data.image_folder={folder}"]
 
 
-def _container(overrides, run_dir):
-    return OmegaConf.to_container(compose_cfg(overrides, run_dir=str(run_dir)), resolve=True)
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     root = tmp_path_factory.mktemp("encoder_fsdp")
     seed = compose_cfg(SMALL).seed
     overrides = [*SMALL, "trainer.micro_batch_tokens=320", *OPTIM, *_data(root / "data", seed)]
-    return overrides, run_ranks(_step, 1, _container(overrides, root), str(root))[0]
+    return overrides, run_ranks(_step, 1, compose_container(overrides, root), str(root))[0]
 
 
 CASES = {  # name: (overrides, the modules whose parameters are FSDP shards)
@@ -80,7 +75,7 @@ def test_encoder_under_dp_shard_steps_like_one_process(name, base, tmp_path):
     overrides, ref = base
     assert ref["counts"][0] > 0 and ref["grads"]["vision.patch_embed.weight"].abs().sum() > 0
     layout, sharded = CASES[name]
-    results = run_ranks(_step, 4, _container([*overrides, *layout], tmp_path), str(tmp_path),
+    results = run_ranks(_step, 4, compose_container([*overrides, *layout], tmp_path), str(tmp_path),
                         timeout=220)
     grads, weights = merged(results, "grads"), merged(results, "weights")
     assert set(grads) == set(ref["grads"])

@@ -9,9 +9,9 @@ import pytest
 from omegaconf import OmegaConf
 from torch.distributed.tensor import DTensor
 
-from cfg_utils import compose_cfg
+from cfg_utils import compose_cfg, compose_container
 from dist_utils import run_ranks
-from parity_utils import assert_all_close, merged, whole
+from parity_utils import assert_all_close, assert_island_ranks, merged, whole
 from test_hetero_parity import SMALL, TOL
 
 NON_COLOCATED = ["placement=non_colocated", "vision.layout.tp=1"]
@@ -70,7 +70,7 @@ def reference(tmp_path_factory):
     from test_hetero_parity import _step
 
     run = tmp_path_factory.mktemp("ref")
-    container = OmegaConf.to_container(compose_cfg(SMALL, run_dir=str(run)), resolve=True)
+    container = compose_container(SMALL, run)
     return run_ranks(_step, 1, container, str(run))[0]
 
 
@@ -79,24 +79,13 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("name", CASES)
 def test_non_colocated_step_equals_single_process(name, reference, tmp_path):
     world, extra = CASES[name]
-    container = OmegaConf.to_container(compose_cfg([*SMALL, *NON_COLOCATED, *extra],
-                                                   run_dir=str(tmp_path)), resolve=True)
+    container = compose_container([*SMALL, *NON_COLOCATED, *extra], tmp_path)
     results = run_ranks(_island_step, world, container, str(tmp_path), timeout=220)
     grads, weights = merged(results, "grads"), merged(results, "weights")
     assert set(grads) == set(reference["grads"])
     assert len({r["n_micro"] for r in results}) == 1 and results[0]["n_micro"] > 1
     assert all(r["sharded"] == ("llm.layout.dp_shard=true" in extra and not r["encoder"]) for r in results)
-    for r in results:  # images only on the encoder's first stage, text only on the LLM's
-        assert (r["reads"]["images"] > 0) == (r["encoder"] and r["first"])
-        assert (r["reads"]["text"] > 0) == (not r["encoder"] and r["first"])
-        assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
-        assert r["counts"] == reference["counts"]
-        assert r["norm"] == pytest.approx(reference["norm"], rel=1e-5)
-    # the route moves each image row once forward and its gradient once back (the minimum,
-    # leader route: one LLM TP rank per shard receives), from the encoder's last stage only
-    rows = sum(r["route_bytes"][0] for r in results if r["encoder"]) // (4 * 128)
-    assert rows == results[0]["image_rows"] > 0
-    assert sum(r["route_bytes"][1] for r in results) == sum(r["route_bytes"][0] for r in results)
+    assert_island_ranks(results, reference)  # leader route: one LLM TP rank per shard receives
     assert all(r["encoder_grad_sq"] > 0 for r in results if r["encoder"] and "vision.patch_embed.weight" in r["grads"])
     assert_all_close(grads, reference["grads"], "grad", **TOL)
     assert_all_close(weights, reference["weights"], "weight", **TOL)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from cfg_utils import compose_cfg
+from cfg_utils import compose_container
 from dist_utils import run_ranks
 from parity_utils import assert_all_close, merged, whole
 
@@ -37,20 +37,16 @@ def _step(rank, world, container, run_dir):
                 encoder_grad_sq=tr.encoder_grad_sq)
 
 
-def _container(overrides, run_dir):
-    return OmegaConf.to_container(compose_cfg(overrides, run_dir=str(run_dir)), resolve=True)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("ref")
-    return run_ranks(_step, 1, _container(SMALL, run), str(run))[0]
+    return run_ranks(_step, 1, compose_container(SMALL, run), str(run))[0]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_join_and_branch_at_their_own_layouts_equal_the_single_rank_run(reference, tmp_path):
-    results = run_ranks(_step, 4, _container([*SMALL, *LAYOUT], tmp_path), str(tmp_path), timeout=220)
+    results = run_ranks(_step, 4, compose_container([*SMALL, *LAYOUT], tmp_path), str(tmp_path), timeout=220)
     grads, weights = merged(results, "grads"), merged(results, "weights")
     assert {n.split(".")[0] for n in grads} == {"vision", "vision2", "projector", "projector2", "pooled", "llm"}
     assert set(grads) == set(reference["grads"])
@@ -84,7 +80,7 @@ def _plain(rank, world, container):
 
 @pytest.mark.slow
 def test_the_single_rank_run_equals_the_plain_model_with_every_encoder(reference, tmp_path):
-    loss, grads = run_ranks(_plain, 1, _container(SMALL, tmp_path))[0]
+    loss, grads = run_ranks(_plain, 1, compose_container(SMALL, tmp_path))[0]
     assert loss == pytest.approx(reference["loss"], rel=1e-6)
     assert set(grads) == set(reference["grads"])
     for key, g in grads.items():

@@ -5,15 +5,8 @@
 `check_layouts(cfg, world_size)` does the same and then checks every cross-field layout rule.
 Every rule raises `ConfigError(field, value, problem, fix)` before any process starts.
 
-Placement:
-- `colocated`: every module spans ranks [0, world_size).
-- `non_colocated`: the world is cut into contiguous, disjoint islands that cover it. A module with
-  `layout.num_ranks` or `layout.rank_offset` (or an explicit `dp`, which fixes its size to
-  tp*cp*pp*dp) heads its own island; a module with neither key that is the destination of an
-  edge from an encoder joins that encoder's island (LLaVA's projector shares the vision island);
-  at most one island may leave its size open and gets the remaining ranks. Islands with an
-  explicit `rank_offset` are placed first, the others in graph order at the lowest free rank
-  (`hcp.config.spans`).
+Placement (`colocated`: every module on every rank; `non_colocated`: disjoint islands) decides
+which ranks each module spans: `hcp.config.spans`.
 """
 from __future__ import annotations
 
