@@ -7,6 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from hcp.config.capacity import max_length, tokens_per_rank
+from cfg_utils import REPO
 from hcp.config.compose import compose_config
 from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
@@ -68,11 +69,13 @@ def test_clear_errors_before_ranks_start():
     bad = compose_config(["+recipe=llama_tiny", "packing_profile=/nonexistent.yaml"])
     with pytest.raises(ConfigError, match="packing_profile='/nonexistent.yaml'"):
         check_dynamic_cp(bad)
-    from hcp.config.validate import validate  # what mode=plan runs too: an error, not a warning
+    import subprocess  # mode=plan: an error (exit 2), not a "training refuses this layout" warning
+    import sys
 
-    dyn = compose_config(["+recipe=llama_tiny", "packing=dynamic_cp", "packing_profile=/nonexistent.yaml"])
-    with pytest.raises(ConfigError, match="packing_profile='/nonexistent.yaml'"):
-        validate(dyn, 4)
+    proc = subprocess.run([sys.executable, "train.py", "+recipe=llama_tiny", "packing=dynamic_cp",
+                           "packing_profile=/nonexistent.yaml", "mode=plan", "hydra.run.dir=/tmp/hcp-plan-profile"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "hcp: error: packing_profile='/nonexistent.yaml'" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("pool", [1, 2, 4, 8, 16])

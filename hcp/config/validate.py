@@ -148,8 +148,4 @@ def validate(cfg, world_size: int) -> dict:
 
     check_joins(cfg, layouts)
     check_trainer(cfg, layouts)
-    if cfg.packing == "dynamic_cp":  # its profile loads (plan mode too: not a layout to plan)
-        from hcp.dcp.policy import check_dynamic_cp
-
-        check_dynamic_cp(cfg)
     return layouts

@@ -50,7 +50,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     from hcp.data.build import prepare_data
     from hcp.train.checkpoint import check_resume
     from hcp.train.preempt import resume_after_requeue
-    from hcp.train.support import check_trainable
+    from hcp.train.support import check_profile, check_trainable
 
     run_dir = HydraConfig.get().runtime.output_dir
     OmegaConf.resolve(cfg)
@@ -61,6 +61,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         from hcp.train.plan import run_plan
 
         validate(cfg, world_size_of(cfg, resolve_nproc("auto")))
+        check_profile(cfg)  # an error here too: a missing profile is not a layout to plan
         print(f"hcp: run directory {run_dir}")
         plan = run_plan(cfg, run_dir)
         print(f"hcp: plan written to {run_dir}")

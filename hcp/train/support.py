@@ -24,7 +24,7 @@ def check_trainable(cfg, layouts: dict) -> None:
     `selective` recompute outside the LLM, and tied embeddings across LLM stages. Each can be
     planned with `mode=plan`. `packing=dynamic_cp` trains under every colocated LLM layout that
     trains (TP, PP, dp_shard, an encoder side), given a power-of-two CP pool that holds the
-    longest sample (`hcp.config.validate`, with the profile: `hcp.dcp.policy.check_dynamic_cp`).
+    longest sample (`hcp.config.validate`) and a cost profile that loads (`check_profile`).
     Under dynamic CP every TP rank of a pool position runs the same micro-batches, every
     pipeline stage the plan's micro-batches (empty ones included) with its CP group of each,
     `llm.layout.dp_shard` one micro-batch per group and round, and an encoder side routes image
@@ -32,6 +32,7 @@ def check_trainable(cfg, layouts: dict) -> None:
     ranks trains (ranks without a sample run empty micro-batches: no collective hangs).
     """
     llm = layouts["llm"]
+    check_profile(cfg)
     _check_several_encoders_trainable(cfg, layouts)
     if cfg.placement == "non_colocated":
         _check_islands_trainable(cfg, layouts)
@@ -125,3 +126,13 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
                 raise ConfigError(f"{module_key(cfg, island[0])}.freeze", True, f"every module of the "
                                   f"island {island} is frozen: its ranks would have nothing to train",
                                   "use placement=colocated for this stage (e.g. LLaVA pretraining)")
+
+
+def check_profile(cfg) -> None:
+    """Under `packing=dynamic_cp`: ConfigError naming `packing_profile` unless the solver's cost
+    profile loads (`hcp.dcp.policy.check_dynamic_cp`). Training and plan mode both run it as
+    an error (a missing file is not a layout to plan)."""
+    if cfg.packing == "dynamic_cp":
+        from hcp.dcp.policy import check_dynamic_cp
+
+        check_dynamic_cp(cfg)
