@@ -22,3 +22,16 @@ def llava_tiny_cli(tmp_path_factory):
     from cfg_utils import cli_run
 
     return cli_run(tmp_path_factory.mktemp("llava_tiny"), "llava_tiny")
+
+
+@pytest.fixture(scope="session")
+def two_encoder_reference(tmp_path_factory):
+    """One step + AdamW of the two-encoder model (join + branch) on one process
+    (`test_multi_encoder_trainer._step` on its SMALL config): the reference of the colocated and
+    island parity tests of several encoders, computed once per session."""
+    from cfg_utils import compose_container
+    from dist_utils import run_ranks
+    from test_multi_encoder_trainer import SMALL, _step
+
+    run = tmp_path_factory.mktemp("two_encoder_ref")
+    return run_ranks(_step, 1, compose_container(SMALL, run), str(run))[0]

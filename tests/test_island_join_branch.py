@@ -16,7 +16,7 @@ from cfg_utils import compose_cfg, compose_container
 from dist_utils import run_ranks
 from parity_utils import assert_all_close, assert_island_ranks, merged
 from test_island_parity import _island_step
-from test_multi_encoder_trainer import SMALL, TOL, _step
+from test_multi_encoder_trainer import SMALL, TOL
 
 ISLANDS = ["placement=non_colocated", "vision.layout.tp=1", "encoders.vision2.layout.tp=1"]
 CASES = {
@@ -30,22 +30,16 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("ref")
-    return run_ranks(_step, 1, compose_container(SMALL, run), str(run))[0]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name", CASES)
-def test_join_and_branch_on_islands_equal_the_single_process_model(name, reference, tmp_path):
+def test_join_and_branch_on_islands_equal_the_single_process_model(name, two_encoder_reference, tmp_path):
     world, extra = CASES[name]
     results = run_ranks(_island_step, world, compose_container([*SMALL, *ISLANDS, *extra], tmp_path),
                         str(tmp_path), timeout=220)
     grads, weights = merged(results, "grads"), merged(results, "weights")
     assert {n.split(".")[0] for n in grads} == {"vision", "vision2", "projector", "projector2", "pooled", "llm"}
-    assert set(grads) == set(reference["grads"])
+    assert set(grads) == set(two_encoder_reference["grads"])
     assert len({r["n_micro"] for r in results}) == 1 and results[0]["n_micro"] > 1
     recompute = "vision.layout.recompute=full" in extra
     sharded = "vision.layout.dp_shard=true" in extra
@@ -54,9 +48,9 @@ def test_join_and_branch_on_islands_equal_the_single_process_model(name, referen
         assert r["forwards"] == (0 if not r["encoder"] else
                                  r["n_micro"] * (2 if recompute and r["head"] == "vision" else 1))
     # every stream's rows (projector 16 + pooled 4 per vision input, projector2 4 per vision2 input)
-    assert_island_ranks(results, reference)
-    assert_all_close(grads, reference["grads"], "grad", **TOL)
-    assert_all_close(weights, reference["weights"], "weight", **TOL)
+    assert_island_ranks(results, two_encoder_reference)
+    assert_all_close(grads, two_encoder_reference["grads"], "grad", **TOL)
+    assert_all_close(weights, two_encoder_reference["weights"], "weight", **TOL)
 
 
 @pytest.mark.parametrize("name", CASES)

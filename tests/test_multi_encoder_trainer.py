@@ -37,26 +37,20 @@ def _step(rank, world, container, run_dir):
                 encoder_grad_sq=tr.encoder_grad_sq)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("ref")
-    return run_ranks(_step, 1, compose_container(SMALL, run), str(run))[0]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_join_and_branch_at_their_own_layouts_equal_the_single_rank_run(reference, tmp_path):
+def test_join_and_branch_at_their_own_layouts_equal_the_single_rank_run(two_encoder_reference, tmp_path):
     results = run_ranks(_step, 4, compose_container([*SMALL, *LAYOUT], tmp_path), str(tmp_path), timeout=220)
     grads, weights = merged(results, "grads"), merged(results, "weights")
     assert {n.split(".")[0] for n in grads} == {"vision", "vision2", "projector", "projector2", "pooled", "llm"}
-    assert set(grads) == set(reference["grads"])
+    assert set(grads) == set(two_encoder_reference["grads"])
     for r in results:
-        assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
-        assert r["counts"] == reference["counts"]
-        assert r["norm"] == pytest.approx(reference["norm"], rel=1e-5)
+        assert r["loss"] == pytest.approx(two_encoder_reference["loss"], rel=1e-5)
+        assert r["counts"] == two_encoder_reference["counts"]
+        assert r["norm"] == pytest.approx(two_encoder_reference["norm"], rel=1e-5)
         assert r["encoder_grad_sq"] > 0, "an encoder rank got no gradient of its own"
-    assert_all_close(grads, reference["grads"], "grad", **TOL)
-    assert_all_close(weights, reference["weights"], "weight", **TOL)
+    assert_all_close(grads, two_encoder_reference["grads"], "grad", **TOL)
+    assert_all_close(weights, two_encoder_reference["weights"], "weight", **TOL)
 
 
 def _plain(rank, world, container):
@@ -79,10 +73,10 @@ def _plain(rank, world, container):
 
 
 @pytest.mark.slow
-def test_the_single_rank_run_equals_the_plain_model_with_every_encoder(reference, tmp_path):
+def test_the_single_rank_run_equals_the_plain_model_with_every_encoder(two_encoder_reference, tmp_path):
     loss, grads = run_ranks(_plain, 1, compose_container(SMALL, tmp_path))[0]
-    assert loss == pytest.approx(reference["loss"], rel=1e-6)
-    assert set(grads) == set(reference["grads"])
+    assert loss == pytest.approx(two_encoder_reference["loss"], rel=1e-6)
+    assert set(grads) == set(two_encoder_reference["grads"])
     for key, g in grads.items():
         assert g.abs().sum() > 0, f"{key}: no gradient"
-        torch.testing.assert_close(reference["grads"][key], g, **TOL, msg=lambda m, key=key: f"{key}: {m}")
+        torch.testing.assert_close(two_encoder_reference["grads"][key], g, **TOL, msg=lambda m, key=key: f"{key}: {m}")
