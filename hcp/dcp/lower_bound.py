@@ -31,6 +31,21 @@ micro-batch j takes `F_sj = o_f + max_g f_s(g)` and `B_sj = o_b + k max_g f_s(g)
    (each micro-batch pays its latency once, shared as in 1).
    Term 3 holds as it stands (a group runs each of its sequences' micro-batches through the
    stage); term 2 is void at p = 1.
+5. The whole pool's latency. Step 1 charges a sequence only its token share of its
+   micro-batch's latency, so a micro-batch that one long document fills halfway looks half as
+   dear as it is. Let F be the sequences that only the whole pool holds under the cap (no
+   c < N feasible). Each runs in a micro-batch of one group of all N ranks, which holds at most
+   m rank tokens per rank, so there are at least
+       K = max(ceil(sum_{i in F} r_i / m), #{i in F : r_i > m / 2})
+   such micro-batches (r_i = rank_tokens(L_i, N); two sequences over m / 2 never share one),
+   each paying lat_s(N) on all N ranks. Any other sequence runs either on c < N ranks, costing
+   at least c phi'_s(L, c) as in step 1, or on the whole pool, costing at least N phi_s(L, N)
+   (it may fill the room those K micro-batches leave, latency already paid). So in step 1 (and
+   step 4) the rank-time sum may be replaced by
+       sum_{i in F} N phi_s(L_i, N) + K N lat_s(N)
+       + sum_{i not in F} min(min_{c < N} c phi'_s(L_i, c), N phi_s(L_i, N)),
+   and the larger of the two work terms holds. Term 3 also counts the latency a sequence's own
+   micro-batch pays once at its c: `phi_s(L, c) + lat_s(c)`.
 The bound is the largest of these. Seconds throughout.
 """
 from __future__ import annotations
@@ -66,9 +81,33 @@ def lower_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     m_min = lens.sum() / (pool * max_tokens_per_rank)
     if not several_per_round:
         m_min = np.ceil(m_min)
-    work = (1 + k) / pool * (cs[None] * share).min(axis=1).sum(axis=1) + m_min * (o_f + o_b)  # [p]
+    rank_time = (cs[None] * share).min(axis=1).sum(axis=1)  # [p]
+    work = (1 + k) / pool * np.maximum(rank_time, _whole_pool(lens, cost, phi, share, pool,
+                                                               max_tokens_per_rank))
+    work = work + m_min * (o_f + o_b)  # [p]
     smallest = phi.min(axis=(1, 2))  # [p]
     ends = np.concatenate([[0.0], np.cumsum((1 + k) * smallest + o_f + o_b)[:-1]])
     staged = float((ends + work).max())
-    path = float(((1 + k) * phi.sum(axis=0)).min(axis=0).max()) + cost.pp * (o_f + o_b)
+    own = phi + cost.latency(cs)  # [p, K, n]: its micro-batch's latency, once
+    path = float(((1 + k) * own.sum(axis=0)).min(axis=0).max()) + cost.pp * (o_f + o_b)
     return max(staged, path)
+
+
+def _whole_pool(lens: np.ndarray, cost: CostModel, phi: np.ndarray, share: np.ndarray,
+                pool: int, m: int) -> np.ndarray:
+    """Proof step 5's rank-time sum `[p]` (seconds over all ranks of a stage); 0 when no
+    sequence needs the whole pool. `phi`, `share`: `[p, K, n]` as in `lower_bound` (inf where
+    infeasible), lengths `[n]` tokens."""
+    if pool == 1:
+        return np.zeros(cost.pp)
+    below = np.isfinite(phi[0, :-1]).any(axis=0)  # [n]: some c < pool holds it
+    forced = ~below
+    if not forced.any():
+        return np.zeros(cost.pp)
+    r = rank_tokens(lens[forced], pool)
+    k_min = max(np.ceil(r.sum() / m), float((2 * r > m).sum()))  # whole-pool micro-batches
+    whole = pool * phi[:, -1, :]  # [p, n]: on the whole pool, no latency share
+    cs = cp_sizes(pool)[:-1].astype(np.float64)[None, :, None]
+    below_cost = (cs * share[:, :-1, :]).min(axis=1)  # [p, n], inf where no c < pool holds it
+    charge = np.where(forced[None], whole, np.minimum(below_cost, whole))
+    return charge.sum(axis=1) + k_min * pool * cost.latency(pool)
