@@ -1,13 +1,14 @@
 """Measured dynamic CP on forked gloo ranks: static CP (packing-only at cp = pool) vs dynamic CP.
 
-    python benchmarks/dynamic_cp_train.py --ranks 8 --steps 2 --reps 3 --json out.json
+    python benchmarks/dynamic_cp_train.py --json out.json      # Wikipedia, GBS 64, cap 256
+    python benchmarks/dynamic_cp_train.py --lengths code --global-batch 32 --micro-batch-tokens 512
 
 Setup: `--ranks` CPU ranks (gloo, one thread each) form one CP pool; the tiny LLaMA of
 `+recipe=llama_tiny` (fp32) runs forward + backward of every micro-batch of the step plan
-(hcp/plan/step.py) on global batches drawn from the code corpus's long-tail document lengths
-(`code_lengths`: this Python's standard-library sources, byte-level, the documents that fit
-`--ranks x --micro-batch-tokens` tokens; or `--lengths wikipedia`, FlexSP's Wikipedia sample; or
-`--lengths lognormal`, Megatron's dynamic-CP example's lengths scaled to the pool; token ids
+(hcp/plan/step.py) on global batches drawn from a long-tail corpus's document lengths: FlexSP's
+Wikipedia sample (default; the documents that fit `--ranks x --micro-batch-tokens` tokens), or
+`--lengths code`, the code corpus's (`code_lengths`: this Python's standard-library sources,
+byte-level), or `--lengths lognormal`, Megatron's dynamic-CP example's scaled to the pool; token ids
 drawn at random: the content does not change the time). The cap forces static CP = pool: the
 longest documents need the whole pool, and a static run sizes its CP for them. Static:
 `first_fit` at cp = pool (dp 1, every micro-batch on the whole pool). Dynamic: the `dynamic_cp`
@@ -18,7 +19,8 @@ X.profile.yaml). Each micro-batch runs on its CP group from the pre-built dynami
 measured: gradient sync and the optimizer step (the same for both).
 
 Reported per method and rep (`--reps` measurements of both methods on the same plans, the
-order alternating): wall tokens/s (rank 0's wall time; 2 shared cores hide imbalance), and the
+order alternating, after one unmeasured warm-up step of each: gloo connects a group on its
+first collective): wall tokens/s (rank 0's wall time; 2 shared cores hide imbalance), and the
 critical path from each rank's busy time per micro-batch (hcp/train/calibrate.py `busy_time`:
 the CPU time of the rank's whole process over the micro-batch's forward and backward, so that
 gloo's CP all-gathers and reduce-scatters, which run on gloo's own threads, count, while

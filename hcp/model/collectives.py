@@ -39,7 +39,14 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def _reduce_scatter0(x: torch.Tensor, group) -> torch.Tensor:
-    parts = [p.contiguous() for p in x.chunk(group_size(group), dim=0)]
+    """Sum `x` [n * S, ...] over the group and keep this rank's [S, ...] slice of dim 0. On gloo
+    with more than 2 ranks as an all-reduce and a slice: gloo's reduce_scatter costs a fixed
+    25-30 ms at 8 ranks on a 2-core machine, 4-7x the all-reduce of the same tensor (measured
+    with [256-4096, 2, 2, 32] fp32 at 4 and 8 ranks; at 2 ranks it is the cheaper one)."""
+    n = group_size(group)
+    if n > 2 and dist.get_backend(group) == "gloo":
+        return _slice(_all_reduce(x, group), group, 0)
+    parts = [p.contiguous() for p in x.chunk(n, dim=0)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
     return out
