@@ -94,7 +94,8 @@ def parse_args(argv=None):
     p.add_argument("--recipe", default="llama13b_dynamic_cp", help="the model: a recipe's llm")
     p.add_argument("--tp", type=int, default=None, help="TP size (default: the recipe's)")
     p.add_argument("--dp-shard", action="store_true",
-                   help="FSDP over the pool: every micro-batch synchronises it (pp=1)")
+                   help="FSDP over the pool: every micro-batch synchronises it (changes pp=1 "
+                        "only: under PP every micro-batch is a pipeline unit already)")
     p.add_argument("--cost", default="h100", help="h100 or a profile YAML")
     p.add_argument("--megatron", action="store_true",
                    help="add Megatron-Core's BalancedCPScheduler (pp=1; pip install -e .[bench])")
@@ -153,7 +154,14 @@ def parse_args(argv=None):
         lengths = distribution(args.lengths)
     except ValueError as err:
         p.error(str(err))
-    llm = recipe_llm(args.recipe)
+    try:
+        llm = recipe_llm(args.recipe)
+    except ValueError as err:  # ConfigError: no such recipe
+        p.error(f"--recipe {args.recipe}: {err}")
+    tp = llm.layout.tp if args.tp is None else args.tp
+    if llm.num_heads % tp or llm.num_kv_heads % tp:
+        p.error(f"--tp {tp}: --recipe {args.recipe} has {llm.num_heads} heads and "
+                f"{llm.num_kv_heads} K/V heads; use a TP size that divides both")
     if args.pp > llm.num_layers:
         p.error(f"--pp {args.pp}: more stages than the {llm.num_layers} layers of --recipe "
                 f"{args.recipe}; use --pp <= {llm.num_layers}")

@@ -36,7 +36,7 @@ ratios, static / dynamic, per rep and their median; the predicted one is the sim
 a limit no plan can pass under that profile. `plan_ms`: a rank's CPU time to plan one step
 (every rank plans). `--json PATH` writes `{"static": {...}, "dynamic": {...},
 "predicted_speedup": x, "measured_speedup": y, "measured_speedup_reps": [...],
-"compute_only_speedup": w, "bound_speedup": z}`.
+"compute_only_speedup": w, "bound_speedup": z, "profile": the profile's path}`.
 
 Measured (2 steps x 3 reps, 8 ranks on 2 cores shared with other jobs, load 8-23; seed 100
 ran with the calibration, the held-out seeds 200 and 300 reuse its profile; the settings are
@@ -275,6 +275,13 @@ def main(argv=None) -> dict:
     for flag in ("steps", "reps", "global_batch", "micro_batch_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        p.error(f"--json {args.json}: its directory does not exist; create it or pick another path")
+    if args.profile is not None:
+        try:
+            load_profile(args.profile)
+        except ValueError as err:
+            p.error(f"--profile {args.profile}: {err}")
     cfg = compose_config(["+recipe=llama_tiny", f"launcher.nproc_per_node={args.ranks}"])
     max_len = args.ranks * args.micro_batch_tokens
     pool = LENGTHS[args.lengths](max_len)

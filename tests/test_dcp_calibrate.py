@@ -92,3 +92,30 @@ def test_calibrate_mode_writes_a_loadable_profile(tmp_path):
     assert "fit: mean |error|" in out.stdout and "at CP sizes [1] " in out.stdout
     hw = load_profile(tmp_path / "profile.yaml")
     assert 0 < hw.matmul_efficiency <= 1 and hw.micro_batch_overhead_fwd >= 0
+
+
+def test_a_cap_below_the_grid_is_a_config_error_before_ranks_start(tmp_path):
+    """A cap under the grid's shortest document leaves nothing to time: a ConfigError naming
+    trainer.micro_batch_tokens and the minimum, raised before any rank starts."""
+    from hcp.config.errors import ConfigError
+    from hcp.train.calibrate import MIN_LENGTH, run_calibrate
+
+    cfg = compose_config(["+recipe=llama_tiny", "trainer.micro_batch_tokens=8"])
+    with pytest.raises(ConfigError, match=f"trainer.micro_batch_tokens=8: .*>={MIN_LENGTH}"):
+        run_calibrate(cfg, str(tmp_path))
+    assert not any(tmp_path.iterdir())
+
+
+def test_profile_errors_are_one_line_with_one_fix(tmp_path):
+    from omegaconf import OmegaConf
+
+    from hcp.config.errors import ConfigError
+    from hcp.dcp.policy import check_dynamic_cp
+
+    (tmp_path / "bad.yaml").write_text("a: [1, 2\nb: {\n")
+    (tmp_path / "keys.yaml").write_text("peak_flops: 1.0e12\n")
+    for name, words in (("bad.yaml", "not valid YAML at line 2"), ("keys.yaml", "missing keys")):
+        with pytest.raises(ConfigError) as err:
+            check_dynamic_cp(OmegaConf.create({"packing_profile": str(tmp_path / name)}))
+        text = str(err.value)
+        assert words in text and "\n" not in text and text.count("Fix:") == 1, text

@@ -124,7 +124,10 @@ def read_profile(path: str | Path) -> dict:
     try:
         data = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as err:
-        raise ValueError(f"{path}: not valid YAML ({err})") from None
+        mark = getattr(err, "problem_mark", None)  # one line, not PyYAML's multi-line report
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ValueError(f"{path}: not valid YAML{where} "
+                         f"({getattr(err, 'problem', None) or type(err).__name__})") from None
     if not isinstance(data, dict):
         what = "the file is empty" if data is None else f"the top level is a {type(data).__name__}"
         raise ValueError(f"{path}: {what}; it must be a mapping of HardwareProfile keys like "

@@ -105,8 +105,9 @@ def check_dynamic_cp(cfg) -> None:
     try:
         load_profile(cfg.packing_profile)
     except ValueError as err:
-        raise ConfigError("packing_profile", cfg.packing_profile, str(err),
-                          "use h100 or the profile.yaml of mode=calibrate") from None
+        problem, _, fix = str(err).partition(". Fix: ")  # a fix of its own stays the only one
+        raise ConfigError("packing_profile", cfg.packing_profile, problem,
+                          fix or "use h100 or the profile.yaml of mode=calibrate") from None
 
 
 def micro_batch_group(groups, mb, rank: int):

@@ -194,9 +194,15 @@ def run_calibrate(cfg, run_dir: str, sizes=None, max_tokens_per_rank: int | None
     """Measure at the CP sizes `sizes` (default: powers of two up to the local ranks and
     CALIBRATE_MAX_CP) over `grid(max_tokens_per_rank, c)` (default cap:
     `trainer.micro_batch_tokens`), fit, write `run_dir/profile.yaml`, print the per-point fit;
-    return its path."""
+    return its path. ConfigError (before any rank starts) when the cap is under `MIN_LENGTH`."""
     if max_tokens_per_rank is None:
         max_tokens_per_rank = int(cfg.trainer.micro_batch_tokens)
+    if not grid(max_tokens_per_rank):
+        from hcp.config.errors import ConfigError
+
+        raise ConfigError("trainer.micro_batch_tokens", max_tokens_per_rank,
+                          f"the calibration grid's shortest document is {MIN_LENGTH} tokens, more "
+                          "than a rank holds", f"use trainer.micro_batch_tokens>={MIN_LENGTH}")
     if sizes is None:
         from hcp.train.launch import resolve_nproc
 
