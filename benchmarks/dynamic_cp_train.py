@@ -260,10 +260,11 @@ def main(argv=None) -> dict:
     if args.json and not Path(args.json).resolve().parent.is_dir():
         p.error(f"--json {args.json}: its directory does not exist; create it or pick another path")
     if args.profile is None:
-        from hcp.train.calibrate import MIN_LENGTH
-        if args.micro_batch_tokens < MIN_LENGTH:
-            p.error(f"--micro-batch-tokens {args.micro_batch_tokens}: calibrating needs >= "
-                    f"{MIN_LENGTH} tokens per rank; raise it or give --profile")
+        from hcp.train.calibrate import check_cap
+        try:
+            check_cap(args.micro_batch_tokens)
+        except ValueError as err:
+            p.error(f"--micro-batch-tokens {args.micro_batch_tokens}: {err} (or give --profile)")
     else:
         try:
             load_profile(args.profile)

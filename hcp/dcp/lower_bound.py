@@ -100,8 +100,7 @@ def _whole_pool(lens: np.ndarray, cost: CostModel, phi: np.ndarray, share: np.nd
     infeasible), lengths `[n]` tokens."""
     if pool == 1:
         return np.zeros(cost.pp)
-    below = np.isfinite(phi[0, :-1]).any(axis=0)  # [n]: some c < pool holds it
-    forced = ~below
+    forced = ~np.isfinite(phi[0, :-1]).any(axis=0)  # [n]: no c < pool holds it
     if not forced.any():
         return np.zeros(cost.pp)
     r = rank_tokens(lens[forced], pool)

@@ -190,6 +190,17 @@ def fit(rows, llm, recompute: bool, bytes_per_element: int, max_cp: int) -> dict
     return profile
 
 
+def check_cap(max_tokens_per_rank: int) -> None:
+    """ConfigError naming `trainer.micro_batch_tokens` when the grid at this cap (tokens per
+    rank) is empty: its shortest document, `MIN_LENGTH`, would not fit a rank."""
+    if not grid(max_tokens_per_rank):
+        from hcp.config.errors import ConfigError
+
+        raise ConfigError("trainer.micro_batch_tokens", max_tokens_per_rank,
+                          f"the calibration grid's shortest document is {MIN_LENGTH} tokens, more "
+                          "than a rank holds", f"use trainer.micro_batch_tokens>={MIN_LENGTH}")
+
+
 def run_calibrate(cfg, run_dir: str, sizes=None, max_tokens_per_rank: int | None = None) -> str:
     """Measure at the CP sizes `sizes` (default: powers of two up to the local ranks and
     CALIBRATE_MAX_CP) over `grid(max_tokens_per_rank, c)` (default cap:
@@ -197,12 +208,7 @@ def run_calibrate(cfg, run_dir: str, sizes=None, max_tokens_per_rank: int | None
     return its path. ConfigError (before any rank starts) when the cap is under `MIN_LENGTH`."""
     if max_tokens_per_rank is None:
         max_tokens_per_rank = int(cfg.trainer.micro_batch_tokens)
-    if not grid(max_tokens_per_rank):
-        from hcp.config.errors import ConfigError
-
-        raise ConfigError("trainer.micro_batch_tokens", max_tokens_per_rank,
-                          f"the calibration grid's shortest document is {MIN_LENGTH} tokens, more "
-                          "than a rank holds", f"use trainer.micro_batch_tokens>={MIN_LENGTH}")
+    check_cap(max_tokens_per_rank)
     if sizes is None:
         from hcp.train.launch import resolve_nproc
 
