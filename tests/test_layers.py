@@ -1,17 +1,37 @@
-"""DESIGN.md section 2: each layer of `hcp` imports only itself and the layers above it."""
+"""Layering (docs: layers import only downward) and no import cycles inside `hcp`.
+
+Each package of `hcp` belongs to one layer and imports only itself and the layers above it; a new
+package must be placed in `LAYERS` (the test fails until it is). No two modules import each other,
+directly or through others, counting imports inside functions too (a late import that hides a cycle
+is still a cycle).
+"""
 import ast
 import pathlib
 
-LAYERS = ["config", "parallel", "comm", "model", "data", "schedule", "dcp", "train"]
+LAYERS = ["config", "parallel", "comm", "model", "data", "schedule", "dcp", "plan", "train"]
 PKG = pathlib.Path(__file__).resolve().parents[1] / "hcp"
 
 
 def _imports(path):
+    """Modules `path` imports: `from a.b import c` yields `a.b.c` (a module or a name in a.b)."""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module:
-            yield node.module
+            yield from (f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    mods = {}
+    for path in PKG.rglob("*.py"):
+        parts = ("hcp",) + path.relative_to(PKG).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return mods
+
+
+def test_every_package_has_a_layer():
+    packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()} - {"conf"}
+    assert packages <= set(LAYERS), f"place {sorted(packages - set(LAYERS))} in LAYERS"
 
 
 def test_layers_import_only_downward():
@@ -26,3 +46,40 @@ def test_layers_import_only_downward():
             if parts[0] == "hcp" and len(parts) > 1 and parts[1] in LAYERS and LAYERS.index(parts[1]) > own:
                 wrong.append(f"{'/'.join(rel)} imports {mod}")
     assert not wrong, wrong
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]; counter[0] += 1; stack.append(root); on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter[0]; counter[0] += 1; stack.append(w); on.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop(); on.discard(w); comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    cycles.append(sorted(comp))
+    return cycles
+
+
+def test_import_cycle_finder_sees_a_cycle():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []

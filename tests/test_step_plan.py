@@ -189,6 +189,24 @@ def test_first_fit_equals_todays_lane_packing():
         assert all(mb.empty for mb in plans[rank].micro_batches[len(packs):])
 
 
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_first_fit_packs_every_document_the_cap_allows(cp):
+    # a document of max_length(cp, cap) tokens fits one micro-batch on its own, and documents
+    # whose per-rank slots fill the cap exactly share one (cp = 1: no padding at all)
+    from hcp.config.capacity import max_length, tokens_per_rank
+    from hcp.plan.policies import first_fit_policy
+
+    cap = 5
+    longest = max_length(cp, cap)
+    lens = np.array([longest, 3, cap * cp - 3 if cp == 1 else 2 * cp], dtype=np.int64)
+    plan = first_fit_policy(lens, NS(dp=1, cp=cp), cap)
+    packs = [g.seq_indices for r in plan.rounds for g in r.groups]
+    assert packs[0] == [0]
+    assert all(sum(tokens_per_rank(lens[i], cp) for i in p) <= cap for p in packs)
+    if cp == 1:
+        assert packs == [[0], [1, 2]]
+
+
 @pytest.mark.parametrize("enc_dp, llm_dp, name", [(4, 4, "DP-equal"), (4, 2, "fan-in"), (2, 4, "fan-out")])
 def test_batch_transforms_move_lanes_in_blocks(enc_dp, llm_dp, name):
     """DESIGN.md 4.3: destination lane j takes source lanes j*k..j*k+k-1 (fan-in); source lane i

@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from hcp.config.capacity import max_length, tokens_per_rank
 from hcp.config.choices import ATTENTION_BACKENDS, BACKEND_MODULES, CP_BACKENDS, OPTIMIZERS, PROJECTOR_TYPES
 from hcp.config.errors import ConfigError, check_choice
+from hcp.config.joins import check_joins
 from hcp.config.keys import check_known_keys
 from hcp.config.layouts import check_layouts
 from hcp.config.modules import check_graph, encoder_names, module_cfg, module_key, module_names, streams
@@ -144,8 +145,6 @@ def validate(cfg, world_size: int) -> dict:
     check_backends(cfg)
     check_model(cfg)
     layouts = check_layouts(cfg, world_size)
-    from hcp.plan.joins import check_joins  # the step plan's join rules (layer 7, imported late)
-
     check_joins(cfg, layouts)
     check_trainer(cfg, layouts)
     return layouts

@@ -5,8 +5,9 @@ TP index, pool position = dp * cp + cp): micro-batches in execution order, each 
 same number of micro-batches (a rank whose group is empty runs an empty micro-batch).
 
 `first_fit` is the static packing: DP lane l takes the contiguous block l of the global batch and
-packs it first-fit (each document padded to 2*cp, capacity micro_batch_tokens * cp), at block
-offset l*cp with c = cp. `dynamic_cp` (`hcp.dcp.policy`) registers its solver with
+packs it first-fit (each document taking `cp * tokens_per_rank(L, cp)` slots of the lane's
+capacity micro_batch_tokens * cp: padded to 2*cp at cp > 1, whole at cp = 1), at block offset l*cp
+with c = cp. `dynamic_cp` (`hcp.dcp.policy`) registers its solver with
 `register_policy`.
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Callable
 import numpy as np
 
 from hcp.data.packing import first_fit
-from hcp.dcp.plan import Group, Plan, Round
+from hcp.dcp.plan import Group, Plan, Round, rank_tokens
 
 Policy = Callable[[np.ndarray, object, int], Plan]
 """(merged lengths int64 [B], the LLM's ResolvedLayout, micro_batch_tokens) -> Plan over the
@@ -46,8 +47,8 @@ def first_fit_policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Plan:
     dp, cp = llm.dp, llm.cp
     if len(tokens) % dp:
         raise ValueError(f"trainer.global_batch_size={len(tokens)} is not divisible by llm dp={dp}")
-    n, pad = len(tokens) // dp, 2 * cp
-    padded = (-(-tokens // pad) * pad).tolist()
+    n = len(tokens) // dp
+    padded = (cp * rank_tokens(tokens, cp)).tolist()
     lanes = [first_fit(padded[lane * n:(lane + 1) * n], micro_batch_tokens * cp) for lane in range(dp)]
     return Plan([Round([Group([lane * n + i for i in packs[j]] if j < len(packs) else [], cp,
                                    lane * cp) for lane, packs in enumerate(lanes)])

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hcp.data.packing import first_fit
 from hcp.dcp.cost_model import CostModel, load_profile
-from hcp.dcp.plan import Group, Plan, Round
+from hcp.dcp.plan import Plan, Round
+from hcp.plan.policies import first_fit_policy
 from hcp.schedule.simulator import simulate_1f1b
 
 LENGTHS = Path(__file__).resolve().parents[1] / "data" / "lengths" / "wikipedia_sample.txt"
@@ -67,12 +67,9 @@ def _plans(cfg, lay, cost: CostModel) -> list[tuple[Plan, np.ndarray]]:
         from hcp.dcp.solver import solve
 
         return [(solve(lens, cost, lay.cp_pool, m).plan, lens)]
-    pad = 2 * lay.cp  # every document padded to a multiple of 2 * cp (DESIGN.md section 3)
-    plans = []
-    for lane in np.split(lens, lay.dp):
-        packs = first_fit((-(-lane // pad) * pad).tolist(), m * lay.cp)
-        plans.append((Plan([Round([Group(p, lay.cp, 0)]) for p in packs]), lane))
-    return plans
+    plan = first_fit_policy(lens, lay, m)  # the packing training runs; each lane its own pipeline
+    return [(Plan([Round([r.groups[lane]]) for r in plan.rounds if r.groups[lane].seq_indices]), lens)
+            for lane in range(lay.dp)]
 
 
 def _tokens_per_rank(plan: Plan, lens: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """Whether the layouts of a module-graph edge can be joined (checked at validation, before ranks).
 
 Colocated LLaVA runs the encoder side (vision encoder, then projector) on its own layout and
-routes the projector's rows into the LLM's layout (`hcp.plan.step`). The projector follows its
+routes the projector's rows into the LLM's layout (the step plan, `hcp.plan`). The projector follows its
 encoder on the same ranks with no route between them, so the two must share one layout. The
 other join rules live with the layouts (`hcp.config.layouts`): DP sizes of an edge divide one
 another (lanes map in blocks), every module's dp divides the global batch, and under `colocated`
