@@ -122,10 +122,6 @@ class RowTable:
         """[S] rows each shard receives."""
         return np.diff(self._dst_cuts)
 
-    def min_bytes(self, row_bytes: int) -> int:
-        """Bytes of the minimal move: each row once to each distinct destination shard."""
-        return len(self.src) * row_bytes
-
     def route(self, rank: int) -> RankRoute:
         """Group rank `rank`'s part of the exchange (conventions: `RankRoute`)."""
         g = self.group_size
