@@ -163,23 +163,28 @@ def _all_gone(proc) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_sigterm_to_the_launcher_saves_stops_every_rank_and_its_hint_resumes(tmp_path):
-    """SIGTERM to the launching process alone (a supervisor): every rank saves at the next step
-    boundary and stops; the hint names that checkpoint, and its command (default checkpoint.dir,
+@pytest.mark.parametrize("sent", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_launcher_stops_every_rank_and_its_hint_resumes(tmp_path, sent):
+    """SIGINT or SIGTERM to the launching process alone (an IDE's stop button, a supervisor):
+    every rank stops (under SIGTERM after saving at the next step boundary); the hint names the
+    newest checkpoint on disk once all have stopped, and its command (default checkpoint.dir,
     inside the run directory) resumes from it."""
     from hcp.train.checkpoint import latest
 
     proc, ckpts = _train_until_a_checkpoint(tmp_path, "trainer.max_steps=400")
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, getattr(signal, sent))
     out, err = _finish(proc)
-    assert proc.returncode == 128 + signal.SIGTERM and _all_gone(proc), err[-3000:]
-    m = re.fullmatch(r"hcp: interrupted by SIGTERM; the last complete checkpoint is (\S+); "
+    assert proc.returncode == 128 + getattr(signal, sent) and _all_gone(proc), err[-3000:]
+    m = re.fullmatch(rf"hcp: interrupted by {sent}; the last complete checkpoint is (\S+); "
                      r"resume with `(.+)`", err.strip().splitlines()[-1])
     assert m, err[-3000:]
-    assert m[1] == latest(str(ckpts)) and m[1] > str(ckpts / "step_00000002"), os.listdir(ckpts)
-    step = int(m[1][-8:])  # saved on the way out, after the step the signal came in
+    assert m[1] == latest(str(ckpts)) and m[1] >= str(ckpts / "step_00000002"), os.listdir(ckpts)
     time.sleep(3)
     assert latest(str(ckpts)) == m[1]  # no rank trains on
+    if sent == "SIGINT":
+        return
+    step = int(m[1][-8:])  # saved on the way out, at the step boundary after the signal
+    assert f"hcp: SIGUSR2 at step {step}: checkpoint saved in {ckpts}; " in err, err[-3000:]
     cmd = shlex.split(m[2])
     assert cmd[:2] == ["python", "train.py"] and f"checkpoint.dir={ckpts}" in cmd
     cmd = [sys.executable, os.path.join(REPO, "train.py"),
