@@ -116,8 +116,8 @@ def oversubscribed(world: int, launcher_cfg, cores: Optional[int] = None) -> Opt
     if world <= cores:
         return None
     return (f"launcher.nproc_per_node={launcher_cfg.nproc_per_node} starts {world} CPU ranks on "
-            f"{cores} cores: they take turns on the cores, so each step is slower than with at "
-            f"most {cores} ranks (the results are the same)")
+            f"{cores} core{'s' * (cores > 1)}: they take turns on the cores, so each step is slower "
+            f"than with at most {cores} rank{'s' * (cores > 1)} (the results are the same)")
 
 
 def local_world_size(cfg, joined: Optional[dict], overrides=()) -> int:
