@@ -83,11 +83,11 @@ def join_ranks(context, board, forward: dict[int, int]) -> None:
         while not context.join():
             pass
     except ProcessException as e:
-        died = None if got else _died(context, board, e.error_index)
-        if died is not None:
+        if not got:  # after a forwarded signal every rank's end is expected
+            died = _died(context, board, e.error_index)
+            if died is None:
+                raise
             raise died from None
-        if not got:
-            raise
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
