@@ -40,3 +40,16 @@ def test_hcp_train_runs_the_main_job_from_an_installed_package(installed, tmp_pa
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 2
     assert proc.stdout.splitlines()[-1] == f"hcp: run finished; outputs in {run_dir}"
+
+
+@pytest.mark.parametrize("args, pytest_args", [([], ""), (["tests/test_config.py", "-x"], " tests/test_config.py -x")])
+def test_test_script_runs_the_tests_named_or_else_all(tmp_path, args, pytest_args):
+    """`bash scripts/test.sh tests/test_config.py` runs that file only; with no argument, the
+    whole suite (testpaths). A stand-in `PYTHON` records its calls, so nothing is installed."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    fake.chmod(0o755)
+    subprocess.run(["bash", os.path.join(REPO, "scripts", "test.sh"), *args], check=True, timeout=60,
+                   env={**os.environ, "PYTHON": str(fake)})
+    assert log.read_text().splitlines()[-1] == "-m pytest" + pytest_args

@@ -140,6 +140,8 @@ def test_requeue_decisions(tmp_path, capfd):
     assert (tmp_path / "called").read_text().strip() == "requeue 77"
     # not SLURM at all
     assert run_ranks(_requeue, 1, {}, str(tmp_path)) == [128 + signal.SIGUSR2]
+    # the default checkpoint.dir lies in the run directory, which a new run does not reuse
+    assert "the same command with `resume=auto checkpoint.dir=/ckpt`" in capfd.readouterr().err
 
 
 def test_nonfinite_guard_stops_or_skips_naming_the_step(tmp_path, monkeypatch):

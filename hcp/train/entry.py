@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import sys
 
 from omegaconf import DictConfig, OmegaConf
@@ -18,7 +19,7 @@ from hcp.config.compose import CONF_DIR, config_groups
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import world_size_of
 from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_env, local_world_size,
-                              resolve_nproc, start_local_ranks)
+                              oversubscribed, resolve_nproc, resume_command, start_local_ranks)
 from hcp.train.slurm import check_slurm
 from hcp.train.export import start_export
 from hcp.model.hf_load import apply_hf_configs, check_hf_weights, cli_keys
@@ -96,7 +97,11 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         export_rank_env(joined)
         _rank_entry((container, run_dir))
     else:
-        start_local_ranks(_rank_entry, world, (container, run_dir), cfg.launcher.start_method)
+        warning = oversubscribed(world, cfg.launcher)
+        if warning:
+            print(f"hcp: warning: {warning}", file=sys.stderr, flush=True)
+        start_local_ranks(_rank_entry, world, (container, run_dir), cfg.launcher.start_method,
+                          cfg.launcher.slurm.signal)
     if first:
         print(f"hcp: run finished; outputs in {run_dir}", flush=True)
     return None
@@ -122,10 +127,12 @@ def _task(cfg: DictConfig):
     from hydra.types import RunMode
 
     from hcp.data.llava import DataError
+    from hcp.train.supervise import RankDied
 
     hydra_cfg = HydraConfig.get()
+    overrides = list(hydra_cfg.overrides.task)
     try:
-        return run(cfg, list(hydra_cfg.overrides.task))
+        return run(cfg, overrides)
     except (ConfigError, DataError) as e:  # a user error: its message says what to fix
         joined = launched_rank_env(os.environ)
         if _is_first(joined):
@@ -141,21 +148,26 @@ def _task(cfg: DictConfig):
         if hydra_cfg.mode == RunMode.MULTIRUN:
             raise  # Hydra records the failed job and the sweep goes on
         sys.exit(2)
-    except KeyboardInterrupt:
-        print(f"hcp: interrupted; {interrupted_hint(cfg.checkpoint.dir)}", file=sys.stderr)
-        sys.exit(130)
+    except (KeyboardInterrupt, RankDied) as e:  # Ctrl-C, a signal or a dead rank (hcp.train.supervise)
+        died, signum = isinstance(e, RankDied), getattr(e, "signum", signal.SIGINT)
+        what = str(e) if died else f"interrupted by {signal.Signals(signum).name}"
+        if cfg.mode == "train":  # looked up once every rank has stopped: what is on disk
+            what += "; " + resume_hint(cfg.checkpoint.dir, overrides)
+        print(f"hcp: {what}", file=sys.stderr, flush=True)
+        sys.exit(1 if died else 128 + signum)
 
 
-def interrupted_hint(checkpoint_dir: str) -> str:
-    """What a user can do after Ctrl-C: resume from the newest complete checkpoint under
-    `checkpoint_dir` if there is one, else say that the run starts over (none was saved)."""
+def resume_hint(checkpoint_dir: str, overrides=()) -> str:
+    """What a user can do once the ranks of a run started with `overrides` have stopped: the
+    command that resumes from the newest complete checkpoint under `checkpoint_dir` (looked up
+    now: what is on disk), else that a new run starts at step 0 (none was saved)."""
     from hcp.train.checkpoint import latest
 
     path = latest(checkpoint_dir)
     if path is None:
         return (f"no checkpoint was saved in checkpoint.dir={checkpoint_dir} (trainer.save_every "
                 "saves during training), so a new run starts at step 0")
-    return f"resume=auto continues from the last complete checkpoint, {path}"
+    return f"the last complete checkpoint is {path}; resume with `{resume_command(overrides, checkpoint_dir)}`"
 
 
 def command_line_overrides(argv: list[str]) -> list[str]:

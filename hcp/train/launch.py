@@ -14,10 +14,13 @@ Otherwise `train.py` starts `launcher.nproc_per_node` local ranks itself (fork b
 from __future__ import annotations
 
 import os
+import shlex
+import signal
 import socket
 from typing import Callable, Mapping, Optional
 
 from hcp.config.errors import ConfigError
+from hcp.train.supervise import join_board, join_ranks, step_board
 
 
 def launched_rank_env(env: Mapping[str, str]) -> Optional[dict]:
@@ -81,8 +84,40 @@ def resolve_nproc(nproc_per_node) -> int:
     return n
 
 
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
 def _command(overrides, *extra: str) -> str:
-    return " ".join(["python train.py", *[o for o in overrides if not o.startswith("mode=")], *extra])
+    """`python train.py` with `overrides` and then `extra` (which replace the overrides of the same
+    keys, and any `mode=`), each quoted for a POSIX shell."""
+    replaced = {"mode", *map(_key, extra)}
+    kept = [o for o in overrides if _key(o) not in replaced]
+    return " ".join(["python train.py", *map(shlex.quote, [*kept, *extra])])
+
+
+def resume_command(overrides, checkpoint_dir: str) -> str:
+    """The command that continues a run started with `overrides` from its newest checkpoint:
+    `resume=auto` with `checkpoint.dir` named, since the default one lies inside the run
+    directory and a new run gets a new one."""
+    return _command(overrides, "resume=auto", f"checkpoint.dir={os.path.abspath(checkpoint_dir)}")
+
+
+def oversubscribed(world: int, launcher_cfg, cores: Optional[int] = None) -> Optional[str]:
+    """A warning when `world` local ranks compute on the CPU (gloo) and outnumber the cores this
+    process may run on (`cores`, default its CPU affinity); else None. Not an error: the run is
+    correct, only slower than with fewer ranks."""
+    import torch
+
+    backend = launcher_cfg.backend
+    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
+        return None
+    cores = cores or len(os.sched_getaffinity(0))
+    if world <= cores:
+        return None
+    return (f"launcher.nproc_per_node={launcher_cfg.nproc_per_node} starts {world} CPU ranks on "
+            f"{cores} core{'s' * (cores > 1)}: they take turns on the cores, so each step is slower "
+            f"than with at most {cores} rank{'s' * (cores > 1)} (the results are the same)")
 
 
 def local_world_size(cfg, joined: Optional[dict], overrides=()) -> int:
@@ -153,21 +188,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(local_rank: int, fn: Callable, nproc: int, port: int, payload) -> None:
+def _rank_main(local_rank: int, fn: Callable, nproc: int, port: int, payload, board=None) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if board is not None:
+        join_board(board, local_rank)
     fn(payload)
 
 
-def start_local_ranks(fn: Callable, nproc: int, payload, start_method: str = "fork") -> None:
+def start_local_ranks(fn: Callable, nproc: int, payload, start_method: str = "fork",
+                      save_signal: str = "USR2") -> None:
     """Run `fn(payload)` in `nproc` local processes with torch's multiprocessing, each with the
-    torchrun environment variables set. A failing rank's traceback is re-raised here and the
-    other ranks are terminated (never a hang)."""
+    torchrun environment variables set, and watch them (`hcp.train.supervise`): SIGINT to this
+    process reaches every rank as SIGINT (stop now), SIGTERM as `SIG<save_signal>` (the
+    preemption signal, `launcher.slurm.signal`: save at the next step boundary, then stop).
+    A failing rank's traceback is re-raised here and the other ranks are terminated (never a hang).
+
+    Raises:
+        Interrupted: after a forwarded signal, once every rank has stopped.
+        RankDied: a rank ended without a Python exception (killed), named with its step.
+    """
     import torch.multiprocessing as mp
 
     port = free_port()
     if nproc == 1:
         _rank_main(0, fn, 1, port, payload)
         return
-    mp.start_processes(_rank_main, args=(fn, nproc, port, payload), nprocs=nproc,
-                       start_method=start_method, join=True)
+    board = step_board(start_method, nproc)
+    context = mp.start_processes(_rank_main, args=(fn, nproc, port, payload, board), nprocs=nproc,
+                                 start_method=start_method, join=False)
+    join_ranks(context, board, {signal.SIGINT: signal.SIGINT,
+                                signal.SIGTERM: getattr(signal, "SIG" + save_signal)})

@@ -36,7 +36,8 @@ class Preemption:
 
     Handles `SIG<launcher.slurm.signal>` and SIGUSR2 (submitit's) always, and SIGTERM under
     SLURM only (`SLURM_JOB_ID` set: SLURM's preemption and time-limit notice; a local run keeps
-    torch.multiprocessing's terminate-on-failure semantics).
+    torch.multiprocessing's terminate-on-failure semantics, and its launcher sends a SIGTERM it
+    gets on as `SIG<launcher.slurm.signal>`: `hcp.train.supervise`).
     """
 
     def __init__(self, slurm_cfg, device: torch.device, env=os.environ):
@@ -62,7 +63,7 @@ class Preemption:
         rank raises SystemExit (0 once requeued; `requeue_exit_code` without scontrol; 128 +
         signal when the run stops for good)."""
         name = signal.Signals(self.received).name
-        code, note = self._requeue() if dist.get_rank() == 0 else (self._exit_code(), None)
+        code, note = self._requeue(checkpoint_dir) if dist.get_rank() == 0 else (self._exit_code(), None)
         if note:
             print(f"hcp: {name} at step {step}: checkpoint saved in {checkpoint_dir}; {note}",
                   file=sys.stderr, flush=True)
@@ -78,10 +79,11 @@ class Preemption:
     def _restarts(self) -> int:
         return int(self.env.get("SLURM_RESTART_COUNT", "0") or 0)
 
-    def _requeue(self) -> tuple[int, str]:
+    def _requeue(self, checkpoint_dir: str) -> tuple[int, str]:
         job = self.env.get("SLURM_JOB_ID")
-        if not job:
-            return 128 + self.received, "not a SLURM job: rerun with resume=auto to continue"
+        if not job:  # checkpoint.dir named: the default one lies inside this run's directory
+            return 128 + self.received, ("not a SLURM job: to continue, run the same command with "
+                                         f"`resume=auto checkpoint.dir={os.path.abspath(checkpoint_dir)}`")
         if self._restarts() >= self.cfg.max_requeues:
             return 128 + self.received, (f"not requeued: job {job} has restarted {self._restarts()} "
                                          f"times (launcher.slurm.max_requeues={self.cfg.max_requeues})")

@@ -50,6 +50,7 @@ from hcp.train.modules import RankModules, clip_, local_grad_sq, module_sq_norm
 from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
 from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
+from hcp.train.supervise import record_step
 from hcp.train import encoders as sides  # one or several encoders (joins, branches)
 from hcp.train.whole_encoder import whole_encoder
 
@@ -358,8 +359,10 @@ class Trainer:
         """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
         tc = self.cfg.trainer
         t_start, history, metrics, evals = time.perf_counter(), [], {}, {}
+        record_step(self.step)  # the launcher names the step of a rank that dies (hcp.train.supervise)
         while self.step < tc.max_steps:
             metrics, evals = self.train_step(), {}
+            record_step(self.step)
             history.append(metrics)
             if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
                 evals = self.evaluate()

@@ -1,0 +1,219 @@
+"""How local ranks stop (hcp.train.supervise): a signal to the launching process alone reaches
+every rank, a rank that dies is named with its step, and the hint names what is on disk.
+
+The toy launches run `start_local_ranks` in a subprocess (the launcher a signal is sent to) with
+ranks that only wait; `train.py` runs check the same with real training."""
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import types
+
+import pytest
+
+from cfg_utils import REPO
+
+TOY = textwrap.dedent("""
+    import os, signal, sys, time
+    from hcp.train.launch import start_local_ranks
+    from hcp.train.supervise import Interrupted, RankDied, record_step
+
+    def rank(out):
+        r = os.environ["RANK"]
+        def mark(signum, frame):  # what reached this rank, written at once
+            open(os.path.join(out, signal.Signals(signum).name + r), "w").close()
+            sys.exit(128 + signum)
+        signal.signal(signal.SIGINT, mark)
+        signal.signal(signal.SIGUSR2, mark)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torch's terminate-on-failure races the marks
+        record_step(3)
+        open(os.path.join(out, "pid" + r), "w").write(str(os.getpid()))
+        time.sleep(120)
+
+    if __name__ == "__main__":
+        try:
+            start_local_ranks(rank, 2, sys.argv[1])
+        except Interrupted as e:
+            print("interrupted", signal.Signals(e.signum).name)
+        except RankDied as e:
+            print("died:", e)
+""")
+
+
+def _toy(tmp_path):
+    """The toy launcher, started; returns it once both ranks wait (their pids by rank)."""
+    (tmp_path / "toy.py").write_text(TOY)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "toy.py"), str(tmp_path)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not all((tmp_path / f"pid{r}").exists() for r in "01") and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    time.sleep(0.5)  # both pid files written in full
+    return proc, [int((tmp_path / f"pid{r}").read_text()) for r in "01"]
+
+
+def _finish(proc):
+    try:
+        return proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the launcher did not end within 60 s: " + str(proc.communicate()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sent, received", [("SIGINT", "SIGINT"), ("SIGTERM", "SIGUSR2")])
+def test_a_signal_to_the_launcher_alone_reaches_every_rank(tmp_path, sent, received):
+    """SIGINT goes on as SIGINT (stop now), SIGTERM as the preemption signal (save, then stop);
+    the launcher returns only once every rank has stopped."""
+    proc, _ = _toy(tmp_path)
+    os.kill(proc.pid, getattr(signal, sent))
+    out, err = _finish(proc)
+    assert out.strip() == f"interrupted {sent}", err[-2000:]
+    assert (tmp_path / f"{received}0").exists() and (tmp_path / f"{received}1").exists()
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_with_its_signal_and_step(tmp_path):
+    proc, pids = _toy(tmp_path)
+    os.kill(pids[1], signal.SIGKILL)
+    out, err = _finish(proc)
+    assert out.strip() == ("died: rank 1/2 was killed by SIGKILL (sent by a user, a scheduler or "
+                           "the out-of-memory killer) during step 4; the other ranks were stopped"), err[-2000:]
+
+
+def test_the_killed_rank_is_named_even_when_a_peer_failed_first(tmp_path):
+    """A peer that raised (it saw the killed rank's connection close) is not the cause; torch's
+    own SIGTERM to the others is not either."""
+    from hcp.train.supervise import _died
+
+    (tmp_path / "raised").write_text("traceback")
+    procs = [types.SimpleNamespace(exitcode=c) for c in (1, -signal.SIGKILL, -signal.SIGTERM)]
+    context = types.SimpleNamespace(processes=procs, error_files=[str(tmp_path / "raised"),
+                                                                  str(tmp_path / "none1"), str(tmp_path / "none2")])
+    assert str(_died(context, [5, 5, 5], 0)).startswith("rank 1/3 was killed by SIGKILL")
+    procs[1].exitcode = 0
+    assert _died(context, [5, 5, 5], 0) is None  # every failed rank raised: torch's traceback says it
+    procs[2].exitcode = 3
+    assert str(_died(context, [5, 5, -1], 0)) == ("rank 2/3 exited with code 3 before its first "
+                                                   "training step; the other ranks were stopped")
+
+
+def test_the_resume_hint_is_a_command_that_finds_the_checkpoint(tmp_path):
+    """The default checkpoint.dir lies in the run directory, which a new run does not reuse: the
+    hint names checkpoint.dir, quotes what the shell would change, and replaces resume=."""
+    from hcp.train.entry import resume_hint
+
+    ckpt = tmp_path / "ckpt"
+    empty = resume_hint(str(ckpt), ["optim.lr=1e-3"])
+    assert "no checkpoint was saved" in empty and "step 0" in empty and "resume=auto" not in empty
+    (ckpt / "step_00000004").mkdir(parents=True)
+    overrides = ["+recipe=llama_tiny", "graph.edges=[[vision,projector]]", "resume=PATH", "mode=train"]
+    hint = resume_hint(str(ckpt), overrides)
+    assert hint == (f"the last complete checkpoint is {ckpt / 'step_00000004'}; resume with `python "
+                    f"train.py +recipe=llama_tiny 'graph.edges=[[vision,projector]]' resume=auto "
+                    f"checkpoint.dir={ckpt}`")
+
+
+def test_more_cpu_ranks_than_cores_warn_once_and_gpu_ranks_never():
+    from hcp.train.launch import oversubscribed
+
+    cpu = types.SimpleNamespace(backend="gloo", nproc_per_node=16)
+    assert oversubscribed(16, cpu, cores=2) == (
+        "launcher.nproc_per_node=16 starts 16 CPU ranks on 2 cores: they take turns on the cores, "
+        "so each step is slower than with at most 2 ranks (the results are the same)")
+    assert oversubscribed(2, cpu, cores=2) is None
+    assert oversubscribed(16, types.SimpleNamespace(backend="nccl", nproc_per_node=16), cores=2) is None
+
+
+FAST = ["+recipe=llama_tiny", "launcher.nproc_per_node=2", "logger=none", "trainer.global_batch_size=4",
+        "trainer.eval_every=0", "trainer.eval_samples=4", "trainer.progress_bar=false", "trainer.save_every=2"]
+
+
+def _train_until_a_checkpoint(cwd, *args):
+    """`python train.py FAST args` from `cwd` (default run directory) in its own session, once its
+    step 2 checkpoint is on disk: (process, checkpoint folder)."""
+    proc = subprocess.Popen([sys.executable, os.path.join(REPO, "train.py"), *FAST, *args], cwd=cwd,
+                            env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        found = list(cwd.glob("outputs/*/*/checkpoints/step_00000002"))
+        if found:
+            return proc, found[0].parent
+        time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail("no step 2 checkpoint within 300 s: " + proc.communicate()[1][-3000:])
+
+
+def _all_gone(proc) -> bool:
+    """Every process of the launch's session has ended (no rank trains on)."""
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return True
+    os.killpg(proc.pid, signal.SIGKILL)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("sent", ["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_launcher_stops_every_rank_and_its_hint_resumes(tmp_path, sent):
+    """SIGINT or SIGTERM to the launching process alone (an IDE's stop button, a supervisor):
+    every rank stops (under SIGTERM after saving at the next step boundary); the hint names the
+    newest checkpoint on disk once all have stopped, and its command (default checkpoint.dir,
+    inside the run directory) resumes from it."""
+    from hcp.train.checkpoint import latest
+
+    proc, ckpts = _train_until_a_checkpoint(tmp_path, "trainer.max_steps=400")
+    os.kill(proc.pid, getattr(signal, sent))
+    out, err = _finish(proc)
+    assert proc.returncode == 128 + getattr(signal, sent) and _all_gone(proc), err[-3000:]
+    m = re.fullmatch(rf"hcp: interrupted by {sent}; the last complete checkpoint is (\S+); "
+                     r"resume with `(.+)`", err.strip().splitlines()[-1])
+    assert m, err[-3000:]
+    assert m[1] == latest(str(ckpts)) and m[1] >= str(ckpts / "step_00000002"), os.listdir(ckpts)
+    time.sleep(3)
+    assert latest(str(ckpts)) == m[1]  # no rank trains on
+    if sent == "SIGINT":
+        return
+    step = int(m[1][-8:])  # saved on the way out, at the step boundary after the signal
+    assert f"hcp: SIGUSR2 at step {step}: checkpoint saved in {ckpts}; " in err, err[-3000:]
+    cmd = shlex.split(m[2])
+    assert cmd[:2] == ["python", "train.py"] and f"checkpoint.dir={ckpts}" in cmd
+    cmd = [sys.executable, os.path.join(REPO, "train.py"),
+           *[a for a in cmd[2:] if not a.startswith("trainer.max_steps=")], f"trainer.max_steps={step + 1}"]
+    resumed = subprocess.run(["taskset", "-c", "0", *cmd], cwd=tmp_path, capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": REPO}, timeout=400)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from step {step} " in resumed.stdout, resumed.stdout[-3000:]
+    # on one core the two CPU ranks take turns: said once, before they start
+    assert resumed.stderr.count("hcp: warning: launcher.nproc_per_node=2 starts 2 CPU ranks on 1 core:") == 1
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert "hcp: warning" not in err  # two ranks on two cores or more: nothing to say
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_rank_ends_the_run_in_one_line_naming_it_its_step_and_the_checkpoint(tmp_path):
+    from hcp.train.checkpoint import latest
+
+    proc, ckpts = _train_until_a_checkpoint(tmp_path, "trainer.max_steps=400")
+    rank1 = max(int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split())
+    os.kill(rank1, signal.SIGKILL)
+    out, err = _finish(proc)
+    assert proc.returncode == 1 and _all_gone(proc), err[-3000:]
+    last = err.strip().splitlines()[-1]
+    m = re.fullmatch(r"hcp: rank 1/2 was killed by SIGKILL \(sent by a user, a scheduler or the "
+                     r"out-of-memory killer\) during step (\d+); the other ranks were stopped; the last "
+                     r"complete checkpoint is (\S+); resume with `python train.py .* resume=auto "
+                     r"checkpoint.dir=(\S+)`", last)
+    assert m and m[2] == latest(str(ckpts)) and m[3] == str(ckpts), err[-3000:]
+    assert int(m[1]) > int(m[2][-8:]) >= 2
+    assert "Traceback" not in err and "HYDRA_FULL_ERROR" not in err, err[-3000:]
