@@ -49,6 +49,9 @@ def test_a_cluster_recipe_here_says_so_once_and_offers_plan_mode_and_srun():
     msg = str(e.value)
     assert "sized for a cluster" in msg and "`python train.py +recipe=llava_hetero mode=plan`" in msg
     assert "srun --nodes 8 --ntasks-per-node 8 python train.py +recipe=llava_hetero" in msg
+    # it says how many processes (one per rank, not one per node) and names the sbatch helper
+    assert "one process per node" not in msg and "one process per rank (per GPU), 8 per node" in msg
+    assert "`python -m hcp.train.sbatch +recipe=llava_hetero`" in msg
     assert "launcher.nnodes=1" not in msg
 
 
@@ -62,6 +65,7 @@ def test_local_ranks_that_cannot_fit_this_machine_fail_before_they_start():
     with pytest.raises(ConfigError) as e:
         check_fits_here(cfg, layouts, 8, overrides, memory=(64.0, "memory", True))
     assert "more than this machine's 64.0 GiB" in str(e.value) and "mode=plan" in str(e.value)
+    assert "one process per node" not in str(e.value) and "python -m hcp.train.sbatch" in str(e.value)
     tiny = compose_cfg()
     check_fits_here(tiny, validate(tiny, 4), 4, [], memory=(64.0, "memory", True))
 
