@@ -158,8 +158,9 @@ class Trainer:
         resume = self.cfg.resume
         path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
         if path is None and self.cfg.init_from_checkpoint:  # a new stage: weights only
-            self.resume_note = checkpoint.load_weights(self.cfg.init_from_checkpoint, self.modules,
-                                                       self._tp_groups())
+            loaded = checkpoint.load_weights(self.cfg.init_from_checkpoint, self.modules, self._tp_groups())
+            self.resume_note = (f"init_from_checkpoint: {loaded}; optimizer, schedule and data "
+                                "start fresh at step 0")
             return
         if not resume:
             return
