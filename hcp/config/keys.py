@@ -142,14 +142,15 @@ def _check_scalar(key: str, value: str) -> None:
                           f"{key}={'4' if base is int else '1e-4'}") from None
 
 
-def _check_group_choice(group: str, value: str, conf_dir: str) -> None:
-    """Raise ConfigError when `group=value` names no `conf/<group>/<value>.yaml`."""
+def _check_group_choice(group: str, value: str, conf_dir: str, prefix: str = "") -> None:
+    """Raise ConfigError when `group=value` names no `conf/<group>/<value>.yaml`; the suggestion
+    keeps the override's `prefix` (`+recipe=...` needs its `+`)."""
     if not value or value == "null" or any(c in value for c in _SWEEP):
         return
     options = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, group)) if f.endswith(".yaml"))
     if value not in options:
         close = difflib.get_close_matches(value, options, n=1, cutoff=0.5)
-        hint = f"did you mean `{group}={close[0]}`? " if close else ""
+        hint = f"did you mean `{prefix}{group}={close[0]}`? " if close else ""
         raise ConfigError(group, value, f"no such {group} (conf/{group}/{value}.yaml)",
                           f"{hint}use one of {', '.join(options)}")
 
@@ -175,7 +176,7 @@ def check_overrides(overrides: list[str], config_groups: set[str], conf_dir: str
             continue
         if key in config_groups:
             if conf_dir is not None and not raw.startswith("~"):
-                _check_group_choice(key, value, conf_dir)
+                _check_group_choice(key, value, conf_dir, raw[:len(raw) - len(raw.lstrip("+"))])
             continue
         if raw.startswith("~"):
             lookup(key, value)
