@@ -74,6 +74,30 @@ def test_removed_keys_nothing_reads_are_unknown():
             compose_cfg([override])
 
 
+@pytest.mark.parametrize("override, message", [
+    ("llm.layout=[2,2]", "llm.layout=[2, 2]: expects a mapping of LayoutConfig's keys (tp, cp, "),
+    ("llm.layout={tp:x}", "llm.layout.tp='x': expects an integer. Fix: give llm.layout.tp an integer"),
+    ("llm.layout.pp_layers=3", "llm.layout.pp_layers=3: expects a list of integers or null. "
+                               "Fix: give llm.layout.pp_layers a list of integers or null, e.g. "),
+    ("llm.layout.dp_shard=maybe", "llm.layout.dp_shard='maybe': expects true or false"),
+    ("graph.edges=5", "graph.edges=5: expects a list of lists of strings"),
+    ("+encoders={v2:{layout:{tp:x}}}", "encoders.v2.layout.tp='x': expects an integer"),
+    ("trainer.max_steps=1.5", "trainer.max_steps=1.5: expects an integer"),
+])
+def test_a_wrong_type_anywhere_is_one_config_error_naming_the_field(override, message):
+    """Not Hydra's "Cannot merge DictConfig with ListConfig" block: the field, the value, the
+    type it takes and how to give one."""
+    from hcp.config.compose import CONF_DIR, config_groups
+    from hcp.config.keys import check_overrides
+
+    with pytest.raises(ConfigError) as err:
+        check_overrides([override], config_groups(), CONF_DIR)
+    assert str(err.value).startswith(message)
+    check_overrides(["llm.layout={tp:2,cp:2}", "+projectors={projector2:{}}", "llm.layout.pp_layers=[1,1]",
+                     "llm.layout.pp_layers=null", "graph.edges=[[vision,projector],[projector,llm]]"],
+                    config_groups(), CONF_DIR)
+
+
 def test_wrong_type_fails():
     with pytest.raises(ConfigError, match="trainer.max_steps='many': expects an integer"):
         compose_cfg(["trainer.max_steps=many"])

@@ -28,6 +28,16 @@ def test_a_typo_fails_in_one_line_naming_the_closest_key(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_wrong_type_is_one_line_with_exit_2_not_hydras_merge_error(tmp_path):
+    proc = _train(["llm.layout=[2,2]"], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "hcp: error: llm.layout=[2, 2]: expects a mapping of LayoutConfig's keys (tp, cp, pp, dp, "
+        "num_ranks, rank_offset, cp_comm, sequence_parallel, pp_layers, dp_shard, recompute). Fix: "
+        "set one of its keys, e.g. llm.layout.tp=1, or give a mapping, e.g. 'llm.layout={tp: 1}'"]
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_torchrun_world_size_mismatch_is_one_line_and_leaves_no_run_directory(tmp_path):
     torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
