@@ -8,6 +8,7 @@ when nothing but Hydra's own `.hydra/` went into it.
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import sys
@@ -53,6 +54,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     from hcp.train.support import check_profile, check_trainable
 
     run_dir = HydraConfig.get().runtime.output_dir
+    unresolved = copy.deepcopy(cfg)  # which keys follow which (a fix tries its values on both)
     OmegaConf.resolve(cfg)
     joined = launched_rank_env(os.environ)
     for line in apply_hf_configs(cfg, cli_keys(HydraConfig.get().overrides.task)):
@@ -60,7 +62,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     if cfg.mode == "plan":
         from hcp.train.plan import run_plan
 
-        validate(cfg, world_size_of(cfg, resolve_nproc("auto")))
+        validate(cfg, world_size_of(cfg, resolve_nproc("auto")), unresolved)
         check_profile(cfg)  # an error here too: a missing profile is not a layout to plan
         print(f"hcp: run directory {run_dir}")
         plan = run_plan(cfg, run_dir)
@@ -69,10 +71,10 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     if cfg.mode == "calibrate":  # dynamic-CP cost-model profile: hcp/train/calibrate.py
         from hcp.train.calibrate import run_calibrate
 
-        validate(cfg, world_size_of(cfg, resolve_nproc("auto")))
+        validate(cfg, world_size_of(cfg, resolve_nproc("auto")), unresolved)
         return run_calibrate(cfg, run_dir)
     world = local_world_size(cfg, joined, overrides)
-    layouts = validate(cfg, world)
+    layouts = validate(cfg, world, unresolved)
     if not joined:
         check_fits_here(cfg, layouts, world, overrides)
     check_trainable(cfg, layouts)
