@@ -4,7 +4,9 @@ start (or join) the ranks that train.
 
 A user error (`ConfigError`, `DataError`) prints one line `hcp: error: ...` (under torchrun or
 srun only from rank 0), exits with status 2 and removes the run directory Hydra made for the run
-when nothing but Hydra's own `.hydra/` went into it.
+when nothing but Hydra's own `.hydra/` went into it. In a sweep (`-m`) the point's error goes
+into its job folder instead and the sweep goes on; its table (`hcp.train.sweep_table`,
+`hcp.train.plan_table`) lists it.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_en
                               resolve_nproc, start_local_ranks)
 from hcp.train.slurm import check_slurm
 from hcp.train.export import start_export
+from hcp.train.sweep_table import ERROR_FILE
 from hcp.model.hf_load import apply_hf_configs, check_hf_weights, cli_keys
 
 
@@ -133,15 +136,15 @@ def _task(cfg: DictConfig):
         if _is_first(joined):
             print(f"hcp: error: {e}", file=sys.stderr, flush=True)
         run_dir = hydra_cfg.runtime.output_dir
-        if hydra_cfg.mode == RunMode.MULTIRUN and cfg.mode == "plan":
-            # a plan sweep goes on and its table (hcp.train.plan_table) shows this layout's error
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            # the sweep goes on; its table (hcp.train.plan_table, hcp.train.sweep_table) shows
+            # this point's error, and a training sweep then exits with status 2
             if not os.path.isfile(os.path.join(run_dir, "plan.json")):
-                with open(os.path.join(run_dir, "plan_error.txt"), "w") as f:
+                name = "plan_error.txt" if cfg.mode == "plan" else ERROR_FILE
+                with open(os.path.join(run_dir, name), "w") as f:
                     f.write(f"{e}\n")
             return None
         discard_run_dir(run_dir)
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            raise  # Hydra records the failed job and the sweep goes on
         sys.exit(2)
     except KeyboardInterrupt:
         print(f"hcp: interrupted; {interrupted_hint(cfg.checkpoint.dir)}", file=sys.stderr)

@@ -381,7 +381,7 @@ class Trainer:
         summary = {"steps": self.step, "final_loss": metrics.get("loss"), **evals,
                    "wall_s": round(time.perf_counter() - t_start, 2),
                    **{k: sum(m[k] for m in history) / max(1, len(history))
-                      for k in ("tokens_per_s", "tflops_per_gpu", "bubble_fraction")},
+                      for k in ("tokens_per_s", "step_time_s", "tflops_per_gpu", "bubble_fraction")},
                    "peak_memory_gib": max((m["peak_memory_gib"] for m in history), default=0.0),
                    "world_size": self.world,
                    "skipped_records": dict(self.train_set.skipped.counts),
