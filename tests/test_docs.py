@@ -1,5 +1,5 @@
 """The repository stands alone: its design is docs/design.md, and nothing tracked points readers
-to a DESIGN.md that is not in it."""
+to a design file outside it."""
 import os
 import subprocess
 
