@@ -193,7 +193,7 @@ def _check_value(raw: str, key: str, value: str) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import MISSING, OmegaConf
 
-    tp = lookup(key, value)
+    lookup(key, value)  # an unknown key: the closest one
     exact = field_type(key)
     if exact is None or not value or "$" in value:
         return
@@ -231,13 +231,13 @@ def _check_group_choice(group: str, value: str, conf_dir: str, prefix: str = "")
 
 def check_overrides(overrides: list[str], config_groups: set[str], conf_dir: str | None = None) -> None:
     """Check command-line overrides (`a.b=1`, `+a.b=1`, `++a.b=1`, `~a.b`) against the schema
-    before Hydra composes: keys, int/float values, and (given `conf_dir`) group choices
+    before Hydra composes: keys, value types, and (given `conf_dir`) group choices
     (`+recipe=llava_tiny` must name `conf/recipe/llava_tiny.yaml`). Sweeps (`a=1,2`),
     interpolations and Hydra's own keys (`hydra.*`, `hydra/...`) are left to Hydra.
 
     Raises:
         ConfigError: an override names a key no schema field declares (the fix names the
-            closest), a value that is not the field's int/float, or a group option that does
+            closest), a value of the wrong type (`_check_value`), or a group option that does
             not exist (the fix lists the options).
     """
     for raw in overrides:
