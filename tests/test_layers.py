@@ -1,4 +1,4 @@
-"""DESIGN.md section 2: each layer of `hcp` imports only itself and the layers above it."""
+"""docs/design.md section 2: each layer of `hcp` imports only itself and the layers above it."""
 import ast
 import pathlib
 

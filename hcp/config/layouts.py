@@ -1,4 +1,4 @@
-"""Per-module layouts: where each module sits and how its ranks are split (DESIGN.md: layout).
+"""Per-module layouts: where each module sits and how its ranks are split (docs/design.md: layout).
 
 `resolve_layouts(cfg, world_size)` turns every present module's `layout` block plus the run-wide
 `placement` into a `ResolvedLayout` (all sizes known, dp inferred, an explicit rank range).

@@ -67,7 +67,7 @@ def _plans(cfg, lay, cost: CostModel) -> list[tuple[Plan, np.ndarray]]:
         from hcp.dcp.solver import solve
 
         return [(solve(lens, cost, lay.cp_pool, m).plan, lens)]
-    pad = 2 * lay.cp  # every document padded to a multiple of 2 * cp (DESIGN.md section 3)
+    pad = 2 * lay.cp  # every document padded to a multiple of 2 * cp (docs/design.md section 3)
     plans = []
     for lane in np.split(lens, lay.dp):
         packs = first_fit((-(-lane // pad) * pad).tolist(), m * lay.cp)

@@ -9,7 +9,7 @@ process is already one of several launched ranks:
   batch script has neither, so a plain `python train.py` in an sbatch script starts its own
   local ranks instead of waiting for N - 1 peers that never come).
 Otherwise `train.py` starts `launcher.nproc_per_node` local ranks itself (fork by default:
-~0.2 s for 8 ranks here, against 12-15 s for spawn; DESIGN.md section 8).
+~0.2 s for 8 ranks here, against 12-15 s for spawn; docs/design.md section 8).
 """
 from __future__ import annotations
 
