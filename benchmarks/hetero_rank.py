@@ -7,7 +7,7 @@ CP shards), weights and seed; the LLM always runs the graph-aware 1F1B executor
 - `homogeneous` (before issue 12): the vision encoder and projector live in the LLM's first PP
   stage (`LlavaModel(encoder=True)`), so every rank of a first-stage TP x CP group encodes every
   image of its micro-batches, inside the LLM's pipeline;
-- `heterogeneous` (colocated, DESIGN.md 4.4): the encoder side (`LlavaEncoder`) on every rank
+- `heterogeneous` (colocated, docs/design.md 4.4): the encoder side (`LlavaEncoder`) on every rank
   under its own layout, the three-phase `ColocatedStep` around the LLM's pipeline, image rows
   moved by one `all_to_all_single` per direction (the step plan's route);
 - `non_colocated`: the encoder side on its own island of ranks, as a stage before the LLM's

@@ -1,5 +1,5 @@
 """Shared pytest set-up: one intra-op thread so that forked gloo ranks never inherit a
-running OpenMP pool (DESIGN.md section 8), and the tests folder importable for helpers."""
+running OpenMP pool (docs/design.md section 8), and the tests folder importable for helpers."""
 import os
 import sys
 

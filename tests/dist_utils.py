@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks forked from the test process (DESIGN.md section 7).
+"""Run a function on N gloo ranks forked from the test process (docs/design.md section 7).
 
 `run_ranks(fn, world_size, *args)` forks `world_size` processes, initializes a gloo process
 group on a free local port in each, calls `fn(rank, world_size, *args)` and returns the list of

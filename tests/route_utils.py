@@ -1,10 +1,10 @@
 """Hand-built routing inputs for boundary and colocated tests (a small stand-in for the step
 plan): a global batch of samples, each one document whose image rows sit at given positions,
 static contiguous DP lanes on both sides, and the LLM's first-stage ranks receiving the image
-rows of their CP shard of each micro-batch (DESIGN.md 4.2, 4.3).
+rows of their CP shard of each micro-batch (docs/design.md 4.2, 4.3).
 
 Row keys are global image-row ids: sample s's rows are `offset[s] .. offset[s] + n_s - 1`.
-Grid order (DESIGN.md section 3): tp fastest, then cp, dp, pp slowest.
+Grid order (docs/design.md section 3): tp fastest, then cp, dp, pp slowest.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Colocated boundary communicator (DESIGN.md 4.2, 4.3): rows move bit for bit forward and
+"""Colocated boundary communicator (docs/design.md 4.2, 4.3): rows move bit for bit forward and
 backward on forked gloo ranks, for every batch transform, and the bytes moved equal the minimum.
 The routing tables come from `build_routes` over hand-built keys (tests/route_utils.py)."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The colocated three-phase schedule (DESIGN.md 4.4) against the single-process LLaVA: the
+"""The colocated three-phase schedule (docs/design.md 4.4) against the single-process LLaVA: the
 encoder at its own TP/DP layout, its rows routed to the LLM's TP x CP x DP shards, one step of
 gradients equal to the single-process model's (rtol 1e-5 / atol 1e-6, fp32), with and without
 encoder recompute. Routes are hand-built (tests/route_utils.py), the LLM phase is plain

@@ -50,7 +50,11 @@ def test_group_choices_and_hydra_keys_are_not_schema_keys():
     ("trainer.max_steps=abc", "trainer.max_steps='abc': expects an integer"),
     ("optim.lr=fast", "optim.lr='fast': expects a number"),
     ("+recipe=llava_tin", "recipe='llava_tin': no such recipe (conf/recipe/llava_tin.yaml). "
-                          "Fix: did you mean `recipe=llava_tiny`?"),
+                          "Fix: did you mean `+recipe=llava_tiny`?"),  # with the `+` it needs
+    ("+recipe=llava_hetro", "recipe='llava_hetro': no such recipe (conf/recipe/llava_hetro.yaml). "
+                            "Fix: did you mean `+recipe=llava_hetero`?"),
+    ("data=digits", "data='digits': no such data (conf/data/digits.yaml). Fix: did you mean "
+                    "`data=digits_vqa`?"),
     ("data=nope", "data='nope': no such data"),
 ])
 def test_a_wrong_value_type_or_group_option_is_one_config_error_before_hydra(override, message):
@@ -68,6 +72,30 @@ def test_removed_keys_nothing_reads_are_unknown():
     for override in ("vision.offload=true", "launcher.name=slurm"):
         with pytest.raises(ConfigError):
             compose_cfg([override])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("llm.layout=[2,2]", "llm.layout=[2, 2]: expects a mapping of LayoutConfig's keys (tp, cp, "),
+    ("llm.layout={tp:x}", "llm.layout.tp='x': expects an integer. Fix: give llm.layout.tp an integer"),
+    ("llm.layout.pp_layers=3", "llm.layout.pp_layers=3: expects a list of integers or null. "
+                               "Fix: give llm.layout.pp_layers a list of integers or null, e.g. "),
+    ("llm.layout.dp_shard=maybe", "llm.layout.dp_shard='maybe': expects true or false"),
+    ("graph.edges=5", "graph.edges=5: expects a list of lists of strings"),
+    ("+encoders={v2:{layout:{tp:x}}}", "encoders.v2.layout.tp='x': expects an integer"),
+    ("trainer.max_steps=1.5", "trainer.max_steps=1.5: expects an integer"),
+])
+def test_a_wrong_type_anywhere_is_one_config_error_naming_the_field(override, message):
+    """Not Hydra's "Cannot merge DictConfig with ListConfig" block: the field, the value, the
+    type it takes and how to give one."""
+    from hcp.config.compose import CONF_DIR, config_groups
+    from hcp.config.keys import check_overrides
+
+    with pytest.raises(ConfigError) as err:
+        check_overrides([override], config_groups(), CONF_DIR)
+    assert str(err.value).startswith(message)
+    check_overrides(["llm.layout={tp:2,cp:2}", "+projectors={projector2:{}}", "llm.layout.pp_layers=[1,1]",
+                     "llm.layout.pp_layers=null", "graph.edges=[[vision,projector],[projector,llm]]"],
+                    config_groups(), CONF_DIR)
 
 
 def test_wrong_type_fails():

@@ -1,4 +1,4 @@
-"""CP head-tail sharding (DESIGN.md section 3): the known value and, for any document lengths,
+"""CP head-tail sharding (docs/design.md section 3): the known value and, for any document lengths,
 every token is held exactly once and every rank holds the same share of every document."""
 from __future__ import annotations
 

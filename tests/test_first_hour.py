@@ -28,6 +28,16 @@ def test_a_typo_fails_in_one_line_naming_the_closest_key(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_wrong_type_is_one_line_with_exit_2_not_hydras_merge_error(tmp_path):
+    proc = _train(["llm.layout=[2,2]"], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "hcp: error: llm.layout=[2, 2]: expects a mapping of LayoutConfig's keys (tp, cp, pp, dp, "
+        "num_ranks, rank_offset, cp_comm, sequence_parallel, pp_layers, dp_shard, recompute). Fix: "
+        "set one of its keys, e.g. llm.layout.tp=1, or give a mapping, e.g. 'llm.layout={tp: 1}'"]
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_torchrun_world_size_mismatch_is_one_line_and_leaves_no_run_directory(tmp_path):
     torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
@@ -49,6 +59,9 @@ def test_a_cluster_recipe_here_says_so_once_and_offers_plan_mode_and_srun():
     msg = str(e.value)
     assert "sized for a cluster" in msg and "`python train.py +recipe=llava_hetero mode=plan`" in msg
     assert "srun --nodes 8 --ntasks-per-node 8 python train.py +recipe=llava_hetero" in msg
+    # it says how many processes (one per rank, not one per node) and names the sbatch helper
+    assert "one process per node" not in msg and "one process per rank (per GPU), 8 per node" in msg
+    assert "`python -m hcp.train.sbatch +recipe=llava_hetero`" in msg
     assert "launcher.nnodes=1" not in msg
 
 
@@ -62,6 +75,7 @@ def test_local_ranks_that_cannot_fit_this_machine_fail_before_they_start():
     with pytest.raises(ConfigError) as e:
         check_fits_here(cfg, layouts, 8, overrides, memory=(64.0, "memory", True))
     assert "more than this machine's 64.0 GiB" in str(e.value) and "mode=plan" in str(e.value)
+    assert "one process per node" not in str(e.value) and "python -m hcp.train.sbatch" in str(e.value)
     tiny = compose_cfg()
     check_fits_here(tiny, validate(tiny, 4), 4, [], memory=(64.0, "memory", True))
 

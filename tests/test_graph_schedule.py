@@ -1,4 +1,4 @@
-"""The graph-aware 1F1B (DESIGN.md 4.4) as action lists: deadlock-free under NCCL's rendezvous
+"""The graph-aware 1F1B (docs/design.md 4.4) as action lists: deadlock-free under NCCL's rendezvous
 semantics (`hcp.schedule.rendezvous`) for an encoder island before the LLM, joins, branches and
 PP depths 1-4 on each side, 1..9 micro-batches; warm-up depths follow the longest path."""
 from __future__ import annotations

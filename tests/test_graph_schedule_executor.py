@@ -1,4 +1,4 @@
-"""The graph-aware 1F1B executed on forked gloo ranks (DESIGN.md 4.4) reproduces the
+"""The graph-aware 1F1B executed on forked gloo ranks (docs/design.md 4.4) reproduces the
 single-process gradients (rtol 1e-5): a join of two encoder islands into an LLM island with pp2,
 an encoder dp2 island into an LLM tp2 island (direct and leader + broadcast routes), and a
 branch of one encoder into an LLM and a deeper two-stage head.

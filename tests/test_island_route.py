@@ -1,11 +1,11 @@
-"""Non-colocated boundary communicator (DESIGN.md 4.2, 4.3): per micro-batch, rows move bit for
+"""Non-colocated boundary communicator (docs/design.md 4.2, 4.3): per micro-batch, rows move bit for
 bit from an encoder island's last stage to the LLM island's first stage and gradients come back,
 on forked gloo ranks, for every batch transform, variable rows per sample, source and
 destination CP > 1, source PP > 1 and destination TP > 1 (direct and leader + broadcast).
 
 The routing tables come from `build_routes` over hand-built keys (a stand-in for the step plan):
 the LLM lanes' micro-batch i and, on each encoder lane, its samples that the LLM consumes in
-micro-batch i (the order the LLM consumes them, DESIGN.md 4.4). Under encoder CP each sample's
+micro-batch i (the order the LLM consumes them, docs/design.md 4.4). Under encoder CP each sample's
 image rows are head-tail sharded over the CP ranks and leave from the rank holding them.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Layering (docs: layers import only downward) and no import cycles inside `hcp`.
+"""Layering (docs/design.md section 2: layers import only downward) and no import cycles inside `hcp`.
 
 Each package of `hcp` belongs to one layer and imports only itself and the layers above it; a new
 package must be placed in `LAYERS` (the test fails until it is). No two modules import each other,

@@ -255,3 +255,31 @@ def test_tp_fix_lists_only_values_that_pass_every_divisibility_rule():
     """tp=3 fails on num_heads=4 first; tp=4 would then fail on num_kv_heads=2, so it is not offered."""
     err = fails("llm.layout.tp", 12, "llm.layout.tp=3", match="llm.num_heads=4")
     assert "use llm.layout.tp in [1, 2]" in str(err), str(err)
+
+
+def _validate_error(overrides, world):
+    from hcp.config.validate import validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg(overrides), world, compose_cfg(overrides, resolve=False))
+    return e.value
+
+
+def test_a_fix_offers_only_values_that_pass_every_rule():
+    """The issue's cases: tiny LLaVA tp=3 on 4 ranks offered 4, which then failed on
+    num_kv_heads=2 (the encoders follow llm.layout.tp by interpolation and take the tried value
+    too); llava_hetero on 64 ranks offered tp 16 for 40 heads."""
+    e = _validate_error(["llm.layout.tp=3"], 4)
+    assert e.field == "llm.layout.tp" and e.fix == "use llm.layout.tp in [1, 2]"
+    e = _validate_error(["+recipe=llava_hetero", "llm.layout.tp=3"], 64)
+    assert e.fix == "use llm.layout.tp in [1, 2, 4, 8]"
+    e = _validate_error(["+recipe=llava_hetero", "llm.layout.tp=16"], 64)
+    assert "llm.num_heads=40" in e.problem and e.fix == "use llm.layout.tp in [1, 2, 4, 8]"
+    e = _validate_error(["llm.layout.pp=3"], 4)
+    assert e.fix == "use llm.layout.pp in [1, 2]"
+
+
+def test_a_fix_with_no_passing_value_says_so_and_names_the_rule_in_the_way():
+    e = _validate_error(["+recipe=llama_tiny", "llm.layout.tp=3", "trainer.global_batch_size=1"], 4)
+    assert e.fix.startswith("no single value of llm.layout.tp in [1, 2, 4] passes every rule")
+    assert "trainer.global_batch_size=1: not divisible by llm's dp=4" in e.fix

@@ -1,4 +1,4 @@
-"""Several encoders (DESIGN.md 4.4, issue 14 part 3): a join (two encoders, each with its own
+"""Several encoders (docs/design.md 4.4, issue 14 part 3): a join (two encoders, each with its own
 architecture, layout and projector, into one LLM) and a branch (one vision tower feeding a
 per-patch projector and a pooled summary projector) run colocated on 4 forked gloo ranks through
 the real step plan (`plan_step` with one length index per stream) and `ColocatedStep.run_streams`,

@@ -49,6 +49,7 @@ def test_stage1_then_stage2_from_its_weights_with_a_fresh_optimizer(tmp_path):
     (start2, end2, info), _ = run_ranks(_run, 2, OmegaConf.to_container(s2), str(tmp_path / "s2"))
     assert info["step"] == 0 and info["optim_state"] == 0  # fresh optimizer and schedule
     assert info["lr"] == pytest.approx(2e-5) and "model weights of step 2" in info["note"]
+    assert info["note"].endswith("optimizer, schedule and data start fresh at step 0")
     for n in start2:
         if not n.startswith("llm."):  # under tp2 the LLM holds slices; the rest is whole
             assert torch.equal(start2[n], end1[n]), n   # starts from stage 1's weights
@@ -66,3 +67,19 @@ def test_stage1_then_stage2_from_its_weights_with_a_fresh_optimizer(tmp_path):
     with pytest.raises(ConfigError, match="init_from_checkpoint="):
         check_resume(_cfg(tmp_path / "x", f"init_from_checkpoint={tmp_path}"))
     assert os.path.isdir(ckpt)
+
+
+def _save_then_load_weights(rank, world, root):
+    from hcp.train import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    path = checkpoint.save(root, 3, model, torch.optim.AdamW(model.parameters()), {"step": 3}, keep=1)
+    return path, checkpoint.load_weights(path, model)
+
+
+@pytest.mark.timeout(60)
+def test_load_weights_says_what_it_loaded_and_nothing_about_a_training_start(tmp_path):
+    """`mode=export ... resume=auto` prints this line: an export has no optimizer or schedule
+    that could "start fresh at step 0" (that is the trainer's note for init_from_checkpoint)."""
+    (path, note), = run_ranks(_save_then_load_weights, 1, str(tmp_path))
+    assert note.startswith(f"model weights of step 3 from {path} (saved at ") and "fresh" not in note

@@ -209,7 +209,7 @@ def test_first_fit_packs_every_document_the_cap_allows(cp):
 
 @pytest.mark.parametrize("enc_dp, llm_dp, name", [(4, 4, "DP-equal"), (4, 2, "fan-in"), (2, 4, "fan-out")])
 def test_batch_transforms_move_lanes_in_blocks(enc_dp, llm_dp, name):
-    """DESIGN.md 4.3: destination lane j takes source lanes j*k..j*k+k-1 (fan-in); source lane i
+    """docs/design.md 4.3: destination lane j takes source lanes j*k..j*k+k-1 (fan-in); source lane i
     feeds destination lanes i*k..i*k+k-1 (fan-out); DP-equal is the identity per lane."""
     world = 4
     sizes = SampleSizes.from_lists([10] * 8, [1] * 8, [[(1, 3)], [], [(0, 2), (5, 2)], [(2, 3)]] * 2)

@@ -1,7 +1,7 @@
 """Parity of tensor, sequence, context and data parallelism with the single-process reference
 (issue 4): loss, every gradient (gathered) and parameters after one AdamW step agree within
 rtol 1e-5 / atol 1e-6 in fp32. Ranks are forked gloo processes (tests/dist_utils.py); groups are
-built here in grid order: tp fastest, then cp, then dp (DESIGN.md section 3)."""
+built here in grid order: tp fastest, then cp, then dp (docs/design.md section 3)."""
 from __future__ import annotations
 
 from dataclasses import replace

@@ -1,4 +1,4 @@
-"""Colocated boundary communicator (DESIGN.md 4.2): moves rows between the ranks of one group by
+"""Colocated boundary communicator (docs/design.md 4.2): moves rows between the ranks of one group by
 a routing table (`hcp.parallel.routing.RankRoute`) with one `all_to_all_single` per direction.
 
 Forward: rank r sends `src[send_index]` (`send_splits[j]` rows to group rank j), receives
@@ -10,7 +10,7 @@ ranks, returns its gradient once); the source sums what comes back into its rows
 a zero gradient.
 
 `all_to_all_single` with uneven splits runs on gloo and NCCL (the list form `all_to_all` with
-uneven sizes fails on gloo, DESIGN.md section 8). Both directions are collectives over the whole
+uneven sizes fails on gloo, docs/design.md section 8). Both directions are collectives over the whole
 group: every rank of the group must call them, in the same order, also ranks that send and
 receive nothing (their tensors have 0 rows but the same hidden size H and dtype). That is why the
 two directions are also exposed as plain functions (`route_forward`, `route_backward`): a

@@ -1,4 +1,4 @@
-"""Non-colocated boundary communicator (DESIGN.md 4.2): per micro-batch, batched point-to-point
+"""Non-colocated boundary communicator (docs/design.md 4.2): per micro-batch, batched point-to-point
 ops (`dist.batch_isend_irecv`) on the edge's dedicated group move a routing table's rows from
 the encoder island's last-stage ranks to the LLM's first-stage ranks, and their gradients back.
 

@@ -1,6 +1,6 @@
 """What one document costs a CP rank, the one source of truth for the length rules.
 
-Head-tail CP sharding (DESIGN.md 3; hcp/parallel/cp_sharding.py) pads a document of L tokens
+Head-tail CP sharding (docs/design.md 3; hcp/parallel/cp_sharding.py) pads a document of L tokens
 to a multiple of 2c on a group of c > 1 ranks, so each rank holds `2 * ceil(L / 2c)` slots;
 at c = 1 the document runs whole, unpadded (L slots). Config validation
 (`hcp.config.validate.check_trainer`: `data.max_seq_len` against `trainer.micro_batch_tokens`

@@ -124,45 +124,120 @@ _SWEEP = (",", "(", "[", "{", "$")
 """Characters of Hydra's sweep and interpolation syntax: such a value is left to Hydra."""
 
 
-def _check_scalar(key: str, value: str) -> None:
-    """Raise ConfigError when `value` cannot be the int or float that field `key` declares
-    (Hydra's own message for this is a multi-line block). Other types are left to Hydra."""
-    tp = lookup(key, value)
-    args = typing.get_args(tp)
-    if value in ("null", "None") and type(None) in args:
-        return
-    base = next((a for a in args if a is not type(None)), tp) if args else tp
-    if base not in (int, float) or not value or any(c in value for c in _SWEEP):
+def _describe(tp) -> str:
+    """A schema type in words, for errors: `Optional[list[int]]` -> `a list of integers or null`."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is typing.Union:
+        return " or ".join([_describe(a) for a in args] + ["null"])
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping of {tp.__name__}'s keys ({', '.join(_fields(tp))})"
+    if typing.get_origin(tp) is list:
+        inner = _describe(args[0]).split(" ", 1) if args else ["", "value"]
+        head, _, rest = inner[1].partition(" ")
+        return f"a list of {head}s" + (f" {rest}" if rest else "")
+    if typing.get_origin(tp) is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _base(tp):
+    """`X` of `Optional[X]`, else `tp`."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return args[0] if typing.get_origin(tp) is typing.Union and len(args) == 1 else tp
+
+
+def _example(key: str, tp) -> str:
+    """The fix for a wrongly typed `key`: a section's key or mapping (`llm.layout.tp=1`), else
+    the type in words with a sample value where one is obvious (`KEY=4`, `KEY=[1, 2]`)."""
+    base = _base(tp)
+    if dataclasses.is_dataclass(base):
+        first = dataclasses.fields(base)[0]
+        return (f"set one of its keys, e.g. {key}.{first.name}={first.default}, or give a mapping, "
+                f"e.g. '{key}={{{first.name}: {first.default}}}'")
+    samples = {int: "4", float: "1e-4", bool: "true"}
+    sample = samples.get(base)
+    if typing.get_origin(base) is list and typing.get_args(base)[0] in samples:
+        sample = f"[{samples[typing.get_args(base)[0]]}, {samples[typing.get_args(base)[0]]}]"
+    return f"give {key} {_describe(tp)}" + (f", e.g. {key}={sample}" if sample else "")
+
+
+def field_type(key: str):
+    """The schema type of the field that dotted `key` names exactly, else None (a key below a
+    list or a free-form field, whose type Hydra checks)."""
+    cls, parts, i = HCPConfig, key.split("."), 0
+    while i < len(parts):
+        fields = _fields(cls)
+        if parts[i] not in fields:
+            return None
+        tp = fields[parts[i]]
+        if i == len(parts) - 1:
+            return tp
+        named = _named_of(tp)
+        if named is not None:  # encoders.NAME.rest
+            if i + 2 == len(parts):
+                return named
+            cls, i = named, i + 2
+            continue
+        cls = _dataclass_of(tp)
+        if cls is None:
+            return None
+        i += 1
+    return None
+
+
+def _check_value(raw: str, key: str, value: str) -> None:
+    """Raise ConfigError when override `raw` (`key=value`) gives field `key` a value of the
+    wrong type, e.g. `trainer.max_steps=abc` or `'llm.layout=[2,2]'` (Hydra's own message for
+    this is a multi-line block, or "Cannot merge DictConfig with ListConfig"). Sweeps,
+    interpolations and values Hydra cannot parse are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import MISSING, OmegaConf
+
+    lookup(key, value)  # an unknown key: the closest one
+    exact = field_type(key)
+    if exact is None or not value or "$" in value:
         return
     try:
-        int(value) if base is int else float(value)
-    except ValueError:
-        kind = "an integer" if base is int else "a number"
-        raise ConfigError(key, value, f"expects {kind}", f"give {key} {kind}, e.g. "
-                          f"{key}={'4' if base is int else '1e-4'}") from None
+        override = OverridesParser.create().parse_overrides([raw.lstrip("~")])[0]
+    except Exception:  # noqa: BLE001 - a syntax error: Hydra's own message
+        return
+    if override.is_sweep_override():
+        return
+    parsed = override.value()
+    one = dataclasses.make_dataclass("_One", [("v", exact, dataclasses.field(default=MISSING))])
+    try:
+        OmegaConf.merge(OmegaConf.structured(one), {"v": parsed})
+    except Exception as e:  # noqa: BLE001 - OmegaConf's validation and merge errors
+        inner = str(getattr(e, "full_key", None) or "v").split(".")[1:]  # below the field: name it
+        for part in inner:
+            if not isinstance(parsed, dict) or part not in parsed or field_type(f"{key}.{part}") is None:
+                break
+            key, parsed, exact = f"{key}.{part}", parsed[part], field_type(f"{key}.{part}")
+        raise ConfigError(key, parsed, f"expects {_describe(exact)}", _example(key, exact)) from None
 
 
-def _check_group_choice(group: str, value: str, conf_dir: str) -> None:
-    """Raise ConfigError when `group=value` names no `conf/<group>/<value>.yaml`."""
+def _check_group_choice(group: str, value: str, conf_dir: str, prefix: str = "") -> None:
+    """Raise ConfigError when `group=value` names no `conf/<group>/<value>.yaml`; the suggestion
+    keeps the override's `prefix` (`+recipe=...` needs its `+`)."""
     if not value or value == "null" or any(c in value for c in _SWEEP):
         return
     options = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, group)) if f.endswith(".yaml"))
     if value not in options:
         close = difflib.get_close_matches(value, options, n=1, cutoff=0.5)
-        hint = f"did you mean `{group}={close[0]}`? " if close else ""
+        hint = f"did you mean `{prefix}{group}={close[0]}`? " if close else ""
         raise ConfigError(group, value, f"no such {group} (conf/{group}/{value}.yaml)",
                           f"{hint}use one of {', '.join(options)}")
 
 
 def check_overrides(overrides: list[str], config_groups: set[str], conf_dir: str | None = None) -> None:
     """Check command-line overrides (`a.b=1`, `+a.b=1`, `++a.b=1`, `~a.b`) against the schema
-    before Hydra composes: keys, int/float values, and (given `conf_dir`) group choices
+    before Hydra composes: keys, value types, and (given `conf_dir`) group choices
     (`+recipe=llava_tiny` must name `conf/recipe/llava_tiny.yaml`). Sweeps (`a=1,2`),
     interpolations and Hydra's own keys (`hydra.*`, `hydra/...`) are left to Hydra.
 
     Raises:
         ConfigError: an override names a key no schema field declares (the fix names the
-            closest), a value that is not the field's int/float, or a group option that does
+            closest), a value of the wrong type (`_check_value`), or a group option that does
             not exist (the fix lists the options).
     """
     for raw in overrides:
@@ -175,9 +250,9 @@ def check_overrides(overrides: list[str], config_groups: set[str], conf_dir: str
             continue
         if key in config_groups:
             if conf_dir is not None and not raw.startswith("~"):
-                _check_group_choice(key, value, conf_dir)
+                _check_group_choice(key, value, conf_dir, raw[:len(raw) - len(raw.lstrip("+"))])
             continue
         if raw.startswith("~"):
             lookup(key, value)
         else:
-            _check_scalar(key, value)
+            _check_value(raw, key, value)

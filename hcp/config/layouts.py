@@ -1,4 +1,4 @@
-"""Per-module layouts: where each module sits and how its ranks are split (DESIGN.md: layout).
+"""Per-module layouts: where each module sits and how its ranks are split (docs/design.md: layout).
 
 `resolve_layouts(cfg, world_size)` turns every present module's `layout` block plus the run-wide
 `placement` into a `ResolvedLayout` (all sizes known, dp inferred, an explicit rank range).
@@ -122,10 +122,11 @@ def _indivisible(m: str, lay, count: int, product: str) -> ConfigError:
     axis = max(fixable or [a for a, v in sizes.items() if v > 1] or ["tp"], key=lambda a: sizes[a])
     others = model // sizes[axis]
     valid = _divisors(count // others) if count % others == 0 else []
-    fix = (f"use {m}.layout.{axis} in {valid}" if valid else
-           f"choose tp, cp, pp whose product divides {count}")
-    return ConfigError(f"{m}.layout.{axis}", sizes[axis], f"{m} spans {count} ranks, not divisible "
-                       f"by {product} (dp=-1 is inferred from the rest)", fix)
+    problem = f"{m} spans {count} ranks, not divisible by {product} (dp=-1 is inferred from the rest)"
+    if not valid:
+        return ConfigError(f"{m}.layout.{axis}", sizes[axis], problem,
+                           f"choose tp, cp, pp whose product divides {count}")
+    return ConfigError(f"{m}.layout.{axis}", sizes[axis], problem, f"use {m}.layout.{axis} in {{values}}", valid)
 
 
 def _resolve_one(cfg, m: str, offset: int, count: int) -> ResolvedLayout:
@@ -154,7 +155,7 @@ def _resolve_one(cfg, m: str, offset: int, count: int) -> ResolvedLayout:
                               f"give {lay.pp} positive counts with sum {layers}")
     elif layers % lay.pp:
         raise ConfigError(f"{m}.layout.pp", lay.pp, f"{m} has {layers} layers, not divisible by it",
-                          f"use pp in {_divisors(layers)} or give {m}.layout.pp_layers")
+                          f"use {m}.layout.pp in {{values}} or give {m}.layout.pp_layers", _divisors(layers))
     else:
         split = (layers // lay.pp,) * lay.pp
     return ResolvedLayout(m, int(lay.tp), int(lay.cp), int(lay.pp), dp, offset, count, split,
@@ -169,7 +170,8 @@ def _named_keys(cfg, error: ConfigError) -> ConfigError:
         return error
     pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, named)) + r")\.(?=layout|num_heads|ffn)")
     spell = lambda text: pattern.sub(lambda mt: module_key(cfg, mt.group(1)) + ".", str(text))  # noqa: E731
-    return ConfigError(spell(error.field), error.value, spell(error.problem), spell(error.fix))
+    return ConfigError(spell(error.field), error.value, spell(error.problem), spell(error.fix_template),
+                       error.candidates)
 
 
 def resolve_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
@@ -207,7 +209,7 @@ def _tp_divides(m: str, tp: int, quantities: dict[str, int], padding: tuple[str,
         if n % tp:
             extra = "; it would need padding to a multiple of tp, which hcp does not do" if name in padding else ""
             raise ConfigError(f"{m}.layout.tp", tp, f"{name}={n} is not divisible by it{extra}",
-                              f"use {m}.layout.tp in {_divisors(math.gcd(*quantities.values()))}")
+                              f"use {m}.layout.tp in {{values}}", _divisors(math.gcd(*quantities.values())))
 
 
 def _check_tensor_parallel(cfg, lay: ResolvedLayout) -> None:

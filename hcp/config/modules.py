@@ -1,5 +1,5 @@
 """The module graph of a config: which modules exist, what kind each is, and the streams of rows
-into the LLM (DESIGN.md 1: module, edge, join, branch; DESIGN.md 3: config shape).
+into the LLM (docs/design.md 1: module, edge, join, branch; docs/design.md 3: config shape).
 
 Modules are `vision` and `projector` (the default encoder side, LLaVA's), every named
 `encoders.<name>` (a ViT-style encoder with its own architecture and layout: a second vision

@@ -12,7 +12,7 @@ from typing import Any, Dict, Optional
 
 @dataclass
 class LayoutConfig:
-    """A module's parallel sizes (DESIGN.md: layout). Grid axis order: tp, cp, dp, pp (slowest)."""
+    """A module's parallel sizes (docs/design.md: layout). Grid axis order: tp, cp, dp, pp (slowest)."""
 
     tp: int = 1
     """Tensor-parallel size."""

@@ -1,4 +1,4 @@
-"""Which ranks each module spans (DESIGN.md: placement), before its layout is split.
+"""Which ranks each module spans (docs/design.md: placement), before its layout is split.
 
 - `colocated`: every module spans ranks [0, world_size).
 - `non_colocated`: the world is cut into contiguous, disjoint islands that cover it. A module with

@@ -2,9 +2,10 @@
 rank or process group starts. Each rule raises `ConfigError(field, value, problem, fix)`."""
 from __future__ import annotations
 
+import copy
 import importlib.util
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from hcp.config.capacity import max_length, tokens_per_rank
 from hcp.config.choices import ATTENTION_BACKENDS, BACKEND_MODULES, CP_BACKENDS, OPTIMIZERS, PROJECTOR_TYPES
@@ -132,14 +133,64 @@ def _check_longest_sample(cfg, llm) -> None:
                           f"{'CP pool (llm.layout.dp * llm.layout.cp)' if dynamic else 'llm.layout.cp'}")
 
 
-def validate(cfg, world_size: int) -> dict:
+def validate(cfg, world_size: int, unresolved=None) -> dict:
     """Run every rule on `cfg` for `world_size` ranks; return the resolved layouts
     ({module: `hcp.config.layouts.ResolvedLayout`}).
+
+    A fix that offers values of a field (`use llm.layout.tp in [1, 2]`) offers only those with
+    which the whole config passes every rule. `unresolved` is `cfg` before its interpolations
+    were resolved: keys that follow the field (the tiny LLaVA's `vision.layout.tp:
+    ${llm.layout.tp}`) then take each tried value too, as they would on the command line.
 
     Raises:
         ConfigError: the first rule broken, naming the field, the value and a fix (a key the
             schema does not declare names the closest one).
     """
+    try:
+        return _validate(cfg, world_size)
+    except ConfigError as e:
+        if not e.candidates:
+            raise
+        followers = _followers(unresolved, e.field) if unresolved is not None else []
+        passing, blocked = [], None
+        for value in e.candidates:
+            trial = copy.deepcopy(cfg)
+            for key in [e.field, *followers]:
+                OmegaConf.update(trial, key, value, merge=False)
+            try:
+                _validate(trial, world_size)
+                passing.append(value)
+            except ConfigError as other:
+                blocked = blocked or other
+        raise e.narrowed(passing, blocked) from None
+
+
+def _followers(cfg, key: str) -> list[str]:
+    """Dotted keys of `cfg` (unresolved) whose value is the plain interpolation `${key}`, or
+    `${k}` of such a follower k (transitively)."""
+    links = []
+
+    def walk(node, prefix):
+        for k in node:
+            child, path = node._get_node(k), f"{prefix}{k}"
+            if isinstance(child, DictConfig):
+                if not child._is_none() and not child._is_interpolation():
+                    walk(child, path + ".")
+            elif child._is_interpolation():
+                links.append((path, str(child._value())))
+
+    walk(cfg, "")
+    found, todo = [], [key]
+    while todo:
+        target = "${" + todo.pop() + "}"
+        new = [path for path, ref in links if ref == target and path not in found]
+        found += new
+        todo += new
+    return found
+
+
+def _validate(cfg, world_size: int) -> dict:
+    """`validate`'s rules, in order, without narrowing a fix's values."""
     check_known_keys(cfg)
     check_choices(cfg)
     check_backends(cfg)

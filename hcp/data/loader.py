@@ -46,7 +46,7 @@ class GlobalBatchSampler:
 
 
 def lane_slice(global_batch: list[int], dp: int, lane: int) -> list[int]:
-    """DP lane `lane` of `dp` holds a contiguous block of the global batch (DESIGN.md: lane).
+    """DP lane `lane` of `dp` holds a contiguous block of the global batch (docs/design.md: lane).
 
     Raises:
         ValueError: the global batch is not divisible by `dp`.

@@ -2,7 +2,7 @@
 
 A micro-batch concatenates its documents along tokens (`[T]`, `T = sum of lengths`); document
 boundaries are the int32 prefix sums `cu_seqlens` (`[N + 1]`), position ids restart at 0 in every
-document, and attention never crosses a boundary. Labels arrive already shifted (DESIGN.md
+document, and attention never crosses a boundary. Labels arrive already shifted (docs/design.md
 section 3); packing never shifts them again.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@
   `m` tokens per rank (head-tail padding counted) are filled first-fit in arrival order, and
   each micro-batch runs
   `pool / c_static` consecutive packs side by side (one per DP lane).
-- `greedy`: Megatron-LM's dynamic ("hybrid") CP as described in DESIGN.md section 5: sort by
+- `greedy`: Megatron-LM's dynamic ("hybrid") CP as described in docs/design.md section 5: sort by
   length descending; CP size per sequence `max(1, pow2ceil(L / m))`; workload `L^2 / c`; place
   each sequence in a new group while an aligned block of its size is free, else in the least
   loaded group of its size with room, else defer it to the next micro-batch; then double the

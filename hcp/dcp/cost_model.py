@@ -8,7 +8,7 @@ stage. TP of size tp splits every matmul and every head's attention over tp GPUs
 divides by tp; under CP of size c every rank holds T / c tokens (zigzag chunks balance the
 causal work), so compute divides by c. Ring attention moves each rank's K and V shards to the
 c - 1 others: `T (c - 1) / c * 2 d_kv / tp * bytes` per GPU and layer. The ranks of a CP pool
-are strided by TP (DESIGN.md section 3: tp fastest), so a CP group of c ranks spans c * tp GPUs
+are strided by TP (docs/design.md section 3: tp fastest), so a CP group of c ranks spans c * tp GPUs
 and stays on NVLink only when `c * tp <= ranks_per_node`; above, InfiniBand. A fraction
 `comm_overlap` of the traffic can hide behind the attention kernels (ring attention overlaps
 block transfers with block compute; FlexSP and ByteScale model CP time the same way:

@@ -1,7 +1,7 @@
 """Dynamic-CP plans: plain dataclasses, their validity rules and input checks.
 
 A plan cuts one global batch of sequences (lengths in tokens) into *rounds* for one CP pool of
-`pool = dp * cp` ranks of a pipeline stage (DESIGN.md section 3). A round is the pool's CP
+`pool = dp * cp` ranks of a pipeline stage (docs/design.md section 3). A round is the pool's CP
 grouping between two synchronisations: its groups tile `[0, pool)` with aligned power-of-two
 blocks (`rank_offset` a multiple of `cp_size`); a group with no sequences marks idle ranks. A
 *micro-batch* is one forward and backward of a group, its sequences packed THD-style and
@@ -14,7 +14,7 @@ CP-sharded over the group's `cp_size` ranks, bounded by the cap. Group `g` runs 
 - At pp = 1 without `dp_shard` a group may run several micro-batches in a round (gradient
   accumulation; Megatron-LM's hybrid CP runs sequences this way between its barriers).
 Memory: each rank of a group of c > 1 ranks holds `2 * ceil(L / 2c)` tokens of a document of
-length L (head-tail sharding pads it to a multiple of 2c, DESIGN.md section 3;
+length L (head-tail sharding pads it to a multiple of 2c, docs/design.md section 3;
 hcp/parallel/cp_sharding.py), at c = 1 its L tokens; the sum over the documents of each
 micro-batch must stay within `max_tokens_per_rank` (`rank_tokens`).
 """

@@ -1,4 +1,4 @@
-"""The `dynamic_cp` packing policy of the step plan (DESIGN.md 4.1; hcp/plan/step.py).
+"""The `dynamic_cp` packing policy of the step plan (docs/design.md 4.1; hcp/plan/step.py).
 
 `dynamic_cp_policy(llm_cfg, profile)` returns the policy `(merged lengths [B], the LLM's
 ResolvedLayout, micro_batch_tokens) -> Plan` that the step plan calls through

@@ -1,5 +1,5 @@
 """Model layer: building blocks, the ViT encoder, the projector, the LLaMA decoder and their
-LLaVA composition (DESIGN.md section 2, layer 4)."""
+LLaVA composition (docs/design.md section 2, layer 4)."""
 from hcp.model.init import init_parameters
 from hcp.model.llama import LlamaDecoder
 from hcp.model.llava import LlavaEncoder, LlavaModel

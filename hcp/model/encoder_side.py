@@ -1,5 +1,5 @@
 """The encoder side of a module graph: several encoders and their projectors, each stream of rows
-into the LLM computed once (DESIGN.md 1: join, branch; `hcp.config.modules`).
+into the LLM computed once (docs/design.md 1: join, branch; `hcp.config.modules`).
 
 A *stream* (`hcp.config.modules.Stream`) is a projector fed by one encoder whose rows fill that
 projector's placeholder positions in the LLM's merged sequence. Two encoders with a projector

@@ -1,4 +1,4 @@
-"""One pipeline stage of an encoder island (placement=non_colocated, DESIGN.md 4.4).
+"""One pipeline stage of an encoder island (placement=non_colocated, docs/design.md 4.4).
 
 An encoder island runs an encoder (a ViT) with its projector(s) under the encoder's own TP, DP
 and PP. Stage s holds the encoder's blocks [start, stop) (`hcp.model.vit.ViTEncoder` with a

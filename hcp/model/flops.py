@@ -1,4 +1,4 @@
-"""Model FLOPs of the LLaMA decoder: the one implementation (DESIGN.md section 5).
+"""Model FLOPs of the LLaMA decoder: the one implementation (docs/design.md section 5).
 
 Per transformer layer, forward, for documents of lengths `L_i` (T = sum L_i tokens), following
 Megatron-LM's per-layer count (`num_floating_point_operations` in

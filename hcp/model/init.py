@@ -1,4 +1,4 @@
-"""Layout-invariant parameter initialization (DESIGN.md section 3).
+"""Layout-invariant parameter initialization (docs/design.md section 3).
 
 Every parameter is first made *whole* from `(seed, fully qualified name)` with its own
 `torch.Generator`, then narrowed to this rank's shard (tensor-parallel layers mark their

@@ -9,7 +9,7 @@ named encoders and projectors sit next to `vision` and `projector` under their o
 stream (a projector into the LLM) fills its own placeholder positions with its rows. A join: two
 encoders with a projector each; a branch: one tower (run once) feeding two projectors.
 
-Two ways to run the encoder (DESIGN.md 4.2, 4.4):
+Two ways to run the encoder (docs/design.md 4.2, 4.4):
 - inside the LLM's first stage (`LlavaModel(..., encoder=True)`, the default and the
   single-process reference): every rank of the LLM's TP x CP group encodes the micro-batch's
   images (replicated, not TP-sharded);
@@ -35,7 +35,7 @@ The micro-batch `batch` is any object with these attributes (shapes per micro-ba
 Parallelism of the LLM (`tp_group`, `cp_group`, `cp_comm`, `sequence_parallel`: see
 `hcp.model.llama`). Every rank of a TP x CP group gets the SAME whole micro-batch (text); the
 image embeddings are written at the image positions of this rank's CP shard of the combined
-(text + image) sequence (DESIGN.md section 4). Under CP, `forward` returns this rank's share of
+(text + image) sequence (docs/design.md section 4). Under CP, `forward` returns this rank's share of
 the loss and of the token count: summed over the CP (and DP) ranks they give the single-process
 numbers. Gradients: the trainer sums them over DP x CP; parameters replicated over TP (norms,
 and with `encoder=True` vision and projector) already carry the full gradient on every TP rank.

@@ -1,4 +1,4 @@
-"""Context-parallel head-tail ("zigzag") sharding of packed documents (DESIGN.md section 3).
+"""Context-parallel head-tail ("zigzag") sharding of packed documents (docs/design.md section 3).
 
 Under CP size c every document (a `cu_seqlens` segment) is padded to a multiple of 2c tokens and
 cut into 2c equal chunks; CP rank r holds chunks r and 2c-1-r, so every rank gets the same share

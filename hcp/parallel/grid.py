@@ -1,4 +1,4 @@
-"""A module's grid of ranks and the rank lists of its process groups (DESIGN.md section 3).
+"""A module's grid of ranks and the rank lists of its process groups (docs/design.md section 3).
 
 The grid is the box of ranks `[rank_offset, rank_offset + tp*cp*dp*pp)` with axis order tp
 (fastest), cp, dp, pp (slowest), so a rank's coordinates are

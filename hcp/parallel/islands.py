@@ -1,4 +1,4 @@
-"""Ranks of a non-colocated edge's communicator group (DESIGN.md 4.2). Pure, no process group.
+"""Ranks of a non-colocated edge's communicator group (docs/design.md 4.2). Pure, no process group.
 
 Under `placement=non_colocated` the source module (an encoder, with its projector) and the
 destination module (the LLM) sit on disjoint islands. Rows leave from the source's LAST pipeline
@@ -40,7 +40,7 @@ def edge_ranks(src: Grid, dst: Grid) -> tuple[int, ...]:
 
 def island_micro_batches(lane_samples: Sequence[int],
                          consumed: Sequence[Sequence[int]]) -> list[list[int]]:
-    """An encoder lane's micro-batches in the order the LLM consumes them (DESIGN.md 4.4).
+    """An encoder lane's micro-batches in the order the LLM consumes them (docs/design.md 4.4).
 
     lane_samples: the samples this encoder lane encodes (any order); consumed[i]: the samples
     the LLM consumes in micro-batch i (over all its lanes). Returns, per micro-batch i, the lane's

@@ -1,4 +1,4 @@
-"""Routing tables of module-graph edges (DESIGN.md 4.2, 4.3): which rows each source rank sends
+"""Routing tables of module-graph edges (docs/design.md 4.2, 4.3): which rows each source rank sends
 to each destination rank, and the reverse for gradients. Pure data, no process group: the step
 plan (`hcp.plan`) fills them identically on every rank, the boundary communicators
 (`hcp.comm.boundary`) execute them.
@@ -67,7 +67,7 @@ class RankRoute:
 
 def cp_slot(position: np.ndarray, length: np.ndarray, cp_size: np.ndarray):
     """Where merged position `position` of a document of `length` tokens lands under CP size
-    `cp_size` (head-tail chunks, DESIGN.md section 3; `hcp.parallel.cp_sharding.cp_shard` is the
+    `cp_size` (head-tail chunks, docs/design.md section 3; `hcp.parallel.cp_sharding.cp_shard` is the
     same math over whole documents). Element-wise over int64 arrays.
 
     Returns (cp rank, slot in that rank's local copy of the document): the document is padded to

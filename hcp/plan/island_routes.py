@@ -1,4 +1,4 @@
-"""The non-colocated part of the step plan (DESIGN.md 4.1, 4.4): island heads and the routing
+"""The non-colocated part of the step plan (docs/design.md 4.1, 4.4): island heads and the routing
 tables of edges from an encoder island into the LLM.
 
 Non-colocated placement (`placement=non_colocated`: an edge into the LLM whose source sits on

@@ -1,4 +1,4 @@
-"""The length index: every sample's sizes, read once when the data is read (DESIGN.md 4.1).
+"""The length index: every sample's sizes, read once when the data is read (docs/design.md 4.1).
 
 The step plan needs, per sample of a global batch, its merged length (text tokens after each
 `<image>` is expanded into its image-token placeholders), its loss tokens and where its image

@@ -1,4 +1,4 @@
-"""Packing policies of the step plan (DESIGN.md 4.1): each maps the global batch's merged
+"""Packing policies of the step plan (docs/design.md 4.1): each maps the global batch's merged
 lengths to a `hcp.dcp.plan.Plan` over the LLM's CP pool (dp * cp ranks of one pipeline stage and
 TP index, pool position = dp * cp + cp): micro-batches in execution order, each a set of groups
 (samples, CP size c, aligned block offset) tiling the pool, so every rank of the pool runs the

@@ -27,7 +27,7 @@ class MicroBatchPlan:
     cp_size: int
     """Ranks of the CP group that shares the micro-batch."""
     cp_block: int
-    """Index of that group among the aligned blocks of cp_size in the CP pool (DESIGN.md 3)."""
+    """Index of that group among the aligned blocks of cp_size in the CP pool (docs/design.md 3)."""
     cp_rank: int
     """This rank's CP shard index inside the group (head-tail chunks r and 2c-1-r)."""
     local_tokens: int

@@ -1,4 +1,4 @@
-"""The step plan (DESIGN.md 4.1): one pure function decides everything that varies per step.
+"""The step plan (docs/design.md 4.1): one pure function decides everything that varies per step.
 
 `plan_step(sizes, layouts, packing, micro_batch_tokens, edges)` maps the global batch's sample
 sizes (`hcp.plan.lengths`) to a `StepPlan`, identical on every rank (no randomness, no process

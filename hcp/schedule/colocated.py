@@ -1,4 +1,4 @@
-"""The colocated three-phase schedule of one training step (DESIGN.md 4.4).
+"""The colocated three-phase schedule of one training step (docs/design.md 4.4).
 
 Under `placement=colocated` every rank runs both the encoder side (its encoder lane's images,
 under the encoder's own TP/DP layout) and its part of the LLM (TP x CP x PP). One step:

@@ -1,4 +1,4 @@
-"""The graph-aware 1F1B across islands (DESIGN.md 4.4) as pure action-list builders.
+"""The graph-aware 1F1B across islands (docs/design.md 4.4) as pure action-list builders.
 
 Under `placement=non_colocated` every module of the graph (an encoder island, the LLM, ...)
 is a chain of pipeline stages, and `graph.edges` connects the LAST stage of a module to the

@@ -10,7 +10,7 @@ batched with arrived), which a dependency-only model (`hcp.schedule.simulator`) 
 for a plain pipeline the two agree.
 
 Per island, the bubble of a stage is `1 - busy / iteration time`: the share of the step that
-stage sits idle (the regime benchmark reports it per island; DESIGN.md 4.4).
+stage sits idle (the regime benchmark reports it per island; docs/design.md 4.4).
 """
 from __future__ import annotations
 

@@ -296,8 +296,9 @@ def check_resume(cfg) -> None:
 
 
 def load_weights(path: str, model, tp_group=None) -> str:
-    """Model weights only from a checkpoint folder into `model` (any layout; every rank): a new
-    stage starts here with a fresh optimizer, schedule and data position. Returns a log line.
+    """Model weights only from a checkpoint folder into `model` (any layout; every rank), for a
+    new stage (`init_from_checkpoint`) or an export. Returns what was loaded, for a log line:
+    `model weights of step N from PATH (saved at LAYOUT)`.
 
     Raises:
         FileNotFoundError: `path` is not a complete checkpoint folder.
@@ -308,8 +309,7 @@ def load_weights(path: str, model, tp_group=None) -> str:
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, _local(state, tp_group)["model"], options=_options(model, tp_group))
     saved = _trainer_json(path)
-    return (f"init_from_checkpoint: model weights of step {saved['step']} from {path} (saved at "
-            f"{saved.get('layout', '?')}); optimizer, schedule and data start fresh at step 0")
+    return f"model weights of step {saved['step']} from {path} (saved at {saved.get('layout', '?')})"
 
 
 def load(path: str, model, optimizer, tp_group=None) -> dict:

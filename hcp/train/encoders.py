@@ -2,7 +2,7 @@
 placement): named encoders and projectors (`hcp.config.modules`) built as one
 `hcp.model.encoder_side.EncoderSide`, a length index per stream into the LLM, each encoder's
 inputs for this rank, gradient sync over each encoder's own DP group and its share of the
-global clipping norm over its own TP group (DESIGN.md 4.4, last bullet).
+global clipping norm over its own TP group (docs/design.md 4.4, last bullet).
 
 LLaVA's plain graph (vision -> projector -> llm) keeps `hcp.model.llava.LlavaEncoder`
 (`several_streams(cfg)` says which one the trainer builds); the helpers that take `encoder`

@@ -4,10 +4,13 @@ start (or join) the ranks that train.
 
 A user error (`ConfigError`, `DataError`) prints one line `hcp: error: ...` (under torchrun or
 srun only from rank 0), exits with status 2 and removes the run directory Hydra made for the run
-when nothing but Hydra's own `.hydra/` went into it.
+when nothing but Hydra's own `.hydra/` went into it. In a sweep (`-m`) the point's error goes
+into its job folder instead and the sweep goes on; its table (`hcp.train.sweep_table`,
+`hcp.train.plan_table`) lists it.
 """
 from __future__ import annotations
 
+import copy
 import os
 import shutil
 import signal
@@ -22,6 +25,7 @@ from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_en
                               oversubscribed, resolve_nproc, resume_command, start_local_ranks)
 from hcp.train.slurm import check_slurm
 from hcp.train.export import start_export
+from hcp.train.sweep_table import ERROR_FILE
 from hcp.model.hf_load import apply_hf_configs, check_hf_weights, cli_keys
 
 
@@ -54,6 +58,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     from hcp.train.support import check_profile, check_trainable
 
     run_dir = HydraConfig.get().runtime.output_dir
+    unresolved = copy.deepcopy(cfg)  # which keys follow which (a fix tries its values on both)
     OmegaConf.resolve(cfg)
     joined = launched_rank_env(os.environ)
     for line in apply_hf_configs(cfg, cli_keys(HydraConfig.get().overrides.task)):
@@ -61,7 +66,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     if cfg.mode == "plan":
         from hcp.train.plan import run_plan
 
-        validate(cfg, world_size_of(cfg, resolve_nproc("auto")))
+        validate(cfg, world_size_of(cfg, resolve_nproc("auto")), unresolved)
         check_profile(cfg)  # an error here too: a missing profile is not a layout to plan
         print(f"hcp: run directory {run_dir}")
         plan = run_plan(cfg, run_dir)
@@ -70,10 +75,10 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     if cfg.mode == "calibrate":  # dynamic-CP cost-model profile: hcp/train/calibrate.py
         from hcp.train.calibrate import run_calibrate
 
-        validate(cfg, world_size_of(cfg, resolve_nproc("auto")))
+        validate(cfg, world_size_of(cfg, resolve_nproc("auto")), unresolved)
         return run_calibrate(cfg, run_dir)
     world = local_world_size(cfg, joined, overrides)
-    layouts = validate(cfg, world)
+    layouts = validate(cfg, world, unresolved)
     if not joined:
         check_fits_here(cfg, layouts, world, overrides)
     check_trainable(cfg, layouts)
@@ -138,15 +143,15 @@ def _task(cfg: DictConfig):
         if _is_first(joined):
             print(f"hcp: error: {e}", file=sys.stderr, flush=True)
         run_dir = hydra_cfg.runtime.output_dir
-        if hydra_cfg.mode == RunMode.MULTIRUN and cfg.mode == "plan":
-            # a plan sweep goes on and its table (hcp.train.plan_table) shows this layout's error
+        if hydra_cfg.mode == RunMode.MULTIRUN:
+            # the sweep goes on; its table (hcp.train.plan_table, hcp.train.sweep_table) shows
+            # this point's error, and a training sweep then exits with status 2
             if not os.path.isfile(os.path.join(run_dir, "plan.json")):
-                with open(os.path.join(run_dir, "plan_error.txt"), "w") as f:
+                name = "plan_error.txt" if cfg.mode == "plan" else ERROR_FILE
+                with open(os.path.join(run_dir, name), "w") as f:
                     f.write(f"{e}\n")
             return None
         discard_run_dir(run_dir)
-        if hydra_cfg.mode == RunMode.MULTIRUN:
-            raise  # Hydra records the failed job and the sweep goes on
         sys.exit(2)
     except (KeyboardInterrupt, RankDied) as e:  # Ctrl-C, a signal or a dead rank (hcp.train.supervise)
         died, signum = isinstance(e, RankDied), getattr(e, "signum", signal.SIGINT)

@@ -1,5 +1,5 @@
 """Training under placement=non_colocated: each rank builds and runs only its island's modules,
-and one step runs the graph-aware 1F1B across the islands (DESIGN.md 4.4).
+and one step runs the graph-aware 1F1B across the islands (docs/design.md 4.4).
 
 The world is cut into islands (`hcp.config.layouts`): each encoder island runs one encoder (a
 ViT) with its projector(s) under the encoder's own TP, DP and PP (`hcp.model.encoder_stage`:

@@ -9,7 +9,7 @@ process is already one of several launched ranks:
   batch script has neither, so a plain `python train.py` in an sbatch script starts its own
   local ranks instead of waiting for N - 1 peers that never come).
 Otherwise `train.py` starts `launcher.nproc_per_node` local ranks itself (fork by default:
-~0.2 s for 8 ranks here, against 12-15 s for spawn; DESIGN.md section 8).
+~0.2 s for 8 ranks here, against 12-15 s for spawn; docs/design.md section 8).
 """
 from __future__ import annotations
 
@@ -120,6 +120,18 @@ def oversubscribed(world: int, launcher_cfg, cores: Optional[int] = None) -> Opt
             f"than with at most {cores} rank{'s' * (cores > 1)} (the results are the same)")
 
 
+def _cluster_launch(cfg, overrides) -> str:
+    """How to run `overrides` on a SLURM cluster: the sbatch helper (`hcp.train.sbatch`), or
+    `srun` inside an allocation with one process per rank (per GPU), each joining the launch."""
+    sbatch = " ".join(["python -m hcp.train.sbatch", *[o for o in overrides if not o.startswith("mode=")]])
+    lc = cfg.launcher
+    per_node = cfg.cluster.gpus_per_node if lc.nproc_per_node == "auto" else lc.nproc_per_node
+    return (f"submit it with the sbatch helper `{sbatch}` (`--dry-run` prints the script), or inside "
+            f"an allocation start one process per rank (per GPU), {per_node} per node: "
+            f"`srun --nodes {lc.nnodes} --ntasks-per-node {per_node} {_command(overrides)}` "
+            "(launchers/README.md)")
+
+
 def local_world_size(cfg, joined: Optional[dict], overrides=()) -> int:
     """Ranks of this launch: the joined launch's world, or the local ranks to start.
 
@@ -137,11 +149,8 @@ def local_world_size(cfg, joined: Optional[dict], overrides=()) -> int:
                           f"{cfg.launcher.nproc_per_node} ranks; cluster.* {c.num_nodes} x "
                           f"{c.gpus_per_node} GPUs of {c.device_memory_gib:g} GiB) and a plain "
                           "`python train.py` starts ranks on this machine only",
-                          f"plan it here with `{_command(overrides, 'mode=plan')}`, or launch it "
-                          "on the cluster with one process per node joining the ranks, e.g. "
-                          f"`srun --nodes {cfg.launcher.nnodes} --ntasks-per-node "
-                          f"{cfg.launcher.nproc_per_node} {_command(overrides)}` inside an "
-                          "allocation (launchers/README.md)")
+                          f"plan it here with `{_command(overrides, 'mode=plan')}`, or "
+                          f"{_cluster_launch(cfg, overrides)}")
     return resolve_nproc(cfg.launcher.nproc_per_node)
 
 
@@ -176,9 +185,8 @@ def check_fits_here(cfg, layouts: dict, world: int, overrides=(), memory=None) -
                       f"({'in all' if shared else 'on the largest rank'}), more than this machine's "
                       f"{gib:.1f} GiB of {what}: this config is sized for a cluster "
                       f"(cluster.* {c.num_nodes} x {c.gpus_per_node} GPUs of {c.device_memory_gib:g} GiB)",
-                      f"plan it here with `{_command(overrides, 'mode=plan')}`, or launch it on "
-                      "the cluster with one process per node joining the ranks (srun or torchrun, "
-                      "launchers/README.md)")
+                      f"plan it here with `{_command(overrides, 'mode=plan')}`, or "
+                      f"{_cluster_launch(cfg, overrides)}")
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""Per-module runtime pieces the trainer joins into one step (DESIGN.md 4.4, last bullet).
+"""Per-module runtime pieces the trainer joins into one step (docs/design.md 4.4, last bullet).
 
 Each module reduces its gradients over its own DP x CP group (the LLM's sync is in
 `hcp.train.step`; the encoder side's is `sync_grads` over the encoder's DP group), every module

@@ -36,15 +36,19 @@ def _overrides(job: Path) -> list[str]:
     return list(yaml.safe_load(path.read_text()) or []) if path.is_file() else [job.name]
 
 
+def job_labels(jobs: list[Path]) -> list[str]:
+    """Each sweep job's label: its overrides that differ between the jobs (else its folder name)."""
+    overrides = [_overrides(j) for j in jobs]
+    common = set.intersection(*map(set, overrides)) if overrides else set()
+    return [" ".join(o for o in ovr if o not in common) or job.name for job, ovr in zip(jobs, overrides)]
+
+
 def comparison_rows(sweep_dir) -> tuple[list[tuple[str, ...]], list[str]]:
     """The table's rows, one per plan job of `sweep_dir` in job order, and the errors of the
     invalid layouts (`label: message`)."""
     jobs = _job_dirs(Path(sweep_dir))
-    overrides = [_overrides(j) for j in jobs]
-    common = set.intersection(*map(set, overrides)) if overrides else set()
     rows, errors = [], []
-    for job, ovr in zip(jobs, overrides):
-        label = " ".join(o for o in ovr if o not in common) or job.name
+    for job, label in zip(jobs, job_labels(jobs)):
         if (job / "plan_error.txt").is_file():
             rows.append((label, "-", "invalid", "-", "-", "-"))
             errors.append(f"{label}: {(job / 'plan_error.txt').read_text().strip()}")
@@ -56,15 +60,19 @@ def comparison_rows(sweep_dir) -> tuple[list[tuple[str, ...]], list[str]]:
     return rows, errors
 
 
-def format_table(rows) -> str:
-    """Aligned text table with `HEADER`; the fastest layout that fits is marked."""
-    fits = [r for r in rows if r[2] == "yes"]
-    best = min(fits, key=lambda r: float(r[3])) if fits else None
-    body = [r + (("<- fastest that fits",) if r is best else ("",)) for r in rows]
-    table = [HEADER + ("",)] + body
-    widths = [max(len(r[i]) for r in table) for i in range(len(HEADER))]
+def format_table(rows, header=HEADER) -> str:
+    """Aligned text table with `header`; rows may end with one extra note column (`<- ...`)."""
+    table = [tuple(header) + ("",)] + [tuple(r) + ("",) * (len(header) + 1 - len(r)) for r in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + ("  " + r[-1] if r[-1] else "")
                      for r in table)
+
+
+def mark_fastest(rows) -> list[tuple[str, ...]]:
+    """Plan rows with the fastest layout that fits marked."""
+    fits = [r for r in rows if r[2] == "yes"]
+    best = min(fits, key=lambda r: float(r[3])) if fits else None
+    return [r + (("<- fastest that fits",) if r is best else ()) for r in rows]
 
 
 class PlanSweepTable(Callback):
@@ -78,6 +86,6 @@ class PlanSweepTable(Callback):
         if not rows:
             return
         text = "\n".join([f"plan comparison ({len(rows)} layouts; estimates: hcp/train/estimate.py)",
-                          format_table(rows), *[f"invalid {e}" for e in errors]])
+                          format_table(mark_fastest(rows)), *[f"invalid {e}" for e in errors]])
         (sweep_dir / "plan_comparison.txt").write_text(text + "\n")
         print(text + f"\nhcp: plan comparison written to {sweep_dir / 'plan_comparison.txt'}", flush=True)

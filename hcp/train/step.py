@@ -1,6 +1,6 @@
 """One training step's forward/backward on one rank of the LLM's grid, and gradient clipping.
 
-Token-level loss (DESIGN.md section 3): every micro-batch's loss sum is divided by the number
+Token-level loss (docs/design.md section 3): every micro-batch's loss sum is divided by the number
 of loss tokens of the whole global batch (all micro-batches, DP lanes and CP ranks), counted
 with one all-reduce over the first stage's DP group before any forward pass, or taken from the
 step plan (`planned`: no collective), so gradients summed over DP x CP equal the

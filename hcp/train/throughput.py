@@ -1,6 +1,6 @@
 """Per-step throughput metrics: model FLOPs, TFLOPS/GPU, peak memory, pipeline bubble.
 
-Model FLOPs: hcp/model/flops.py (the one implementation; DESIGN.md section 5): the REAL
+Model FLOPs: hcp/model/flops.py (the one implementation; docs/design.md section 5): the REAL
 tokens of the global batch through the LLM decoder and its LM head, 3 x forward, ragged causal
 attention; recompute, padding and the vision encoder are not counted.
 A ratio of TFLOPS for the same batch is the inverse ratio of step time.

@@ -1,7 +1,7 @@
 """The training loop of one rank: step plan -> this rank's data -> the colocated three-phase step
 -> per-module gradient sync -> one AdamW step -> metrics, evaluation and checkpoints.
 
-Every step is decided by the step plan (`hcp.plan`, DESIGN.md 4.1), computed for step k+1 on a
+Every step is decided by the step plan (`hcp.plan`, docs/design.md 4.1), computed for step k+1 on a
 background thread while step k runs (`hcp.plan.ahead.PlanAhead`) from the length index built
 once when the data is read. Each rank loads only what its plan gives it: the images of its
 encoder lane's samples (the encoder side: vision + projector under their own TP/DP layout) and,
@@ -9,7 +9,7 @@ on the LLM's first pipeline stage, the text of its micro-batches. The step
 (`hcp.schedule.colocated.ColocatedStep`): encoder forward, the route of image rows to the LLM
 CP shards that hold their positions, the LLM's 1F1B (`hcp.train.step.StepRunner`), the route of
 their gradients back, the encoder backward. Loss is token-level over the whole global batch
-(DESIGN.md section 3): every module is scaled by the same global count; gradients are summed
+(docs/design.md section 3): every module is scaled by the same global count; gradients are summed
 over each module's own DP (x CP) group, the clipping norm is global over every module, and one
 optimizer steps them all. A text-only LM (no vision) runs the LLM phase alone. Several encoders
 (joins, branches: `hcp.train.encoders`) run as one encoder side with one route per stream.
@@ -159,8 +159,9 @@ class Trainer:
         resume = self.cfg.resume
         path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
         if path is None and self.cfg.init_from_checkpoint:  # a new stage: weights only
-            self.resume_note = checkpoint.load_weights(self.cfg.init_from_checkpoint, self.modules,
-                                                       self._tp_groups())
+            loaded = checkpoint.load_weights(self.cfg.init_from_checkpoint, self.modules, self._tp_groups())
+            self.resume_note = (f"init_from_checkpoint: {loaded}; optimizer, schedule and data "
+                                "start fresh at step 0")
             return
         if not resume:
             return
@@ -383,7 +384,7 @@ class Trainer:
         summary = {"steps": self.step, "final_loss": metrics.get("loss"), **evals,
                    "wall_s": round(time.perf_counter() - t_start, 2),
                    **{k: sum(m[k] for m in history) / max(1, len(history))
-                      for k in ("tokens_per_s", "tflops_per_gpu", "bubble_fraction")},
+                      for k in ("tokens_per_s", "step_time_s", "tflops_per_gpu", "bubble_fraction")},
                    "peak_memory_gib": max((m["peak_memory_gib"] for m in history), default=0.0),
                    "world_size": self.world,
                    "skipped_records": dict(self.train_set.skipped.counts),

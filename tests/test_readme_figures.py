@@ -1,0 +1,28 @@
+"""The README's command-derived figures are what their commands print today
+(`scripts/readme_figures.py`; plan mode only, no training)."""
+import importlib.util
+import os
+
+import pytest
+
+from cfg_utils import REPO
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("readme_figures", os.path.join(REPO, "scripts", "readme_figures.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(900)
+def test_the_readme_figures_are_what_their_commands_print():
+    figures = _script()
+    with open(figures.README) as f:
+        text = f.read()
+    assert figures.regenerate(text) == text, "README figures drifted: run python scripts/readme_figures.py"
+
+
+def test_a_block_without_its_markers_is_an_error():
+    with pytest.raises(ValueError, match="no `<!-- figures: plan_sweep -->`"):
+        _script().regenerate("no markers here")
