@@ -17,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from hcp.config.compose import CONF_DIR, config_groups
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import world_size_of
-from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_env, local_world_size,
-                              resolve_nproc, start_local_ranks)
+from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_env, local_start_method,
+                              local_world_size, resolve_nproc, start_local_ranks)
 from hcp.train.slurm import check_slurm
 from hcp.train.export import start_export
 from hcp.model.hf_load import apply_hf_configs, check_hf_weights, cli_keys
@@ -75,6 +75,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     layouts = validate(cfg, world)
     if not joined:
         check_fits_here(cfg, layouts, world, overrides)
+        start_method = local_start_method(cfg.launcher)  # spawn with CUDA; checked before any rank starts
     check_trainable(cfg, layouts)
     check_slurm(cfg)
     resume_after_requeue(cfg)
@@ -96,7 +97,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         export_rank_env(joined)
         _rank_entry((container, run_dir))
     else:
-        start_local_ranks(_rank_entry, world, (container, run_dir), cfg.launcher.start_method)
+        start_local_ranks(_rank_entry, world, (container, run_dir), start_method)
     if first:
         print(f"hcp: run finished; outputs in {run_dir}", flush=True)
     return None
