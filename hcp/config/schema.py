@@ -151,11 +151,13 @@ class TrainerConfig:
     on_nonfinite: str = "stop"
     """A NaN/Inf loss or gradient norm: `stop` (raise, naming the step; no checkpoint is written)
     or `skip` (drop that step's update, count it and go on). hcp.train.failures."""
-    check_plan: bool = False
-    """Debug: all-reduce a checksum of every step's plan and fail, naming the ranks, when they
-    computed different plans (which would otherwise hang a collective), and count the step's
-    loss tokens with a collective to check the plan's counts, which the step otherwise takes
-    as they are (no collective). hcp.plan.step."""
+    check_plan: bool = True
+    """All-reduce a 64-bit checksum of every step's plan (one int64 all-reduce per step, before
+    the step's collectives) and stop every rank with one error naming the step when they
+    computed different plans, which would otherwise hang a collective. hcp.train.plan_check."""
+    check_counts: bool = False
+    """Debug: count the step's loss tokens with a collective too and check the plan's counts,
+    which the step otherwise takes as they are (no collective). hcp.plan.step."""
 
 
 @dataclass
@@ -254,8 +256,10 @@ class LauncherConfig:
     nproc_per_node: Any = "auto"
     """Ranks per node: `auto` = one per GPU on CUDA, 4 on CPU; or an int."""
     nnodes: int = 1
-    start_method: str = "fork"
-    """Local rank start method: `fork` (fast on CPU) or `spawn`."""
+    start_method: str = "auto"
+    """Local rank start method: `auto` (spawn when CUDA devices are visible, else fork), `fork`
+    (fast on CPU; refused with CUDA unless backend=gloo), `spawn` or `forkserver`.
+    hcp.train.launch.local_start_method."""
     backend: str = "auto"
     """`auto` (nccl on CUDA, gloo on CPU), `nccl` or `gloo`."""
     timeout_s: int = 600

@@ -23,7 +23,7 @@ _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "logger.name": ("wandb", "none"),
     "data.on_error": ("error", "skip"),
     "launcher.backend": ("auto", "nccl", "gloo"),
-    "launcher.start_method": ("fork", "spawn", "forkserver"),
+    "launcher.start_method": ("auto", "fork", "spawn", "forkserver"),
     "llm.attention_backend": ATTENTION_BACKENDS,
     "optim.name": OPTIMIZERS,
     "projector.type": PROJECTOR_TYPES,

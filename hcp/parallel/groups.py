@@ -1,14 +1,21 @@
 """Process-group registry: every module's torch.distributed groups, created once, looked up in O(1).
 
-Creation order is the same on every rank: modules in graph order, then the kinds of
-`hcp.parallel.grid.KINDS`, then (for modules with dynamic CP) the block sizes 1, 2, 4, ... of
-their CP pool. Each rank computes only the groups it belongs to (one per module, kind and size)
-and creates them with `use_local_synchronization=True`: only the members call `new_group` and
-the barrier at the end is local to them, so at thousands of ranks no rank walks every group of
-the world and there is no world-wide barrier per group. This cannot deadlock: at every step of
-the common order, the members of one group all stand at that step. Groups are named by a hash of
-their ranks, so the same rank list is created once and shared (e.g. `mp` equals `tp` when pp=1, and
-colocated modules with the same grid share every group).
+NCCL-safe creation. Once the default group is bound to a device (`device_id=`, as
+`hcp.train.distributed` does on CUDA), torch builds each `new_group` by `ncclCommSplit` of the
+world communicator, which every rank of the world must call, members or not, in the same order.
+So every rank creates every group of the world (`creation_order`: modules in graph order, then
+the kinds of `hcp.parallel.grid.KINDS`, then for modules with dynamic CP the block sizes 1, 2,
+4, ... of their CP pool; rows in grid order; a rank list met again is shared, e.g. `mp` equals
+`tp` when pp = 1 and colocated modules with the same grid share every group) and keeps the ones
+it belongs to. Megatron-LM's `initialize_model_parallel` does the same. The order is a pure
+function of the layouts, never of the rank (tests/test_group_creation.py checks every recipe).
+
+No communicator for a group of one rank: it is not in the world's order. Its member instead
+gets a stand-in, a real registered process group of the `hcp_self` backend (torch's C++
+`FakeProcessGroup` at size 1, made locally with no world-wide step) whose every collective is
+what a one-rank group computes: all-reduce/broadcast leave the tensor as it is, gathers and
+scatters copy input to output. So callers use it like any group (`dist.*` collectives, FSDP's
+`DeviceMesh.from_group`) and pay no NCCL communicator for DP, CP or TP of size 1.
 Checked on gloo at 8 ranks (tests/test_groups_gloo.py).
 """
 from __future__ import annotations
@@ -19,6 +26,48 @@ from hcp.parallel.grid import KINDS, Grid
 
 DYNAMIC_CP = "dynamic_cp"
 """Kind of the dynamic-CP block groups; looked up with a `size`."""
+SELF_BACKEND = "hcp_self"
+"""Backend of the stand-in group of one rank (module docstring)."""
+
+
+def _self_backend(common_opts, backend_opts):
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    if common_opts.group_size != 1:
+        raise ValueError(f"the {SELF_BACKEND} backend is for groups of one rank, not {common_opts.group_size}")
+    return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
+
+
+def self_group(rank: int) -> dist.ProcessGroup:
+    """The calling rank's group of one rank (`rank` = its global rank): no communicator and no
+    world-wide step (only the caller runs it), every collective exact for one rank."""
+    if not hasattr(dist.Backend, SELF_BACKEND.upper()):
+        dist.Backend.register_backend(SELF_BACKEND, _self_backend, extended_api=True,
+                                      devices=["cpu", "cuda"])
+    return dist.new_group([rank], backend=SELF_BACKEND, use_local_synchronization=True,
+                          group_desc="hcp_self")
+
+
+def _blocks(grid: Grid, dynamic: bool):
+    """(kind, size, [num_groups, group_size] rank array) of a module's groups, in creation order."""
+    out = [(kind, None, grid.groups(kind)) for kind in KINDS]
+    if dynamic:
+        out += [(DYNAMIC_CP, s, grid.dynamic_cp_groups(s)) for s in grid.dynamic_cp_sizes()]
+    return out
+
+
+def creation_order(layouts: dict, dynamic_cp_modules: tuple[str, ...] = ()) -> list[tuple[tuple[int, ...], str]]:
+    """Every distinct rank list of >= 2 ranks among the world's groups, with a description
+    (`module.kind`, the first to use it), in the one order every rank creates them. Pure."""
+    seen: dict[tuple[int, ...], str] = {}
+    for module, lay in layouts.items():
+        for kind, size, rows in _blocks(Grid.of(lay), module in dynamic_cp_modules):
+            if rows.shape[1] < 2:
+                continue
+            desc = f"{module}.{kind}" + (f"{size}" if size else "")
+            for row in rows.tolist():
+                seen.setdefault(tuple(row), desc)
+    return list(seen.items())
 
 
 class ProcessGroupRegistry:
@@ -29,29 +78,30 @@ class ProcessGroupRegistry:
         dynamic_cp_modules: modules whose CP pool gets dynamic-CP groups, e.g. `("llm",)` under
             `packing=dynamic_cp`.
 
-    Must be built collectively: every rank constructs the registry with the same layouts after
-    `dist.init_process_group`.
+    Must be built collectively: every rank of the world constructs the registry with the same
+    layouts after `dist.init_process_group`, before any other `new_group` that not every rank
+    makes (module docstring).
     """
 
     def __init__(self, layouts: dict, dynamic_cp_modules: tuple[str, ...] = ()):
         self.rank = dist.get_rank()
         self.grids = {m: Grid.of(lay) for m, lay in layouts.items()}
+        mine: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for ranks, desc in creation_order(layouts, dynamic_cp_modules):
+            group = dist.new_group(list(ranks), group_desc=desc)  # every rank, members or not
+            if self.rank in ranks:
+                mine[ranks] = group
         self._groups: dict[tuple[str, str, int | None], tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
-        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for module, grid in self.grids.items():
             if not grid.contains(self.rank):
                 continue
-            wanted = [(kind, None, grid.group_of(kind, self.rank)) for kind in KINDS]
-            if module in dynamic_cp_modules:
-                wanted += [(DYNAMIC_CP, s, grid.dynamic_cp_groups(s)[grid.dynamic_cp_index(s, self.rank)])
-                           for s in grid.dynamic_cp_sizes()]
-            for kind, size, row in wanted:
+            for kind, size, rows in _blocks(grid, module in dynamic_cp_modules):
+                row = (rows[grid.dynamic_cp_index(size, self.rank)] if kind == DYNAMIC_CP
+                       else rows[grid.group_index(kind, self.rank)])
                 ranks = tuple(int(r) for r in row)
-                if ranks not in created:
-                    created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-                self._groups[module, kind, size] = (created[ranks], ranks)
-        self.num_created = len(created)
-        """Distinct groups this rank created (each shared rank list counted once)."""
+                if ranks not in mine:  # one rank: the stand-in (module docstring)
+                    mine[ranks] = self_group(self.rank)
+                self._groups[module, kind, size] = (mine[ranks], ranks)
 
     def _entry(self, module: str, kind: str, size: int | None):
         try:
@@ -61,8 +111,9 @@ class ProcessGroupRegistry:
                            f"it runs {sorted({m for m, _, _ in self._groups})}") from None
 
     def group(self, module: str, kind: str, size: int | None = None) -> dist.ProcessGroup:
-        """The calling rank's `kind` group of `module` (`size` only for `dynamic_cp`).
-        Raises KeyError when the rank is not in the module or the kind/size is unknown."""
+        """The calling rank's `kind` group of `module` (`size` only for `dynamic_cp`); a group of
+        one rank is the stand-in of `self_group`. Raises KeyError when the rank is not in the
+        module or the kind/size is unknown."""
         return self._entry(module, kind, size)[0]
 
     def ranks(self, module: str, kind: str, size: int | None = None) -> tuple[int, ...]:
@@ -70,7 +121,7 @@ class ProcessGroupRegistry:
         return self._entry(module, kind, size)[1]
 
     def entries(self) -> list[tuple[str, str, int | None, tuple[int, ...]]]:
-        """(module, kind, size, ranks) of every group of the calling rank, in creation order (the
+        """(module, kind, size, ranks) of every group of the calling rank, in a fixed order (the
         same relative order on every member, so collectives issued in this order cannot cross)."""
         return [(m, k, s, ranks) for (m, k, s), (_, ranks) in self._groups.items()]
 

@@ -34,7 +34,7 @@ Conventions of the routed rows (projector output, one row per image token): `hcp
 """
 from __future__ import annotations
 
-import zlib
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -95,19 +95,35 @@ class StepPlan:
         return self.group_at.shape[0]
 
     def checksum(self) -> int:
-        """CRC-32 of the packing and every routing table: equal on two ranks iff (up to hash
-        collisions) they planned the same step."""
-        crc = zlib.crc32(self.group_at.tobytes())
+        """A 63-bit digest (BLAKE2b) of everything the ranks act on: the batch's sizes, the
+        packing (groups, their CP blocks, slots per rank), image-row offsets, every routing
+        table and the global counts. Equal on two ranks iff (up to a 2**-63 collision) they
+        planned the same step; independent of PYTHONHASHSEED and the platform's byte order.
+        63 bits so that it and its negation fit an int64 (`hcp.train.plan_check`)."""
+        h = hashlib.blake2b(digest_size=8)
+
+        def feed(*arrays):
+            for a in arrays:
+                a = np.ascontiguousarray(a, dtype="<i8")
+                h.update(np.array(a.shape, dtype="<i8").tobytes() + a.tobytes())
+
+        sz = self.sizes
+        feed(sz.tokens, sz.loss_tokens, sz.image_offsets, sz.image_starts, sz.image_rows_each,
+             self.group_at, self.local_tokens, self.image_row_offsets)
         for g in self.groups:
-            crc = zlib.crc32(np.asarray(g.seq_indices + [g.cp_size, g.rank_offset], np.int64).tobytes(), crc)
-        for t in [*self.tables.values(), *(t for ts in self.island_tables.values() for t in ts)]:
-            for a in (t.src, t.src_row, t.shard, t.dst_row):
-                crc = zlib.crc32(a.tobytes(), crc)
-        return crc
+            feed(list(g.seq_indices), [g.cp_size, g.rank_offset])
+        tables = [*self.tables.values(), *(t for ts in self.island_tables.values() for t in ts)]
+        for t in tables:
+            feed(t.src, t.src_row, t.shard, t.dst_row, t.shard_ranks)
+        for ranks in self.island_ranks.values():
+            feed(list(ranks))
+        c = self.counts
+        h.update(repr((c.loss_tokens, c.tokens, float(c.sum_sq_lengths), c.image_rows)).encode())
+        return int.from_bytes(h.digest(), "little") & (2**63 - 1)
 
     def rank(self, rank: int, checksum: bool = False) -> RankPlan:
         """Global rank `rank`'s part (colocated: edge group rank = global rank), with the plan's
-        `checksum()` when asked (`trainer.check_plan`)."""
+        `checksum()` when asked (`trainer.check_plan`, on by default)."""
         enc, enc_mbs, inputs, rows_out = {}, {}, {}, {}
         into = {src for src, _ in self.island_tables}
         for m, dp in self.encoder_lanes.items():

@@ -133,7 +133,7 @@ def measure(cfg, run_dir: str, sizes, max_tokens_per_rank: int | None = None
     `[L, d, c, seconds]`."""
     from omegaconf import OmegaConf
 
-    from hcp.train.launch import start_local_ranks
+    from hcp.train.launch import local_start_method, start_local_ranks
 
     container = OmegaConf.to_container(cfg, resolve=True)
     rows = []
@@ -141,7 +141,7 @@ def measure(cfg, run_dir: str, sizes, max_tokens_per_rank: int | None = None
         out = os.path.join(run_dir, f"calibrate_cp{c}.json")
         points = grid(max_tokens_per_rank, c)
         start_local_ranks(_rank, c, {"cfg": container, "out": out, "points": points},
-                          cfg.launcher.start_method)
+                          local_start_method(cfg.launcher))
         rows += json.loads(Path(out).read_text())
     return rows
 

@@ -21,8 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from hcp.config.compose import CONF_DIR, config_groups
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import world_size_of
-from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_env, local_world_size,
-                              oversubscribed, resolve_nproc, resume_command, start_local_ranks)
+from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_env, local_start_method,
+                              local_world_size, oversubscribed, resolve_nproc, resume_command,
+                              start_local_ranks)
 from hcp.train.slurm import check_slurm
 from hcp.train.export import start_export
 from hcp.train.sweep_table import ERROR_FILE
@@ -81,6 +82,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     layouts = validate(cfg, world, unresolved)
     if not joined:
         check_fits_here(cfg, layouts, world, overrides)
+        start_method = local_start_method(cfg.launcher)  # spawn with CUDA; checked before any rank starts
     check_trainable(cfg, layouts)
     check_slurm(cfg)
     resume_after_requeue(cfg)
@@ -105,7 +107,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         warning = oversubscribed(world, cfg.launcher)
         if warning:
             print(f"hcp: warning: {warning}", file=sys.stderr, flush=True)
-        start_local_ranks(_rank_entry, world, (container, run_dir), cfg.launcher.start_method,
+        start_local_ranks(_rank_entry, world, (container, run_dir), start_method,
                           cfg.launcher.slurm.signal)
     if first:
         print(f"hcp: run finished; outputs in {run_dir}", flush=True)

@@ -130,7 +130,7 @@ def start_export(cfg, run_dir: str, joined, world: int) -> None:
 
     from hcp.config.errors import ConfigError
     from hcp.train.encoders import several_streams
-    from hcp.train.launch import export_rank_env, start_local_ranks
+    from hcp.train.launch import export_rank_env, local_start_method, start_local_ranks
 
     if not cfg.export.dir:
         raise ConfigError("export.dir", cfg.export.dir, "mode=export needs a folder to write",
@@ -145,7 +145,7 @@ def start_export(cfg, run_dir: str, joined, world: int) -> None:
         export_rank_env(joined)
         _export_entry(payload)
     else:
-        start_local_ranks(_export_entry, world, payload, cfg.launcher.start_method)
+        start_local_ranks(_export_entry, world, payload, local_start_method(cfg.launcher))
 
 
 def _export_entry(payload) -> None:

@@ -8,8 +8,11 @@ process is already one of several launched ranks:
   `SLURM_STEP_NUM_TASKS` > 1 are set, rendezvous at the first host of the node list; an sbatch
   batch script has neither, so a plain `python train.py` in an sbatch script starts its own
   local ranks instead of waiting for N - 1 peers that never come).
-Otherwise `train.py` starts `launcher.nproc_per_node` local ranks itself (fork by default:
-~0.2 s for 8 ranks here, against 12-15 s for spawn; docs/design.md section 8).
+Otherwise `train.py` starts `launcher.nproc_per_node` local ranks itself (`local_start_method`:
+fork on a CPU machine, ~0.2 s for 8 ranks here against 12-15 s for spawn, docs/design.md section 8;
+spawn whenever CUDA devices are visible, since a forked child cannot use CUDA once its parent
+initialised it). The launching process never initialises CUDA: it counts devices through NVML
+(`cuda_device_count`) and reads GPU memory in a child process (`machine_memory_gib`).
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import os
 import shlex
 import signal
 import socket
+import subprocess
+import sys
 from typing import Callable, Mapping, Optional
 
 from hcp.config.errors import ConfigError
@@ -64,6 +69,14 @@ def run_name(env: Mapping[str, str]) -> str:
     return datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
 
 
+def cuda_device_count() -> int:
+    """CUDA devices visible to this process, counted through NVML (`torch.cuda.device_count`
+    before any CUDA call): the launching process must not initialise CUDA (module docstring)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def resolve_nproc(nproc_per_node) -> int:
     """`auto` -> one rank per CUDA device, or 4 on a CPU-only machine; else the int given.
 
@@ -71,9 +84,7 @@ def resolve_nproc(nproc_per_node) -> int:
         ConfigError: neither `auto` nor an integer >= 1.
     """
     if nproc_per_node == "auto":
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 4
+        return cuda_device_count() or 4
     try:
         n = int(nproc_per_node)
     except (TypeError, ValueError):
@@ -86,6 +97,25 @@ def resolve_nproc(nproc_per_node) -> int:
 
 def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
+
+
+def local_start_method(launcher) -> str:
+    """How `start_local_ranks` starts ranks: `launcher.start_method`, where `auto` means spawn
+    when CUDA devices are visible, else fork.
+
+    Raises:
+        ConfigError: `fork` with CUDA devices visible and a backend other than gloo (forked
+            ranks cannot initialise CUDA reliably), before any rank starts.
+    """
+    method = launcher.start_method
+    cuda = cuda_device_count() > 0
+    if method == "auto":
+        return "spawn" if cuda else "fork"
+    if method == "fork" and cuda and launcher.backend != "gloo":
+        raise ConfigError("launcher.start_method", method,
+                          "forked ranks cannot use CUDA (\"Cannot re-initialize CUDA in forked subprocess\")",
+                          "use launcher.start_method=auto (spawn with CUDA, fork on CPU) or spawn")
+    return method
 
 
 def _command(overrides, *extra: str) -> str:
@@ -107,10 +137,8 @@ def oversubscribed(world: int, launcher_cfg, cores: Optional[int] = None) -> Opt
     """A warning when `world` local ranks compute on the CPU (gloo) and outnumber the cores this
     process may run on (`cores`, default its CPU affinity); else None. Not an error: the run is
     correct, only slower than with fewer ranks."""
-    import torch
-
     backend = launcher_cfg.backend
-    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
+    if backend == "nccl" or (backend == "auto" and cuda_device_count() > 0):
         return None
     cores = cores or len(os.sched_getaffinity(0))
     if world <= cores:
@@ -156,12 +184,21 @@ def local_world_size(cfg, joined: Optional[dict], overrides=()) -> int:
 
 def machine_memory_gib() -> tuple[float, str, bool]:
     """(GiB available to ONE rank's model state, what it is, whether ranks share it): the first
-    CUDA device's memory, else this machine's physical memory (shared by all local ranks)."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory / 2**30, "GPU memory", False
+    CUDA device's memory, read in a child process (`gpu_memory_gib`), else this machine's
+    physical memory (shared by all local ranks)."""
+    if cuda_device_count() > 0:
+        return gpu_memory_gib(), "GPU memory", False
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, "memory", True
+
+
+def gpu_memory_gib() -> float:
+    """Total memory of CUDA device 0 in GiB, read by a child Python process (2-3 s) so that the
+    launching process never initialises CUDA. Raises RuntimeError with the child's error."""
+    code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"reading the GPU's memory in a child process failed: {out.stderr.strip()[-800:]}")
+    return int(out.stdout.split()[-1]) / 2**30
 
 
 def check_fits_here(cfg, layouts: dict, world: int, overrides=(), memory=None) -> None:
@@ -210,6 +247,7 @@ def start_local_ranks(fn: Callable, nproc: int, payload, start_method: str = "fo
     torchrun environment variables set, and watch them (`hcp.train.supervise`): SIGINT to this
     process reaches every rank as SIGINT (stop now), SIGTERM as `SIG<save_signal>` (the
     preemption signal, `launcher.slurm.signal`: save at the next step boundary, then stop).
+    `start_method` comes from `local_start_method` (spawn: `fn` and `payload` must pickle).
     A failing rank's traceback is re-raised here and the other ranks are terminated (never a hang).
 
     Raises:

@@ -48,6 +48,7 @@ from hcp.train.fsdp import shard_encoder, shard_model
 from hcp.train.metrics_log import RunLogger, whole_step_metrics
 from hcp.train.modules import RankModules, clip_, local_grad_sq, module_sq_norm
 from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
+from hcp.train.plan_check import check_plans_agree
 from hcp.train.preempt import Preemption, continue_wandb_run
 from hcp.train.step import StepRunner
 from hcp.train.supervise import record_step
@@ -267,8 +268,8 @@ class Trainer:
         def llm_phase(leaf):
             if batches is not None and leaf is not None:
                 sides.attach_rows(batches, leaf)
-            c = mine.counts  # the plan's global counts (no collective); trainer.check_plan counts too
-            check = self.cfg.trainer.get("check_plan") and not self.dynamic_cp
+            c = mine.counts  # the plan's global counts (no collective); trainer.check_counts counts too
+            check = self.cfg.trainer.get("check_counts") and not self.dynamic_cp
             planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
             return self.runner.forward_backward([b for _, b in batches] if batches is not None else None,
                                                 metas, planned)
@@ -284,19 +285,14 @@ class Trainer:
         return loss, self._plan_counts(mine, counts), n_micro
 
     def _check_plan(self, checksum: int) -> None:
-        """`trainer.check_plan`: every rank must have computed the same step plan."""
-        sums = torch.zeros(self.world, dtype=torch.float64, device=self.device)
-        sums[self.rank] = checksum
-        dist.all_reduce(sums)
-        if (sums != sums[0]).any():
-            bad = (sums != sums[0]).nonzero().flatten().tolist()
-            raise RuntimeError(f"step {self.step + 1}: ranks {bad} computed another step plan than "
-                               "rank 0 (different data, config or code on those ranks)")
+        """`trainer.check_plan`: every rank must have computed the same step plan
+        (`hcp.train.plan_check`: one int64 all-reduce; RuntimeError naming the step on every rank)."""
+        check_plans_agree(checksum, self.step + 1, self.device)
 
     @staticmethod
     def _plan_counts(mine, counted) -> list[float]:
         """The plan's global counts, checked against the loss tokens the schedule counted
-        (under `trainer.check_plan` it counts them with a collective; else it takes the plan's)."""
+        (under `trainer.check_counts` it counts them with a collective; else it takes the plan's)."""
         c = mine.counts
         if counted[0] != c.loss_tokens:
             raise RuntimeError(f"the step plan counts {c.loss_tokens} loss tokens, the micro-batches "
