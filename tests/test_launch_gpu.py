@@ -27,7 +27,7 @@ def gpu_node(monkeypatch, tmp_path):
     monkeypatch.setattr(launch, "gpu_memory_gib", lambda: 80.0, raising=False)  # the child's answer
     started = []
     monkeypatch.setattr(entry, "start_local_ranks",
-                        lambda fn, nproc, payload, method: started.append((nproc, method)))
+                        lambda fn, nproc, payload, method, *_: started.append((nproc, method)))
     monkeypatch.chdir(tmp_path)
     return started
 
