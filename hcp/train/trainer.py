@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from hcp.config.layouts import resolve_layouts
+from hcp.config.precision import Precision
 from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
@@ -74,6 +75,7 @@ class Trainer:
         self.device = init_distributed(cfg.launcher)
         self.preempt = Preemption(cfg.launcher.slurm, self.device)  # signal -> flag (hcp.train.preempt)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.precision = Precision.of(cfg.precision)  # one policy: schedules, routes, links, backend
         self.layouts = resolve_layouts(cfg, self.world)
         self.dynamic_cp = cfg.packing == "dynamic_cp"  # hcp.dcp.policy: per-micro-batch CP groups
         self.groups = ProcessGroupRegistry(self.layouts, ("llm",) if self.dynamic_cp else ())
@@ -99,11 +101,12 @@ class Trainer:
         if llm.dp_shard:
             shard_model(self.model, self.groups)
         shard_encoder(self.encoder, self.layouts, self.groups)  # {vision,projector}.layout.dp_shard
-        self.runner = (StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
+        self.runner = (StepRunner(self.model, self.groups, self.device, self.precision, llm.dp_shard)
                        if self.model is not None else None)
         if self.runner is not None and self.dynamic_cp and several_per_round(llm):
             self.runner.overlap_grad_sync = False  # ranks of a pool run different counts
-        self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full")
+        self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full",
+                                        precision=self.precision, device_type=self.device.type)
                           if self.encoder is not None and cfg.placement == "colocated" else None)
         self.optimizer = build_optimizer(self.modules, cfg.optim, module_overrides(cfg))  # groups per module
         self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)

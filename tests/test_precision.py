@@ -1,0 +1,94 @@
+"""One precision policy (`hcp.config.precision.Precision`, issue 22 section 3): under
+`precision=bf16` both placements run the encoder in bf16 and move bf16 rows over their routes
+(colocated `all_to_all_single`, island P2P) and P2P links, and their losses agree with the fp32
+run of the same step within the stated tolerance (bf16 has an 8-bit mantissa: 2e-2 relative)."""
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from cfg_utils import compose_container
+from dist_utils import run_ranks
+from test_hetero_parity import SMALL
+
+BF16_LOSS_RTOL = 2e-2
+PLACEMENTS = {
+    "colocated": (2, ["vision.layout.tp=1"]),
+    "non_colocated": (2, ["placement=non_colocated", "vision.layout.tp=1", "vision.layout.num_ranks=1"]),
+}
+
+
+def _routed_dtypes(rank, world, container, run_dir):
+    """One training step; returns the loss and the dtypes of every route's rows (forward:
+    what each rank sends; backward: the gradients it returns) and of the encoder's matrix
+    multiplies (its column-parallel linears' outputs)."""
+    import hcp.schedule.colocated as colocated
+    import hcp.schedule.graph_executor as island
+    from hcp.train.trainer import Trainer
+
+    seen = {"forward": set(), "backward": set(), "encoder": set()}
+
+    def spy(module, name, kind):
+        original = getattr(module, name)
+
+        def wrapped(tensor, *args, **kwargs):
+            seen[kind].add(str(tensor.dtype))
+            return original(tensor, *args, **kwargs)
+        setattr(module, name, wrapped)
+
+    spy(colocated, "route_forward", "forward")   # colocated routes
+    spy(colocated, "route_backward", "backward")
+    spy(island, "forward_ops", "forward")        # island routes (a receiver posts 0-row buffers)
+    spy(island, "backward_ops", "backward")
+    tr = Trainer(OmegaConf.create(container), run_dir)
+    from hcp.model.tp import ColumnParallelLinear
+
+    for m in tr.encoder.modules() if tr.encoder is not None else ():
+        if isinstance(m, ColumnParallelLinear):
+            m.register_forward_hook(lambda m, i, out: seen["encoder"].add(str(out.dtype)))
+    loss, _, _ = tr.forward_backward(tr.sampler.batch(0))
+    return dict(loss=loss, seen={k: sorted(v) for k, v in seen.items()})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("placement", PLACEMENTS)
+def test_bf16_routes_bf16_rows_and_its_loss_agrees_with_fp32(placement, tmp_path):
+    world, extra = PLACEMENTS[placement]
+    out = {}
+    for precision in ("fp32", "bf16"):
+        container = compose_container([*SMALL, *extra, f"precision={precision}"], tmp_path / precision)
+        out[precision] = run_ranks(_routed_dtypes, world, container, str(tmp_path / precision), timeout=280)
+    for precision, dtype in (("fp32", "torch.float32"), ("bf16", "torch.bfloat16")):
+        results = out[precision]
+        encoders = [r["seen"]["encoder"] for r in results if r["seen"]["encoder"]]
+        assert encoders and all(e == [dtype] for e in encoders), (precision, encoders)
+        sent = [r["seen"]["forward"] for r in results if r["seen"]["forward"]]
+        back = [r["seen"]["backward"] for r in results if r["seen"]["backward"]]
+        assert sent and all(s == [dtype] for s in sent), (precision, "rows", sent)
+        assert back and all(b == [dtype] for b in back), (precision, "row gradients", back)
+    fp32, bf16 = out["fp32"][0]["loss"], out["bf16"][0]["loss"]
+    assert all(r["loss"] == fp32 for r in out["fp32"]) and all(r["loss"] == bf16 for r in out["bf16"])
+    print(f"{placement}: loss fp32 {fp32:.6f}, bf16 {bf16:.6f}")
+    assert bf16 != fp32  # bf16 really computed in bf16
+    assert bf16 == pytest.approx(fp32, rel=BF16_LOSS_RTOL)
+
+
+def test_the_policy_of_each_precision():
+    from hcp.config.errors import ConfigError
+    from hcp.config.precision import Precision
+
+    bf16, fp32 = Precision.of("bf16"), Precision.of("fp32")
+    assert Precision.of(bf16) is bf16
+    assert (bf16.compute, bf16.params, fp32.compute) == (torch.bfloat16, torch.float32, torch.float32)
+    with bf16.autocast("cpu"):
+        assert torch.nn.functional.linear(torch.ones(2, 3), torch.ones(4, 3)).dtype == torch.bfloat16
+    with fp32.autocast("cpu"):
+        assert not torch.is_autocast_enabled("cpu")
+    x = torch.ones(3, requires_grad=True)
+    wire = bf16.to_wire(x)
+    assert wire.dtype == torch.bfloat16 and bf16.from_wire(wire).dtype == torch.float32
+    wire.sum().backward()
+    assert x.grad.dtype == torch.float32
+    assert sum(bf16.state_bytes.values()) == 18 and sum(fp32.state_bytes.values()) == 16
+    with pytest.raises(ConfigError, match="precision='fp8'"):
+        Precision.of("fp8")
