@@ -92,3 +92,69 @@ def test_the_policy_of_each_precision():
     assert sum(bf16.state_bytes.values()) == 18 and sum(fp32.state_bytes.values()) == 16
     with pytest.raises(ConfigError, match="precision='fp8'"):
         Precision.of("fp8")
+
+
+def test_auto_backend_resolves_once_at_build_from_the_runs_compute_dtype(monkeypatch):
+    """A CUDA bf16 run with flash installed resolves `auto` to flash once, at build time, and
+    the decoder runs it under autocast although its residual stream is fp32 (resolving from the
+    stream's dtype picked torch). CP > 1 (the static group, or the pool under dynamic CP)
+    falls back to torch."""
+    from types import SimpleNamespace
+
+    import hcp.model.backends as backends
+    import hcp.model.llama as llama
+    from cfg_utils import compose_cfg
+    from hcp.config.precision import Precision
+    from hcp.config.validate import validate
+    from hcp.model.attention import thd_attention
+    from hcp.train.trainer import Trainer
+
+    monkeypatch.setattr(backends, "_importable", lambda name: name == "flash")
+    calls = []
+
+    def recording(name):
+        def attend(q, k, v, cu_seqlens, max_seqlen):
+            calls.append((name, q.dtype))
+            return thd_attention(q, k, v, cu_seqlens, max_seqlen)
+        return attend
+    monkeypatch.setattr(llama, "attention_fn", recording)
+
+    cfg = compose_cfg(["+recipe=llama_tiny", "precision=bf16"])
+    run = SimpleNamespace(cfg=cfg, device=torch.device("cuda"), precision=Precision.of("bf16"),
+                          layouts=validate(cfg, 1), dynamic_cp=False)
+    assert Trainer.attention_backend(run) == "flash"
+    assert Trainer.attention_backend(SimpleNamespace(**{**vars(run), "precision": Precision.of("fp32")})) == "torch"
+    for lay in (dict(cp=2), dict(dp=4)):  # a static CP group; a dynamic-CP pool of 4 at cp 1
+        cfg_cp = compose_cfg(["+recipe=llama_tiny", "precision=bf16", *(f"llm.layout.{k}={v}" for k, v in lay.items()),
+                              *(["packing=dynamic_cp"] if "dp" in lay else [])])
+        cp_run = SimpleNamespace(**{**vars(run), "cfg": cfg_cp, "layouts": validate(cfg_cp, 4),
+                                    "dynamic_cp": "dp" in lay})
+        assert Trainer.attention_backend(cp_run) == "torch", lay
+
+    torch.manual_seed(0)
+    decoder = llama.LlamaDecoder(cfg.llm, attention_backend=Trainer.attention_backend(run))
+    lengths = [5, 3]
+    x = torch.randn(sum(lengths), cfg.llm.hidden_size)
+    with Precision.of("bf16").autocast("cpu"):
+        decoder(x, torch.cat([torch.arange(n) for n in lengths]), torch.tensor([0, 5, 8], dtype=torch.int32), 5)
+    assert calls and set(calls) == {("flash", torch.bfloat16)}, calls
+
+
+def test_gpu_backend_with_cp_is_one_rule_checked_before_any_rank_starts(monkeypatch):
+    """flash/te with CP > 1 fail validation, also under dynamic CP where the solver may give a
+    micro-batch up to the whole CP pool (llm.layout.cp=1); the model's build applies the same
+    rule (`check_cp_backend`), not a per-micro-batch check."""
+    import hcp.model.backends as backends
+    from cfg_utils import compose_cfg
+    from hcp.config.errors import ConfigError
+    from hcp.config.validate import validate
+
+    for backend in ("flash", "te"):
+        cfg = compose_cfg(["+recipe=llama_tiny", f"llm.attention_backend={backend}", "packing=dynamic_cp"])
+        with pytest.raises(ConfigError, match="whole CP pool of 4 ranks") as e:
+            validate(cfg, world_size=4)
+        assert e.value.field == "llm.attention_backend" and "packing=first_fit" in e.value.fix
+    monkeypatch.setattr(backends, "_importable", lambda name: True)
+    with pytest.raises(ConfigError, match="whole CP pool of 4 ranks"):
+        backends.resolve_backend("flash", "cuda", torch.bfloat16, cp=4, dynamic=True)
+    assert backends.resolve_backend("flash", "cuda", torch.bfloat16, cp=1) == "flash"

@@ -32,6 +32,7 @@ from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
 from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, several_per_round, with_cp_group
 from hcp.model import LlavaModel, init_parameters
+from hcp.model.backends import resolve_backend
 from hcp.model.hf_load import load_pretrained
 from hcp.model.encoder_side import graph_kwargs
 from hcp.model.llava import LlavaEncoder
@@ -143,11 +144,19 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
                            cp_group=self.cp_group, stage=self.stage, encoder=False,
-                           streams=graph_kwargs(cfg)["streams"])
+                           streams=graph_kwargs(cfg)["streams"], attention_backend=self.attention_backend())
         init_parameters(model, cfg.seed)
         if cfg.llm.freeze:
             model.llm.requires_grad_(False)
         return model.to(self.device)
+
+    def attention_backend(self) -> str:
+        """The run's attention backend, resolved once from its device, its compute dtype (the
+        precision policy's, not the residual stream's fp32) and its largest CP group (the CP
+        pool under dynamic CP)."""
+        llm = self.layouts["llm"]
+        return resolve_backend(self.cfg.llm.attention_backend, self.device, self.precision.compute,
+                               llm.cp_pool if self.dynamic_cp else llm.cp, self.dynamic_cp)
 
     def _rank_modules(self) -> RankModules:
         """This rank's modules under one root keyed by module FQN (checkpoints, optimizer); with
