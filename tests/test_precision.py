@@ -158,3 +158,32 @@ def test_gpu_backend_with_cp_is_one_rule_checked_before_any_rank_starts(monkeypa
     with pytest.raises(ConfigError, match="whole CP pool of 4 ranks"):
         backends.resolve_backend("flash", "cuda", torch.bfloat16, cp=4, dynamic=True)
     assert backends.resolve_backend("flash", "cuda", torch.bfloat16, cp=1) == "flash"
+
+
+def test_memory_estimate_charges_the_dtypes_a_bf16_run_stores():
+    """Plan mode's activation bytes follow the run's policy: measured on a real bf16 forward,
+    the decoder's residual stream (each layer's input: what full recompute keeps, and the norms'
+    inputs) is fp32 while q/k/v come out in bf16, and `hcp.train.memory.layer_bytes` charges
+    exactly those element sizes (it charged 2 B for the stream)."""
+    from cfg_utils import compose_cfg
+    from hcp.config.layouts import resolve_layouts
+    from hcp.config.precision import Precision
+    from hcp.model.llama import LlamaDecoder
+    from hcp.train.memory import layer_bytes
+
+    cfg = compose_cfg(["+recipe=llama_tiny", "precision=bf16"])
+    policy, llm = Precision.of(cfg.precision), cfg.llm
+    decoder = LlamaDecoder(llm)
+    stream, qkv = set(), set()
+    for layer in decoder.layers:
+        layer.register_forward_pre_hook(lambda m, args: stream.add(args[0].element_size()))
+        for proj in (layer.attn.q_proj, layer.attn.k_proj, layer.attn.v_proj):
+            proj.register_forward_hook(lambda m, i, out: qkv.add(out.element_size()))
+    with policy.autocast("cpu"):
+        decoder(torch.randn(8, llm.hidden_size), torch.arange(8), torch.tensor([0, 8], dtype=torch.int32), 8)
+    assert stream == {4} and qkv == {2}
+    h = llm.hidden_size
+    h_kv = h * llm.num_kv_heads // llm.num_heads
+    per_token = layer_bytes(h, h_kv, llm.ffn_hidden_size, True, resolve_layouts(cfg, 1)["llm"], policy)
+    assert per_token["full"] == h * 4                                  # the fp32 layer input
+    assert per_token["none"] == 2 * h * 4 + (2 * h + 2 * h + 2 * h_kv + 3 * llm.ffn_hidden_size) * 2
