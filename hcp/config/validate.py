@@ -12,12 +12,13 @@ from hcp.config.errors import ConfigError, check_choice
 from hcp.config.keys import check_known_keys
 from hcp.config.layouts import check_layouts
 from hcp.config.modules import check_graph, encoder_names, module_cfg, module_key, module_names, streams
+from hcp.config.precision import PRECISIONS
 
 _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "mode": ("train", "plan", "export", "calibrate"),
     "export.dtype": ("auto", "float32", "bfloat16", "float16"),
     "data.long_docs": ("split", "reject"),
-    "precision": ("fp32", "bf16"),
+    "precision": PRECISIONS,
     "logger.name": ("wandb", "none"),
     "data.on_error": ("error", "skip"),
     "launcher.backend": ("auto", "nccl", "gloo"),

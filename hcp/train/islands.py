@@ -25,6 +25,10 @@ island routes alike; NCCL needs one group per batch; kept apart from the world g
 collectives), and every rank of the LLM runs every micro-batch (empty ones included), so each
 island's ranks post the same sequence of ops and collectives.
 
+Precision (`hcp.config.precision.Precision`, the colocated schedule's too): every island's
+forward runs under the run's autocast; island routes and pipeline links carry activations and
+their gradients in the compute dtype, and a received residual stream is widened back to fp32.
+
 Then: gradients summed over each module's own DP (x CP) group, the clipping norm global over
 every module and rank (each module's squared norm, reduced over its TP and PP groups, enters one
 world all-reduce from the module's lowest rank), one optimizer step for all modules, the loss
