@@ -11,8 +11,8 @@ tokens, global tokens] over the `pp` group (the number may change every step), t
 micro-batch's metadata (`_metas`, `hcp.comm.p2p.broadcast_metas`), so every point-to-point
 receive of the schedule has a known shape and each schedule step's sends and receives are posted
 together. Activations and their gradients travel in the run's compute dtype
-(`hcp.config.precision.Precision`: bf16 under `precision=bf16`). Every step runs the 1F1B schedule (`hcp.schedule.pipeline`; with pp = 1 it is
-plain gradient accumulation). Only the last stage computes the loss; the reported loss is
+(`hcp.config.precision.Precision`: bf16 under `precision=bf16`). Every step runs the 1F1B
+schedule (`hcp.schedule.pipeline`; with pp = 1 it is plain gradient accumulation). Only the last stage computes the loss; the reported loss is
 reduced over DP x CP there and then shared with every stage.
 
 Gradient sync: plain DP sums the gradients over DP x CP in buckets launched during the last
