@@ -1,7 +1,8 @@
 """One precision policy (`hcp.config.precision.Precision`, issue 22 section 3): under
 `precision=bf16` both placements run the encoder in bf16 and move bf16 rows over their routes
 (colocated `all_to_all_single`, island P2P) and P2P links, and their losses agree with the fp32
-run of the same step within the stated tolerance (bf16 has an 8-bit mantissa: 2e-2 relative)."""
+run of the same step within 1e-3 relative (measured: 5.599203 fp32, 5.599872 bf16 in both
+placements, 1.2e-4 apart)."""
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -10,7 +11,7 @@ from cfg_utils import compose_container
 from dist_utils import run_ranks
 from test_hetero_parity import SMALL
 
-BF16_LOSS_RTOL = 2e-2
+BF16_LOSS_RTOL = 1e-3
 PLACEMENTS = {
     "colocated": (2, ["vision.layout.tp=1"]),
     "non_colocated": (2, ["placement=non_colocated", "vision.layout.tp=1", "vision.layout.num_ranks=1"]),
