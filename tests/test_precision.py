@@ -2,7 +2,8 @@
 `precision=bf16` both placements run the encoder in bf16 and move bf16 rows over their routes
 (colocated `all_to_all_single`, island P2P) and P2P links, and their losses agree with the fp32
 run of the same step within 1e-3 relative (measured: 5.599203 fp32, 5.599872 bf16 in both
-placements, 1.2e-4 apart)."""
+placements, 1.2e-4 apart; 5.599713 with the encoder in two pipeline stages, whose link carries
+bf16 too)."""
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -15,6 +16,8 @@ BF16_LOSS_RTOL = 1e-3
 PLACEMENTS = {
     "colocated": (2, ["vision.layout.tp=1"]),
     "non_colocated": (2, ["placement=non_colocated", "vision.layout.tp=1", "vision.layout.num_ranks=1"]),
+    "non_colocated_encoder_pp2": (3, ["placement=non_colocated", "vision.layout.tp=1", "vision.layout.num_ranks=2",
+                                      "vision.layout.pp=2"]),
 }
 
 
@@ -26,7 +29,7 @@ def _routed_dtypes(rank, world, container, run_dir):
     import hcp.schedule.graph_executor as island
     from hcp.train.trainer import Trainer
 
-    seen = {"forward": set(), "backward": set(), "encoder": set()}
+    seen = {"forward": set(), "backward": set(), "encoder": set(), "link": set()}
 
     def spy(module, name, kind):
         original = getattr(module, name)
@@ -40,6 +43,9 @@ def _routed_dtypes(rank, world, container, run_dir):
     spy(colocated, "route_backward", "backward")
     spy(island, "forward_ops", "forward")        # island routes (a receiver posts 0-row buffers)
     spy(island, "backward_ops", "backward")
+    ops = island.PipeLink.ops                    # pipeline links between encoder stages
+    island.PipeLink.ops = lambda self, kind, micro, tensor: (
+        tensor is None or seen["link"].add(str(tensor.dtype)), ops(self, kind, micro, tensor))[1]
     tr = Trainer(OmegaConf.create(container), run_dir)
     from hcp.model.tp import ColumnParallelLinear
 
@@ -67,6 +73,8 @@ def test_bf16_routes_bf16_rows_and_its_loss_agrees_with_fp32(placement, tmp_path
         back = [r["seen"]["backward"] for r in results if r["seen"]["backward"]]
         assert sent and all(s == [dtype] for s in sent), (precision, "rows", sent)
         assert back and all(b == [dtype] for b in back), (precision, "row gradients", back)
+        links = [r["seen"]["link"] for r in results if r["seen"]["link"]]
+        assert all(s == [dtype] for s in links) and (bool(links) == ("pp2" in placement)), (precision, links)
     fp32, bf16 = out["fp32"][0]["loss"], out["bf16"][0]["loss"]
     assert all(r["loss"] == fp32 for r in out["fp32"]) and all(r["loss"] == bf16 for r in out["bf16"])
     print(f"{placement}: loss fp32 {fp32:.6f}, bf16 {bf16:.6f}")
