@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from hcp.config.precision import Precision  # noqa: E402
 from hcp.config.schema import LLMConfig  # noqa: E402
 from hcp.model import LlavaModel  # noqa: E402
 from hcp.model.attention import thd_attention  # noqa: E402
@@ -179,8 +180,10 @@ def doc_lengths(tokens: int) -> list[int]:
 
 def train_step(device, cfg: LLMConfig, tokens: int, peak_tflops: float) -> None:
     torch.manual_seed(0)
+    bf16 = Precision.of("bf16")  # the training run's policy: the backend resolves from its compute dtype
     with torch.device(device):
-        model = LlavaModel(None, None, cfg)
+        model = LlavaModel(None, None, cfg, attention_backend=resolve_backend(
+            cfg.attention_backend, device, bf16.compute))
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
@@ -191,10 +194,10 @@ def train_step(device, cfg: LLMConfig, tokens: int, peak_tflops: float) -> None:
     ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
     batch = Batch(ids, torch.roll(ids, -1), torch.cat([torch.arange(n) for n in lengths]).to(device),
                   cu, max(lengths))
-    backend = resolve_backend(cfg.attention_backend, device, torch.bfloat16)
+    backend = model.llm.attention_backend  # the one the model runs
 
     def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with bf16.autocast(device.type):
             loss_sum, n = model(batch)
         (loss_sum / n).backward()
         opt.step()

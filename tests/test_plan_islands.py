@@ -25,7 +25,7 @@ def _plan(recipe, *overrides):
 
 def _vit_layer_bytes(tokens):
     h, f = 1024, 4096                    # CLIP ViT-L: no recompute, GELU MLP, tp1, bf16
-    return tokens * (4 * h + 2 * h + 2 * h + 2 * f) * 2
+    return tokens * (2 * h * 4 + (2 * h + 2 * h + 2 * h + 2 * f) * 2)  # fp32 residual stream
 
 
 def test_llava_hetero_memory_per_island():

@@ -2,6 +2,8 @@
 model and training code import these, never the other way round)."""
 from __future__ import annotations
 
+from hcp.config.errors import ConfigError
+
 OPTIMIZERS = ("adamw",)
 """`optim.name` values (hcp.train.optim)."""
 PROJECTOR_TYPES = ("mlp2x_gelu", "linear")
@@ -16,3 +18,20 @@ BACKEND_MODULES = {
 """Optional GPU attention backends: name -> (module to import, how to install it)."""
 CP_BACKENDS = ("auto", "torch")
 """Backends that run context parallelism (CP > 1) today: `auto` falls back to `torch` under CP."""
+
+
+def check_cp_backend(backend: str, cp: int, dynamic: bool = False) -> None:
+    """The one CP x attention-backend rule: a run whose micro-batches may use a CP group of more
+    than one rank takes only a backend of `CP_BACKENDS` (CP attention is hcp's own torch code).
+    `cp`: the largest CP group of the run: `llm.layout.cp`, or under `packing=dynamic_cp`
+    (`dynamic`) the CP pool dp * cp, any power of two up to which the solver may pick.
+    Checked by validation (before any rank starts) and by the backend's resolution at build
+    time (`hcp.model.backends.resolve_backend`). Raises ConfigError."""
+    if cp <= 1 or backend in CP_BACKENDS:
+        return
+    where = (f"packing=dynamic_cp may run a micro-batch on up to the whole CP pool of {cp} ranks"
+             if dynamic else f"llm.layout.cp={cp}")
+    fix = "packing=first_fit with llm.layout.cp=1" if dynamic else "llm.layout.cp=1"
+    raise ConfigError("llm.attention_backend", backend, f"does not run with context parallelism "
+                      f"yet ({where}); CP attention is hcp's own torch code",
+                      f"set llm.attention_backend=auto (or torch), or {fix}")

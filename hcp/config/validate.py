@@ -8,18 +8,19 @@ import importlib.util
 from omegaconf import DictConfig, OmegaConf
 
 from hcp.config.capacity import max_length, tokens_per_rank
-from hcp.config.choices import ATTENTION_BACKENDS, BACKEND_MODULES, CP_BACKENDS, OPTIMIZERS, PROJECTOR_TYPES
+from hcp.config.choices import ATTENTION_BACKENDS, BACKEND_MODULES, OPTIMIZERS, PROJECTOR_TYPES, check_cp_backend
 from hcp.config.errors import ConfigError, check_choice
 from hcp.config.joins import check_joins
 from hcp.config.keys import check_known_keys
 from hcp.config.layouts import check_layouts
 from hcp.config.modules import check_graph, encoder_names, module_cfg, module_key, module_names, streams
+from hcp.config.precision import PRECISIONS
 
 _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "mode": ("train", "plan", "export", "calibrate"),
     "export.dtype": ("auto", "float32", "bfloat16", "float16"),
     "data.long_docs": ("split", "reject"),
-    "precision": ("fp32", "bf16"),
+    "precision": PRECISIONS,
     "logger.name": ("wandb", "none"),
     "data.on_error": ("error", "skip"),
     "launcher.backend": ("auto", "nccl", "gloo"),
@@ -37,15 +38,12 @@ def check_choices(cfg) -> None:
         check_choice(key, OmegaConf.select(cfg, key), allowed)
 
 
-def check_backends(cfg) -> None:
-    """An optional GPU backend asked for by name must run with the LLM's CP size and be
-    importable (checked without importing it: `import transformer_engine` raises on machines
-    without CUDA)."""
-    backend, cp = cfg.llm.attention_backend, cfg.llm.layout.cp
-    if cp > 1 and backend not in CP_BACKENDS:
-        raise ConfigError("llm.attention_backend", backend, f"does not run with context parallelism "
-                          f"yet (llm.layout.cp={cp}); CP attention is hcp's own torch code",
-                          "set llm.attention_backend=auto (or torch), or llm.layout.cp=1")
+def check_backends(cfg, layouts) -> None:
+    """An optional GPU backend asked for by name must run with the largest CP group of the run
+    (`check_cp_backend`: under `packing=dynamic_cp` the LLM's CP pool) and be importable
+    (checked without importing it: `import transformer_engine` raises on machines without CUDA)."""
+    backend, llm, dynamic = cfg.llm.attention_backend, layouts["llm"], cfg.packing == "dynamic_cp"
+    check_cp_backend(backend, llm.cp_pool if dynamic else llm.cp, dynamic)
     if backend in BACKEND_MODULES:
         package, how = BACKEND_MODULES[backend]
         package = package.split(".")[0]
@@ -193,9 +191,9 @@ def _validate(cfg, world_size: int) -> dict:
     """`validate`'s rules, in order, without narrowing a fix's values."""
     check_known_keys(cfg)
     check_choices(cfg)
-    check_backends(cfg)
     check_model(cfg)
     layouts = check_layouts(cfg, world_size)
+    check_backends(cfg, layouts)
     check_joins(cfg, layouts)
     check_trainer(cfg, layouts)
     return layouts

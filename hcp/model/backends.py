@@ -1,7 +1,11 @@
 """Attention backend selection (`llm.attention_backend`): `torch` (pure torch THD attention, the
 CPU reference and the only one with CP here), `flash` (flash-attn's varlen kernel), `te`
 (Transformer Engine's fused attention, `qkv_format="thd"`). `auto` picks flash, then te, when
-installed and the inputs are fp16/bf16 on CUDA (their kernels take no fp32), else torch. The GPU libraries are imported lazily, only when chosen.
+installed, the run computes in fp16/bf16 on CUDA (their kernels take no fp32) and no micro-batch
+uses CP; else torch. A run resolves its backend once, when it builds the model, from its device,
+its compute dtype (`hcp.config.precision.Precision.compute`, not the residual stream's dtype,
+which stays fp32 under autocast) and its largest CP group. The GPU libraries are imported
+lazily, only when chosen.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import torch
 
 from hcp.config.choices import ATTENTION_BACKENDS as BACKENDS
 from hcp.config.choices import BACKEND_MODULES as _MODULES
+from hcp.config.choices import check_cp_backend
 from hcp.model.attention import thd_attention
 
 
@@ -24,17 +29,21 @@ def _importable(name: str) -> bool:
 
 
 def resolve_backend(name: str, device: torch.device | str = "cpu",
-                    dtype: torch.dtype = torch.float32) -> str:
-    """Return the concrete backend for `name` and inputs on `device` of `dtype`.
+                    dtype: torch.dtype = torch.float32, cp: int = 1, dynamic: bool = False) -> str:
+    """Return the concrete backend for `name` in a run on `device` computing in `dtype` whose
+    micro-batches use CP groups of up to `cp` ranks (`dynamic`: the CP pool of
+    `packing=dynamic_cp`).
 
     Raises:
-        ValueError: unknown name.
+        ValueError: unknown name; ConfigError (a ValueError): a GPU backend with CP
+            (`hcp.config.choices.check_cp_backend`).
         ImportError: `te`/`flash` asked for but not importable (the message says how to install).
     """
     if name not in BACKENDS:
         raise ValueError(f"llm.attention_backend={name!r} is unknown: use one of {BACKENDS}")
+    check_cp_backend(name, cp, dynamic)
     if name == "auto":
-        if torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        if cp == 1 and torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16):
             return next((b for b in ("flash", "te") if _importable(b)), "torch")
         return "torch"
     if name != "torch" and not _importable(name):

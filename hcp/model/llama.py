@@ -122,13 +122,18 @@ class LlamaDecoder(nn.Module):
     `cfg.tie_embeddings`), or one pipeline stage's part of them (`stage`).
 
     `cp_comm`, `sequence_parallel` and `recompute` default to `cfg.layout`'s values; sequence
-    parallelism is off when the TP size is 1. Raises ValueError for sizes that do not split over
-    TP, and for tied embeddings split over several stages (the table would live on two stages).
+    parallelism is off when the TP size is 1. `attention_backend`: the run's backend, resolved
+    once by the caller from its device, compute dtype and largest CP group
+    (`hcp.model.backends.resolve_backend`); None resolves `cfg.attention_backend` for fp32 on
+    CPU. A micro-batch on a CP group of more than one rank runs hcp's CP attention whatever the
+    backend (the CP x backend rule is checked at build time, never per micro-batch). Raises
+    ValueError for sizes that do not split over TP, for tied embeddings split over several
+    stages (the table would live on two stages), and for a GPU backend with `cp_group`.
     """
 
     def __init__(self, cfg: LLMConfig, tp_group=None, cp_group=None, cp_comm: str | None = None,
                  sequence_parallel: bool | None = None, stage: StageSpec | None = None,
-                 recompute: str | None = None):
+                 recompute: str | None = None, attention_backend: str | None = None):
         super().__init__()
         self.cfg, self.tp_group, self.cp_group = cfg, tp_group, cp_group
         self.stage = stage or StageSpec.whole(cfg.num_layers)
@@ -139,10 +144,9 @@ class LlamaDecoder(nn.Module):
         self.cp_comm = cfg.layout.cp_comm if cp_comm is None else cp_comm
         sp = cfg.layout.sequence_parallel if sequence_parallel is None else sequence_parallel
         self.sequence_parallel = sp and group_size(tp_group) > 1
-        self.attention_backend = resolve_backend(cfg.attention_backend)  # te/flash missing: fails here
-        if self.attention_backend != "torch" and group_size(cp_group) > 1:
-            raise ValueError(f"llm.attention_backend={self.attention_backend} does not run with CP "
-                             "yet: use llm.attention_backend=torch (or auto)")
+        self.attention_backend = resolve_backend(attention_backend or cfg.attention_backend,
+                                                 cp=group_size(cp_group))  # te/flash missing: fails here
+        self._attention = attention_fn(self.attention_backend)
         sp = self.sequence_parallel
         first, last = self.stage.first, self.stage.last
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group)
@@ -158,15 +162,13 @@ class LlamaDecoder(nn.Module):
         """input_ids: long [T] -> [T, H]."""
         return self.embed_tokens(input_ids)
 
-    def _attend(self, num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int, like: torch.Tensor,
-                cp_group):
+    def _attend(self, num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int, cp_group):
         """Attention over the first `num_tokens` rows (later rows are SP padding: zeros out)."""
         if group_size(cp_group) > 1:
             plan = build_cp_plan(cu_seqlens, cp_group, self.cp_comm)
             core = lambda q, k, v: cp_attention(q, k, v, plan)  # noqa: E731
         else:
-            fn = attention_fn(resolve_backend(self.cfg.attention_backend, like.device, like.dtype))
-            core = lambda q, k, v: fn(q, k, v, cu_seqlens, max_seqlen)  # noqa: E731
+            core = lambda q, k, v: self._attention(q, k, v, cu_seqlens, max_seqlen)  # noqa: E731
         pad = self._sp_pad(num_tokens)
         if not pad:
             return core
@@ -194,10 +196,7 @@ class LlamaDecoder(nn.Module):
         Returns the same shape as x."""
         t = position_ids.shape[0]
         cp_group = self.cp_group if cp_group is _DECODER_GROUP else cp_group
-        if group_size(cp_group) > 1 and self.attention_backend != "torch":
-            raise ValueError(f"llm.attention_backend={self.attention_backend} does not run with "
-                             "CP yet: use llm.attention_backend=torch (or auto)")
-        attend = self._attend(t, cu_seqlens, max_seqlen, x, cp_group)
+        attend = self._attend(t, cu_seqlens, max_seqlen, cp_group)
         kind = x.device.type   # q and k come out of the projections in autocast's dtype
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
         rope = rope_tables(F.pad(position_ids, (0, self._sp_pad(t))), self.cfg.hidden_size //

@@ -106,11 +106,12 @@ class LlavaModel(nn.Module):
                  llm_cfg: LLMConfig, tp_group=None, cp_group=None, cp_comm: str | None = None,
                  sequence_parallel: bool | None = None, stage: StageSpec | None = None,
                  recompute: str | None = None, encoder: bool = True, encoders: dict | None = None,
-                 projectors: dict | None = None, streams=None):
+                 projectors: dict | None = None, streams=None, attention_backend: str | None = None):
         """`encoder=False`: build no vision encoder and projector; image embeddings come routed
         in `batch.image_rows` (module docstring). `encoders` / `projectors`: named modules
         besides vision and projector (name -> VisionConfig / ProjectorConfig); `streams`: the
         streams into the LLM (`hcp.config.modules.streams`; default: vision -> projector).
+        `attention_backend`: the run's concrete backend (`hcp.model.llama.LlamaDecoder`).
 
         Raises ValueError when exactly one of vision_cfg / projector_cfg is given, or a stream
         names a module without a config."""
@@ -128,7 +129,7 @@ class LlavaModel(nn.Module):
         else:
             self.vision = self.projector = None
         self.llm = LlamaDecoder(llm_cfg, tp_group, cp_group, cp_comm, sequence_parallel, stage,
-                                recompute)
+                                recompute, attention_backend)
         self.stage = self.llm.stage
         self.tp_group, self.cp_group = tp_group, cp_group
 

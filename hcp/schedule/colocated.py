@@ -20,6 +20,10 @@ Several encoders and streams (`run_streams`, `hcp.model.encoder_side.EncoderSide
 runs every encoder and routes every stream (one `all_to_all_single` per edge into the LLM, in
 stream order); phase 3 routes every stream's gradient back, then runs each encoder's backward.
 
+Precision (`hcp.config.precision.Precision`): the encoder forward (phase 1, and its phase-3
+recompute) runs under the run's autocast, as the LLM does, and its rows leave in the compute
+dtype, so both routes carry bf16 rows and gradients under `precision=bf16`.
+
 Encoder recompute (`recompute=True`, `vision.layout.recompute=full`): phase 1 runs without
 autograd and phase 3 recomputes the encoder forward before its backward, so no encoder
 activation is held across phase 2 (the price: one more encoder forward, its collectives
@@ -36,6 +40,7 @@ import torch
 from torch import nn
 
 from hcp.comm.boundary import RouteBytes, route_backward, route_forward
+from hcp.config.precision import Precision
 from hcp.parallel.routing import RankRoute
 
 
@@ -73,12 +78,18 @@ class ColocatedStep:
         group: the route's process group (colocated: the world, or the ranks both modules span).
         recompute: encoder recompute (module docstring).
         counter: accumulates the bytes both routes send from this rank.
+        precision: the run's `Precision` (or its name); device_type: of the encoder (autocast).
     """
 
     encoder: nn.Module
     group: Any = None
     recompute: bool = False
     counter: RouteBytes = field(default_factory=RouteBytes)
+    precision: Precision | str = "fp32"
+    device_type: str = "cpu"
+
+    def __post_init__(self):
+        self.precision = Precision.of(self.precision)
 
     def run(self, pixel_values: torch.Tensor, route: RankRoute,
             llm_phase: Callable[[torch.Tensor], Any]) -> tuple[Any, PhaseTimes]:
@@ -115,6 +126,7 @@ class ColocatedStep:
         each encoder (one backward each)."""
         times = PhaseTimes()
         wall0 = time.perf_counter()
+        forward = self._compute(forward)
         tick = time.thread_time()
 
         def lap(name: str) -> None:
@@ -127,23 +139,32 @@ class ColocatedStep:
         with no_grad:
             outs = forward()                                              # {p: [rows_p, H]}
         lap("encoder_forward")
-        leaves = {p: route_forward(outs[p].detach(), r, self.group, self.counter).requires_grad_()
-                  for p, r in routes.items()}
+        leaves = {s: route_forward(outs[s].detach(), r, self.group, self.counter).requires_grad_()
+                  for s, r in routes.items()}
         lap("route_forward")
 
         result = llm_phase(leaves)
         lap("llm")
 
-        grads = {p: route_backward(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),
-                                   routes[p], outs[p].shape[0], self.group, self.counter)
-                 for p, leaf in leaves.items()}
+        grads = {s: route_backward(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),
+                                   routes[s], outs[s].shape[0], self.group, self.counter)
+                 for s, leaf in leaves.items()}
         lap("route_backward")
-        if self.recompute and any(p.requires_grad for p in self.encoder.parameters()):
+        if self.recompute and any(w.requires_grad for w in self.encoder.parameters()):
             outs = forward()  # a frozen encoder needs no recompute
         for projectors in per_encoder:
-            pairs = [(outs[p], grads[p]) for p in projectors if outs[p].requires_grad]
+            pairs = [(outs[s], grads[s]) for s in projectors if outs[s].requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         lap("encoder_backward")
         times.wall = time.perf_counter() - wall0
         return result, times
+
+    def _compute(self, forward):
+        """`forward` under the precision policy: autocast, rows out in the compute dtype."""
+        p = self.precision
+
+        def run() -> dict:
+            with p.autocast(self.device_type):
+                return {s: p.to_wire(rows) for s, rows in forward().items()}
+        return run

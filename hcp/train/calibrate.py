@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from hcp.config.precision import Precision
 from hcp.model.flops import (head_flops_per_token, kv_dim, layer_attention_flops_per_sq_token,
                              layer_matmul_flops_per_token)
 
@@ -218,7 +219,7 @@ def run_calibrate(cfg, run_dir: str, sizes=None, max_tokens_per_rank: int | None
           f"{max_tokens_per_rank} tokens per rank; the profile goes to {run_dir}/profile.yaml", flush=True)
     rows = measure(cfg, run_dir, sizes, max_tokens_per_rank)
     recompute = cfg.llm.layout.recompute == "full"
-    bytes_per_element = 2 if cfg.precision == "bf16" else 4
+    bytes_per_element = Precision.of(cfg.precision).act_bytes  # K/V travel in the compute dtype
     profile = fit(rows, cfg.llm, recompute, bytes_per_element, max(sizes))
     path = os.path.join(run_dir, "profile.yaml")
     with open(path, "w") as f:

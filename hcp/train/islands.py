@@ -25,6 +25,10 @@ island routes alike; NCCL needs one group per batch; kept apart from the world g
 collectives), and every rank of the LLM runs every micro-batch (empty ones included), so each
 island's ranks post the same sequence of ops and collectives.
 
+Precision (`hcp.config.precision.Precision`, the colocated schedule's too): every island's
+forward runs under the run's autocast; island routes and pipeline links carry activations and
+their gradients in the compute dtype, and a received residual stream is widened back to fp32.
+
 Then: gradients summed over each module's own DP (x CP) group, the clipping norm global over
 every module and rank (each module's squared norm, reduced over its TP and PP groups, enters one
 world all-reduce from the module's lowest rank), one optimizer step for all modules, the loss
@@ -50,8 +54,6 @@ Not built yet (refused in `hcp.train.support`): selective encoder recompute, enc
 other than its encoder's), a fully frozen island.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.distributed as dist
@@ -190,11 +192,6 @@ class IslandTrainer(Trainer):
         return mine, pixels, None, None, {}
 
     # ---- the step -------------------------------------------------------------------------
-    def _autocast(self):
-        if self.cfg.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def _stage_graph(self):
         """The stage graph of the islands: every island head's stages, then the LLM's."""
         depths = {m: self.layouts[m].pp for m in (*self.heads, "llm")}
@@ -228,7 +225,7 @@ class IslandTrainer(Trainer):
                 leader = None  # the plan's default `leader` route: TP rank 0 receives, broadcasts
                 if self.encoder is None and llm.tp > 1:
                     leader = (self.tp_group, self.groups.ranks("llm", "tp")[0], r)
-                routes.append(RouteLink(edge, mine.island_routes[(p, "llm")], hidden, torch.float32,
+                routes.append(RouteLink(edge, mine.island_routes[(p, "llm")], hidden, self.precision.compute,
                                         self.device, self.route_bytes, leader=leader))
             links[peer] = StreamsLink(routes, rows)
         return links
@@ -280,12 +277,13 @@ class IslandTrainer(Trainer):
             n_micro = len(inputs)
             images = list(mine.encoder_inputs[self.head])
             links.update(self._pipe_links(self.head, stage, g, lambda i: (
-                self.encoder.activation_shape(images[i]), torch.float32)))
+                self.encoder.activation_shape(images[i]), self.precision.compute)))
+            prec = self.precision
 
-            def forward(i, received):
-                with self._autocast():
-                    out = self.encoder(inputs[i] if stage.first else received[g - 1])
-                return out.float()
+            def forward(i, received):  # in the compute dtype out, widened in (as the LLM's stages)
+                with prec.autocast(self.device.type):
+                    out = self.encoder(inputs[i] if stage.first else prec.from_wire(received[g - 1]))
+                return prec.to_wire(out)
         reducer = self.runner.reducer if self.runner is not None else None
         grad_sync = reducer.sync_in_backward if reducer else None
         if self._sharded():  # FSDP: one reduce-scatter per step, in the last backward

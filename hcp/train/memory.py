@@ -1,6 +1,8 @@
 """Per-rank memory estimate of a layout, in bytes (plan mode).
 
-Model state per trained parameter (Adam, no distributed optimizer):
+Bytes come from the run's precision policy (`hcp.config.precision.Precision`), the one the
+schedules, routes and links run. Model state per trained parameter (Adam, no distributed
+optimizer; `Precision.state_bytes`):
 - `bf16`: bf16 weights 2 B + fp32 gradients 4 B + fp32 master weights 4 B + two fp32 Adam
   moments 8 B = 18 B;
 - `fp32`: weights 4 B + gradients 4 B + two Adam moments 8 B = 16 B.
@@ -15,11 +17,14 @@ TP splits the 2-D weights of the layers and the projector and the vocabulary-siz
 CLS token are replicated.
 
 Activations per rank (`trainer.micro_batch_tokens` = T tokens per rank and micro-batch, already
-CP-sharded; 2 B per element in bf16, 4 B in fp32), per layer and token, for hidden h, KV width
-h_kv, FFN f, TP t (flash-style attention: no T^2 score matrix is stored):
-- `none`: 4h replicated (two norm inputs, two linear inputs; divided by t under sequence
-  parallelism) + (2h + 2h_kv + 3f)/t (q/k/v, attention output, gate/up/product of SwiGLU; a GELU
-  MLP stores 2f instead of 3f);
+CP-sharded), per layer and token, for hidden h, KV width h_kv, FFN f, TP t (flash-style
+attention: no T^2 score matrix is stored). Elements computed under autocast take the compute
+dtype's bytes (`Precision.act_bytes`: 2 B in bf16, 4 B in fp32); the residual stream stays in
+the parameter dtype under autocast (`Precision.residual_bytes`: 4 B), so the norm inputs and a
+recomputed layer's input are charged 4 B in bf16 too:
+- `none`: 4h replicated (two norm inputs of the residual stream, two linear inputs; divided by
+  t under sequence parallelism) + (2h + 2h_kv + 3f)/t (q/k/v, attention output, gate/up/product
+  of SwiGLU; a GELU MLP stores 2f instead of 3f);
 - `selective`: recompute core attention and the MLP activation: drops the attention output h and
   one f;
 - `full`: only the layer input, h (divided by t under sequence parallelism), plus one layer's
@@ -49,11 +54,8 @@ import re
 from dataclasses import dataclass
 
 from hcp.config.modules import kind, module_cfg
+from hcp.config.precision import Precision
 
-STATE_BYTES = {"bf16": {"weights": 2, "grads": 4, "optimizer": 12},
-               "fp32": {"weights": 4, "grads": 4, "optimizer": 8}}
-"""Bytes per trained parameter by precision (optimizer: fp32 master weights if any + 2 moments)."""
-ACT_BYTES = {"bf16": 2, "fp32": 4}
 GIB = 2**30
 _LAYER = re.compile(r"^(?:layers|blocks)\.(\d+)\.")
 
@@ -99,13 +101,15 @@ def stage_params(named_shapes: list[tuple[str, tuple[int, ...]]], layout, vocab_
     return counts
 
 
-def _layer_elements(h: int, h_kv: int, f: int, gated: bool, layout) -> dict[str, float]:
-    """Activation elements per token and layer under each recompute mode (see module doc)."""
+def layer_bytes(h: int, h_kv: int, f: int, gated: bool, layout, precision: Precision) -> dict[str, float]:
+    """Activation bytes per token and layer under each recompute mode (see module doc): the
+    residual stream's elements at `precision.residual_bytes`, the rest at `precision.act_bytes`."""
     t, sp = layout.tp, layout.sequence_parallel
-    replicated = 4 * h / (t if sp else 1)
+    rest, stream = precision.act_bytes, precision.residual_bytes
+    replicated = 2 * h * (stream + rest) / (t if sp else 1)
     mlp = (3 if gated else 2) * f
-    none = replicated + (2 * h + 2 * h_kv + mlp) / t
-    return {"none": none, "selective": none - (h + f) / t, "full": h / (t if sp else 1)}
+    none = replicated + (2 * h + 2 * h_kv + mlp) * rest / t
+    return {"none": none, "selective": none - (h + f) * rest / t, "full": h * stream / (t if sp else 1)}
 
 
 def _encoder_source(cfg, module: str) -> str:
@@ -135,22 +139,23 @@ def encoder_activation_tokens(cfg, layout, stage: int, layouts: dict) -> tuple[f
 
 def _activations(cfg, layout, stage: int, layouts=None) -> float:
     """Activation bytes of one rank of `stage`."""
-    tokens, e = cfg.trainer.micro_batch_tokens, ACT_BYTES[cfg.precision]
+    tokens, precision = cfg.trainer.micro_batch_tokens, Precision.of(cfg.precision)
     m = layout.module
     in_flight = layout.pp - stage
     if m != "llm" and layouts is not None:
         tokens, in_flight = encoder_activation_tokens(cfg, layout, stage, layouts)
     if kind(cfg, m) == "projector":  # fed by its one encoder (hcp.config.modules)
         src = next(s for s, d in cfg.graph.edges if d == m)
-        return in_flight * tokens * (module_cfg(cfg, src).hidden_size + 2 * cfg.llm.hidden_size / layout.tp) * e
+        return (in_flight * tokens * (module_cfg(cfg, src).hidden_size + 2 * cfg.llm.hidden_size / layout.tp)
+                * precision.act_bytes)
     c = module_cfg(cfg, m)
     h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if m == "llm" else c.hidden_size
-    elems = _layer_elements(c.hidden_size, h_kv, c.ffn_hidden_size, m == "llm", layout)
+    per_token = layer_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, m == "llm", layout, precision)
     if _phase3_recompute(cfg, layout, layouts):
-        return layout.pp_layers[stage] * tokens * elems["none"] * e
-    total = in_flight * layout.pp_layers[stage] * tokens * elems[layout.recompute] * e
+        return layout.pp_layers[stage] * tokens * per_token["none"]
+    total = in_flight * layout.pp_layers[stage] * tokens * per_token[layout.recompute]
     if layout.recompute == "full":
-        total += tokens * elems["none"] * e
+        total += tokens * per_token["none"]
     if m == "llm" and stage == layout.pp - 1:
         total += tokens * c.vocab_size / layout.tp * 4
     return total
@@ -182,7 +187,7 @@ def module_memory(cfg, layout, named_shapes, layouts=None) -> list[StageMemory]:
     encoder-side modules their image tokens (`encoder_activation_tokens`); without it they are
     charged `trainer.micro_batch_tokens` like the LLM (the estimate before issue 14)."""
     vocab = cfg.llm.vocab_size if layout.module == "llm" else None
-    state = STATE_BYTES[cfg.precision]
+    state = Precision.of(cfg.precision).state_bytes
     shard = layout.dp * layout.cp if layout.dp_shard else 1
     trained = not module_cfg(cfg, layout.module).freeze
     stages = []

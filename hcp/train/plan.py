@@ -25,13 +25,14 @@ from omegaconf import OmegaConf
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts, world_size_of
+from hcp.config.precision import Precision
 from hcp.model.encoder_side import graph_kwargs
 from hcp.model.llava import LlavaModel
 from hcp.parallel.grid import KINDS, Grid
 from hcp.parallel.roles import logging_rank, role_table
 from hcp.plan.step import island_head
 from hcp.train.estimate import ASSUMPTIONS, estimate_step
-from hcp.train.memory import GIB, STATE_BYTES, module_memory, rank_activations
+from hcp.train.memory import GIB, module_memory, rank_activations
 from hcp.train.plan_figure import draw_plan
 
 
@@ -228,7 +229,7 @@ def run_plan(cfg, out_dir) -> dict:
         "world_size": world,
         "placement": cfg.placement,
         "precision": cfg.precision,
-        "bytes_per_trained_param": sum(STATE_BYTES[cfg.precision].values()),
+        "bytes_per_trained_param": sum(Precision.of(cfg.precision).state_bytes.values()),
         "device_memory_gib": cfg.cluster.device_memory_gib,
         "logging_rank": logging_rank(layouts),
         "modules": {m: {"layout": {k: getattr(lay, k) for k in ("tp", "cp", "pp", "dp")} |

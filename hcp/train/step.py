@@ -10,9 +10,9 @@ Pipeline: the first stage holds the data; it broadcasts [number of micro-batches
 tokens, global tokens] over the `pp` group (the number may change every step), then every
 micro-batch's metadata (`_metas`, `hcp.comm.p2p.broadcast_metas`), so every point-to-point
 receive of the schedule has a known shape and each schedule step's sends and receives are posted
-together. Activations and their gradients travel in the compute dtype (bf16 under
-`precision=bf16`). Every step runs the 1F1B schedule (`hcp.schedule.pipeline`; with pp = 1 it is
-plain gradient accumulation). Only the last stage computes the loss; the reported loss is
+together. Activations and their gradients travel in the run's compute dtype
+(`hcp.config.precision.Precision`: bf16 under `precision=bf16`). Every step runs the 1F1B
+schedule (`hcp.schedule.pipeline`; with pp = 1 it is plain gradient accumulation). Only the last stage computes the loss; the reported loss is
 reduced over DP x CP there and then shared with every stage.
 
 Gradient sync: plain DP sums the gradients over DP x CP in buckets launched during the last
@@ -30,12 +30,11 @@ the encoder and projector get no gradient at all, as in one process.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
 from hcp.comm.p2p import StageLink, StageMeta, broadcast_metas
+from hcp.config.precision import Precision
 from hcp.data.packing import pad_micro_batches
 from hcp.model.collectives import group_rank, group_size
 from hcp.schedule.pipeline import StageTimes, forward_only, one_f_one_b
@@ -47,11 +46,11 @@ class StepRunner:
 
     Args:
         model: this rank's `LlavaModel` stage (possibly FSDP-wrapped); groups: the
-            `ProcessGroupRegistry`; device: this rank's device; precision: `fp32` or `bf16`
-            (autocast compute; parameters and gradients stay fp32); sharded: FSDP is on.
+            `ProcessGroupRegistry`; device: this rank's device; precision: the run's
+            `Precision` (or its name: `fp32`, `bf16`); sharded: FSDP is on.
     """
 
-    def __init__(self, model, groups, device, precision: str = "fp32", sharded: bool = False):
+    def __init__(self, model, groups, device, precision: Precision | str = "fp32", sharded: bool = False):
         self.model, self.device, self.sharded = model, device, sharded
         self.stage = model.stage
         self.dp_group = groups.group("llm", "dp")
@@ -61,8 +60,7 @@ class StepRunner:
         pp_ranks = groups.ranks("llm", "pp")
         self.first_rank, self.last_rank = pp_ranks[0], pp_ranks[-1]
         self.link = StageLink(pp_ranks, self.stage.index, device, self.pp_group)
-        self.precision = precision
-        self.wire_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.precision = Precision.of(precision)
         # every trainable parameter joins, frozen ones stay out on every rank; never over TP
         # (TP shards are distinct, TP replicas already hold full gradients)
         self.reducer = (GradReducer(model.parameters(), self.grad_group)
@@ -76,22 +74,18 @@ class StepRunner:
         that group's CP collectives on the others (gloo fails, NCCL would hang). Without it every
         bucket goes after the rank's last micro-batch, one order on every rank."""
 
-    def _autocast(self):
-        if self.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def _stage(self, batch, x, head=None):
-        """This stage's model forward under autocast. The activation travels in the compute
-        dtype (`wire_dtype`); a received one is widened back to the parameters' fp32, so the
-        residual stream keeps the precision it has without pipeline stages."""
-        with self._autocast():
-            out = self.model(batch, None if x is None else x.float(), head)
-        return out if self.stage.last else out.to(self.wire_dtype)
+        """This stage's model forward under the precision policy's autocast. The activation
+        travels in the compute dtype; a received one is widened back to the parameter dtype, so
+        the residual stream keeps the precision it has without pipeline stages."""
+        p = self.precision
+        with p.autocast(self.device.type):
+            out = self.model(batch, None if x is None else p.from_wire(x), head)
+        return out if self.stage.last else p.to_wire(out)
 
     def _act_spec(self, meta) -> tuple[tuple[int, int], torch.dtype]:
         """(shape, dtype) of the activation a stage sends for micro-batch `meta`."""
-        return self.model.residual_shape(meta), self.wire_dtype
+        return self.model.residual_shape(meta), self.precision.compute
 
     def _metas(self, batches, n_micro: int) -> list:
         """Every micro-batch's `StageMeta` on every stage (from the first stage). The step plan

@@ -25,12 +25,14 @@ import torch
 import torch.distributed as dist
 
 from hcp.config.layouts import resolve_layouts
+from hcp.config.precision import Precision
 from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
 from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, several_per_round, with_cp_group
 from hcp.model import LlavaModel, init_parameters
+from hcp.model.backends import resolve_backend
 from hcp.model.hf_load import load_pretrained
 from hcp.model.encoder_side import graph_kwargs
 from hcp.model.llava import LlavaEncoder
@@ -76,6 +78,7 @@ class Trainer:
         self.device = init_distributed(cfg.launcher)
         self.preempt = Preemption(cfg.launcher.slurm, self.device)  # signal -> flag (hcp.train.preempt)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.precision = Precision.of(cfg.precision)  # one policy: schedules, routes, links, backend
         self.layouts = resolve_layouts(cfg, self.world)
         self.dynamic_cp = cfg.packing == "dynamic_cp"  # hcp.dcp.policy: per-micro-batch CP groups
         self.groups = ProcessGroupRegistry(self.layouts, ("llm",) if self.dynamic_cp else ())
@@ -101,11 +104,12 @@ class Trainer:
         if llm.dp_shard:
             shard_model(self.model, self.groups)
         shard_encoder(self.encoder, self.layouts, self.groups)  # {vision,projector}.layout.dp_shard
-        self.runner = (StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
+        self.runner = (StepRunner(self.model, self.groups, self.device, self.precision, llm.dp_shard)
                        if self.model is not None else None)
         if self.runner is not None and self.dynamic_cp and several_per_round(llm):
             self.runner.overlap_grad_sync = False  # ranks of a pool run different counts
-        self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full")
+        self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full",
+                                        precision=self.precision, device_type=self.device.type)
                           if self.encoder is not None and cfg.placement == "colocated" else None)
         self.optimizer = build_optimizer(self.modules, cfg.optim, module_overrides(cfg))  # groups per module
         self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
@@ -142,11 +146,19 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
                            cp_group=self.cp_group, stage=self.stage, encoder=False,
-                           streams=graph_kwargs(cfg)["streams"])
+                           streams=graph_kwargs(cfg)["streams"], attention_backend=self.attention_backend())
         init_parameters(model, cfg.seed)
         if cfg.llm.freeze:
             model.llm.requires_grad_(False)
         return model.to(self.device)
+
+    def attention_backend(self) -> str:
+        """The run's attention backend, resolved once from its device, its compute dtype (the
+        precision policy's, not the residual stream's fp32) and its largest CP group (the CP
+        pool under dynamic CP)."""
+        llm = self.layouts["llm"]
+        return resolve_backend(self.cfg.llm.attention_backend, self.device, self.precision.compute,
+                               llm.cp_pool if self.dynamic_cp else llm.cp, self.dynamic_cp)
 
     def _rank_modules(self) -> RankModules:
         """This rank's modules under one root keyed by module FQN (checkpoints, optimizer); with

@@ -1,0 +1,83 @@
+"""The run's precision policy (`precision`): the one place that says which dtype each kind of
+tensor has, used by both placements' schedules, the routes and P2P links, the attention
+backend's resolution and plan mode's memory estimate (`hcp.train.memory`).
+
+- compute dtype: matrix multiplies and attention run in it (autocast), and every activation
+  that crosses a module or stage boundary travels in it, forward and backward (colocated
+  routes, island routes, pipeline P2P links). The attention backend is resolved from it once,
+  at build time (`hcp.model.backends.resolve_backend`).
+- parameter dtype (fp32 always): parameters, their gradients and the gradient reduction, the
+  optimizer state, and the residual stream (the embeddings, norms and residual adds run outside
+  autocast's cast list, so the stream stays fp32 between the bf16 matrix multiplies; a stage
+  widens a received activation back to it, so PP > 1 keeps the precision of PP = 1).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from hcp.config.errors import check_choice
+
+PRECISIONS = ("fp32", "bf16")
+"""`precision` values."""
+_COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One run's precision policy (module docstring); build it with `Precision.of(cfg.precision)`."""
+
+    name: str
+    compute: torch.dtype
+    params: torch.dtype = torch.float32
+
+    @classmethod
+    def of(cls, precision: "str | Precision") -> "Precision":
+        """The policy of a `precision` value (a policy is returned as is).
+        Raises ConfigError for an unknown name."""
+        if isinstance(precision, Precision):
+            return precision
+        check_choice("precision", precision, PRECISIONS)
+        return cls(precision, _COMPUTE[precision])
+
+    @property
+    def mixed(self) -> bool:
+        """Whether compute runs in a narrower dtype than the parameters (autocast on)."""
+        return self.compute != self.params
+
+    def autocast(self, device_type: str):
+        """Context manager of the compute: autocast to the compute dtype, or nothing (fp32)."""
+        if self.mixed:
+            return torch.autocast(device_type, dtype=self.compute)
+        return contextlib.nullcontext()
+
+    def to_wire(self, x: torch.Tensor) -> torch.Tensor:
+        """An activation leaving a module or stage: in the compute dtype (differentiable, so
+        its gradient comes back in the compute dtype too)."""
+        return x.to(self.compute)
+
+    def from_wire(self, x: torch.Tensor) -> torch.Tensor:
+        """A received residual stream: widened back to the parameter dtype."""
+        return x.to(self.params)
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per stored activation element computed under autocast (matrix-multiply
+        inputs and outputs, attention)."""
+        return self.compute.itemsize
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes per element of the residual stream (norm inputs, a recomputed layer's input)."""
+        return self.params.itemsize
+
+    @property
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes per trained parameter: `weights` (the copy compute reads), `grads` (parameter
+        dtype), `optimizer` (the parameter-dtype master copy when compute is narrower, plus
+        Adam's two moments). fp32: 4 + 4 + 8 = 16 B; bf16: 2 + 4 + 12 = 18 B."""
+        master = self.params.itemsize if self.mixed else 0
+        return {"weights": self.compute.itemsize, "grads": self.params.itemsize,
+                "optimizer": master + 2 * self.params.itemsize}
