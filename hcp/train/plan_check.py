@@ -1,6 +1,6 @@
 """Every step, before any of its collectives: do all ranks hold the same step plan?
 
-Every rank computes the step plan itself (DESIGN.md 4.1); the dynamic-CP solver breaks ties on
+Every rank computes the step plan itself (docs/design.md 4.1); the dynamic-CP solver breaks ties on
 floats and runs HiGHS LPs, so ranks on different CPUs or library builds could pick different
 plans and then hang a collective. `check_plans_agree` all-reduces the plan's 63-bit checksum
 (`hcp.plan.step.StepPlan.checksum`) as one int64 [2] tensor `[c, -c]` with MAX over the world:
