@@ -214,6 +214,17 @@ def fill_idle(groups: list[Group], pool: int) -> list[Group]:
     return sorted(out, key=lambda g: g.rank_offset)
 
 
+def tile(groups: list[tuple[list[int], int]], pool: int) -> list[Group]:
+    """Groups `(sequence indices, CP size)` whose sizes sum to <= pool as aligned blocks
+    (largest first, consecutive: power-of-two sizes in decreasing order stay aligned), idle
+    ranks filled (`fill_idle`)."""
+    out, off = [], 0
+    for s, c in sorted(groups, key=lambda g: -g[1]):
+        out.append(Group(sorted(s), c, off))
+        off += c
+    return fill_idle(out, pool)
+
+
 def validate_plan(plan: Plan, lengths: Sequence[int], pool: int, max_tokens_per_rank: int,
                   several_per_round: bool = False) -> None:
     """Raise ValueError unless the plan places every sequence (an integer index into `lengths`,
