@@ -146,3 +146,29 @@ def test_planning_in_a_worker_process_does_not_stall_a_busy_main_thread():
     print(f"GIL time taken from a busy main thread: planning on a thread {thread:.3f} s, "
           f"in a worker process {process:.3f} s")
     assert thread > 0.5 and process < 0.05
+
+
+def test_dynamic_cp_step_planner_plans_the_same_in_a_worker_process(tmp_path):
+    """The trainer's planner (`hcp.train.planner.StepPlanner`) pickles with the run's config,
+    layouts and length index, registers the dynamic-CP policy in the fresh worker, and plans
+    there what it plans in this process (the plan's checksum)."""
+    from cfg_utils import compose_cfg, long_tail_corpus
+    from hcp.config.layouts import resolve_layouts
+    from hcp.data.build import build_datasets
+    from hcp.train.encoders import LengthIndexes
+    from hcp.train.planner import StepPlanner
+
+    cfg = compose_cfg(["+recipe=llama_tiny", "packing=dynamic_cp", "trainer.global_batch_size=16",
+                       "data.max_seq_len=512", "trainer.micro_batch_tokens=128",
+                       "launcher.nproc_per_node=4", f"data.path={long_tail_corpus(tmp_path)}"])
+    tok, train, _ = build_datasets(cfg)
+    planner = StepPlanner(cfg, resolve_layouts(cfg, 4), LengthIndexes(cfg, train, tok),
+                          tuple(tuple(e) for e in cfg.graph.edges))
+    sampler = GlobalBatchSampler(len(train), 16, seed=0)
+    ahead = PlanAhead(sampler, lambda indices, plan: plan, planner)
+    try:
+        indices, step, _ = ahead.next()
+    finally:
+        ahead.close()
+    here = planner(indices)
+    assert step.checksum() == here.checksum() and step.packing.num_rounds > 0
