@@ -50,7 +50,7 @@ runs):
    rounds), and a plan packed for rounds from the start competes (hcp/dcp/rank_pack.py: least
    added rank-time per sequence, which keeps short sequences off wide groups under a
    latency-bearing profile; ~5 ms); the fastest of all wins.
-7. With p > 1 and at most `LOCAL_SEARCH_MAX_SEQS` sequences, the one-stage search (steps 1-5)
+7. With p > 1 and at most `PIPELINE_SEARCH_MAX_SEQS` sequences, the one-stage search (steps 1-5)
    on two one-stage surrogates of the pipeline (`CostModel.one_stage`: stages summed, a
    micro-batch's whole critical path; or each coefficient's slowest stage, the steady state)
    adds its plans to the baselines of step 4.
@@ -90,8 +90,11 @@ LOCAL_SEARCH_MAX_SEQS = 128  # pp = 1 local search is O(n^2) per sweep: small ba
 # ... and evaluates at most this many moves per batch, shared by its candidates (~7 us each;
 # the 32-sequence benchmark needs 14-20 thousand, 128 sequences on a pool of 64 ~900 thousand)
 LOCAL_SEARCH_EVALS = 60_000
-PIPELINE_SEARCH_MAX_SEQS = 16  # pp > 1: the simulator-timed local search, small batches only
-PIPELINE_SEARCH_EVALS = 5_000  # ... and at most this many timed moves (~50-100 us each)
+# pp > 1: the one-stage surrogates' plans and the simulator-timed local search (steps 7-8),
+# small batches only (up to 0.27 s of CPU at 8 sequences, pp 8, H100 profile: 18% of that
+# step, hidden by plan-ahead; tests/test_dcp_tiny.py: 1.45x the optimum without them)
+PIPELINE_SEARCH_MAX_SEQS = 8
+PIPELINE_SEARCH_EVALS = 2_000  # ... and at most this many timed moves (~50-100 us each)
 DIVE_NODES_PER_SEQ = 2  # node budget of the branch-and-bound dive (pp = 1), per sequence
 # escort rows: hcp/dcp/rows.py (ESCORT_LIFT)
 ESCORT_ROW_FACTOR = 1.1  # escorted candidates only for M <= this x the memory minimum (time)
@@ -304,7 +307,7 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
         max_len = None
     baselines = [(packing_only(lens, pool, m, max_len), "packing_only")]
     if cost.pp > 1:
-        if lens.size <= LOCAL_SEARCH_MAX_SEQS:  # step 7: the one-stage search on surrogates
+        if lens.size <= PIPELINE_SEARCH_MAX_SEQS:  # step 7: the one-stage search on surrogates
             for how in ("sum", "max"):
                 plan = solve(lens, cost.one_stage(how), pool, m, max_len).plan
                 baselines.append((plan, f"one-stage({how})"))
