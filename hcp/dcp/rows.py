@@ -89,16 +89,18 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
         n = lens[i]
         while waiting and -waiting[0][0] >= n:
             heapq.heappush(heap, heapq.heappop(waiting)[1])
-        while heap:
-            key, ri, k, g = heapq.heappop(heap)
+        while heap:  # the least loaded slot stays on top until it is known to fit
+            key, ri, k, g = heap[0]
             if g is None:
                 g = [k, 1, [], 0, 0.0]
                 rows[ri].mask &= ~(1 << k)
                 rows[ri].nfree -= 1
                 rows[ri].groups.append(g)
+                heap[0] = (key, ri, k, g)  # same order: keys and slots are unique
             room = _fit_len(m - g[3], g[1])
             if n <= room:
                 break
+            heapq.heappop(heap)
             if room >= shortest:  # full for this one; a shorter sequence may still fit
                 heapq.heappush(waiting, (-room, (key, ri, k, g)))
         else:
@@ -110,11 +112,12 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
             r.groups.append(g)
             for q in r.free_ranks():
                 heapq.heappush(heap, (0.0, ri, q, None))
+            heapq.heappush(heap, (key, ri, g[0], g))
         h = heights[g[1].bit_length() - 1][i]
         g[2].append(i)
         g[3] += rank_tokens_of(n, g[1])
         g[4] += h
-        heapq.heappush(heap, (key + h, ri, g[0], g))
+        heapq.heapreplace(heap, (key + h, ri, g[0], g))  # the slot on top takes its new load
 
 
 def level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open: int = 0,
