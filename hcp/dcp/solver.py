@@ -2,11 +2,12 @@
 simulated iteration time under the per-rank token cap.
 
 Method (deterministic, numpy + heaps + HiGHS LPs; planning time grows with the micro-batch
-count: measured in thread CPU time on a loaded 2-core machine, 0.50 s on average and at most
-0.72 s (0.075-0.086 of the simulated step) for 2,048 Wikipedia-like sequences over 8 stages of
-an 8-rank pool (~50-100 micro-batches), 0.38 s / 0.50 s (0.184 of the step) on a pool of 64, and
-up to ~0.5 s with pp = 1 and at most `LOCAL_SEARCH_MAX_SEQS` sequences, where a local search
-runs):
+count: measured in thread CPU time on a 2-core machine at load ~24, 0.35-0.8 s (0.047-0.082
+of the simulated step) for 2,048 Wikipedia sequences over 8 stages of an 8-rank pool (~50-100
+micro-batches; about half of it the HiGHS LPs of steps 4b-4c), 0.38 s / 0.50 s (0.184 of the
+step) on a pool of 64 (older code), up to ~0.5 s with pp = 1 and at most
+`LOCAL_SEARCH_MAX_SEQS` sequences, where a local search runs, and up to ~0.3 s with pp > 1 and
+at most `PIPELINE_SEARCH_MAX_SEQS`, where steps 7-8 run):
 1. Rank-time of a sequence at CP size c: `c * h(L, c)`, with `h` the forward seconds summed over
    stages (the backward is proportional), the CP latency of its micro-batch (paid once per
    micro-batch, `cost_model.latency`) counted by its token share (`_heights`). `W` = total
