@@ -50,7 +50,8 @@ def test_three_short_documents_at_pp2_run_side_by_side():
     validate_plan(sol.plan, lens, 4, cap)
     assert sol.time == pytest.approx(simulate_plan(sol.plan, lens, cost).iteration_time, rel=1e-12)
     assert sol.time <= best.time * (1 + 1e-9)
-    groups = [(g.seq_indices, g.cp_size) for r in best.plan.rounds for g in r.groups if g.seq_indices]
+    groups = [(g.seq_indices, g.cp_size) for r in best.plan.rounds for g in r.groups
+              if g.seq_indices]
     assert best.plan.num_rounds == 1 and sorted(groups) == [([0], 1), ([1], 1), ([2], 1)]
 
 
