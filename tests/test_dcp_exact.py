@@ -74,6 +74,10 @@ def test_root_bound_is_at_least_the_area_bound(seed):
     assert best_weights(lens, COST, 8, 2048)[0] == 1.0
 
 
-def test_exact_rejects_pipelines():
-    with pytest.raises(ValueError, match="pp=1"):
-        solve_exact([10], load_cost(recipe_llm(), pp=2), 4, 1024, ())
+def test_exact_with_a_pipeline_only_for_tiny_batches():
+    """With a pipeline the exact plan is an exhaustive search: at most PIPELINE_MAX_SEQS
+    sequences, a clear error above."""
+    cost = load_cost(recipe_llm(), pp=2)
+    assert solve_exact([10], cost, 4, 1024).optimal
+    with pytest.raises(ValueError, match="at most 6 sequences, not 7"):
+        solve_exact([10] * 7, cost, 4, 1024, ())

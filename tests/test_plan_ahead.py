@@ -12,6 +12,7 @@ from hcp.data.loader import GlobalBatchSampler
 from hcp.data.tokenizer import ByteTokenizer
 from hcp.plan.ahead import PlanAhead
 from hcp.plan.lengths import build_length_index
+from plan_ahead_workers import busy, busy_planner, pid_planner
 
 TOK = ByteTokenizer()
 
@@ -106,3 +107,69 @@ def test_length_index_of_blended_token_data_matches_the_samples(tmp_path):
     assert index.tokens.tolist() == [len(train[i].input_ids) for i in range(len(train))]
     assert index.loss_tokens.tolist() == [sum(lab != IGNORE_INDEX for lab in train[i].labels)
                                           for i in range(len(train))]
+
+
+def test_planner_runs_in_a_worker_process_and_prepare_gets_its_plan():
+    import os
+    sampler = GlobalBatchSampler(40, 4, seed=0)
+    ahead = PlanAhead(sampler, lambda indices, plan: (plan, list(indices)), pid_planner)
+    try:
+        for k in range(2):
+            indices, ((pid, total), seen), st = ahead.next()
+            assert pid != os.getpid() and total == sum(indices)
+            assert seen == indices == sampler.batch(k)
+            assert st["plan_cpu_s"] >= 0
+    finally:
+        ahead.close()
+
+
+def _gil_taken_by_planning(planner_in_process: bool) -> float:
+    """CPU seconds the other threads of this process ran while the main thread did 1.5 CPU
+    seconds of pure-Python work with the next plan (1 CPU second of pure Python) in flight.
+    Pure Python runs one thread at a time (the GIL), so that is how long planning kept the
+    main thread from running; unlike wall time, it does not count other processes' load."""
+    sampler = GlobalBatchSampler(40, 4, seed=0)
+    ahead = (PlanAhead(sampler, lambda indices, plan: plan, busy_planner) if planner_in_process
+             else PlanAhead(sampler, busy_planner))
+    try:
+        ahead.next()  # the worker is up; the next plan starts now
+        cpu, own = time.process_time(), time.thread_time()
+        busy(1.5)
+        return (time.process_time() - cpu) - (time.thread_time() - own)
+    finally:
+        ahead.close()
+
+
+def test_planning_in_a_worker_process_does_not_stall_a_busy_main_thread():
+    """Issue 24: a planner on a thread holds the GIL in turns with the training thread (here
+    ~1 s of the main thread's time goes to it); in a worker process, none."""
+    thread, process = _gil_taken_by_planning(False), _gil_taken_by_planning(True)
+    print(f"GIL time taken from a busy main thread: planning on a thread {thread:.3f} s, "
+          f"in a worker process {process:.3f} s")
+    assert thread > 0.5 and process < 0.05
+
+
+def test_dynamic_cp_step_planner_plans_the_same_in_a_worker_process(tmp_path):
+    """The trainer's planner (`hcp.train.planner.StepPlanner`) pickles with the run's config,
+    layouts and length index, registers the dynamic-CP policy in the fresh worker, and plans
+    there what it plans in this process (the plan's checksum)."""
+    from cfg_utils import compose_cfg, long_tail_corpus
+    from hcp.config.layouts import resolve_layouts
+    from hcp.data.build import build_datasets
+    from hcp.train.encoders import LengthIndexes
+    from hcp.train.planner import StepPlanner
+
+    cfg = compose_cfg(["+recipe=llama_tiny", "packing=dynamic_cp", "trainer.global_batch_size=16",
+                       "data.max_seq_len=512", "trainer.micro_batch_tokens=128",
+                       "launcher.nproc_per_node=4", f"data.path={long_tail_corpus(tmp_path)}"])
+    tok, train, _ = build_datasets(cfg)
+    planner = StepPlanner(cfg, resolve_layouts(cfg, 4), LengthIndexes(cfg, train, tok),
+                          tuple(tuple(e) for e in cfg.graph.edges))
+    sampler = GlobalBatchSampler(len(train), 16, seed=0)
+    ahead = PlanAhead(sampler, lambda indices, plan: plan, planner)
+    try:
+        indices, step, _ = ahead.next()
+    finally:
+        ahead.close()
+    here = planner(indices)
+    assert step.checksum() == here.checksum() and step.packing.num_rounds > 0

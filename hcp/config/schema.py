@@ -158,6 +158,11 @@ class TrainerConfig:
     check_counts: bool = False
     """Debug: count the step's loss tokens with a collective too and check the plan's counts,
     which the step otherwise takes as they are (no collective). hcp.plan.step."""
+    plan_process: bool = False
+    """Under `packing=dynamic_cp`: compute each next step's plan in a spawned worker process
+    (hcp/plan/ahead.py), not on a thread of the training process, where the solver's pure
+    Python holds the GIL in turns with the training thread. The worker imports torch and the
+    run's modules once (seconds; the first step waits for it). hcp.train.planner."""
 
 
 @dataclass

@@ -29,8 +29,9 @@ results of shape `[pp, *S]`.
 """
 from __future__ import annotations
 
+import copy
 import functools
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -243,6 +244,24 @@ class CostModel:
         """
         compute, _, comm = self._parts(tokens, sq, c)
         return compute + (1.0 - self.hw.comm_overlap) * comm
+
+    def one_stage(self, how: str) -> "CostModel":
+        """This model as one pipeline stage (pp = 1), a surrogate for planning pipelines with the
+        one-stage searches: `how="sum"` sums the stages' coefficients and overheads (a
+        micro-batch's time is then its whole critical path through the pipeline, exact for a
+        single micro-batch), `how="max"` takes each coefficient's largest stage (the steady
+        state's slowest stage: a sum over many micro-batches). ValueError for another `how`."""
+        if how not in ("sum", "max"):
+            raise ValueError(f"how={how!r}: use 'sum' or 'max'")
+        out = copy.copy(self)
+        agg = np.sum if how == "sum" else np.max
+        for name in ("mm_coef", "attn_coef", "comm_coef", "latency_coef"):
+            setattr(out, name, np.atleast_1d(agg(getattr(self, name))))
+        scale = self.pp if how == "sum" else 1
+        out.hw = replace(self.hw, micro_batch_overhead_fwd=scale * self.hw.micro_batch_overhead_fwd,
+                         micro_batch_overhead_bwd=scale * self.hw.micro_batch_overhead_bwd)
+        out.pp = 1
+        return out
 
     def model_flops(self, lengths) -> float:
         """Model FLOPs of one training step on these sequences (hcp/model/flops.py)."""

@@ -1,4 +1,6 @@
-"""Exact dynamic-CP plans for small instances (`pp = 1`): depth-first branch and bound.
+"""Exact dynamic-CP plans for small instances: depth-first branch and bound at `pp = 1`; with a
+pipeline, an exhaustive search over every plan of at most `PIPELINE_MAX_SEQS` sequences
+(`exhaustive`, the reference for the solver on tiny instances).
 
 With one pipeline stage the simulated time is order-free (hcp/schedule/simulator.py, p = 1):
     T = sum_j ((1 + k) H_j + o),   H_j = max_{g in j} f(g),  o = o_f + o_b,
@@ -37,13 +39,15 @@ from __future__ import annotations
 import bisect
 import time as _time
 from dataclasses import dataclass
+from itertools import permutations, product
 
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
 from hcp.dcp.local_search import GroupTime
 from hcp.dcp.lower_bound import cp_sizes, lower_bound
-from hcp.dcp.plan import Group, Round, Plan, fill_idle, rank_tokens
+from hcp.dcp.plan import Round, Plan, rank_tokens, tile
+from hcp.schedule.simulator import simulate_1f1b
 
 
 @dataclass
@@ -101,8 +105,11 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     than it. With a node budget it is a deterministic heuristic: the first dives of the search
     follow the children with the lowest bound."""
     if cost.pp != 1:
-        raise ValueError(f"exact plans need pp=1 (got {cost.pp}): with a pipeline the order of "
-                         "micro-batches matters and the time is not a sum over micro-batches")
+        if len(lengths) > PIPELINE_MAX_SEQS:
+            raise ValueError(f"exact plans with a pipeline (pp={cost.pp}) search every plan: at "
+                             f"most {PIPELINE_MAX_SEQS} sequences, not {len(lengths)}; use pp=1 "
+                             f"(branch and bound) or the solver (hcp/dcp/solver.py)")
+        return exhaustive(lengths, cost, pool, max_tokens_per_rank)
     start = _time.perf_counter()
     lens = np.asarray(lengths, dtype=np.float64)
     n, m, N = lens.size, max_tokens_per_rank, pool
@@ -145,7 +152,7 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
             t = k1 * sum(mb[0] for mb in mbs) + o * len(mbs)
             if t < state["ub"] * (1 - 1e-12):
                 state["ub"] = t
-                state["plan"] = Plan([Round(_tile([(list(g[3]), g[0]) for g in mb[3]], N))
+                state["plan"] = Plan([Round(tile([(list(g[3]), g[0]) for g in mb[3]], N))
                                       for mb in mbs])
             return t
         i = order[depth]
@@ -217,6 +224,68 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
                        state["nodes"])
 
 
+PIPELINE_MAX_SEQS = 6  # exhaustive search with a pipeline: Bell(6) = 203 partitions x 6! orders
+
+
+def _partitions(items: tuple) -> list[list[tuple]]:
+    """Every partition of `items` into non-empty blocks."""
+    if not items:
+        return [[]]
+    out = []
+    for part in _partitions(items[1:]):
+        for k in range(len(part)):
+            out.append(part[:k] + [(items[0],) + part[k]] + part[k + 1:])
+        out.append([(items[0],)] + part)
+    return out
+
+
+def _micro_batch_options(seqs: tuple, lens: np.ndarray, cost: CostModel, pool: int, m: int):
+    """The ways to run `seqs` as one micro-batch that no other way beats on every stage: a list
+    of (stage seconds `[p]` of its slowest group's forward, groups `[(seqs, c)]`)."""
+    sizes = cp_sizes(pool).tolist()
+    found = []
+    for groups in _partitions(seqs):
+        def assign(k, used, chosen):
+            if k == len(groups):
+                x = [lens[list(g)] for g in groups]
+                f = np.max([cost.fwd(v.sum(), (v * v).sum(), c) for v, (_, c) in
+                            zip(x, chosen)], axis=0)
+                found.append((f, list(chosen)))
+                return
+            for c in sizes:
+                if used + c <= pool and rank_tokens(lens[list(groups[k])], c).sum() <= m:
+                    assign(k + 1, used + c, chosen + [(groups[k], c)])
+        assign(0, 0, [])
+    return [(f, g) for f, g in found
+            if not any((h <= f).all() and (h < f).any() for h, _ in found)]
+
+
+def exhaustive(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int) -> ExactResult:
+    """The optimum over every plan of at most PIPELINE_MAX_SEQS sequences, any pp: every
+    partition into micro-batches, every way to run each (its groups and their CP sizes, only
+    those no other way beats on every stage: a micro-batch's stage times grow with its groups'
+    forwards), every order of the micro-batches through the 1F1B simulator. Seconds; a
+    deterministic reference for the solver on tiny instances (0.4 s of CPU at 6 sequences, pp 2)."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    k, hw = cost.bwd_factor, cost.hw
+    o_f, o_b = hw.micro_batch_overhead_fwd, hw.micro_batch_overhead_bwd
+    options = {}
+    best = (np.inf, None)
+    for part in _partitions(tuple(range(lens.size))):
+        for b in part:
+            if b not in options:
+                options[b] = _micro_batch_options(b, lens, cost, pool, max_tokens_per_rank)
+        for choice in product(*(options[b] for b in part)):
+            fwd = np.stack([f for f, _ in choice], axis=1)  # [p, M]
+            for order in permutations(range(len(part))):
+                t = simulate_1f1b(fwd[:, order] + o_f, k * fwd[:, order] + o_b,
+                                  record=False).iteration_time
+                if t < best[0]:
+                    best = (t, [choice[j][1] for j in order])
+    plan = Plan([Round(tile([(list(s), c) for s, c in groups], pool)) for groups in best[1]])
+    return ExactResult(plan, best[0], best[0], True)
+
+
 def _knapsack_table(lens: np.ndarray, a: np.ndarray) -> tuple[list[float], list[float]]:
     """Cumulative tokens and a-mass of sequences by decreasing a / L (fractional knapsack)."""
     by = np.argsort(-a / np.maximum(lens, 1), kind="stable")
@@ -229,12 +298,3 @@ def _absorb(tokens: list[float], mass: list[float], room: float) -> float:
     if k + 1 >= len(tokens):
         return mass[-1]
     return mass[k] + (mass[k + 1] - mass[k]) * (room - tokens[k]) / (tokens[k + 1] - tokens[k])
-
-
-def _tile(groups: list[tuple[list[int], int]], pool: int) -> list[Group]:
-    """Aligned blocks for groups whose sizes sum to <= pool: largest first, consecutive."""
-    out, off = [], 0
-    for s, c in sorted(groups, key=lambda g: -g[1]):
-        out.append(Group(sorted(s), c, off))
-        off += c
-    return fill_idle(out, pool)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
-from hcp.dcp.plan import Group, Round, Plan, fill_idle
+from hcp.dcp.plan import Group, Round, Plan, fill_idle, rank_tokens_of
 
 EPS = 1e-12
 
@@ -71,9 +71,7 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
     # groups: [mb, c, set of seqs, tokens, sq, forward seconds, tokens per rank (padding
     # counted)]; where[i] = group of sequence i
     groups: list[list] = []
-
-    def rt(n, c):  # plan.rank_tokens for one document (scalar, fast): tokens per rank at c
-        return n if c == 1 else 2 * (-(-n // (2 * c)))
+    rt = rank_tokens_of  # tokens per rank of one document at c
 
     def refresh(g):  # after any change of the group's c, members, tokens or sq
         g[5] = f(g[3], g[4], g[1])

@@ -102,6 +102,12 @@ def rank_tokens(lengths, cp_size) -> np.ndarray:
     return np.where(c == 1, lens, 2 * (-(-lens // (2 * c))))
 
 
+def rank_tokens_of(length: int, cp_size: int) -> int:
+    """`rank_tokens` of one document as a Python int (tokens): the scalar form for the solver's
+    inner loops, where a numpy call per sequence costs more than the packing itself."""
+    return length if cp_size == 1 else 2 * (-(-length // (2 * cp_size)))
+
+
 def check_pool(pool: int, max_tokens_per_rank: int) -> tuple[int, int]:
     """Return `(pool, max_tokens_per_rank)` as Python ints (their product cannot overflow);
     ConfigError unless both are integers, `pool` (ranks) a power of two >= 1, the cap >= 1 token."""
@@ -206,6 +212,17 @@ def fill_idle(groups: list[Group], pool: int) -> list[Group]:
         out.append(Group([], size, r))
         r += size
     return sorted(out, key=lambda g: g.rank_offset)
+
+
+def tile(groups: list[tuple[list[int], int]], pool: int) -> list[Group]:
+    """Groups `(sequence indices, CP size)` whose sizes sum to <= pool as aligned blocks
+    (largest first, consecutive: power-of-two sizes in decreasing order stay aligned), idle
+    ranks filled (`fill_idle`)."""
+    out, off = [], 0
+    for s, c in sorted(groups, key=lambda g: -g[1]):
+        out.append(Group(sorted(s), c, off))
+        off += c
+    return fill_idle(out, pool)
 
 
 def validate_plan(plan: Plan, lengths: Sequence[int], pool: int, max_tokens_per_rank: int,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
-from hcp.dcp.plan import Group, Plan, Round, rank_tokens
+from hcp.dcp.plan import Group, Plan, Round, rank_tokens, rank_tokens_of
 
 
 def _key(r: Round) -> tuple:
@@ -39,7 +39,7 @@ def _pack(seqs: list[int], lens: np.ndarray, c: int, m: int) -> tuple[list[int],
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(seqs, key=lambda i: -lens[i]):
-        n = int(rank_tokens(lens[i], c))
+        n = rank_tokens_of(int(lens[i]), c)
         k = next((k for k, free in enumerate(room) if free >= n), -1)
         if k < 0:
             bins.append([])
@@ -123,8 +123,7 @@ def fill_slack(plan: Plan, lengths, cost: CostModel, max_tokens_per_rank: int,
     o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
     lens = [int(x) for x in np.asarray(lengths)]
 
-    def rt(n, c):  # plan.rank_tokens, scalar
-        return n if c == 1 else 2 * (-(-n // (2 * c)))
+    rt = rank_tokens_of
 
     def mb_time(mb, c):  # mb = [seqs, tokens, sq, rank tokens]
         return k1 * f(mb[1], mb[2], c) + o if mb[0] else 0.0

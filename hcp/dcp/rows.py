@@ -9,7 +9,7 @@ import heapq
 import numpy as np
 
 from hcp.dcp.lower_bound import cp_sizes
-from hcp.dcp.plan import Group, Plan, Round, fill_idle, rank_tokens
+from hcp.dcp.plan import Group, Plan, Round, fill_idle, rank_tokens_of
 
 # A micro-batch j much slower than the rest (one sequence longer than the level even on the
 # whole pool) stalls 1F1B: its backwards on stages s < p - 1 delay their forwards of j + p - s,
@@ -47,7 +47,7 @@ def _place_multi(rows, order, cs, lens, height, tau, pool, m):
     only shrink, so a row with >= c free ranks always has a free aligned block of c)."""
     for i in order:
         c, h = int(cs[i]), float(height[i])
-        n = int(rank_tokens(lens[i], c))
+        n = rank_tokens_of(int(lens[i]), c)
         groups = [g for r in rows for g in r.groups if g[1] == c and g[3] + n <= m]
         under = [g for g in groups if g[4] + h <= tau]
         if under:
@@ -83,21 +83,24 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
         heap += [(offsets[ri], ri, k, None) for k in r.free_ranks()]
     heapq.heapify(heap)
     shortest = int(lens[order].min()) if order else 0
+    lens, heights = lens.tolist(), heights.tolist()  # Python scalars: the loop is per sequence
     waiting = []  # slots too full for the current sequence, by room: `order` is longest first,
     for i in order:  # so a slot comes back once the sequences get short enough to fit it
-        n = int(lens[i])
+        n = lens[i]
         while waiting and -waiting[0][0] >= n:
             heapq.heappush(heap, heapq.heappop(waiting)[1])
-        while heap:
-            key, ri, k, g = heapq.heappop(heap)
+        while heap:  # the least loaded slot stays on top until it is known to fit
+            key, ri, k, g = heap[0]
             if g is None:
                 g = [k, 1, [], 0, 0.0]
                 rows[ri].mask &= ~(1 << k)
                 rows[ri].nfree -= 1
                 rows[ri].groups.append(g)
+                heap[0] = (key, ri, k, g)  # same order: keys and slots are unique
             room = _fit_len(m - g[3], g[1])
             if n <= room:
                 break
+            heapq.heappop(heap)
             if room >= shortest:  # full for this one; a shorter sequence may still fit
                 heapq.heappush(waiting, (-room, (key, ri, k, g)))
         else:
@@ -109,11 +112,12 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
             r.groups.append(g)
             for q in r.free_ranks():
                 heapq.heappush(heap, (0.0, ri, q, None))
-        h = float(heights[int(g[1]).bit_length() - 1, i])
-        g[2].append(int(i))
-        g[3] += int(rank_tokens(n, g[1]))
+            heapq.heappush(heap, (key, ri, g[0], g))
+        h = heights[g[1].bit_length() - 1][i]
+        g[2].append(i)
+        g[3] += rank_tokens_of(n, g[1])
         g[4] += h
-        heapq.heappush(heap, (key + h, ri, g[0], g))
+        heapq.heapreplace(heap, (key + h, ri, g[0], g))  # the slot on top takes its new load
 
 
 def level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open: int = 0,
@@ -188,7 +192,7 @@ def shaped_plan(lens, heights, feasible, shape, pool, m, scale) -> Plan:
     multi = np.flatnonzero(cs > 1)
     for i in multi[np.lexsort((-height[multi], -cs[multi]))].tolist():
         c, h = int(cs[i]), float(height[i])
-        n = int(rank_tokens(lens[i], c))
+        n = rank_tokens_of(int(lens[i]), c)
         best = None  # (room left under the target, row, group or None for a new block)
         for ri, r in enumerate(rows):
             room = targets[ri] - h

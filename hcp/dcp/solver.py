@@ -2,11 +2,12 @@
 simulated iteration time under the per-rank token cap.
 
 Method (deterministic, numpy + heaps + HiGHS LPs; planning time grows with the micro-batch
-count: measured in thread CPU time on a loaded 2-core machine, 0.50 s on average and at most
-0.72 s (0.075-0.086 of the simulated step) for 2,048 Wikipedia-like sequences over 8 stages of
-an 8-rank pool (~50-100 micro-batches), 0.38 s / 0.50 s (0.184 of the step) on a pool of 64, and
-up to ~0.5 s with pp = 1 and at most `LOCAL_SEARCH_MAX_SEQS` sequences, where a local search
-runs):
+count: measured in thread CPU time on a 2-core machine at load ~24, 0.35-0.8 s (0.047-0.082
+of the simulated step) for 2,048 Wikipedia sequences over 8 stages of an 8-rank pool (~50-100
+micro-batches; about half of it the HiGHS LPs of steps 4b-4c), 0.38 s / 0.50 s (0.184 of the
+step) on a pool of 64 (older code), up to ~0.5 s with pp = 1 and at most
+`LOCAL_SEARCH_MAX_SEQS` sequences, where a local search runs, and up to ~0.3 s with pp > 1 and
+at most `PIPELINE_SEARCH_MAX_SEQS`, where steps 7-8 run):
 1. Rank-time of a sequence at CP size c: `c * h(L, c)`, with `h` the forward seconds summed over
    stages (the backward is proportional), the CP latency of its micro-batch (paid once per
    micro-batch, `cost_model.latency`) counted by its token share (`_heights`). `W` = total
@@ -50,6 +51,14 @@ runs):
    rounds), and a plan packed for rounds from the start competes (hcp/dcp/rank_pack.py: least
    added rank-time per sequence, which keeps short sequences off wide groups under a
    latency-bearing profile; ~5 ms); the fastest of all wins.
+7. With p > 1 and at most `PIPELINE_SEARCH_MAX_SEQS` sequences, the one-stage search (steps 1-5)
+   on two one-stage surrogates of the pipeline (`CostModel.one_stage`: stages summed, a
+   micro-batch's whole critical path; or each coefficient's slowest stage, the steady state)
+   adds its plans to the baselines of step 4.
+8. With p > 1 and at most `PIPELINE_SEARCH_MAX_SEQS` sequences, the best plan and each baseline
+   are improved by a local search whose every move is timed by the 1F1B simulator
+   (hcp/dcp/pipeline_search.py: wide fast micro-batches at the pipeline's ends, splits, merges,
+   order swaps; tiny batches are mostly fill and drain, which rank-time packing misses).
 """
 from __future__ import annotations
 
@@ -65,6 +74,7 @@ from hcp.dcp.rank_pack import rank_time_plan
 from hcp.dcp.rounds import merge_rounds
 from hcp.dcp.lower_bound import cp_sizes
 from hcp.dcp.pinned_bound import pin_floor
+from hcp.dcp.pipeline_search import improve_pipeline
 from hcp.dcp.pipeline_bound import lp_makespan, stage_floors
 from hcp.dcp.plan import Plan, max_length, prepare_lengths, rank_tokens
 from hcp.dcp.rows import level_plan, shaped_plan
@@ -81,6 +91,11 @@ LOCAL_SEARCH_MAX_SEQS = 128  # pp = 1 local search is O(n^2) per sweep: small ba
 # ... and evaluates at most this many moves per batch, shared by its candidates (~7 us each;
 # the 32-sequence benchmark needs 14-20 thousand, 128 sequences on a pool of 64 ~900 thousand)
 LOCAL_SEARCH_EVALS = 60_000
+# pp > 1: the one-stage surrogates' plans and the simulator-timed local search (steps 7-8),
+# small batches only (up to 0.27 s of CPU at 8 sequences, pp 8, H100 profile: 18% of that
+# step, hidden by plan-ahead; tests/test_dcp_tiny.py: 1.45x the optimum without them)
+PIPELINE_SEARCH_MAX_SEQS = 8
+PIPELINE_SEARCH_EVALS = 2_000  # ... and at most this many timed moves (~50-100 us each)
 DIVE_NODES_PER_SEQ = 2  # node budget of the branch-and-bound dive (pp = 1), per sequence
 # escort rows: hcp/dcp/rows.py (ESCORT_LIFT)
 ESCORT_ROW_FACTOR = 1.1  # escorted candidates only for M <= this x the memory minimum (time)
@@ -293,7 +308,20 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
         max_len = None
     baselines = [(packing_only(lens, pool, m, max_len), "packing_only")]
     if cost.pp > 1:
-        return _search_pipeline(lens, heights, feasible, cost, pool, m, m_min, baselines)
+        if lens.size <= PIPELINE_SEARCH_MAX_SEQS:  # step 7: the one-stage search on surrogates
+            for how in ("sum", "max"):
+                plan = solve(lens, cost.one_stage(how), pool, m, max_len).plan
+                baselines.append((plan, f"one-stage({how})"))
+        best = _search_pipeline(lens, heights, feasible, cost, pool, m, m_min, baselines)
+        if lens.size <= PIPELINE_SEARCH_MAX_SEQS:  # step 8: from the best and the baselines
+            starts = [(best.plan, best.source)] + [(_best_order(p, lens, cost)[0], src)
+                                                   for p, src in baselines]
+            for plan, source in starts:
+                plan, t = improve_pipeline(plan, lens, cost, pool, m,
+                                           PIPELINE_SEARCH_EVALS // len(starts))
+                if t < best.time - 1e-12:
+                    best = Solution(plan, t, f"{source}+pipeline-local")
+        return best
     # one stage: no ramps; a row or two more than the memory minimum can pack better
     candidates = baselines + [(greedy(lens, pool, m), "greedy")]
     for rows_target in range(m_min, m_min + 3):

@@ -6,12 +6,35 @@ background thread that starts on step k+1 as soon as step k's result is handed o
 per step the time `prepare` took on its thread and the part of it hidden behind the caller's work
 (`plan_s - wait_s`, where `wait_s` is how long `next()` blocked). The sampler's position stays
 the number of consumed global batches, so checkpoints and resume are unchanged.
+
+With `planner` (a picklable callable `indices -> plan`), the pure planning runs in a worker
+process instead: the background thread sends it the indices and waits for the plan (waiting
+holds no GIL), then runs `prepare(indices, plan)` (the rank's data, which may touch tensors and
+pre-built groups that cannot leave the process). Pure-Python planning on a thread holds the GIL
+in turns with the training thread, delaying its kernel launches by up to the whole plan time;
+in a process it only competes for a core (measured in tests/test_plan_ahead.py: the stall it
+causes to a busy main thread). The worker is spawned (not forked: the training process holds
+threads and process groups), and the planner is sent to it once.
 """
 from __future__ import annotations
 
+import multiprocessing
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Callable
+
+_PLANNER: Callable | None = None  # in the worker process: the planner it was started with
+
+
+def _install(planner: Callable) -> None:
+    global _PLANNER
+    _PLANNER = planner
+
+
+def _plan(indices) -> tuple[object, float]:
+    """In the worker: (the plan of `indices`, the worker's CPU seconds for it)."""
+    cpu = time.process_time()
+    return _PLANNER(indices), time.process_time() - cpu
 
 
 class PlanAhead:
@@ -19,40 +42,57 @@ class PlanAhead:
 
     Args:
         sampler: has `position` (consumed batches) and `batch(k)` (indices of batch k).
-        prepare: indices -> anything (run on the background thread; must not touch process
-            groups: collectives issued from two threads could cross).
+        prepare: indices -> anything, or `(indices, plan) -> anything` with `planner` (run on
+            the background thread; must not touch process groups: collectives issued from two
+            threads could cross).
+        planner: optional picklable `indices -> plan`, run in a spawned worker process (no
+            process groups, no CUDA there).
 
-    Exceptions raised by `prepare` surface from the `next()` call that wants that step.
+    Exceptions raised by `planner` or `prepare` surface from the `next()` call that wants that
+    step.
     """
 
-    def __init__(self, sampler, prepare: Callable):
+    def __init__(self, sampler, prepare: Callable, planner: Callable | None = None):
         self.sampler, self.prepare = sampler, prepare
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hcp-plan")
+        self._worker = None if planner is None else ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn"), initializer=_install,
+            initargs=(planner,))
         self._pending = None  # (position, future)
 
     def _job(self, position: int):
         t0 = time.perf_counter()
         indices = self.sampler.batch(position)
-        out = self.prepare(indices)
-        return indices, out, time.perf_counter() - t0
+        if self._worker is None:
+            out, cpu = self.prepare(indices), None
+        else:
+            plan, cpu = self._worker.submit(_plan, indices).result()
+            out = self.prepare(indices, plan)
+        return indices, out, time.perf_counter() - t0, cpu
 
     def _submit(self, position: int) -> None:
         self._pending = (position, self._pool.submit(self._job, position))
 
     def next(self):
-        """(indices, prepare(indices), {"plan_s", "plan_hidden_s"}) of the next global batch;
-        starts preparing the one after it."""
+        """(indices, prepare's result, stats) of the next global batch; starts preparing the one
+        after it. Stats: `plan_s` (seconds the background job took), `plan_hidden_s` (the part
+        behind the caller's work) and, with a planner, `plan_cpu_s` (the worker's CPU seconds)."""
         position = self.sampler.position
         if self._pending is None or self._pending[0] != position:  # first step or after resume
             self._submit(position)
         t0 = time.perf_counter()
-        indices, out, plan_s = self._pending[1].result()
+        indices, out, plan_s, cpu = self._pending[1].result()
         wait = time.perf_counter() - t0
         self.sampler.position = position + 1
         self._submit(position + 1)
-        return indices, out, {"plan_s": plan_s, "plan_hidden_s": max(0.0, plan_s - wait)}
+        stats = {"plan_s": plan_s, "plan_hidden_s": max(0.0, plan_s - wait)}
+        if cpu is not None:
+            stats["plan_cpu_s"] = cpu
+        return indices, out, stats
 
     def close(self) -> None:
-        """Stop the thread (an unfinished prefetch is discarded)."""
+        """Stop the thread and the worker process (an unfinished prefetch is discarded)."""
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._worker is not None:
+            self._worker.shutdown(wait=True, cancel_futures=True)
         self._pending = None

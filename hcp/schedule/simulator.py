@@ -11,6 +11,7 @@ time is the end of the last op (`B(0, M - 1)`).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,34 +64,41 @@ def simulate_1f1b(fwd: np.ndarray, bwd: np.ndarray, record: bool = True) -> Time
             raise ValueError(f"{name}[stage {s}, micro-batch {j}] = {d[s, j]}: durations must "
                              f"be finite seconds >= 0; check the cost model that produced it")
     p, m = fwd.shape
-    f_end = [[-1.0] * m for _ in range(p)]
-    b_end = [[-1.0] * m for _ in range(p)]
-    orders = [stage_order(s, p, m) for s in range(p)]
-    ptr, free = [0] * p, [0.0] * p
-    fl, bl = fwd.tolist(), bwd.tolist()
+    end = [0.0] * (2 * p * m)  # op index: kind * p * m + s * m + j (kind 0 = F, 1 = B)
+    dur = fwd.ravel().tolist() + bwd.ravel().tolist()
+    free = [0.0] * p
     ops: list[Op] = []
-    remaining = 2 * p * m
-    while remaining:
-        progressed = False
-        for s in range(p):
-            order = orders[s]
-            while ptr[s] < len(order):
-                kind, j = order[ptr[s]]
-                if kind == "F":
-                    ready = f_end[s - 1][j] if s else 0.0
-                else:
-                    ready = b_end[s + 1][j] if s < p - 1 else f_end[s][j]
-                if ready < 0:
-                    break
-                start = max(free[s], ready)
-                end = start + (fl if kind == "F" else bl)[s][j]
-                (f_end if kind == "F" else b_end)[s][j] = end
-                free[s] = end
-                if record:
-                    ops.append(Op(s, j, kind, start, end))
-                ptr[s] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # impossible for 1F1B orders; guards against a broken order
-            raise RuntimeError("pipeline schedule deadlocked")
+    for op, s, dep in _topological(p, m):
+        start = free[s] if dep < 0 or free[s] >= end[dep] else end[dep]
+        end[op] = free[s] = start + dur[op]
+        if record:
+            ops.append(Op(s, op % m, "FB"[op // (p * m)], start, end[op]))
     return Timeline(ops, max(free))
+
+
+@functools.lru_cache(maxsize=256)
+def _topological(p: int, m: int) -> tuple[tuple[int, int, int], ...]:
+    """Every op of 1F1B on p stages and m micro-batches as `(op, stage, op it waits for or -1)`
+    (op index `kind * p * m + s * m + j`, kind 0 = F, 1 = B), in an order where each comes
+    after the op it waits for and after the previous op of its stage (`stage_order`). With
+    w_s = min(p - 1 - s, m) warm-up forwards on stage s: all warm-ups, stage by stage (F(s, j)
+    waits for F(s - 1, j), a warm-up of stage s - 1 as w_{s-1} >= w_s); then per k the k-th
+    steady pair of every stage, the forwards F(s, w_s + k) first (each waits for
+    F(s - 1, w_s + k): stage s - 1's pair k - 1 or a warm-up), then the backwards B(s, k) by
+    descending s (it waits for B(s + 1, k), stage s + 1's pair k, as w_{s+1} <= w_s); then
+    the cool-down backwards B(s, j), j >= m - w_s, by ascending j and descending s."""
+    warm = [min(p - 1 - s, m) for s in range(p)]
+    size = p * m
+
+    def f(s, j):
+        return (s * m + j, s, (s - 1) * m + j if s else -1)
+
+    def b(s, j):
+        return (size + s * m + j, s, size + (s + 1) * m + j if s < p - 1 else s * m + j)
+
+    out = [f(s, j) for s in range(p) for j in range(warm[s])]
+    for k in range(m):  # the last stage (w = 0) has m steady pairs, the others fewer
+        out += [f(s, warm[s] + k) for s in range(p) if k < m - warm[s]]
+        out += [b(s, k) for s in reversed(range(p)) if k < m - warm[s]]
+    out += [b(s, j) for j in range(m) for s in reversed(range(p)) if j >= m - warm[s]]
+    return tuple(out)

@@ -168,15 +168,15 @@ class IslandTrainer(Trainer):
         return groups if any(g is not None for g in groups.values()) else None
 
     # ---- data ---------------------------------------------------------------------------
-    def prepare(self, indices):
+    def prepare(self, indices, step=None):
         """LLM ranks: the base class's (text and metadata of every micro-batch, empty ones
         included). Encoder ranks: (RankPlan, per encoder micro-batch the inputs of its
         samples [I, C, H, W] (first stage) or its input count (later stages), None, None, {}).
 
         Raises RuntimeError when the data and the plan disagree on a micro-batch's inputs."""
         if self.encoder is None:
-            return super().prepare(indices)
-        step = self.plan(indices)
+            return super().prepare(indices, step)
+        step = self.plan(indices) if step is None else step
         mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
         counts = mine.encoder_inputs[self.head]
         if not self.island_stage.first:

@@ -30,7 +30,7 @@ from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
-from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, several_per_round, with_cp_group
+from hcp.dcp.policy import cp_histogram, several_per_round, with_cp_group
 from hcp.model import LlavaModel, init_parameters
 from hcp.model.backends import resolve_backend
 from hcp.model.hf_load import load_pretrained
@@ -40,7 +40,7 @@ from hcp.model.stage import StageSpec
 from hcp.parallel.groups import ProcessGroupRegistry
 from hcp.parallel.roles import logging_rank
 from hcp.plan.ahead import PlanAhead
-from hcp.plan.step import plan_step, register_policy
+from hcp.train.planner import StepPlanner
 from hcp.schedule.colocated import ColocatedStep
 from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
@@ -82,8 +82,6 @@ class Trainer:
         self.layouts = resolve_layouts(cfg, self.world)
         self.dynamic_cp = cfg.packing == "dynamic_cp"  # hcp.dcp.policy: per-micro-batch CP groups
         self.groups = ProcessGroupRegistry(self.layouts, ("llm",) if self.dynamic_cp else ())
-        if self.dynamic_cp:
-            register_policy("dynamic_cp", dynamic_cp_policy(cfg.llm, cfg.packing_profile))
         llm = self.layouts["llm"]
         self.dp, self.cp, self.lane, self.stage = llm.dp, llm.cp, None, None
         self.dp_group = self.grad_group = self.tp_group = self.cp_group = None
@@ -118,7 +116,9 @@ class Trainer:
         self.index = sides.LengthIndexes(cfg, self.train_set, self.tok)  # one per stream into the LLM
         self.step, self.resume_note = 0, None
         self._resume()
-        self.ahead = PlanAhead(self.sampler, self.prepare)
+        self.planner = StepPlanner(cfg, self.layouts, self.index, self.edges)
+        in_process = self.dynamic_cp and cfg.trainer.get("plan_process", False)  # hcp.train.planner
+        self.ahead = PlanAhead(self.sampler, self.prepare, self.planner if in_process else None)
         if self.is_logging_rank:
             continue_wandb_run(cfg, run_dir, resumed=self.step > 0)
         self.log = (RunLogger(run_dir, cfg, cfg.trainer.max_steps, self.step)
@@ -198,11 +198,9 @@ class Trainer:
 
     def plan(self, indices):
         """The step plan of the global batch `indices` (pure; the same on every rank)."""
-        sizes, streams = self.index.take(indices)
-        return plan_step(sizes, self.layouts, self.cfg.packing, self.cfg.trainer.micro_batch_tokens,
-                         self.edges, stream_sizes=streams)
+        return self.planner(indices)
 
-    def prepare(self, indices):
+    def prepare(self, indices, step=None):
         """On the plan-ahead thread: this rank's plan and data, (RankPlan, pixel values of its
         encoder samples [I, C, H, W] or None, its LLM micro-batches (first stage) or None, every
         micro-batch's `StageMeta` for the pipeline, the step's micro-batches per CP size under
@@ -211,8 +209,9 @@ class Trainer:
         last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
         Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives;
         under non_colocated, where every LLM lane runs every micro-batch of the encoder islands;
-        and under dynamic CP with PP (every stage rank of the pool keeps the plan's order)."""
-        step = self.plan(indices)
+        and under dynamic CP with PP (every stage rank of the pool keeps the plan's order).
+        `step`: the plan when the plan-ahead worker process computed it."""
+        step = self.plan(indices) if step is None else step
         mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
         ds, device = self.train_set, self.device
         pixels = None
