@@ -8,17 +8,20 @@ is not the hot path), every
 - Python-level read: `Tensor.item`, `tolist`, `cpu`, `numpy` (on CPU `tolist`, `cpu` and
   `numpy` dispatch no operator, so only a patch sees them);
 - operator that returns host data or a data-dependent shape, seen by a `TorchDispatchMode`:
-  `_local_scalar_dense` (`item`, `int()`, `float()`, `bool()` of a tensor), `nonzero` (boolean
-  indexing, `masked_select`), `equal`, `unique`, `repeat_interleave` without `output_size`.
+  `_local_scalar_dense` (`item`, `int()`, `float()`, `bool()` of a tensor), `nonzero`,
+  `masked_select`, indexing by a bool mask, `equal`, `unique`, `repeat_interleave` without
+  `output_size`.
 
-`reads.sites` maps each read to the `file:line` of the hcp code that made it.
+A read counts when the code that made it is not torch's own (torch keeps AdamW's step counters
+on the host by design, and reads them there). `reads.sites` maps each read to the `file:line`
+of the hcp code that made it.
 """
 from __future__ import annotations
 
 import collections
 import os
+import sys
 import threading
-import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -28,15 +31,24 @@ _OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.defau
         torch.ops.aten.masked_select.default, torch.ops.aten.equal.default,
         torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default,
         torch.ops.aten.unique_consecutive.default, torch.ops.aten.repeat_interleave.Tensor}
+_BOOL_INDEX = {torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default,
+               torch.ops.aten.index_put_.default}  # a bool index is a nonzero inside
+_TORCH = os.path.dirname(torch.__file__) + os.sep
+_MACHINERY = tuple(_TORCH + p for p in ("_dynamo", "_compile.py", "_ops.py", "overrides.py",
+                                        os.path.join("utils", "_python_dispatch.py")))
 _HCP = os.sep + "hcp" + os.sep
 
 
-def _site() -> str:
-    """`file:line` of the innermost hcp frame on the stack (else the innermost non-torch one)."""
-    frames = traceback.extract_stack()[:-3]
-    mine = [f for f in frames if _HCP in f.filename] or frames
-    f = mine[-1]
-    return f"{f.filename.split(_HCP)[-1] if _HCP in f.filename else f.filename}:{f.lineno}"
+def _caller() -> str | None:
+    """`file:line` of the code that made the read (the first frame outside this file and
+    torch's dispatch machinery), or None when that is torch's own code."""
+    frame = sys._getframe(1)
+    while frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_MACHINERY):
+        frame = frame.f_back
+    name = frame.f_code.co_filename
+    if name.startswith(_TORCH):
+        return None
+    return f"{name.split(_HCP)[-1] if _HCP in name else os.path.basename(name)}:{frame.f_lineno}"
 
 
 class HostReads(TorchDispatchMode):
@@ -55,8 +67,9 @@ class HostReads(TorchDispatchMode):
         return sum(self.sites.values())
 
     def _record(self, what: str) -> None:
-        if threading.get_ident() == self._thread and not self._inside:
-            self.sites[f"{_site()} {what}"] += 1
+        site = _caller() if threading.get_ident() == self._thread and not self._inside else None
+        if site is not None:
+            self.sites[f"{site} {what}"] += 1
 
     def __enter__(self):
         for name in _PY:
@@ -82,4 +95,6 @@ class HostReads(TorchDispatchMode):
         if func in _OPS and not (func is torch.ops.aten.repeat_interleave.Tensor
                                  and (kwargs or {}).get("output_size") is not None):
             self._record(func.__name__)
+        elif func in _BOOL_INDEX and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self._record(f"{func.__name__} by a bool mask")
         return func(*args, **(kwargs or {}))

@@ -304,7 +304,8 @@ class IslandTrainer(Trainer):
             self.runner.sync_grads()
             return
         params = list(self.encoder.parameters())
-        self.encoder_grad_sq = local_grad_sq(params)
+        if self.record_encoder_grad_sq:
+            self.encoder_grad_sq = local_grad_sq(params)
         sync_grads(params, self.groups.group(self.head, "dp"))  # FSDP shards: already reduced
         if sum(mine.counts.stream_rows.get(p, 0) for p in self.island_streams[self.head]) == 0:
             for p in params:  # no input of this encoder anywhere: as in one process, no update

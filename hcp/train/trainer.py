@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -111,6 +112,10 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
         self.index = sides.LengthIndexes(cfg, self.train_set, self.tok)  # one per stream into the LLM
         self.step, self.resume_note = 0, None
+        self.record_encoder_grad_sq, self.encoder_grad_sq = False, None
+        """Set `record_encoder_grad_sq` (tests) to keep in `encoder_grad_sq` the sum of squares
+        of this rank's own encoder gradients before their DP sum: one host read per parameter
+        tensor, so never on by default."""
         self._resume()
         self.ahead = PlanAhead(self.sampler, self.prepare)
         if self.is_logging_rank:
@@ -221,18 +226,21 @@ class Trainer:
                 samples = [ds[indices[s]] for s in mb.samples]
             if self.stage.first:
                 ids = getattr(ds, "stream_ids", None)  # every stream's placeholder positions
-                batch = tag(collate(samples, [], self.tok.image_token_id, ids).to(device), mb)
-                if not torch.equal(batch.cu_seqlens, cu):
+                batch = collate(samples, [], self.tok.image_token_id, ids)
+                if batch.cu_seqlens.tolist() != mb.cu_seqlens.tolist():  # on the host
                     raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
                                        f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
+                batch = tag(batch.to(device), mb)
                 batches.append((mb, batch))
                 metas.append(tag(StageMeta.of(batch), mb))
                 continue
-            lengths = (cu[1:] - cu[:-1]).tolist()
-            labels = (torch.tensor([t for s in samples for t in s.labels], device=device)
-                      if self.stage.last else torch.full((int(cu[-1]),), -100, device=device))
+            lengths = tuple(int(n) for n in np.diff(mb.cu_seqlens))  # the plan's, on the host
+            host_labels = [t for s in samples for t in s.labels] if self.stage.last else []
+            labels = (torch.tensor(host_labels, device=device) if self.stage.last
+                      else torch.full((sum(lengths),), -100, device=device))
             metas.append(tag(StageMeta(cu, mb.max_seqlen, torch.cat(
-                [torch.arange(n, device=device) for n in lengths]), labels), mb))
+                [torch.arange(n, device=device) for n in lengths]), labels, lengths,
+                sum(t != -100 for t in host_labels)), mb))
         return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}
 
     def train_step(self) -> dict:
@@ -277,7 +285,8 @@ class Trainer:
 
         (loss, counts, n_micro, self.stage_times), self.phase_times = sides.run_colocated(
             self.colocated, self.encoder, pixels, mine, llm_phase)
-        self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())  # before the DP sum (FSDP: after)
+        if self.record_encoder_grad_sq:  # before the DP sum (FSDP: after)
+            self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())
         sides.sync_encoder_grads(self.encoder, self.groups, mine.counts)  # no row anywhere: no update
         return loss, self._plan_counts(mine, counts), n_micro
 
