@@ -40,7 +40,7 @@ class StageMeta:
     @classmethod
     def of(cls, batch) -> "StageMeta":
         return cls(batch.cu_seqlens, int(batch.max_seqlen), batch.position_ids, batch.labels,
-                   batch.seqlens, batch.loss_tokens)
+                   getattr(batch, "seqlens", None), getattr(batch, "loss_tokens", None))
 
     def sizes(self) -> list[int]:
         """[N + 1, T, max_seqlen]: what a receiver needs to split `flat`."""

@@ -31,7 +31,8 @@ from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
 from hcp.dcp.policy import cp_histogram, dynamic_cp_policy, several_per_round, with_cp_group
-from hcp.model import LlavaModel, init_parameters
+from hcp.model import LlavaModel
+from hcp.model.init import materialize
 from hcp.model.hf_load import load_pretrained
 from hcp.model.encoder_side import graph_kwargs
 from hcp.model.llava import LlavaEncoder
@@ -93,13 +94,16 @@ class Trainer:
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg)
         self.edges = tuple(tuple(e) for e in cfg.graph.edges)
-        self.encoder = self._build_encoder()
+        self.encoder = self._build_encoder()  # both on the meta device: nothing allocated yet
         self.model = self._build_model()
         self.modules = self._rank_modules()
-        load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's slices
         if llm.dp_shard:
-            shard_model(self.model, self.groups)
-        shard_encoder(self.encoder, self.layouts, self.groups)  # {vision,projector}.layout.dp_shard
+            shard_model(self.model, self.groups, self.device)
+        shard_encoder(self.encoder, self.layouts, self.groups, self.device)  # {vision,projector}.layout.dp_shard
+        for module in (self.encoder, self.model):  # only this rank's shards, made on its device
+            if module is not None:
+                materialize(module, self.device, cfg.seed)
+        load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's shards
         self.runner = (StepRunner(self.model, self.groups, self.device, cfg.precision, llm.dp_shard)
                        if self.model is not None else None)
         if self.runner is not None and self.dynamic_cp and several_per_round(llm):
@@ -126,30 +130,30 @@ class Trainer:
             self.log.write(self.resume_note)
 
     def _build_encoder(self) -> LlavaEncoder | None:
-        """The encoder side (vision + projector) on its own TP group, or None (text-only LM)."""
+        """The encoder side (vision + projector) on its own TP group, on the meta device (`__init__`
+        materializes this rank's shards), or None (text-only LM)."""
         cfg = self.cfg
         if cfg.vision is None or sides.several_streams(cfg):  # named encoders: an EncoderSide
-            return sides.build_encoder_side(cfg, self.groups, self.layouts, self.device) if cfg.vision else None
+            return sides.build_encoder_side(cfg, self.groups, self.layouts) if cfg.vision else None
         tp = self.groups.group("vision", "tp") if self.layouts["vision"].tp > 1 else None
-        torch.manual_seed(cfg.seed)
-        encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp)
-        init_parameters(encoder, cfg.seed)
+        with torch.device("meta"):
+            encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp)
         for name in ("vision", "projector"):
             if cfg[name].freeze:
                 encoder.get_submodule(name).requires_grad_(False)
-        return encoder.to(self.device)
+        return encoder
 
     def _build_model(self) -> LlavaModel:
-        """This rank's LLM stage; image rows arrive routed from the encoder side."""
+        """This rank's LLM stage on the meta device (`__init__` materializes this rank's
+        shards); image rows arrive routed from the encoder side."""
         cfg = self.cfg
-        torch.manual_seed(cfg.seed)
-        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
-                           cp_group=self.cp_group, stage=self.stage, encoder=False,
-                           streams=graph_kwargs(cfg)["streams"])
-        init_parameters(model, cfg.seed)
+        with torch.device("meta"):
+            model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
+                               cp_group=self.cp_group, stage=self.stage, encoder=False,
+                               streams=graph_kwargs(cfg)["streams"])
         if cfg.llm.freeze:
             model.llm.requires_grad_(False)
-        return model.to(self.device)
+        return model
 
     def _rank_modules(self) -> RankModules:
         """This rank's modules under one root keyed by module FQN (checkpoints, optimizer); with
