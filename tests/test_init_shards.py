@@ -88,6 +88,7 @@ def test_every_shard_equals_the_layout_invariant_init(layout, tmp_path):
 
 MEMORY = r'''
 import json, resource, sys
+import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -102,7 +103,7 @@ cfg = OmegaConf.create(compose_container(["+recipe=llama13b_dynamic_cp", "llm.la
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
 tp = dist.new_group(list(range(8)))
 lay = resolve_layouts(cfg, 64)["llm"]
-rank = type("Rank", (), {"cfg": cfg, "tp_group": tp, "cp_group": None,
+rank = type("Rank", (), {"cfg": cfg, "tp_group": tp, "cp_group": None, "device": torch.device("cpu"),
                          "stage": StageSpec.of(lay.pp_layers, 0)})()
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 base = peak()
