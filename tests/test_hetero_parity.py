@@ -21,6 +21,7 @@ def _step(rank, world, container, run_dir):
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
+    tr.record_encoder_grad_sq = True
     loss, counts, _ = tr.forward_backward(tr.sampler.batch(0))
     groups = {"vision": tr.encoder.tp_group, "projector": tr.encoder.tp_group, "llm": tr.tp_group}
     named = list(tr.modules.named_parameters())

@@ -22,6 +22,7 @@ def _island_step(rank, world, container, run_dir):
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
+    tr.record_encoder_grad_sq = True
     reads = {"images": 0, "text": 0}
     pixel_values, collate = tr.train_set.pixel_values, trainer_module.collate
 

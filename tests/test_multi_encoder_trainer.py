@@ -26,6 +26,7 @@ def _step(rank, world, container, run_dir):
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
+    tr.record_encoder_grad_sq = True
     loss, counts, _ = tr.forward_backward(tr.sampler.batch(0))
     groups = tr._tp_groups() or {}
     named = list(tr.modules.named_parameters())

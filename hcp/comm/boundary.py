@@ -75,12 +75,12 @@ def route_backward(grad_dst: torch.Tensor, route: RankRoute, src_rows: int, grou
     returned for each row; zeros for rows sent nowhere). Every rank of `group` must call it."""
     device = grad_dst.device
     received = grad_dst.index_select(0, _index(route.recv_index, device))
-    send = received[torch.tensor(route.grad_owner, dtype=torch.bool, device=device)]
+    send = received.index_select(0, _index([i for i, own in enumerate(route.grad_owner) if own],
+                                           device))  # host indices: no device mask to read
     back = _exchange(send, route.grad_send_splits, route.grad_recv_splits, group)
     if counter is not None:
         counter.backward += send.numel() * send.element_size()
-    returns = torch.tensor(route.grad_returns, dtype=torch.bool, device=device)
-    index = _index(route.send_index, device)[returns]
+    index = _index([s for s, ret in zip(route.send_index, route.grad_returns) if ret], device)
     return grad_dst.new_zeros(src_rows, grad_dst.shape[1]).index_add_(0, index, back)
 
 

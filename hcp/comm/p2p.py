@@ -17,6 +17,7 @@ metadata broadcast), and each rank must have set its CUDA device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -26,16 +27,20 @@ import torch.distributed as dist
 class StageMeta:
     """What a non-first stage knows of a micro-batch: cu_seqlens int32 [N + 1], max_seqlen int,
     position_ids long [T] and labels long [T] (already shifted, -100 = ignore) of the WHOLE
-    micro-batch (before CP)."""
+    micro-batch (before CP), and the host copies `seqlens` (document lengths) and `loss_tokens`
+    (labels != -100) as in `hcp.data.packing.Batch` (None: not known on the host)."""
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     position_ids: torch.Tensor
     labels: torch.Tensor
+    seqlens: Optional[tuple] = None
+    loss_tokens: Optional[int] = None
 
     @classmethod
     def of(cls, batch) -> "StageMeta":
-        return cls(batch.cu_seqlens, int(batch.max_seqlen), batch.position_ids, batch.labels)
+        return cls(batch.cu_seqlens, int(batch.max_seqlen), batch.position_ids, batch.labels,
+                   getattr(batch, "seqlens", None), getattr(batch, "loss_tokens", None))
 
     def sizes(self) -> list[int]:
         """[N + 1, T, max_seqlen]: what a receiver needs to split `flat`."""
@@ -46,17 +51,23 @@ class StageMeta:
         return torch.cat([self.cu_seqlens.long(), self.position_ids.long(), self.labels.long()])
 
     @classmethod
-    def unflat(cls, flat: torch.Tensor, num_cu: int, max_seqlen: int) -> "StageMeta":
+    def unflat(cls, flat: torch.Tensor, num_cu: int, max_seqlen: int,
+               host: Optional[list] = None) -> "StageMeta":
+        """The inverse of `flat`; `host`: [cu_seqlens..., loss tokens] read on the host."""
         t = (flat.numel() - num_cu) // 2
         cu, pos, labels = flat.split([num_cu, t, t])
-        return cls(cu.to(torch.int32), max_seqlen, pos, labels)
+        seqlens = None if host is None else tuple(b - a for a, b in zip(host[:num_cu - 1], host[1:num_cu]))
+        return cls(cu.to(torch.int32), max_seqlen, pos, labels, seqlens,
+                   None if host is None else host[num_cu])
 
 
 def broadcast_metas(batches, num_micro: int, group, src: int, device) -> list[StageMeta]:
     """Every micro-batch's `StageMeta` on every stage of `group`, from global rank `src` (the
     first stage, which passes its `num_micro` micro-batches as `batches`; None elsewhere).
 
-    Two broadcasts: sizes long [num_micro, 3], then all metadata long [sum of N + 1 + 2T].
+    Two broadcasts: sizes long [num_micro, 3], then all metadata long [sum of N + 1 + 2T]; a
+    receiving stage reads the sizes and every cu_seqlens and loss-token count back to the host
+    once per step (the host copies of `StageMeta`), not once per micro-batch or layer.
     """
     if batches is not None:
         metas = [StageMeta.of(b) for b in batches]
@@ -76,7 +87,13 @@ def broadcast_metas(batches, num_micro: int, group, src: int, device) -> list[St
         return metas
     rows = sizes.tolist()
     parts = flat.split([cu + 2 * t for cu, t, _ in rows])
-    return [StageMeta.unflat(part, cu, max_seqlen) for part, (cu, _, max_seqlen) in zip(parts, rows)]
+    host = torch.cat([torch.cat([part[:cu], (part[cu + t:] != -100).sum()[None]])
+                      for part, (cu, t, _) in zip(parts, rows)]).tolist()
+    starts = [0]
+    for cu, _, _ in rows:
+        starts.append(starts[-1] + cu + 1)
+    return [StageMeta.unflat(part, cu, max_seqlen, host[a:b])
+            for part, (cu, _, max_seqlen), a, b in zip(parts, rows, starts, starts[1:])]
 
 
 _TAGS = {"F": 0, "B": 1}  # activations and gradients (gloo matches tags; NCCL ignores them)

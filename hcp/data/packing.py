@@ -23,6 +23,9 @@ class Batch:
     Several streams into the LLM (`hcp.config.modules`): stream_masks {projector: bool [T]} of
     every stream but the default `projector`; encoder_pixels {encoder: [I_e, C, H, W]} of every
     named encoder (the single-process model encodes them; `hcp.model.llava`).
+    Host copies, so the model never reads them back from the device (issue 22): seqlens, the N
+    document lengths (cu_seqlens' differences); loss_tokens, the number of labels != -100 (None:
+    not known on the host, read from the device when needed).
     """
 
     input_ids: torch.Tensor
@@ -35,6 +38,8 @@ class Batch:
     sample_ids: list = field(default_factory=list)
     stream_masks: dict = field(default_factory=dict)
     encoder_pixels: dict = field(default_factory=dict)
+    seqlens: Optional[tuple] = None
+    loss_tokens: Optional[int] = None
 
     def to(self, device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
@@ -42,7 +47,8 @@ class Batch:
                      move(self.cu_seqlens), self.max_seqlen, move(self.pixel_values),
                      move(self.image_mask), self.sample_ids,
                      {k: move(v) for k, v in self.stream_masks.items()},
-                     {k: move(v) for k, v in self.encoder_pixels.items()})
+                     {k: move(v) for k, v in self.encoder_pixels.items()}, self.seqlens,
+                     self.loss_tokens)
 
 
 def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
@@ -94,7 +100,8 @@ def collate(samples, pixel_values: list[torch.Tensor], image_token_id: int,
     return Batch(input_ids, labels, position_ids, cu, max(lengths),
                  torch.cat(images) if images else None, input_ids == image_token_id,
                  [s.id for s in samples], masks,
-                 {e: torch.cat(per) for e, per in (encoder_pixels or {}).items() if per})
+                 {e: torch.cat(per) for e, per in (encoder_pixels or {}).items() if per},
+                 tuple(lengths), sum(t != -100 for s in samples for t in s.labels))
 
 
 def empty_batch(device=None) -> Batch:
@@ -106,7 +113,7 @@ def empty_batch(device=None) -> Batch:
     one = torch.zeros(1, dtype=torch.long, device=device)
     return Batch(one, torch.full_like(one, -100), one.clone(),
                  torch.tensor([0, 1], dtype=torch.int32, device=device), 1, None,
-                 torch.zeros(1, dtype=torch.bool, device=device), [])
+                 torch.zeros(1, dtype=torch.bool, device=device), [], seqlens=(1,), loss_tokens=0)
 
 
 def pad_micro_batches(batches: list[Batch], n: int, device=None) -> list[Batch]:

@@ -18,26 +18,33 @@ import torch
 import torch.nn.functional as F
 
 
-def check_thd(q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
-    """Raise ValueError unless Hq is a multiple of Hkv and q, k hold cu_seqlens[-1] tokens."""
+def check_thd(q: torch.Tensor, k: torch.Tensor, lengths) -> None:
+    """Raise ValueError unless Hq is a multiple of Hkv and q, k hold sum(lengths) tokens."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
-    if not q.shape[0] == k.shape[0] == int(cu_seqlens[-1]):
-        raise ValueError(f"q has {q.shape[0]} tokens, k {k.shape[0]}, cu_seqlens[-1] = "
-                         f"{int(cu_seqlens[-1])}: they must be equal")
+    if not q.shape[0] == k.shape[0] == sum(lengths):
+        raise ValueError(f"q has {q.shape[0]} tokens, k {k.shape[0]}, the documents (cu_seqlens) "
+                         f"{sum(lengths)}: they must be equal")
+
+
+def host_seqlens(cu_seqlens: torch.Tensor, seqlens=None) -> tuple:
+    """The document lengths on the host: `seqlens` when known (the step plan's), else read
+    from `cu_seqlens` (one device-to-host read: call it once per micro-batch, not per layer)."""
+    return tuple(seqlens) if seqlens is not None else tuple((cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
 
 
 def thd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+                  cu_seqlens: torch.Tensor, max_seqlen: int, seqlens=None) -> torch.Tensor:
     """Causal attention within each document. Shapes in the module docstring; returns
     [T, Hq, D]. `max_seqlen` bounds the document lengths (flash/te size their kernels by it).
+    `seqlens`: the N document lengths on the host (`host_seqlens`; None reads cu_seqlens).
 
     Raises:
         ValueError: Hq is not a multiple of Hkv, the token counts disagree with cu_seqlens, or a
             document is longer than max_seqlen.
     """
-    check_thd(q, k, cu_seqlens)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    lengths = host_seqlens(cu_seqlens, seqlens)
+    check_thd(q, k, lengths)
     if lengths and max(lengths) > max_seqlen:
         raise ValueError(f"a document has {max(lengths)} tokens, more than max_seqlen={max_seqlen}")
     gqa = q.shape[1] != k.shape[1]

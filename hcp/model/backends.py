@@ -54,12 +54,13 @@ def resolve_backend(name: str, device: torch.device | str = "cpu",
 
 
 def attention_fn(backend: str) -> Callable:
-    """`fn(q [T, Hq, D], k [T, Hkv, D], v, cu_seqlens, max_seqlen) -> [T, Hq, D]` for a
-    concrete backend (see `resolve_backend`)."""
+    """`fn(q [T, Hq, D], k [T, Hkv, D], v, cu_seqlens, max_seqlen, seqlens) -> [T, Hq, D]` for
+    a concrete backend (see `resolve_backend`); `seqlens`, the document lengths on the host,
+    is what the `torch` backend splits by (flash and te read cu_seqlens on the device)."""
     if backend == "flash":
         flash_attn = importlib.import_module("flash_attn")
 
-        def flash(q, k, v, cu_seqlens, max_seqlen):
+        def flash(q, k, v, cu_seqlens, max_seqlen, seqlens=None):
             return flash_attn.flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens,
                                                      max_seqlen, max_seqlen, causal=True)
         return flash
@@ -67,7 +68,7 @@ def attention_fn(backend: str) -> Callable:
         te = importlib.import_module("transformer_engine.pytorch")
         cores: dict = {}
 
-        def fused(q, k, v, cu_seqlens, max_seqlen):
+        def fused(q, k, v, cu_seqlens, max_seqlen, seqlens=None):
             key = (q.shape[1], k.shape[1], q.shape[2])
             if key not in cores:
                 cores[key] = te.DotProductAttention(q.shape[1], q.shape[2], num_gqa_groups=k.shape[1],

@@ -9,8 +9,8 @@ Three steps, the first two in the launching process before any rank starts:
    format declares unused (a CLIP text tower, blocks after `select_layer`); mismatches and unused
    tensors are listed in one error. Only safetensors headers are read.
 3. `load_pretrained(model, cfg)` on every rank, after `init_parameters`: each parameter reads
-   only its own TP slice (its `shard_spec`) of its tensor, lazily; a pipeline stage reads only
-   its own layers. Done before FSDP shards the model (each DP x CP rank then keeps its shard).
+   only its own TP slice (its `shard_spec`) of its tensor, lazily, and keeps its FSDP shard of
+   it (`hcp.model.init.local_box`); a pipeline stage reads only its own layers.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 from hcp.config.errors import ConfigError
 from hcp.model import hf_clip, hf_llama
 from hcp.model.hf_io import HFCheckpoint, Source
+from hcp.model.init import local_box
 
 FORMATS = {"llm": hf_llama, "vision": hf_clip}
 """Module key -> its Hugging Face format (config_fields, sources, ignored)."""
@@ -135,14 +136,17 @@ def load_module(module, ckpt: HFCheckpoint, srcs: dict[str, Source]) -> int:
     read = 0
     for name, param in module.named_parameters():
         spec = getattr(param, "shard_spec", None)
+        tp_offset = [0] * param.dim()
         if spec is None:
             t = ckpt.read(srcs[name])
         else:
             size = param.shape[spec.dim]
+            tp_offset[spec.dim] = spec.rank * size
             t = ckpt.read(srcs[name], spec.dim, spec.rank * size, size)
         if tuple(t.shape) != tuple(param.shape):
             raise ValueError(f"{srcs[name].key}: read {list(t.shape)} for {name} {list(param.shape)}")
-        param.copy_(t)
+        local, _, offset = local_box(param)  # an FSDP shard keeps its chunk of the TP slice
+        local.copy_(t[tuple(slice(o - p, o - p + n) for o, p, n in zip(offset, tp_offset, local.shape))])
         read += t.numel() * t.element_size()
     return read
 

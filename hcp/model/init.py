@@ -1,8 +1,16 @@
-"""Layout-invariant parameter initialization (docs/design.md section 3).
+"""Layout-invariant parameter initialization (docs/design.md section 3), of this rank's shards only.
 
-Every parameter is first made *whole* from `(seed, fully qualified name)` with its own
-`torch.Generator`, then narrowed to this rank's shard (tensor-parallel layers mark their
-parameters with a `ShardSpec`). So a dp4 run and a tp2 x cp2 run start from the same weights.
+Every parameter's values are those of its *whole* tensor drawn from `(seed, fully qualified
+name)` with its own `torch.Generator`, cut to this rank's shard: the tensor-parallel slice
+(layers mark their parameters with a `ShardSpec`), and under FSDP the rank's dim-0 chunk of it
+(a `DTensor`). So a dp4 run and a tp2 x cp2 run start from the same weights.
+
+The whole tensor is never made: it is drawn in blocks of rows (`_normal_rows`) of a few MiB,
+and each block's overlap with the shard is kept, so a model built on the meta device
+(`materialize`) holds only its shards, also for a 70B LLM. Drawing a whole normal tensor in
+blocks whose sizes are multiples of 16 elements (the last one at least 16) gives exactly
+`torch.randn(whole)`'s values: torch fills the uniforms in order and transforms them in
+aligned groups of 16 (tests/test_init_shards.py checks it against `torch.randn`).
 
 Scheme: norm weights 1, biases 0, every other tensor (linear weights, embeddings, class and
 position embeddings) normal(0, `std`). The seed of a parameter is `zlib.crc32` of
@@ -10,11 +18,17 @@ position embeddings) normal(0, `std`). The seed of a parameter is `zlib.crc32` o
 """
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+_BLOCK = 1 << 22
+"""Elements drawn at once (16 MiB in fp32): the host memory init needs besides the shards."""
 
 
 @dataclass(frozen=True)
@@ -42,13 +56,60 @@ def param_seed(seed: int, fqn: str) -> int:
     return zlib.crc32(f"{seed}:{fqn}".encode())
 
 
+def local_box(param: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
+    """(this rank's tensor of `param`, the whole tensor's shape, the offset of that tensor in
+    the whole one per dim): the TP slice of the `shard_spec`, then FSDP's dim-0 chunk of it
+    when `param` is a `DTensor`."""
+    spec: ShardSpec | None = getattr(param, "shard_spec", None)
+    tp_shape = list(param.shape)  # a DTensor's shape is the whole TP slice it shards
+    whole = spec.whole_shape(tp_shape) if spec else tp_shape
+    offset = [0] * len(whole)
+    if spec:
+        offset[spec.dim] = spec.rank * tp_shape[spec.dim]
+    local = param
+    if isinstance(param, DTensor):
+        local = param.to_local()
+        _, chunk = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        offset = [o + c for o, c in zip(offset, chunk)]
+    return local, whole, offset
+
+
+@torch.no_grad()
+def _normal_rows(out: torch.Tensor, whole: list[int], offset: list[int], generator, std: float) -> None:
+    """Fill `out` with its box (at `offset`) of `torch.randn(whole, generator) * std`, drawing
+    the whole tensor's rows in blocks up to the box's last row (module docstring)."""
+    rows = whole[0] if whole else 1
+    row = math.prod(whole[1:])
+    if out.numel() == 0:  # an FSDP rank past the last row: nothing of this tensor
+        return
+    if rows * row <= _BLOCK:
+        block = torch.randn(whole, generator=generator) * std
+        out.copy_(block[tuple(slice(o, o + n) for o, n in zip(offset, out.shape))])
+        return
+    align = 16 // math.gcd(row, 16)  # rows per 16-element group boundary
+    step = max(align, _BLOCK // row // align * align)
+    stop = offset[0] + out.shape[0]
+    inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], out.shape[1:]))
+    start = 0
+    while start < stop:
+        end = min(start + step, rows)
+        if 0 < (rows - end) * row < 16:  # a last block under 16 elements: draw it with this one
+            end = rows
+        block = torch.randn([end - start, *whole[1:]], generator=generator)
+        lo, hi = max(start, offset[0]), min(end, stop)
+        if lo < hi:
+            out[lo - offset[0]:hi - offset[0]].copy_(block[(slice(lo - start, hi - start), *inner)] * std)
+        start = end
+
+
 def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm) or type(module).__name__ == "RMSNorm"
 
 
 @torch.no_grad()
 def init_parameters(model: nn.Module, seed: int, std: float = 0.02, prefix: str = "") -> None:
-    """Initialize every parameter of `model` in place from `(seed, prefix + its name)`.
+    """Initialize this rank's shard of every parameter of `model` in place from
+    `(seed, prefix + its name)` (module docstring).
 
     `prefix` lets a module built on its own (e.g. only `llm` on a rank) get the same weights as
     inside the full model: pass `prefix="llm."`. Parameters on the meta device are skipped.
@@ -58,13 +119,30 @@ def init_parameters(model: nn.Module, seed: int, std: float = 0.02, prefix: str 
             if param.is_meta:
                 continue
             fqn = f"{prefix}{mod_name}.{name}" if mod_name else f"{prefix}{name}"
-            spec: ShardSpec | None = getattr(param, "shard_spec", None)
-            shape = spec.whole_shape(param.shape) if spec else list(param.shape)
+            local, whole, offset = local_box(param)
             if name == "bias":
-                whole = torch.zeros(shape)
+                local.zero_()
             elif _is_norm(module):
-                whole = torch.ones(shape)
+                local.fill_(1.0)
             else:
-                gen = torch.Generator().manual_seed(param_seed(seed, fqn))
-                whole = torch.randn(shape, generator=gen) * std
-            param.copy_(spec.narrow(whole) if spec else whole)
+                _normal_rows(local, whole, offset, torch.Generator().manual_seed(param_seed(seed, fqn)), std)
+
+
+def materialize(model: nn.Module, device, seed: int, std: float = 0.02) -> nn.Module:
+    """`model` built on the meta device (and possibly FSDP-sharded there) -> its storage on
+    `device`, each parameter's shard initialized by `init_parameters`; returns `model`. Only
+    this rank's shards are ever allocated, on `device` (host memory: one drawing block).
+
+    Raises ValueError when `model` has buffers (their values would be lost by the meta build).
+    """
+    buffers = [n for n, _ in model.named_buffers()]
+    if buffers:
+        raise ValueError(f"materialize: {type(model).__name__} has buffers {buffers[:3]}, which a "
+                         "meta-device build leaves empty: compute them in forward instead")
+    specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
+    model.to_empty(device=device)  # new Parameter objects: the TP marks are put back
+    for n, p in model.named_parameters():
+        if n in specs:
+            p.shard_spec = specs[n]
+    init_parameters(model, seed, std)
+    return model

@@ -32,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hcp.config.schema import LLMConfig
+from hcp.model.attention import host_seqlens
 from hcp.model.backends import attention_fn, resolve_backend
 from hcp.model.collectives import copy_to_group, gather_from_group, group_size, split_seq
 from hcp.model.cp_attention import build_cp_plan, cp_attention
@@ -162,13 +163,15 @@ class LlamaDecoder(nn.Module):
         """input_ids: long [T] -> [T, H]."""
         return self.embed_tokens(input_ids)
 
-    def _attend(self, num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int, cp_group):
+    def _attend(self, num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int, cp_group, seqlens=None):
         """Attention over the first `num_tokens` rows (later rows are SP padding: zeros out)."""
         if group_size(cp_group) > 1:
             plan = build_cp_plan(cu_seqlens, cp_group, self.cp_comm)
             core = lambda q, k, v: cp_attention(q, k, v, plan)  # noqa: E731
         else:
-            core = lambda q, k, v: self._attention(q, k, v, cu_seqlens, max_seqlen)  # noqa: E731
+            if self.attention_backend == "torch":  # it splits by host lengths: known once for every layer
+                seqlens = host_seqlens(cu_seqlens, seqlens)
+            core = lambda q, k, v: self._attention(q, k, v, cu_seqlens, max_seqlen, seqlens)  # noqa: E731
         pad = self._sp_pad(num_tokens)
         if not pad:
             return core
@@ -188,15 +191,16 @@ class LlamaDecoder(nn.Module):
                          self.tp_group)
 
     def run_layers(self, x: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                   max_seqlen: int, cp_group=_DECODER_GROUP) -> torch.Tensor:
+                   max_seqlen: int, cp_group=_DECODER_GROUP, seqlens=None) -> torch.Tensor:
         """This stage's layers over the residual stream x (see `enter`); position_ids long [T]
         (this rank's T tokens before the SP split). `cp_group`: this micro-batch's CP group
-        (default: the decoder's `cp_group`; dynamic CP passes one per micro-batch). The RoPE
-        tables and the attention plan are built here, once per micro-batch, for every layer.
-        Returns the same shape as x."""
+        (default: the decoder's `cp_group`; dynamic CP passes one per micro-batch). `seqlens`:
+        the document lengths on the host (the step plan's; None: read from cu_seqlens once).
+        The RoPE tables and the attention plan are built here, once per micro-batch, for every
+        layer. Returns the same shape as x."""
         t = position_ids.shape[0]
         cp_group = self.cp_group if cp_group is _DECODER_GROUP else cp_group
-        attend = self._attend(t, cu_seqlens, max_seqlen, cp_group)
+        attend = self._attend(t, cu_seqlens, max_seqlen, cp_group, seqlens)
         kind = x.device.type   # q and k come out of the projections in autocast's dtype
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
         rope = rope_tables(F.pad(position_ids, (0, self._sp_pad(t))), self.cfg.hidden_size //

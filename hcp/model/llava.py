@@ -141,7 +141,11 @@ class LlavaModel(nn.Module):
         in slot order) when set, else this model's encoder over the stream encoder's inputs
         (each encoder runs once, whatever the number of streams it feeds).
 
-        Raises ValueError when a stream's rows do not match its positions, or inputs reach a
+        Routed rows are written without reading the device: their count R is their shape, the
+        slots are the first R positions of the mask (`nonzero_static`), and a mismatch fails
+        asynchronously (`torch._assert_async`: RuntimeError on CPU, a device assert on CUDA).
+
+        Raises ValueError when the encoder's rows do not match its positions, or inputs reach a
         model without an encoder.
         """
         ids = batch.input_ids if shard is None else batch.input_ids[shard.token_index]
@@ -152,15 +156,17 @@ class LlavaModel(nn.Module):
             if mask is None:
                 continue
             local = mask if shard is None else mask[shard.token_index] & shard.valid
-            slots = local.nonzero().squeeze(1)
             rows = _routed(batch, stream.projector)
             if rows is None:
+                slots = local.nonzero().squeeze(1)
                 rows = self._encode(batch, stream, mask, shard, slots, encoded)
-            elif rows.shape[0] != slots.shape[0]:
+            else:
                 what = ("batch.image_rows" if stream.projector == "projector"
                         else f"batch.stream_rows[{stream.projector!r}]")
-                raise ValueError(f"{what} has {rows.shape[0]} rows but this rank's tokens hold "
-                                 f"{slots.shape[0]} image positions: they must be equal")
+                torch._assert_async(local.sum() == rows.shape[0],
+                                    f"{what} has {rows.shape[0]} rows but this rank's tokens hold "
+                                    "another number of image positions: they must be equal")
+                slots = torch.nonzero_static(local, size=rows.shape[0]).squeeze(1)
             if rows is not None:
                 embeds = embeds.index_put((slots,), rows.to(embeds.dtype))
         return embeds
@@ -229,20 +235,27 @@ class LlavaModel(nn.Module):
         if self.stage.first:
             x = self.llm.enter(self.embed(batch, shard))
         x = self.llm.run_layers(x, positions, batch.cu_seqlens, batch.max_seqlen,
-                                cp_group=self._cp_group(batch))
+                                cp_group=self._cp_group(batch),
+                                seqlens=getattr(batch, "seqlens", None))
         return self.llm.exit(x, labels.shape[0]) if self.stage.last else x
 
     def loss(self, batch, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Last stage: (sum of token cross-entropies over labels != -100 of this rank's CP shard
-        as a 0-d fp32 tensor, number of those tokens) from the final hidden states [T_loc, H]."""
-        _, labels = self._shard(batch)
+        as a 0-d fp32 tensor, number of those tokens) from the final hidden states [T_loc, H].
+        Without CP the count is the batch's host `loss_tokens` when known, so the loss tokens
+        are picked without reading the device (`nonzero_static`); under CP it is read."""
+        shard, labels = self._shard(batch)
         keep = labels != -100
-        logits = self.llm.logits(hidden[keep])
+        known = getattr(batch, "loss_tokens", None) if shard is None else None
+        n = int(keep.sum()) if known is None else known
+        index = torch.nonzero_static(keep, size=n).squeeze(1)
+        target = labels.index_select(0, index)
+        logits = self.llm.logits(hidden.index_select(0, index))
         if group_size(self.tp_group) == 1:
-            loss_sum = F.cross_entropy(logits.float(), labels[keep], reduction="sum")
+            loss_sum = F.cross_entropy(logits.float(), target, reduction="sum")
         else:
-            loss_sum = vocab_parallel_cross_entropy(logits, labels[keep], self.tp_group).sum()
-        return loss_sum, int(keep.sum())
+            loss_sum = vocab_parallel_cross_entropy(logits, target, self.tp_group).sum()
+        return loss_sum, n
 
     def forward(self, batch, x: torch.Tensor | None = None, head=None):
         """This stage's forward (`stage_forward`); on the last stage finished by

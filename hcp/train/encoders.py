@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from hcp.config.modules import encoder_names, module_cfg, rows_per_item, streams
-from hcp.model import init_parameters
 from hcp.model.encoder_side import EncoderSide
 from hcp.plan.lengths import build_length_index, stream_indexes
 from hcp.train.modules import encoder_sq_norm, module_sq_norm, sync_grads, whole_state
@@ -25,20 +24,20 @@ def several_streams(cfg) -> bool:
     return cfg.get("vision") is not None and (len(encoder_names(cfg)) > 1 or len(streams(cfg.graph.edges)) > 1)
 
 
-def build_encoder_side(cfg, groups, layouts, device) -> EncoderSide:
+def build_encoder_side(cfg, groups, layouts) -> EncoderSide:
     """Every encoder and projector of the config on its own TP group (projectors share their
-    encoder's), initialized layout-invariantly from (seed, FQN), frozen per module's `freeze`."""
+    encoder's), frozen per module's `freeze`, on the meta device: `hcp.model.init.materialize`
+    makes this rank's shards, layout-invariantly from (seed, FQN)."""
     flows = streams(cfg.graph.edges)
     encoders = {e: module_cfg(cfg, e) for e in encoder_names(cfg)}
     projectors = {s.projector: module_cfg(cfg, s.projector) for s in flows}
     tp = {e: groups.group(e, "tp") if layouts[e].tp > 1 else None for e in encoders}
-    torch.manual_seed(cfg.seed)
-    side = EncoderSide(encoders, projectors, flows, cfg.llm.hidden_size, tp)
-    init_parameters(side, cfg.seed)
+    with torch.device("meta"):
+        side = EncoderSide(encoders, projectors, flows, cfg.llm.hidden_size, tp)
     for m in (*encoders, *projectors):
         if module_cfg(cfg, m).freeze:
             getattr(side, m).requires_grad_(False)
-    return side.to(device)
+    return side
 
 
 class LengthIndexes:

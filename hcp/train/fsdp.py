@@ -46,24 +46,26 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from hcp.model.encoder_stage import EncoderStage
 
 
-def shard_model(model, groups) -> None:
+def shard_model(model, groups, device=None) -> None:
     """Apply FSDP2 in place to this rank's `LlavaModel` stage over the LLM's `dp_cp` group
-    (nothing when this rank has none: `model` None on an encoder island).
+    (nothing when this rank has none: `model` None on an encoder island). `device`: where the
+    shards will live (default: where the parameters are; give it for a model still on the meta
+    device, which `hcp.model.init.materialize` then makes: each rank allocates only its shard).
 
     Raises RuntimeError when this torch's FSDP2 cannot reduce-scatter unused parameters (a lane
     without images would otherwise hang or fail the reduce-scatter).
     """
     if model is None:  # an encoder island's rank (placement=non_colocated): no LLM stage here
         return
-    _shard(model, list(model.llm.layers), groups.group("llm", "dp_cp"), "llm")
+    _shard(model, list(model.llm.layers), groups.group("llm", "dp_cp"), "llm", device=device)
 
 
-def shard_encoder(encoder, layouts: dict, groups) -> tuple[str, ...]:
+def shard_encoder(encoder, layouts: dict, groups, device=None) -> tuple[str, ...]:
     """Apply FSDP2 in place to the encoder-side modules of `encoder` (`hcp.model.llava.
     LlavaEncoder`: its children named after their modules, `vision`, `projector`) whose layout
     has `dp_shard`, each over its own DP group (module docstring); an encoder island's stage
     (`EncoderStage`) as one, over its island's DP group, when its encoder has `dp_shard`
-    (`shard_island`: its projectors follow).
+    (`shard_island`: its projectors follow). `device`: as `shard_model`.
     Returns the names of the sharded modules (() when none asked for it, or no encoder).
 
     Raises RuntimeError as `shard_model`.
@@ -73,7 +75,7 @@ def shard_encoder(encoder, layouts: dict, groups) -> tuple[str, ...]:
     if isinstance(encoder, EncoderStage):  # an encoder island's stage (placement=non_colocated)
         if not layouts[encoder.name].dp_shard:
             return ()
-        shard_island(encoder, groups.group(encoder.name, "dp"))
+        shard_island(encoder, groups.group(encoder.name, "dp"), device)
         return (encoder.name, *encoder.projector_names)
     sharded = tuple(m for m, module in encoder.named_children()
                     if m in layouts and layouts[m].dp_shard and any(True for _ in module.parameters()))
@@ -81,25 +83,26 @@ def shard_encoder(encoder, layouts: dict, groups) -> tuple[str, ...]:
         module = encoder.get_submodule(m)
         blocks = getattr(module, "blocks", ())  # ViT blocks: a list, or a dict on a pipeline stage
         units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
-        _shard(module, units, groups.group(m, "dp"), m, reshard_root=True)
+        _shard(module, units, groups.group(m, "dp"), m, reshard_root=True, device=device)
     return sharded
 
 
-def shard_island(stage, group) -> None:
+def shard_island(stage, group, device=None) -> None:
     """Apply FSDP2 in place to one encoder island's stage (`hcp.model.encoder_stage.
     EncoderStage`, placement=non_colocated) over the island's DP group: each ViT block and each
     projector one unit, the stage the root (the embeddings on the first stage), resharded after
     its forward. The island's schedule runs one forward and backward per micro-batch on every
     lane (empty ones included) and turns gradient sync on for the last backward only
     (`set_requires_gradient_sync`), so each step reduce-scatters once. Raises RuntimeError as
-    `shard_model`."""
+    `shard_model` (`device` too)."""
     blocks = getattr(stage.encoder, "blocks", ())
     units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
     units += [getattr(stage, p) for p in stage.projector_names]
-    _shard(stage, units, group, stage.name, reshard_root=True)
+    _shard(stage, units, group, stage.name, reshard_root=True, device=device)
 
 
-def _shard(root, units: list, group, name: str, reshard_root: bool | None = None) -> None:
+def _shard(root, units: list, group, name: str, reshard_root: bool | None = None,
+           device=None) -> None:
     """`fully_shard` each of `units`, then `root` (the rest of its parameters), over `group`:
     gradients summed (divide factor 1), unused parameters reduce-scattered as zeros, and the
     TP `shard_spec` of every parameter carried over to its DTensor. `reshard_root`: FSDP's
@@ -109,8 +112,8 @@ def _shard(root, units: list, group, name: str, reshard_root: bool | None = None
                            f"which torch {torch.__version__} lacks: upgrade torch (2.13 has it) or "
                            f"set {name}.layout.dp_shard=false")
     specs = {n: p.shard_spec for n, p in root.named_parameters() if getattr(p, "shard_spec", None)}
-    device = next(root.parameters()).device.type
-    mesh = DeviceMesh.from_group(group, device_type=device)
+    kind = torch.device(device).type if device is not None else next(root.parameters()).device.type
+    mesh = DeviceMesh.from_group(group, device_type=kind)
     for unit in units:
         fully_shard(unit, mesh=mesh)
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard_root)

@@ -62,7 +62,6 @@ from torch import nn
 from hcp.comm.boundary import RouteBytes
 from hcp.comm.island import IslandEdge, warm_up
 from hcp.config.modules import module_cfg, streams
-from hcp.model import init_parameters
 from hcp.model.encoder_stage import EncoderStage
 from hcp.model.stage import StageSpec
 from hcp.parallel.grid import Grid
@@ -138,14 +137,13 @@ class IslandTrainer(Trainer):
         head = self.head
         tp = self.groups.group(head, "tp") if layouts[head].tp > 1 else None
         projectors = {p: module_cfg(cfg, p) for p in self.island_streams[head]}
-        torch.manual_seed(cfg.seed)
-        encoder = EncoderStage(head, module_cfg(cfg, head), projectors, cfg.llm.hidden_size,
-                               self.island_stage, tp, layouts[head].recompute == "full")
-        init_parameters(encoder, cfg.seed)
+        with torch.device("meta"):  # the base class materializes this rank's shards
+            encoder = EncoderStage(head, module_cfg(cfg, head), projectors, cfg.llm.hidden_size,
+                                   self.island_stage, tp, layouts[head].recompute == "full")
         for name in (head, *projectors):
             if module_cfg(cfg, name).freeze and getattr(encoder, name, None) is not None:
                 getattr(encoder, name).requires_grad_(False)
-        return encoder.to(self.device)
+        return encoder
 
     def _build_model(self):
         return super()._build_model() if self.head == "llm" else None
@@ -302,7 +300,8 @@ class IslandTrainer(Trainer):
             self.runner.sync_grads()
             return
         params = list(self.encoder.parameters())
-        self.encoder_grad_sq = local_grad_sq(params)
+        if self.record_encoder_grad_sq:
+            self.encoder_grad_sq = local_grad_sq(params)
         sync_grads(params, self.groups.group(self.head, "dp"))  # FSDP shards: already reduced
         if sum(mine.counts.stream_rows.get(p, 0) for p in self.island_streams[self.head]) == 0:
             for p in params:  # no input of this encoder anywhere: as in one process, no update

@@ -126,9 +126,9 @@ class StepRunner:
         timings)."""
         if planned is not None and metas is None:
             raise ValueError("planned counts need every micro-batch's metas (the step plan's)")
-        counts = (self._counts(batches) if planned is None else
-                  torch.tensor([len(metas), *planned], dtype=torch.float64, device=self.device))
-        n_micro, global_tokens = int(counts[0]), counts[1].item()
+        # the plan's counts stay on the host; counted ones are read back once per step
+        counts = [len(metas), *planned] if planned is not None else self._counts(batches).tolist()
+        n_micro, global_tokens = int(counts[0]), counts[1]
         if self.stage.first:  # FSDP: a lane with fewer micro-batches still joins every collective
             batches = pad_micro_batches(batches, n_micro, self.device)
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -151,7 +151,7 @@ class StepRunner:
         if counts[4] == 0:
             self._drop_unused_image_grads()
         loss = self._share_loss(loss_total)
-        return loss / global_tokens, counts[1:4].tolist(), n_micro, times
+        return loss / global_tokens, counts[1:4], n_micro, times
 
     def sync_grads(self) -> None:
         """Sum the gradients over DP x CP after the backward passes: the buckets not launched

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -31,8 +32,9 @@ from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
 from hcp.dcp.policy import cp_histogram, several_per_round, with_cp_group
-from hcp.model import LlavaModel, init_parameters
+from hcp.model import LlavaModel
 from hcp.model.backends import resolve_backend
+from hcp.model.init import materialize
 from hcp.model.hf_load import load_pretrained
 from hcp.model.encoder_side import graph_kwargs
 from hcp.model.llava import LlavaEncoder
@@ -95,13 +97,16 @@ class Trainer:
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg)
         self.edges = tuple(tuple(e) for e in cfg.graph.edges)
-        self.encoder = self._build_encoder()
+        self.encoder = self._build_encoder()  # both on the meta device: nothing allocated yet
         self.model = self._build_model()
         self.modules = self._rank_modules()
-        load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's slices
         if llm.dp_shard:
-            shard_model(self.model, self.groups)
-        shard_encoder(self.encoder, self.layouts, self.groups)  # {vision,projector}.layout.dp_shard
+            shard_model(self.model, self.groups, self.device)
+        shard_encoder(self.encoder, self.layouts, self.groups, self.device)  # {vision,projector}.layout.dp_shard
+        for module in (self.encoder, self.model):  # only this rank's shards, made on its device
+            if module is not None:
+                materialize(module, self.device, cfg.seed)
+        load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's shards
         self.runner = (StepRunner(self.model, self.groups, self.device, self.precision, llm.dp_shard)
                        if self.model is not None else None)
         if self.runner is not None and self.dynamic_cp and several_per_round(llm):
@@ -115,6 +120,10 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
         self.index = sides.LengthIndexes(cfg, self.train_set, self.tok)  # one per stream into the LLM
         self.step, self.resume_note = 0, None
+        self.record_encoder_grad_sq, self.encoder_grad_sq = False, None
+        """Set `record_encoder_grad_sq` (tests) to keep in `encoder_grad_sq` the sum of squares
+        of this rank's own encoder gradients before their DP sum: one host read per parameter
+        tensor, so never on by default."""
         self._resume()
         self.planner = StepPlanner(cfg, self.layouts, self.index, self.edges)
         in_process = self.dynamic_cp and cfg.trainer.get("plan_process", False)  # hcp.train.planner
@@ -127,30 +136,30 @@ class Trainer:
             self.log.write(self.resume_note)
 
     def _build_encoder(self) -> LlavaEncoder | None:
-        """The encoder side (vision + projector) on its own TP group, or None (text-only LM)."""
+        """The encoder side (vision + projector) on its own TP group, on the meta device (`__init__`
+        materializes this rank's shards), or None (text-only LM)."""
         cfg = self.cfg
         if cfg.vision is None or sides.several_streams(cfg):  # named encoders: an EncoderSide
-            return sides.build_encoder_side(cfg, self.groups, self.layouts, self.device) if cfg.vision else None
+            return sides.build_encoder_side(cfg, self.groups, self.layouts) if cfg.vision else None
         tp = self.groups.group("vision", "tp") if self.layouts["vision"].tp > 1 else None
-        torch.manual_seed(cfg.seed)
-        encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp)
-        init_parameters(encoder, cfg.seed)
+        with torch.device("meta"):
+            encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp)
         for name in ("vision", "projector"):
             if cfg[name].freeze:
                 encoder.get_submodule(name).requires_grad_(False)
-        return encoder.to(self.device)
+        return encoder
 
     def _build_model(self) -> LlavaModel:
-        """This rank's LLM stage; image rows arrive routed from the encoder side."""
+        """This rank's LLM stage on the meta device (`__init__` materializes this rank's
+        shards); image rows arrive routed from the encoder side."""
         cfg = self.cfg
-        torch.manual_seed(cfg.seed)
-        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
-                           cp_group=self.cp_group, stage=self.stage, encoder=False,
-                           streams=graph_kwargs(cfg)["streams"], attention_backend=self.attention_backend())
-        init_parameters(model, cfg.seed)
+        with torch.device("meta"):
+            model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
+                               cp_group=self.cp_group, stage=self.stage, encoder=False,
+                               streams=graph_kwargs(cfg)["streams"], attention_backend=self.attention_backend())
         if cfg.llm.freeze:
             model.llm.requires_grad_(False)
-        return model.to(self.device)
+        return model
 
     def attention_backend(self) -> str:
         """The run's attention backend, resolved once from its device, its compute dtype (the
@@ -235,18 +244,21 @@ class Trainer:
                 samples = [ds[indices[s]] for s in mb.samples]
             if self.stage.first:
                 ids = getattr(ds, "stream_ids", None)  # every stream's placeholder positions
-                batch = tag(collate(samples, [], self.tok.image_token_id, ids).to(device), mb)
-                if not torch.equal(batch.cu_seqlens, cu):
+                batch = collate(samples, [], self.tok.image_token_id, ids)
+                if batch.cu_seqlens.tolist() != mb.cu_seqlens.tolist():  # on the host
                     raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
                                        f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
+                batch = tag(batch.to(device), mb)
                 batches.append((mb, batch))
                 metas.append(tag(StageMeta.of(batch), mb))
                 continue
-            lengths = (cu[1:] - cu[:-1]).tolist()
-            labels = (torch.tensor([t for s in samples for t in s.labels], device=device)
-                      if self.stage.last else torch.full((int(cu[-1]),), -100, device=device))
+            lengths = tuple(int(n) for n in np.diff(mb.cu_seqlens))  # the plan's, on the host
+            host_labels = [t for s in samples for t in s.labels] if self.stage.last else []
+            labels = (torch.tensor(host_labels, device=device) if self.stage.last
+                      else torch.full((sum(lengths),), -100, device=device))
             metas.append(tag(StageMeta(cu, mb.max_seqlen, torch.cat(
-                [torch.arange(n, device=device) for n in lengths]), labels), mb))
+                [torch.arange(n, device=device) for n in lengths]), labels, lengths,
+                sum(t != -100 for t in host_labels)), mb))
         return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}
 
     def train_step(self) -> dict:
@@ -291,7 +303,8 @@ class Trainer:
 
         (loss, counts, n_micro, self.stage_times), self.phase_times = sides.run_colocated(
             self.colocated, self.encoder, pixels, mine, llm_phase)
-        self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())  # before the DP sum (FSDP: after)
+        if self.record_encoder_grad_sq:  # before the DP sum (FSDP: after)
+            self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())
         sides.sync_encoder_grads(self.encoder, self.groups, mine.counts)  # no row anywhere: no update
         return loss, self._plan_counts(mine, counts), n_micro
 
