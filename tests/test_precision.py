@@ -122,9 +122,9 @@ def test_auto_backend_resolves_once_at_build_from_the_runs_compute_dtype(monkeyp
     calls = []
 
     def recording(name):
-        def attend(q, k, v, cu_seqlens, max_seqlen):
+        def attend(q, k, v, cu_seqlens, max_seqlen, seqlens=None):
             calls.append((name, q.dtype))
-            return thd_attention(q, k, v, cu_seqlens, max_seqlen)
+            return thd_attention(q, k, v, cu_seqlens, max_seqlen, seqlens)
         return attend
     monkeypatch.setattr(llama, "attention_fn", recording)
 
