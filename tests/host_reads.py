@@ -12,9 +12,9 @@ is not the hot path), every
   `masked_select`, indexing by a bool mask, `equal`, `unique`, `repeat_interleave` without
   `output_size`.
 
-A read counts when the code that made it is not torch's own (torch keeps AdamW's step counters
-on the host by design, and reads them there). `reads.sites` maps each read to the `file:line`
-of the hcp code that made it.
+A read counts when the Python code that made it is not torch's own: reads inside torch's Python
+code (AdamW's step counters, kept on the host by design) and synchronisations inside torch's C++
+kernels are not seen. `reads.sites` maps each read to the `file:line` of the code that made it.
 """
 from __future__ import annotations
 
