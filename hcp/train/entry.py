@@ -80,7 +80,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         for line in prepare_data(cfg):
             print(line)
         print(f"hcp: run directory {run_dir}", flush=True)
-        if not run_rehearsal(cfg, run_dir, world):
+        if run_rehearsal(cfg, run_dir, world):  # mismatches: exit status 1
             sys.exit(1)
         return None
     world = local_world_size(cfg, joined, overrides)

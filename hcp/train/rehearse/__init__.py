@@ -29,9 +29,10 @@ def check_rehearse(cfg, world: int) -> list[int]:
     return ranks
 
 
-def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> bool:
+def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     """Rehearse `cfg`'s job of `world` ranks; print the report, write `rehearsal.json` into
-    `run_dir`; return whether it passed. The layouts must already be validated."""
+    `run_dir`; return its mismatches (`hcp.train.rehearse.checks.Mismatch`; none: passed). The
+    layouts must already be validated and the data prepared."""
     from hcp.config.layouts import resolve_layouts
     from hcp.parallel.roles import role_table
     from hcp.train.plan import memory_per_rank, running_layouts
@@ -58,4 +59,4 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> bool:
     rows, flops = role_rows(results, roles, plan_gib), step_flops(cfg, results, world)
     print(format_report(rows, mismatches, flops, wall), flush=True)
     write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, flops, results, wall)
-    return not mismatches
+    return mismatches

@@ -129,6 +129,12 @@ def rehearse_ranks(cfg, run_dir: str, ranks: list[int], world: int, steps: int, 
                    timeout_s: float = 3600.0, progress=None) -> dict[int, RankResult]:
     """`rehearse_rank` of each of `ranks`, `jobs` forked processes at a time; rank -> result.
     `progress(rank, result)` is called as each finishes."""
+    import torch._dynamo  # noqa: F401 - imported once here, not in every child (AdamW imports it: ~6 s)
+    import torch.distributed._tools.mem_tracker  # noqa: F401
+    import torch.utils.flop_counter  # noqa: F401
+
+    import hcp.train.trainer  # noqa: F401
+
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     todo, running, results = list(ranks), {}, {}
