@@ -76,6 +76,15 @@ def _tensors(args) -> list[torch.Tensor]:
     return out
 
 
+def _fake_pg_alltoall_args(args) -> tuple:
+    """torch's fake process group refuses an all-to-all whose rank sends nothing but receives
+    rows (legal on gloo and NCCL: a rank with no rows of its own); hand it a one-row input
+    instead. The recorded op keeps the real input."""
+    out, inp, pg, out_splits, in_splits, *rest = args
+    dummy = inp.new_empty((1, *inp.shape[1:]))
+    return (out, dummy, pg, out_splits, [1] + [0] * (len(in_splits) - 1), *rest)
+
+
 def _group(args) -> dist.ProcessGroup:
     for a in args:
         if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
@@ -100,6 +109,8 @@ class Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "c10d":
             self._record(func._opname, args)
+            if func._opname in UNEVEN_OPS and args[1].numel() == 0 and any(args[3]):
+                args = _fake_pg_alltoall_args(args)
         return func(*args, **kwargs)
 
     def _record(self, name: str, args) -> None:
@@ -119,8 +130,8 @@ class Recorder(TorchDispatchMode):
             self.ops.append(Op(P2P_OPS[name], name, peer=ranks[peer], tag=tag, batch=self._batch, **common))
             return
         splits = None
-        if name in UNEVEN_OPS:  # (output, input, output_split_sizes, input_split_sizes, pg, ...)
-            splits = (tuple(args[2]), tuple(args[3]))
+        if name in UNEVEN_OPS:  # (output, input, pg, output_split_sizes, input_split_sizes, ...)
+            splits = (tuple(args[3]), tuple(args[4]))
             shapes = tuple(tuple(t.shape) for t in tensors[:2])
             common["shapes"] = shapes
         self.ops.append(Op("collective", name, splits=splits, **common))
