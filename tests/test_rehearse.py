@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from hcp.train.rehearse.checks import check_collectives, check_creations, check_rendezvous
 from hcp.train.rehearse.record import Op
-from tests.cfg_utils import REPO
+from tests.cfg_utils import REPO, compose_cfg
 from tests.rehearse_utils import local_only_init, rehearse
 
 WORLD = ("launcher.nproc_per_node=8",)
@@ -61,6 +61,20 @@ def test_creations_must_match_on_every_rank():
     assert check_creations({0: [(0, 1), (0, 1, 2, 3)], 1: [(0, 1), (0, 1, 2, 3)]}) == []
     (bad,) = check_creations({0: [(0, 1), (2, 3)], 1: [(0, 1), (2, 3)], 2: [(2, 3)]})
     assert bad.what == "group creation" and bad.ranks == [0, 2] and bad.position == 0
+
+
+@pytest.mark.parametrize("override, field", [("rehearse.steps=0", "rehearse.steps"),
+                                             ("rehearse.jobs=0", "rehearse.jobs"),
+                                             ("rehearse.ranks=[]", "rehearse.ranks"),
+                                             ("rehearse.ranks=[0,4]", "rehearse.ranks")])
+def test_bad_rehearse_values_name_field_value_and_fix(override, field):
+    from hcp.config.errors import ConfigError
+    from hcp.train.rehearse import check_rehearse
+
+    with pytest.raises(ConfigError) as err:
+        check_rehearse(compose_cfg([override]), 4)  # the base config's world: 4 ranks
+    assert str(err.value).startswith(f"{field}=") and "Fix:" in str(err.value)
+    assert check_rehearse(compose_cfg(["rehearse.ranks=[3,1]"]), 4) == [1, 3]
 
 
 @pytest.mark.timeout(900)

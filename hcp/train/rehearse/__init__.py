@@ -24,7 +24,8 @@ def check_rehearse(cfg, world: int) -> list[int]:
     ranks = list(range(world)) if rc.ranks is None else sorted({int(r) for r in rc.ranks})
     bad = [r for r in ranks if not 0 <= r < world]
     if bad or not ranks:
-        raise ConfigError("rehearse.ranks", list(rc.ranks), f"ranks {bad} are outside the job's world of {world}",
+        problem = f"ranks {bad} are outside the job's world of {world}" if bad else "no rank to rehearse"
+        raise ConfigError("rehearse.ranks", list(rc.ranks), problem,
                           f"list ranks in 0..{world - 1}, or null for all of them")
     return ranks
 

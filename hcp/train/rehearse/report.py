@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 from hcp.model.flops import model_flops
 from hcp.train.rehearse.checks import (Mismatch, check_collectives, check_creations,
