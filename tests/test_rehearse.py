@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from hcp.train.rehearse.checks import check_collectives, check_creations, check_rendezvous
