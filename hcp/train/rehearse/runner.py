@@ -11,6 +11,8 @@ so the loss is meaningless and non-finite steps are skipped (`trainer.on_nonfini
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import multiprocessing as mp
 import os
 import pickle
@@ -119,8 +121,10 @@ def _child(cfg, run_dir, rank, world, steps, out):
     import torch
 
     torch.set_num_threads(1)
-    try:
-        out.put((rank, pickle.dumps(rehearse_rank(cfg, run_dir, rank, world, steps))))
+    try:  # the rank's own console lines (skipped non-finite steps) would only repeat W times
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            result = rehearse_rank(cfg, run_dir, rank, world, steps)
+        out.put((rank, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - even a failure outside the trainer reaches the parent
         out.put((rank, pickle.dumps(RankResult(rank, error=traceback.format_exc()))))
 
