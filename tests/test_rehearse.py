@@ -76,6 +76,7 @@ def test_bad_rehearse_values_name_field_value_and_fix(override, field):
     assert check_rehearse(compose_cfg(["rehearse.ranks=[3,1]"]), 4) == [1, 3]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("overrides", [("+recipe=llama_tiny", *WORLD), HETERO, ISLANDS,
                                        ("+recipe=llava_tiny_two_encoders", *WORLD)],
@@ -87,6 +88,7 @@ def test_tiny_recipes_pass_at_8_ranks(monkeypatch, tmp_path, overrides):
     assert all(r["ops"] > 0 and r["error"] is None for r in report["ranks"].values())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_local_only_group_creation_is_caught(monkeypatch, tmp_path):
     """The registry before the cluster-readiness fix (each rank creates only its own groups,
@@ -96,6 +98,7 @@ def test_local_only_group_creation_is_caught(monkeypatch, tmp_path):
     assert bad.position == 0 and len(bad.ranks) > 1 and "new_group([" in bad.sides[bad.ranks[0]]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_lane_that_skips_the_encoder_gradient_sync_is_caught(monkeypatch, tmp_path):
     import hcp.train.encoders as sides
@@ -116,6 +119,7 @@ class Done:
         return True
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_ranks_that_swap_two_all_reduces_are_caught(monkeypatch, tmp_path):
     """Ranks 2 and 3 issue their first two all-reduces of the step in swapped order."""
@@ -140,6 +144,7 @@ def test_two_ranks_that_swap_two_all_reduces_are_caught(monkeypatch, tmp_path):
     assert bad.sides[2] == bad.sides[3] != bad.sides[0]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("fault", ["missing", "shape"])
 def test_a_receive_missing_or_of_another_shape_is_caught(monkeypatch, tmp_path, fault):
@@ -170,6 +175,7 @@ def test_a_receive_missing_or_of_another_shape_is_caught(monkeypatch, tmp_path, 
     assert kinds <= {"deadlock", "send/recv", "collective"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_dynamic_cp_plan_that_differs_on_one_rank_is_caught(monkeypatch, tmp_path):
     """Rank 6 plans its micro-batches with half the token cap: its CP groups and micro-batches
@@ -185,6 +191,7 @@ def test_a_dynamic_cp_plan_that_differs_on_one_rank_is_caught(monkeypatch, tmp_p
     assert bad and all(6 in m.ranks for m in bad)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cli_exit_status_report_and_bad_input(tmp_path):
     """The command line: a rank over the device memory fails the rehearsal (exit 1, named, in
