@@ -298,12 +298,28 @@ class ClusterConfig:
 
 
 @dataclass
+class RehearseConfig:
+    """`mode=rehearse`: every rank of the job's full world runs the real training code on a
+    recording fake process group (hcp.train.rehearse)."""
+
+    steps: int = 2
+    """Training steps each rank runs."""
+    ranks: Optional[list[int]] = None
+    """Ranks to rehearse, for a quick look; None: all of them (only that proves the job)."""
+    jobs: Optional[int] = None
+    """Ranks rehearsed at a time, one process each; None: one per CPU core."""
+
+
+@dataclass
 class HCPConfig:
     seed: int = 1234
     mode: str = "train"
     """`train`, `plan` (one process, no process groups: layouts, memory, plan.json/png),
     `export` (write the model as the run would start it as a Hugging Face checkpoint) or
-    `calibrate` (fit the dynamic-CP cost model on this machine: hcp/train/calibrate.py)."""
+    `calibrate` (fit the dynamic-CP cost model on this machine: hcp/train/calibrate.py) or
+    `rehearse` (every rank of the full world through the real training code on a recording
+    fake process group; checks collectives, sends/receives, group creation, memory:
+    hcp/train/rehearse)."""
     placement: str = "colocated"
     """`colocated` or `non_colocated`."""
     packing: str = "first_fit"
@@ -335,6 +351,7 @@ class HCPConfig:
     """Start a new stage from a checkpoint folder: model weights only, a fresh optimizer and
     schedule at step 0 (LLaVA stage 2 from stage 1). `resume` continues the same run."""
     export: ExportConfig = field(default_factory=ExportConfig)
+    rehearse: RehearseConfig = field(default_factory=RehearseConfig)
     packing_profile: str = "h100"
     """Hardware profile of the dynamic-CP cost model: `h100` (analytic defaults,
     hcp/dcp/profiles/h100.yaml) or a YAML file, e.g. the `profile.yaml` of `mode=calibrate`."""

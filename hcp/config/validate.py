@@ -17,7 +17,7 @@ from hcp.config.modules import check_graph, encoder_names, module_cfg, module_ke
 from hcp.config.precision import PRECISIONS
 
 _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
-    "mode": ("train", "plan", "export", "calibrate"),
+    "mode": ("train", "plan", "export", "calibrate", "rehearse"),
     "export.dtype": ("auto", "float32", "bfloat16", "float16"),
     "data.long_docs": ("split", "reject"),
     "precision": PRECISIONS,

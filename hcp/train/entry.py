@@ -78,6 +78,18 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
 
         validate(cfg, world_size_of(cfg, resolve_nproc("auto")), unresolved)
         return run_calibrate(cfg, run_dir)
+    if cfg.mode == "rehearse":  # every rank of the full world on a fake process group
+        from hcp.train.rehearse import check_rehearse, run_rehearsal
+
+        world = world_size_of(cfg, resolve_nproc("auto"))
+        validate(cfg, world)
+        check_rehearse(cfg, world)
+        for line in prepare_data(cfg):
+            print(line)
+        print(f"hcp: run directory {run_dir}", flush=True)
+        if run_rehearsal(cfg, run_dir, world):  # mismatches: exit status 1
+            sys.exit(1)
+        return None
     world = local_world_size(cfg, joined, overrides)
     layouts = validate(cfg, world, unresolved)
     if not joined:

@@ -1,0 +1,63 @@
+"""`python train.py +recipe=R mode=rehearse`: every rank of the recipe's full world runs the
+real training code, one forked process per rank, on torch's fake process group; its
+collectives, sends/receives and group creations are recorded and checked against every other
+rank's (`checks`), its peak memory is tracked and its FLOPs counted (`runner`), and the verdict
+is printed and written to `rehearsal.json` (`report`)."""
+from __future__ import annotations
+
+import os
+import time
+
+from hcp.config.errors import ConfigError
+
+
+def check_rehearse(cfg, world: int) -> list[int]:
+    """The ranks to rehearse (`rehearse.ranks`, default all of `world`).
+
+    Raises:
+        ConfigError: `rehearse.steps` < 1, `rehearse.jobs` < 1 or a rank outside the world."""
+    rc = cfg.rehearse
+    if rc.steps < 1:
+        raise ConfigError("rehearse.steps", rc.steps, "a rehearsal runs at least one step", "use rehearse.steps=1 or more")
+    if rc.jobs is not None and rc.jobs < 1:
+        raise ConfigError("rehearse.jobs", rc.jobs, "at least one process runs", "use rehearse.jobs=1 or more (null: one per core)")
+    ranks = list(range(world)) if rc.ranks is None else sorted({int(r) for r in rc.ranks})
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad or not ranks:
+        problem = f"ranks {bad} are outside the job's world of {world}" if bad else "no rank to rehearse"
+        raise ConfigError("rehearse.ranks", list(rc.ranks), problem,
+                          f"list ranks in 0..{world - 1}, or null for all of them")
+    return ranks
+
+
+def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
+    """Rehearse `cfg`'s job of `world` ranks; print the report, write `rehearsal.json` into
+    `run_dir`; return its mismatches (`hcp.train.rehearse.checks.Mismatch`; none: passed). The
+    layouts must already be validated and the data prepared."""
+    from hcp.config.layouts import resolve_layouts
+    from hcp.parallel.roles import role_table
+    from hcp.train.plan import memory_per_rank, running_layouts
+    from hcp.train.rehearse.report import find_mismatches, format_report, role_rows, step_flops, write_json
+    from hcp.train.rehearse.runner import default_jobs, rehearsal_config, rehearse_ranks
+
+    ranks = check_rehearse(cfg, world)
+    layouts = resolve_layouts(cfg, world)
+    running = running_layouts(cfg, layouts)
+    roles = {role.rank: ", ".join(f"{m} pp{role.stage(m)}" for m in role.modules)
+             for role in role_table(running, world)}
+    plan_gib = {row["rank"]: row["total"] for row in memory_per_rank(cfg, layouts, world)}
+    cfg = rehearsal_config(cfg)  # what the ranks get: the resolved container, as in training
+    jobs = cfg.rehearse.jobs or default_jobs()
+    t0 = time.perf_counter()
+
+    def said(rank, res):
+        if progress:
+            print(f"hcp: rehearsed rank {rank} of {world}{' (raised)' if res.error else ''}", flush=True)
+
+    results = rehearse_ranks(cfg, run_dir, ranks, world, cfg.rehearse.steps, jobs, progress=said)
+    wall = time.perf_counter() - t0
+    mismatches = find_mismatches(results, world, cfg.cluster.device_memory_gib)
+    rows, flops = role_rows(results, roles, plan_gib), step_flops(cfg, results, world)
+    print(format_report(rows, mismatches, flops, wall), flush=True)
+    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, flops, results, wall)
+    return mismatches

@@ -1,0 +1,164 @@
+"""Run each rank of the job's world through the real trainer on a recording process group.
+
+Each rank runs in its own forked process (`rehearse.jobs` at a time): torch's fake process
+group (`FakeStore`, backend `"fake"`: every collective returns at once, its output untouched)
+at rank r of the full world W, the `Trainer` built exactly as training builds it, then
+`rehearse.steps` real `train_step()`s under the `Recorder` (every c10d op and group creation),
+torch's `MemTracker` (peak bytes over set-up and steps) and `FlopCounterMode` (the last step).
+The tensors are real, so a rehearsal costs what one rank's step costs (tiny recipes in
+seconds); the values that collectives would have brought are the rank's own or uninitialised,
+so the loss is meaningless and non-finite steps are skipped (`trainer.on_nonfinite=skip`).
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import traceback
+from dataclasses import dataclass, field
+
+from omegaconf import OmegaConf
+
+REHEARSAL_OVERRIDES = {"logger.name": "none", "trainer.on_nonfinite": "skip", "trainer.eval_every": 0,
+                       "trainer.progress_bar": False, "resume": None}
+"""What a rehearsal changes in the config: no logger, no evaluation, no resume, and a
+non-finite loss (from the fake collectives' untouched outputs) skips the update."""
+
+
+@dataclass
+class RankResult:
+    """One rank's rehearsal: its ops (`hcp.train.rehearse.record.Op`, issue order), group
+    creations, peak bytes tracked by `MemTracker`, FLOPs counted in the last step, the plan's
+    global (tokens, sum of squared document lengths) of each step, and the traceback if the
+    rank raised (then the rest may be partial)."""
+
+    rank: int
+    ops: list = field(default_factory=list)
+    creations: list = field(default_factory=list)
+    peak_bytes: int = 0
+    flops: int = 0
+    step_counts: list = field(default_factory=list)
+    error: str | None = None
+
+
+def rehearsal_config(cfg):
+    """`cfg` with `REHEARSAL_OVERRIDES` applied (a copy)."""
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    for key, value in REHEARSAL_OVERRIDES.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankResult:
+    """Rank `rank` of `world` on the fake process group, in this process: set-up and `steps`
+    training steps, recorded. Leaves the process group destroyed."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from hcp.train.rehearse.record import Recorder
+    from hcp.train.trainer import Trainer
+
+    result, rec = RankResult(rank), Recorder()
+    rec.install()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    trainer = None
+    try:
+        with rec:
+            trainer = Trainer(cfg, run_dir)
+        fb = trainer.forward_backward
+
+        def forward_backward(global_batch, prepared=None):
+            c = prepared[0].counts
+            result.step_counts.append((c.tokens, c.sum_sq_lengths))
+            return fb(global_batch, prepared)
+
+        trainer.forward_backward = forward_backward
+        tracker = _peak_tracker()
+        tracker.track_external(trainer.modules, trainer.optimizer)
+        with tracker:
+            for step in range(1, steps + 1):
+                rec.step = step
+                flops = FlopCounterMode(display=False)
+                with rec, flops:
+                    trainer.train_step()
+                result.flops = flops.get_total_flops()
+        result.peak_bytes = sum(snap.get("Total", 0) for snap in
+                                tracker.get_tracker_snapshot("peak").values()
+                                if isinstance(snap, dict))
+    except Exception:  # noqa: BLE001 - a rank that raises is a finding, reported with its traceback
+        result.error = traceback.format_exc()
+    finally:
+        if trainer is not None:
+            trainer.ahead.close()
+        rec.uninstall()
+        result.ops, result.creations = rec.ops, rec.creations
+        dist.destroy_process_group()
+        torch.set_grad_enabled(True)
+    return result
+
+
+def _peak_tracker():
+    """torch's `MemTracker` for one figure, the rank's peak bytes: its per-module statistics
+    are off (they raise when a root module runs once per micro-batch, and cost a snapshot per
+    module call)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class RankPeakTracker(MemTracker):
+        def _pre_fw_hook(self, *args):
+            pass
+
+        _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
+
+    return RankPeakTracker()
+
+
+def _child(cfg, run_dir, rank, world, steps, out):
+    import torch
+
+    torch.set_num_threads(1)
+    try:  # the rank's own console lines (skipped non-finite steps) would only repeat W times
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            result = rehearse_rank(cfg, run_dir, rank, world, steps)
+        out.put((rank, pickle.dumps(result)))
+    except BaseException:  # noqa: BLE001 - even a failure outside the trainer reaches the parent
+        out.put((rank, pickle.dumps(RankResult(rank, error=traceback.format_exc()))))
+
+
+def rehearse_ranks(cfg, run_dir: str, ranks: list[int], world: int, steps: int, jobs: int,
+                   timeout_s: float = 3600.0, progress=None) -> dict[int, RankResult]:
+    """`rehearse_rank` of each of `ranks`, `jobs` forked processes at a time; rank -> result.
+    `progress(rank, result)` is called as each finishes."""
+    import torch._dynamo  # noqa: F401 - imported once here, not in every child (AdamW imports it: ~6 s)
+    import torch.distributed._tools.mem_tracker  # noqa: F401
+    import torch.utils.flop_counter  # noqa: F401
+
+    import hcp.train.trainer  # noqa: F401
+
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    todo, running, results = list(ranks), {}, {}
+    while todo or running:
+        while todo and len(running) < max(1, jobs):
+            rank = todo.pop(0)
+            running[rank] = ctx.Process(target=_child, args=(cfg, run_dir, rank, world, steps, out),
+                                        daemon=True)
+            running[rank].start()
+        try:
+            rank, blob = out.get(timeout=timeout_s)
+        except queue_mod.Empty:
+            raise RuntimeError(f"rehearsal of ranks {sorted(running)} took over {timeout_s:.0f} s") from None
+        results[rank] = pickle.loads(blob)
+        running.pop(rank).join()
+        if progress is not None:
+            progress(rank, results[rank])
+    return results
+
+
+def default_jobs() -> int:
+    """Processes at a time when `rehearse.jobs` is unset: one per CPU core."""
+    return os.cpu_count() or 1

@@ -1,0 +1,73 @@
+"""Helpers of the rehearsal tests (tests/test_rehearse.py): run `mode=rehearse` in-process, and
+two ways to create the process groups (`ProcessGroupRegistry.__init__`) patched in by tests:
+
+- `local_only_init`: the registry as it was before the cluster-readiness fix, each rank creating
+  only its own groups with `use_local_synchronization=True`; a fault seed that must stay caught
+  after the fix lands.
+- `global_order_init`: every rank creates every group of every module in one global order, the
+  rule NCCL needs (DESIGN.md section 8). A stand-in for the fix of hcp/parallel/groups.py made
+  in parallel: delete it, and its uses, once that fix is merged.
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from hcp.parallel.grid import KINDS, Grid
+from hcp.parallel.groups import DYNAMIC_CP, ProcessGroupRegistry
+from tests.cfg_utils import compose_cfg
+
+FAST = ("rehearse.steps=1", "rehearse.jobs=2", "trainer.global_batch_size=8")
+"""One step of a small global batch: what a test rehearsal needs to see every collective kind."""
+
+
+def _rows(module, grid, dynamic_cp_modules):
+    rows = [(kind, None, grid.groups(kind).reshape(-1, grid.groups(kind).shape[-1])) for kind in KINDS]
+    if module in dynamic_cp_modules:
+        rows += [(DYNAMIC_CP, s, grid.dynamic_cp_groups(s)) for s in grid.dynamic_cp_sizes()]
+    return rows
+
+
+def global_order_init(self, layouts, dynamic_cp_modules=()):
+    self.rank = dist.get_rank()
+    self.grids = {m: Grid.of(lay) for m, lay in layouts.items()}
+    self._groups, created = {}, {}
+    for module, grid in self.grids.items():
+        for kind, size, rows in _rows(module, grid, dynamic_cp_modules):
+            for row in rows:
+                ranks = tuple(int(r) for r in row)
+                if ranks not in created:
+                    created[ranks] = dist.new_group(list(ranks))
+                if self.rank in ranks:
+                    self._groups[module, kind, size] = (created[ranks], ranks)
+    self.num_created = len(created)
+
+
+def local_only_init(self, layouts, dynamic_cp_modules=()):
+    self.rank = dist.get_rank()
+    self.grids = {m: Grid.of(lay) for m, lay in layouts.items()}
+    self._groups, created = {}, {}
+    for module, grid in self.grids.items():
+        if not grid.contains(self.rank):
+            continue
+        for kind, size, rows in _rows(module, grid, dynamic_cp_modules):
+            ranks = next(tuple(int(r) for r in row) for row in rows if self.rank in row)
+            if ranks not in created:
+                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            self._groups[module, kind, size] = (created[ranks], ranks)
+    self.num_created = len(created)
+
+
+def rehearse(monkeypatch, tmp_path, overrides, registry=global_order_init):
+    """`mode=rehearse` of `overrides` (plus `FAST`) in this process, the ranks forked from it
+    with `registry` as `ProcessGroupRegistry.__init__`; returns its mismatches."""
+    from hcp.config.layouts import world_size_of
+    from hcp.config.validate import validate
+    from hcp.data.build import prepare_data
+    from hcp.train.rehearse import run_rehearsal
+
+    monkeypatch.setattr(ProcessGroupRegistry, "__init__", registry)
+    cfg = compose_cfg(["mode=rehearse", "logger=none", *FAST, *overrides], run_dir=str(tmp_path))
+    world = world_size_of(cfg, 4)
+    validate(cfg, world)
+    list(prepare_data(cfg))
+    return run_rehearsal(cfg, str(tmp_path), world, progress=False)

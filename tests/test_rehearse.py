@@ -1,0 +1,210 @@
+"""`mode=rehearse` (hcp/train/rehearse): the checks on hand-made traces, then the real trainer at
+8 ranks on torch's fake process group: the tiny recipes pass, and each seeded fault is named."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+from hcp.train.rehearse.checks import check_collectives, check_creations, check_rendezvous
+from hcp.train.rehearse.record import Op
+from tests.cfg_utils import REPO, compose_cfg
+from tests.rehearse_utils import local_only_init, rehearse
+
+WORLD = ("launcher.nproc_per_node=8",)
+HETERO = ("+recipe=llava_tiny_hetero", *WORLD)
+ISLANDS = (*HETERO, "placement=non_colocated", "vision.layout.num_ranks=4")
+
+
+def _coll(shape, group=(0, 1), step=1, op="allreduce_"):
+    return Op("collective", op, tuple(group), "g", (tuple(shape),), "torch.float32", step)
+
+
+def _p2p(kind, peer, shape=(4,), batch=1):
+    return Op(kind, "send" if kind == "send" else "recv_", (0, 1), "p", (tuple(shape),), "torch.float32",
+              1, peer=peer, tag=0, batch=batch)
+
+
+def test_checks_name_a_skipped_and_a_swapped_collective():
+    skipped = check_collectives({0: [_coll([2]), _coll([3])], 1: [_coll([3])]})
+    assert len(skipped) == 1 and skipped[0].ranks == [0, 1] and skipped[0].position == 0
+    assert "allreduce_ [[2]]" in skipped[0].sides[0] and "[[3]]" in skipped[0].sides[1]
+    swapped = check_collectives({0: [_coll([2]), _coll([3])], 1: [_coll([3]), _coll([2])]})
+    assert swapped[0].what == "collective" and swapped[0].position == 0
+    assert check_collectives({0: [_coll([2]), _coll([3])], 1: [_coll([2]), _coll([3])]}) == []
+    # a collective one member never reaches also leaves the others waiting
+    assert check_rendezvous({0: [_coll([2])], 1: []}, 2)[0].what == "deadlock"
+
+
+def test_rendezvous_of_sends_and_receives():
+    """A send and a receive posted in one batch on both sides finish (NCCL's batched
+    rendezvous); the same ops posted one at a time, both sends first, wait forever; a receive
+    of another shape is named with both sides."""
+    batched = {0: [_p2p("send", 1), _p2p("recv", 1)], 1: [_p2p("send", 0), _p2p("recv", 0)]}
+    assert check_rendezvous(batched, 2) == []
+    crossed = {0: [_p2p("send", 1, batch=1), _p2p("recv", 1, batch=2)],
+               1: [_p2p("send", 0, batch=1), _p2p("recv", 0, batch=2)]}
+    (dead,) = check_rendezvous(crossed, 2)
+    assert dead.what == "deadlock" and dead.ranks == [0, 1]
+    (shape,) = check_rendezvous({0: [_p2p("send", 1, (4,))], 1: [_p2p("recv", 0, (3,))]}, 2)
+    assert shape.what == "send/recv" and "[[4]]" in shape.sides[0] and "[[3]]" in shape.sides[1]
+    (missing,) = check_rendezvous({0: [_p2p("send", 1)], 1: []}, 2)
+    assert missing.what == "deadlock" and missing.ranks == [0]
+
+
+def test_creations_must_match_on_every_rank():
+    assert check_creations({0: [(0, 1), (0, 1, 2, 3)], 1: [(0, 1), (0, 1, 2, 3)]}) == []
+    (bad,) = check_creations({0: [(0, 1), (2, 3)], 1: [(0, 1), (2, 3)], 2: [(2, 3)]})
+    assert bad.what == "group creation" and bad.ranks == [0, 2] and bad.position == 0
+
+
+@pytest.mark.parametrize("override, field", [("rehearse.steps=0", "rehearse.steps"),
+                                             ("rehearse.jobs=0", "rehearse.jobs"),
+                                             ("rehearse.ranks=[]", "rehearse.ranks"),
+                                             ("rehearse.ranks=[0,4]", "rehearse.ranks")])
+def test_bad_rehearse_values_name_field_value_and_fix(override, field):
+    from hcp.config.errors import ConfigError
+    from hcp.train.rehearse import check_rehearse
+
+    with pytest.raises(ConfigError) as err:
+        check_rehearse(compose_cfg([override]), 4)  # the base config's world: 4 ranks
+    assert str(err.value).startswith(f"{field}=") and "Fix:" in str(err.value)
+    assert check_rehearse(compose_cfg(["rehearse.ranks=[3,1]"]), 4) == [1, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("overrides", [("+recipe=llama_tiny", *WORLD), HETERO, ISLANDS,
+                                       ("+recipe=llava_tiny_two_encoders", *WORLD)],
+                         ids=["llama_tiny", "llava_tiny_hetero", "llava_tiny_hetero_islands", "two_encoders"])
+def test_tiny_recipes_pass_at_8_ranks(monkeypatch, tmp_path, overrides):
+    assert rehearse(monkeypatch, tmp_path, overrides) == []
+    report = json.load(open(tmp_path / "rehearsal.json"))
+    assert report["passed"] and len(report["ranks"]) == 8
+    assert all(r["ops"] > 0 and r["error"] is None for r in report["ranks"].values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_local_only_group_creation_is_caught(monkeypatch, tmp_path):
+    """The registry before the cluster-readiness fix (each rank creates only its own groups,
+    `use_local_synchronization=True`) under `placement=non_colocated`: named."""
+    found = rehearse(monkeypatch, tmp_path, ISLANDS, registry=local_only_init)
+    (bad,) = [m for m in found if m.what == "group creation"]
+    assert bad.position == 0 and len(bad.ranks) > 1 and "new_group([" in bad.sides[bad.ranks[0]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_lane_that_skips_the_encoder_gradient_sync_is_caught(monkeypatch, tmp_path):
+    import hcp.train.encoders as sides
+
+    sync = sides.sync_encoder_grads
+    monkeypatch.setattr(sides, "sync_encoder_grads",
+                        lambda *a: None if dist.get_rank() == 5 else sync(*a))
+    found = rehearse(monkeypatch, tmp_path, HETERO)
+    (bad,) = [m for m in found if m.what == "collective"]
+    assert bad.ranks == [0, 5] and bad.step == 1 and bad.position == 0
+    assert bad.sides[0].startswith("allreduce_") and bad.sides[5].startswith("nothing")
+
+
+class Done:
+    """A finished `Work` stand-in for an op a seeded fault did not issue."""
+
+    def wait(self, *a):
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_two_ranks_that_swap_two_all_reduces_are_caught(monkeypatch, tmp_path):
+    """Ranks 2 and 3 issue their first two all-reduces of the step in swapped order."""
+    real, held = dist.all_reduce, []
+
+    def swapped(tensor, *args, **kwargs):
+        if dist.get_rank() not in (2, 3) or held == ["done"]:
+            return real(tensor, *args, **kwargs)
+        if not held:
+            held.append((tensor, args, kwargs))
+            return Done() if kwargs.get("async_op") else None
+        first = held.pop()
+        held.append("done")
+        work = real(tensor, *args, **kwargs)
+        real(first[0], *first[1], **first[2])
+        return work
+
+    monkeypatch.setattr(dist, "all_reduce", swapped)
+    found = rehearse(monkeypatch, tmp_path, ("+recipe=llama_tiny", *WORLD))
+    (bad,) = [m for m in found if m.what == "collective"]
+    assert bad.ranks == [0, 2, 3] and bad.position == 0 and bad.step == 1
+    assert bad.sides[2] == bad.sides[3] != bad.sides[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("fault", ["missing", "shape"])
+def test_a_receive_missing_or_of_another_shape_is_caught(monkeypatch, tmp_path, fault):
+    """Pipeline stages (pp 2): rank 5's first batch of sends and receives drops its receive,
+    or receives into a buffer one element short."""
+    real, seen = dist.batch_isend_irecv, []
+
+    def seeded(ops):
+        if dist.get_rank() == 5 and not seen and any(op.op is dist.irecv for op in ops):
+            seen.append(True)
+            recv = next(op for op in ops if op.op is dist.irecv)
+            rest = [op for op in ops if op is not recv]
+            if fault == "shape":
+                return real(rest + [dist.P2POp(dist.irecv, recv.tensor.flatten()[1:].clone(), recv.peer,
+                                               recv.group, recv.tag)])
+            return (real(rest) if rest else []) + [Done()]  # the receive is never posted
+        return real(ops)
+
+    monkeypatch.setattr(dist, "batch_isend_irecv", seeded)
+    found = rehearse(monkeypatch, tmp_path, ("+recipe=llama_tiny", *WORLD, "llm.layout.pp=2"))
+    kinds = {m.what for m in found}
+    if fault == "missing":
+        (dead,) = [m for m in found if m.what == "deadlock"]
+        assert 1 in dead.ranks and "send" in dead.sides[1]  # rank 1 (stage 0) waits in its send to 5
+    else:
+        (bad,) = [m for m in found if m.what == "send/recv"]
+        assert bad.ranks == [1, 5] and bad.step == 1 and "send" in bad.sides[1] and "recv" in bad.sides[5]
+    assert kinds <= {"deadlock", "send/recv", "collective"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_dynamic_cp_plan_that_differs_on_one_rank_is_caught(monkeypatch, tmp_path):
+    """Rank 6 plans its micro-batches with half the token cap: its CP groups and micro-batches
+    differ from its pool's."""
+    import hcp.train.trainer as trainer
+
+    plan = trainer.plan_step
+    monkeypatch.setattr(trainer, "plan_step", lambda sizes, layouts, packing, cap, *a, **k: plan(
+        sizes, layouts, packing, cap // 2 if dist.get_rank() == 6 else cap, *a, **k))
+    found = rehearse(monkeypatch, tmp_path, ("+recipe=llama_tiny", *WORLD, "packing=dynamic_cp",
+                                             "llm.layout.cp=2", "trainer.micro_batch_tokens=128"))
+    bad = [m for m in found if m.what == "collective"]
+    assert bad and all(6 in m.ranks for m in bad)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cli_exit_status_report_and_bad_input(tmp_path):
+    """The command line: a rank over the device memory fails the rehearsal (exit 1, named, in
+    rehearsal.json); a bad `rehearse.*` value is a one-line error before any rank starts."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    base = [sys.executable, "train.py", "+recipe=llama_tiny", "mode=rehearse", "logger=none"]
+    proc = subprocess.run([*base, "rehearse.ranks=[0]", "rehearse.steps=1", "cluster.device_memory_gib=0.0001",
+                           f"hydra.run.dir={tmp_path}"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=500)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "rehearsal failed" in proc.stdout and "memory: ranks [0]" in proc.stdout
+    report = json.load(open(tmp_path / "rehearsal.json"))
+    assert not report["passed"] and list(report["ranks"]) == ["0"]
+    bad = subprocess.run([*base, "rehearse.ranks=[9]", f"hydra.run.dir={tmp_path}/bad"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "rehearse.ranks=[9]" in bad.stderr and "Fix:" in bad.stderr
