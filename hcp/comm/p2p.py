@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -26,16 +27,19 @@ import torch.distributed as dist
 class StageMeta:
     """What a non-first stage knows of a micro-batch: cu_seqlens int32 [N + 1], max_seqlen int,
     position_ids long [T] and labels long [T] (already shifted, -100 = ignore) of the WHOLE
-    micro-batch (before CP)."""
+    micro-batch (before CP); cu_seqlens_host: the same boundaries on the host (numpy; CP plans
+    from it)."""
 
     cu_seqlens: torch.Tensor
     max_seqlen: int
     position_ids: torch.Tensor
     labels: torch.Tensor
+    cu_seqlens_host: np.ndarray | None = None
 
     @classmethod
     def of(cls, batch) -> "StageMeta":
-        return cls(batch.cu_seqlens, int(batch.max_seqlen), batch.position_ids, batch.labels)
+        return cls(batch.cu_seqlens, int(batch.max_seqlen), batch.position_ids, batch.labels,
+                   getattr(batch, "cu_seqlens_host", None))
 
     def sizes(self) -> list[int]:
         """[N + 1, T, max_seqlen]: what a receiver needs to split `flat`."""
@@ -49,7 +53,8 @@ class StageMeta:
     def unflat(cls, flat: torch.Tensor, num_cu: int, max_seqlen: int) -> "StageMeta":
         t = (flat.numel() - num_cu) // 2
         cu, pos, labels = flat.split([num_cu, t, t])
-        return cls(cu.to(torch.int32), max_seqlen, pos, labels)
+        cu = cu.to(torch.int32)
+        return cls(cu, max_seqlen, pos, labels, cu.cpu().numpy())  # this path reads back anyway
 
 
 def broadcast_metas(batches, num_micro: int, group, src: int, device) -> list[StageMeta]:

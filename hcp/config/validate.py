@@ -42,8 +42,8 @@ def check_backends(cfg) -> None:
     backend, cp = cfg.llm.attention_backend, cfg.llm.layout.cp
     if cp > 1 and backend not in CP_BACKENDS:
         raise ConfigError("llm.attention_backend", backend, f"does not run with context parallelism "
-                          f"yet (llm.layout.cp={cp}); CP attention is hcp's own torch code",
-                          "set llm.attention_backend=auto (or torch), or llm.layout.cp=1")
+                          f"(llm.layout.cp={cp}); CP runs on {', '.join(CP_BACKENDS)}",
+                          "set llm.attention_backend=auto (or torch, or te), or llm.layout.cp=1")
     if backend in BACKEND_MODULES:
         package, how = BACKEND_MODULES[backend]
         package = package.split(".")[0]

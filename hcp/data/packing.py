@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 
@@ -22,7 +23,8 @@ class Batch:
     bool, True where an image embedding replaces the placeholder; sample_ids: N record ids.
     Several streams into the LLM (`hcp.config.modules`): stream_masks {projector: bool [T]} of
     every stream but the default `projector`; encoder_pixels {encoder: [I_e, C, H, W]} of every
-    named encoder (the single-process model encodes them; `hcp.model.llava`).
+    named encoder (the single-process model encodes them; `hcp.model.llava`). cu_seqlens_host:
+    int32 [N + 1] numpy, the host copy of cu_seqlens that `to` keeps (CP plans from it).
     """
 
     input_ids: torch.Tensor
@@ -35,6 +37,7 @@ class Batch:
     sample_ids: list = field(default_factory=list)
     stream_masks: dict = field(default_factory=dict)
     encoder_pixels: dict = field(default_factory=dict)
+    cu_seqlens_host: Optional[np.ndarray] = None
 
     def to(self, device) -> "Batch":
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
@@ -42,7 +45,9 @@ class Batch:
                      move(self.cu_seqlens), self.max_seqlen, move(self.pixel_values),
                      move(self.image_mask), self.sample_ids,
                      {k: move(v) for k, v in self.stream_masks.items()},
-                     {k: move(v) for k, v in self.encoder_pixels.items()})
+                     {k: move(v) for k, v in self.encoder_pixels.items()},
+                     self.cu_seqlens.numpy() if self.cu_seqlens.device.type == "cpu"
+                     else self.cu_seqlens_host)
 
 
 def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -216,23 +217,24 @@ class Trainer:
                     if batches is not None:
                         batches.append((mb, tag(empty, mb)))
                 continue
-            cu = torch.as_tensor(mb.cu_seqlens, device=device)
+            host_cu = mb.cu_seqlens   # the plan's, on the host
             if self.stage.first or self.stage.last:
                 samples = [ds[indices[s]] for s in mb.samples]
             if self.stage.first:
                 ids = getattr(ds, "stream_ids", None)  # every stream's placeholder positions
-                batch = tag(collate(samples, [], self.tok.image_token_id, ids).to(device), mb)
-                if not torch.equal(batch.cu_seqlens, cu):
+                batch = collate(samples, [], self.tok.image_token_id, ids)
+                if not np.array_equal(batch.cu_seqlens.numpy(), host_cu):
                     raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
                                        f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
+                batch = tag(batch.to(device), mb)
                 batches.append((mb, batch))
                 metas.append(tag(StageMeta.of(batch), mb))
                 continue
-            lengths = (cu[1:] - cu[:-1]).tolist()
+            lengths = np.diff(mb.cu_seqlens).tolist()
             labels = (torch.tensor([t for s in samples for t in s.labels], device=device)
-                      if self.stage.last else torch.full((int(cu[-1]),), -100, device=device))
-            metas.append(tag(StageMeta(cu, mb.max_seqlen, torch.cat(
-                [torch.arange(n, device=device) for n in lengths]), labels), mb))
+                      if self.stage.last else torch.full((sum(lengths),), -100, device=device))
+            metas.append(tag(StageMeta(torch.as_tensor(host_cu, device=device), mb.max_seqlen, torch.cat(
+                [torch.arange(n, device=device) for n in lengths]), labels, host_cu), mb))
         return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}
 
     def train_step(self) -> dict:
