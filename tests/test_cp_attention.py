@@ -104,6 +104,7 @@ def _recording(records):
 def cp_case(rank, world, comm, ref):
     records = []
     _recording(records)
+    cp_attention_module.SHORT_CHUNK = 4   # the long documents as three calls, the short as one
     for dtype, tol in ((torch.float32, TOL), (torch.bfloat16, BF16_TOL)):
         records.clear()
         plan = build_cp_plan(qkvw(MIX)[0], dist.group.WORLD, comm)
@@ -124,21 +125,23 @@ def test_fused_cp_attention_fp32_exact_and_bf16_close_with_fp32_statistics(comm,
     run_ranks(cp_case, cp, comm, reference(MIX), timeout=80)
 
 
-@pytest.mark.parametrize("lq, lk, causal", [(6, 6, True), (5, 7, False)])
-def test_cpu_kernel_matches_the_math_kernel_with_given_out_and_lse(lq, lk, causal):
+@pytest.mark.parametrize("lq, lk, causal, masked", [(6, 6, True, False), (5, 7, False, False),
+                                                    (5, 7, False, True)])
+def test_cpu_kernel_matches_the_math_kernel_with_given_out_and_lse(lq, lk, causal, masked):
     """The fused CPU kernel against the plain-torch one (also CUDA's fp32 path): forward out
     and lse, and the backward from an out / lse pair it did not compute itself (as after a merge:
-    here the math kernel's), grouped-query heads."""
+    here the math kernel's), grouped-query heads, with and without a shared mask."""
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, lq, 4, 8, generator=g)
     k, v = (torch.randn(2, lk, 2, 8, generator=g) for _ in range(2))
     dout = torch.randn(q.shape, generator=g)
+    mask = (torch.rand(lq, lk, generator=g) < 0.6).index_fill_(1, torch.tensor([0]), True) if masked else None
     cpu = KERNELS["cpu"]
-    out, lse = MATH.forward(q, k, v, causal)
-    for got, want in zip(cpu.forward(q, k, v, causal), (out, lse)):
+    out, lse = MATH.forward(q, k, v, causal, mask)
+    for got, want in zip(cpu.forward(q, k, v, causal, mask), (out, lse)):
         torch.testing.assert_close(got, want, **TOL)
-    for got, want in zip(cpu.backward(dout, q, k, v, out, lse, causal),
-                         MATH.backward(dout, q, k, v, out, lse, causal)):
+    for got, want in zip(cpu.backward(dout, q, k, v, out, lse, causal, mask),
+                         MATH.backward(dout, q, k, v, out, lse, causal, mask)):
         torch.testing.assert_close(got, want, **TOL)
 
 
@@ -158,7 +161,7 @@ def _rows(rows) -> torch.Tensor:
     return (rows.start + torch.arange(rows.n * rows.length)).view(rows.n, rows.length)
 
 
-def visible_pairs(cu, c, r, comm):
+def visible_pairs(cu, c, r, comm, masked):
     """(query row, key document, key position) pairs the calls compute, and the count of
     computed score elements (a causal block counts its lower triangle)."""
     lengths = (cu[1:] - cu[:-1]).tolist()
@@ -168,13 +171,15 @@ def visible_pairs(cu, c, r, comm):
                                                  (s.cu_seqlens[1:] - s.cu_seqlens[:-1]).long())
                          for s in shards])
     pairs, elements = set(), 0
-    for j, calls in enumerate(cp_calls(lengths, c, r, comm)):
+    for j, calls in enumerate(cp_calls(lengths, c, r, comm, masked=masked)):
         offset = 0 if comm == "allgather" else j * len(shards[0].valid)
         for call in calls:
             qr, kr = _rows(call.q), _rows(call.k)
             mask = torch.ones(qr.shape[1], kr.shape[1], dtype=torch.bool)
             if call.causal:
                 mask = mask.tril()
+            if call.mask is not None:
+                mask = call.mask
             elements += qr.shape[0] * int(mask.sum())
             qi, ki = mask.nonzero().unbind(1)
             for q_rows, k_rows in zip(qr, kr):
@@ -183,11 +188,12 @@ def visible_pairs(cu, c, r, comm):
     return pairs, elements
 
 
-@pytest.mark.parametrize("comm", ["allgather", "p2p"])
-def test_calls_cover_exactly_the_causal_pairs_and_balance_ranks(comm):
+@pytest.mark.parametrize("comm, masked", [("allgather", False), ("allgather", True), ("p2p", True)])
+def test_calls_cover_exactly_the_causal_pairs_and_balance_ranks(comm, masked):
     """Every (query, key) pair of the same document with pos_k <= pos_q is computed once per
     rank's calls, no other pair is, and the long document's work is the same on every rank
-    (the head-tail split balances the skipped chunks)."""
+    (the head-tail split balances the skipped chunks); `masked`: short documents (here all of
+    them under allgather) as one masked call."""
     c, lengths = 4, [200, 7, 3, 40]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     work = []
@@ -197,10 +203,11 @@ def test_calls_cover_exactly_the_causal_pairs_and_balance_ranks(comm):
                                             (shard.cu_seqlens[1:] - shard.cu_seqlens[:-1]).long())
         expected = {(row, int(local_doc[row]), p) for row in range(len(shard.valid))
                     for p in range(int(shard.position_ids[row]) + 1)}
-        pairs, elements = visible_pairs(cu, c, r, comm)
+        pairs, elements = visible_pairs(cu, c, r, comm, masked)
         assert pairs == expected
-        long_only = visible_pairs(cu[:2], c, r, comm)[1]
-        assert long_only < 0.6 * (2 * 25) * (8 * 25)   # vs. every local query x every key
+        long_only = visible_pairs(cu[:2], c, r, comm, masked)[1]
+        if not (masked and comm == "allgather"):     # the masked call counts its visible pairs
+            assert long_only < 0.6 * (2 * 25) * (8 * 25)   # vs. every local query x every key
         work.append(long_only)
     assert len(set(work)) == 1, work
 

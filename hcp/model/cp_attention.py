@@ -21,8 +21,11 @@ head-tail split balances):
 - allgather: its head against chunks 0..r-1, its tail against chunks 0..2c-2-r except r;
 - p2p, source rank s != r: s < r: head and tail against s's head chunk; s > r: tail against
   both of s's chunks.
-Documents of the same chunk size k share each call (`Call`: n blocks of one shape). Padding
-slots (positions >= L) come last in their document, so no valid query sees them.
+Documents of the same chunk size k share each call (`Call`: n blocks of one shape). Under
+allgather a short document (k <= `SHORT_CHUNK`) on a kernel that takes masks (CPU) is one call
+instead of three: its 2k rows against chunks 0..2c-1-r with a position mask shared by the
+group (twice the scores of the three calls, but one tiny call instead of three). Padding slots
+(positions >= L) come last in their document, so no valid query sees them.
 
 The CP group is an argument of each micro-batch's plan (dynamic CP gives every micro-batch its
 own group), never of a layer. The plan is built from the micro-batch's lengths on the host
@@ -41,6 +44,9 @@ import torch.distributed as dist
 from hcp.config.layouts import CP_COMMS
 from hcp.model.collectives import gather_seq, group_rank, group_size
 from hcp.model.cp_kernels import Kernel, fused_kernel
+
+SHORT_CHUNK = 32
+"""Chunk size up to which an allgather document is one masked call (kernels with masks)."""
 
 
 @dataclass
@@ -87,6 +93,8 @@ class Call:
     q: Rows
     k: Rows
     causal: bool
+    mask: torch.Tensor | None = None
+    """bool [Lq, Lk] shared by the n blocks (True = attend), or None."""
 
 
 @dataclass
@@ -108,27 +116,33 @@ def _chunk_rows(i: int, c: int, k: int, t_loc: int, allgather: bool) -> np.ndarr
     return (owner * t_loc if allgather else 0) + (0 if i < c else k) + np.arange(k)
 
 
-def _doc_calls(c: int, r: int, k: int, t_loc: int, comm: str) -> dict:
-    """{source: [(q offsets [Lq], k offsets [Lk], causal)]} of one document of chunk size k."""
+def _doc_calls(c: int, r: int, k: int, t_loc: int, comm: str, masked: bool) -> dict:
+    """{source: [(q offsets [Lq], k offsets [Lk], causal, mask or None)]} of one document of
+    chunk size k (`masked`: the kernel takes masks)."""
     head, tail = np.arange(k), k + np.arange(k)
     local = np.arange(2 * k)
     if comm == "allgather":
         rows = lambda chunks: np.concatenate([_chunk_rows(i, c, k, t_loc, True) for i in chunks])  # noqa: E731
-        calls = [(local, r * t_loc + local, True)]
+        if masked and k <= SHORT_CHUNK:
+            q_pos = np.concatenate([r * k + head, (2 * c - 1 - r) * k + head])
+            mask = np.arange((2 * c - r) * k)[None, :] <= q_pos[:, None]
+            return {0: [(local, rows(range(2 * c - r)), False, mask)]}
+        calls = [(local, r * t_loc + local, True, None)]
         if r:
-            calls.append((head, rows(range(r)), False))
+            calls.append((head, rows(range(r)), False, None))
         rest = [i for i in range(2 * c - 1 - r) if i != r]
         if rest:
-            calls.append((tail, rows(rest), False))
+            calls.append((tail, rows(rest), False, None))
         return {0: calls}
-    return {s: [(local, local, True)] if s == r else [(local, head, False)] if s < r
-            else [(tail, local, False)] for s in range(c)}
+    return {s: [(local, local, True, None)] if s == r else [(local, head, False, None)] if s < r
+            else [(tail, local, False, None)] for s in range(c)}
 
 
 def cp_calls(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
-             device="cpu") -> list[list[Call]]:
+             device="cpu", masked: bool = True) -> list[list[Call]]:
     """The calls of CP rank `cp_rank` of `cp_size` (see `CPAttentionPlan.calls`) for the whole
-    micro-batch's document `lengths` (host ints [N]); row indices on `device`. Pure function.
+    micro-batch's document `lengths` (host ints [N]); row indices and masks on `device`;
+    `masked`: the kernel takes masks (short documents as one call). Pure function.
 
     Raises ValueError for an unknown `comm`.
     """
@@ -142,11 +156,13 @@ def cp_calls(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
     grouped: dict = {s: defaultdict(list) for s in sources}       # (shape key) -> q, k rows
     for k in np.unique(chunk[chunk > 0]).tolist():
         first = starts[chunk == k]                                 # [n] documents of chunk k
-        for s, calls in _doc_calls(c, r, k, t_loc, comm).items():
-            for i, (q_off, k_off, causal) in enumerate(calls):
-                grouped[s][(k, i)].append((first[:, None] + q_off, first[:, None] + k_off, causal))
-    return [[Call(Rows.of(np.concatenate([q for q, _, _ in parts]), device),
-                  Rows.of(np.concatenate([kr for _, kr, _ in parts]), device), parts[0][2])
+        for s, calls in _doc_calls(c, r, k, t_loc, comm, masked).items():
+            for i, (q_off, k_off, causal, mask) in enumerate(calls):
+                grouped[s][(k, i)].append((first[:, None] + q_off, first[:, None] + k_off, causal,
+                                           mask))
+    return [[Call(Rows.of(np.concatenate([p[0] for p in parts]), device),
+                  Rows.of(np.concatenate([p[1] for p in parts]), device), parts[0][2],
+                  None if parts[0][3] is None else torch.as_tensor(parts[0][3]).to(device))
              for parts in grouped[s].values()] for s in sources]
 
 
@@ -165,8 +181,10 @@ def build_cp_plan(cu_seqlens, group, comm: str = "allgather", device="cpu") -> C
     """Plan for this rank of `group` (the micro-batch's CP group; None = size 1) from the whole
     micro-batch's host cu_seqlens (int [N + 1], see `host_lengths`); indices and kernel for
     `device`. Raises ValueError as `cp_calls`, `host_lengths` and `fused_kernel`."""
-    calls = cp_calls(host_lengths(cu_seqlens), group_size(group), group_rank(group), comm, device)
-    return CPAttentionPlan(group, comm, calls, fused_kernel(device))
+    kernel = fused_kernel(device)
+    calls = cp_calls(host_lengths(cu_seqlens), group_size(group), group_rank(group), comm, device,
+                     kernel.masks)
+    return CPAttentionPlan(group, comm, calls, kernel)
 
 
 def cp_attention_for(backend: str, comm: str) -> Callable | None:
@@ -220,7 +238,8 @@ class Partial:
         """Merge the calls' attention of q over k, v (in place, fp32)."""
         with torch.autocast(q.device.type, enabled=False):
             for call in calls:
-                out, lse = kernel.forward(call.q.take(q), call.k.take(k), call.k.take(v), call.causal)
+                out, lse = kernel.forward(call.q.take(q), call.k.take(k), call.k.take(v), call.causal,
+                                          call.mask)
                 old_out, old_lse = call.q.take(self.out), call.q.take(self.lse)
                 new = torch.logaddexp(old_lse, lse)
                 merged = (old_out * torch.exp(old_lse - new)[..., None]
@@ -239,7 +258,7 @@ def grads(q, k, v, dout, out, lse, calls: list[Call], kernel: Kernel, dq, dk, dv
         for call in calls:
             rows = call.q.take
             g = kernel.backward(rows(dout), rows(q), call.k.take(k), call.k.take(v), rows(out),
-                                rows(lse), call.causal)
+                                rows(lse), call.causal, call.mask)
             call.q.add(dq, g[0].to(dq.dtype))
             call.k.add(dk, g[1].to(dk.dtype))
             call.k.add(dv, g[2].to(dv.dtype))
