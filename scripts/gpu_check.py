@@ -10,6 +10,8 @@
    emulated without a process group (`emulated_cp`).
    Outputs and q/k/v gradients: fp32 (TF32 off) within rtol 1e-4 / atol 1e-5, bf16 within
    2e-2 of the largest reference value. Also the non-CP THD path (`thd_attention`, the backend `auto` picks).
+   With Transformer Engine and 2 GPUs: `attention_backend=te` under CP (TE's THD CP, 2 NCCL
+   ranks, both strategies) against the same reference (`check_te_cp`); skipped otherwise.
 2. One training step (forward, backward, AdamW) of a ~1B LLaMA (hidden 2048, 22 layers, 32 query
    and 4 kv heads, SwiGLU 5632, vocab 32000: TinyLlama-1.1B's shape) on one THD micro-batch of
    `--tokens` (default 32768) tokens in documents of mixed lengths, bf16 autocast with fp32
@@ -160,6 +162,56 @@ def check_attention(device, lengths) -> bool:
     return ok
 
 
+def _te_cp_rank(rank: int, world: int, port: int, comm: str, lengths, results) -> None:
+    """One rank of `check_te_cp`: its shard through TE's THD CP vs the float64 reference."""
+    import torch.distributed as dist
+
+    from hcp.model.te_cp import te_cp_attention
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    g = torch.Generator().manual_seed(0)
+    cu = cu_of(lengths)
+    q, k, v = (torch.randn(int(cu[-1]), h, 64, generator=g, dtype=torch.float64) for h in (8, 2, 2))
+    ref = reference(q, k, v, cu)
+    shard = cp_shard(cu, world, rank)
+    local = [x[shard.token_index].to(f"cuda:{rank}", torch.bfloat16).requires_grad_() for x in (q, k, v)]
+    out = te_cp_attention(comm)(cu, dist.group.WORLD, torch.device(f"cuda:{rank}"))(*local)
+    out.float().sum().backward()   # the backward runs and gives finite gradients
+    keep = shard.valid
+    good = close(out.float().cpu()[keep], ref[shard.token_index][keep], torch.bfloat16) and all(
+        torch.isfinite(x.grad).all().item() for x in local)
+    results[rank] = good
+    dist.destroy_process_group()
+
+
+def check_te_cp(lengths) -> bool:
+    """`attention_backend=te` with CP: TE's THD CP (`hcp.model.te_cp`) on 2 GPUs, bf16, both
+    strategies, outputs vs the float64 reference. Skipped (True) without TE or a second GPU."""
+    import importlib.util
+
+    import torch.multiprocessing as tmp
+
+    from hcp.train.launch import free_port
+
+    if importlib.util.find_spec("transformer_engine") is None or torch.cuda.device_count() < 2:
+        print(f"te cp attention: skipped (transformer_engine "
+              f"{'found' if importlib.util.find_spec('transformer_engine') else 'missing'}, "
+              f"{torch.cuda.device_count()} GPU(s); needs both and 2 GPUs)")
+        return True
+    ok = True
+    for comm in ("p2p", "allgather"):
+        results, error = tmp.Manager().dict(), ""
+        try:
+            tmp.spawn(_te_cp_rank, args=(2, free_port(), comm, lengths, results), nprocs=2)
+        except Exception as err:  # noqa: BLE001 - a rank's error, printed with the verdict
+            error = f": {str(err).strip().splitlines()[-1][:200]}"
+        good = len(results) == 2 and all(results.values())
+        ok &= good
+        print(f"te cp attention cuda bfloat16 cp2 {comm:<9} {'OK' if good else 'FAIL'}{error}")
+    return ok
+
+
 def doc_lengths(tokens: int) -> list[int]:
     """Mixed documents summing to `tokens`: one of tokens/4, then halving lengths, then 512s."""
     lengths, left, n = [], tokens, tokens // 4
@@ -232,6 +284,8 @@ def main() -> int:
     ok = True
     if "attention" not in args.skip:
         ok = check_attention(device, [96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
+        if device.type == "cuda":
+            ok &= check_te_cp([96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
     if "train" not in args.skip:
         cfg = (LLMConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                          ffn_hidden_size=128) if args.tiny else
