@@ -231,13 +231,13 @@ def main() -> None:
                 case = dict(base, **shape, cp=c, strategy=strategy)
                 res = run(case, REPO, "worker")
                 row = dict(long_doc=shape["long_doc"], short_docs=shape["short_docs"], strategy=strategy,
-                           cp=c, status=res["status"], ideal_s=round(ref["cpu"] / c, 4))
+                           cp=c, status=res["status"], ideal_s=round(ref["cpu"] / c, 6))
                 if res["status"] != "ok":
                     print(f"{name:>18} {c:>3} {strategy:>9} {res['status'].upper():>7}  {res['detail'][:80]}")
                     rows.append(row)
                     continue
                 over = res["cpu"] / (ref["cpu"] / c)
-                row.update(tokens=res["tokens"], fwd_bwd_s=round(res["cpu"], 4), wall_s=round(res["wall"], 4),
+                row.update(tokens=res["tokens"], fwd_bwd_s=round(res["cpu"], 6), wall_s=round(res["wall"], 6),
                            time_over_ideal=round(over, 3), peak_mib_per_rank=round(res["peak"], 1),
                            attn_mib_per_rank=round(res["attn"], 1), plan_s=round(res["plan"], 4))
                 line = (f"{name:>18} {c:>3} {strategy:>9} {res['tokens']:>7} {res['cpu']:>9.3f} "
