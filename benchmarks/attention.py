@@ -165,9 +165,12 @@ def worker(case: dict) -> dict:
 
 def run(case: dict, repo: str, what: str) -> dict:
     """`what` (cp or ideal) of `case` in a fresh process importing hcp from `repo`."""
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--{what}", json.dumps(case)],
-                          capture_output=True, text=True, timeout=case["timeout_s"] + 60,
-                          env=dict(os.environ, PYTHONPATH=repo))
+    try:
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--{what}", json.dumps(case)],
+                              capture_output=True, text=True, timeout=case["timeout_s"] + 60,
+                              env=dict(os.environ, PYTHONPATH=repo))
+    except subprocess.TimeoutExpired:
+        return dict(status="timeout", detail=f"over {case['timeout_s'] + 60:.0f} s")
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
