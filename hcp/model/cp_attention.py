@@ -29,7 +29,7 @@ group (twice the scores of the three calls, but one tiny call instead of three).
 
 The CP group is an argument of each micro-batch's plan (dynamic CP gives every micro-batch its
 own group), never of a layer. The plan is built from the micro-batch's lengths on the host
-(`host_cu_seqlens`): no device-to-host read.
+(`hcp.parallel.cp_sharding.host_cu_seqlens`): no device-to-host read.
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ import torch.distributed as dist
 
 from hcp.config.layouts import CP_COMMS
 from hcp.model.collectives import gather_seq, group_rank, group_size
-from hcp.model.cp_kernels import Kernel, fused_kernel
+from hcp.model.cp_kernels import Kernel, acc_dtype, fused_kernel
+from hcp.parallel.cp_sharding import host_cu
 
 SHORT_CHUNK = 32
 """Chunk size up to which an allgather document is one masked call (kernels with masks)."""
@@ -122,7 +123,8 @@ def _doc_calls(c: int, r: int, k: int, t_loc: int, comm: str, masked: bool) -> d
     head, tail = np.arange(k), k + np.arange(k)
     local = np.arange(2 * k)
     if comm == "allgather":
-        rows = lambda chunks: np.concatenate([_chunk_rows(i, c, k, t_loc, True) for i in chunks])  # noqa: E731
+        def rows(chunks):
+            return np.concatenate([_chunk_rows(i, c, k, t_loc, True) for i in chunks])
         if masked and k <= SHORT_CHUNK:
             q_pos = np.concatenate([r * k + head, (2 * c - 1 - r) * k + head])
             mask = np.arange((2 * c - r) * k)[None, :] <= q_pos[:, None]
@@ -166,23 +168,12 @@ def cp_calls(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
              for parts in grouped[s].values()] for s in sources]
 
 
-def host_lengths(cu_seqlens) -> np.ndarray:
-    """Document lengths int64 [N] from host cu_seqlens (numpy, list or CPU tensor [N + 1]).
-
-    Raises ValueError for a tensor on another device (reading it back would stall the device
-    every micro-batch: pass the step plan's host copy, `hcp.parallel.cp_sharding.host_cu_seqlens`)."""
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
-        raise ValueError(f"cu_seqlens on {cu_seqlens.device}: the CP plan takes the host copy "
-                         "(batch.cu_seqlens_host), not a device tensor")
-    return np.diff(np.asarray(cu_seqlens, dtype=np.int64))
-
-
 def build_cp_plan(cu_seqlens, group, comm: str = "allgather", device="cpu") -> CPAttentionPlan:
     """Plan for this rank of `group` (the micro-batch's CP group; None = size 1) from the whole
-    micro-batch's host cu_seqlens (int [N + 1], see `host_lengths`); indices and kernel for
-    `device`. Raises ValueError as `cp_calls`, `host_lengths` and `fused_kernel`."""
+    micro-batch's host cu_seqlens (int [N + 1]: `hcp.parallel.cp_sharding.host_cu`); indices
+    and kernel for `device`. Raises ValueError as `cp_calls`, `host_cu` and `fused_kernel`."""
     kernel = fused_kernel(device)
-    calls = cp_calls(host_lengths(cu_seqlens), group_size(group), group_rank(group), comm, device,
+    calls = cp_calls(np.diff(host_cu(cu_seqlens)), group_size(group), group_rank(group), comm, device,
                      kernel.masks)
     return CPAttentionPlan(group, comm, calls, kernel)
 
@@ -213,11 +204,6 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         kv = gather_seq(torch.stack([k, v], dim=1), plan.group)           # [c * T_loc, 2, Hkv, D]
         return _FusedAttention.apply(q, kv[:, 0], kv[:, 1], plan)
     return _RingAttention.apply(q, k, v, plan)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of statistics and accumulators: fp32, or fp64 for fp64 inputs (tests)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 @dataclass

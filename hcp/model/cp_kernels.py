@@ -50,7 +50,8 @@ def _additive(mask, dtype):
     """bool [Lq, Lk] -> [1, 1, Lq, Lk] of 0 / -inf in `dtype` (the CPU kernel's mask), or None."""
     if mask is None:
         return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))[None, None]
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return additive.masked_fill_(~mask, float("-inf"))[None, None]
 
 
 def _cpu_forward(q, k, v, causal, mask=None):
@@ -93,7 +94,8 @@ def _cuda_backward(dout, q, k, v, out, lse, causal, mask=None):
     return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v)))
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of statistics and accumulators: fp32, or fp64 for fp64 inputs (tests)."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -101,7 +103,7 @@ def _math_scores(q, k, causal, mask):
     """Scaled scores [n, Hq, Lq, Lk] in fp32 (or wider), -inf above the causal diagonal and
     where `mask` is False."""
     rep = q.shape[2] // k.shape[2]
-    qf = _heads_first(q.to(_acc(q.dtype)))
+    qf = _heads_first(q.to(acc_dtype(q.dtype)))
     kf = _heads_first(k.to(qf.dtype).repeat_interleave(rep, 2))
     s = torch.matmul(qf, kf.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     if causal:

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hcp.parallel.cp_sharding import host_cu
+
 TE_COMM = {"allgather": "all_gather", "p2p": "p2p"}
 """hcp's `cp_comm` -> TE's `cp_comm_type`."""
 
@@ -39,7 +41,7 @@ def te_cp_attention(comm: str) -> Callable:
 
     def for_micro_batch(cu_seqlens_host, group, device):
         c = dist.get_world_size(group)
-        cu = np.asarray(cu_seqlens_host, dtype=np.int64)
+        cu = host_cu(cu_seqlens_host)
         padded = np.concatenate([[0], np.cumsum(-(-np.diff(cu) // (2 * c)) * 2 * c)])
         max_len = int(np.diff(padded).max()) if len(padded) > 1 else 0
         dev = lambda x: torch.as_tensor(x, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731

@@ -56,6 +56,19 @@ def host_cu_seqlens(batch) -> np.ndarray:
                      "host copy: set batch.cu_seqlens_host (int32 [N + 1], numpy) for CP")
 
 
+def host_cu(cu_seqlens) -> np.ndarray:
+    """cu_seqlens (numpy, list or CPU tensor [N + 1]) as int64 numpy.
+
+    Raises:
+        ValueError: a tensor on a device (reading it back would stall the device every
+            micro-batch: pass the host copy, `host_cu_seqlens`).
+    """
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
+        raise ValueError(f"cu_seqlens on {cu_seqlens.device}: CP sharding and plans take the host "
+                         "copy (batch.cu_seqlens_host, hcp.parallel.cp_sharding.host_cu_seqlens)")
+    return np.asarray(cu_seqlens, dtype=np.int64)
+
+
 def cp_shard(cu_seqlens, cp_size: int, cp_rank: int, device=None) -> CPShard:
     """Return rank `cp_rank`'s head-tail shard of the documents in `cu_seqlens` (host int
     [N + 1]: numpy, list or CPU tensor), its tensors on `device` (default CPU).
@@ -65,10 +78,7 @@ def cp_shard(cu_seqlens, cp_size: int, cp_rank: int, device=None) -> CPShard:
     """
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} must be in [0, cp_size={cp_size})")
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
-        raise ValueError(f"cu_seqlens on {cu_seqlens.device}: cp_shard takes the host copy "
-                         "(hcp.parallel.cp_sharding.host_cu_seqlens)")
-    cu = np.asarray(cu_seqlens, dtype=np.int64)
+    cu = host_cu(cu_seqlens)
     lengths = np.diff(cu)
     two_c = 2 * cp_size
     chunk = (lengths + two_c - 1) // two_c                                 # [N]
