@@ -3,13 +3,15 @@
     python scripts/gpu_check.py                       # CUDA: the checks below, ~1B LLaMA
     python scripts/gpu_check.py --device cpu --tiny   # dry run of the same code on CPU
 
-1. Block-wise CP attention on the device against the CPU fp32 reference (per-document softmax in
-   float64, `reference`): one long document packed with short ones; every CP rank's tiles
-   (`cp_tiles`, both strategies, cp 1, 2, 4) computed on this one device, the all-gather and the
-   ring emulated without a process group (allgather: each rank's queries against the
-   concatenated shards; p2p: each source shard folded into one online softmax in ring order).
+1. CP attention on the device's fused kernels (`hcp.model.cp_kernels`: flash for bf16, the
+   math kernel for fp32) against the CPU reference (per-document softmax in float64,
+   `reference`): one long document packed with short ones; every CP rank's calls (`cp_calls`,
+   both strategies, cp 1, 2, 4) computed on this one device, the all-gather and the ring
+   emulated without a process group (`emulated_cp`).
    Outputs and q/k/v gradients: fp32 (TF32 off) within rtol 1e-4 / atol 1e-5, bf16 within
    2e-2 of the largest reference value. Also the non-CP THD path (`thd_attention`, the backend `auto` picks).
+   With Transformer Engine and 2 GPUs: `attention_backend=te` under CP (TE's THD CP, 2 NCCL
+   ranks, both strategies) against the same reference (`check_te_cp`); skipped otherwise.
 2. One training step (forward, backward, AdamW) of a ~1B LLaMA (hidden 2048, 22 layers, 32 query
    and 4 kv heads, SwiGLU 5632, vocab 32000: TinyLlama-1.1B's shape) on one THD micro-batch of
    `--tokens` (default 32768) tokens in documents of mixed lengths, bf16 autocast with fp32
@@ -36,9 +38,9 @@ from hcp.config.schema import LLMConfig  # noqa: E402
 from hcp.model import LlavaModel  # noqa: E402
 from hcp.model.attention import thd_attention  # noqa: E402
 from hcp.model.backends import attention_fn, resolve_backend  # noqa: E402
-from hcp.model.block_attention import (BlockAttention, SoftmaxState, TileBatch,  # noqa: E402
-                                       forward_tiles)
-from hcp.model.cp_attention import cp_tiles  # noqa: E402
+from hcp.model.cp_attention import (Call, CPAttentionPlan, Partial, Rows,  # noqa: E402
+                                    _FusedAttention, cp_calls)
+from hcp.model.cp_kernels import fused_kernel  # noqa: E402
 from hcp.parallel.cp_sharding import cp_shard  # noqa: E402
 from hcp.train.throughput import model_flops  # noqa: E402
 
@@ -69,33 +71,41 @@ def reference(q, k, v, cu):
     return torch.cat(outs)
 
 
-@torch.no_grad()
-def _ring_fold(q, ks, vs, tiles, order):
-    """p2p's forward emulated on one device: the shards of k, v folded into one online softmax
-    in ring order (source rank j's tiles index shard j)."""
-    state = SoftmaxState.empty(q)
-    for j in order:
-        forward_tiles(state, q, ks[j], vs[j], tiles[j])
-    return state.result(q.dtype)[0]
+def _shifted(calls, offset: int):
+    """Calls whose key rows index source j's shard inside the concatenation of all shards."""
+    def shift(rows):
+        if rows.index is None:
+            return Rows(rows.start + offset, rows.n, rows.length)
+        return Rows(0, rows.n, rows.length, rows.index + offset)
+    return [Call(c.q, shift(c.k), c.causal) for c in calls]
 
 
 def emulated_cp(q_all, k_all, v_all, w, cu, c, comm, device, dtype):
     """Every rank's CP attention on one device; returns (output, [q, k, v grads]) scattered back
-    to the unsharded token order (fp32, CPU), for the loss sum(out * w)."""
+    to the unsharded token order (fp32, CPU), for the loss sum(out * w). allgather: each rank's
+    calls over the concatenated shards (what the all-gather delivers); p2p: each source's calls
+    offset into the concatenation (one softmax over all sources, differentiable), and the ring's
+    own fold, source by source in ring order, must give the same values."""
+    lengths = (cu[1:] - cu[:-1]).tolist()
     shards = [cp_shard(cu, c, r) for r in range(c)]
     leaves = [[x[s.token_index].to(device, dtype).requires_grad_() for x in (q_all, k_all, v_all)]
               for s in shards]
+    kernel, t_loc = fused_kernel(device), len(shards[0].valid)
     out_all = torch.zeros(q_all.shape)
     for r, s in enumerate(shards):
-        q, _, _ = leaves[r]
-        tiles = cp_tiles(cu.to(device), c, r, comm)
-        if comm == "allgather":
-            k = torch.cat([leaves[j][1] for j in range(c)])
-            v = torch.cat([leaves[j][2] for j in range(c)])
-            out = BlockAttention.apply(q, k, v, tiles[0])
-        else:   # the autograd of the emulation: recompute through BlockAttention per source
-            out = _ring_out(q, [leaves[j][1] for j in range(c)], [leaves[j][2] for j in range(c)],
-                            tiles, [(r - step) % c for step in range(c)])
+        q = leaves[r][0]
+        k, v = (torch.cat([leaves[j][i] for j in range(c)]) for i in (1, 2))
+        per_source = cp_calls(lengths, c, r, comm, device)
+        calls = [call for j, cs in enumerate(per_source) for call in _shifted(cs, j * t_loc)]
+        out = _FusedAttention.apply(q, k, v, CPAttentionPlan(None, comm, [calls], kernel))
+        if comm == "p2p":
+            with torch.no_grad():
+                ring = Partial.empty(q)
+                for j in ((r - step) % c for step in range(c)):
+                    ring.fold(q, leaves[j][1], leaves[j][2], per_source[j], kernel)
+            bf16 = dtype == torch.bfloat16
+            torch.testing.assert_close(out, ring.result(dtype), rtol=2e-2 if bf16 else 1e-5,
+                                       atol=2e-2 if bf16 else 1e-5)
         keep = s.valid.to(device)[:, None, None]
         (out.float() * keep * w[s.token_index].to(device, torch.float32)).sum().backward()
         out_all[s.token_index[s.valid]] = out.detach().float().cpu()[s.valid]
@@ -106,20 +116,6 @@ def emulated_cp(q_all, k_all, v_all, w, cu, c, comm, device, dtype):
             g.index_add_(0, s.token_index[s.valid], leaves[r][i].grad.float().cpu()[s.valid])
         grads.append(g)
     return out_all, grads
-
-
-def _ring_out(q, ks, vs, tiles, order):
-    """Ring attention's output, differentiable: the online softmax over the sources in `order`
-    equals one softmax over their concatenated keys, so the gradients come from BlockAttention
-    over the concatenation with each source's tiles offset into it (checks tiles and merge)."""
-    offsets = [sum(k.shape[0] for k in ks[:j]) for j in range(len(ks))]
-    merged = [TileBatch(b.q_rows, b.k_rows + offsets[j], b.mask) for j in order for b in tiles[j]]
-    out = BlockAttention.apply(q, torch.cat(ks), torch.cat(vs), merged)
-    # the ring's own fold, source by source, gives the same values
-    ring = _ring_fold(q, ks, vs, tiles, order)
-    bf16 = q.dtype == torch.bfloat16
-    torch.testing.assert_close(out, ring, rtol=2e-2 if bf16 else 1e-5, atol=2e-2 if bf16 else 1e-5)
-    return out
 
 
 def close(x: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -150,7 +146,7 @@ def check_attention(device, lengths) -> bool:
             good = close(out, ref.detach(), dtype) and all(
                 close(a, b, dtype) for a, b in zip(grads, ref_grads))
             ok &= good
-            print(f"block attention {device} {str(dtype)[6:]:>8} cp{c} {comm:<9} max |err| out "
+            print(f"cp attention    {device} {str(dtype)[6:]:>8} cp{c} {comm:<9} max |err| out "
                   f"{errs[0]:.2e} dq {errs[1]:.2e} dk {errs[2]:.2e} dv {errs[3]:.2e} "
                   f"{'OK' if good else 'FAIL'} ({time.perf_counter() - start:.1f} s)")
         backend = resolve_backend("auto", device, dtype)
@@ -164,6 +160,56 @@ def check_attention(device, lengths) -> bool:
         ok &= good
         print(f"thd attention   {device} {str(dtype)[6:]:>8} backend {backend}: max |err| out "
               f"{errs[0]:.2e} {'OK' if good else 'FAIL'}")
+    return ok
+
+
+def _te_cp_rank(rank: int, world: int, port: int, comm: str, lengths, results) -> None:
+    """One rank of `check_te_cp`: its shard through TE's THD CP vs the float64 reference."""
+    import torch.distributed as dist
+
+    from hcp.model.te_cp import te_cp_attention
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    g = torch.Generator().manual_seed(0)
+    cu = cu_of(lengths)
+    q, k, v = (torch.randn(int(cu[-1]), h, 64, generator=g, dtype=torch.float64) for h in (8, 2, 2))
+    ref = reference(q, k, v, cu)
+    shard = cp_shard(cu, world, rank)
+    local = [x[shard.token_index].to(f"cuda:{rank}", torch.bfloat16).requires_grad_() for x in (q, k, v)]
+    out = te_cp_attention(comm)(cu, dist.group.WORLD, torch.device(f"cuda:{rank}"))(*local)
+    out.float().sum().backward()   # the backward runs and gives finite gradients
+    keep = shard.valid
+    good = close(out.float().cpu()[keep], ref[shard.token_index][keep], torch.bfloat16) and all(
+        torch.isfinite(x.grad).all().item() for x in local)
+    results[rank] = good
+    dist.destroy_process_group()
+
+
+def check_te_cp(lengths) -> bool:
+    """`attention_backend=te` with CP: TE's THD CP (`hcp.model.te_cp`) on 2 GPUs, bf16, both
+    strategies, outputs vs the float64 reference. Skipped (True) without TE or a second GPU."""
+    import importlib.util
+
+    import torch.multiprocessing as tmp
+
+    from hcp.train.launch import free_port
+
+    if importlib.util.find_spec("transformer_engine") is None or torch.cuda.device_count() < 2:
+        print(f"te cp attention: skipped (transformer_engine "
+              f"{'found' if importlib.util.find_spec('transformer_engine') else 'missing'}, "
+              f"{torch.cuda.device_count()} GPU(s); needs both and 2 GPUs)")
+        return True
+    ok = True
+    for comm in ("p2p", "allgather"):
+        results, error = tmp.Manager().dict(), ""
+        try:
+            tmp.spawn(_te_cp_rank, args=(2, free_port(), comm, lengths, results), nprocs=2)
+        except Exception as err:  # noqa: BLE001 - a rank's error, printed with the verdict
+            error = f": {str(err).strip().splitlines()[-1][:200]}"
+        good = len(results) == 2 and all(results.values())
+        ok &= good
+        print(f"te cp attention cuda bfloat16 cp2 {comm:<9} {'OK' if good else 'FAIL'}{error}")
     return ok
 
 
@@ -241,6 +287,8 @@ def main() -> int:
     ok = True
     if "attention" not in args.skip:
         ok = check_attention(device, [96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
+        if device.type == "cuda":
+            ok &= check_te_cp([96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
     if "train" not in args.skip:
         cfg = (LLMConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                          ffn_hidden_size=128) if args.tiny else

@@ -5,7 +5,8 @@
 #   bash scripts/gpu_check.sh                              # from the repository root
 #   bash scripts/gpu_check.sh --device cpu --tiny          # dry run of the same code on CPU
 #
-# 1. block-wise CP attention (both strategies, cp 1/2/4 emulated on the device) and the non-CP
+# 1. CP attention on fused kernels (both strategies, cp 1/2/4 emulated on the device), TE's THD CP
+#    (attention_backend=te, 2 ranks; needs TE and 2 GPUs, else skipped) and the non-CP
 #    THD path vs. the CPU float64 reference, fp32 and bf16;
 # 2. one bf16 training step of a ~1.1B LLaMA on a 32K-token THD micro-batch: step time, MFU
 #    (model FLOPs of the real tokens / 989 TFLOP/s) and peak GPU memory.

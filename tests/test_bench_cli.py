@@ -61,3 +61,21 @@ def test_every_benchmark_flag_has_help_and_the_columns_are_explained(name, monke
     assert "(default:" in help_text
     for column in COLUMNS[name]:
         assert f"\n  {column}" in help_text, column
+
+
+@pytest.mark.timeout(300)
+def test_attention_benchmark_json_has_per_cp_size_ratio_to_the_ideal(tmp_path):
+    """benchmarks/attention.py --cp 2,4 --json: a case per CP size with its time, the ideal
+    (one rank's SDPA / c) and their ratio."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "attn.json"
+    subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "attention.py"), "--long", "64",
+                    "--short", "3", "--docs", "0", "--cp", "2,4", "--strategies", "allgather",
+                    "--reps", "1", "--json", str(out)], check=True, capture_output=True, timeout=280)
+    cases = json.loads(out.read_text())["cases"]
+    assert [c["cp"] for c in cases] == [2, 4] and all(c["status"] == "ok" for c in cases)
+    for c in cases:
+        assert c["time_over_ideal"] == pytest.approx(c["fwd_bwd_s"] / c["ideal_s"], rel=0.01)

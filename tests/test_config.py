@@ -133,8 +133,14 @@ def test_validation_names_field_value_and_fix(overrides, field):
     assert e.value.field == field and "Fix:" in str(e.value)
 
 
-def test_gpu_backend_with_cp_is_rejected_before_the_install_check():
+def test_backend_without_cp_is_rejected_before_the_install_check():
     with pytest.raises(ConfigError, match="context parallelism"):
+        validate(compose_cfg(["llm.attention_backend=flash", "llm.layout.cp=2"]), world_size=4)
+
+
+def test_te_with_cp_is_refused_when_transformer_engine_is_missing():
+    """te runs CP on Transformer Engine's THD CP, which is not installed here."""
+    with pytest.raises(ConfigError, match="transformer_engine"):
         validate(compose_cfg(["llm.attention_backend=te", "llm.layout.cp=2"]), world_size=4)
 
 

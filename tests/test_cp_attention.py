@@ -1,24 +1,29 @@
-"""Block-wise CP attention (issue 10 part 3): exact fp32 parity with the single-process reference
-for long + short document mixes cut into small blocks (both strategies, cp 1, 2, 4), bf16 within
-rtol 2e-2 of the fp32 reference with fp32 running statistics and gradient accumulators, and the
-causal block skipping: only visible tiles, the same work on every rank."""
+"""CP attention on fused kernels (issue 24): exact fp32 parity with the single-process reference
+for long + short document mixes (1-token, 3-token and non-divisible documents; both strategies,
+cp 1, 2, 4), bf16 within rtol 2e-2 of the fp32 reference with fp32 merge statistics and gradient
+accumulators; the calls cover exactly the causal pairs with the same work on every rank; and no
+device-to-host read per layer or micro-batch."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
-from test_model import reference_attention
+from test_model import make_batch, reference_attention
 
-import hcp.model.block_attention as block_attention
 import hcp.model.cp_attention as cp_attention_module
-from hcp.model.block_attention import BlockAttention, SoftmaxState, forward_tiles
-from hcp.model.cp_attention import build_cp_plan, cp_attention, cp_tiles
+from hcp.config.schema import LLMConfig
+from hcp.model import LlavaModel
+from hcp.model.cp_attention import Partial, build_cp_plan, cp_attention, cp_calls
+from hcp.model.cp_kernels import KERNELS, MATH
 from hcp.parallel.cp_sharding import cp_shard
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)
-# one long document (many blocks of 4 positions at every CP size) among short ones, odd lengths
+# one long document among short ones: 1-token, 3-token and lengths no CP size divides
 MIX = [37, 3, 1, 70, 6, 5, 2]
 
 
@@ -61,52 +66,48 @@ def check(shard, out, grads, ref, tol):
         torch.testing.assert_close(g, g_ref, **tol)
 
 
-@pytest.mark.parametrize("block", [4, 512])
-def test_block_attention_without_cp_equals_reference_fp32(block):
-    cu = qkvw(MIX)[0]
-    plan = build_cp_plan(cu, None, "allgather", block)
-    shard, out, grads = local_run(MIX, torch.float32, 1, 0,
-                                  lambda q, k, v: BlockAttention.apply(q, k, v, plan.tiles[0]))
+def test_fused_attention_without_cp_equals_reference_fp32():
+    plan = build_cp_plan(qkvw(MIX)[0], None)
+    shard, out, grads = local_run(MIX, torch.float32, 1, 0, lambda q, k, v: cp_attention(q, k, v, plan))
     check(shard, out, grads, reference(MIX), TOL)
 
 
-def test_block_attention_under_bf16_autocast_keeps_fp32_tiles():
-    """precision=bf16 runs the model under autocast: the tiles must not be cast to bf16 (that
-    crashed the fp32 running max's scatter_reduce and would lose the fp32 statistics)."""
-    cu = qkvw(MIX)[0]
-    plan = build_cp_plan(cu, None, "allgather", 4)
+def test_fused_attention_under_bf16_autocast_stays_fp32():
+    """precision=bf16 runs the model under autocast: fp32 inputs must not be cast to bf16 by the
+    kernels or the merge (the result would miss the fp32 tolerance)."""
+    plan = build_cp_plan(qkvw(MIX)[0], None)
 
     def attend(q, k, v):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return BlockAttention.apply(q, k, v, plan.tiles[0])
+            return cp_attention(q, k, v, plan)
 
     shard, out, grads = local_run(MIX, torch.float32, 1, 0, attend)
     check(shard, out, grads, reference(MIX), TOL)
 
 
 def _recording(records):
-    """Wrap forward_tiles / backward_tiles to record the dtypes of the running statistics and
-    of the gradient accumulators."""
-    fwd, bwd = block_attention.forward_tiles, block_attention.backward_tiles
+    """Wrap Partial.fold and grads to record the dtypes of the merge statistics and of the
+    gradient accumulators."""
+    fold, grads = Partial.fold, cp_attention_module.grads
 
-    def forward(state, *args):
-        records.append((state.m.dtype, state.l.dtype, state.o.dtype))
-        return fwd(state, *args)
+    def recorded_fold(self, *args):
+        fold(self, *args)
+        records.append((self.out.dtype, self.lse.dtype))
 
-    def backward(q, k, v, dout, lse, delta, tiles, dq, dk, dv):
-        records.append((lse.dtype, delta.dtype, dq.dtype, dk.dtype, dv.dtype))
-        return bwd(q, k, v, dout, lse, delta, tiles, dq, dk, dv)
+    def recorded_grads(q, k, v, dout, out, lse, calls, kernel, dq, dk, dv):
+        records.append((lse.dtype, dq.dtype, dk.dtype, dv.dtype))
+        return grads(q, k, v, dout, out, lse, calls, kernel, dq, dk, dv)
 
-    for module in (block_attention, cp_attention_module):
-        module.forward_tiles, module.backward_tiles = forward, backward
+    Partial.fold, cp_attention_module.grads = recorded_fold, recorded_grads
 
 
 def cp_case(rank, world, comm, ref):
     records = []
     _recording(records)
+    cp_attention_module.SHORT_CHUNK = 4   # the long documents as three calls, the short as one
     for dtype, tol in ((torch.float32, TOL), (torch.bfloat16, BF16_TOL)):
         records.clear()
-        plan = build_cp_plan(qkvw(MIX)[0], dist.group.WORLD, comm, block_size=4)
+        plan = build_cp_plan(qkvw(MIX)[0], dist.group.WORLD, comm)
         shard, out, grads = local_run(MIX, dtype, world, rank,
                                       lambda q, k, v: cp_attention(q, k, v, plan))
         summed = [g.clone() for g in grads]
@@ -120,21 +121,49 @@ def cp_case(rank, world, comm, ref):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("comm", ["allgather", "p2p"])
-def test_blockwise_cp_attention_fp32_exact_and_bf16_close_with_fp32_statistics(comm, cp):
+def test_fused_cp_attention_fp32_exact_and_bf16_close_with_fp32_statistics(comm, cp):
     run_ranks(cp_case, cp, comm, reference(MIX), timeout=80)
 
 
-def test_soft_max_state_is_fp32_for_bf16_inputs():
-    cu, q, k, v, _ = qkvw([10, 4], torch.bfloat16)   # even: no CP padding at size 1
-    state = SoftmaxState.empty(q)
-    forward_tiles(state, q, k, v, build_cp_plan(cu, None, block_size=2).tiles[0])
-    out, lse = state.result(q.dtype)
-    assert (state.m.dtype, state.l.dtype, state.o.dtype, lse.dtype, out.dtype) == (
-        torch.float32, torch.float32, torch.float32, torch.float32, torch.bfloat16)
+@pytest.mark.parametrize("lq, lk, causal, masked", [(6, 6, True, False), (5, 7, False, False),
+                                                    (5, 7, False, True)])
+def test_cpu_kernel_matches_the_math_kernel_with_given_out_and_lse(lq, lk, causal, masked):
+    """The fused CPU kernel against the plain-torch one (also CUDA's fp32 path): forward out
+    and lse, and the backward from an out / lse pair it did not compute itself (as after a merge:
+    here the math kernel's), grouped-query heads, with and without a shared mask."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, lq, 4, 8, generator=g)
+    k, v = (torch.randn(2, lk, 2, 8, generator=g) for _ in range(2))
+    dout = torch.randn(q.shape, generator=g)
+    mask = (torch.rand(lq, lk, generator=g) < 0.6).index_fill_(1, torch.tensor([0]), True) if masked else None
+    cpu = KERNELS["cpu"]
+    out, lse = MATH.forward(q, k, v, causal, mask)
+    for got, want in zip(cpu.forward(q, k, v, causal, mask), (out, lse)):
+        torch.testing.assert_close(got, want, **TOL)
+    for got, want in zip(cpu.backward(dout, q, k, v, out, lse, causal, mask),
+                         MATH.backward(dout, q, k, v, out, lse, causal, mask)):
+        torch.testing.assert_close(got, want, **TOL)
 
 
-def visible_pairs(cu, c, r, comm):
-    """(query row, key position) pairs each tile computes, and the count of tile elements."""
+def test_partial_is_fp32_for_bf16_inputs():
+    cu, q, k, v, _ = qkvw([10, 4], torch.bfloat16)
+    plan = build_cp_plan(cu, None)
+    state = Partial.empty(q)
+    state.fold(q, k, v, plan.calls[0], plan.kernel)
+    assert (state.out.dtype, state.lse.dtype, state.result(q.dtype).dtype) == (
+        torch.float32, torch.float32, torch.bfloat16)
+
+
+def _rows(rows) -> torch.Tensor:
+    """A call's Rows as long [n, L]."""
+    if rows.index is not None:
+        return rows.index
+    return (rows.start + torch.arange(rows.n * rows.length)).view(rows.n, rows.length)
+
+
+def visible_pairs(cu, c, r, comm, masked):
+    """(query row, key document, key position) pairs the calls compute, and the count of
+    computed score elements (a causal block counts its lower triangle)."""
     lengths = (cu[1:] - cu[:-1]).tolist()
     shards = [cp_shard(cu, c, j) for j in range(c)]
     key_pos = torch.cat([s.position_ids for s in shards])      # allgather rows: rank-major
@@ -142,24 +171,29 @@ def visible_pairs(cu, c, r, comm):
                                                  (s.cu_seqlens[1:] - s.cu_seqlens[:-1]).long())
                          for s in shards])
     pairs, elements = set(), 0
-    for j, batches in enumerate(cp_tiles(cu, c, r, comm, block_size=4)):
+    for j, calls in enumerate(cp_calls(lengths, c, r, comm, masked=masked)):
         offset = 0 if comm == "allgather" else j * len(shards[0].valid)
-        for b in batches:
-            mask = torch.ones(b.q_rows.shape[1], b.k_rows.shape[1], dtype=torch.bool) \
-                if b.mask is None else b.mask
-            elements += b.q_rows.numel() * b.k_rows.shape[1]
-            for qr, kr in zip(b.q_rows, b.k_rows):
-                qi, ki = mask.nonzero().unbind(1)
+        for call in calls:
+            qr, kr = _rows(call.q), _rows(call.k)
+            mask = torch.ones(qr.shape[1], kr.shape[1], dtype=torch.bool)
+            if call.causal:
+                mask = mask.tril()
+            if call.mask is not None:
+                mask = call.mask
+            elements += qr.shape[0] * int(mask.sum())
+            qi, ki = mask.nonzero().unbind(1)
+            for q_rows, k_rows in zip(qr, kr):
                 pairs |= {(int(a), int(key_doc[offset + x]), int(key_pos[offset + x]))
-                          for a, x in zip(qr[qi], kr[ki])}
+                          for a, x in zip(q_rows[qi], k_rows[ki])}
     return pairs, elements
 
 
-@pytest.mark.parametrize("comm", ["allgather", "p2p"])
-def test_tiles_cover_exactly_the_causal_pairs_and_balance_ranks(comm):
+@pytest.mark.parametrize("comm, masked", [("allgather", False), ("allgather", True), ("p2p", True)])
+def test_calls_cover_exactly_the_causal_pairs_and_balance_ranks(comm, masked):
     """Every (query, key) pair of the same document with pos_k <= pos_q is computed once per
-    rank's tiles, no other unmasked pair is, and the long document's block work is the same on
-    every rank (the head-tail split balances the skipped blocks)."""
+    rank's calls, no other pair is, and the long document's work is the same on every rank
+    (the head-tail split balances the skipped chunks); `masked`: short documents (here all of
+    them under allgather) as one masked call."""
     c, lengths = 4, [200, 7, 3, 40]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     work = []
@@ -169,10 +203,66 @@ def test_tiles_cover_exactly_the_causal_pairs_and_balance_ranks(comm):
                                             (shard.cu_seqlens[1:] - shard.cu_seqlens[:-1]).long())
         expected = {(row, int(local_doc[row]), p) for row in range(len(shard.valid))
                     for p in range(int(shard.position_ids[row]) + 1)}
-        pairs, elements = visible_pairs(cu, c, r, comm)
+        pairs, elements = visible_pairs(cu, c, r, comm, masked)
         assert pairs == expected
-        work.append(elements)
-        long_only = visible_pairs(cu[:2], c, r, comm)[1]
-        assert long_only < 0.6 * (2 * 25) * (8 * 25)   # vs. every local query x every key
+        long_only = visible_pairs(cu[:2], c, r, comm, masked)[1]
+        if not (masked and comm == "allgather"):     # the masked call counts its visible pairs
+            assert long_only < 0.6 * (2 * 25) * (8 * 25)   # vs. every local query x every key
         work.append(long_only)
-    assert len(set(work[1::2])) == 1, work
+    assert len(set(work)) == 1, work
+
+
+def test_plan_refuses_device_lengths_and_unknown_comm():
+    with pytest.raises(ValueError, match="cp_comm='ring'"):
+        cp_calls([4], 2, 0, "ring")
+    with pytest.raises(ValueError, match="host copy"):
+        build_cp_plan(torch.tensor([0, 4], device="meta"), None)
+
+
+@contextmanager
+def counting_reads():
+    """Count calls of the Tensor methods that read a tensor back to the host."""
+    names = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+    count = [0]
+
+    def counted(fn):
+        def wrapper(*args, **kwargs):
+            count[0] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    for n in names:
+        setattr(torch.Tensor, n, counted(saved[n]))
+    try:
+        yield count
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.Tensor, n, fn)
+
+
+def reads_case(rank, world, comm):
+    """Reads of a CP forward + backward of a text LM, per (layers, micro-batches)."""
+    reads = {}
+    for layers, micro in ((1, 1), (3, 1), (1, 3)):
+        llm = LLMConfig(vocab_size=64, hidden_size=32, num_layers=layers, num_heads=4,
+                        num_kv_heads=2, ffn_hidden_size=64)
+        model = LlavaModel(None, None, llm, cp_group=dist.group.WORLD, cp_comm=comm)
+        batches = [make_batch([9 + m, 4, 13], vocab=64, seed=m) for m in range(micro)]
+        for b in batches:   # what Batch.to keeps: the host lengths (here the data is on the CPU)
+            b.seqlens = tuple(int(n) for n in np.diff(b.cu_seqlens.numpy()))
+        with counting_reads() as count:
+            for b in batches:
+                model.stage_forward(b).square().sum().backward()
+        reads[layers, micro] = count[0]
+    return reads
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("comm", ["allgather", "p2p"])
+def test_cp_forward_backward_reads_nothing_back_per_layer_or_micro_batch(comm):
+    """The CP shard and plan come from the host lengths: the count of device-to-host reads
+    (Tensor.item/tolist/cpu/numpy/int/float/bool) in CP forward + backward is the same for 1 or
+    3 layers and 1 or 3 micro-batches."""
+    for reads in run_ranks(reads_case, 2, comm, timeout=80):
+        assert reads[3, 1] == reads[1, 1] and reads[1, 3] == reads[1, 1], reads

@@ -16,8 +16,9 @@ BACKEND_MODULES = {
     "flash": ("flash_attn", "pip install flash-attn --no-build-isolation on a CUDA machine"),
 }
 """Optional GPU attention backends: name -> (module to import, how to install it)."""
-CP_BACKENDS = ("auto", "torch")
-"""Backends that run context parallelism (CP > 1) today: `auto` falls back to `torch` under CP."""
+CP_BACKENDS = ("auto", "torch", "te")
+"""Backends that run context parallelism (CP > 1): `auto` and `torch` run hcp's CP attention on
+fused kernels, `te` Transformer Engine's THD CP (hcp.model.cp_attention.cp_attention_for)."""
 
 
 def check_cp_backend(backend: str, cp: int, dynamic: bool = False) -> None:

@@ -1,148 +1,199 @@
 """Causal THD attention across context-parallel ranks (head-tail shards of
-`hcp.parallel.cp_sharding`), block-wise, exact in values and gradients.
+`hcp.parallel.cp_sharding`) on fused kernels (`hcp.model.cp_kernels`), exact in values and
+gradients.
 
 Two strategies (`cp_comm`), as Transformer Engine / torch users know them:
 - `allgather` (default): all-gather K/V of the CP group once, attend the local queries to the
-  keys block by block, and reduce-scatter the K/V gradients back to their owners (the all-gather
-  CP of Llama 3 / Megatron-LM `cp_comm_type=all_gather`).
+  keys, and reduce-scatter the K/V gradients back to their owners (the all-gather CP of Llama 3 /
+  Megatron-LM `cp_comm_type=all_gather`).
 - `p2p`: ring attention (Liu et al. 2023; Transformer Engine's `p2p` CP): K/V shards rotate
-  around the ring with `batch_isend_irecv` while the current shard's blocks are computed, folded
-  into one online softmax. The backward rotates K/V again together with their fp32 gradient
-  accumulators, which reach their owners after one more hop.
+  around the ring with `batch_isend_irecv` while the current shard is attended, one fused call
+  per document shape per step, merged with its log-sum-exp in fp32. The backward rotates K/V
+  again together with their fp32 gradient accumulators, which reach their owners after one
+  more hop.
 
-Both run the tiles of `hcp.model.block_attention` (fp32 running max, sum and output, flash
-backward). The tiles come from positions alone: CP size c cuts a document of L tokens into 2c
-chunks of k = ceil(L / 2c) positions, chunk i owned by rank min(i, 2c-1-i), stored in the
-owner's local rows as [head chunk, tail chunk]. A query in chunk i sees the whole chunks before i
-and the causal diagonal of chunk i; every later chunk is skipped, which the head-tail split
-balances (each rank computes the same number of tiles). Long documents are cut into blocks of
-`block_size` positions: full tiles need no mask, diagonal tiles share one `tril` mask. A short
-document (its whole local query x key tile within block_size^2) is one tile with a position mask;
-documents with the same k share that mask and run as one batch. The memory of a call is the
-(gathered or in-flight) K/V plus O(block_size^2 x heads).
+The calls come from positions alone. CP size c cuts a document of L tokens into 2c chunks of
+k = ceil(L / 2c) positions, chunk i owned by rank min(i, 2c-1-i), stored in the owner's local
+rows as [head chunk, tail chunk]; a query in chunk i sees the chunks before i and the causal
+diagonal of its own. Per document, rank r computes (every other chunk pair is skipped, which the
+head-tail split balances):
+- its own 2k rows against themselves, top-left causal (head and tail diagonals, tail x head);
+- allgather: its head against chunks 0..r-1, its tail against chunks 0..2c-2-r except r;
+- p2p, source rank s != r: s < r: head and tail against s's head chunk; s > r: tail against
+  both of s's chunks.
+Documents of the same chunk size k share each call (`Call`: n blocks of one shape). Under
+allgather a short document (k <= `SHORT_CHUNK`) on a kernel that takes masks (CPU) is one call
+instead of three: its 2k rows against chunks 0..2c-1-r with a position mask shared by the
+group (twice the scores of the three calls, but one tiny call instead of three). Padding slots
+(positions >= L) come last in their document, so no valid query sees them.
 
 The CP group is an argument of each micro-batch's plan (dynamic CP gives every micro-batch its
-own group), never of a layer.
+own group), never of a layer. The plan is built from the micro-batch's lengths on the host
+(`hcp.parallel.cp_sharding.host_cu_seqlens`): no device-to-host read.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from hcp.config.layouts import CP_COMMS
-from hcp.model.block_attention import (BlockAttention, SoftmaxState, TileBatch, acc_dtype,
-                                       backward_tiles, forward_tiles)
 from hcp.model.collectives import gather_seq, group_rank, group_size
+from hcp.model.cp_kernels import Kernel, acc_dtype, fused_kernel
+from hcp.parallel.cp_sharding import host_cu
 
-BLOCK_SIZE = 512
+SHORT_CHUNK = 32
+"""Chunk size up to which an allgather document is one masked call (kernels with masks)."""
+
+
+@dataclass
+class Rows:
+    """Rows of a `[T, ...]` tensor taken as `[n, L, ...]` blocks: a contiguous range (a view, no
+    copy) when `index` is None, else the rows `index` (long [n, L], on the tensors' device)."""
+
+    start: int
+    n: int
+    length: int
+    index: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, rows: np.ndarray, device) -> "Rows":
+        """rows: int [n, L] on the host."""
+        n, length = rows.shape
+        if n * length and np.array_equal(rows.ravel(), rows.flat[0] + np.arange(n * length)):
+            return cls(int(rows.flat[0]), n, length)
+        return cls(0, n, length, torch.as_tensor(rows, dtype=torch.long).to(device, non_blocking=True))
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        if self.index is None:
+            return x[self.start:self.start + self.n * self.length].view(self.n, self.length, *x.shape[1:])
+        return x[self.index]
+
+    def put(self, x: torch.Tensor, value: torch.Tensor) -> None:
+        if self.index is None:
+            self.take(x).copy_(value)
+        else:
+            x[self.index] = value
+
+    def add(self, x: torch.Tensor, value: torch.Tensor) -> None:
+        if self.index is None:
+            self.take(x).add_(value)
+        else:
+            x.index_add_(0, self.index.flatten(), value.flatten(0, 1))
+
+
+@dataclass
+class Call:
+    """One fused kernel call: n blocks of `q` rows (local queries) against `k` rows (of the
+    key source), fully or top-left causal."""
+
+    q: Rows
+    k: Rows
+    causal: bool
+    mask: torch.Tensor | None = None
+    """bool [Lq, Lk] shared by the n blocks (True = attend), or None."""
+
 
 @dataclass
 class CPAttentionPlan:
-    """Per micro-batch tiles shared by all layers of one rank."""
+    """Per micro-batch calls shared by all layers of one rank."""
 
     group: object
     comm: str
-    tiles: list[list[TileBatch]]
-    """allgather: one list, rows index the gathered K/V (rank-major, each rank's local rows);
-    p2p: tiles[j] index the K/V shard of rank j (its local rows)."""
+    calls: list[list[Call]]
+    """allgather: one list, k rows index the gathered K/V (rank-major, each rank's local rows);
+    p2p: calls[s] index the K/V shard of rank s (its local rows)."""
+    kernel: Kernel
 
 
-class _Collector:
-    """Tiles grouped by (shape, mask key) into TileBatches."""
-
-    def __init__(self):
-        self.rows: dict = defaultdict(lambda: ([], []))
-        self.masks: dict = {}
-
-    def add(self, key, q_rows: torch.Tensor, k_rows: torch.Tensor, mask) -> None:
-        """q_rows [n, bq], k_rows [n, bk] sharing `mask` (None or bool [bq, bk]) under `key`."""
-        qs, ks = self.rows[key]
-        qs.append(q_rows)
-        ks.append(k_rows)
-        self.masks[key] = mask
-
-    def batches(self) -> list[TileBatch]:
-        return [TileBatch(torch.cat(qs), torch.cat(ks), self.masks[key])
-                for key, (qs, ks) in self.rows.items()]
+def _chunk_rows(i: int, c: int, k: int, t_loc: int, allgather: bool) -> np.ndarray:
+    """Offsets (from a document's local start) of chunk i's k rows: in the gathered K/V
+    (rank-major) under allgather, else in its owner's shard."""
+    owner = min(i, 2 * c - 1 - i)
+    return (owner * t_loc if allgather else 0) + (0 if i < c else k) + np.arange(k)
 
 
-def _chunk_positions(chunks, k: int) -> torch.Tensor:
-    return torch.cat([i * k + torch.arange(k) for i in chunks])
-
-
-def _short_docs(col: dict, starts: torch.Tensor, k: int, c: int, r: int, t_loc: int, comm: str):
-    """Documents of chunk size k (local rows starting at `starts` [n]) that fit one tile each:
-    all local rows against all key rows, masked by position (one mask for the n documents)."""
-    q_rows = starts[:, None] + torch.arange(2 * k)                               # [n, 2k]
-    q_pos = _chunk_positions((r, 2 * c - 1 - r), k)
-    own = [_chunk_positions((j, 2 * c - 1 - j), k) for j in range(c)]     # positions by rank
+def _doc_calls(c: int, r: int, k: int, t_loc: int, comm: str, masked: bool) -> dict:
+    """{source: [(q offsets [Lq], k offsets [Lk], causal, mask or None)]} of one document of
+    chunk size k (`masked`: the kernel takes masks)."""
+    head, tail = np.arange(k), k + np.arange(k)
+    local = np.arange(2 * k)
     if comm == "allgather":
-        offsets = (torch.arange(c)[:, None] * t_loc + torch.arange(2 * k)).flatten()
-        mask = torch.cat(own)[None, :] <= q_pos[:, None]
-        col[0].add(("short", k), q_rows, starts[:, None] + offsets, mask)  # k_rows [n, 2ck]
-        return
-    for j in range(c):
-        mask = own[j][None, :] <= q_pos[:, None]
-        if mask.any():
-            col[j].add(("short", k), q_rows, q_rows, mask)
+        def rows(chunks):
+            return np.concatenate([_chunk_rows(i, c, k, t_loc, True) for i in chunks])
+        if masked and k <= SHORT_CHUNK:
+            q_pos = np.concatenate([r * k + head, (2 * c - 1 - r) * k + head])
+            mask = np.arange((2 * c - r) * k)[None, :] <= q_pos[:, None]
+            return {0: [(local, rows(range(2 * c - r)), False, mask)]}
+        calls = [(local, r * t_loc + local, True, None)]
+        if r:
+            calls.append((head, rows(range(r)), False, None))
+        rest = [i for i in range(2 * c - 1 - r) if i != r]
+        if rest:
+            calls.append((tail, rows(rest), False, None))
+        return {0: calls}
+    return {s: [(local, local, True, None)] if s == r else [(local, head, False, None)] if s < r
+            else [(tail, local, False, None)] for s in range(c)}
 
 
-def _long_doc(col: dict, start: int, k: int, c: int, r: int, t_loc: int, comm: str, block: int):
-    """Block tiles of one long document: full blocks before each query block, its diagonal."""
-    def blocks(stop):
-        return [(o, min(block, stop - o)) for o in range(0, stop, block)]
+def cp_calls(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
+             device="cpu", masked: bool = True) -> list[list[Call]]:
+    """The calls of CP rank `cp_rank` of `cp_size` (see `CPAttentionPlan.calls`) for the whole
+    micro-batch's document `lengths` (host ints [N]); row indices and masks on `device`;
+    `masked`: the kernel takes masks (short documents as one call). Pure function.
 
-    for chunk, q_off in ((r, 0), (2 * c - 1 - r, k)):
-        for o, b in blocks(k):
-            q_rows = start + q_off + o + torch.arange(b)
-            for i in range(chunk + 1):
-                owner = min(i, 2 * c - 1 - i)
-                base = (owner * t_loc if comm == "allgather" else 0) + start + (0 if i < c else k)
-                target = col[0 if comm == "allgather" else owner]
-                for ko, kb in blocks(k if i < chunk else o):
-                    target.add(("full", b, kb), q_rows[None], (base + ko + torch.arange(kb))[None], None)
-                if i == chunk:
-                    target.add(("diag", b), q_rows[None], (base + o + torch.arange(b))[None],
-                               torch.ones(b, b, dtype=torch.bool).tril())
-
-
-def cp_tiles(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, comm: str = "allgather",
-             block_size: int = BLOCK_SIZE) -> list[list[TileBatch]]:
-    """The tiles of CP rank `cp_rank` of `cp_size` (see `CPAttentionPlan.tiles`) for the whole
-    micro-batch's cu_seqlens (int [N + 1]); indices on cu_seqlens' device. Pure function.
-
-    Raises ValueError for an unknown `comm` or a block_size < 1.
+    Raises ValueError for an unknown `comm`.
     """
     if comm not in CP_COMMS:
         raise ValueError(f"cp_comm={comm!r} is unknown: use one of {CP_COMMS}")
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size} must be >= 1")
     c, r = cp_size, cp_rank
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().cpu()
-    chunk = (lengths + 2 * c - 1) // (2 * c)                                     # k per document
-    starts = torch.cumsum(2 * chunk, 0) - 2 * chunk                               # local rows
+    chunk = (np.asarray(lengths, dtype=np.int64) + 2 * c - 1) // (2 * c)
+    starts = np.cumsum(2 * chunk) - 2 * chunk
     t_loc = int(2 * chunk.sum())
-    col = {j: _Collector() for j in range(c if comm == "p2p" else 1)}
-    short = (2 * chunk) * (2 * c * chunk) <= block_size * block_size
-    for k in chunk[short & (chunk > 0)].unique().tolist():
-        _short_docs(col, starts[short & (chunk == k)], k, c, r, t_loc, comm)
-    for d in (~short).nonzero().flatten().tolist():
-        _long_doc(col, int(starts[d]), int(chunk[d]), c, r, t_loc, comm, block_size)
-    device = cu_seqlens.device
-    return [[TileBatch(b.q_rows.to(device), b.k_rows.to(device),
-                       None if b.mask is None else b.mask.to(device)) for b in col[j].batches()]
-            for j in sorted(col)]
+    sources = range(c) if comm == "p2p" else range(1)
+    grouped: dict = {s: defaultdict(list) for s in sources}       # (shape key) -> q, k rows
+    for k in np.unique(chunk[chunk > 0]).tolist():
+        first = starts[chunk == k]                                 # [n] documents of chunk k
+        for s, calls in _doc_calls(c, r, k, t_loc, comm, masked).items():
+            for i, (q_off, k_off, causal, mask) in enumerate(calls):
+                grouped[s][(k, i)].append((first[:, None] + q_off, first[:, None] + k_off, causal,
+                                           mask))
+    return [[Call(Rows.of(np.concatenate([p[0] for p in parts]), device),
+                  Rows.of(np.concatenate([p[1] for p in parts]), device), parts[0][2],
+                  None if parts[0][3] is None else torch.as_tensor(parts[0][3]).to(device))
+             for parts in grouped[s].values()] for s in sources]
 
 
-def build_cp_plan(cu_seqlens: torch.Tensor, group, comm: str = "allgather",
-                  block_size: int = BLOCK_SIZE) -> CPAttentionPlan:
+def build_cp_plan(cu_seqlens, group, comm: str = "allgather", device="cpu") -> CPAttentionPlan:
     """Plan for this rank of `group` (the micro-batch's CP group; None = size 1) from the whole
-    micro-batch's cu_seqlens (int32 [N + 1]). Raises ValueError as `cp_tiles`."""
-    return CPAttentionPlan(group, comm, cp_tiles(cu_seqlens, group_size(group), group_rank(group),
-                                                 comm, block_size))
+    micro-batch's host cu_seqlens (int [N + 1]: `hcp.parallel.cp_sharding.host_cu`); indices
+    and kernel for `device`. Raises ValueError as `cp_calls`, `host_cu` and `fused_kernel`."""
+    kernel = fused_kernel(device)
+    calls = cp_calls(np.diff(host_cu(cu_seqlens)), group_size(group), group_rank(group), comm, device,
+                     kernel.masks)
+    return CPAttentionPlan(group, comm, calls, kernel)
+
+
+def cp_attention_for(backend: str, comm: str) -> Callable | None:
+    """CP attention of a resolved attention backend, chosen once when the model is built:
+    `for_micro_batch(cu_seqlens_host, group, device) -> attend(q, k, v)` (the plan of one
+    micro-batch, shared by its layers); `torch`: hcp's calls on the device's fused kernels, `te`:
+    Transformer Engine's THD CP (`hcp.model.te_cp`, imported here, lazily). None: the backend
+    has no CP path (`flash`). Raises ImportError for `te` when Transformer Engine is missing."""
+    if backend == "te":
+        from hcp.model.te_cp import te_cp_attention
+        return te_cp_attention(comm)
+    if backend != "torch":
+        return None
+
+    def for_micro_batch(cu_seqlens_host, group, device):
+        plan = build_cp_plan(cu_seqlens_host, group, comm, device)
+        return lambda q, k, v: cp_attention(q, k, v, plan)
+    return for_micro_batch
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -151,8 +202,72 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     CP rank of `plan.group`. Returns [T_loc, Hq, D] in q's dtype."""
     if plan.comm == "allgather":
         kv = gather_seq(torch.stack([k, v], dim=1), plan.group)           # [c * T_loc, 2, Hkv, D]
-        return BlockAttention.apply(q, kv[:, 0], kv[:, 1], plan.tiles[0])
+        return _FusedAttention.apply(q, kv[:, 0], kv[:, 1], plan)
     return _RingAttention.apply(q, k, v, plan)
+
+
+@dataclass
+class Partial:
+    """Merged attention of the calls folded so far, per query row: out [T, Hq, D] and lse
+    [T, Hq] in `acc_dtype` (-inf: no key yet)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+
+    @classmethod
+    def empty(cls, q: torch.Tensor) -> "Partial":
+        acc = acc_dtype(q.dtype)
+        return cls(torch.zeros(q.shape, dtype=acc, device=q.device),
+                   torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device))
+
+    def fold(self, q, k, v, calls: list[Call], kernel: Kernel) -> None:
+        """Merge the calls' attention of q over k, v (in place, fp32)."""
+        with torch.autocast(q.device.type, enabled=False):
+            for call in calls:
+                out, lse = kernel.forward(call.q.take(q), call.k.take(k), call.k.take(v), call.causal,
+                                          call.mask)
+                old_out, old_lse = call.q.take(self.out), call.q.take(self.lse)
+                new = torch.logaddexp(old_lse, lse)
+                merged = (old_out * torch.exp(old_lse - new)[..., None]
+                          + out.to(new.dtype) * torch.exp(lse - new)[..., None])
+                call.q.put(self.out, merged)
+                call.q.put(self.lse, new)
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.out.to(dtype)
+
+
+def grads(q, k, v, dout, out, lse, calls: list[Call], kernel: Kernel, dq, dk, dv) -> None:
+    """Add the calls' gradients to the fp32 accumulators dq [Tq, Hq, D], dk, dv [Tk, Hkv, D];
+    out, lse: the merged attention of every call of the query rows (`Partial`)."""
+    with torch.autocast(q.device.type, enabled=False):
+        for call in calls:
+            rows = call.q.take
+            g = kernel.backward(rows(dout), rows(q), call.k.take(k), call.k.take(v), rows(out),
+                                rows(lse), call.causal, call.mask)
+            call.q.add(dq, g[0].to(dq.dtype))
+            call.k.add(dk, g[1].to(dk.dtype))
+            call.k.add(dv, g[2].to(dv.dtype))
+
+
+class _FusedAttention(torch.autograd.Function):
+    """q [T_loc, Hq, D] against one key source k, v [T_k, Hkv, D] through `plan.calls[0]`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan):
+        state = Partial.empty(q)
+        state.fold(q, k, v, plan.calls[0], plan.kernel)
+        out = state.result(q.dtype)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, state.lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype(x.dtype), device=x.device) for x in (q, k, v))
+        grads(q, k, v, dout, out, lse, ctx.plan.calls[0], ctx.plan.kernel, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
 def _ring_shift(x: torch.Tensor, group, tag: int):
@@ -179,18 +294,18 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan):
         group = plan.group
         size, rank = group_size(group), group_rank(group)
-        state = SoftmaxState.empty(q)
+        state = Partial.empty(q)
         kv = torch.stack([k, v])
         for step in range(size):
             if step < size - 1:
                 nxt_kv, reqs = _ring_shift(kv, group, tag=0)
-            forward_tiles(state, q, kv[0], kv[1], plan.tiles[(rank - step) % size])
+            state.fold(q, kv[0], kv[1], plan.calls[(rank - step) % size], plan.kernel)
             if step < size - 1:
                 _wait(reqs)
                 kv = nxt_kv
-        out, lse = state.result(q.dtype)
+        out = state.result(q.dtype)
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, state.lse)
         return out
 
     @staticmethod
@@ -200,15 +315,14 @@ class _RingAttention(torch.autograd.Function):
         group = plan.group
         size, rank = group_size(group), group_rank(group)
         acc = acc_dtype(q.dtype)
-        delta = (dout.to(acc) * out.to(acc)).sum(-1)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v])
         for step in range(size):
             if step < size - 1:
                 nxt_kv, kv_reqs = _ring_shift(kv, group, tag=0)
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            backward_tiles(q, kv[0], kv[1], dout, lse, delta, plan.tiles[(rank - step) % size],
-                           dq, dkv[0], dkv[1])
+            grads(q, kv[0], kv[1], dout, out, lse, plan.calls[(rank - step) % size], plan.kernel,
+                  dq, dkv[0], dkv[1])
             if step > 0:
                 _wait(dkv_reqs)
                 dkv += recv_dkv

@@ -12,8 +12,10 @@ Parallelism (groups are passed in; None = size 1):
 - Sequence parallelism (`sequence_parallel`, TP > 1): the residual stream between TP regions is
   split along tokens (padded to a multiple of tp); the final hidden states are gathered back.
 - CP over `cp_group`: the caller passes this rank's head-tail shard of the tokens
-  (`hcp.parallel.cp_sharding.cp_shard`) and the WHOLE micro-batch's cu_seqlens / max_seqlen;
-  attention runs across the CP ranks with `cp_comm` (`allgather` or `p2p`).
+  (`hcp.parallel.cp_sharding.cp_shard`) and the WHOLE micro-batch's cu_seqlens / max_seqlen
+  (and their host copy, read by the CP plan); attention runs across the CP ranks with `cp_comm`
+  (`allgather` or `p2p`) on the CP attention its backend picks once at build time
+  (`hcp.model.cp_attention.cp_attention_for`: fused kernels, or TE's THD CP for `te`).
 - PP (`stage`, a `hcp.model.stage.StageSpec`): only the stage's layers are built (named by their
   global index); the embedding lives on the first stage, the final norm and LM head on the last.
   `forward` = `enter` (first stage) -> `run_layers` (every stage) -> `exit` (last stage).
@@ -35,9 +37,10 @@ from hcp.config.schema import LLMConfig
 from hcp.model.attention import host_seqlens
 from hcp.model.backends import attention_fn, resolve_backend
 from hcp.model.collectives import copy_to_group, gather_from_group, group_size, split_seq
-from hcp.model.cp_attention import build_cp_plan, cp_attention
+from hcp.model.cp_attention import cp_attention_for
 from hcp.model.layers import RMSNorm, SwiGLU, rope_tables, rotate
 from hcp.model.stage import StageSpec
+from hcp.parallel.cp_sharding import cu_of
 from hcp.model.tp import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 
@@ -148,6 +151,8 @@ class LlamaDecoder(nn.Module):
         self.attention_backend = resolve_backend(attention_backend or cfg.attention_backend,
                                                  cp=group_size(cp_group))  # te/flash missing: fails here
         self._attention = attention_fn(self.attention_backend)
+        self.cp_attention = cp_attention_for(self.attention_backend, self.cp_comm)
+        self._check_cp(cp_group)
         sp = self.sequence_parallel
         first, last = self.stage.first, self.stage.last
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_group)
@@ -163,11 +168,16 @@ class LlamaDecoder(nn.Module):
         """input_ids: long [T] -> [T, H]."""
         return self.embed_tokens(input_ids)
 
+    def _check_cp(self, cp_group) -> None:
+        if self.cp_attention is None and group_size(cp_group) > 1:
+            raise ValueError(f"llm.attention_backend={self.attention_backend} does not run with "
+                             "CP: use llm.attention_backend=torch (or auto, or te)")
+
     def _attend(self, num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int, cp_group, seqlens=None):
         """Attention over the first `num_tokens` rows (later rows are SP padding: zeros out)."""
         if group_size(cp_group) > 1:
-            plan = build_cp_plan(cu_seqlens, cp_group, self.cp_comm)
-            core = lambda q, k, v: cp_attention(q, k, v, plan)  # noqa: E731
+            host = cu_seqlens if seqlens is None else cu_of(seqlens)
+            core = self.cp_attention(host, cp_group, cu_seqlens.device)
         else:
             if self.attention_backend == "torch":  # it splits by host lengths: known once for every layer
                 seqlens = host_seqlens(cu_seqlens, seqlens)
@@ -200,6 +210,7 @@ class LlamaDecoder(nn.Module):
         layer. Returns the same shape as x."""
         t = position_ids.shape[0]
         cp_group = self.cp_group if cp_group is _DECODER_GROUP else cp_group
+        self._check_cp(cp_group)
         attend = self._attend(t, cu_seqlens, max_seqlen, cp_group, seqlens)
         kind = x.device.type   # q and k come out of the projections in autocast's dtype
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
@@ -219,11 +230,13 @@ class LlamaDecoder(nn.Module):
         return gather_from_group(x, self.tp_group, dim=0)[:num_tokens]
 
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor,
-                cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+                cu_seqlens: torch.Tensor, max_seqlen: int, seqlens=None) -> torch.Tensor:
         """Whole model: inputs_embeds [T, H], position_ids long [T] (restarting per document),
         cu_seqlens int32 [N + 1], max_seqlen int -> final-normed hidden states [T, H]. Under CP,
-        T is this rank's shard while cu_seqlens / max_seqlen describe the whole micro-batch."""
-        x = self.run_layers(self.enter(inputs_embeds), position_ids, cu_seqlens, max_seqlen)
+        T is this rank's shard while cu_seqlens / max_seqlen describe the whole micro-batch
+        (`seqlens`: see `run_layers`)."""
+        x = self.run_layers(self.enter(inputs_embeds), position_ids, cu_seqlens, max_seqlen,
+                            seqlens=seqlens)
         return self.exit(x, inputs_embeds.shape[0])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ The micro-batch `batch` is any object with these attributes (shapes per micro-ba
                                 -100 = ignore; never shifted again here
     position_ids  long [T]      restart at 0 in each document
     cu_seqlens    int32 [N + 1] document boundaries; max_seqlen: int
+    seqlens       N ints on the host (the document lengths), or absent when cu_seqlens is on
+                                the CPU (CP reads lengths from it: `hcp.parallel.cp_sharding.host_cu_seqlens`)
     pixel_values  float [I, C, H, W] or None (images in order of appearance; `encoder=True`)
     image_mask    bool [T] or None: positions replaced, in order, by the I * P image embeddings
     image_rows    float [R, H] or None (`encoder=False`): the image embeddings of THIS rank's
@@ -61,7 +63,7 @@ from hcp.model.projector import Projector
 from hcp.model.stage import StageSpec
 from hcp.model.tp import vocab_parallel_cross_entropy
 from hcp.model.vit import ViTEncoder
-from hcp.parallel.cp_sharding import CPShard, cp_shard
+from hcp.parallel.cp_sharding import CPShard, cp_shard, host_cu_seqlens
 
 
 class LlavaEncoder(nn.Module):
@@ -209,7 +211,8 @@ class LlavaModel(nn.Module):
         group = self._cp_group(batch)
         if group_size(group) == 1:
             return None, batch.labels
-        shard = cp_shard(batch.cu_seqlens, group_size(group), group_rank(group))
+        shard = cp_shard(host_cu_seqlens(batch), group_size(group), group_rank(group),
+                         batch.cu_seqlens.device)
         return shard, batch.labels[shard.token_index].masked_fill(~shard.valid, -100)
 
     def residual_shape(self, batch) -> tuple[int, int]:
@@ -278,7 +281,8 @@ class LlavaModel(nn.Module):
             return logits
         group = self._cp_group(batch)
         c = group_size(group)
-        shards = [cp_shard(batch.cu_seqlens, c, r) for r in range(c)]
+        host, device = host_cu_seqlens(batch), batch.cu_seqlens.device
+        shards = [cp_shard(host, c, r, device) for r in range(c)]
         index = torch.cat([sh.token_index for sh in shards])
         valid = torch.cat([sh.valid for sh in shards])
         every = gather_seq(logits, group)                        # [c * T_loc, V]

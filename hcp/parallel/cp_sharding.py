@@ -9,12 +9,14 @@ so the local `cu_seqlens` are the same on every rank.
 Known value: cu_seqlens = [0, 8, 16], c = 2 -> rank 0 holds token indices [0,1,6,7,8,9,14,15],
 rank 1 [2,3,4,5,10,11,12,13]. Padding slots are marked invalid (masked out of attention and loss,
 never dropped): their `token_index` is 0 and their position continues past the document's end.
-Pure functions of `cu_seqlens`, no process group.
+Pure functions of the host `cu_seqlens` (the step plan's; `host_cu_seqlens`), no process group
+and no device-to-host read.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -36,34 +38,71 @@ class CPShard:
     """int32 [N + 1]: boundaries of the documents padded to multiples of 2c (whole sequence)."""
 
 
-def cp_shard(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> CPShard:
-    """Return rank `cp_rank`'s head-tail shard of the documents in `cu_seqlens` (int [N + 1]).
+def cu_of(seqlens) -> np.ndarray:
+    """cu_seqlens int64 [N + 1] of N document lengths (tokens) on the host."""
+    return np.concatenate([[0], np.cumsum(np.asarray(seqlens, dtype=np.int64))])
+
+
+def host_cu_seqlens(batch) -> np.ndarray:
+    """A micro-batch's cu_seqlens int [N + 1] on the host: from `batch.seqlens` (the step plan's
+    document lengths, kept by `Batch.to` and `StageMeta`), else `batch.cu_seqlens` when it is on
+    the CPU.
 
     Raises:
-        ValueError: cp_size < 1 or cp_rank outside [0, cp_size).
+        ValueError: only a device copy exists (reading it back would stall the device every
+            micro-batch); the message names the attribute to set.
+    """
+    seqlens = getattr(batch, "seqlens", None)
+    if seqlens is not None:
+        return cu_of(seqlens)
+    if batch.cu_seqlens.device.type == "cpu":
+        return batch.cu_seqlens.numpy()
+    raise ValueError(f"the micro-batch's cu_seqlens are on {batch.cu_seqlens.device} and it has no "
+                     "host lengths: set batch.seqlens (the N document lengths) for CP")
+
+
+def host_cu(cu_seqlens) -> np.ndarray:
+    """cu_seqlens (numpy, list or CPU tensor [N + 1]) as int64 numpy.
+
+    Raises:
+        ValueError: a tensor on a device (reading it back would stall the device every
+            micro-batch: pass the host copy, `host_cu_seqlens`).
+    """
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
+        raise ValueError(f"cu_seqlens on {cu_seqlens.device}: CP sharding and plans take the host "
+                         "copy (batch.seqlens, hcp.parallel.cp_sharding.host_cu_seqlens)")
+    return np.asarray(cu_seqlens, dtype=np.int64)
+
+
+def cp_shard(cu_seqlens, cp_size: int, cp_rank: int, device=None) -> CPShard:
+    """Return rank `cp_rank`'s head-tail shard of the documents in `cu_seqlens` (host int
+    [N + 1]: numpy, list or CPU tensor), its tensors on `device` (default CPU).
+
+    Raises:
+        ValueError: cp_size < 1, cp_rank outside [0, cp_size), or cu_seqlens on a device.
     """
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} must be in [0, cp_size={cp_size})")
-    cu = cu_seqlens.long().cpu()
-    lengths = cu[1:] - cu[:-1]
+    cu = host_cu(cu_seqlens)
+    lengths = np.diff(cu)
     two_c = 2 * cp_size
     chunk = (lengths + two_c - 1) // two_c                                 # [N]
-    local_cu = torch.zeros(len(lengths) + 1, dtype=torch.long)
-    local_cu[1:] = torch.cumsum(2 * chunk, 0)
-    doc = torch.repeat_interleave(torch.arange(len(lengths)), 2 * chunk)
-    slot = torch.arange(int(local_cu[-1])) - local_cu[doc]
+    local_cu = np.concatenate([[0], np.cumsum(2 * chunk)])
+    doc = np.repeat(np.arange(len(lengths)), 2 * chunk)
+    slot = np.arange(local_cu[-1]) - local_cu[doc]
     k = chunk[doc]
-    head = slot < k
-    position = torch.where(head, cp_rank * k + slot, (two_c - 1 - cp_rank) * k + slot - k)
+    position = np.where(slot < k, cp_rank * k + slot, (two_c - 1 - cp_rank) * k + slot - k)
     valid = position < lengths[doc]
-    padded_cu = torch.zeros_like(local_cu)
-    padded_cu[1:] = torch.cumsum(two_c * chunk, 0)
-    device = cu_seqlens.device
+    padded_cu = np.concatenate([[0], np.cumsum(two_c * chunk)])
+
+    def move(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return torch.as_tensor(x).to(device or "cpu", dtype, non_blocking=True)
+
     return CPShard(
-        token_index=torch.where(valid, cu[doc] + position, 0).to(device),
-        valid=valid.to(device),
-        position_ids=position.to(device),
-        cu_seqlens=local_cu.to(torch.int32).to(device),
+        token_index=move(np.where(valid, cu[doc] + position, 0), torch.long),
+        valid=move(valid, torch.bool),
+        position_ids=move(position, torch.long),
+        cu_seqlens=move(local_cu, torch.int32),
         max_seqlen=int(2 * chunk.max()) if len(chunk) else 0,
-        cu_seqlens_padded=padded_cu.to(torch.int32).to(device),
+        cu_seqlens_padded=move(padded_cu, torch.int32),
     )

@@ -103,7 +103,7 @@ def _rank(payload) -> None:
     rows = []
     for L, d in payload["points"]:
         cu = torch.arange(d + 1, dtype=torch.int32) * L
-        shard = cp_shard(cu, c, rank) if c > 1 else None
+        shard = cp_shard(cu, c, rank, device) if c > 1 else None
         n = shard.token_index.numel() if shard else d * L
         pos = shard.position_ids if shard else torch.arange(L).repeat(d)
         best = np.inf
@@ -113,7 +113,7 @@ def _rank(payload) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter() if device.type == "cuda" else busy_time()
-            out = model(x, pos.to(device), cu.to(device), L)
+            out = model(x, pos.to(device), cu.to(device), L, seqlens=(L,) * d)
             model.logits(out).float().square().mean().backward()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

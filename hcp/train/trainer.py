@@ -239,13 +239,13 @@ class Trainer:
                     if batches is not None:
                         batches.append((mb, tag(empty, mb)))
                 continue
-            cu = torch.as_tensor(mb.cu_seqlens, device=device)
+            host_cu = mb.cu_seqlens   # the plan's, on the host
             if self.stage.first or self.stage.last:
                 samples = [ds[indices[s]] for s in mb.samples]
             if self.stage.first:
                 ids = getattr(ds, "stream_ids", None)  # every stream's placeholder positions
                 batch = collate(samples, [], self.tok.image_token_id, ids)
-                if batch.cu_seqlens.tolist() != mb.cu_seqlens.tolist():  # on the host
+                if not np.array_equal(batch.cu_seqlens.numpy(), host_cu):
                     raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
                                        f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
                 batch = tag(batch.to(device), mb)
@@ -256,7 +256,7 @@ class Trainer:
             host_labels = [t for s in samples for t in s.labels] if self.stage.last else []
             labels = (torch.tensor(host_labels, device=device) if self.stage.last
                       else torch.full((sum(lengths),), -100, device=device))
-            metas.append(tag(StageMeta(cu, mb.max_seqlen, torch.cat(
+            metas.append(tag(StageMeta(torch.as_tensor(host_cu, device=device), mb.max_seqlen, torch.cat(
                 [torch.arange(n, device=device) for n in lengths]), labels, lengths,
                 sum(t != -100 for t in host_labels)), mb))
         return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}

@@ -1,0 +1,157 @@
+"""Fused attention kernels of CP attention (`hcp.model.cp_attention`).
+
+A call attends n blocks of one shape: q `[n, Lq, Hq, D]` to k, v `[n, Lk, Hkv, D]` (Hq a
+multiple of Hkv: grouped-query attention), either fully or with the top-left causal mask
+(`causal`, only for Lq == Lk: query i sees keys 0..i) or through `mask` (bool `[Lq, Lk]` shared
+by the n blocks, True = attend; only kernels with `masks`). The forward returns out `[n, Lq, Hq, D]`
+in q's dtype and the log-sum-exp lse `[n, Lq, Hq]` in fp32, so partial results over disjoint key
+sets merge exactly (`out = sum_i exp(lse_i - lse) out_i`, `lse = logsumexp_i lse_i`). The
+backward takes the MERGED out and lse of the query rows (the flash backward, Dao 2023:
+`P = exp(S - lse)`, `dS = P * (dP - rowsum(dO * out))`), so each call's gradients are its exact
+share of the merged attention's gradients. Statistics are fp32 inside the kernels whatever the
+input dtype.
+
+- `cpu`: aten `_scaled_dot_product_flash_attention_for_cpu` and its backward (block-wise, the
+  kernel SDPA runs on CPU).
+- `cuda`: aten `_flash_attention_forward` / `_flash_attention_backward` (flash-attn 2 inside
+  torch, the kernels of `torch.nn.attention.varlen.varlen_attn`), the n blocks as n varlen
+  sequences, for fp16/bf16 inputs (`precision=bf16`); fp32 inputs run `math`.
+- `math`: the same contract in plain torch with materialized `[n, Hq, Lq, Lk]` scores (fp32 or
+  wider), the reference the tests hold the fused kernels to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import math
+
+import torch
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A device's pair of fused attention ops (shapes in the module docstring)."""
+
+    name: str
+    forward: Callable
+    """(q, k, v, causal, mask) -> (out, lse fp32)."""
+    backward: Callable
+    """(dout, q, k, v, out, lse, causal, mask) -> (dq, dk, dv) in the inputs' dtype."""
+    masks: bool
+    """Whether it takes a `mask` (else only None)."""
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)                                        # [n, L, H, D] -> [n, H, L, D]
+
+
+def _additive(mask, dtype):
+    """bool [Lq, Lk] -> [1, 1, Lq, Lk] of 0 / -inf in `dtype` (the CPU kernel's mask), or None."""
+    if mask is None:
+        return None
+    additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return additive.masked_fill_(~mask, float("-inf"))[None, None]
+
+
+def _cpu_forward(q, k, v, causal, mask=None):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal,
+        attn_mask=_additive(mask, q.dtype))
+    return _heads_first(out), lse.transpose(1, 2)
+
+
+def _cpu_backward(dout, q, k, v, out, lse, causal, mask=None):
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        _heads_first(dout), _heads_first(q), _heads_first(k), _heads_first(v), _heads_first(out),
+        lse.transpose(1, 2), 0.0, causal, attn_mask=_additive(mask, q.dtype))
+    return tuple(_heads_first(g) for g in grads)
+
+
+def _cu(n: int, length: int, device) -> torch.Tensor:
+    return torch.arange(0, (n + 1) * length, length, dtype=torch.int32, device=device)
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, *x.shape[2:])                              # [n, L, H, D] -> [n * L, H, D]
+
+
+def _cuda_forward(q, k, v, causal, mask=None):
+    (n, lq), lk = q.shape[:2], k.shape[1]
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        _flat(q), _flat(k), _flat(v), _cu(n, lq, q.device), _cu(n, lk, q.device), lq, lk, 0.0,
+        causal, False)
+    return out.view(q.shape), lse.view(-1, n, lq).permute(1, 2, 0)   # lse [Hq, n * Lq]
+
+
+def _cuda_backward(dout, q, k, v, out, lse, causal, mask=None):
+    (n, lq), lk = q.shape[:2], k.shape[1]
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)       # no dropout
+    grads = torch.ops.aten._flash_attention_backward(
+        _flat(dout), _flat(q), _flat(k), _flat(v), _flat(out),
+        lse.permute(2, 0, 1).reshape(lse.shape[2], -1).contiguous(), _cu(n, lq, q.device),
+        _cu(n, lk, q.device), lq, lk, 0.0, causal, rng, torch.empty(0, device=q.device))
+    return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v)))
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of statistics and accumulators: fp32, or fp64 for fp64 inputs (tests)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _math_scores(q, k, causal, mask):
+    """Scaled scores [n, Hq, Lq, Lk] in fp32 (or wider), -inf above the causal diagonal and
+    where `mask` is False."""
+    rep = q.shape[2] // k.shape[2]
+    qf = _heads_first(q.to(acc_dtype(q.dtype)))
+    kf = _heads_first(k.to(qf.dtype).repeat_interleave(rep, 2))
+    s = torch.matmul(qf, kf.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril(),
+                          float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    return s, qf, kf
+
+
+def _math_forward(q, k, v, causal, mask=None):
+    s, _, _ = _math_scores(q, k, causal, mask)
+    lse = torch.logsumexp(s, -1)                                    # [n, Hq, Lq]
+    vf = _heads_first(v.to(s.dtype).repeat_interleave(q.shape[2] // k.shape[2], 2))
+    out = torch.matmul(torch.exp(s - lse[..., None]), vf)
+    return _heads_first(out).to(q.dtype), lse.transpose(1, 2)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, mask=None):
+    s, qf, kf = _math_scores(q, k, causal, mask)
+    rep = q.shape[2] // k.shape[2]
+    p = torch.exp(s - lse.transpose(1, 2).to(s.dtype)[..., None])   # [n, Hq, Lq, Lk]
+    do = _heads_first(dout.to(s.dtype))
+    vf = _heads_first(v.to(s.dtype).repeat_interleave(rep, 2))
+    delta = (do * _heads_first(out.to(s.dtype))).sum(-1, keepdim=True)
+    ds = p * (torch.matmul(do, vf.transpose(-1, -2)) - delta) / math.sqrt(q.shape[-1])
+    dq = torch.matmul(ds, kf)
+    dk, dv = torch.matmul(ds.transpose(-1, -2), qf), torch.matmul(p.transpose(-1, -2), do)
+    fold = lambda g: _heads_first(g).unflatten(2, (-1, rep)).sum(3)  # noqa: E731 - GQA groups
+    return _heads_first(dq).to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
+
+
+def _cuda_or_math(flash, fallback):
+    def run(q, *args):
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        return (flash if half else fallback)(q, *args)
+    return run
+
+
+MATH = Kernel("math", _math_forward, _math_backward, masks=True)
+KERNELS = {"cpu": Kernel("cpu", _cpu_forward, _cpu_backward, masks=True),
+           "cuda": Kernel("cuda", _cuda_or_math(_cuda_forward, _math_forward),
+                          _cuda_or_math(_cuda_backward, _math_backward), masks=False)}
+
+
+def fused_kernel(device: torch.device | str) -> Kernel:
+    """The fused kernel of `device`'s type. Raises ValueError for a device type without one."""
+    kind = torch.device(device).type
+    if kind not in KERNELS:
+        raise ValueError(f"CP attention has fused kernels for {sorted(KERNELS)}, not {kind!r}")
+    return KERNELS[kind]
