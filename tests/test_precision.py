@@ -150,19 +150,22 @@ def test_auto_backend_resolves_once_at_build_from_the_runs_compute_dtype(monkeyp
 
 
 def test_gpu_backend_with_cp_is_one_rule_checked_before_any_rank_starts(monkeypatch):
-    """flash/te with CP > 1 fail validation, also under dynamic CP where the solver may give a
+    """flash with CP > 1 fails validation, also under dynamic CP where the solver may give a
     micro-batch up to the whole CP pool (llm.layout.cp=1); the model's build applies the same
-    rule (`check_cp_backend`), not a per-micro-batch check."""
+    rule (`check_cp_backend`), not a per-micro-batch check. te runs CP (TE's THD CP, each
+    micro-batch's group): it passes the rule and fails only where TE is not installed."""
     import hcp.model.backends as backends
     from cfg_utils import compose_cfg
     from hcp.config.errors import ConfigError
     from hcp.config.validate import validate
 
-    for backend in ("flash", "te"):
-        cfg = compose_cfg(["+recipe=llama_tiny", f"llm.attention_backend={backend}", "packing=dynamic_cp"])
-        with pytest.raises(ConfigError, match="whole CP pool of 4 ranks") as e:
-            validate(cfg, world_size=4)
-        assert e.value.field == "llm.attention_backend" and "packing=first_fit" in e.value.fix
+    cfg = compose_cfg(["+recipe=llama_tiny", "llm.attention_backend=flash", "packing=dynamic_cp"])
+    with pytest.raises(ConfigError, match="whole CP pool of 4 ranks") as e:
+        validate(cfg, world_size=4)
+    assert e.value.field == "llm.attention_backend" and "packing=first_fit" in e.value.fix
+    cfg = compose_cfg(["+recipe=llama_tiny", "llm.attention_backend=te", "packing=dynamic_cp"])
+    with pytest.raises(ConfigError, match="transformer_engine"):  # not installed here
+        validate(cfg, world_size=4)
     monkeypatch.setattr(backends, "_importable", lambda name: True)
     with pytest.raises(ConfigError, match="whole CP pool of 4 ranks"):
         backends.resolve_backend("flash", "cuda", torch.bfloat16, cp=4, dynamic=True)
