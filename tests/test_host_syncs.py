@@ -60,6 +60,7 @@ LAYOUTS = {
     "pp2": ["llm.layout.pp=2", "vision.layout.tp=1"],
     "dp2": ["llm.layout.dp=2"],
     "dp2_fsdp": ["llm.layout.dp=2", "llm.layout.dp_shard=true", "vision.layout.dp_shard=true"],
+    "cp2": ["llm.layout.cp=2"],
 }
 SMALL = ["llm.num_layers=2", "trainer.global_batch_size=8"]
 LARGE = ["llm.num_layers=4", "trainer.global_batch_size=16"]  # twice the layers and micro-batches

@@ -245,19 +245,27 @@ class LlavaModel(nn.Module):
     def loss(self, batch, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Last stage: (sum of token cross-entropies over labels != -100 of this rank's CP shard
         as a 0-d fp32 tensor, number of those tokens) from the final hidden states [T_loc, H].
-        Without CP the count is the batch's host `loss_tokens` when known, so the loss tokens
-        are picked without reading the device (`nonzero_static`); under CP it is read."""
+        Without CP the count is the batch's host `loss_tokens` when known (an int), so the loss
+        tokens are picked without reading the device (`nonzero_static`). Under CP the shard's
+        count is not known on the host: every position of the shard is scored and the ones
+        past the count masked out, and the count is a 0-d tensor (still no device read)."""
         shard, labels = self._shard(batch)
         keep = labels != -100
         known = getattr(batch, "loss_tokens", None) if shard is None else None
-        n = int(keep.sum()) if known is None else known
-        index = torch.nonzero_static(keep, size=n).squeeze(1)
-        target = labels.index_select(0, index)
+        if known is None:
+            n = keep.sum()
+            index = torch.nonzero_static(keep, size=keep.numel(), fill_value=0).squeeze(1)
+            weight = (torch.arange(keep.numel(), device=keep.device) < n).float()
+        else:
+            n, weight = known, None
+            index = torch.nonzero_static(keep, size=n).squeeze(1)
+        target = labels.index_select(0, index).clamp(min=0)  # masked slots: any valid id
         logits = self.llm.logits(hidden.index_select(0, index))
         if group_size(self.tp_group) == 1:
-            loss_sum = F.cross_entropy(logits.float(), target, reduction="sum")
+            per_token = F.cross_entropy(logits.float(), target, reduction="none")
         else:
-            loss_sum = vocab_parallel_cross_entropy(logits, target, self.tp_group).sum()
+            per_token = vocab_parallel_cross_entropy(logits, target, self.tp_group)
+        loss_sum = (per_token * weight).sum() if weight is not None else per_token.sum()
         return loss_sum, n
 
     def forward(self, batch, x: torch.Tensor | None = None, head=None):
