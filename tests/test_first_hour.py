@@ -67,7 +67,7 @@ def test_a_cluster_recipe_here_says_so_once_and_offers_plan_mode_and_srun():
 
 def test_local_ranks_that_cannot_fit_this_machine_fail_before_they_start():
     from hcp.config.validate import validate
-    from hcp.train.launch import check_fits_here
+    from hcp.train.plan import check_fits_here
 
     overrides = ["+recipe=llava_hetero", "launcher.nnodes=1", "llm.layout.pp=1", "llm.layout.cp=1"]
     cfg = compose_cfg(overrides)

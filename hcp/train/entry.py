@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from hcp.config.compose import CONF_DIR, config_groups
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import world_size_of
-from hcp.train.launch import (check_fits_here, export_rank_env, launched_rank_env, local_start_method,
+from hcp.train.launch import (export_rank_env, launched_rank_env, local_start_method,
                               local_world_size, oversubscribed, resolve_nproc, resume_command,
                               start_local_ranks)
 from hcp.train.slurm import check_slurm
@@ -55,6 +55,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     from hcp.config.validate import validate
     from hcp.data.build import prepare_data
     from hcp.train.checkpoint import check_resume
+    from hcp.train.plan import check_fits_here
     from hcp.train.preempt import resume_after_requeue
     from hcp.train.support import check_profile, check_trainable
 

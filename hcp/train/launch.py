@@ -148,13 +148,15 @@ def oversubscribed(world: int, launcher_cfg, cores: Optional[int] = None) -> Opt
             f"than with at most {cores} rank{'s' * (cores > 1)} (the results are the same)")
 
 
-def _cluster_launch(cfg, overrides) -> str:
-    """How to run `overrides` on a SLURM cluster: the sbatch helper (`hcp.train.sbatch`), or
-    `srun` inside an allocation with one process per rank (per GPU), each joining the launch."""
+def cluster_fix(cfg, overrides) -> str:
+    """The fix of a config sized for a cluster: plan it here, or run `overrides` on a SLURM
+    cluster with the sbatch helper (`hcp.train.sbatch`) or `srun` inside an allocation with one
+    process per rank (per GPU), each joining the launch."""
     sbatch = " ".join(["python -m hcp.train.sbatch", *[o for o in overrides if not o.startswith("mode=")]])
     lc = cfg.launcher
     per_node = cfg.cluster.gpus_per_node if lc.nproc_per_node == "auto" else lc.nproc_per_node
-    return (f"submit it with the sbatch helper `{sbatch}` (`--dry-run` prints the script), or inside "
+    return (f"plan it here with `{_command(overrides, 'mode=plan')}`, or "
+            f"submit it with the sbatch helper `{sbatch}` (`--dry-run` prints the script), or inside "
             f"an allocation start one process per rank (per GPU), {per_node} per node: "
             f"`srun --nodes {lc.nnodes} --ntasks-per-node {per_node} {_command(overrides)}` "
             "(launchers/README.md)")
@@ -176,9 +178,7 @@ def local_world_size(cfg, joined: Optional[dict], overrides=()) -> int:
                           f"this config is sized for a cluster ({cfg.launcher.nnodes} nodes x "
                           f"{cfg.launcher.nproc_per_node} ranks; cluster.* {c.num_nodes} x "
                           f"{c.gpus_per_node} GPUs of {c.device_memory_gib:g} GiB) and a plain "
-                          "`python train.py` starts ranks on this machine only",
-                          f"plan it here with `{_command(overrides, 'mode=plan')}`, or "
-                          f"{_cluster_launch(cfg, overrides)}")
+                          "`python train.py` starts ranks on this machine only", cluster_fix(cfg, overrides))
     return resolve_nproc(cfg.launcher.nproc_per_node)
 
 
@@ -199,31 +199,6 @@ def gpu_memory_gib() -> float:
     if out.returncode != 0:
         raise RuntimeError(f"reading the GPU's memory in a child process failed: {out.stderr.strip()[-800:]}")
     return int(out.stdout.split()[-1]) / 2**30
-
-
-def check_fits_here(cfg, layouts: dict, world: int, overrides=(), memory=None) -> None:
-    """Before local ranks start: the estimated memory of the run (plan mode's per-rank estimate,
-    `hcp.train.memory`) must fit this machine, else one error that offers plan mode and the
-    cluster launch. `memory` overrides `machine_memory_gib()` (tests).
-
-    Raises:
-        ConfigError: the local ranks would need more memory than this machine has.
-    """
-    from hcp.train.plan import memory_per_rank
-
-    gib, what, shared = memory or machine_memory_gib()
-    per_rank = [r["total"] for r in memory_per_rank(cfg, layouts, world)]
-    need = sum(per_rank) if shared else max(per_rank)
-    if need <= gib:
-        return
-    c = cfg.cluster
-    raise ConfigError("launcher.nproc_per_node", cfg.launcher.nproc_per_node,
-                      f"{world} local ranks need an estimated {need:.1f} GiB "
-                      f"({'in all' if shared else 'on the largest rank'}), more than this machine's "
-                      f"{gib:.1f} GiB of {what}: this config is sized for a cluster "
-                      f"(cluster.* {c.num_nodes} x {c.gpus_per_node} GPUs of {c.device_memory_gib:g} GiB)",
-                      f"plan it here with `{_command(overrides, 'mode=plan')}`, or "
-                      f"{_cluster_launch(cfg, overrides)}")
 
 
 def free_port() -> int:

@@ -32,6 +32,7 @@ from hcp.parallel.grid import KINDS, Grid
 from hcp.parallel.roles import logging_rank, role_table
 from hcp.plan.step import island_head
 from hcp.train.estimate import ASSUMPTIONS, estimate_step
+from hcp.train.launch import cluster_fix, machine_memory_gib, resolve_nproc
 from hcp.train.memory import GIB, module_memory, rank_activations
 from hcp.train.plan_figure import draw_plan
 
@@ -213,8 +214,6 @@ def run_plan(cfg, out_dir) -> dict:
     (`hcp.config.layouts.check_layouts`), a world larger than `cluster` holds, or a rank whose
     estimated memory exceeds `cluster.device_memory_gib` (after writing the plan).
     """
-    from hcp.train.launch import resolve_nproc
-
     world = world_size_of(cfg, resolve_nproc("auto"))
     capacity = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     if world > capacity:
@@ -293,3 +292,25 @@ def format_plan(plan: dict) -> str:
                  f"gradient sync {est['grad_sync_s']:.3g} s ({est['assumptions']})")
     lines += [f"  {w}" for w in plan["warnings"]]
     return "\n".join(lines)
+
+
+def check_fits_here(cfg, layouts: dict, world: int, overrides=(), memory=None) -> None:
+    """Before local ranks start: the estimated memory of the run (plan mode's per-rank estimate,
+    `hcp.train.memory`) must fit this machine, else one error that offers plan mode and the
+    cluster launch. `memory` overrides `machine_memory_gib()` (tests).
+
+    Raises:
+        ConfigError: the local ranks would need more memory than this machine has.
+    """
+    gib, what, shared = memory or machine_memory_gib()
+    per_rank = [r["total"] for r in memory_per_rank(cfg, layouts, world)]
+    need = sum(per_rank) if shared else max(per_rank)
+    if need <= gib:
+        return
+    c = cfg.cluster
+    raise ConfigError("launcher.nproc_per_node", cfg.launcher.nproc_per_node,
+                      f"{world} local ranks need an estimated {need:.1f} GiB "
+                      f"({'in all' if shared else 'on the largest rank'}), more than this machine's "
+                      f"{gib:.1f} GiB of {what}: this config is sized for a cluster "
+                      f"(cluster.* {c.num_nodes} x {c.gpus_per_node} GPUs of {c.device_memory_gib:g} GiB)",
+                      cluster_fix(cfg, overrides))
