@@ -1,12 +1,7 @@
 """Helpers of the rehearsal tests (tests/test_rehearse.py): run `mode=rehearse` in-process, and
-two ways to create the process groups (`ProcessGroupRegistry.__init__`) patched in by tests:
-
-- `local_only_init`: the registry as it was before the cluster-readiness fix, each rank creating
-  only its own groups with `use_local_synchronization=True`; a fault seed that must stay caught
-  after the fix lands.
-- `global_order_init`: every rank creates every group of every module in one global order, the
-  rule NCCL needs (DESIGN.md section 8). A stand-in for the fix of hcp/parallel/groups.py made
-  in parallel: delete it, and its uses, once that fix is merged.
+`local_only_init`, the process-group registry as it was before the cluster-readiness fix (each
+rank creating only its own groups with `use_local_synchronization=True`): a fault seed that the
+rehearsal must keep catching.
 """
 from __future__ import annotations
 
@@ -27,21 +22,6 @@ def _rows(module, grid, dynamic_cp_modules):
     return rows
 
 
-def global_order_init(self, layouts, dynamic_cp_modules=()):
-    self.rank = dist.get_rank()
-    self.grids = {m: Grid.of(lay) for m, lay in layouts.items()}
-    self._groups, created = {}, {}
-    for module, grid in self.grids.items():
-        for kind, size, rows in _rows(module, grid, dynamic_cp_modules):
-            for row in rows:
-                ranks = tuple(int(r) for r in row)
-                if ranks not in created:
-                    created[ranks] = dist.new_group(list(ranks))
-                if self.rank in ranks:
-                    self._groups[module, kind, size] = (created[ranks], ranks)
-    self.num_created = len(created)
-
-
 def local_only_init(self, layouts, dynamic_cp_modules=()):
     self.rank = dist.get_rank()
     self.grids = {m: Grid.of(lay) for m, lay in layouts.items()}
@@ -57,15 +37,16 @@ def local_only_init(self, layouts, dynamic_cp_modules=()):
     self.num_created = len(created)
 
 
-def rehearse(monkeypatch, tmp_path, overrides, registry=global_order_init):
+def rehearse(monkeypatch, tmp_path, overrides, registry=None):
     """`mode=rehearse` of `overrides` (plus `FAST`) in this process, the ranks forked from it
-    with `registry` as `ProcessGroupRegistry.__init__`; returns its mismatches."""
+    (with `registry` as `ProcessGroupRegistry.__init__` when given); returns its mismatches."""
     from hcp.config.layouts import world_size_of
     from hcp.config.validate import validate
     from hcp.data.build import prepare_data
     from hcp.train.rehearse import run_rehearsal
 
-    monkeypatch.setattr(ProcessGroupRegistry, "__init__", registry)
+    if registry is not None:
+        monkeypatch.setattr(ProcessGroupRegistry, "__init__", registry)
     cfg = compose_cfg(["mode=rehearse", "logger=none", *FAST, *overrides], run_dir=str(tmp_path))
     world = world_size_of(cfg, 4)
     validate(cfg, world)

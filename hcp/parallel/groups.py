@@ -28,6 +28,9 @@ DYNAMIC_CP = "dynamic_cp"
 """Kind of the dynamic-CP block groups; looked up with a `size`."""
 SELF_BACKEND = "hcp_self"
 """Backend of the stand-in group of one rank (module docstring)."""
+SELF_GROUP_DESC = "hcp_self"
+"""`group_desc` of a stand-in group of one rank: created by its member alone, with no world-wide
+step (a rehearsal does not count it among the creations every rank must make)."""
 
 
 def _self_backend(common_opts, backend_opts):
@@ -45,7 +48,7 @@ def self_group(rank: int) -> dist.ProcessGroup:
         dist.Backend.register_backend(SELF_BACKEND, _self_backend, extended_api=True,
                                       devices=["cpu", "cuda"])
     return dist.new_group([rank], backend=SELF_BACKEND, use_local_synchronization=True,
-                          group_desc="hcp_self")
+                          group_desc=SELF_GROUP_DESC)
 
 
 def _blocks(grid: Grid, dynamic: bool):

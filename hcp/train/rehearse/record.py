@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hcp.parallel.groups import SELF_GROUP_DESC
+
 P2P_OPS = {"send": "send", "recv_": "recv", "recv_any_source_": "recv"}
 """c10d point-to-point ops -> `Op.kind`."""
 UNEVEN_OPS = {"alltoall_base_"}
@@ -155,7 +157,8 @@ class Recorder(TorchDispatchMode):
 
         def new_group_with_tag(ranks=None, *args, **kwargs):
             members = range(dist.get_world_size()) if ranks is None else ranks
-            self.creations.append(tuple(sorted(int(r) for r in members)))
+            if kwargs.get("group_desc") != SELF_GROUP_DESC:  # a rank's own stand-in: no world step
+                self.creations.append(tuple(sorted(int(r) for r in members)))
             return create_fn(ranks, *args, **kwargs)
 
         self._saved = [(dist, "batch_isend_irecv", batch_fn), (c10d, "batch_isend_irecv", batch_fn),
