@@ -2,12 +2,9 @@
 simulated iteration time under the per-rank token cap.
 
 Method (deterministic, numpy + heaps + HiGHS LPs; planning time grows with the micro-batch
-count: measured in thread CPU time on a 2-core machine at load ~24, 0.35-0.8 s (0.047-0.082
-of the simulated step) for 2,048 Wikipedia sequences over 8 stages of an 8-rank pool (~50-100
-micro-batches; about half of it the HiGHS LPs of steps 4b-4c), 0.38 s / 0.50 s (0.184 of the
-step) on a pool of 64 (older code), up to ~0.5 s with pp = 1 and at most
-`LOCAL_SEARCH_MAX_SEQS` sequences, where a local search runs, and up to ~0.3 s with pp > 1 and
-at most `PIPELINE_SEARCH_MAX_SEQS`, where steps 7-8 run):
+count, and with pp > 1 mostly goes to the HiGHS LPs of steps 4b-4c, skipped when step 4 is
+already near the bound; plan CPU time over the simulated step per distribution: benchmarks/dynamic_cp.py,
+its stall on the training thread: benchmarks/dynamic_cp_stall.py):
 1. Rank-time of a sequence at CP size c: `c * h(L, c)`, with `h` the forward seconds summed over
    stages (the backward is proportional), the CP latency of its micro-batch (paid once per
    micro-batch, `cost_model.latency`) counted by its token share (`_heights`). `W` = total
@@ -38,6 +35,10 @@ at most `PIPELINE_SEARCH_MAX_SEQS`, where steps 7-8 run):
    4c. Also with p > 1, when the longest sequence outweighs those rows (it stalls 1F1B): rows
    shaped like the same LP with that sequence's row pinned to its own time (`_pinned_sizes`,
    hcp/dcp/pinned_bound.py) at `PIN_ROW_FACTORS` x the memory minimum.
+   Steps 4b-4c are skipped when step 4's best plan is within `EARLY_EXIT_GAP` of the staged
+   lower bound (hcp/dcp/pipeline_bound.py `staged_bound`; many micro-batches, where the ramps
+   of step 4 already get close); a row count of 4b is skipped when its staged bound times the
+   least ratio so far of a shaped plan's time to its LP's value reaches the best time.
 5. With one stage (`pp = 1`, time = sum over micro-batches) and at most
    `LOCAL_SEARCH_MAX_SEQS` sequences, every candidate (the baselines' plans included) is first
    improved by local search (hcp/dcp/local_search.py: move, swap, resize and split groups,
