@@ -1,13 +1,15 @@
 """Measured dynamic CP on forked gloo ranks: static CP (packing-only at cp = pool) vs dynamic CP.
 
-    python benchmarks/dynamic_cp_train.py --json out.json      # Wikipedia, GBS 64, cap 256
-    python benchmarks/dynamic_cp_train.py --lengths code --global-batch 32 --micro-batch-tokens 512
+    # issue 24's table: 5 held-out seeds of each of Wikipedia, lognormal and code lengths
+    python benchmarks/dynamic_cp_train.py --json out.json
+    python benchmarks/dynamic_cp_train.py --lengths code --seeds 100 --global-batch 32 \
+        --micro-batch-tokens 512 --profile out.profile.yaml
 
 Setup: `--ranks` CPU ranks (gloo, one thread each) form one CP pool; the tiny LLaMA of
 `+recipe=llama_tiny` (fp32) runs forward + backward of every micro-batch of the step plan
-(hcp/plan/step.py) on global batches drawn from a long-tail corpus's document lengths: FlexSP's
-Wikipedia sample (default; the documents that fit `--ranks x --micro-batch-tokens` tokens), or
-`--lengths code`, the code corpus's (`code_lengths`: this Python's standard-library sources,
+(hcp/plan/step.py) on global batches drawn from long-tail document lengths (`--lengths`, a comma list): FlexSP's
+Wikipedia sample (the documents that fit `--ranks x --micro-batch-tokens` tokens),
+`code`, the code corpus's (`code_lengths`: this Python's standard-library sources,
 byte-level), or `--lengths lognormal`, Megatron's dynamic-CP example's scaled to the pool; token ids
 drawn at random: the content does not change the time). The cap forces static CP = pool: the
 longest documents need the whole pool, and a static run sizes its CP for them. Static:
@@ -18,8 +20,10 @@ cap's region, hcp/train/calibrate.py `grid`; with `--json X.json` the profile is
 X.profile.yaml). Each micro-batch runs on its CP group from the pre-built dynamic-CP groups. Not
 measured: gradient sync and the optimizer step (the same for both).
 
-Reported per method and rep (`--reps` measurements of both methods on the same plans, the
-order alternating, after one unmeasured warm-up step of each: gloo connects a group on its
+Every (lengths, seed) pair of `--lengths` x `--seeds` is a run of `--steps` global batches;
+all runs share one fork of the ranks and one calibration. Per method and rep (`--reps`
+measurements of both methods on the same plans, the order alternating, after one unmeasured
+warm-up step of each on the first batch of each distribution: gloo connects a group on its
 first collective): wall tokens/s (rank 0's wall time; 2 shared cores hide imbalance), and the
 critical path from each rank's busy time per micro-batch (hcp/train/calibrate.py `busy_time`:
 the CPU time of the rank's whole process over the micro-batch's forward and backward, so that
@@ -27,45 +31,17 @@ gloo's CP all-gathers and reduce-scatters, which run on gloo's own threads, coun
 waiting for a peer does not: a blocked gloo rank sleeps; neither does the machine's other
 load): a micro-batch starts on its group when all its ranks are free and lasts as long as its
 slowest rank; the step lasts until the last rank is free. `comm_share` is the part of the
-ranks' busy time spent outside the calling thread (communication); the speed-up that the
-calling thread's CPU time alone would show (the measure used before, which leaves
-communication out) is printed beside it as `compute_only_speedup`. Speed-ups are critical-path
-ratios, static / dynamic, per rep and their median; the predicted one is the simulator's
-(hcp/schedule/simulator.py via hcp/dcp/solver.simulate_plan) under the same profile, and
-`bound_speedup` the static prediction over the provable lower bound (hcp/dcp/lower_bound.py),
-a limit no plan can pass under that profile. `plan_ms`: a rank's CPU time to plan one step
-(every rank plans). `--json PATH` writes `{"static": {...}, "dynamic": {...},
-"predicted_speedup": x, "measured_speedup": y, "measured_speedup_reps": [...],
-"compute_only_speedup": w, "bound_speedup": z, "profile": the profile's path}`.
-
-Measured (2 steps x 5 reps after a warm-up step, 8 ranks on an otherwise idle 2-core machine;
-seed 100 ran with the calibration, held-out seeds 200-600 reuse its profile; that calibration
-shared the cores with another job for its first minute, so it was repeated on an idle machine
-for seeds 100 and 400; plan ms: a rank's CPU time to plan a step, and its ratio to the
-simulated dynamic step it hides behind on the plan-ahead thread):
-    lengths (cap, GBS)  seed  speed-up per rep          median predicted (p/m) bound  comm s / d   tokens/s s / d  plan ms (/ step)
-    wikipedia (256, 64)   100  1.09 1.29 1.04 1.30 1.10  1.10x  1.19x (1.08)  1.25x  0.18 / 0.15  2988 / 4022  474 (0.28)
-                          200  1.21 1.18 1.23 1.22 1.19  1.21x  1.32x (1.09)  1.41x  0.19 / 0.14  3870 / 4645  719 (0.60)
-                          300  1.29 1.21 1.26 1.22 1.05  1.22x  1.25x (1.02)  1.32x  0.17 / 0.14  3976 / 5098  627 (0.45)
-                          400  1.18 1.14 1.04 0.89 1.08  1.08x  1.32x (1.22)  1.40x  0.18 / 0.13  4304 / 4616  700 (0.67)
-                          500  1.10 1.12 1.14 1.16 1.24  1.14x  1.32x (1.16)  1.42x  0.18 / 0.13  3969 / 4702  711 (0.65)
-                          600  1.16 1.03 1.21 1.12 1.07  1.12x  1.16x (1.04)  1.21x  0.17 / 0.15  3501 / 3930  545 (0.33)
-    code (512, 32)        100  1.08 1.10 1.10 1.03 1.06  1.08x  1.07x (0.99)  1.10x  0.11 / 0.11  3909 / 4378  142 (0.04)
-  recalibrated on an idle machine:
-    wikipedia (256, 64)   100  1.17 1.10 1.03 1.14 1.11  1.11x  1.20x (1.09)  1.27x  0.18 / 0.15  4437 / 4935  514 (0.28)
-                          400  1.30 1.33 1.16 1.30 1.05  1.30x  1.33x (1.03)  1.43x  0.18 / 0.14  4226 / 5403  400 (0.34)
-Medians 1.08-1.30x on Wikipedia lengths, 1.08x on code lengths: the 1.3x of issue 13 is not
-reached here, and `bound` shows it cannot be on most of these batches under their profile (the
-solver's predicted time is 1.02-1.08x the lower bound). The gain is communication saved (gloo's
-all-gathers and all-reduces: 17-19% of static's busy time) and the head-tail padding of short
-documents at c = 8; documents over 1024 tokens need the whole pool in both methods and cost the
-same. Before the CP reduce-scatter became an all-reduce and a slice on gloo
-(hcp/model/collectives.py; gloo's reduce_scatter costs a fixed 25-30 ms at 8 ranks, paid in every
-static backward) the same settings measured 1.23 / 1.48 / 1.25 / 1.41 / 1.36 / 1.17x (Wikipedia,
-seeds 100-600, communication 39% of static's busy time) and 1.15 / 1.09 / 1.03x (code, seeds
-100-300): most of that was the slow collective. Single reps range 0.89-1.33x on these batches,
-so a median moves by ~0.1x between runs. On an NCCL cluster the ring-step latency is
-microseconds and these ratios would differ: they measure gloo on one host.
+ranks' busy time spent outside the calling thread (communication); `compute_only_speedup` is
+the speed-up the calling thread's CPU time alone would show. Per run: `measured_speedup`, the
+critical-path ratio static / dynamic (median over reps); `predicted_speedup`, the simulator's
+(hcp/schedule/simulator.py via hcp/dcp/solver.simulate_plan) under the same profile;
+`bound_speedup`, the static prediction over the provable lower bound (hcp/dcp/lower_bound.py),
+a limit no plan can pass under that profile; `measured_over_bound`; `prediction_error` =
+predicted / measured - 1. Per distribution: the median of each over its seeds. `plan ms`: a
+rank's CPU time to plan a step (every rank plans). `--json PATH` writes `{"runs": [{"lengths",
+"seed", "static": {...}, "dynamic": {...}, the figures above}], "summary": {lengths: medians},
+"profile": the profile's path}`. On an NCCL cluster the ring-step latency is microseconds and
+these ratios would differ: they measure gloo on one host.
 """
 from __future__ import annotations
 
@@ -191,7 +167,8 @@ def _rank(payload) -> None:
         return step, time.perf_counter() - w0
 
     for method in METHODS:  # warm-up, not measured: gloo connects each group on first use
-        run(plans[method][0])
+        for b in payload["warm_up"]:  # the first batch of each distribution
+            run(plans[method][b])
     reps = []
     for rep in range(payload["reps"]):
         out = {}
@@ -237,18 +214,20 @@ def critical_path(busy, groups) -> float:
     return float(free.max())
 
 
-def main(argv=None) -> dict:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--ranks", type=int, default=8, help="gloo ranks: the CP pool")
-    p.add_argument("--steps", type=int, default=2, help="global batches (steps) per rep")
-    p.add_argument("--reps", type=int, default=5, help="measurements of both methods")
-    p.add_argument("--lengths", choices=tuple(LENGTHS), default="wikipedia",
-                   help="document lengths: the code corpus's, FlexSP's Wikipedia sample, or "
-                        "Megatron's example's lognormal scaled to the pool")
+    p.add_argument("--steps", type=int, default=1, help="global batches (steps) per seed and rep")
+    p.add_argument("--reps", type=int, default=3, help="measurements of both methods")
+    p.add_argument("--lengths", default="wikipedia,lognormal,code",
+                   help=f"comma list of {', '.join(LENGTHS)}: the code corpus's, FlexSP's "
+                        "Wikipedia sample, or Megatron's example's lognormal scaled to the pool")
     p.add_argument("--global-batch", type=int, default=64, help="documents per step")
     p.add_argument("--micro-batch-tokens", type=int, default=256, help="cap per rank")
-    p.add_argument("--seed", type=int, default=100, help="draws the global batches")
+    p.add_argument("--seeds", default="100-104",
+                   help="A-B (inclusive) or a comma list; each draws its own global batches "
+                        "(held out: the solver was tuned on seeds 0-1)")
     p.add_argument("--profile", help="a mode=calibrate profile.yaml; None: calibrate now")
     p.add_argument("--json", help="write the results here (and the fitted profile beside it)")
     args = p.parse_args(argv)
@@ -257,6 +236,14 @@ def main(argv=None) -> dict:
     for flag in ("steps", "reps", "global_batch", "micro_batch_tokens"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
+    args.lengths = args.lengths.split(",")
+    for name in args.lengths:
+        if name not in LENGTHS:
+            p.error(f"--lengths {name}: not one of {', '.join(LENGTHS)}; give a comma list of them")
+    try:
+        args.seeds = parse_seeds(args.seeds)
+    except ValueError as err:
+        p.error(str(err))
     if args.json and not Path(args.json).resolve().parent.is_dir():
         p.error(f"--json {args.json}: its directory does not exist; create it or pick another path")
     if args.profile is None:
@@ -270,14 +257,38 @@ def main(argv=None) -> dict:
             load_profile(args.profile)
         except ValueError as err:
             p.error(f"--profile {args.profile}: {err}")
+    max_len = args.ranks * args.micro_batch_tokens
+    for name in args.lengths:
+        if LENGTHS[name](max_len).size < args.global_batch:
+            p.error(f"--global-batch {args.global_batch}: only {LENGTHS[name](max_len).size} "
+                    f"{name} documents fit {max_len} tokens; lower it")
+    return args
+
+
+def parse_seeds(text: str) -> list[int]:
+    """`A-B` (inclusive) or `a,b,c` -> seeds; ValueError naming the text otherwise."""
+    try:
+        a, _, b = text.partition("-")
+        seeds = list(range(int(a), int(b) + 1)) if b else [int(x) for x in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0:
+        raise ValueError(f"--seeds {text!r}: give A-B or a comma list of seeds >= 0, e.g. 100-104")
+    return seeds
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     cfg = compose_config(["+recipe=llama_tiny", f"launcher.nproc_per_node={args.ranks}"])
     max_len = args.ranks * args.micro_batch_tokens
-    pool = LENGTHS[args.lengths](max_len)
-    if pool.size < args.global_batch:
-        p.error(f"--global-batch {args.global_batch}: only {pool.size} documents fit "
-                f"{max_len} tokens; lower it")
-    rng = np.random.default_rng(args.seed)
-    batches = [rng.choice(pool, args.global_batch, replace=False) for _ in range(args.steps)]
+    runs, batches = [], []  # a run: one (lengths, seed), its `--steps` batches
+    for name in args.lengths:
+        pool = LENGTHS[name](max_len)
+        for seed in args.seeds:
+            rng = np.random.default_rng(seed)
+            runs.append({"lengths": name, "seed": seed, "first": len(batches)})
+            batches += [rng.choice(pool, args.global_batch, replace=False)
+                        for _ in range(args.steps)]
     from omegaconf import OmegaConf
 
     from hcp.train.launch import start_local_ranks
@@ -297,7 +308,9 @@ def main(argv=None) -> dict:
         out = os.path.join(tmp, "measured.json")
         payload = {"cfg": OmegaConf.to_container(cfg, resolve=True), "profile": profile,
                    "batches": [b.tolist() for b in batches], "cap": args.micro_batch_tokens,
-                   "reps": args.reps, "out": out}
+                   "reps": args.reps, "out": out,
+                   "warm_up": sorted({r["first"] for r in runs
+                                      if r["seed"] == args.seeds[0]})}
         start_local_ranks(_rank, args.ranks, payload, "fork")
         ranks = json.loads(Path(out).read_text())
         hw = load_profile(profile)
@@ -305,68 +318,94 @@ def main(argv=None) -> dict:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     cost = CostModel(cfg.llm, hw, pp=1, tp=1, recompute=False)
-    tokens = float(sum(b.sum() for b in batches))
-    result = {}
-    for method in METHODS:
-        lay = layout(1, args.ranks, cfg.llm.num_layers) if method == "static" else \
-            layout(args.ranks, 1, cfg.llm.num_layers)
-        plans = [first_fit_policy(b, lay, args.micro_batch_tokens) if method == "static"
-                 else policy(b, lay, args.micro_batch_tokens) for b in batches]
-        pred = [simulate_plan(pl, b, cost).iteration_time for pl, b in zip(plans, batches)]
-        crit, crit_compute = ([sum(critical_path([r["reps"][k][method][key][s] for r in ranks],
-                                                 [r["groups"][method][s] for r in ranks])
-                                   for s in range(args.steps)) for k in range(args.reps)]
-                              for key in ("busy", "compute"))
-        wall = [sum(ranks[0]["reps"][k][method]["wall"]) for k in range(args.reps)]
-        # the share of the ranks' busy time that is not the calling thread's: communication
-        tot = {key: sum(sum(map(sum, r["reps"][k][method][key])) for r in ranks
-                        for k in range(args.reps)) for key in ("busy", "compute")}
-        result[method] = {"critical_path_s": float(np.median(crit)),
-                          "critical_path_s_reps": crit, "wall_s_reps": wall,
-                          "critical_path_compute_s_reps": crit_compute,
-                          "tokens_per_s_wall": tokens / float(np.median(wall)),
-                          "predicted_s": float(sum(pred)),
-                          "comm_share": 1.0 - tot["compute"] / tot["busy"],
-                          "plan_s_mean": float(np.mean(ranks[0]["plan_s"][method])),
-                          "micro_batches": float(np.mean([len(x) for x in
-                                                          ranks[0]["groups"][method]])),
-                          "cp_histogram": _histogram(plans)}
-    per_rep = [s / d for s, d in zip(result["static"]["critical_path_s_reps"],
-                                     result["dynamic"]["critical_path_s_reps"])]
-    result["measured_speedup_reps"] = per_rep
-    result["measured_speedup"] = float(np.median(per_rep))
-    result["compute_only_speedup"] = float(np.median(
-        [s / d for s, d in zip(result["static"]["critical_path_compute_s_reps"],
-                               result["dynamic"]["critical_path_compute_s_reps"])]))
-    result["predicted_speedup"] = result["static"]["predicted_s"] / result["dynamic"]["predicted_s"]
-    # the most any plan could gain under the profile: static over the provable lower bound
-    bound = sum(lower_bound(b, cost, args.ranks, args.micro_batch_tokens, several_per_round=True)
-                for b in batches)
-    result["bound_speedup"] = result["static"]["predicted_s"] / bound
-    result["profile"] = str(keep) if keep else args.profile
-    print(f"{args.ranks} gloo ranks, llama_tiny, {args.lengths} documents <= {max_len} tokens, "
-          f"GBS {args.global_batch}, cap {args.micro_batch_tokens}/rank, {args.steps} steps x "
-          f"{args.reps} reps (seed {args.seed})")
-    print(f"{'method':>8} {'tokens/s(wall)':>15} {'crit_path_s (per rep)':>30} {'predicted_s':>12} "
-          f"{'comm_share':>10} {'micro-batches':>14} {'plan_ms':>8}  sequences per CP size (plan_ms: CPU time)")
-    for m in METHODS:
-        v = result[m]
-        reps = " ".join(f"{x:.2f}" for x in v["critical_path_s_reps"])
-        print(f"{m:>8} {v['tokens_per_s_wall']:15.0f} {reps:>30} {v['predicted_s']:12.3f} "
-              f"{v['comm_share']:10.2f} {v['micro_batches']:14.1f} {1e3 * v['plan_s_mean']:8.1f}  "
-              f"{v['cp_histogram']}")
-    print(f"speed-up (critical path, static / dynamic) per rep: "
-          f"{', '.join(f'{x:.2f}x' for x in per_rep)}; median {result['measured_speedup']:.2f}x; "
-          f"predicted {result['predicted_speedup']:.2f}x (prediction / measurement = "
-          f"{result['predicted_speedup'] / result['measured_speedup']:.2f}); no plan can beat "
-          f"{result['bound_speedup']:.2f}x under this profile (static / lower bound)")
-    print(f"communication's share of busy time: static {result['static']['comm_share']:.2f}, "
-          f"dynamic {result['dynamic']['comm_share']:.2f}; counting the calling thread's CPU "
-          f"time only (no communication) the speed-up would read "
-          f"{result['compute_only_speedup']:.2f}x")
+    lays = {"static": layout(1, args.ranks, cfg.llm.num_layers),
+            "dynamic": layout(args.ranks, 1, cfg.llm.num_layers)}
+    for run in runs:
+        run.update(measure(run, batches, ranks, args, cost, lays, policy))
+    result = {"runs": runs, "summary": summary(runs), "profile": str(keep) if keep else args.profile}
+    print_table(args, result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result
+
+
+KEYS = ("measured_speedup", "predicted_speedup", "bound_speedup", "measured_over_bound",
+        "prediction_error")
+
+
+def measure(run, batches, ranks, args, cost, lays, policy) -> dict:
+    """The figures of one run (module docstring) from the ranks' busy times of its batches."""
+    first = run.pop("first")
+    idx = range(first, first + args.steps)
+    out = {}
+    for method in METHODS:
+        plans = [first_fit_policy(batches[b], lays[method], args.micro_batch_tokens)
+                 if method == "static" else policy(batches[b], lays[method], args.micro_batch_tokens)
+                 for b in idx]
+        pred = [simulate_plan(pl, batches[b], cost).iteration_time for pl, b in zip(plans, idx)]
+        crit, crit_compute = ([sum(critical_path([r["reps"][k][method][key][b] for r in ranks],
+                                                 [r["groups"][method][b] for r in ranks])
+                                   for b in idx) for k in range(args.reps)]
+                              for key in ("busy", "compute"))
+        wall = [sum(ranks[0]["reps"][k][method]["wall"][b] for b in idx) for k in range(args.reps)]
+        # the share of the ranks' busy time that is not the calling thread's: communication
+        tot = {key: sum(sum(r["reps"][k][method][key][b]) for r in ranks for b in idx
+                        for k in range(args.reps)) for key in ("busy", "compute")}
+        tokens = float(sum(batches[b].sum() for b in idx))
+        out[method] = {"critical_path_s": float(np.median(crit)), "critical_path_s_reps": crit,
+                       "wall_s_reps": wall, "critical_path_compute_s_reps": crit_compute,
+                       "tokens_per_s_wall": tokens / float(np.median(wall)),
+                       "predicted_s": float(sum(pred)),
+                       "comm_share": 1.0 - tot["compute"] / tot["busy"],
+                       "plan_s_mean": float(np.mean([ranks[0]["plan_s"][method][b] for b in idx])),
+                       "micro_batches": float(np.mean([len(ranks[0]["groups"][method][b])
+                                                       for b in idx])),
+                       "cp_histogram": _histogram(plans)}
+    st, dy = out["static"], out["dynamic"]
+    per_rep = [a / b for a, b in zip(st["critical_path_s_reps"], dy["critical_path_s_reps"])]
+    out["measured_speedup_reps"] = per_rep
+    out["measured_speedup"] = float(np.median(per_rep))
+    out["compute_only_speedup"] = float(np.median(
+        [a / b for a, b in zip(st["critical_path_compute_s_reps"],
+                               dy["critical_path_compute_s_reps"])]))
+    out["predicted_speedup"] = st["predicted_s"] / dy["predicted_s"]
+    # the most any plan could gain under the profile: static over the provable lower bound
+    bound = sum(lower_bound(batches[b], cost, args.ranks, args.micro_batch_tokens,
+                            several_per_round=True) for b in idx)
+    out["bound_speedup"] = st["predicted_s"] / bound
+    out["measured_over_bound"] = out["measured_speedup"] / out["bound_speedup"]
+    out["prediction_error"] = out["predicted_speedup"] / out["measured_speedup"] - 1.0
+    return out
+
+
+def summary(runs) -> dict:
+    """Per distribution: the median over its seeds of each of `KEYS`."""
+    names = list(dict.fromkeys(r["lengths"] for r in runs))
+    return {n: {k: float(np.median([r[k] for r in runs if r["lengths"] == n])) for k in KEYS}
+            for n in names}
+
+
+def print_table(args, result) -> None:
+    print(f"{args.ranks} gloo ranks, llama_tiny, documents <= {args.ranks * args.micro_batch_tokens}"
+          f" tokens, GBS {args.global_batch}, cap {args.micro_batch_tokens}/rank, {args.steps} "
+          f"step(s) per seed x {args.reps} reps after a warm-up step; profile {result['profile']}")
+    print(f"{'lengths':>10} {'seed':>6} {'measured (per rep)':>26} {'predicted':>9} {'bound':>6} "
+          f"{'meas/bound':>10} {'pred err':>8} {'comm s/d':>10} {'plan ms':>8}")
+    for r in result["runs"]:
+        reps = " ".join(f"{x:.2f}" for x in r["measured_speedup_reps"])
+        print(f"{r['lengths']:>10} {r['seed']:>6} {r['measured_speedup']:6.2f}x ({reps:>16}) "
+              f"{r['predicted_speedup']:8.2f}x {r['bound_speedup']:5.2f}x "
+              f"{r['measured_over_bound']:10.2f} {r['prediction_error']:+8.1%} "
+              f"{r['static']['comm_share']:4.2f}/{r['dynamic']['comm_share']:4.2f} "
+              f"{1e3 * r['dynamic']['plan_s_mean']:8.1f}")
+    for n, v in result["summary"].items():
+        print(f"{n:>10} {'median':>6} {v['measured_speedup']:6.2f}x {'':>18} "
+              f"{v['predicted_speedup']:8.2f}x {v['bound_speedup']:5.2f}x "
+              f"{v['measured_over_bound']:10.2f} {v['prediction_error']:+8.1%}")
+    print("measured: critical-path speed-up static / dynamic (median over reps); predicted: the "
+          "simulator's under the profile; bound: static's prediction over the provable lower "
+          "bound (no plan can beat it); pred err: predicted / measured - 1; comm: "
+          "communication's share of busy time; plan ms: a rank's CPU time to plan a step")
 
 
 def _histogram(plans) -> dict[int, int]:

@@ -156,3 +156,41 @@ def test_one_long_sequence_is_planned_by_the_pinned_lp_shape(monkeypatch):
     assert best.source.startswith("pinned-lp-shaped")
     monkeypatch.setattr(solver, "PIN_ROW_FACTORS", ())
     assert best.time < 0.95 * solve(lens, COSTS[4], 4, 8192).time
+
+
+def _no_lp(*args, **kwargs):
+    raise AssertionError("an LP was solved")
+
+
+def test_plan_within_the_gap_of_the_bound_solves_no_pipeline_lp(monkeypatch):
+    """Issue 24 section 4: 1,024 sequences of 4,000-8,192 tokens on PP 4 (~95 micro-batches,
+    like the seed-sized code batches): step 4's level plan is already within EARLY_EXIT_GAP of
+    the staged bound, so the LP candidates (most of the planning time there) are skipped."""
+    import hcp.dcp.solver as solver
+    from hcp.dcp.pipeline_bound import stage_floors, staged_bound
+
+    lens = np.random.default_rng(3).integers(4000, 8193, 1024)
+    monkeypatch.setattr(solver, "lp_makespan", _no_lp)
+    sol = solve(lens, COSTS[4], 8, 8192)
+    check_plan(sol.plan, lens, 8, 8192)
+    work, smallest = stage_floors(lens, COSTS[4], 8, 8192)
+    m_min = int(np.ceil(lens.sum() / (8 * 8192)))
+    assert sol.time <= (1 + solver.EARLY_EXIT_GAP) * staged_bound(COSTS[4], work, smallest, m_min)
+
+
+def test_pin_check_needs_no_lp_when_the_work_bound_settles_it(monkeypatch):
+    """Step 4c: a floor no higher than lo_s * Phi_0 / rows is met by a row of every feasible
+    point of the LP, so `_pinned_sizes` answers None without solving one; a floor above
+    every row still pins."""
+    import hcp.dcp.solver as solver
+    from hcp.dcp.pipeline_bound import stage_classes, stage_floors
+
+    lens = np.random.default_rng(3).integers(100, 8193, 256)
+    cost = COSTS[4]
+    work, smallest = stage_floors(lens, cost, 8, 8192)
+    cls, lo, _ = stage_classes(cost)
+    low = lo[cls] * work[0] / 40
+    x = solver._pinned_sizes(40, cost, work, smallest, 2 * low * 40)  # pins (LPs)
+    assert x is not None and x.max() >= 2 * low[0] * 40 * (1 - 1e-6)
+    monkeypatch.setattr(solver, "lp_makespan", _no_lp)
+    assert solver._pinned_sizes(40, cost, work, smallest, low) is None

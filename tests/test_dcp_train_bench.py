@@ -1,5 +1,6 @@
 """benchmarks/dynamic_cp_train.py on 2 forked ranks: the busy time it reports counts the CP
-collectives (gloo runs them outside the calling thread), and its JSON has the issue's keys."""
+collectives (gloo runs them outside the calling thread), and its JSON has the issue's keys per
+(lengths, seed) run and their medians per distribution."""
 import importlib.util
 import json
 from pathlib import Path
@@ -18,15 +19,30 @@ def test_measured_run_counts_communication_in_busy_time(tmp_path):
     spec.loader.exec_module(bench)
     out = tmp_path / "r.json"
     res = bench.main(["--ranks", "2", "--steps", "1", "--reps", "1", "--global-batch", "4",
+                      "--lengths", "wikipedia,code", "--seeds", "100,101",
                       "--micro-batch-tokens", "256", "--profile", "h100", "--json", str(out)])
     data = json.loads(out.read_text())
-    assert {"static", "dynamic", "predicted_speedup", "measured_speedup"} <= set(data)
-    static = data["static"]
+    assert [(r["lengths"], r["seed"]) for r in data["runs"]] == [
+        ("wikipedia", 100), ("wikipedia", 101), ("code", 100), ("code", 101)]
+    keys = {"measured_speedup", "predicted_speedup", "bound_speedup", "measured_over_bound",
+            "prediction_error"}
+    for r in data["runs"]:
+        assert {"static", "dynamic"} | keys <= set(r)
+        assert r["measured_over_bound"] == pytest.approx(r["measured_speedup"] / r["bound_speedup"])
+        assert r["prediction_error"] == pytest.approx(
+            r["predicted_speedup"] / r["measured_speedup"] - 1)
+    for name in ("wikipedia", "code"):
+        runs = [r for r in data["runs"] if r["lengths"] == name]
+        assert data["summary"][name]["measured_speedup"] == pytest.approx(
+            (runs[0]["measured_speedup"] + runs[1]["measured_speedup"]) / 2)  # median of two
+    run = data["runs"][0]
+    assert res["runs"][0]["measured_speedup"] == run["measured_speedup"]  # returned as written
+    static = run["static"]
     assert static["cp_histogram"] == {"2": 4}  # every document on the whole pool of 2
     # the all-gathers and reduce-scatters of every CP-2 micro-batch: busy time > thread time
     assert static["comm_share"] > 0.03, static["comm_share"]
     for crit, compute in zip(static["critical_path_s_reps"],
                              static["critical_path_compute_s_reps"]):
         assert crit > compute > 0
-    assert res["measured_speedup"] == pytest.approx(
-        static["critical_path_s"] / data["dynamic"]["critical_path_s"])
+    assert run["measured_speedup"] == pytest.approx(
+        static["critical_path_s"] / run["dynamic"]["critical_path_s"])

@@ -10,9 +10,9 @@ from hcp.data.code_corpus import CodeCorpus
 from hcp.data.llava import IGNORE_INDEX, LlavaDataset
 from hcp.data.loader import GlobalBatchSampler
 from hcp.data.tokenizer import ByteTokenizer
-from hcp.plan.ahead import PlanAhead
+from hcp.plan.ahead import PlanAhead, use_worker
 from hcp.plan.lengths import build_length_index
-from plan_ahead_workers import busy, busy_planner, pid_planner
+from plan_ahead_workers import FlagPlanner, busy, busy_planner, pid_planner
 
 TOK = ByteTokenizer()
 
@@ -173,3 +173,24 @@ def test_dynamic_cp_step_planner_plans_the_same_in_a_worker_process(tmp_path):
         ahead.close()
     here = planner(indices)
     assert step.checksum() == here.checksum() and step.packing.num_rounds > 0
+
+
+def test_the_worker_starts_with_the_wrapper_not_at_the_first_plan(tmp_path):
+    """Issue 24: the worker is spawned and its planner installed (its imports done) while the
+    caller sets up, so the first step does not wait for them. No `next()` is called here."""
+    flag = tmp_path / "installed"
+    ahead = PlanAhead(GlobalBatchSampler(40, 4, seed=0), lambda i, plan: plan,
+                      FlagPlanner(str(flag)))
+    try:
+        deadline = time.monotonic() + 120  # generous: spawning on a loaded machine
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert flag.exists()
+        assert ahead.next()[1] == sum(ahead.sampler.batch(0))
+    finally:
+        ahead.close()
+
+
+def test_the_worker_is_the_default_on_gpu_ranks_only():
+    assert use_worker(None, "cuda") and not use_worker(None, "cpu")
+    assert use_worker(True, "cpu") and not use_worker(False, "cuda")

@@ -158,11 +158,12 @@ class TrainerConfig:
     check_counts: bool = False
     """Debug: count the step's loss tokens with a collective too and check the plan's counts,
     which the step otherwise takes as they are (no collective). hcp.plan.step."""
-    plan_process: bool = False
+    plan_process: Optional[bool] = None
     """Under `packing=dynamic_cp`: compute each next step's plan in a spawned worker process
     (hcp/plan/ahead.py), not on a thread of the training process, where the solver's pure
-    Python holds the GIL in turns with the training thread. The worker imports torch and the
-    run's modules once (seconds; the first step waits for it). hcp.train.planner."""
+    Python holds the GIL in turns with the training thread. The worker starts with the trainer
+    and imports torch and the run's modules once, behind the model's set-up. Default (null): on
+    for CUDA ranks, off for CPU ranks (`hcp.plan.ahead.use_worker`). hcp.train.planner."""
 
 
 @dataclass

@@ -17,8 +17,9 @@ plan (9-25 KB) costs 0.2-0.6% of the step, but exposed on the main thread of eve
 collective off it), and the planning rank must still hide its own plan time. So every rank
 plans. In the CLI (llama_tiny, 8 ranks, pool 8) prepare takes 0.35 s per step against 1.67 s
 of step time, fully hidden from step 2 on (`plan_s`, `plan_hidden_s` in metrics.jsonl). With
-`trainer.plan_process=true` the plan is computed in the plan-ahead worker process instead
-(hcp/train/planner.py), where its pure Python holds no GIL of the training process.
+`trainer.plan_process` (default: on CUDA ranks) the plan is computed in the plan-ahead worker
+process instead (hcp/train/planner.py), where its pure Python holds no GIL of the training
+process.
 
 Runtime (hcp/train/trainer.py `prepare`, `with_cp_group`): the pool of a TP index and pipeline
 stage is the dp * cp ranks that share them (ranks strided by tp), so every TP rank of a pool

@@ -2,12 +2,9 @@
 simulated iteration time under the per-rank token cap.
 
 Method (deterministic, numpy + heaps + HiGHS LPs; planning time grows with the micro-batch
-count: measured in thread CPU time on a 2-core machine at load ~24, 0.35-0.8 s (0.047-0.082
-of the simulated step) for 2,048 Wikipedia sequences over 8 stages of an 8-rank pool (~50-100
-micro-batches; about half of it the HiGHS LPs of steps 4b-4c), 0.38 s / 0.50 s (0.184 of the
-step) on a pool of 64 (older code), up to ~0.5 s with pp = 1 and at most
-`LOCAL_SEARCH_MAX_SEQS` sequences, where a local search runs, and up to ~0.3 s with pp > 1 and
-at most `PIPELINE_SEARCH_MAX_SEQS`, where steps 7-8 run):
+count, and with pp > 1 mostly goes to the HiGHS LPs of steps 4b-4c, skipped when step 4 is
+already near the bound; plan CPU time over the simulated step per distribution: benchmarks/dynamic_cp.py,
+its stall on the training thread: benchmarks/dynamic_cp_stall.py):
 1. Rank-time of a sequence at CP size c: `c * h(L, c)`, with `h` the forward seconds summed over
    stages (the backward is proportional), the CP latency of its micro-batch (paid once per
    micro-batch, `cost_model.latency`) counted by its token share (`_heights`). `W` = total
@@ -38,6 +35,10 @@ at most `PIPELINE_SEARCH_MAX_SEQS`, where steps 7-8 run):
    4c. Also with p > 1, when the longest sequence outweighs those rows (it stalls 1F1B): rows
    shaped like the same LP with that sequence's row pinned to its own time (`_pinned_sizes`,
    hcp/dcp/pinned_bound.py) at `PIN_ROW_FACTORS` x the memory minimum.
+   Steps 4b-4c are skipped when step 4's best plan is within `EARLY_EXIT_GAP` of the staged
+   lower bound (hcp/dcp/pipeline_bound.py `staged_bound`; many micro-batches, where the ramps
+   of step 4 already get close); a row count of 4b is skipped when its staged bound times the
+   least ratio so far of a shaped plan's time to its LP's value reaches the best time.
 5. With one stage (`pp = 1`, time = sum over micro-batches) and at most
    `LOCAL_SEARCH_MAX_SEQS` sequences, every candidate (the baselines' plans included) is first
    improved by local search (hcp/dcp/local_search.py: move, swap, resize and split groups,
@@ -75,7 +76,7 @@ from hcp.dcp.rounds import merge_rounds
 from hcp.dcp.lower_bound import cp_sizes
 from hcp.dcp.pinned_bound import pin_floor
 from hcp.dcp.pipeline_search import improve_pipeline
-from hcp.dcp.pipeline_bound import lp_makespan, stage_floors
+from hcp.dcp.pipeline_bound import lp_makespan, stage_classes, stage_floors, staged_bound
 from hcp.dcp.plan import Plan, max_length, prepare_lengths, rank_tokens
 from hcp.dcp.rows import level_plan, shaped_plan
 from hcp.schedule.simulator import simulate_1f1b
@@ -116,6 +117,11 @@ LP_SCALES = (1.0, 1.02)
 # (~15 ms of CPU time per LP, ~9 LPs per count).
 PIN_ROW_FACTORS = (1.6,)
 PIN_ROWS_PER_STAGE = 3
+# Steps 4b-4c are skipped when step 4's best plan is within this fraction of a valid lower
+# bound (the staged bound at the memory minimum, hcp/dcp/pipeline_bound.py `staged_bound`):
+# the LPs would cost most of the planning time for at most this gain.
+EARLY_EXIT_GAP = 0.02
+GOLDEN = (np.sqrt(5.0) - 1.0) / 2.0
 
 
 @dataclass
@@ -195,10 +201,15 @@ def _best_order(plan: Plan, lens, cost: CostModel, opening: int = 0,
 
 def _pinned_sizes(rows: int, cost: CostModel, work, smallest, floor) -> np.ndarray | None:
     """Stage 0's row sizes `[rows]` (s) of the pipeline LP (first and last stage kept) with one
-    row pinned to at least `floor` `[p]`, that row chosen by a ternary search over the first
+    row pinned to at least `floor` `[p]`, that row chosen by a golden-section search over the first
     `PIN_ROWS_PER_STAGE * p` rows (the LP's time is close to unimodal in it); None when the
     unpinned LP already has a row that heavy."""
     stages = [0, cost.pp - 1]
+    cls, lo, _ = stage_classes(cost)
+    # without an LP: every feasible point has a row j with x_0j >= Phi_0 / rows (the work
+    # constraint), so x_sj >= lo_s Phi_0 / rows (the stage ratios)
+    if (lo[cls] * work[0] / rows >= floor).all():
+        return None
     x = lp_makespan(rows, cost, work, smallest, stages, sizes=True)[1]
     if (x >= floor[:, None]).all(axis=0).any():
         return None
@@ -211,8 +222,9 @@ def _pinned_sizes(rows: int, cost: CostModel, work, smallest, floor) -> np.ndarr
         return memo[j][0]
 
     lo, hi = 0, min(rows, PIN_ROWS_PER_STAGE * cost.pp) - 1
-    while hi - lo > 2:
-        a, b = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+    while hi - lo > 2:  # golden section: one of the two inner rows is the last step's (memo)
+        step = int(round(GOLDEN * (hi - lo)))
+        a, b = hi - step, lo + step
         if lp(a) <= lp(b):
             hi = b
         else:
@@ -254,14 +266,21 @@ def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int
     for offset in TARGET_OFFSETS:
         if m_min + offset >= 1:
             consider(span_best, m_min + offset)
-    # rows shaped like the pipeline LP's optimal micro-batch sizes (rise, then a long fall)
     work, smallest = stage_floors(lens, cost, pool, m)
+    if best.time <= (1.0 + EARLY_EXIT_GAP) * staged_bound(cost, work, smallest, m_min):
+        return best  # within EARLY_EXIT_GAP of a valid lower bound: the LPs cannot pay
+    # rows shaped like the pipeline LP's optimal micro-batch sizes (rise, then a long fall)
+    excess = None  # least (shaped plan's time / its LP's value) so far
     for factor in LP_ROW_FACTORS:
         rows = max(2, int(round(factor * m_min)))
-        x = lp_makespan(rows, cost, work, smallest, [0, cost.pp - 1], sizes=True)[1][0]
+        if excess is not None and staged_bound(cost, work, smallest, rows) * excess >= best.time:
+            continue  # predicted to lose: its LP is at least the staged bound at `rows`
+        lp, x = lp_makespan(rows, cost, work, smallest, [0, cost.pp - 1], sizes=True)
+        x = x[0]
         for scale in LP_SCALES:
             plan = shaped_plan(lens, heights, feasible, x, pool, m, scale)
             plan, t = _best_order(plan, lens, cost, int(np.argmax(x)), plan.num_rounds)
+            excess = t / lp if excess is None else min(excess, t / lp)
             if t < best.time - 1e-12:
                 best = Solution(plan, t, f"lp-shaped(M={rows},scale={scale})")
     floor = pin_floor(lens, cost, pool, m)  # 4c: the longest sequence's row pinned

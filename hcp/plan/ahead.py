@@ -12,9 +12,12 @@ process instead: the background thread sends it the indices and waits for the pl
 holds no GIL), then runs `prepare(indices, plan)` (the rank's data, which may touch tensors and
 pre-built groups that cannot leave the process). Pure-Python planning on a thread holds the GIL
 in turns with the training thread, delaying its kernel launches by up to the whole plan time;
-in a process it only competes for a core (measured in tests/test_plan_ahead.py: the stall it
-causes to a busy main thread). The worker is spawned (not forked: the training process holds
-threads and process groups), and the planner is sent to it once.
+in a process it only competes for a core (benchmarks/dynamic_cp_stall.py and
+tests/test_plan_ahead.py: the stall it causes to a busy main thread). The worker is spawned (not
+forked: the training process holds threads and process groups) when the wrapper is built, and
+the planner is sent to it once: its imports (torch among them, through the cost model) run then,
+behind the caller's set-up, not in the first step's plan. Plans come back pickled, as plain data.
+`use_worker` is the default rule (`trainer.plan_process`).
 """
 from __future__ import annotations
 
@@ -29,6 +32,19 @@ _PLANNER: Callable | None = None  # in the worker process: the planner it was st
 def _install(planner: Callable) -> None:
     global _PLANNER
     _PLANNER = planner
+
+
+def _ready() -> bool:
+    """In the worker: nothing; returns once the worker is up and its planner installed."""
+    return _PLANNER is not None
+
+
+def use_worker(setting: bool | None, device_type: str) -> bool:
+    """Whether a planner runs in the worker process: `setting` (`trainer.plan_process`) when
+    given, else on GPU ranks only: there the training thread launches kernels, which planning
+    on a thread would delay (the GIL), and each rank has cores of its own. CPU (gloo) ranks
+    already share the cores; a worker per rank would compete for them and import torch again."""
+    return device_type == "cuda" if setting is None else bool(setting)
 
 
 def _plan(indices) -> tuple[object, float]:
@@ -58,6 +74,8 @@ class PlanAhead:
         self._worker = None if planner is None else ProcessPoolExecutor(
             1, mp_context=multiprocessing.get_context("spawn"), initializer=_install,
             initargs=(planner,))
+        if self._worker is not None:
+            self._worker.submit(_ready)  # spawn and import now, behind the caller's set-up
         self._pending = None  # (position, future)
 
     def _job(self, position: int):

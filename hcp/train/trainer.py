@@ -41,7 +41,7 @@ from hcp.model.llava import LlavaEncoder
 from hcp.model.stage import StageSpec
 from hcp.parallel.groups import ProcessGroupRegistry
 from hcp.parallel.roles import logging_rank
-from hcp.plan.ahead import PlanAhead
+from hcp.plan.ahead import PlanAhead, use_worker
 from hcp.train.planner import StepPlanner
 from hcp.schedule.colocated import ColocatedStep
 from hcp.train import checkpoint
@@ -126,7 +126,8 @@ class Trainer:
         tensor, so never on by default."""
         self._resume()
         self.planner = StepPlanner(cfg, self.layouts, self.index, self.edges)
-        in_process = self.dynamic_cp and cfg.trainer.get("plan_process", False)  # hcp.train.planner
+        in_process = self.dynamic_cp and use_worker(cfg.trainer.get("plan_process"),
+                                                    self.device.type)  # hcp.train.planner
         self.ahead = PlanAhead(self.sampler, self.prepare, self.planner if in_process else None)
         if self.is_logging_rank:
             continue_wandb_run(cfg, run_dir, resumed=self.step > 0)
