@@ -96,6 +96,20 @@ def _assert_every_encoder_rank(results, reference, encoder_ranks):
         assert_all_close(got, want, f"rank {r} grad", **TOL)
 
 
+def _step_and_whole(rank, world, container, run_dir):
+    """`test_hetero_parity._step`, then the encoder made whole for evaluation: it must encode a
+    whole image on its own (no CP: evaluation re-encodes prompts' images on one rank)."""
+    import hcp.train.trainer as trainer_module
+    from test_hetero_parity import _step
+
+    seen, forward_backward = [], trainer_module.Trainer.forward_backward
+    trainer_module.Trainer.forward_backward = lambda tr, *a: seen.append(tr) or forward_backward(tr, *a)
+    out = _step(rank, world, container, run_dir)
+    with torch.no_grad():
+        out["whole_rows"] = seen[0]._whole_encoder()(torch.zeros(2, 1, 8, 8)).shape[0]
+    return out
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     from cfg_utils import compose_container
@@ -112,11 +126,12 @@ def test_colocated_encoder_cp_step_equals_single_process(name, reference, tmp_pa
     """About 15-30 s each (4 forked ranks): loss, counts, norm, every gradient and weight."""
     from cfg_utils import compose_container
     from parity_utils import assert_all_close, merged
-    from test_hetero_parity import SMALL, TOL, _step
+    from test_hetero_parity import SMALL, TOL
 
     container = compose_container([*SMALL, *COLOCATED[name]], tmp_path)
-    results = run_ranks(_step, 4, container, str(tmp_path), timeout=220)
+    results = run_ranks(_step_and_whole, 4, container, str(tmp_path), timeout=220)
     for r in results:
+        assert r["whole_rows"] == 2 * 16, "the evaluation encoder must return every row of an image"
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert r["counts"] == reference["counts"]
         assert r["norm"] == pytest.approx(reference["norm"], rel=1e-5)

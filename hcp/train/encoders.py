@@ -135,9 +135,11 @@ def tp_groups(encoder) -> dict:
 
 def whole_encoder_side(side: EncoderSide, cfg, device) -> EncoderSide:
     """The encoder side whole on this rank (evaluation encodes prompts' inputs in place): itself
-    when no encoder uses TP, else a copy whose TP shards are gathered over each encoder's TP
-    group (`hcp.train.modules.whole_state`, encoder by encoder: every rank calls it)."""
-    if all(g is None for g in side.tp_groups.values()):
+    when no encoder uses TP or CP, else a copy (without CP) whose TP shards are gathered over
+    each encoder's TP group (`hcp.train.modules.whole_state`, encoder by encoder: every rank
+    calls it)."""
+    if all(g is None for g in side.tp_groups.values()) and all(
+            getattr(side, e).cp == 1 for e in side.encoder_names):
         return side
     whole = EncoderSide({e: module_cfg(cfg, e) for e in side.encoder_names},
                         {s.projector: module_cfg(cfg, s.projector) for s in side.streams}, side.streams,
