@@ -162,3 +162,45 @@ def test_non_colocated_encoder_cp_step_equals_single_process(name, reference, tm
     _assert_every_encoder_rank(results, reference, encoders)
     assert_all_close(merged(results, "grads"), reference["grads"], "grad", **TOL)
     assert_all_close(merged(results, "weights"), reference["weights"], "weight", **TOL)
+
+
+def test_plan_memory_charges_a_cp_rank_its_chunk_and_the_gathered_kv():
+    """`hcp.train.memory` at full size (internvl_tiles_cp, encoder cp4 x dp32, 7 tiles of 1024
+    patches per sample): a rank holds ceil(1025 / 4) = 257 tokens of each tile, and each ViT
+    layer also keeps the all-gathered K/V (3 more chunks of 2h)."""
+    from cfg_utils import compose_cfg
+    from hcp.config.layouts import check_layouts
+    from hcp.config.precision import Precision
+    from hcp.train.memory import _activations, encoder_activation_tokens, layer_bytes
+
+    cfg = compose_cfg(["+recipe=internvl_tiles_cp", "vision.layout.recompute=none"], resolve=False)
+    layouts = check_layouts(cfg, 128)
+    vision = layouts["vision"]
+    assert (vision.cp, vision.dp) == (4, 32)
+    tokens, in_flight = encoder_activation_tokens(cfg, vision, 0, layouts)
+    assert (tokens, in_flight) == (32 / 32 * 7 * 257, 1)
+    assert encoder_activation_tokens(cfg, layouts["projector"], 0, layouts)[0] == 7 * 256
+    h, prec = cfg.vision.hidden_size, Precision.of(cfg.precision)
+    per_token = layer_bytes(h, h, cfg.vision.ffn_hidden_size, False, vision, prec)["none"]
+    assert _activations(cfg, vision, 0, layouts) == pytest.approx(
+        45 * tokens * (per_token + 3 * 2 * h * prec.act_bytes))
+
+
+def test_digits_tiles_gives_each_scan_a_thumbnail_and_its_tiles(tmp_path):
+    """The built-in tiled data (a few seconds: about 5,000 8x8 PNGs): every sample brings a
+    thumbnail plus 1, 2 or 4 tiles, one `<image>` each, all grids drawn."""
+    from collections import Counter
+
+    from PIL import Image
+
+    from hcp.data.digits import build_digits_tiles
+    import json, os
+
+    root = build_digits_tiles(str(tmp_path))
+    records = json.load(open(os.path.join(root, "train.json")))
+    counts = Counter(len(r["image"]) for r in records)
+    assert set(counts) == {2, 3, 5} and counts[3] > counts[2]     # 1x2 and 2x1 both give 3
+    for r in records[:50]:
+        assert r["conversations"][0]["value"].count("<image>") == len(r["image"])
+        assert all(Image.open(os.path.join(root, p)).size == (8, 8) for p in r["image"])
+    assert build_digits_tiles(str(tmp_path)) == root                  # built once
