@@ -72,9 +72,8 @@ def test_vit_cp_equals_one_process(world, tp):
 
 ENCODER = ("vision.", "projector.")
 COLOCATED = {  # 4 ranks: the LLM dp4 (tp from the case) under the encoder's cp x tp x dp
-    "enc_cp2_tp2": ["vision.layout.cp=2", "vision.layout.tp=2"],
-    "enc_cp4__llm_tp2_dp_shard": ["vision.layout.cp=4", "vision.layout.tp=1", "llm.layout.tp=2",
-                                  "vision.layout.dp_shard=true"],
+    "enc_cp2_tp2_dp_shard": ["vision.layout.cp=2", "vision.layout.tp=2", "vision.layout.dp_shard=true"],
+    "enc_cp4__llm_tp2": ["vision.layout.cp=4", "vision.layout.tp=1", "llm.layout.tp=2"],
 }
 NON_COLOCATED = {  # encoder island first, then the LLM's tp2 island
     "enc_cp2__llm_tp2": (4, ["vision.layout.num_ranks=2", "vision.layout.cp=2"]),

@@ -1,11 +1,11 @@
 """What training can run today, checked in the launching process before ranks start.
 
 Plan mode accepts every valid layout. Training runs the LLM under TP, CP (allgather or p2p), PP
-(1F1B), DP and FSDP, and the encoder side (vision encoder + projector) under its own TP and DP
-(and FSDP over its own DP group: `vision.layout.dp_shard`, `projector.layout.dp_shard`),
+(1F1B), DP and FSDP, and the encoder side (vision encoder + projector) under its own TP, CP and
+DP (and FSDP over its own DP x CP group: `vision.layout.dp_shard`, `projector.layout.dp_shard`),
 colocated on the same ranks: the step plan routes the projector's rows into the LLM's layout
 (`hcp.plan`), with `packing=first_fit` or `dynamic_cp`; or, under `placement=non_colocated`,
-one island per encoder (encoder + its projectors under the encoder's TP, DP and PP: one
+one island per encoder (encoder + its projectors under the encoder's TP, CP, DP and PP: one
 encoder, a join, a branch) before the LLM island (`hcp.train.islands`). The rest of the layout space raises `ConfigError` with what to use instead.
 """
 from __future__ import annotations
