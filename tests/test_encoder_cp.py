@@ -67,7 +67,7 @@ def _vit_cp(rank, world, tp):
 @pytest.mark.parametrize("world,tp", [(2, 1), (4, 2)])
 def test_vit_cp_equals_one_process(world, tp):
     """cp2 and cp2 x tp2 (about 2 s): this rank's rows and, summed over CP, every gradient."""
-    assert all(g > 0 for g in run_ranks(_vit_cp, world, tp))
+    assert all(g > 0 for g in run_ranks(_vit_cp, world, tp, timeout=220))
 
 
 ENCODER = ("vision.", "projector.")
@@ -115,11 +115,11 @@ def reference(tmp_path_factory):
     from test_hetero_parity import SMALL, _step
 
     run = tmp_path_factory.mktemp("ref")
-    return run_ranks(_step, 1, compose_container(SMALL, run), str(run))[0]
+    return run_ranks(_step, 1, compose_container(SMALL, run), str(run), timeout=220)[0]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("name", COLOCATED)
 def test_colocated_encoder_cp_step_equals_single_process(name, reference, tmp_path):
     """About 15-30 s each (4 forked ranks): loss, counts, norm, every gradient and weight."""
@@ -140,7 +140,7 @@ def test_colocated_encoder_cp_step_equals_single_process(name, reference, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("name", NON_COLOCATED)
 def test_non_colocated_encoder_cp_step_equals_single_process(name, reference, tmp_path):
     """About 20-40 s each (4 or 6 forked ranks): as the colocated test, on islands; every
