@@ -158,8 +158,7 @@ def test_missing_gpu_backend_says_how_to_install():
 
 
 @pytest.mark.parametrize("overrides, field", [
-    (["vision.layout.cp=2", "projector.layout.cp=2"], "vision.layout.cp"),
-    (["+recipe=llava_tiny_hetero", "vision.layout.cp=2"], "vision.layout.cp"),  # not a projector fix first
+    (["vision.layout.cp=2", "projector.pool=2"], "projector.pool"),   # its windows span the CP chunks
     (["llm.layout.pp=2", "llm.tie_embeddings=true"], "llm.tie_embeddings"),
     (["placement=non_colocated", "vision.layout.num_ranks=2", "packing=dynamic_cp"], "packing"),
 ])

@@ -61,9 +61,9 @@ def test_encoder_tp2_equals_tp1_forward_and_backward(projector_type):
     assert sharded[0] == 2 * 10 + (3 if projector_type == "mlp2x_gelu" else 2)
 
 
-def test_encoder_refuses_cp_and_pp():
-    with pytest.raises(ValueError, match=r"vision.layout.cp=2: the encoder does not support CP"):
-        LlavaEncoder(replace(VISION, layout=LayoutConfig(cp=2)), ProjectorConfig(), 32)
+def test_encoder_refuses_pp():
+    with pytest.raises(ValueError, match=r"vision.layout.pp=2"):
+        LlavaEncoder(replace(VISION, layout=LayoutConfig(pp=2)), ProjectorConfig(), 32)
     with pytest.raises(ValueError, match=r"projector.layout.pp=2"):
         LlavaEncoder(VISION, ProjectorConfig(layout=LayoutConfig(pp=2)), 32)
 

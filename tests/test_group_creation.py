@@ -17,6 +17,8 @@ from hcp.parallel.groups import SELF_BACKEND, ProcessGroupRegistry
 RECIPES = sorted(p.stem for p in Path(CONF_DIR, "recipe").glob("*.yaml"))
 NON_COLOCATED = {  # each recipe's placement=non_colocated overrides (its header's); None: no encoder
     "internvit6b_llama70b": ["vision.layout.num_ranks=32", "vision.layout.recompute=none"],
+    "internvl_tiles_cp": ["vision.layout.num_ranks=64"],
+    "internvl_tiles_tiny": ["vision.layout.num_ranks=4", "vision.layout.tp=2", "launcher.nproc_per_node=6"],
     "llama13b_dynamic_cp": None,
     "llama_tiny": None,
     "llava_hetero": ["vision.layout.num_ranks=16", "llm.layout.pp=3", "llm.layout.pp_layers=[13,14,13]"],

@@ -39,7 +39,7 @@ def _island_step(rank, world, container, run_dir):
     if tr.encoder is not None:  # a module hook would not see checkpoint's recompute)
         blocks = tr.encoder.encoder.blocks
         block = next(iter(blocks.values() if hasattr(blocks, "values") else blocks))
-        block.forward = lambda x, forward=block.forward: forwards.append(1) or forward(x)
+        block.forward = lambda x, *a, forward=block.forward: forwards.append(1) or forward(x, *a)
     loss, counts, n_micro = tr.forward_backward(tr.sampler.batch(0))
     trainer_module.collate = collate
     group = tr.encoder.tp_group if tr.encoder is not None else tr.tp_group

@@ -16,16 +16,17 @@ from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
 from hcp.parallel.routing import build_routes
 from hcp.plan.step import plan_step
-from test_step_plan import EDGE, EDGES, random_sizes, row_ids
+from test_step_plan import EDGE, EDGES, encoder_cp_holder, random_sizes, row_ids
 
 
 def island_layouts(enc, llm):
-    """enc = (tp, dp, pp) of the vision island on ranks [0, n); llm = (tp, cp, dp, pp) after it;
-    the projector shares the vision island with its own (default) sizes."""
-    (etp, edp, epp), (tp, cp, dp, pp) = enc, llm
-    n = etp * edp * epp
-    return {"vision": NS(module="vision", tp=etp, cp=1, pp=epp, dp=edp, rank_offset=0, num_ranks=n),
-            "projector": NS(module="projector", tp=etp, cp=1, pp=1, dp=edp * epp, rank_offset=0,
+    """enc = (tp, dp, pp[, cp]) of the vision island on ranks [0, n); llm = (tp, cp, dp, pp) after
+    it; the projector shares the vision island with its own (default) sizes."""
+    (etp, edp, epp, *ecp), (tp, cp, dp, pp) = enc, llm
+    ecp = ecp[0] if ecp else 1
+    n = etp * ecp * edp * epp
+    return {"vision": NS(module="vision", tp=etp, cp=ecp, pp=epp, dp=edp, rank_offset=0, num_ranks=n),
+            "projector": NS(module="projector", tp=etp, cp=1, pp=1, dp=edp * epp * ecp, rank_offset=0,
                             num_ranks=n),
             "llm": NS(module="llm", tp=tp, cp=cp, pp=pp, dp=dp, rank_offset=n,
                       num_ranks=tp * cp * dp * pp)}
@@ -64,12 +65,14 @@ def check_island_plan(sizes, lays, mbt, variant="leader"):
     assert plan.island_ranks[EDGE] == ranks
     G = len(ranks)
     ids = row_ids(sizes)
+    holder = encoder_cp_holder(sizes, enc.cp)  # encoder CP: a rank sends its chunk of each image
     returned = np.zeros(int(sizes.image_rows.sum()), np.int64)
     for j in range(J):
         routes = [plans[g].island_routes[EDGE][j] for g in ranks]
         src = [np.concatenate([ids[s][ids[s] >= 0] for s in lanes[enc.coords(g)["dp"]][j]] or
                               [np.zeros(0, np.int64)]) if g < enc.size else np.zeros(0, np.int64)
                for g in ranks]
+        src = [k[holder[k] == enc.coords(g)["cp"]] if g < enc.size else k for g, k in zip(ranks, src)]
         recv = {d: [] for d in range(G)}
         for e in range(G):
             sent = src[e][list(routes[e].send_index)] if routes[e].send_index else np.zeros(0, np.int64)
@@ -144,12 +147,22 @@ def test_island_sources_are_the_encoder_last_stage_and_the_leader_takes_the_rows
     assert senders <= {4, 5, 6, 7} and senders and receivers == {8, 10}
 
 
-def test_island_plan_refuses_encoder_cp():
-    sizes = random_sizes(np.random.default_rng(0), 4)
-    lays = island_layouts((1, 2, 1), (1, 1, 2, 1))
-    lays["vision"] = NS(**{**vars(lays["vision"]), "cp": 2, "dp": 1})
-    with pytest.raises(ValueError, match="encoder-side CP"):
-        plan_step(sizes, lays, "first_fit", 48, EDGES)
+@pytest.mark.parametrize("enc, llm", [((1, 2, 1, 2), (1, 2, 2, 1)), ((2, 1, 2, 2), (2, 1, 2, 2)),
+                                      ((1, 1, 1, 4), (2, 1, 1, 1))])
+def test_island_encoder_cp_ranks_each_send_their_chunk(enc, llm):
+    """Encoder CP on its island (enc = tp, dp, pp, cp): every CP rank of the last stage sends the
+    rows of its chunk of each image (`check_island_plan`), and `encoder_rows` counts them."""
+    sizes = random_sizes(np.random.default_rng(1), 8, rows=7)
+    plan, plans = check_island_plan(sizes, island_layouts(enc, llm), mbt=64)
+    grid, ranks = Grid.of(plan.layouts["vision"]), plan.island_ranks[EDGE]
+    last = [r for r in ranks if r < grid.size]
+    for r in last:  # its TP replicas split the rows it computed
+        peers = [q for q in last if q // grid.tp == r // grid.tp]
+        sent = [sum(sum(plans[q].island_routes[EDGE][j].send_splits) for q in peers)
+                for j in range(plan.num_micro_batches)]
+        assert list(plans[r].encoder_rows["projector"]) == sent
+    senders = {grid.coords(r)["cp"] for r in last if any(plans[r].encoder_rows["projector"])}
+    assert senders == set(range(grid.cp))
 
 
 def test_cluster_scale_island_plan_conserves_rows_and_peers_agree():

@@ -24,10 +24,25 @@ def lay(m, tp=1, cp=1, dp=1, pp=1):
     return NS(module=m, tp=tp, cp=cp, pp=pp, dp=dp, rank_offset=0, num_ranks=tp * cp * pp * dp)
 
 
-def layouts(enc_tp, enc_dp, tp, cp, dp, pp=1):
-    assert enc_tp * enc_dp == tp * cp * dp * pp
-    return {"vision": lay("vision", enc_tp, dp=enc_dp), "projector": lay("projector", enc_tp, dp=enc_dp),
-            "llm": lay("llm", tp, cp, dp, pp)}
+def layouts(enc_tp, enc_dp, tp, cp, dp, pp=1, enc_cp=1):
+    assert enc_tp * enc_cp * enc_dp == tp * cp * dp * pp
+    return {"vision": lay("vision", enc_tp, enc_cp, dp=enc_dp),
+            "projector": lay("projector", enc_tp, enc_cp, dp=enc_dp), "llm": lay("llm", tp, cp, dp, pp)}
+
+
+def encoder_cp_holder(sizes, cp):
+    """[rows] the encoder CP rank holding each global row key: the one whose chunk of the image's
+    CLS + rows positions (`encoder_cp.positions`) holds the row's position."""
+    from hcp.parallel.encoder_cp import positions
+
+    out = []
+    for n in sizes.image_rows_each.tolist():
+        holder = np.empty(n + 1, np.int64)
+        for r in range(cp):
+            pos = positions(n + 1, cp, r)
+            holder[pos[pos <= n]] = r
+        out.append(holder[1:])
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
 
 
 def random_sizes(rng, batch, max_text=40, rows=4, max_images=3):
@@ -97,10 +112,12 @@ def check_plan(sizes, lays, mbt):
     world = llm.size
     plans = [plan.rank(r) for r in range(world)]
     B = len(sizes)
-    # every sample encoded exactly once per encoder module (by one lane; TP replicas repeat it)
+    # every sample encoded exactly once per encoder module (by one lane; TP replicas and CP
+    # ranks, each with its chunk of the tokens, repeat it)
     for m in ("vision", "projector"):
         g = Grid.of(lays[m])
-        got = np.concatenate([plans[r].encoder_samples[m] for r in range(world) if g.coords(r)["tp"] == 0])
+        got = np.concatenate([plans[r].encoder_samples[m] for r in range(world)
+                              if g.coords(r)["tp"] == 0 and g.coords(r)["cp"] == 0])
         assert sorted(got.tolist()) == list(range(B))
     # all ranks run the same number of micro-batches; every sample consumed once (one CP group)
     counts = {len(p.micro_batches) for p in plans}
@@ -122,9 +139,11 @@ def check_plan(sizes, lays, mbt):
     # rows of their CP shard in (micro-batch, slot) order, each row's gradient returns once
     ids = row_ids(sizes)
     n = B // enc.dp
+    holder = encoder_cp_holder(sizes, enc.cp)  # encoder CP: a rank holds its chunk of each image
     sources = {r: np.concatenate([ids[s][ids[s] >= 0] for s in
                                   range(enc.coords(r)["dp"] * n, (enc.coords(r)["dp"] + 1) * n)])
                for r in range(world)}
+    sources = {r: k[holder[k] == enc.coords(r)["cp"]] for r, k in sources.items()}
     got, grads = exchange(plans, world, sources)
     for r in range(world):
         assert (grads[r] <= 1).all()
@@ -173,6 +192,23 @@ def test_every_sample_is_encoded_and_consumed_once_and_rows_reach_their_cp_shard
     lays, batch, seed = case
     sizes = random_sizes(np.random.default_rng(seed), batch)
     check_plan(sizes, lays, mbt=48)
+
+
+@pytest.mark.parametrize("enc, llm, rows", [
+    ((1, 2, 2), (1, 2, 2, 1), 4),     # encoder tp1 cp2 dp2 (LLM tp1 cp2 dp2)
+    ((2, 2, 2), (2, 1, 2, 2), 7),     # encoder tp2 cp2 dp2 (LLM tp2 dp2 pp2)
+    ((1, 4, 1), (1, 1, 4, 1), 4),     # encoder cp4: 5 tokens per image, CP rank 3 holds no row
+])
+def test_encoder_cp_rows_leave_from_the_cp_rank_holding_them(enc, llm, rows):
+    """Colocated encoder CP (enc = tp, cp, dp): every CP rank of a lane sends the rows of its
+    chunk of each image (the independent `encoder_cp_holder`), each reaches its LLM CP shard and
+    its gradient returns once (`check_plan`)."""
+    (etp, ecp, edp), (tp, cp, dp, pp) = enc, llm
+    sizes = random_sizes(np.random.default_rng(etp + ecp), 8, rows=rows)
+    plan, plans = check_plan(sizes, layouts(etp, edp, tp, cp, dp, pp, enc_cp=ecp), mbt=48)
+    senders = {Grid.of(plan.layouts["projector"]).coords(r)["cp"] for r, p in enumerate(plans)
+               if any(p.routes[EDGE].send_splits)}
+    assert senders == set(range(ecp)) - ({3} if ecp == 4 else set())
 
 
 def test_first_fit_equals_todays_lane_packing():
@@ -257,7 +293,7 @@ def test_bad_policy_output_and_unknown_policy_are_named():
     sizes = SampleSizes.from_lists([4], [1], [[]])
     with pytest.raises(ValueError, match="packing=.nope"):
         plan_step(sizes, layouts(1, 1, 1, 1, 1), "nope", 8, EDGES)
-    with pytest.raises(ValueError, match="encoder-side CP and PP"):
+    with pytest.raises(ValueError, match="encoder-side PP"):
         lays = layouts(1, 1, 1, 1, 1)
         lays["vision"] = lay("vision", cp=1, pp=1, dp=1)
         lays["projector"] = NS(**{**vars(lays["projector"]), "pp": 2})

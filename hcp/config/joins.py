@@ -35,8 +35,6 @@ def check_joins(cfg, layouts: dict) -> None:
                               f"on every rank of its lane, its projector right after it; encoder "
                               f"pipelines run on their own island", f"set placement=non_colocated "
                               f"with {skey}.layout.num_ranks=N (its island), or {skey}.layout.pp=1")
-        if a.cp > 1:  # encoder CP is refused as such (hcp.train.support), not as a projector layout
-            continue
         if (a.tp, a.cp, a.pp, a.dp) != (b.tp, b.cp, b.pp, b.dp):
             key = module_key(cfg, dst)
             fix = " ".join(f"{key}.layout.{k}={getattr(a, k)}" for k in ("tp", "cp", "pp", "dp")

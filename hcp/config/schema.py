@@ -187,7 +187,8 @@ class DataConfig:
     name: str = "digits_vqa"
     """`digits_vqa` (built in), `llava_json` (your data), `code_corpus` (stdlib sources) or
     `tokens` (your Megatron .bin/.idx or JSONL text, blended); `digits_pair` (built in, two
-    encoders: `vision` and `vision2` each read one digit, hcp.data.digits)."""
+    encoders: `vision` and `vision2` each read one digit, hcp.data.digits); `digits_tiles`
+    (built in: a thumbnail plus 1-4 tiles per scan, InternVL-style tiling)."""
     path: Optional[str] = None
     """LLaVA conversation JSON (data=llava_json)."""
     image_folder: Optional[str] = None

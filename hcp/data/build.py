@@ -8,11 +8,14 @@ from hcp.config.errors import ConfigError
 from hcp.data.clip_image import load_clip_image
 from hcp.data.code_corpus import CodeCorpus, stdlib_sources
 from hcp.config.modules import encoder_names, module_cfg, rows_per_item, streams
-from hcp.data.digits import build_digits_pair, build_digits_vqa
+from hcp.data.digits import build_digits_pair, build_digits_tiles, build_digits_vqa
 from hcp.data.llava import EncoderInput, LlavaDataset, load_image
 from hcp.data.tokenizer import build_tokenizer
 from hcp.data.tokens import build_tokens
 
+
+BUILT_IN = {"digits_vqa": build_digits_vqa, "digits_pair": build_digits_pair, "digits_tiles": build_digits_tiles}
+"""Built-in image data sets (`data.name`) -> their builder (`hcp.data.digits`)."""
 
 def num_image_tokens(vision_cfg) -> int:
     """Image tokens per image: the encoder's patches, (image_size / patch_size)^2."""
@@ -69,8 +72,8 @@ def prepare_data(cfg) -> list[str]:
                           f"set llm.vocab_size to at least {tok.vocab_size} (a multiple of tp)")
     if cfg.data.name == "digits_vqa":
         build_digits_vqa(cfg.data.root, cfg.data.eval_fraction)
-    elif cfg.data.name == "digits_pair":
-        build_digits_pair(cfg.data.root, cfg.data.eval_fraction)
+    elif cfg.data.name in BUILT_IN:
+        BUILT_IN[cfg.data.name](cfg.data.root, cfg.data.eval_fraction)
     _, train, held_out = build_datasets(cfg)  # every record validated here, before any rank
     if len(train) < cfg.trainer.global_batch_size:
         raise ConfigError("trainer.global_batch_size", cfg.trainer.global_batch_size,
@@ -93,8 +96,8 @@ def build_datasets(cfg):
     """
     d, v = cfg.data, cfg.vision
     tok = build_tokenizer(d.tokenizer)
-    if d.name in ("digits_vqa", "digits_pair"):
-        root = (build_digits_vqa if d.name == "digits_vqa" else build_digits_pair)(d.root, d.eval_fraction)
+    if d.name in BUILT_IN:
+        root = BUILT_IN[d.name](d.root, d.eval_fraction)
         train_path, eval_path, folder = (os.path.join(root, "train.json"),
                                          os.path.join(root, "eval.json"), root)
     elif d.name == "code_corpus":
@@ -112,7 +115,7 @@ def build_datasets(cfg):
                               "add data.path=FILE.json (and data.image_folder=DIR)")
         train_path, eval_path, folder = d.path, d.eval_path, d.image_folder
     else:
-        raise ConfigError("data.name", d.name, "unknown data set", "use digits_vqa, digits_pair, "
+        raise ConfigError("data.name", d.name, "unknown data set", "use digits_vqa, digits_pair, digits_tiles, "
                           "llava_json, code_corpus or tokens")
     if v is None:
         raise ConfigError("data.name", d.name, "LLaVA data has images but the config has no vision "

@@ -107,3 +107,44 @@ def build_digits_pair(root: str, eval_fraction: float = 0.15) -> str:
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(records, f)
     return out
+
+
+TILE_GRIDS = ((1, 1), (1, 2), (2, 1), (2, 2))
+"""(rows, columns) of the tile grids `digits_tiles` draws from (InternVL's aspect-ratio grids, small)."""
+
+
+def build_digits_tiles(root: str, eval_fraction: float = 0.15) -> str:
+    """Built-in `digits_tiles`, InternVL-style dynamic tiling in miniature: each record shows a
+    digit scan as its 8x8 thumbnail plus the tiles of a seeded grid (1x1, 1x2, 2x1 or 2x2: the
+    scan resized to rows*8 x cols*8 and cut into 8x8 tiles), so a sample brings 2 to 5 images of
+    one size ("<image>" per image, then "What digit is in the image?" -> "seven"). Built from
+    `digits_vqa`'s scans and split under root if needed; written once to
+    `root/digits_tiles-eval{eval_fraction}` (a temporary folder renamed into place). Returns it."""
+    out = os.path.join(root, f"digits_tiles-eval{eval_fraction:g}")
+    if os.path.isfile(os.path.join(out, "eval.json")):
+        return out
+    scans = build_digits_vqa(root, eval_fraction)
+    with _written_in_place(root, out, ".digits_tiles-") as tmp:
+        os.makedirs(os.path.join(tmp, "tiles"))
+        for name in ("train.json", "eval.json"):
+            with open(os.path.join(scans, name)) as f:
+                singles = json.load(f)
+            grids = np.random.default_rng([SPLIT_SEED, len(singles)]).integers(0, len(TILE_GRIDS), len(singles))
+            records = []
+            for record, g in zip(singles, grids):
+                rows, cols = TILE_GRIDS[int(g)]
+                scan = Image.open(os.path.join(scans, record["image"])).convert("L")
+                big = scan.resize((cols * 8, rows * 8), Image.BILINEAR)
+                thumb = os.path.relpath(os.path.join(scans, record["image"]), tmp)
+                images = [thumb]
+                for t in range(rows * cols):
+                    rel = f"tiles/{record['id']}-{t}.png"
+                    x, y = t % cols * 8, t // cols * 8
+                    big.crop((x, y, x + 8, y + 8)).save(os.path.join(tmp, rel))
+                    images.append(rel)
+                records.append({"id": record["id"], "image": images, "conversations": [
+                    {"from": "human", "value": "<image>" * len(images) + f"\n{QUESTION}"},
+                    record["conversations"][1]]})
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(records, f)
+    return out

@@ -34,15 +34,17 @@ def graph_kwargs(cfg) -> dict:
 
 
 def add_encoder_modules(parent: nn.Module, encoders: Mapping, projectors: Mapping, streams,
-                        llm_hidden: int, tp_groups: Mapping | None = None) -> None:
+                        llm_hidden: int, tp_groups: Mapping | None = None,
+                        cp_groups: Mapping | None = None) -> None:
     """Register on `parent` one `ViTEncoder` per entry of `encoders` (name -> VisionConfig) and
     one `Projector` per stream (from its encoder's width to `llm_hidden`), under their names.
-    `tp_groups`: encoder name -> its TP group (None: TP size 1); a projector uses its encoder's.
+    `tp_groups` / `cp_groups`: encoder name -> its TP / CP group (None: size 1); a projector
+    uses its encoder's TP group.
 
     Raises ValueError when a stream names an encoder or projector without a config."""
-    tp_groups = tp_groups or {}
+    tp_groups, cp_groups = tp_groups or {}, cp_groups or {}
     for name, cfg in encoders.items():
-        parent.add_module(name, ViTEncoder(cfg, tp_groups.get(name)))
+        parent.add_module(name, ViTEncoder(cfg, tp_groups.get(name), cp_group=cp_groups.get(name)))
     for s in streams:
         if s.encoder not in encoders or s.projector not in projectors:
             raise ValueError(f"stream {s.encoder} -> {s.projector} -> llm: no config for "
@@ -73,6 +75,7 @@ class EncoderSide(nn.Module):
         streams: the streams into the LLM (`hcp.config.modules.streams`), in edge order.
         llm_hidden: the LLM's hidden size H.
         tp_groups: encoder name -> TP group (its projectors share it); None: TP size 1.
+        cp_groups: encoder name -> CP group (`hcp.model.vit`); None: CP size 1.
 
     `forward(inputs)`: {encoder: pixel_values [I_e, C, H, W]} -> {projector: rows [I_e * R_s, H]},
     every stream; each output passes Megatron's copy-to-TP-region of its encoder's TP group
@@ -81,13 +84,13 @@ class EncoderSide(nn.Module):
     """
 
     def __init__(self, encoders: Mapping, projectors: Mapping, streams, llm_hidden: int,
-                 tp_groups: Mapping | None = None):
+                 tp_groups: Mapping | None = None, cp_groups: Mapping | None = None):
         super().__init__()
         self.streams = tuple(streams)
         self.encoder_names = tuple(encoders)
         self.tp_groups = dict(tp_groups or {})
         self._input_shape = {e: (c.num_channels, c.image_size, c.image_size) for e, c in encoders.items()}
-        add_encoder_modules(self, encoders, projectors, self.streams, llm_hidden, self.tp_groups)
+        add_encoder_modules(self, encoders, projectors, self.streams, llm_hidden, self.tp_groups, cp_groups)
 
     def streams_of(self, encoder: str) -> tuple[str, ...]:
         """Projectors fed by `encoder`, in stream order."""

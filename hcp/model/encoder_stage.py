@@ -32,6 +32,8 @@ class EncoderStage(nn.Module):
     theirs (autograd inside the stage).
 
     `recompute`: the encoder's blocks recompute their forward in backward (`ViTEncoder`).
+    `cp_group`: the encoder's CP group (`ViTEncoder`): stages pass [I, k, D] chunks and the last
+    returns this CP rank's rows of each input.
 
     forward(x): x is pixel values [I, C, H, W] on the first stage, else the previous stage's
     hidden states [I, P + 1, D]; returns hidden states [I, P + 1, D] (not last) or the rows of
@@ -40,12 +42,12 @@ class EncoderStage(nn.Module):
     """
 
     def __init__(self, name: str, enc_cfg, projectors: dict, llm_hidden: int, stage: StageSpec,
-                 tp_group=None, recompute: bool = False):
+                 tp_group=None, recompute: bool = False, cp_group=None):
         super().__init__()
         self.name, self.stage, self.tp_group = name, stage, tp_group
         self.projector_names = tuple(projectors) if stage.last else ()
         self.hidden_size = enc_cfg.hidden_size
-        setattr(self, name, ViTEncoder(enc_cfg, tp_group, stage, recompute))
+        setattr(self, name, ViTEncoder(enc_cfg, tp_group, stage, recompute, cp_group))
         for p in self.projector_names:
             setattr(self, p, Projector(projectors[p], enc_cfg.hidden_size, llm_hidden, tp_group))
 
@@ -54,8 +56,9 @@ class EncoderStage(nn.Module):
         return getattr(self, self.name)
 
     def activation_shape(self, images: int) -> tuple[int, int, int]:
-        """[I, P + 1, D]: the hidden states a non-last stage sends for `images` images."""
-        return images, self.encoder.num_patches + 1, self.hidden_size
+        """[I, k, D]: the hidden states a non-last stage sends for `images` images (k = P + 1, or
+        this CP rank's chunk under encoder CP)."""
+        return images, self.encoder.local_tokens, self.hidden_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.encoder(x)

@@ -77,21 +77,22 @@ class LlavaEncoder(nn.Module):
     replica the whole gradient. FQNs (`vision.*`, `projector.*`) equal `LlavaModel`'s, so
     `init_parameters(encoder, seed)` gives the same weights as the single-process model.
 
-    Raises ValueError for an encoder layout with CP or PP > 1 (not supported yet: the encoder
-    scales by TP and DP; encoder PP comes with non-colocated placement).
+    `cp_group`: the encoder's CP group (`hcp.model.vit`): the output is then this CP rank's rows
+    of each image [I * n_r, H_llm], which the route takes from every CP rank.
+
+    Raises ValueError for an encoder layout with PP > 1 (encoder PP comes with non-colocated
+    placement).
     """
 
     def __init__(self, vision_cfg: VisionConfig, projector_cfg: ProjectorConfig, llm_hidden: int,
-                 tp_group=None):
+                 tp_group=None, cp_group=None):
         super().__init__()
         for name, layout in (("vision", vision_cfg.layout), ("projector", projector_cfg.layout)):
-            for axis in ("cp", "pp"):
-                if getattr(layout, axis) != 1:
-                    raise ValueError(f"{name}.layout.{axis}={getattr(layout, axis)}: the encoder "
-                                     f"does not support {axis.upper()} yet; set {name}.layout."
-                                     f"{axis}=1 and scale the encoder with {name}.layout.tp/dp")
+            if layout.pp != 1:
+                raise ValueError(f"{name}.layout.pp={layout.pp}: the colocated encoder runs whole; "
+                                 f"set {name}.layout.pp=1 (encoder pipelines: placement=non_colocated)")
         self.tp_group = tp_group
-        self.vision = ViTEncoder(vision_cfg, tp_group)
+        self.vision = ViTEncoder(vision_cfg, tp_group, cp_group=cp_group)
         self.projector = Projector(projector_cfg, vision_cfg.hidden_size, llm_hidden, tp_group)
 
     @property

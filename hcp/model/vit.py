@@ -22,17 +22,31 @@ non_colocated): stage s holds blocks [start, stop) under their global indices (`
 on whichever stage holds block 7); the first stage also holds the patch and position
 embeddings and the pre-norm and takes pixel values, later stages take the hidden states
 [I, P + 1, D] of the stage before; only the last stage drops the CLS token.
+
+Context parallelism over `cp_group` (`vision.layout.cp`; None = CP size 1): every input's P + 1
+tokens are cut into contiguous chunks of k = ceil((P + 1) / cp) positions, one per CP rank
+(`hcp.parallel.encoder_cp`: the split, its padding and which rank returns which row). A rank
+embeds only its chunk, carries hidden states [I, k, D] between blocks (and pipeline stages),
+and attends its k queries of each input to that input's P + 1 keys, all-gathered over the CP
+group (`hcp.model.cp_attention` on the fused kernels, bidirectional: no mask; the K/V gradients
+reduce-scatter back to their owners). The last stage returns this rank's rows of each input
+[I, n_r, D] (`encoder_cp.rows_on_rank`); the weights' gradients are partial sums over the CP
+group's tokens, summed with the DP ones over the encoder's DP x CP group.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hcp.config.schema import VisionConfig
-from hcp.model.collectives import group_size
+from hcp.model.collectives import group_rank, group_size
+from hcp.model.cp_attention import CPAttentionPlan, Call, Rows, cp_attention
+from hcp.model.cp_kernels import fused_kernel
 from hcp.model.tp import ColumnParallelLinear, RowParallelLinear
+from hcp.parallel import encoder_cp
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -67,15 +81,21 @@ class VisionBlock(nn.Module):
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, d, **par)
         self.act = quick_gelu if getattr(cfg, "arch", "vit") == "clip" else F.gelu
 
-    def _attn(self, x: torch.Tensor) -> torch.Tensor:
+    def _attn(self, x: torch.Tensor, cp_plan: CPAttentionPlan | None) -> torch.Tensor:
         i, s, _ = x.shape
+        if cp_plan is not None:  # this rank's chunk of every input against all of its keys
+            q, k, v = (p(x).reshape(i * s, self.local_heads, self.head_dim)
+                       for p in (self.q_proj, self.k_proj, self.v_proj))
+            out = cp_attention(q, k, v, cp_plan).view(i, s, -1)
+            return self.o_proj(out)
         q, k, v = (p(x).view(i, s, self.local_heads, self.head_dim).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
         out = F.scaled_dot_product_attention(q, k, v)                    # [I, heads / tp, S, Dh]
         return self.o_proj(out.transpose(1, 2).reshape(i, s, self.local_heads * self.head_dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, cp_plan: CPAttentionPlan | None = None) -> torch.Tensor:
+        """x [I, S, D]; `cp_plan`: the encoder's CP attention of this forward (None: no CP)."""
+        x = x + self._attn(self.ln1(x), cp_plan)
         return x + self.fc2(self.act(self.fc1(self.ln2(x))))
 
 
@@ -86,11 +106,13 @@ class ViTEncoder(nn.Module):
     `recompute`: full per-block recompute (`torch.utils.checkpoint`, non-reentrant): each block
     keeps only its input [I, P + 1, D] and runs its forward again during its backward (an
     encoder island's `layout.recompute=full`; the colocated schedule recomputes the whole
-    encoder side in its phase 3 instead)."""
+    encoder side in its phase 3 instead). `cp_group`: the encoder's CP group (module docstring);
+    under CP the output is this rank's rows of each input [I, n_r, D] (`local_tokens` = k)."""
 
-    def __init__(self, cfg: VisionConfig, tp_group=None, stage=None, recompute: bool = False):
+    def __init__(self, cfg: VisionConfig, tp_group=None, stage=None, recompute: bool = False,
+                 cp_group=None):
         super().__init__()
-        self.recompute = recompute
+        self.recompute, self.cp_group = recompute, cp_group
         if cfg.image_size % cfg.patch_size:
             raise ValueError(f"vision: image_size {cfg.image_size} must be a multiple of "
                              f"patch_size {cfg.patch_size}")
@@ -99,6 +121,11 @@ class ViTEncoder(nn.Module):
                              f"[-{cfg.num_layers}, -1]")
         self.cfg, self.stage = cfg, stage
         self.num_patches = (cfg.image_size // cfg.patch_size) ** 2
+        self.cp, self.cp_rank = group_size(cp_group), group_rank(cp_group)
+        tokens = self.num_patches + encoder_cp.LEAD
+        self.local_tokens = encoder_cp.chunk(tokens, self.cp)
+        self._first_position = int(encoder_cp.positions(tokens, self.cp, self.cp_rank)[0])
+        self._out = encoder_cp.output_range(self.num_patches, self.cp, self.cp_rank)
         d = cfg.hidden_size
         if stage is None or stage.first:
             self.patch_embed = nn.Linear(cfg.num_channels * cfg.patch_size ** 2, d, bias=False)
@@ -125,16 +152,45 @@ class ViTEncoder(nn.Module):
         i = pixel_values.shape[0]
         patches = pixel_values.unfold(2, p, p).unfold(3, p, p)          # [I, C, s/p, s/p, p, p]
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(i, self.num_patches, c * p * p)
+        if self.cp > 1:
+            return self._blocks(self._embed_chunk(patches))
         x = self.patch_embed(patches.to(self.patch_embed.weight.dtype))
         cls = self.class_embedding.expand(i, 1, -1)
         x = self.pre_norm(torch.cat([cls, x], dim=1) + self.position_embedding)
         return self._blocks(x)
 
+    def _embed_chunk(self, patches: torch.Tensor) -> torch.Tensor:
+        """This CP rank's k positions of every input [I, k, D] from all patches [I, P, C*p*p]:
+        position 0 is the CLS token, padding positions repeat the last token (never a key, their
+        rows never returned)."""
+        pos = torch.arange(self._first_position, self._first_position + self.local_tokens,
+                           device=patches.device).clamp_(max=self.num_patches)
+        x = self.patch_embed(patches[:, (pos - 1).clamp(min=0)].to(self.patch_embed.weight.dtype))
+        x = torch.where((pos == 0)[None, :, None], self.class_embedding.to(x.dtype), x)
+        return self.pre_norm(x + self.position_embedding[pos])
+
+    def cp_plan(self, images: int, device) -> CPAttentionPlan | None:
+        """The CP attention of one forward over `images` inputs (None without CP, or with no
+        input: then every rank of the CP group, which encodes the same inputs, skips it): one
+        fused call of each input's k local queries against its P + 1 keys in the all-gathered
+        K/V (rank-major: rank s's k rows of input i at s*I*k + i*k)."""
+        if self.cp == 1 or images == 0:
+            return None
+        k, tokens = self.local_tokens, self.num_patches + encoder_cp.LEAD
+        t = np.arange(tokens)
+        keys = (t // k)[None] * images * k + np.arange(images)[:, None] * k + (t % k)[None]
+        queries = np.arange(images * k).reshape(images, k)
+        call = Call(Rows.of(queries, device), Rows.of(keys, device), causal=False)
+        return CPAttentionPlan(self.cp_group, "allgather", [[call]], fused_kernel(device))
+
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
+        plan = self.cp_plan(x.shape[0], x.device)
         for block in blocks:
-            x = (checkpoint(block, x, use_reentrant=False) if self.recompute and torch.is_grad_enabled()
-                 else block(x))
+            x = (checkpoint(block, x, plan, use_reentrant=False) if self.recompute and torch.is_grad_enabled()
+                 else block(x, plan))
+        if self.stage is not None and not self.stage.last:
+            return x
         # a copy, not a view: under FSDP (`vision.layout.dp_shard`) the module's output carries
         # its pre-backward hook, which an in-place op on a view would drop
-        return x[:, 1:].clone() if self.stage is None or self.stage.last else x
+        return x[:, self._out[0]:self._out[1]].clone()

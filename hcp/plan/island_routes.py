@@ -9,8 +9,9 @@ the LLM consumes them (`RankPlan.encoder_micro_batches`: encoder micro-batch j h
 samples that LLM micro-batch j packs, over all LLM lanes, in packing order; empty when it has
 none). Each micro-batch then has its own routing table over the edge group
 (`hcp.parallel.islands.edge_ranks`: the encoder's last-stage ranks, then the LLM's first-stage
-ranks): a source rank's rows are its encoder micro-batch's rows in sample order (TP replicas
-split them as under colocation), a destination receives the image rows of its CP shard of that
+ranks): a source rank's rows are its encoder micro-batch's rows in sample order (under encoder
+CP the rows of its chunk of each input: every CP rank sends; TP replicas split them as under
+colocation), a destination receives the image rows of its CP shard of that
 micro-batch in slot order (`RankPlan.island_routes`, one `RankRoute` per micro-batch, and
 `MicroBatchPlan.image_rows == (0, rows)`). Destination TP (`island_route`): `leader` (default;
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from hcp.parallel.routing import RowTable
-from hcp.plan.routes import excl_cumsum, image_rows, rank_within
+from hcp.plan.routes import excl_cumsum, image_rows, rank_within, source_cp
 
 
 def same_span(a, b) -> bool:
@@ -45,23 +46,25 @@ def island_head(layouts, edges, module: str) -> str:
 
 def route_from_island(src_lay, consume, variant, J, sizes, llm, s_group, doc_start, size, off, mb_of_group):
     """One RowTable per micro-batch of a non-colocated edge into the LLM (group ranks of
-    `edge_ranks`: the source's last-stage ranks lane-major, TP fastest, then the LLM's
+    `edge_ranks`: the source's last-stage ranks lane-major, then CP, TP fastest, then the LLM's
     first-stage ranks in pool order, TP fastest), and the image rows per (pool position,
     micro-batch) [pool, J]."""
     pool = llm.dp * llm.cp
     sample, shard, mb, local = image_rows(sizes, llm, s_group, doc_start, size, off, mb_of_group)
-    n, tp = len(sizes) // src_lay.dp, src_lay.tp
+    n, tp, cp = len(sizes) // src_lay.dp, src_lay.tp, src_lay.cp
     lane = sample // n
-    # source row: the lane's micro-batch rows, samples in consumption order (rows in order)
-    part = lane * J + mb
+    # source row: the rows of the lane's micro-batch that its CP rank holds (encoder CP: its
+    # chunk of each image), samples in consumption order (rows in order)
+    holder = lane * cp + source_cp(sizes, cp)
+    part = holder * J + mb
     src_row = rank_within(consume[sample] * (int(sizes.image_rows.max(initial=0)) + 1)
                            + np.arange(len(sample)) - excl_cumsum(sizes.image_rows)[sample],
-                           part, src_lay.dp * J)
-    part_rows = np.bincount(part, minlength=src_lay.dp * J)
+                           part, src_lay.dp * cp * J)
+    part_rows = np.bincount(part, minlength=src_lay.dp * cp * J)
     replica = src_row * tp // np.maximum(part_rows[part], 1)
-    src = lane * tp + replica
+    src = holder * tp + replica
     dst_row = rank_within(local, shard * J + mb, pool * J)
-    n_src = src_lay.dp * tp
+    n_src = src_lay.dp * cp * tp
     reps = 1 if variant == "leader" else llm.tp
     shard_ranks = n_src + np.arange(pool)[:, None] * llm.tp + np.arange(reps)[None, :]
     group = n_src + pool * llm.tp

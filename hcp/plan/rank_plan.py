@@ -88,4 +88,5 @@ class RankPlan:
     encoder that this rank's lane encodes (the shapes of the island's pipeline)."""
     encoder_rows: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Non-colocated: module with an edge into the LLM (a projector) -> per micro-batch, the
-    rows its stream leaves this rank's lane with (all TP replicas compute all of them)."""
+    rows its stream leaves this rank with (all TP replicas compute all of them; under encoder CP
+    the rows of this CP rank's chunk of each input, `hcp.parallel.encoder_cp`)."""

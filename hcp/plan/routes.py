@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hcp.parallel import encoder_cp
 from hcp.parallel.grid import Grid
 from hcp.parallel.routing import RowTable, cp_slot
 
@@ -31,6 +32,22 @@ def image_rows(sizes, llm, s_group, doc_start, size, off, mb_of_group):
     return sample, off[g] + cp_rank, mb_of_group[g], doc_start[sample] + slot
 
 
+def source_cp(sizes, cp: int) -> np.ndarray:
+    """[R] the encoder CP rank holding each image row of the batch (rows in sample order), under
+    encoder CP size `cp` (`hcp.parallel.encoder_cp`; all 0 for cp = 1)."""
+    rows_each = sizes.image_rows_each
+    if cp == 1:
+        return np.zeros(int(rows_each.sum()), np.int64)
+    row = np.arange(int(rows_each.sum())) - np.repeat(excl_cumsum(rows_each)[:-1], rows_each)
+    return encoder_cp.row_slot(row, np.repeat(rows_each, rows_each), cp)[0]
+
+
+def cp_sample_rows(sizes, cp: int, cp_rank: int) -> np.ndarray:
+    """[B] image rows of each sample that encoder CP rank `cp_rank` of `cp` returns."""
+    prefix = excl_cumsum(encoder_cp.rows_on_rank(sizes.image_rows_each, cp)[:, cp_rank])
+    return prefix[sizes.image_offsets[1:]] - prefix[sizes.image_offsets[:-1]]
+
+
 def rank_within(key: np.ndarray, part: np.ndarray, parts: int) -> np.ndarray:
     """Each entry's index among the entries of its `part` ordered by `key` (stable)."""
     order = np.lexsort((key, part))
@@ -46,16 +63,16 @@ def route_into_llm(src_lay, mb_base, J, sizes, llm, s_group, doc_start, size, of
     pool = llm.dp * llm.cp
     sample, shard, mb, local = image_rows(sizes, llm, s_group, doc_start, size, off, mb_of_group)
     R = len(sample)
-    row_off = excl_cumsum(sizes.image_rows)
-    # source: lane block; TP replica floor(p * tp / R) sends lane row p (contiguous, balanced)
-    n = len(sizes) // src_lay.dp
+    # source: lane block; the encoder CP rank holding the row (its chunk of the image), whose
+    # rows keep sample order; TP replica floor(p * tp / R) sends its row p (contiguous, balanced)
+    n, cp, tp = len(sizes) // src_lay.dp, src_lay.cp, src_lay.tp
     lane = sample // n
-    lane_first = row_off[np.arange(src_lay.dp) * n]
-    lane_rows = row_off[np.arange(1, src_lay.dp + 1) * n] - lane_first
-    src_row = np.arange(R) - lane_first[lane]
-    tp = src_lay.tp
-    replica = src_row * tp // np.maximum(lane_rows[lane], 1)
-    src = Grid.of(src_lay).ranks[0, lane, 0, replica]
+    src_cp = source_cp(sizes, cp)
+    part = lane * cp + src_cp
+    src_row = rank_within(np.arange(R), part, src_lay.dp * cp)
+    part_rows = np.bincount(part, minlength=src_lay.dp * cp)
+    replica = src_row * tp // np.maximum(part_rows[part], 1)
+    src = Grid.of(src_lay).ranks[0, lane, src_cp, replica]
     # destination: the CP rank whose head-tail chunks hold the row's merged position
     stream = mb_base[mb, shard] + local
     dst_row = rank_within(stream, shard, pool)

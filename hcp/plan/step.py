@@ -16,8 +16,9 @@ one table per micro-batch over the edge group, the encoder lanes' micro-batches 
 the LLM consumes them). Both placements are policies of this one plan.
 
 Encoder-side modules (every module but the LLM) use static lanes: lane l of a module with dp
-lanes encodes block l of the global batch, on each of its TP replicas; encoder CP is refused
-here (`ValueError`), and encoder PP under colocated placement.
+lanes encodes block l of the global batch, on each of its TP replicas and CP ranks (encoder CP:
+each CP rank holds a chunk of every input's tokens and sends the rows of its chunk,
+`hcp.parallel.encoder_cp`); encoder PP under colocated placement is refused (`ValueError`).
 
 Several encoders or streams (joins, branches: `hcp.config.modules`): every edge into the LLM is
 routed from its own stream's sizes (`stream_sizes`, one length index per stream), so each
@@ -47,7 +48,7 @@ from hcp.plan.island_routes import island_head, route_from_island, same_span
 from hcp.plan.lengths import SampleSizes
 from hcp.plan.policies import Policy, first_fit_policy, policy, register_policy
 from hcp.plan.rank_plan import Counts, MicroBatchPlan, RankPlan
-from hcp.plan.routes import excl_cumsum, route_into_llm
+from hcp.plan.routes import cp_sample_rows, excl_cumsum, route_into_llm
 
 __all__ = ["Counts", "MicroBatchPlan", "Policy", "RankPlan", "StepPlan", "first_fit_policy",
            "island_head", "plan_step", "register_policy"]
@@ -130,15 +131,17 @@ class StepPlan:
             grid = self.encoder_grids.get(m) or Grid.of(self.layouts[m])
             if grid.contains(rank):
                 n = len(self.sizes) // dp
-                lane = grid.coords(rank)["dp"]
+                at = grid.coords(rank)
+                lane = at["dp"]
                 enc[m] = tuple(range(lane * n, (lane + 1) * n))
                 if self.island_tables:
                     enc_mbs[m] = self._encoder_micro_batches(enc[m])
                     sz = self.module_sizes.get(m, self.sizes)
                     per = [np.asarray(mb, dtype=np.int64) for mb in enc_mbs[m]]
                     inputs[m] = tuple(int(sz.images[k].sum()) for k in per)
-                    if m in into:
-                        rows_out[m] = tuple(int(sz.image_rows[k].sum()) for k in per)
+                    if m in into:  # this CP rank's rows of them (encoder CP)
+                        mine = cp_sample_rows(sz, grid.cp, at["cp"])
+                        rows_out[m] = tuple(int(mine[k].sum()) for k in per)
         llm = Grid.of(self.layouts["llm"])
         mbs = []
         if llm.contains(rank):
@@ -225,7 +228,7 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
     Raises:
         ValueError: unknown policy or island_route; a policy output that misses or repeats a
             sample or does not tile the pool; a batch that does not split into a module's
-            lanes; an encoder-side module with cp > 1, or pp > 1 under colocated placement.
+            lanes; an encoder-side module with pp > 1 under colocated placement.
     """
     if island_route not in ("leader", "direct"):
         raise ValueError(f"island_route={island_route!r}: use 'leader' or 'direct'")
@@ -251,10 +254,10 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
     encoder_lanes, grids, tables = {}, {}, {}
     for m, head in source.items():
         lay = layouts[head]
-        if lay.cp > 1 or (lay.pp > 1 and same_span(lay, llm)):
-            raise ValueError(f"{head}.layout: cp={lay.cp}, pp={lay.pp}: encoder-side CP and PP are "
-                             "not supported yet (PP only under placement=non_colocated); use cp=1 and pp=1")
-        if head != m and (layouts[m].cp > 1 or layouts[m].pp > 1):
+        if lay.pp > 1 and same_span(lay, llm):
+            raise ValueError(f"{head}.layout: pp={lay.pp}: encoder-side PP runs only under "
+                             "placement=non_colocated; use pp=1")
+        if head != m and (layouts[m].cp not in (1, lay.cp) or layouts[m].pp > 1):
             raise ValueError(f"{m}.layout: cp={layouts[m].cp}, pp={layouts[m].pp}: {m} runs on "
                              f"the last stage of {head}'s island with {head}'s layout; use cp=1, pp=1")
         if B % lay.dp:

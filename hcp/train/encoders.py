@@ -32,8 +32,9 @@ def build_encoder_side(cfg, groups, layouts) -> EncoderSide:
     encoders = {e: module_cfg(cfg, e) for e in encoder_names(cfg)}
     projectors = {s.projector: module_cfg(cfg, s.projector) for s in flows}
     tp = {e: groups.group(e, "tp") if layouts[e].tp > 1 else None for e in encoders}
+    cp = {e: groups.group(e, "cp") if layouts[e].cp > 1 else None for e in encoders}
     with torch.device("meta"):
-        side = EncoderSide(encoders, projectors, flows, cfg.llm.hidden_size, tp)
+        side = EncoderSide(encoders, projectors, flows, cfg.llm.hidden_size, tp, cp)
     for m in (*encoders, *projectors):
         if module_cfg(cfg, m).freeze:
             getattr(side, m).requires_grad_(False)
@@ -94,18 +95,18 @@ def _params(side: EncoderSide, encoder: str):
 
 
 def sync_encoder_grads(encoder, groups, counts) -> None:
-    """Sum the encoder side's gradients over each encoder's own DP group (a projector with its
-    encoder's); an encoder whose streams had no row anywhere in the batch gets no gradient, as
+    """Sum the encoder side's gradients over each encoder's own DP x CP group (a projector with
+    its encoder's; under encoder CP each rank's are partial sums over its tokens); an encoder whose streams had no row anywhere in the batch gets no gradient, as
     in one process (LLaVA: no image in the batch)."""
     if not isinstance(encoder, EncoderSide):
-        sync_grads(encoder.parameters(), groups.group("vision", "dp"))
+        sync_grads(encoder.parameters(), groups.group("vision", "dp_cp"))
         if counts.image_rows == 0:
             for p in encoder.parameters():
                 p.grad = None
         return
     for e in encoder.encoder_names:
         params = _params(encoder, e)
-        sync_grads(params, groups.group(e, "dp"))
+        sync_grads(params, groups.group(e, "dp_cp"))
         if sum(counts.stream_rows.get(p, 0) for p in encoder.streams_of(e)) == 0:
             for p in params:
                 p.grad = None
@@ -134,9 +135,11 @@ def tp_groups(encoder) -> dict:
 
 def whole_encoder_side(side: EncoderSide, cfg, device) -> EncoderSide:
     """The encoder side whole on this rank (evaluation encodes prompts' inputs in place): itself
-    when no encoder uses TP, else a copy whose TP shards are gathered over each encoder's TP
-    group (`hcp.train.modules.whole_state`, encoder by encoder: every rank calls it)."""
-    if all(g is None for g in side.tp_groups.values()):
+    when no encoder uses TP or CP, else a copy (without CP) whose TP shards are gathered over
+    each encoder's TP group (`hcp.train.modules.whole_state`, encoder by encoder: every rank
+    calls it)."""
+    if all(g is None for g in side.tp_groups.values()) and all(
+            getattr(side, e).cp == 1 for e in side.encoder_names):
         return side
     whole = EncoderSide({e: module_cfg(cfg, e) for e in side.encoder_names},
                         {s.projector: module_cfg(cfg, s.projector) for s in side.streams}, side.streams,

@@ -1,7 +1,7 @@
 """Sharded data parallelism (`<module>.layout.dp_shard=true`) with torch's FSDP2 (`fully_shard`).
 
-Each module shards over its own DP group (`shard_model`: the LLM; `shard_encoder`: the vision
-encoder and the projector, each on its own mesh, colocated on the same ranks).
+Each module shards over its own DP x CP group (`shard_model`: the LLM; `shard_encoder`: the
+vision encoder and the projector, each on its own mesh, colocated on the same ranks).
 
 Parameters, gradients and AdamW state are sharded over the LLM's joint DP x CP group (a 1-D
 `DeviceMesh` made from the existing process group): each decoder layer is one FSDP unit (its
@@ -24,7 +24,7 @@ Composition with the other parallelisms:
   reduction stay fp32.
 
 The encoder side (`shard_encoder`) shards each module whose layout has `dp_shard` over that
-module's DP group (the encoder's lanes; under encoder TP each rank's TP slice is sharded, as
+module's DP x CP group (the encoder's lanes times its CP ranks, `vision.layout.cp`; under encoder TP each rank's TP slice is sharded, as
 above): each ViT block is one unit, the `vision` root holds the patch and position embeddings and
 the pre-norm; the projector is one unit. The encoder runs once per step (phase 1 of
 `hcp.schedule.colocated`, recomputed in phase 3 under `recompute=full`) and backward once, so its
@@ -34,7 +34,7 @@ reach every parameter), so lanes with no or fewer images issue the same all-gath
 reduce-scatters. Each module's root unit reshards after its forward too (FSDP keeps a root whole
 by default): its backward comes only after the LLM's phase, which should not hold it whole.
 Its gradients are summed like the LLM's (divide factor 1); the clipping norm
-sums the shards' squares over the module's DP group (`hcp.train.modules.encoder_sq_norm`).
+sums the shards' squares over the module's DP x CP group (`hcp.train.modules.encoder_sq_norm`).
 """
 from __future__ import annotations
 
@@ -63,8 +63,8 @@ def shard_model(model, groups, device=None) -> None:
 def shard_encoder(encoder, layouts: dict, groups, device=None) -> tuple[str, ...]:
     """Apply FSDP2 in place to the encoder-side modules of `encoder` (`hcp.model.llava.
     LlavaEncoder`: its children named after their modules, `vision`, `projector`) whose layout
-    has `dp_shard`, each over its own DP group (module docstring); an encoder island's stage
-    (`EncoderStage`) as one, over its island's DP group, when its encoder has `dp_shard`
+    has `dp_shard`, each over its own DP x CP group (module docstring); an encoder island's stage
+    (`EncoderStage`) as one, over its island's DP x CP group, when its encoder has `dp_shard`
     (`shard_island`: its projectors follow). `device`: as `shard_model`.
     Returns the names of the sharded modules (() when none asked for it, or no encoder).
 
@@ -75,7 +75,7 @@ def shard_encoder(encoder, layouts: dict, groups, device=None) -> tuple[str, ...
     if isinstance(encoder, EncoderStage):  # an encoder island's stage (placement=non_colocated)
         if not layouts[encoder.name].dp_shard:
             return ()
-        shard_island(encoder, groups.group(encoder.name, "dp"), device)
+        shard_island(encoder, groups.group(encoder.name, "dp_cp"), device)
         return (encoder.name, *encoder.projector_names)
     sharded = tuple(m for m, module in encoder.named_children()
                     if m in layouts and layouts[m].dp_shard and any(True for _ in module.parameters()))
@@ -83,13 +83,13 @@ def shard_encoder(encoder, layouts: dict, groups, device=None) -> tuple[str, ...
         module = encoder.get_submodule(m)
         blocks = getattr(module, "blocks", ())  # ViT blocks: a list, or a dict on a pipeline stage
         units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)
-        _shard(module, units, groups.group(m, "dp"), m, reshard_root=True, device=device)
+        _shard(module, units, groups.group(m, "dp_cp"), m, reshard_root=True, device=device)
     return sharded
 
 
 def shard_island(stage, group, device=None) -> None:
     """Apply FSDP2 in place to one encoder island's stage (`hcp.model.encoder_stage.
-    EncoderStage`, placement=non_colocated) over the island's DP group: each ViT block and each
+    EncoderStage`, placement=non_colocated) over the island's DP x CP group: each ViT block and each
     projector one unit, the stage the root (the embeddings on the first stage), resharded after
     its forward. The island's schedule runs one forward and backward per micro-batch on every
     lane (empty ones included) and turns gradient sync on for the last backward only

@@ -45,11 +45,14 @@ backward (`hcp.model.vit.ViTEncoder`'s `recompute`; TP collectives of the recomp
 TP rank at the same schedule step), as plan mode's memory estimate assumes.
 
 FSDP (`<encoder>.layout.dp_shard=true`, its projectors follow; `llm.layout.dp_shard=true`):
-an encoder island's stage shards over its DP group (`hcp.train.fsdp.shard_island`), the LLM's
+an encoder island's stage shards over its DP x CP group (`hcp.train.fsdp.shard_island`), the LLM's
 over its DP x CP group; each reduce-scatters once per step (gradient sync on for the last
 backward only).
 
-Not built yet (refused in `hcp.train.support`): selective encoder recompute, encoder CP,
+Encoder CP (`<encoder>.layout.cp`): every input's tokens split over the island's CP ranks
+(`hcp.model.vit`); the routes take each row from the CP rank that holds it (`hcp.plan.island_routes`).
+
+Not built yet (refused in `hcp.train.support`): selective encoder recompute,
 `packing=dynamic_cp`, a projector on an island of its own (or with a recompute or dp_shard
 other than its encoder's), a fully frozen island.
 """
@@ -136,10 +139,11 @@ class IslandTrainer(Trainer):
             return None
         head = self.head
         tp = self.groups.group(head, "tp") if layouts[head].tp > 1 else None
+        cp = self.groups.group(head, "cp") if layouts[head].cp > 1 else None
         projectors = {p: module_cfg(cfg, p) for p in self.island_streams[head]}
         with torch.device("meta"):  # the base class materializes this rank's shards
             encoder = EncoderStage(head, module_cfg(cfg, head), projectors, cfg.llm.hidden_size,
-                                   self.island_stage, tp, layouts[head].recompute == "full")
+                                   self.island_stage, tp, layouts[head].recompute == "full", cp)
         for name in (head, *projectors):
             if module_cfg(cfg, name).freeze and getattr(encoder, name, None) is not None:
                 getattr(encoder, name).requires_grad_(False)
@@ -150,7 +154,7 @@ class IslandTrainer(Trainer):
 
     def _sharded(self) -> bool:
         """Whether this rank's island shards with FSDP: an encoder island by its encoder's
-        `layout.dp_shard` (its projectors follow), over its DP group; the LLM island by
+        `layout.dp_shard` (its projectors follow), over its DP x CP group; the LLM island by
         `llm.layout.dp_shard`, over its DP x CP group (both applied by the base class,
         `hcp.train.fsdp`)."""
         return bool(self.layouts[self.head].dp_shard)
@@ -302,7 +306,7 @@ class IslandTrainer(Trainer):
         params = list(self.encoder.parameters())
         if self.record_encoder_grad_sq:
             self.encoder_grad_sq = local_grad_sq(params)
-        sync_grads(params, self.groups.group(self.head, "dp"))  # FSDP shards: already reduced
+        sync_grads(params, self.groups.group(self.head, "dp_cp"))  # FSDP shards: already reduced
         if sum(mine.counts.stream_rows.get(p, 0) for p in self.island_streams[self.head]) == 0:
             for p in params:  # no input of this encoder anywhere: as in one process, no update
                 p.grad = None
@@ -319,7 +323,7 @@ class IslandTrainer(Trainer):
         tp = self.encoder.tp_group if self.encoder is not None else self.tp_group
         pp = self.groups.group(module, "pp") if lay.pp > 1 else None
         shards = (None if not self._sharded() else self.grad_group if module == "llm"
-                  else self.groups.group(module, "dp"))
+                  else self.groups.group(module, "dp_cp"))
         part = module_sq_norm(own.parameters(), self.device, tp, shards, pp)
         if self.rank == lay.rank_offset:
             sq[modules.index(module)] = part

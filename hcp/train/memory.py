@@ -46,6 +46,10 @@ images per step, each of (image_size / patch_size)^2 patches (+ 1 CLS token in t
   tokens fill one LLM micro-batch (reached under the step plan's block lanes, where one encoder
   lane feeds a whole LLM micro-batch); the island acts as stages before the LLM's first stage,
   so encoder stage s holds min(ceil(I / n), pp - s + llm pp) micro-batches in flight.
+Encoder CP c (`<encoder>.layout.cp`, `hcp.parallel.encoder_cp`): a rank holds ceil((patches + 1)
+/ c) tokens of each of its lane's I images (its projector ceil(rows / c) rows), and each ViT
+layer keeps the all-gathered K/V of the whole images for its backward: (c - 1) * 2h/t more
+elements per local token and layer than the `none` count (recomputed under `full`).
 """
 from __future__ import annotations
 
@@ -55,6 +59,7 @@ from dataclasses import dataclass
 
 from hcp.config.modules import kind, module_cfg
 from hcp.config.precision import Precision
+from hcp.parallel import encoder_cp
 
 GIB = 2**30
 _LAYER = re.compile(r"^(?:layers|blocks)\.(\d+)\.")
@@ -126,9 +131,9 @@ def encoder_activation_tokens(cfg, layout, stage: int, layouts: dict) -> tuple[f
     patches = (enc.image_size // enc.patch_size) ** 2
     if kind(cfg, layout.module) == "projector":  # one row per (pooled) patch
         pool = int(module_cfg(cfg, layout.module).get("pool", 1) or 1)
-        per_image = (enc.image_size // enc.patch_size // pool) ** 2
+        per_image = -(-(enc.image_size // enc.patch_size // pool) ** 2 // layout.cp)
     else:
-        per_image = patches + 1  # + CLS
+        per_image = encoder_cp.chunk(patches + encoder_cp.LEAD, layout.cp)  # + CLS, this CP rank's
     images = cfg.trainer.global_batch_size / layout.dp * float(cfg.data.images_per_sample)
     if cfg.placement != "non_colocated":
         return images * per_image, 1
@@ -151,6 +156,9 @@ def _activations(cfg, layout, stage: int, layouts=None) -> float:
     c = module_cfg(cfg, m)
     h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if m == "llm" else c.hidden_size
     per_token = layer_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, m == "llm", layout, precision)
+    if m != "llm" and layout.cp > 1:  # encoder CP: the all-gathered K/V of whole images
+        gathered = (layout.cp - 1) * 2 * h_kv * precision.act_bytes / layout.tp
+        per_token = {k: v + (gathered if k != "full" else 0) for k, v in per_token.items()}
     if _phase3_recompute(cfg, layout, layouts):
         return layout.pp_layers[stage] * tokens * per_token["none"]
     total = in_flight * layout.pp_layers[stage] * tokens * per_token[layout.recompute]

@@ -1,7 +1,7 @@
 """Per-module runtime pieces the trainer joins into one step (docs/design.md 4.4, last bullet).
 
 Each module reduces its gradients over its own DP x CP group (the LLM's sync is in
-`hcp.train.step`; the encoder side's is `sync_grads` over the encoder's DP group), every module
+`hcp.train.step`; the encoder side's is `sync_grads` over the encoder's DP x CP group), every module
 is scaled by the same global token count (the loss is divided once, before backward), the
 gradient norm for clipping is global over every module and rank (`global_grad_norm`), and one
 optimizer steps all modules together. `RankModules` puts this rank's modules under one root
@@ -111,14 +111,14 @@ def encoder_sq_norm(encoder, device, groups) -> torch.Tensor:
     """Squared L2 norm of the encoder side's gradients over all its ranks (0-d float64, the same
     on every rank): TP shards summed over the encoder's TP group and, for a module under
     `dp_shard` (FSDP; the encoder's children are named after their modules: `vision`,
-    `projector`), the shards summed over that module's DP group (`module_sq_norm`; the
+    `projector`), the shards summed over that module's DP x CP group (`module_sq_norm`; the
     replicated modules together). Collectives in the same order on every rank (the sharding
     is a config fact)."""
     replicated, sq = [], torch.zeros((), dtype=torch.float64, device=device)
     for name, module in encoder.named_children():
         params = list(module.parameters())
         if any(isinstance(p, DTensor) for p in params):
-            sq = sq + module_sq_norm(params, device, encoder.tp_group, groups.group(name, "dp"))
+            sq = sq + module_sq_norm(params, device, encoder.tp_group, groups.group(name, "dp_cp"))
         else:
             replicated += params
     return sq + module_sq_norm(replicated, device, encoder.tp_group)

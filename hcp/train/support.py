@@ -1,11 +1,11 @@
 """What training can run today, checked in the launching process before ranks start.
 
 Plan mode accepts every valid layout. Training runs the LLM under TP, CP (allgather or p2p), PP
-(1F1B), DP and FSDP, and the encoder side (vision encoder + projector) under its own TP and DP
-(and FSDP over its own DP group: `vision.layout.dp_shard`, `projector.layout.dp_shard`),
+(1F1B), DP and FSDP, and the encoder side (vision encoder + projector) under its own TP, CP and
+DP (and FSDP over its own DP x CP group: `vision.layout.dp_shard`, `projector.layout.dp_shard`),
 colocated on the same ranks: the step plan routes the projector's rows into the LLM's layout
 (`hcp.plan`), with `packing=first_fit` or `dynamic_cp`; or, under `placement=non_colocated`,
-one island per encoder (encoder + its projectors under the encoder's TP, DP and PP: one
+one island per encoder (encoder + its projectors under the encoder's TP, CP, DP and PP: one
 encoder, a join, a branch) before the LLM island (`hcp.train.islands`). The rest of the layout space raises `ConfigError` with what to use instead.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ from hcp.config.errors import ConfigError
 def check_trainable(cfg, layouts: dict) -> None:
     """Raise ConfigError for a valid layout that training does not run yet.
 
-    Not yet trained: encoder-side CP, encoder PP under colocated placement (encoder PP runs on
+    Not yet trained: a pooling projector (`pool` > 1) behind an encoder with CP (the pool's
+    windows span the CP ranks' chunks), encoder PP under colocated placement (encoder PP runs on
     its own island under non_colocated); under non_colocated dynamic CP, a projector's
     recompute or dp_shard other than its island's, a fully frozen island, a projector on an
     island of its own
@@ -34,6 +35,7 @@ def check_trainable(cfg, layouts: dict) -> None:
     llm = layouts["llm"]
     check_profile(cfg)
     _check_several_encoders_trainable(cfg, layouts)
+    _check_encoder_cp_trainable(cfg, layouts)
     if cfg.placement == "non_colocated":
         _check_islands_trainable(cfg, layouts)
     if llm.pp > 1 and cfg.llm.tie_embeddings:
@@ -47,13 +49,25 @@ def check_trainable(cfg, layouts: dict) -> None:
             raise ConfigError(f"{m}.layout.pp", lay.pp, f"{m} runs whole on every rank of its lane "
                               "(encoder pipelines come with placement=non_colocated)",
                               f"use {m}.layout.pp=1 (more {m}.layout.dp or tp), or mode=plan to plan it")
-        if lay.cp > 1:
-            raise ConfigError(f"{m}.layout.cp", lay.cp, f"{m} does not split images over CP ranks "
-                              "(its rows are routed to the LLM's CP shards instead)",
-                              f"use {m}.layout.cp=1 and more {m}.layout.dp or tp")
         if lay.recompute == "selective":
             raise ConfigError(f"{m}.layout.recompute", lay.recompute, "selective recompute is "
                               "implemented in the LLM's decoder layers only", "use recompute=none or full")
+
+
+def _check_encoder_cp_trainable(cfg, layouts: dict) -> None:
+    """Encoder CP (`<encoder>.layout.cp` > 1) trains behind per-row projectors only: a projector
+    with `pool` > 1 averages windows of the whole patch grid, which the CP ranks hold in chunks."""
+    from hcp.config.modules import module_cfg, module_key, streams
+
+    if cfg.get("vision") is None:
+        return
+    for s in streams(cfg.graph.edges):
+        cp, pool = layouts[s.encoder].cp, int(module_cfg(cfg, s.projector).get("pool", 1))
+        if cp > 1 and pool > 1:
+            key = module_key(cfg, s.projector)
+            raise ConfigError(f"{key}.pool", pool, f"its windows span the patch grid that "
+                              f"{module_key(cfg, s.encoder)}.layout.cp={cp} splits over CP ranks",
+                              f"set {key}.pool=1, or {module_key(cfg, s.encoder)}.layout.cp=1 (more dp or tp)")
 
 
 def _check_several_encoders_trainable(cfg, layouts: dict) -> None:
@@ -106,10 +120,11 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
         members = [m for m in layouts if m != "llm" and island_head(layouts, edges, m) == head]
         for m in members:
             lay, key = layouts[m], module_key(cfg, m)
-            if m != head and (lay.tp != layouts[head].tp or lay.pp != 1 or lay.cp != 1):
+            if m != head and (lay.tp != layouts[head].tp or lay.pp != 1 or lay.cp not in (1, layouts[head].cp)):
                 raise ConfigError(f"{key}.layout.tp", lay.tp, f"{m} runs on the last stage of "
-                                  f"{head}'s island with {head}'s TP group (tp={layouts[head].tp})",
-                                  f"set {key}.layout.tp={layouts[head].tp} and leave its pp and cp at 1")
+                                  f"{head}'s island with {head}'s TP and CP groups (tp={layouts[head].tp}, "
+                                  f"cp={layouts[head].cp})", f"set {key}.layout.tp={layouts[head].tp}, "
+                                  f"its cp to 1 or {layouts[head].cp} and its pp to 1")
             if m != head and lay.recompute not in ("none", layouts[head].recompute):
                 raise ConfigError(f"{key}.layout.recompute", lay.recompute, f"{m} runs inside "
                                   f"{head}'s last stage, which recomputes as {head} says "

@@ -143,8 +143,9 @@ class Trainer:
         if cfg.vision is None or sides.several_streams(cfg):  # named encoders: an EncoderSide
             return sides.build_encoder_side(cfg, self.groups, self.layouts) if cfg.vision else None
         tp = self.groups.group("vision", "tp") if self.layouts["vision"].tp > 1 else None
+        cp = self.groups.group("vision", "cp") if self.layouts["vision"].cp > 1 else None
         with torch.device("meta"):
-            encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp)
+            encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp, cp_group=cp)
         for name in ("vision", "projector"):
             if cfg[name].freeze:
                 encoder.get_submodule(name).requires_grad_(False)

@@ -10,16 +10,18 @@ from hcp.train.modules import whole_state
 
 def whole_encoder(encoder, cfg, device) -> LlavaEncoder | None:
     """The colocated encoder side (`LlavaEncoder`) whole on this rank: the training encoder itself
-    when its parameters are whole here, else a copy gathered over the encoder's TP group and,
-    under dp_shard, its DP group (`hcp.train.modules.whole_state`; collectives: every rank of
-    the encoder calls it). None for a text-only LM."""
+    when its parameters are whole here and it runs without CP, else a copy (without CP, which
+    shards tokens, not weights) gathered over the encoder's TP group and, under dp_shard, its
+    DP x CP group (`hcp.train.modules.whole_state`; collectives: every rank of the encoder calls
+    it). None for a text-only LM."""
     if encoder is None:
         return None
     if isinstance(encoder, EncoderSide):  # several encoders (hcp.train.encoders)
         return whole_encoder_side(encoder, cfg, device)
     state = whole_state(encoder, encoder.tp_group)
-    if state is None:
+    if state is None and encoder.vision.cp == 1:
         return encoder
+    state = state or encoder.state_dict()
     whole = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size).to(device)
     whole.load_state_dict(state)
     return whole
