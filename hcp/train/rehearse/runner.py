@@ -32,8 +32,8 @@ REHEARSAL_OVERRIDES = {"logger.name": "none", "trainer.eval_every": 0,
 @dataclass
 class RankResult:
     """One rank's rehearsal: its ops (`hcp.train.rehearse.record.Op`, issue order), group
-    creations, peak bytes tracked by `MemTracker`, FLOPs counted in the last step, the plan's
-    global (tokens, sum of squared document lengths) of each step, and the traceback if the
+    creations, its trained parameters' bytes, peak bytes tracked by `MemTracker`, FLOPs
+    counted in the last step, the plan's global (tokens, sum of squared document lengths) of each step, and the traceback if the
     rank raised (then the rest may be partial)."""
 
     rank: int
@@ -41,6 +41,7 @@ class RankResult:
     creations: list = field(default_factory=list)
     peak_bytes: int = 0
     flops: int = 0
+    param_bytes: int = 0
     step_counts: list = field(default_factory=list)
     error: str | None = None
 
@@ -74,6 +75,8 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
         with fake:
             with rec:
                 trainer = Trainer(cfg, run_dir)
+            result.param_bytes = sum(_local(p).numel() * p.element_size()
+                                     for p in trainer.modules.parameters() if p.requires_grad)
             fb = trainer.forward_backward
 
             def forward_backward(global_batch, prepared=None):
@@ -104,6 +107,11 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
         dist.destroy_process_group()
         torch.set_grad_enabled(True)
     return result
+
+
+def _local(p):
+    """This rank's part of a parameter (an FSDP `DTensor`'s local shard)."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _peak_tracker():
