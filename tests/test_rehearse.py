@@ -76,6 +76,28 @@ def test_bad_rehearse_values_name_field_value_and_fix(override, field):
     assert check_rehearse(compose_cfg(["rehearse.ranks=[3,1]"]), 4) == [1, 3]
 
 
+@pytest.mark.timeout(300)
+def test_one_rank_runs_under_fake_tensors_with_its_whole_training_state(tmp_path):
+    """Rank 3 of 8 (a TP 2 x PP 2 LLM beside a data-parallel encoder side), one step in this
+    process under `FakeTensorMode`: no host read of a device value stops it, and the peak
+    tracked holds the fp32 weights, their gradients and both Adam moments (16 B per trained
+    parameter) besides activations."""
+    import torch.distributed as dist
+
+    from hcp.config.validate import validate
+    from hcp.data.build import prepare_data
+    from hcp.train.rehearse.runner import rehearsal_config, rehearse_rank
+
+    cfg = compose_cfg(["mode=rehearse", "logger=none", *HETERO, "llm.layout.tp=2", "llm.layout.pp=2",
+                       "trainer.global_batch_size=8"], run_dir=str(tmp_path))
+    validate(cfg, 8)
+    list(prepare_data(cfg))
+    res = rehearse_rank(rehearsal_config(cfg), str(tmp_path), 3, 8, 1)
+    assert res.error is None, res.error
+    assert not dist.is_initialized() and res.flops > 0 and res.ops and res.param_bytes > 0
+    assert res.peak_bytes > 4 * res.param_bytes
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("overrides", [("+recipe=llama_tiny", *WORLD), HETERO, ISLANDS,

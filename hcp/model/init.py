@@ -18,6 +18,7 @@ position embeddings) normal(0, `std`). The seed of a parameter is `zlib.crc32` o
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -126,6 +127,17 @@ def init_parameters(model: nn.Module, seed: int, std: float = 0.02, prefix: str 
                 local.fill_(1.0)
             else:
                 _normal_rows(local, whole, offset, torch.Generator().manual_seed(param_seed(seed, fqn)), std)
+
+
+@contextlib.contextmanager
+def meta_build():
+    """Build modules on the meta device (no storage), also under a `FakeTensorMode` (the
+    rehearsal, `hcp.train.rehearse`): their parameters stay plain meta tensors, which
+    `materialize` can replace (torch cannot swap a fake parameter out of a module)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch.device("meta"):
+        yield
 
 
 def materialize(model: nn.Module, device, seed: int, std: float = 0.02) -> nn.Module:

@@ -161,8 +161,7 @@ class LlavaModel(nn.Module):
             local = mask if shard is None else mask[shard.token_index] & shard.valid
             rows = _routed(batch, stream.projector)
             if rows is None:
-                slots = local.nonzero().squeeze(1)
-                rows = self._encode(batch, stream, mask, shard, slots, encoded)
+                rows, slots = self._encode(batch, stream, mask, shard, local, encoded)
             else:
                 what = ("batch.image_rows" if stream.projector == "projector"
                         else f"batch.stream_rows[{stream.projector!r}]")
@@ -174,17 +173,20 @@ class LlavaModel(nn.Module):
                 embeds = embeds.index_put((slots,), rows.to(embeds.dtype))
         return embeds
 
-    def _encode(self, batch, stream, mask, shard, slots, encoded: dict) -> torch.Tensor | None:
-        """This rank's rows [R, H] of `stream` from the micro-batch's inputs of its encoder (None:
-        no inputs and no positions). `encoded` caches each encoder's streams within one embed."""
+    def _encode(self, batch, stream, mask, shard, local, encoded: dict):
+        """(this rank's rows [R, H] of `stream` from the micro-batch's inputs of its encoder,
+        their slots among the positions `local` of this shard), or (None, None) when there
+        are no inputs: then a position marked anyway fails asynchronously, as routed rows do
+        (no device read for a text-only micro-batch). `encoded` caches each encoder's streams
+        within one embed."""
         pixel_values = _inputs(batch, stream.encoder)
-        num_slots = int(mask.sum())
         if pixel_values is None or pixel_values.shape[0] == 0:
-            if num_slots:
-                what = "images" if stream.encoder == "vision" else f"{stream.encoder} inputs"
-                raise ValueError(f"{'image_mask' if stream.projector == 'projector' else stream.projector} "
-                                 f"marks {num_slots} positions but the batch has no {what}")
-            return None
+            what = "images" if stream.encoder == "vision" else f"{stream.encoder} inputs"
+            marks = "image_mask" if stream.projector == "projector" else stream.projector
+            torch._assert_async(mask.sum() == 0, f"{marks} marks positions but the batch has no {what}")
+            return None, None
+        num_slots = int(mask.sum())
+        slots = local.nonzero().squeeze(1)
         if getattr(self, stream.encoder, None) is None:
             raise ValueError("the batch has pixel_values but the model has no vision encoder "
                              "(built with encoder=False: pass the routed batch.image_rows)")
@@ -197,10 +199,10 @@ class LlavaModel(nn.Module):
                              f"of {stream.encoder} give {feats.shape[0]} rows of {stream.projector}: "
                              "they must be equal")
         if shard is None:
-            return feats
+            return feats, slots
         # each position's row in the whole sequence, read at this shard's slots of the stream
         row_of = torch.cumsum(mask.long(), 0) - 1
-        return feats[row_of[shard.token_index[slots]]]
+        return feats[row_of[shard.token_index[slots]]], slots
 
     def _cp_group(self, batch):
         """The CP group of `batch`: its own `cp_group` attribute when it has one (`packing=

@@ -14,6 +14,7 @@ import torch
 
 from hcp.config.modules import encoder_names, module_cfg, rows_per_item, streams
 from hcp.model.encoder_side import EncoderSide
+from hcp.model.init import meta_build
 from hcp.plan.lengths import build_length_index, stream_indexes
 from hcp.train.modules import encoder_sq_norm, module_sq_norm, sync_grads, whole_state
 
@@ -33,7 +34,7 @@ def build_encoder_side(cfg, groups, layouts) -> EncoderSide:
     projectors = {s.projector: module_cfg(cfg, s.projector) for s in flows}
     tp = {e: groups.group(e, "tp") if layouts[e].tp > 1 else None for e in encoders}
     cp = {e: groups.group(e, "cp") if layouts[e].cp > 1 else None for e in encoders}
-    with torch.device("meta"):
+    with meta_build():
         side = EncoderSide(encoders, projectors, flows, cfg.llm.hidden_size, tp, cp)
     for m in (*encoders, *projectors):
         if module_cfg(cfg, m).freeze:

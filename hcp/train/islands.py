@@ -296,7 +296,7 @@ class IslandTrainer(Trainer):
         if self.encoder is None and stage.last:
             dist.all_reduce(loss_total, group=self.grad_group)
         dist.broadcast(loss_total, logging_rank(self.layouts))  # every rank: the same loss (non-finite guard)
-        return loss_total.item() / c.loss_tokens, [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths], n_micro
+        return loss_total / c.loss_tokens, [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths], n_micro
 
     def _sync(self, mine) -> None:
         """Each module's gradients summed over its own DP (x CP) group."""
@@ -311,7 +311,7 @@ class IslandTrainer(Trainer):
             for p in params:  # no input of this encoder anywhere: as in one process, no update
                 p.grad = None
 
-    def clip(self, max_norm: float) -> float:
+    def clip(self, max_norm: float) -> torch.Tensor:
         """Clip every module's gradients by their global L2 norm over all islands; return it.
         Each island's squared norm (over its TP and PP groups) enters one world all-reduce from
         the island's lowest rank."""
@@ -328,7 +328,7 @@ class IslandTrainer(Trainer):
         if self.rank == lay.rank_offset:
             sq[modules.index(module)] = part
         dist.all_reduce(sq)
-        norm = float(sq.sum().sqrt())
+        norm = sq.sum().sqrt()
         clip_(self.modules.parameters(), norm, max_norm)
         return norm
 

@@ -130,9 +130,11 @@ def local_grad_sq(params) -> float:
     return sum(float(_local(p.grad).double().pow(2).sum()) for p in params if p.grad is not None)
 
 
-def clip_(params, norm: float, max_norm: float) -> None:
-    """Scale every gradient by max_norm / norm when norm > max_norm > 0 (norm: global), in one
-    fused `torch._foreach_mul_` over the local tensors (FSDP shards and plain gradients mix)."""
-    if max_norm > 0 and norm > max_norm:
-        torch._foreach_mul_([_local(p.grad) for p in params if p.grad is not None],
-                            max_norm / (norm + 1e-6))
+def clip_(params, norm: torch.Tensor, max_norm: float) -> None:
+    """Scale every gradient by min(1, max_norm / norm) when max_norm > 0 (norm: the global norm,
+    a 0-d device tensor, never read on the host), in one fused `torch._foreach_mul_` over the
+    local tensors (FSDP shards and plain gradients mix)."""
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if max_norm > 0 and grads:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, scale)

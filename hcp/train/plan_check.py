@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hcp.train.fake import is_fake
+
 
 def check_plans_agree(checksum: int, step: int, device, group=None) -> None:
     """Raise RuntimeError on every rank of `group` (default: the world) unless they all passed
@@ -21,6 +23,8 @@ def check_plans_agree(checksum: int, step: int, device, group=None) -> None:
         raise ValueError(f"plan checksum {checksum} is outside [0, 2**63)")
     t = torch.tensor([checksum, -checksum], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if is_fake(t):  # the rehearsal: the all-reduce is issued, its values are not there
+        return
     high, low = t.tolist()
     low = -low
     if high != low:

@@ -114,7 +114,7 @@ class StepRunner:
             dist.broadcast(counts, self.first_rank, group=self.pp_group)
         return counts
 
-    def forward_backward(self, batches, metas=None, planned=None) -> tuple[float, list[float], int, StageTimes]:
+    def forward_backward(self, batches, metas=None, planned=None) -> tuple[torch.Tensor, list[float], int, StageTimes]:
         """Gradients of the token-level loss of this lane's micro-batches `batches` (first
         stage; None elsewhere), synchronized over DP x CP. `metas`: every micro-batch's
         `StageMeta` when the caller knows them (the step plan), else broadcast from the first
@@ -123,7 +123,7 @@ class StepRunner:
         micro-batch count is then `len(metas)` (the plan pads every lane of an FSDP group to
         the same count). Returns (global loss, [global loss tokens, global tokens, global sum of squared
         document lengths], micro-batches run per lane (padded under FSDP), this stage's
-        timings)."""
+        timings). The loss is a 0-d float64 device tensor: the caller reads it once per step."""
         if planned is not None and metas is None:
             raise ValueError("planned counts need every micro-batch's metas (the step plan's)")
         # the plan's counts stay on the host; counted ones are read back once per step
@@ -150,8 +150,7 @@ class StepRunner:
         self.sync_grads()
         if counts[4] == 0:
             self._drop_unused_image_grads()
-        loss = self._share_loss(loss_total)
-        return loss / global_tokens, counts[1:4], n_micro, times
+        return self._share_loss(loss_total) / global_tokens, counts[1:4], n_micro, times
 
     def sync_grads(self) -> None:
         """Sum the gradients over DP x CP after the backward passes: the buckets not launched
@@ -161,13 +160,13 @@ class StepRunner:
         if self.reducer is not None:
             self.reducer.finish()
 
-    def _share_loss(self, loss_total: torch.Tensor) -> float:
+    def _share_loss(self, loss_total: torch.Tensor) -> torch.Tensor:
         """Sum over DP x CP on the last stage (each CP rank holds part of the loss), then give
-        it to every stage."""
+        it to every stage (a device tensor: no host read here)."""
         dist.all_reduce(loss_total, group=self.grad_group)
         if self.stage.num_stages > 1:
             dist.broadcast(loss_total, self.last_rank, group=self.pp_group)
-        return loss_total.item()
+        return loss_total
 
     def _drop_unused_image_grads(self) -> None:
         """No image anywhere in the global batch: the encoder and projector got no gradient on

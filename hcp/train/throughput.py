@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hcp.model.flops import model_flops
+from hcp.train.fake import host_values
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -35,5 +36,6 @@ def step_metrics(llm_cfg, counts: list[float], step_s: float, times, device) -> 
     dist.all_gather(every, mine)  # one collective for both figures
     peak, bubble = torch.stack(every).max(0).values[0], torch.stack(every).sum(0)[1]
     flops = model_flops(llm_cfg, counts[1], counts[2])
-    return {"tflops_per_gpu": flops / step_s / world / 1e12, "peak_memory_gib": peak.item() / 2**30,
-            "bubble_fraction": bubble.item() / world}
+    peak, bubble = host_values(torch.stack([peak, bubble])) or (float("nan"), float("nan"))  # fake: none
+    return {"tflops_per_gpu": flops / step_s / world / 1e12, "peak_memory_gib": peak / 2**30,
+            "bubble_fraction": bubble / world}

@@ -34,7 +34,7 @@ from hcp.data.packing import collate, empty_batch
 from hcp.dcp.policy import cp_histogram, several_per_round, with_cp_group
 from hcp.model import LlavaModel
 from hcp.model.backends import resolve_backend
-from hcp.model.init import materialize
+from hcp.model.init import materialize, meta_build
 from hcp.model.hf_load import load_pretrained
 from hcp.model.encoder_side import graph_kwargs
 from hcp.model.llava import LlavaEncoder
@@ -48,6 +48,7 @@ from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
 from hcp.train.failures import NonFiniteGuard
+from hcp.train.fake import host_values
 from hcp.train.fsdp import shard_encoder, shard_model
 from hcp.train.metrics_log import RunLogger, whole_step_metrics
 from hcp.train.modules import RankModules, clip_, local_grad_sq, module_sq_norm
@@ -144,7 +145,7 @@ class Trainer:
             return sides.build_encoder_side(cfg, self.groups, self.layouts) if cfg.vision else None
         tp = self.groups.group("vision", "tp") if self.layouts["vision"].tp > 1 else None
         cp = self.groups.group("vision", "cp") if self.layouts["vision"].cp > 1 else None
-        with torch.device("meta"):
+        with meta_build():
             encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp, cp_group=cp)
         for name in ("vision", "projector"):
             if cfg[name].freeze:
@@ -155,7 +156,7 @@ class Trainer:
         """This rank's LLM stage on the meta device (`__init__` materializes this rank's
         shards); image rows arrive routed from the encoder side."""
         cfg = self.cfg
-        with torch.device("meta"):
+        with meta_build():
             model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
                                cp_group=self.cp_group, stage=self.stage, encoder=False,
                                streams=graph_kwargs(cfg)["streams"], attention_backend=self.attention_backend())
@@ -270,8 +271,10 @@ class Trainer:
         if self.cfg.trainer.get("check_plan"):
             self._check_plan(prepared[0].checksum)
         loss, counts, n_micro = self.forward_backward(indices, prepared)
-        grad_norm = self.clip(self.cfg.trainer.grad_clip)
-        update = self.guard.update_ok(self.step + 1, loss, grad_norm)  # NaN/Inf: stop or skip
+        norm = self.clip(self.cfg.trainer.grad_clip)
+        read = host_values(torch.stack([loss.double(), norm.double()]))  # the step's one read, after its collectives
+        loss, grad_norm = read if read is not None else (float("nan"), float("nan"))  # fake tensors: no value
+        update = read is None or self.guard.update_ok(self.step + 1, loss, grad_norm)  # NaN/Inf: stop or skip
         if update:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -283,10 +286,10 @@ class Trainer:
                 "micro_batches": n_micro, **plan_stats, **prepared[4],
                 **whole_step_metrics(self.cfg.llm, counts, t0, self.stage_times, self.device)}
 
-    def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[float, list[float], int]:
+    def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[torch.Tensor, list[float], int]:
         """Gradients of the token-level loss of `global_batch` (sample indices), summed over each
         module's DP (x CP) group; `prepared` is `prepare(global_batch)` when already computed.
-        Returns (global loss, [global loss tokens, global tokens, global sum of squared document
+        Returns (global loss (0-d device tensor), [global loss tokens, global tokens, global sum of squared document
         lengths], micro-batches per lane)."""
         mine, pixels, batches, metas, _ = prepared if prepared is not None else self.prepare(global_batch)
 
@@ -325,15 +328,16 @@ class Trainer:
                                f"{counted[0]:.0f}: the length index is stale")
         return [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths]
 
-    def clip(self, max_norm: float) -> float:
-        """Clip every module's gradients by their global L2 norm; return the norm before."""
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Clip every module's gradients by their global L2 norm; return the norm before (a 0-d
+        device tensor)."""
         llm = self.layouts["llm"]
         sq = module_sq_norm(self.model.parameters(), self.device, self.tp_group,
                             self.grad_group if llm.dp_shard else None,
                             self.groups.group("llm", "pp") if llm.pp > 1 else None)
         if self.encoder is not None:
             sq = sq + sides.sq_norm(self.encoder, self.device, self.groups)
-        norm = float(sq.sqrt())
+        norm = sq.sqrt()
         clip_(self.modules.parameters(), norm, max_norm)
         return norm
 

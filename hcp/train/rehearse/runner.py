@@ -3,11 +3,13 @@
 Each rank runs in its own forked process (`rehearse.jobs` at a time): torch's fake process
 group (`FakeStore`, backend `"fake"`: every collective returns at once, its output untouched)
 at rank r of the full world W, the `Trainer` built exactly as training builds it, then
-`rehearse.steps` real `train_step()`s under the `Recorder` (every c10d op and group creation),
-torch's `MemTracker` (peak bytes over set-up and steps) and `FlopCounterMode` (the last step).
-The tensors are real, so a rehearsal costs what one rank's step costs (tiny recipes in
-seconds); the values that collectives would have brought are the rank's own or uninitialised,
-so the loss is meaningless and non-finite steps are skipped (`trainer.on_nonfinite=skip`).
+`rehearse.steps` `train_step()`s under the `Recorder` (every c10d op and group creation),
+torch's `MemTracker` (peak bytes of the steps, parameters included) and `FlopCounterMode` (the
+last step). Everything runs under torch's `FakeTensorMode`: every tensor has its shape, dtype
+and device but no storage, so a 70B recipe's rank costs what its number of ops costs, not its
+FLOPs or bytes. The step plan and the rank's data are real host values (the plan-ahead thread
+runs outside the fake mode); what the device computes has no value, so nothing reads it: the
+loss and gradient norm are not known and the update always runs.
 """
 from __future__ import annotations
 
@@ -22,17 +24,16 @@ from dataclasses import dataclass, field
 
 from omegaconf import OmegaConf
 
-REHEARSAL_OVERRIDES = {"logger.name": "none", "trainer.on_nonfinite": "skip", "trainer.eval_every": 0,
+REHEARSAL_OVERRIDES = {"logger.name": "none", "trainer.eval_every": 0,
                        "trainer.progress_bar": False, "resume": None}
-"""What a rehearsal changes in the config: no logger, no evaluation, no resume, and a
-non-finite loss (from the fake collectives' untouched outputs) skips the update."""
+"""What a rehearsal changes in the config: no logger, no evaluation, no resume."""
 
 
 @dataclass
 class RankResult:
     """One rank's rehearsal: its ops (`hcp.train.rehearse.record.Op`, issue order), group
-    creations, peak bytes tracked by `MemTracker`, FLOPs counted in the last step, the plan's
-    global (tokens, sum of squared document lengths) of each step, and the traceback if the
+    creations, its trained parameters' bytes, peak bytes tracked by `MemTracker`, FLOPs
+    counted in the last step, the plan's global (tokens, sum of squared document lengths) of each step, and the traceback if the
     rank raised (then the rest may be partial)."""
 
     rank: int
@@ -40,6 +41,7 @@ class RankResult:
     creations: list = field(default_factory=list)
     peak_bytes: int = 0
     flops: int = 0
+    param_bytes: int = 0
     step_counts: list = field(default_factory=list)
     error: str | None = None
 
@@ -57,6 +59,7 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
     training steps, recorded. Leaves the process group destroyed."""
     import torch
     import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -67,26 +70,30 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
     rec.install()
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     trainer = None
+    fake = FakeTensorMode(allow_non_fake_inputs=True)  # the host data it meets become fake
     try:
-        with rec:
-            trainer = Trainer(cfg, run_dir)
-        fb = trainer.forward_backward
+        with fake:
+            with rec:
+                trainer = Trainer(cfg, run_dir)
+            result.param_bytes = sum(_local(p).numel() * p.element_size()
+                                     for p in trainer.modules.parameters() if p.requires_grad)
+            fb = trainer.forward_backward
 
-        def forward_backward(global_batch, prepared=None):
-            c = prepared[0].counts
-            result.step_counts.append((c.tokens, c.sum_sq_lengths))
-            return fb(global_batch, prepared)
+            def forward_backward(global_batch, prepared=None):
+                c = prepared[0].counts
+                result.step_counts.append((c.tokens, c.sum_sq_lengths))
+                return fb(global_batch, prepared)
 
-        trainer.forward_backward = forward_backward
-        tracker = _peak_tracker()
-        tracker.track_external(trainer.modules, trainer.optimizer)
-        with tracker:
-            for step in range(1, steps + 1):
-                rec.step = step
-                flops = FlopCounterMode(display=False)
-                with rec, flops:
-                    trainer.train_step()
-                result.flops = flops.get_total_flops()
+            trainer.forward_backward = forward_backward
+            tracker = _peak_tracker()  # entered inside the fake mode: it tracks the fake tensors
+            tracker.track_external(trainer.modules, trainer.optimizer)
+            with tracker:
+                for step in range(1, steps + 1):
+                    rec.step = step
+                    flops = FlopCounterMode(display=False)
+                    with rec, flops:
+                        trainer.train_step()
+                    result.flops = flops.get_total_flops()
         result.peak_bytes = sum(snap.get("Total", 0) for snap in
                                 tracker.get_tracker_snapshot("peak").values()
                                 if isinstance(snap, dict))
@@ -100,6 +107,11 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
         dist.destroy_process_group()
         torch.set_grad_enabled(True)
     return result
+
+
+def _local(p):
+    """This rank's part of a parameter (an FSDP `DTensor`'s local shard)."""
+    return p.to_local() if hasattr(p, "to_local") else p
 
 
 def _peak_tracker():

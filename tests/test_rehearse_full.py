@@ -1,0 +1,30 @@
+"""Issue 23 section 4: the full-size recipes rehearse at their own world size under torch's
+`FakeTensorMode` (hcp.train.rehearse.runner): a few ranks of one pipeline (below), one step of
+a small global batch (the CI budget), every collective, send and receive of those ranks checked
+against each other, peak memory and FLOPs per role reported next to plan mode's and the cost
+model's. Marked `full_size` (`-m full_size` selects them); they run in the default suite."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.rehearse_utils import rehearse
+
+FULL = {
+    # text-only, PP 8 x CP pool 8: ranks 8s..8s+7 are stage s; its first and last stage (the
+    # middle ones run the same layers as theirs without embedding or head)
+    "llama13b_dynamic_cp": ("+recipe=llama13b_dynamic_cp", "trainer.global_batch_size=8",
+                            "rehearse.ranks=[0,56]"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.full_size
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("recipe", FULL)
+def test_full_size_recipe_rehearses(monkeypatch, tmp_path, capsys, recipe):
+    assert rehearse(monkeypatch, tmp_path, FULL[recipe]) == []
+    report = json.load(open(tmp_path / "rehearsal.json"))
+    assert report["passed"] and all(r["error"] is None and r["ops"] > 0 for r in report["ranks"].values())
+    print(capsys.readouterr().out)
