@@ -102,7 +102,7 @@ class Scorer:
             key = (cand.placement, vis.recompute if vis else None, _key(lay),
                    (llm.cp, llm.pp) if m != "llm" and cand.placement == "non_colocated" else None)
             if key not in self._memory:
-                self._memory[key] = module_memory(cfg, lay, self.shapes[m], running)
+                self._memory[key] = module_memory(cfg, lay, self.shapes[m], running, self._stage_params(lay))
             stages[m] = self._memory[key]
 
         def total(parts):
@@ -132,12 +132,15 @@ class Scorer:
 
     def sync(self, lay) -> float:
         """Gradient sync seconds of a module's layout (module docstring)."""
+        return grad_sync_s(lay, self._stage_params(lay), self.hw) * (FSDP_SYNC if lay.dp_shard else 1.0)
+
+    def _stage_params(self, lay) -> list[int]:
+        """`hcp.train.memory.stage_params` of a layout, computed once per module, tp and split."""
         key = (lay.module, lay.tp, lay.pp_layers)
         if key not in self._params:
             vocab = self.cfg.llm.vocab_size if lay.module == "llm" else None
             self._params[key] = stage_params(self.shapes[lay.module], lay, vocab)
-        params = self._params[key]
-        return grad_sync_s(lay, params, self.hw) * (FSDP_SYNC if lay.dp_shard else 1.0)
+        return self._params[key]
 
     def _image_s(self, vis) -> tuple[float, float]:
         """(forward, backward) seconds of one image on one rank of the whole encoder side."""

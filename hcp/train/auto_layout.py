@@ -143,14 +143,17 @@ def search(cfg, world: int, pinned: dict, top: int = TOP, prune: bool = True,
             ranked.append((cand, score))
             ranked.sort(key=_order)
             del ranked[top:]
-    passed = []  # full validation of the ranking only: every better candidate is in it
+    passed, error = [], None  # full validation of the ranking only: every better candidate is in it
     for cand, score in ranked:
         try:
             check_candidate(cfg, cand, world)
             passed.append((cand, score))
-        except ConfigError:
+        except ConfigError as e:
             counts["rule_rejected"] += 1
+            error = error or e
     ranked = passed
+    if not ranked and error is not None:
+        raise error  # a rule outside the layouts (the model, the trainer) fails them all
     if not ranked:
         raise ConfigError("layout", "auto", f"no layout of the searched space ({counts['space']} "
                           f"candidates on {world} ranks) fits cluster.device_memory_gib="
@@ -219,9 +222,11 @@ def score_given(cfg, world: int, scorer: Scorer) -> dict:
     return _row(cand, scorer.score(cand))
 
 
-def choose_layout(cfg, overrides, world: int, run_dir=None, top: int = TOP) -> dict:
-    """`layout=auto`: search, print the ranked table and why the winner wins, write it to
-    `run_dir/auto_layout.json`, and write the winner into `cfg` (in place). Returns the report."""
+def choose_layout(cfg, overrides, world: int, run_dir=None, verbose: bool = True, top: int = TOP) -> dict:
+    """`layout=auto` on `world` ranks: search (`overrides`: the command line's, which pin
+    fields), print (`verbose`) the ranked table and why the winner wins, write the report to
+    `run_dir/auto_layout.json` (`run_dir` given), and write the winner into `cfg` (in place).
+    Returns the report. Raises ConfigError when no layout fits."""
     pinned = pinned_fields(cfg, overrides)
     given_cfg = copy.deepcopy(cfg)
     result = search(cfg, world, pinned, top)
@@ -234,12 +239,13 @@ def choose_layout(cfg, overrides, world: int, run_dir=None, top: int = TOP) -> d
     report = {"world_size": world, "pinned": pinned, "counts": result.counts,
               "search_seconds": result.seconds, "ranked": rows, "given": given, "why": why}
     c = result.counts
-    print(f"hcp: layout=auto on {world} ranks: {c['space']} candidates ({c['llm_memory_dropped']} dropped "
+    say = print if verbose else (lambda *a, **k: None)
+    say(f"hcp: layout=auto on {world} ranks: {c['space']} candidates ({c['llm_memory_dropped']} dropped "
           f"by LLM memory, {c['memory_rejected']} by rank memory, {c['rule_rejected']} by layout rules, "
           f"{c['scored']} simulated, the rest pruned by bound) in {result.seconds:.1f} s; pinned: "
           f"{pinned or 'none'}")
-    print(format_table(rows, given))
-    print(f"hcp: layout=auto chose {best['placement']}: "
+    say(format_table(rows, given))
+    say(f"hcp: layout=auto chose {best['placement']}: "
           + "; ".join(f"{m} {d}" for m, d in best["describe"].items()) + f" ({why})")
     apply_layout(cfg, result.ranked[0][0])
     if run_dir is not None:
