@@ -117,13 +117,13 @@ class Scorer:
         return {"vision": max(enc), "llm": max(total([s]) for s in stages["llm"])}
 
     def _llm_lane(self, llm):
-        """(fwd, bwd, plan, timeline) of the LLM layout's slowest lane (`[pp, R]` seconds)."""
+        """(iteration seconds, fwd, bwd, plan) of the LLM layout's slowest lane (`[pp, R]` s)."""
         key = _key(llm)[1:6] + (llm.recompute == "full",)
         if key not in self._llm:
             cost = cost_model(self.cfg, llm, self.hw)
-            runs = [(simulate_1f1b(f, b), f, b, plan) for plan, f, b in lane_stage_times(self.cfg, llm, cost)]
-            timeline, f, b, plan = max(runs, key=lambda r: r[0].iteration_time)
-            self._llm[key] = (f, b, plan, timeline)
+            runs = [(simulate_1f1b(f, b, record=False).iteration_time, f, b, plan)
+                    for plan, f, b in lane_stage_times(self.cfg, llm, cost)]
+            self._llm[key] = max(runs, key=lambda r: r[0])  # lanes wait for the slowest
         return self._llm[key]
 
     def has_lane(self, llm) -> bool:
@@ -170,10 +170,8 @@ class Scorer:
     def llm_part(self, llm, placement: str) -> float:
         """The LLM's share of a step bound: colocated its 1F1B iteration, non_colocated its
         busiest stage, plus its gradient sync (`combine_bounds`)."""
-        timeline = self._llm_lane(llm)[3]
-        busy = timeline.iteration_time if placement == "colocated" else max(
-            timeline.busy(s) for s in range(llm.pp))
-        return busy + self.sync(llm)
+        iteration, f, b, _ = self._llm_lane(llm)
+        return (iteration if placement == "colocated" else float((f + b).sum(axis=1).max())) + self.sync(llm)
 
     def encoder_part(self, vis, placement: str) -> float:
         """The encoder side's share of a step bound: colocated its phases and routes on one
@@ -197,25 +195,25 @@ class Scorer:
         """The candidate's estimated step, throughput and memory (module docstring)."""
         lays = cand.by_module
         llm, vis = lays["llm"], lays.get("vision")
-        f, b, plan, timeline = self._llm_lane(llm)
+        iteration, f, b, plan = self._llm_lane(llm)
         llm_sync = self.sync(llm)
         mem = self.memory(cand)
-        busy = [timeline.busy(s) for s in range(llm.pp)]
+        busy = (f + b).sum(axis=1)  # each stage's seconds of compute
         route = 2 * self.images * self.patches * self.cfg.llm.hidden_size * self.hw.bytes_per_element
         if vis is None:
-            step, enc_s, sync, route = timeline.iteration_time + llm_sync, 0.0, llm_sync, 0.0
-            bubble = 1 - np.mean(busy) / timeline.iteration_time
+            step, enc_s, sync, route = iteration + llm_sync, 0.0, llm_sync, 0.0
+            bubble = 1 - np.mean(busy) / iteration
             critical, why = "llm", "the LLM is the only module"
         elif cand.placement == "colocated":
             fi, bi = self._image_s(vis)
             enc_s = self.images / vis.dp * (fi + bi)
             route_s = 2 * self._route_s(self.images / self.world)
             sync = llm_sync + self.sync(vis) + self.sync(lays["projector"])
-            step = enc_s + route_s + timeline.iteration_time + sync
+            step = enc_s + route_s + iteration + sync
             bubble = 1 - (enc_s + route_s + np.mean(busy)) / (step - sync)
-            critical = "llm" if timeline.iteration_time >= enc_s else "vision"
+            critical = "llm" if iteration >= enc_s else "vision"
             why = (f"colocated phases run one after the other: encoder {enc_s:.3g} s + routes {route_s:.3g} s "
-                   f"+ LLM 1F1B {timeline.iteration_time:.3g} s + gradient sync {sync:.3g} s")
+                   f"+ LLM 1F1B {iteration:.3g} s + gradient sync {sync:.3g} s")
         else:
             fi, bi = self._image_s(vis)
             per = np.array([len(g.seq_indices) for r in plan.rounds for g in r.groups],
@@ -224,21 +222,22 @@ class Scorer:
             ef, eb = share * per[None, :] * fi, share * per[None, :] * bi
             ef[-1] += np.array([self._route_s(n) for n in per])
             eb[-1] += np.array([self._route_s(n) for n in per])
-            t = simulate_1f1b(np.vstack([ef, f]), np.vstack([eb, b]))
+            fs, bs = np.vstack([ef, f]), np.vstack([eb, b])
+            iteration = simulate_1f1b(fs, bs, record=False).iteration_time
             sync = max(llm_sync, self.sync(vis) + self.sync(lays["projector"]))
-            step = t.iteration_time + sync
-            stage_busy = [t.busy(s) for s in range(vis.pp + llm.pp)]
-            bubble = 1 - np.mean(stage_busy) / t.iteration_time
-            enc_s, timeline = float(np.sum(ef + eb)), t
+            step = iteration + sync
+            stage_busy = (fs + bs).sum(axis=1)
+            bubble = 1 - np.mean(stage_busy) / iteration
+            enc_s = float(np.sum(ef + eb))
             worst = int(np.argmax(stage_busy))
             critical = "vision" if worst < vis.pp else "llm"
             why = (f"graph 1F1B over {vis.pp} encoder + {llm.pp} LLM stages: the busiest stage is "
                    f"{critical} stage {worst if worst < vis.pp else worst - vis.pp} "
-                   f"({stage_busy[worst]:.3g} s busy of {t.iteration_time:.3g} s)")
+                   f"({stage_busy[worst]:.3g} s busy of {iteration:.3g} s)")
         flops = self.llm_flops + self.images * self.image_flops
         return Score(float(step), flops / step / self.world / 1e12, float(bubble), mem,
                      max(mem.values()) <= self.cap, float(route), float(enc_s),
-                     float(timeline.iteration_time), float(sync), critical, why)
+                     float(iteration), float(sync), critical, why)
 
 def combine_bounds(placement: str, encoder, llm):
     """A step bound from `Scorer.encoder_part` and `Scorer.llm_part` / `llm_bound` (scalars or

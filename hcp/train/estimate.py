@@ -28,6 +28,7 @@ time / world size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -42,10 +43,15 @@ ASSUMPTIONS = ("LLM only; Wikipedia-sample lengths clipped to data.max_seq_len; 
                "gradient sync not overlapped")
 
 
+@functools.lru_cache(maxsize=1)
+def _sample() -> np.ndarray:
+    return np.loadtxt(LENGTHS, dtype=np.int64, ndmin=1)
+
+
 def batch_lengths(cfg) -> np.ndarray:
     """The estimate's global batch: `trainer.global_batch_size` lengths (tokens, int64) drawn
     with seed 0 from `LENGTHS`, clipped to `data.max_seq_len`."""
-    sample = np.loadtxt(LENGTHS, dtype=np.int64, ndmin=1)
+    sample = _sample()
     picked = np.random.default_rng(0).choice(sample, size=int(cfg.trainer.global_batch_size))
     return np.clip(picked, 1, int(cfg.data.max_seq_len))
 
