@@ -1,17 +1,17 @@
 """Does `layout=auto` pick a fast layout? Real 8-rank training of the layouts its search ranks,
 against its predictions (issue 27 section 2).
 
-    python benchmarks/auto_layout.py                              # defaults: 6 layouts x 4 variants
-    python benchmarks/auto_layout.py --profile profile.yaml --json auto.json
+    python benchmarks/auto_layout.py --json auto.json             # 4 layouts x 4 variants
+    python benchmarks/auto_layout.py --profile profile.yaml       # a `mode=calibrate` profile
     python benchmarks/auto_layout.py --layouts 0                  # every layout the search ranks (slow)
 
 For each variant of `+recipe=llava_tiny_hetero` (`VARIANTS`: the recipe; a much larger encoder;
 much longer text; and `HELD_OUT`, one not looked at while tuning, reported apart) on
-`--world` local gloo ranks: the search (`hcp.train.auto_layout.search`, under `--profile`: the
-analytic H100 defaults, or a `mode=calibrate` profile of this machine) ranks every layout of
+`--world` local gloo ranks: the search (`hcp.train.auto_layout.search`) ranks every layout of
 its space with `PINS` held (no recompute, no FSDP: they change memory, not the CPU time
-measured here); `--layouts N` of them are trained: the predicted best plus an even spread over
-the rest of the ranking (0: all). Each runs the real trainer on freshly forked ranks (the same
+measured here) under `--profile` (`benchmarks/cpu_profile.yaml`: a rough CPU profile whose
+comments say what is measured and what guessed); `--layouts N` of them are trained: the
+predicted best plus an even spread over the rest of the ranking (0: all). Each runs the real trainer on freshly forked ranks (the same
 data, seed and batch), `--warmup` steps, then `--steps` timed ones; its measured step is the
 mean wall `step_time_s` of the timed steps (metrics.jsonl). Reported per variant: the auto
 choice's measured step over the best measured one (target <= 1.10) and the Spearman rank
@@ -117,13 +117,14 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=8)
-    p.add_argument("--layouts", type=int, default=6, help="layouts trained per variant (0: all ranked)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--profile", default="h100", help="packing_profile of the predictions")
+    p.add_argument("--world", type=int, default=8, help="local gloo ranks")
+    p.add_argument("--layouts", type=int, default=4, help="layouts trained per variant (0: all ranked)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per layout")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per layout")
+    p.add_argument("--profile", default=os.path.join(HERE, "cpu_profile.yaml"),
+                   help="packing_profile of the predictions (h100: the analytic H100 defaults)")
     p.add_argument("--variants", nargs="*", default=None, help="names to run (default: all)")
-    p.add_argument("--out", default="/tmp/hcp-auto-layout-bench")
+    p.add_argument("--out", default="/tmp/hcp-auto-layout-bench", help="run directories of the trained layouts")
     p.add_argument("--json", default=None, help="write {'variants': [...]} here")
     args = p.parse_args(argv)
     start = time.perf_counter()

@@ -89,6 +89,14 @@ def test_search_respects_pins_and_returns_only_feasible_layouts():
         assert plan_mem == pytest.approx(max(score.memory_gib.values()), rel=1e-9) and plan_mem <= 60
 
 
+def test_layouts_training_refuses_are_never_ranked():
+    # non_colocated does not train under dynamic CP (hcp.train.support), yet it estimates fastest
+    cfg = _cfg(["+recipe=llava_tiny_hetero", "mode=plan", "packing=dynamic_cp"])
+    result = search(cfg, 4, {"llm.layout.pp": 1, "llm.layout.recompute": "none"})  # fewer solver runs
+    assert len(result.ranked) == 10 and result.counts["rule_rejected"] > 0
+    assert {c.placement for c, _ in result.ranked} == {"colocated"}
+
+
 def test_no_layout_fits_names_the_field():
     cfg = _cfg([*SMALL, "cluster.device_memory_gib=1"])
     with pytest.raises(ConfigError, match="layout='auto'.*cluster.device_memory_gib=1"):

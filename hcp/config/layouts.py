@@ -263,7 +263,7 @@ def _check_lanes(cfg, layouts: dict[str, ResolvedLayout]) -> None:
 def _check_dynamic_cp(cfg, layouts: dict[str, ResolvedLayout]) -> None:
     """The dynamic-CP pool dp * cp must be a power of two: the error names llm.layout.cp when cp
     is not one, else llm.layout.dp (set, or inferred from the LLM's ranks), with sizes that fit."""
-    if cfg.packing != "dynamic_cp":
+    if cfg.packing != "dynamic_cp" or "llm" not in layouts:  # a search checks one module at a time
         return
     lay = layouts["llm"]
     if not lay.cp_pool & (lay.cp_pool - 1):

@@ -216,7 +216,7 @@ class Scorer:
                    f"+ LLM 1F1B {iteration:.3g} s + gradient sync {sync:.3g} s")
         else:
             fi, bi = self._image_s(vis)
-            per = np.array([len(g.seq_indices) for r in plan.rounds for g in r.groups],
+            per = np.array([sum(len(g.seq_indices) for g in r.groups) for r in plan.rounds],
                            dtype=np.float64) * float(self.cfg.data.images_per_sample) * llm.dp / vis.dp
             share = np.asarray(vis.pp_layers, dtype=np.float64)[:, None] / sum(vis.pp_layers)
             ef, eb = share * per[None, :] * fi, share * per[None, :] * bi

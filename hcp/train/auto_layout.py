@@ -97,7 +97,7 @@ def _groups(cfg, world: int, pinned: dict, scorer: Scorer, node: int):
 def search(cfg, world: int, pinned: dict, top: int = TOP, prune: bool = True,
            profile: str | None = None) -> SearchResult:
     """The `top` fastest candidates that fit and pass every rule (module docstring), best first
-    (ties: less memory first). Raises ConfigError when none does."""
+    (ties: `_order`). Raises ConfigError when none does."""
     start = time.perf_counter()
     check_searchable(cfg, pinned)
     scorer = Scorer(cfg, world, profile or cfg.packing_profile)
@@ -105,13 +105,42 @@ def search(cfg, world: int, pinned: dict, top: int = TOP, prune: bool = True,
     groups, dropped = _groups(cfg, world, pinned, scorer, node)
     groups.sort(key=lambda g: combine_bounds(g[0], min(scorer.encoder_part(v, g[0]) for v in g[1]),
                                              min(scorer.llm_bound(x) for x in g[2])))
-    counts = {"space": int(sum(len(v) * len(x) for _, v, x in groups)) + dropped,
-              "llm_memory_dropped": dropped, "memory_rejected": 0, "rule_rejected": 0, "scored": 0,
-              "llm_simulated": 0}
+    space = int(sum(len(v) * len(x) for _, v, x in groups)) + dropped
+    ranked, counts, error = _rank(cfg, world, groups, scorer, top, prune, inline=False)
+    if error is not None:  # a ranked layout failed the full rules: rank again, checking each as it enters
+        ranked, counts, error = _rank(cfg, world, groups, scorer, top, prune, inline=True)
+    counts = {"space": space, "llm_memory_dropped": dropped, **counts}
+    if not ranked and error is not None:
+        raise error  # a rule outside the layouts (the model, the trainer) fails them all
+    if not ranked:
+        raise ConfigError("layout", "auto", f"no layout of the searched space ({counts['space']} "
+                          f"candidates on {world} ranks) fits cluster.device_memory_gib="
+                          f"{cfg.cluster.device_memory_gib} and passes the layout rules",
+                          "unpin fields, add ranks (launcher.*) or lower trainer.micro_batch_tokens")
+    return SearchResult(ranked, counts, time.perf_counter() - start)
+
+
+def _rank(cfg, world: int, groups, scorer: Scorer, top: int, prune: bool, inline: bool):
+    """(the `top` best candidates, counts, the first full-rule error or None): branch and bound
+    over `groups` (module docstring). The full rules (`check_candidate`) run on the final
+    ranking, or (`inline`) on each candidate as it enters it, so that the pruning threshold
+    then comes from layouts that pass them."""
+    counts = {"memory_rejected": 0, "rule_rejected": 0, "scored": 0, "llm_simulated": 0}
     ranked: list[tuple[Candidate, Score]] = []
+    error = None
 
     def threshold() -> float:
         return ranked[top - 1][1].step_time_s if prune and len(ranked) >= top else float("inf")
+
+    def passes(cand) -> bool:
+        nonlocal error
+        try:
+            check_candidate(cfg, cand, world)
+            return True
+        except ConfigError as e:
+            counts["rule_rejected"] += 1
+            error = error or e
+            return False
 
     for placement, vis, llm in groups:
         enc = np.array([scorer.encoder_part(v, placement) for v in vis])[:, None]
@@ -140,26 +169,14 @@ def search(cfg, world: int, pinned: dict, top: int = TOP, prune: bool = True,
             counts["scored"] += 1
             if len(ranked) >= top and _order((cand, score)) >= _order(ranked[-1]):
                 continue
+            if inline and not passes(cand):
+                continue
             ranked.append((cand, score))
             ranked.sort(key=_order)
             del ranked[top:]
-    passed, error = [], None  # full validation of the ranking only: every better candidate is in it
-    for cand, score in ranked:
-        try:
-            check_candidate(cfg, cand, world)
-            passed.append((cand, score))
-        except ConfigError as e:
-            counts["rule_rejected"] += 1
-            error = error or e
-    ranked = passed
-    if not ranked and error is not None:
-        raise error  # a rule outside the layouts (the model, the trainer) fails them all
-    if not ranked:
-        raise ConfigError("layout", "auto", f"no layout of the searched space ({counts['space']} "
-                          f"candidates on {world} ranks) fits cluster.device_memory_gib="
-                          f"{cfg.cluster.device_memory_gib} and passes the layout rules",
-                          "unpin fields, add ranks (launcher.*) or lower trainer.micro_batch_tokens")
-    return SearchResult(ranked, counts, time.perf_counter() - start)
+    if not inline:
+        ranked = [item for item in ranked if passes(item[0])]
+    return ranked, counts, error
 
 
 def _order(item) -> tuple:
