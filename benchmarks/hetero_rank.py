@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hcp.model.flops import encoder_flops  # noqa: F401  (hetero.py and hetero_plan.py import it from here)
+
 PHASES = ("encoder_forward", "route_forward", "llm", "route_backward", "encoder_backward")
 
 
@@ -41,19 +43,6 @@ def compose(overrides):
 
     cfg = compose_config(["+recipe=llava_tiny_hetero", *overrides])
     return cfg, resolve_layouts(cfg, int(cfg.launcher.nproc_per_node))
-
-
-def encoder_flops(vision, llm_hidden: int, images: int) -> float:
-    """Training FLOPs (3 x forward) of the ViT + mlp2x_gelu projector over `images` images:
-    matrix multiplies 2 * tokens * weights per block, attention 4 * S^2 * D per image and block
-    (S = patches + CLS), patch embedding and projector over the patches."""
-    p = (vision.image_size // vision.patch_size) ** 2
-    s, d, f = p + 1, vision.hidden_size, vision.ffn_hidden_size
-    used = vision.num_layers + vision.select_layer + 1
-    block = 2 * s * (4 * d * d + 2 * d * f) + 4 * s * s * d
-    embed = 2 * p * vision.num_channels * vision.patch_size ** 2 * d
-    projector = 2 * p * (d * llm_hidden + llm_hidden * llm_hidden)
-    return 3.0 * images * (used * block + embed + projector)
 
 
 def make_data(cfg, num_samples: int, text_tokens: int):

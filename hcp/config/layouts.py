@@ -251,6 +251,8 @@ def _check_lanes(cfg, layouts: dict[str, ResolvedLayout]) -> None:
                               f"not divisible by {lay.module}'s dp={lay.dp} (each lane takes a block of samples)",
                               f"use a multiple of {lay.dp}")
     for src, dst in (tuple(e) for e in cfg.graph.edges):
+        if src not in layouts or dst not in layouts:  # a search checking one module at a time
+            continue
         a, b = layouts[src].dp, layouts[dst].dp
         if max(a, b) % min(a, b):
             raise ConfigError(f"{dst}.layout.dp", b,
@@ -261,7 +263,7 @@ def _check_lanes(cfg, layouts: dict[str, ResolvedLayout]) -> None:
 def _check_dynamic_cp(cfg, layouts: dict[str, ResolvedLayout]) -> None:
     """The dynamic-CP pool dp * cp must be a power of two: the error names llm.layout.cp when cp
     is not one, else llm.layout.dp (set, or inferred from the LLM's ranks), with sizes that fit."""
-    if cfg.packing != "dynamic_cp":
+    if cfg.packing != "dynamic_cp" or "llm" not in layouts:  # a search checks one module at a time
         return
     lay = layouts["llm"]
     if not lay.cp_pool & (lay.cp_pool - 1):
@@ -328,9 +330,16 @@ def _check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
         modules = present_modules(cfg)
         check_projector_islands(cfg, modules, _edges(cfg, modules))
     layouts = resolve_layouts(cfg, world_size)
+    check_resolved(cfg, layouts)
+    return layouts
+
+
+def check_resolved(cfg, layouts: dict[str, ResolvedLayout]) -> None:
+    """The rules on resolved layouts (no cfg copy needed, so a layout search can run them on
+    thousands of candidates): the dynamic-CP pool, tp dividing each module's widths, the token
+    capacity under cp / sequence parallelism, and the lanes. Raises ConfigError."""
     _check_dynamic_cp(cfg, layouts)  # the pool first: its fix changes cp, which the token rule uses
     for lay in sorted(layouts.values(), key=lambda lay: lay.module != "llm"):
         _check_tensor_parallel(cfg, lay)
         _check_tokens(cfg, lay)
     _check_lanes(cfg, layouts)
-    return layouts

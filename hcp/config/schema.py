@@ -325,6 +325,10 @@ class HCPConfig:
     hcp/train/rehearse)."""
     placement: str = "colocated"
     """`colocated` or `non_colocated`."""
+    layout: str = "manual"
+    """`manual` (every module's `layout` as configured) or `auto`: search placement, island
+    sizes and every module's layout for the fastest estimated step; fields set on the command
+    line stay fixed (hcp.train.auto_layout)."""
     packing: str = "first_fit"
     """`first_fit` or `dynamic_cp`."""
     precision: str = "fp32"

@@ -18,6 +18,7 @@ from hcp.config.precision import PRECISIONS
 
 _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "mode": ("train", "plan", "export", "calibrate", "rehearse"),
+    "layout": ("manual", "auto"),
     "export.dtype": ("auto", "float32", "bfloat16", "float16"),
     "data.long_docs": ("split", "truncate", "reject"),
     "precision": PRECISIONS,

@@ -1,4 +1,5 @@
-"""Model FLOPs of the LLaMA decoder: the one implementation (docs/design.md section 5).
+"""Model FLOPs of the LLaMA decoder: the one implementation (docs/design.md section 5); and
+`encoder_flops`, the ViT encoder side's training FLOPs (the layout search and benchmarks).
 
 Per transformer layer, forward, for documents of lengths `L_i` (T = sum L_i tokens), following
 Megatron-LM's per-layer count (`num_floating_point_operations` in
@@ -42,3 +43,17 @@ def model_flops(llm, tokens: float, sum_sq_lengths: float) -> float:
     layer = (layer_matmul_flops_per_token(llm) * tokens
              + layer_attention_flops_per_sq_token(llm) * sum_sq_lengths)
     return 3.0 * (llm.num_layers * layer + head_flops_per_token(llm) * tokens)
+
+
+def encoder_flops(vision, llm_hidden: int, images: float) -> float:
+    """Training FLOPs (3 x forward) of a ViT (`VisionConfig` fields) + mlp2x_gelu projector into
+    width `llm_hidden` over `images` images: matrix multiplies 2 * tokens * weights per used
+    block, attention 4 * S^2 * D per image and block (S = patches + CLS), patch embedding and
+    projector over the patches."""
+    p = (vision.image_size // vision.patch_size) ** 2
+    s, d, f = p + 1, vision.hidden_size, vision.ffn_hidden_size
+    used = vision.num_layers + vision.select_layer + 1
+    block = 2 * s * (4 * d * d + 2 * d * f) + 4 * s * s * d
+    embed = 2 * p * vision.num_channels * vision.patch_size ** 2 * d
+    projector = 2 * p * (d * llm_hidden + llm_hidden * llm_hidden)
+    return 3.0 * images * (used * block + embed + projector)

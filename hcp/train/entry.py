@@ -65,6 +65,13 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     joined = launched_rank_env(os.environ)
     for line in apply_hf_configs(cfg, cli_keys(HydraConfig.get().overrides.task)):
         print(f"hcp: {line}")
+    if cfg.layout == "auto":  # the searched layout goes into cfg before anything starts
+        from hcp.train.auto_layout import choose_layout
+
+        world = (local_world_size(cfg, joined, overrides) if cfg.mode == "train"
+                 else world_size_of(cfg, resolve_nproc("auto")))
+        choose_layout(cfg, overrides, world, run_dir if _is_first(joined) else None, _is_first(joined))
+        unresolved = copy.deepcopy(cfg)
     if cfg.mode == "plan":
         from hcp.train.plan import run_plan
 

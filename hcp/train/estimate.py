@@ -28,11 +28,12 @@ time / world size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import numpy as np
 
-from hcp.dcp.cost_model import CostModel, load_profile
+from hcp.dcp.cost_model import CostModel, HardwareProfile, load_profile
 from hcp.dcp.plan import Plan, Round
 from hcp.plan.policies import first_fit_policy
 from hcp.schedule.simulator import simulate_1f1b
@@ -42,19 +43,29 @@ ASSUMPTIONS = ("LLM only; Wikipedia-sample lengths clipped to data.max_seq_len; 
                "gradient sync not overlapped")
 
 
+@functools.lru_cache(maxsize=1)
+def _sample() -> np.ndarray:
+    return np.loadtxt(LENGTHS, dtype=np.int64, ndmin=1)
+
+
 def batch_lengths(cfg) -> np.ndarray:
     """The estimate's global batch: `trainer.global_batch_size` lengths (tokens, int64) drawn
     with seed 0 from `LENGTHS`, clipped to `data.max_seq_len`."""
-    sample = np.loadtxt(LENGTHS, dtype=np.int64, ndmin=1)
+    sample = _sample()
     picked = np.random.default_rng(0).choice(sample, size=int(cfg.trainer.global_batch_size))
     return np.clip(picked, 1, int(cfg.data.max_seq_len))
 
 
-def _cost(cfg, lay) -> CostModel:
-    hw = load_profile("h100")
+def hardware(cfg, profile: str = "h100") -> HardwareProfile:
+    """The hardware profile `profile` with `cluster.gpus_per_node` ranks per node (when a
+    power of two)."""
+    hw = load_profile(profile)
     g = int(cfg.cluster.gpus_per_node)
-    if g & (g - 1) == 0:
-        hw = dataclasses.replace(hw, ranks_per_node=g)
+    return dataclasses.replace(hw, ranks_per_node=g) if g & (g - 1) == 0 else hw
+
+
+def cost_model(cfg, lay, hw: HardwareProfile) -> CostModel:
+    """The LLM's cost model under the layout `lay` (its tp, pp, pp_layers, full recompute)."""
     return CostModel(cfg.llm, hw, pp=lay.pp, tp=lay.tp, recompute=lay.recompute == "full",
                      pp_layers=list(lay.pp_layers))
 
@@ -78,26 +89,33 @@ def _tokens_per_rank(plan: Plan, lens: np.ndarray) -> np.ndarray:
                          default=0.0) for r in plan.rounds])
 
 
-def _ring_s(nbytes, ranks: int, span: int, cost: CostModel) -> np.ndarray:
+def ring_s(nbytes, ranks: int, span: int, hw: HardwareProfile) -> np.ndarray:
     """Seconds of a ring all-reduce of `nbytes` over `ranks` ranks spread over `span`
     consecutive ranks (NVLink inside a node, InfiniBand across)."""
-    hw = cost.hw
     bw = hw.nvlink_bandwidth if span <= hw.ranks_per_node else hw.ib_bandwidth
     return 2 * (ranks - 1) / ranks * np.asarray(nbytes, dtype=np.float64) / bw
 
 
-def estimate_step(cfg, lay, world: int, stage_params: list[int]) -> dict:
+def grad_sync_s(lay, stage_params: list[int], hw: HardwareProfile) -> float:
+    """Seconds of the gradient all-reduce of one rank of the busiest stage of `lay` (fp32
+    gradients over its DP x CP group; NVLink when the group fits in a node)."""
+    ranks = lay.dp * lay.cp
+    return float(ring_s(max(stage_params) * 4, ranks, ranks * lay.tp, hw)) if ranks > 1 else 0.0
+
+
+def estimate_step(cfg, lay, world: int, stage_params: list[int], profile: str = "h100") -> dict:
     """Estimated step of the LLM layout `lay` (a `ResolvedLayout`) in a world of `world` ranks;
-    `stage_params` are the parameters one rank of each PP stage holds (after TP).
+    `stage_params` are the parameters one rank of each PP stage holds (after TP); `profile`:
+    the hardware profile (`hcp.dcp.cost_model.load_profile`).
 
     Returns {step_time_s, tflops_per_gpu, bubble_fraction, micro_batches, grad_sync_s}
     (seconds, TFLOP/s per GPU, a fraction in [0, 1)); see the module doc for the assumptions."""
-    cost = _cost(cfg, lay)
-    runs = [_simulate(cfg, lay, cost, plan, lens) for plan, lens in _plans(cfg, lay, cost)]
-    timeline, busy, plan = max(runs, key=lambda r: r[0].iteration_time)  # lanes wait for the slowest
-    t = lay.tp
-    grad_ranks = lay.dp * lay.cp
-    grad_sync = float(_ring_s(max(stage_params) * 4, grad_ranks, grad_ranks * t, cost)) if grad_ranks > 1 else 0.0
+    cost = cost_model(cfg, lay, hardware(cfg, profile))
+    lanes = lane_stage_times(cfg, lay, cost)
+    runs = [(simulate_1f1b(fwd, bwd), plan) for plan, fwd, bwd in lanes]
+    timeline, plan = max(runs, key=lambda r: r[0].iteration_time)  # lanes wait for the slowest
+    busy = np.array([timeline.busy(s) for s in range(lay.pp)])
+    grad_sync = grad_sync_s(lay, stage_params, cost.hw)
     step = timeline.iteration_time + grad_sync
     flops = cost.model_flops(batch_lengths(cfg))
     return {"step_time_s": step, "tflops_per_gpu": flops / step / world / 1e12,
@@ -105,16 +123,21 @@ def estimate_step(cfg, lay, world: int, stage_params: list[int]) -> dict:
             "micro_batches": plan.num_rounds, "grad_sync_s": grad_sync}
 
 
-def _simulate(cfg, lay, cost: CostModel, plan: Plan, lens: np.ndarray):
-    """(1F1B timeline, busy seconds per stage, plan) of one CP pool's plan under TP."""
+def lane_stage_times(cfg, lay, cost: CostModel) -> list[tuple[Plan, np.ndarray, np.ndarray]]:
+    """[(plan, fwd, bwd)] of each CP pool (one per DP lane under first_fit): its micro-batches
+    and their forward / backward seconds per PP stage, `[pp, R]`, TP's all-reduces included."""
+    return [(plan, *_stage_times(cfg, lay, cost, plan, lens)) for plan, lens in _plans(cfg, lay, cost)]
+
+
+def _stage_times(cfg, lay, cost: CostModel, plan: Plan, lens: np.ndarray):
+    """(fwd, bwd) `[pp, R]` seconds of one CP pool's plan under TP."""
     fwd, bwd = cost.stage_times(plan, lens)  # [pp, R] seconds, per-micro-batch overhead included
     hw, t = cost.hw, lay.tp
     if t > 1:
         layers = np.asarray(lay.pp_layers, dtype=np.float64)
         act = _tokens_per_rank(plan, lens) * cfg.llm.hidden_size * hw.bytes_per_element  # [R] bytes
-        comm = 2 * layers[:, None] * _ring_s(act, t, t, cost)[None, :]
+        comm = 2 * layers[:, None] * ring_s(act, t, t, hw)[None, :]
         recompute = 1.0 if cost.recompute else 0.0
         fwd = fwd + comm
         bwd = bwd + (1 + recompute) * comm
-    timeline = simulate_1f1b(fwd, bwd)
-    return timeline, np.array([timeline.busy(s) for s in range(lay.pp)]), plan
+    return fwd, bwd

@@ -190,16 +190,17 @@ def _needs_grad(cfg, module: str) -> bool:
     return any(_needs_grad(cfg, src) for src, dst in cfg.graph.edges if dst == module)
 
 
-def module_memory(cfg, layout, named_shapes, layouts=None) -> list[StageMemory]:
+def module_memory(cfg, layout, named_shapes, layouts=None, params=None) -> list[StageMemory]:
     """Memory of one rank of each PP stage of a module. `layouts` (all resolved layouts) gives
     encoder-side modules their image tokens (`encoder_activation_tokens`); without it they are
-    charged `trainer.micro_batch_tokens` like the LLM (the estimate before issue 14)."""
+    charged `trainer.micro_batch_tokens` like the LLM (the estimate before issue 14). `params`:
+    `stage_params`' result when known (a layout search computes it once per tp and split)."""
     vocab = cfg.llm.vocab_size if layout.module == "llm" else None
     state = Precision.of(cfg.precision).state_bytes
     shard = layout.dp * layout.cp if layout.dp_shard else 1
     trained = not module_cfg(cfg, layout.module).freeze
     stages = []
-    for s, params in enumerate(stage_params(named_shapes, layout, vocab)):
+    for s, params in enumerate(params if params is not None else stage_params(named_shapes, layout, vocab)):
         acts = _activations(cfg, layout, s, layouts) if _needs_grad(cfg, layout.module) else 0
         stages.append(StageMemory(params, params * state["weights"] // shard,
                                   params * state["grads"] // shard if trained else 0,

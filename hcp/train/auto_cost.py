@@ -1,0 +1,267 @@
+"""Step time and memory of one `layout=auto` candidate (hcp.train.auto_space.Candidate), from plan
+mode's models: the per-rank memory of `hcp.train.memory` (under `hcp.train.plan.running_layouts`)
+and the LLM's cost model and 1F1B simulator of `hcp.train.estimate`. Pure: no process group.
+
+The encoder side (the ViT + projector, `hcp.model.flops.encoder_flops`) runs at the profile's
+peak x matmul efficiency per rank, divided by its tp, plus TP's two ring all-reduces of the
+activations per block forward (two more backward, two more under full recompute, which also
+adds one forward); its route carries one row per patch of `llm.hidden_size` elements forward
+and the same gradient backward.
+- colocated (three phases one after the other): step = encoder forward + backward of one
+  encoder lane's images + both routes (each rank's share of the rows at the node's or the
+  network's bandwidth) + the LLM's simulated 1F1B + the gradient syncs;
+- non_colocated (graph-aware 1F1B: the encoder's stages before the LLM's): the LLM's slowest
+  lane's micro-batches through the stacked stages (`hcp.schedule.simulator.simulate_1f1b`):
+  an encoder stage's share of a micro-batch's images (`data.images_per_sample` per sample) is
+  divided over the dp_e / dp_llm encoder lanes that feed one LLM lane, and the route of the
+  micro-batch's rows is charged to the encoder's last stage; step = that + the slower
+  island's gradient sync.
+Gradient sync: `hcp.train.estimate.grad_sync_s`; `dp_shard` (FSDP) adds half of it again (the
+weights' all-gathers). For the search's pruning, `combine_bounds` of `encoder_part` and
+`llm_part` (or the cheaper `llm_bound`) is at most `score`'s step (equal under colocated).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+from omegaconf import OmegaConf
+
+from hcp.model.flops import encoder_flops, model_flops
+from hcp.schedule.simulator import simulate_1f1b
+from hcp.train.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times, ring_s
+from hcp.train.auto_space import Candidate, projector_for
+from hcp.train.memory import GIB, module_memory, rank_activations, stage_params
+from hcp.train.plan import named_shapes, running_layouts
+
+FSDP_SYNC = 1.5
+"""Gradient sync under dp_shard relative to the plain all-reduce (module docstring)."""
+
+
+@dataclass(frozen=True)
+class Score:
+    """A candidate's estimate: seconds, TFLOP/s per GPU, GiB per role (`vision`, `llm`;
+    colocated: `all`), bytes of both routes per step, the critical module and why."""
+
+    step_time_s: float
+    tflops_per_gpu: float
+    bubble_fraction: float
+    memory_gib: dict
+    fits: bool
+    route_bytes: float
+    encoder_s: float
+    llm_s: float
+    grad_sync_s: float
+    critical: str
+    why: str
+
+
+def _key(lay) -> tuple:
+    return (lay.module, lay.tp, lay.cp, lay.pp, lay.dp, lay.pp_layers, lay.recompute, lay.dp_shard)
+
+
+class Scorer:
+    """Scores candidates of one config on `world` ranks under the hardware `profile`, caching
+    what candidates share (a module's memory, the LLM's simulated lanes)."""
+
+    def __init__(self, cfg, world: int, profile: str = "h100"):
+        self.world = world
+        self.shapes = named_shapes(cfg)
+        cfg = self.cfg = plain(OmegaConf.to_container(cfg, resolve=True))
+        self.hw = hardware(cfg, profile)
+        self.cap = float(cfg.cluster.device_memory_gib)
+        self._cfgs, self._memory, self._llm, self._params = {}, {}, {}, {}
+        lens = batch_lengths(cfg).astype(np.float64)
+        self.llm_flops = model_flops(cfg.llm, float(lens.sum()), float((lens ** 2).sum()))
+        self.images = float(cfg.trainer.global_batch_size) * float(cfg.data.images_per_sample)
+        v = cfg.get("vision")
+        self.image_flops = encoder_flops(v, cfg.llm.hidden_size, 1) if v is not None else 0.0
+        self.patches = (v.image_size // v.patch_size) ** 2 if v is not None else 0
+
+    def _cfg(self, placement: str, vision_recompute: str | None):
+        """The config with this placement and encoder recompute (what the memory model reads)."""
+        key = (placement, vision_recompute)
+        if key not in self._cfgs:
+            c = copy.deepcopy(self.cfg)
+            c["placement"] = placement
+            if vision_recompute is not None:
+                c.vision.layout["recompute"] = vision_recompute
+            self._cfgs[key] = c
+        return self._cfgs[key]
+
+    def memory(self, cand) -> dict:
+        """{role: GiB} of the candidate's largest rank per role (module docstring)."""
+        lays = cand.by_module
+        vis = lays.get("vision")
+        cfg = self._cfg(cand.placement, vis.recompute if vis else None)
+        running = running_layouts(cfg, lays)
+        llm = lays["llm"]
+        stages = {}
+        for m, lay in running.items():
+            key = (cand.placement, vis.recompute if vis else None, _key(lay),
+                   (llm.cp, llm.pp) if m != "llm" and cand.placement == "non_colocated" else None)
+            if key not in self._memory:
+                self._memory[key] = module_memory(cfg, lay, self.shapes[m], running, self._stage_params(lay))
+            stages[m] = self._memory[key]
+
+        def total(parts):
+            state = sum(p.weights + p.grads + p.optimizer for p in parts)
+            return (state + rank_activations(parts)) / GIB
+
+        if cand.placement == "colocated" or vis is None:
+            side = [stages[m][0] for m in stages if m != "llm"]
+            return {"all": max(total(side + [s]) for s in stages["llm"])}
+        enc = [total([s] + ([stages["projector"][0]] if i == vis.pp - 1 else []))
+               for i, s in enumerate(stages["vision"])]
+        return {"vision": max(enc), "llm": max(total([s]) for s in stages["llm"])}
+
+    def _llm_lane(self, llm):
+        """(iteration seconds, fwd, bwd, plan) of the LLM layout's slowest lane (`[pp, R]` s)."""
+        key = _key(llm)[1:6] + (llm.recompute == "full",)
+        if key not in self._llm:
+            cost = cost_model(self.cfg, llm, self.hw)
+            runs = [(simulate_1f1b(f, b, record=False).iteration_time, f, b, plan)
+                    for plan, f, b in lane_stage_times(self.cfg, llm, cost)]
+            self._llm[key] = max(runs, key=lambda r: r[0])  # lanes wait for the slowest
+        return self._llm[key]
+
+    def has_lane(self, llm) -> bool:
+        """Whether `llm_part` of this LLM layout is known without simulating."""
+        return _key(llm)[1:6] + (llm.recompute == "full",) in self._llm
+
+    def sync(self, lay) -> float:
+        """Gradient sync seconds of a module's layout (module docstring)."""
+        return grad_sync_s(lay, self._stage_params(lay), self.hw) * (FSDP_SYNC if lay.dp_shard else 1.0)
+
+    def _stage_params(self, lay) -> list[int]:
+        """`hcp.train.memory.stage_params` of a layout, computed once per module, tp and split."""
+        key = (lay.module, lay.tp, lay.pp_layers)
+        if key not in self._params:
+            vocab = self.cfg.llm.vocab_size if lay.module == "llm" else None
+            self._params[key] = stage_params(self.shapes[lay.module], lay, vocab)
+        return self._params[key]
+
+    def _image_s(self, vis) -> tuple[float, float]:
+        """(forward, backward) seconds of one image on one rank of the whole encoder side."""
+        hw, v = self.hw, self.cfg.vision
+        rate = hw.peak_flops * hw.matmul_efficiency * vis.tp
+        fwd = self.image_flops / 3 / rate
+        bwd = 2 * fwd + (fwd if vis.recompute == "full" else 0.0)
+        if vis.tp > 1:
+            layers = v.num_layers + v.select_layer + 1
+            act = (self.patches + 1) * v.hidden_size * hw.bytes_per_element
+            comm = 2 * layers * float(ring_s(act, vis.tp, vis.tp, hw))
+            fwd, bwd = fwd + comm, bwd + comm * (2 if vis.recompute == "full" else 1)
+        return fwd, bwd
+
+    def _route_s(self, images: float) -> float:
+        """Seconds of one direction of the route of `images` images' rows (one rank's share)."""
+        bw = self.hw.nvlink_bandwidth if self.world <= self.hw.ranks_per_node else self.hw.ib_bandwidth
+        return images * self.patches * self.cfg.llm.hidden_size * self.hw.bytes_per_element / bw
+
+    def llm_bound(self, llm) -> float:
+        """Seconds below `llm_part` without simulating: the LLM's FLOPs (4/3 under full
+        recompute) over its ranks at the profile's best efficiency, plus its gradient sync."""
+        factor = 4 / 3 if llm.recompute == "full" else 1.0
+        eff = max(self.hw.matmul_efficiency, self.hw.attention_efficiency)
+        return self.llm_flops * factor / (llm.num_ranks * self.hw.peak_flops * eff) + self.sync(llm)
+
+    def llm_part(self, llm, placement: str) -> float:
+        """The LLM's share of a step bound: colocated its 1F1B iteration, non_colocated its
+        busiest stage, plus its gradient sync (`combine_bounds`)."""
+        iteration, f, b, _ = self._llm_lane(llm)
+        return (iteration if placement == "colocated" else float((f + b).sum(axis=1).max())) + self.sync(llm)
+
+    def encoder_part(self, vis, placement: str) -> float:
+        """The encoder side's share of a step bound: colocated its phases and routes on one
+        rank, non_colocated its busiest stage (routes on the last); plus its gradient syncs."""
+        if vis is None:
+            return 0.0
+        f, b = self._image_s(vis)
+        images = self.images / vis.dp
+        sync = self.sync(vis) + self.sync(projector_for(vis))
+        if placement == "colocated":
+            return images * (f + b) + 2 * self._route_s(self.images / self.world) + sync
+        share = np.asarray(vis.pp_layers, dtype=np.float64) / sum(vis.pp_layers) * images * (f + b)
+        share[-1] += 2 * self._route_s(images)
+        return float(share.max()) + sync
+
+    def llm_memory(self, llm) -> float:
+        """GiB of the LLM's largest stage alone: below any rank memory of a candidate with it."""
+        return max(self.memory(_llm_only(llm)).values())
+
+    def score(self, cand) -> Score:
+        """The candidate's estimated step, throughput and memory (module docstring)."""
+        lays = cand.by_module
+        llm, vis = lays["llm"], lays.get("vision")
+        iteration, f, b, plan = self._llm_lane(llm)
+        llm_sync = self.sync(llm)
+        mem = self.memory(cand)
+        busy = (f + b).sum(axis=1)  # each stage's seconds of compute
+        route = 2 * self.images * self.patches * self.cfg.llm.hidden_size * self.hw.bytes_per_element
+        if vis is None:
+            step, enc_s, sync, route = iteration + llm_sync, 0.0, llm_sync, 0.0
+            bubble = 1 - np.mean(busy) / iteration
+            critical, why = "llm", "the LLM is the only module"
+        elif cand.placement == "colocated":
+            fi, bi = self._image_s(vis)
+            enc_s = self.images / vis.dp * (fi + bi)
+            route_s = 2 * self._route_s(self.images / self.world)
+            sync = llm_sync + self.sync(vis) + self.sync(lays["projector"])
+            step = enc_s + route_s + iteration + sync
+            bubble = 1 - (enc_s + route_s + np.mean(busy)) / (step - sync)
+            critical = "llm" if iteration >= enc_s else "vision"
+            why = (f"colocated phases run one after the other: encoder {enc_s:.3g} s + routes {route_s:.3g} s "
+                   f"+ LLM 1F1B {iteration:.3g} s + gradient sync {sync:.3g} s")
+        else:
+            fi, bi = self._image_s(vis)
+            per = np.array([sum(len(g.seq_indices) for g in r.groups) for r in plan.rounds],
+                           dtype=np.float64) * float(self.cfg.data.images_per_sample) * llm.dp / vis.dp
+            share = np.asarray(vis.pp_layers, dtype=np.float64)[:, None] / sum(vis.pp_layers)
+            ef, eb = share * per[None, :] * fi, share * per[None, :] * bi
+            ef[-1] += np.array([self._route_s(n) for n in per])
+            eb[-1] += np.array([self._route_s(n) for n in per])
+            fs, bs = np.vstack([ef, f]), np.vstack([eb, b])
+            iteration = simulate_1f1b(fs, bs, record=False).iteration_time
+            sync = max(llm_sync, self.sync(vis) + self.sync(lays["projector"]))
+            step = iteration + sync
+            stage_busy = (fs + bs).sum(axis=1)
+            bubble = 1 - np.mean(stage_busy) / iteration
+            enc_s = float(np.sum(ef + eb))
+            worst = int(np.argmax(stage_busy))
+            critical = "vision" if worst < vis.pp else "llm"
+            why = (f"graph 1F1B over {vis.pp} encoder + {llm.pp} LLM stages: the busiest stage is "
+                   f"{critical} stage {worst if worst < vis.pp else worst - vis.pp} "
+                   f"({stage_busy[worst]:.3g} s busy of {iteration:.3g} s)")
+        flops = self.llm_flops + self.images * self.image_flops
+        return Score(float(step), flops / step / self.world / 1e12, float(bubble), mem,
+                     max(mem.values()) <= self.cap, float(route), float(enc_s),
+                     float(iteration), float(sync), critical, why)
+
+def combine_bounds(placement: str, encoder, llm):
+    """A step bound from `Scorer.encoder_part` and `Scorer.llm_part` / `llm_bound` (scalars or
+    arrays): colocated phases add up; islands overlap, so the slower one bounds the step."""
+    return encoder + llm if placement == "colocated" else np.maximum(encoder, llm)
+
+
+def _llm_only(llm) -> Candidate:
+    return Candidate("colocated", (("llm", llm),))
+
+
+class Plain(dict):
+    """A read-only attribute view of a resolved config (`plain`): the memory and cost models
+    read the config for every candidate, where OmegaConf's access costs would dominate."""
+
+    def __getattr__(self, key):
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+
+def plain(node):
+    """`node` (a resolved container: dicts, lists, scalars) with every dict a `Plain`."""
+    if isinstance(node, dict):
+        return Plain({k: plain(v) for k, v in node.items()})
+    return [plain(v) for v in node] if isinstance(node, list) else node
