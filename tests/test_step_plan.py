@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from hcp.data.packing import first_fit
 from hcp.parallel.cp_sharding import cp_shard
 from hcp.parallel.grid import Grid
-from hcp.parallel.routing import build_routes
 from hcp.plan.lengths import SampleSizes
 from hcp.plan.step import plan_step
+from route_utils import build_routes
 
 EDGES = (("vision", "projector"), ("projector", "llm"))
 EDGE = ("projector", "llm")
