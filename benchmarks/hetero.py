@@ -166,7 +166,7 @@ def summarize(name, per_rank, world, overrides, args) -> dict:
     import numpy as np
 
     from hcp.parallel.grid import Grid
-    from hcp.parallel.routing import min_route_rows
+    from route_keys import min_route_rows
 
     cfg, layouts = compose(overrides)
     _, sizes = make_data(cfg, args.samples, args.text_tokens)

@@ -149,7 +149,7 @@ def island_side(plan, layouts, samples, rank: int, interleave: bool):
     the routes)."""
     from hcp.parallel.grid import Grid
     from hcp.parallel.islands import edge_ranks
-    from hcp.parallel.routing import build_routes
+    from route_keys import build_routes  # beside this file (benchmarks/hetero.py puts it on the path)
 
     vis, llm = Grid.of(layouts["vision"]), Grid.of(layouts["llm"])
     ranks = edge_ranks(vis, llm)

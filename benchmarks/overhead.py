@@ -1,26 +1,27 @@
-"""hcp's framework overhead: its `dp4` training step beside a plain torch DDP loop of the same
-model, data, initial weights and schedule (issue 10 part 3).
+"""hcp's framework overhead end to end: its `dp4` training loop beside a plain torch DDP loop of
+the same model, samples, packing, token count and initial weights (issue 10 part 3, issue 28).
 
     python benchmarks/overhead.py                    # 4 gloo ranks, +recipe=llama_tiny, 3 x 8 steps
     python benchmarks/overhead.py --reps 5 --steps 10 --profile 3
 
-On each of `--nproc` forked gloo ranks: hcp's `Trainer` (`+recipe=llama_tiny`, pure DP) and a
-plain loop written here with nothing from hcp's model, step or trainer code (one file, the way a
-torch user writes it: `nn.Module`s, per-document SDPA, `DistributedDataParallel` with `no_sync`
-for gradient accumulation, `clip_grad_norm_`, AdamW, the same cosine schedule). Both start from
-the same weights (copied from hcp's layout-invariant init by parameter name) and read the same
-micro-batches (hcp's step plan and data reading, `Trainer.prepare`, which the plain loop calls
-too, on its own prefetch thread like hcp's `PlanAhead`, so data costs the same). The two loops alternate step by step, so both see the same machine
-load (which of the two goes first alternates too); each step's wall time and every rank's
-thread CPU time are measured.
+On each of `--nproc` forked gloo ranks: hcp's real loop (`Trainer.fit_step`: the plan-ahead data
+wrapper with its plan and data reading, forward/backward, clipping, optimizer, step metrics,
+logging to metrics.jsonl, the preemption check) and a plain loop written here with nothing from
+hcp's model, plan, step or trainer code (the way a torch user writes it: it reads its DP lane's
+contiguous block of the same global batch from the same data set, packs it first-fit into THD
+micro-batches of `trainer.micro_batch_tokens` itself, then `nn.Module`s with per-document SDPA,
+`DistributedDataParallel` with `no_sync` for gradient accumulation, `clip_grad_norm_`, AdamW, the
+same cosine schedule). Both start from the same weights (copied from hcp's layout-invariant init
+by parameter name). The two loops alternate step by step, so both see the same machine load
+(which of the two goes first alternates too); each step's wall time and every rank's thread CPU
+time are measured.
 
-Prints, for each of `--reps` repetitions of `--steps` steps (one after the other in the same
-processes) and their median: tokens/s of each (global tokens / mean step wall time), the ratio
-hcp / plain, the critical path (largest per-rank CPU seconds per step) of each and its ratio
-plain / hcp. Then, over all measured steps, thread CPU time per step in the
-sections of a step (data, forward + backward with gradient sync, clipping, optimizer, hcp's
-metrics), and the largest difference of
-their per-step losses (they must be identical up to fp32 summation order: checked against
+Prints, for each of `--reps` repetitions of `--steps` steps and their median: tokens/s of each
+(global tokens / summed slowest-rank step wall time), the ratio hcp / plain, the critical path
+(largest per-rank CPU seconds per step) of each and its ratio plain / hcp. Then thread CPU and
+wall time per step in the sections of a step (data, forward + backward with gradient sync,
+clipping, optimizer, hcp's metrics and its logging + preemption check), and the largest
+difference of their per-step losses (identical up to fp32 summation order: checked against
 `--loss-rtol`). `--profile N` adds a torch.profiler table of N more steps of each on rank 0 (the
 operators where hcp spends more CPU time than the plain loop).
 """
@@ -32,16 +33,17 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import itertools
 import tempfile
 import time
+from types import SimpleNamespace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from hcp.train.launch import free_port  # noqa: E402
 
-OVERRIDES = ["+recipe=llama_tiny", "trainer.eval_every=0", "trainer.progress_bar=false",
-             "logger=none"]
+OVERRIDES = ["+recipe=llama_tiny", "trainer.eval_every=0", "trainer.save_every=0"]
 
 
 def plain_model(cfg):
@@ -161,8 +163,8 @@ class Sections:
 
 
 def instrument(trainer) -> Sections:
-    """Sections of hcp's `Trainer.train_step` (its data, forward/backward with gradient sync,
-    clipping, optimizer and metrics), by wrapping the calls it makes."""
+    """Sections of hcp's `Trainer.fit_step` (data, forward/backward with gradient sync, clipping,
+    optimizer, metrics, then logging and the preemption check), by wrapping the calls it makes."""
     import hcp.train.trainer as trainer_module
 
     sec = Sections()
@@ -171,23 +173,24 @@ def instrument(trainer) -> Sections:
     sec.wrap(trainer, "clip", "clip")
     sec.wrap(trainer.scheduler, "step", "optimizer")
     sec.wrap(trainer_module, "whole_step_metrics", "metrics")
+    sec.wrap(trainer.preempt, "should_stop", "logging")
     return sec
 
 
 class PlainLoop:
-    """A plain DDP training loop over the same batches as `trainer` (an hcp Trainer)."""
+    """A plain DDP training loop (module docstring) of hcp's config `cfg` on this rank."""
 
-    def __init__(self, trainer):
+    def __init__(self, cfg):
         import torch
+        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from hcp.data.loader import GlobalBatchSampler
-        from hcp.model import LlavaModel, init_parameters
-        from hcp.plan.ahead import PlanAhead
+        from hcp.data.build import build_datasets      # the same samples (data reading only)
+        from hcp.data.loader import GlobalBatchSampler  # the same global batches
+        from hcp.model import LlavaModel, init_parameters  # only to copy hcp's initial weights
 
-        cfg = trainer.cfg
-        self.trainer, self.cfg = trainer, cfg
-        ref = LlavaModel(cfg.vision, cfg.projector, cfg.llm)   # the same init as the trainer's
+        self.cfg, self.rank, self.world = cfg, dist.get_rank(), dist.get_world_size()
+        ref = LlavaModel(cfg.vision, cfg.projector, cfg.llm)
         init_parameters(ref, cfg.seed)
         model = plain_model(cfg.llm)
         model.load_state_dict(ref.llm.state_dict())
@@ -205,8 +208,33 @@ class PlainLoop:
             return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.step, self.sections = 0, Sections()
-        sampler = GlobalBatchSampler(len(trainer.train_set), cfg.trainer.global_batch_size, cfg.seed)
-        self.ahead = PlanAhead(sampler, trainer.prepare)  # the same batches, prefetched the same way
+        _, self.data, _ = build_datasets(cfg)
+        self.sampler = GlobalBatchSampler(len(self.data), cfg.trainer.global_batch_size, cfg.seed)
+
+    def batches(self) -> list:
+        """This rank's micro-batches of global batch `self.step`: its lane's contiguous block,
+        packed first-fit (arrival order) into THD micro-batches of micro_batch_tokens."""
+        import torch
+
+        indices = self.sampler.batch(self.step)
+        n = len(indices) // self.world
+        cap, packs = int(self.cfg.trainer.micro_batch_tokens), []
+        for i in indices[self.rank * n:(self.rank + 1) * n]:
+            s = self.data[i]
+            pack = next((p for p in packs if p[0] + len(s.input_ids) <= cap), None)
+            if pack is None:
+                packs.append(pack := [0, []])
+            pack[0] += len(s.input_ids)
+            pack[1].append(s)
+        out = []
+        for _, samples in packs:
+            lengths = [len(s.input_ids) for s in samples]
+            out.append(SimpleNamespace(
+                input_ids=torch.tensor([t for s in samples for t in s.input_ids]),
+                labels=torch.tensor([t for s in samples for t in s.labels]),
+                position_ids=torch.cat([torch.arange(k) for k in lengths]),
+                cu_seqlens=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)))
+        return out
 
     def train_step(self) -> tuple[float, int]:
         """One step on global batch `self.step`: (global mean loss, global tokens)."""
@@ -215,7 +243,7 @@ class PlainLoop:
 
         sec = self.sections
         sec.start()
-        batches = [b for _, b in self.ahead.next()[1][2]]
+        batches = self.batches()
         sec.mark("data")
         counts = torch.tensor([float(sum(int((b.labels != -100).sum()) for b in batches)),
                                float(sum(b.labels.numel() for b in batches))], dtype=torch.float64)
@@ -227,7 +255,7 @@ class PlainLoop:
                 loss_sum, _ = self.model(batch)
                 # DDP averages gradients over ranks: scale by the world size (a power of two
                 # here, so exact) to get the token-level sum hcp computes
-                (loss_sum * (dist.get_world_size() / counts[0].item())).backward()
+                (loss_sum * (self.world / counts[0].item())).backward()
             loss_total += loss_sum.detach().double()
         dist.all_reduce(loss_total)
         sec.mark("forward_backward")
@@ -256,7 +284,7 @@ def _rank(rank, world, port, overrides, steps, warmup, profile, queue):
     cfg = compose_config([*OVERRIDES, *overrides], run_dir=run_dir)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     hcp = Trainer(OmegaConf.create(OmegaConf.to_container(cfg)), run_dir)
-    plain = PlainLoop(hcp)
+    plain = PlainLoop(hcp.cfg)
     sections = {"hcp": instrument(hcp), "plain": plain.sections}
     rows = {"hcp": [], "plain": []}
     for i in range(warmup + steps):
@@ -267,7 +295,7 @@ def _rank(rank, world, port, overrides, steps, warmup, profile, queue):
             dist.barrier()
             cpu0, t0 = time.thread_time(), time.perf_counter()
             if name == "hcp":
-                m = hcp.train_step()
+                m = hcp.fit_step()
                 loss, tokens = m["loss"], m["tokens_per_s"] * m["step_time_s"]
             else:
                 loss, tokens = plain.train_step()
@@ -279,7 +307,7 @@ def _rank(rank, world, port, overrides, steps, warmup, profile, queue):
         table = _profile(hcp, plain, profile)
     elif profile:
         for _ in range(profile):
-            hcp.train_step()
+            hcp.fit_step()
             plain.train_step()
     dist.barrier()
     queue.put((rank, rows, table, {k: v.total for k, v in sections.items()}))
@@ -291,7 +319,7 @@ def _profile(hcp, plain, steps: int) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     totals = {}
-    for name, fn in (("hcp", hcp.train_step), ("plain", plain.train_step)):
+    for name, fn in (("hcp", hcp.fit_step), ("plain", plain.train_step)):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
                 fn()
@@ -369,7 +397,7 @@ def main(argv=None) -> dict:
           f"losses {out['hcp']['losses'][0]:.5f} -> {out['hcp']['losses'][-1]:.5f}, largest "
           f"relative difference {diff:.2e} (rtol {args.loss_rtol:g}): "
           f"{'identical' if diff <= args.loss_rtol else 'DIFFERENT'}")
-    names = ["data", "forward_backward", "clip", "optimizer", "metrics"]
+    names = ["data", "forward_backward", "clip", "optimizer", "metrics", "logging"]
     for i, what in enumerate(("thread CPU", "wall")):
         mean = lambda loop, n: sum(r[3][loop].get(n, (0, 0))[i] for r in results) / len(results)  # noqa: E731
         print(f"{what} ms per step by section, mean over ranks (hcp / plain): " + ", ".join(

@@ -27,11 +27,11 @@ def llava_tiny_cli(tmp_path_factory):
 @pytest.fixture(scope="session")
 def two_encoder_reference(tmp_path_factory):
     """One step + AdamW of the two-encoder model (join + branch) on one process
-    (`test_multi_encoder_trainer._step` on its SMALL config): the reference of the colocated and
+    (`test_hetero_parity._step` on its TWO_ENCODERS config): the reference of the colocated and
     island parity tests of several encoders, computed once per session."""
     from cfg_utils import compose_container
     from dist_utils import run_ranks
-    from test_multi_encoder_trainer import SMALL, _step
+    from test_hetero_parity import TWO_ENCODERS, _step
 
     run = tmp_path_factory.mktemp("two_encoder_ref")
-    return run_ranks(_step, 1, compose_container(SMALL, run), str(run))[0]
+    return run_ranks(_step, 1, compose_container(TWO_ENCODERS, run), str(run))[0]

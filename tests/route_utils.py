@@ -8,12 +8,29 @@ Grid order (docs/design.md section 3): tp fastest, then cp, dp, pp slowest.
 """
 from __future__ import annotations
 
+import importlib.util
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from hcp.parallel.cp_sharding import cp_shard
+
+
+def _route_keys():
+    """benchmarks/route_keys.py (routes from per-rank row keys), shared with the benchmarks."""
+    if "route_keys" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / "route_keys.py"
+        spec = importlib.util.spec_from_file_location("route_keys", path)
+        sys.modules["route_keys"] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules["route_keys"]
+
+
+build_routes, min_route_rows = _route_keys().build_routes, _route_keys().min_route_rows
 
 
 @dataclass(frozen=True)
@@ -130,3 +147,27 @@ def image_route(batch: Batch, enc: Layout, llm: Layout, num_micro: int) -> Route
         owner.append(np.full(len(keys), tp_i == 0))
         ranges.append(rr)
     return RouteInputs(src, dst, owner, shard, ranges)
+
+
+def island_micro_batches(lane_samples: Sequence[int],
+                         consumed: Sequence[Sequence[int]]) -> list[list[int]]:
+    """An encoder lane's micro-batches in the order the LLM consumes them (docs/design.md 4.4).
+
+    lane_samples: the samples this encoder lane encodes (any order); consumed[i]: the samples
+    the LLM consumes in micro-batch i (over all its lanes). Returns, per micro-batch i, the lane's
+    samples in consumed[i], in consumed[i]'s order (empty when it has none: the lane still
+    takes part in micro-batch i's schedule steps, with 0 rows).
+
+    Raises:
+        ValueError: a sample of the lane is consumed twice or never (the plan and the lane
+            disagree).
+    """
+    mine = set(int(s) for s in lane_samples)
+    out = [[int(s) for s in mb if int(s) in mine] for mb in consumed]
+    seen = [s for mb in out for s in mb]
+    if len(seen) != len(set(seen)) or set(seen) != mine:
+        missing = sorted(mine - set(seen))
+        raise ValueError(f"island_micro_batches: the lane's samples must each be consumed exactly "
+                         f"once; never consumed: {missing[:8]}, consumed {len(seen)} times in "
+                         f"all for {len(mine)} samples")
+    return out

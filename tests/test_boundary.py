@@ -1,6 +1,7 @@
 """Colocated boundary communicator (docs/design.md 4.2, 4.3): rows move bit for bit forward and
 backward on forked gloo ranks, for every batch transform, and the bytes moved equal the minimum.
-The routing tables come from `build_routes` over hand-built keys (tests/route_utils.py)."""
+The routing tables come from `build_routes` (benchmarks/route_keys.py) over hand-built keys
+(tests/route_utils.py)."""
 from __future__ import annotations
 
 import time
@@ -11,9 +12,8 @@ import torch
 import torch.distributed as dist
 
 from hcp.comm.boundary import RouteBytes, route_rows
-from hcp.parallel.routing import build_routes, min_route_rows
 from dist_utils import run_ranks
-from route_utils import Layout, image_route, random_batch
+from route_utils import Layout, build_routes, image_route, min_route_rows, random_batch
 
 H = 6
 

@@ -56,10 +56,9 @@ def test_critical_path_lets_groups_run_ahead_and_waits_for_the_slowest_member():
 
 def test_broadcast_benchmark_times_both_ways_on_forked_ranks(tmp_path):
     out = tmp_path / "b.json"
-    res = _load("dynamic_cp_broadcast").main(["--ranks", "2", "--reps", "1", "--settings",
-                                              "pool64_pp1_lognormal", "--json", str(out)])
+    _load("dynamic_cp_broadcast").main(["--ranks", "2", "--reps", "1", "--settings",
+                                        "pool64_pp1_lognormal", "--json", str(out)])
     v = json.loads(out.read_text())["pool64_pp1_lognormal"]
-    assert v == res["pool64_pp1_lognormal"]
     assert v["plan_s"] > 0 and v["broadcast_s"] > 0 and v["bytes"] > 1000 and v["step_s"] > 0
 
 

@@ -100,15 +100,6 @@ def test_the_config_check_and_the_planner_accept_the_same_longest_sample(pool):
         validate(OmegaConf.merge(cfg, {"data": {"max_seq_len": limit}}), world_size=pool)
 
 
-def test_plans_are_deterministic():
-    rng = np.random.default_rng(9)
-    tokens = rng.integers(10, 400, 40)
-    a = plan_step(sizes(tokens), {"llm": lay(dp=4)}, "dynamic_cp", 256)
-    b = plan_step(sizes(tokens), {"llm": lay(dp=4)}, "dynamic_cp", 256)
-    assert (a.group_at == b.group_at).all()
-    assert [g.seq_indices for g in a.groups] == [g.seq_indices for g in b.groups]
-
-
 def test_tp_and_pp_peers_run_the_same_micro_batches_and_group_members_agree():
     """What keeps TP > 1 and PP > 1 from hanging (Megatron's first dynamic-CP version hung with
     TP > 1): every TP rank and every stage of a pool position runs the same micro-batches in the

@@ -21,12 +21,11 @@ import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
 from hcp.comm.island import IslandEdge
 from hcp.parallel.grid import Grid
-from hcp.parallel.islands import edge_ranks, island_micro_batches
-from hcp.parallel.routing import build_routes
+from hcp.parallel.islands import edge_ranks
 from hcp.schedule.graph import graph_one_f_one_b, stage_graph
 from hcp.schedule.graph_executor import GraphStageExecutor, PipeLink, RouteLink
 from dist_utils import run_ranks
-from route_utils import lane, micro_batches, random_batch
+from route_utils import build_routes, island_micro_batches, lane, micro_batches, random_batch
 
 D, H, SAMPLES = 3, 4, 6
 GRAPH = stage_graph({"vision": 1, "audio": 2, "llm": 2}, [["vision", "llm"], ["audio", "llm"]])

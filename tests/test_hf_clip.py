@@ -17,7 +17,8 @@ from dist_utils import run_ranks  # noqa: E402
 from hf_utils import save_clip, save_llama  # noqa: E402
 
 from hcp.config.errors import ConfigError  # noqa: E402
-from hcp.model import LlavaModel, ViTEncoder, init_parameters  # noqa: E402
+from hcp.model import LlavaModel, init_parameters  # noqa: E402
+from hcp.model.encoder_types import build_encoder  # noqa: E402
 from hcp.model.hf_load import apply_hf_configs, check_hf_weights, load_pretrained  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def test_hidden_states_at_select_layer_equal_transformers(clip_dir, select_layer
     torch.testing.assert_close(model.vision(pixels), _hf_states(hf, pixels, select_layer),
                                rtol=1e-5, atol=1e-5)
     cfg.vision.arch = "vit"  # the tiny default's GELU is not CLIP's quick-GELU: it differs
-    vit = ViTEncoder(cfg.vision)
+    vit = build_encoder(cfg.vision)
     vit.load_state_dict(model.vision.state_dict())
     assert not torch.allclose(vit(pixels), model.vision(pixels), atol=1e-4)
 

@@ -16,7 +16,7 @@ from cfg_utils import compose_cfg, compose_container
 from dist_utils import run_ranks
 from parity_utils import assert_all_close, assert_island_ranks, merged
 from test_island_parity import _island_step
-from test_multi_encoder_trainer import SMALL, TOL
+from test_hetero_parity import TOL, TWO_ENCODERS
 
 ISLANDS = ["placement=non_colocated", "vision.layout.tp=1", "encoders.vision2.layout.tp=1"]
 CASES = {
@@ -35,7 +35,7 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_join_and_branch_on_islands_equal_the_single_process_model(name, two_encoder_reference, tmp_path):
     world, extra = CASES[name]
-    results = run_ranks(_island_step, world, compose_container([*SMALL, *ISLANDS, *extra], tmp_path),
+    results = run_ranks(_island_step, world, compose_container([*TWO_ENCODERS, *ISLANDS, *extra], tmp_path),
                         str(tmp_path), timeout=220)
     grads, weights = merged(results, "grads"), merged(results, "weights")
     assert {n.split(".")[0] for n in grads} == {"vision", "vision2", "projector", "projector2", "pooled", "llm"}
@@ -59,7 +59,7 @@ def test_join_and_branch_on_islands_pass_the_training_checks(name):
     from hcp.train.support import check_trainable
 
     world, extra = CASES[name]
-    cfg = compose_cfg([*SMALL, *ISLANDS, *extra])
+    cfg = compose_cfg([*TWO_ENCODERS, *ISLANDS, *extra])
     layouts = validate(cfg, world)
     check_trainable(cfg, layouts)
     assert layouts["llm"].rank_offset == world - layouts["llm"].num_ranks

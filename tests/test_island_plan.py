@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from hcp.parallel.cp_sharding import cp_shard
 from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
-from hcp.parallel.routing import build_routes
 from hcp.plan.step import plan_step
+from route_utils import build_routes
 from test_step_plan import EDGE, EDGES, encoder_cp_holder, random_sizes, row_ids
 
 

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from hcp.comm.boundary import RouteBytes
 from hcp.comm.island import IslandEdge, broadcast_rows, island_backward, island_forward, warm_up
 from hcp.parallel.grid import Grid
-from hcp.parallel.islands import edge_ranks, island_micro_batches
-from hcp.parallel.routing import build_routes, min_route_rows
+from hcp.parallel.islands import edge_ranks
 from dist_utils import run_ranks
-from route_utils import Layout, lane, micro_batches, random_batch, shard_keys
+from route_utils import (Layout, build_routes, island_micro_batches, lane, micro_batches, min_route_rows,
+                         random_batch, shard_keys)
 
 H = 5
 EMPTY = np.zeros(0, dtype=np.int64)

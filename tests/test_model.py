@@ -116,6 +116,36 @@ def test_decoder_and_llava_shapes_and_loss_is_a_token_sum():
     assert ViTEncoder(VisionConfig())(batch.pixel_values).shape == (2, 16, 64)
 
 
+def test_every_encoder_type_is_built_from_the_registry_wherever_an_encoder_is_built():
+    """`arch` picks the builder (`ENCODERS`) in the LLaVA model, the encoder side of several
+    encoders and an encoder pipeline stage alike; the types compute different things."""
+    from hcp.config.choices import ENCODER_ARCHS
+    from hcp.config.modules import streams
+    from hcp.model.encoder_side import EncoderSide
+    from hcp.model.encoder_stage import EncoderStage
+    from hcp.model.encoder_types import ENCODERS, build_encoder
+    from hcp.model.stage import StageSpec
+
+    assert set(ENCODERS) == set(ENCODER_ARCHS)
+    pixels = torch.randn(2, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for arch in ENCODER_ARCHS:
+        cfg = VisionConfig(arch=arch)
+        reference = build_encoder(cfg)
+        init_parameters(reference, 0)
+        outs[arch] = reference(pixels)
+        built = [LlavaModel(cfg, ProjectorConfig(), LLMConfig()).vision,
+                 EncoderSide({"vision": cfg}, {"projector": ProjectorConfig()}, streams(
+                     [["vision", "projector"], ["projector", "llm"]]), 32).vision,
+                 EncoderStage("vision", cfg, {}, 32, StageSpec(0, 1, 0, cfg.num_layers)).encoder]
+        for enc in built:
+            enc.load_state_dict(reference.state_dict())
+            torch.testing.assert_close(enc(pixels), outs[arch], rtol=0, atol=0)
+    assert not torch.allclose(outs["vit"], outs["clip"], atol=1e-4)
+    with pytest.raises(ValueError, match="arch='siglip' is not an encoder type"):
+        build_encoder(VisionConfig(arch="siglip"))
+
+
 def test_image_count_mismatch_raises_a_clear_error():
     model = LlavaModel(VisionConfig(), ProjectorConfig(), LLMConfig())
     batch = make_batch([40], images_per_doc=1)

@@ -1,10 +1,12 @@
-"""Several encoders (docs/design.md 4.4, issue 14 part 3): a join (two encoders, each with its own
-architecture, layout and projector, into one LLM) and a branch (one vision tower feeding a
-per-patch projector and a pooled summary projector) run colocated on 4 forked gloo ranks through
-the real step plan (`plan_step` with one length index per stream) and `ColocatedStep.run_streams`,
-and equal the single-process `LlavaModel` (FP32, rtol 1e-5 / atol 1e-6): loss, every module's
-gradients (made whole over TP) and weights after one AdamW step. The second edge's routes move
-rows bit for bit, forward and backward (fan-in from 4 encoder lanes into TP x CP shards)."""
+"""The colocated three-phase step (docs/design.md 4.4) with one or several encoders: one encoder
+at its own TP/DP layout (with and without encoder recompute), a join (two encoders, each with
+its own architecture, layout and projector, into one LLM) and a branch (one vision tower feeding
+a per-patch projector and a pooled summary projector) run colocated on 4 forked gloo ranks
+through the real step plan (`plan_step` with one length index per stream) and
+`ColocatedStep.run_streams`, and equal the single-process `LlavaModel` (FP32, rtol 1e-5 / atol
+1e-6): loss, every module's gradients (made whole over TP) and weights after one AdamW step. The
+last edge's routes move rows bit for bit, forward and backward; under encoder recompute no
+encoder activation is held across the LLM phase."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,15 +47,22 @@ LLM = LLMConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv
 TOKEN = {"projector": 60, "projector2": 61, "pooled": 62}
 ROWS = {"projector": 4, "projector2": 4, "pooled": 1}
 GRAPHS = {
+    "single": [["vision", "projector"], ["projector", "llm"]],
     "join": [["vision", "projector"], ["projector", "llm"], ["vision2", "projector2"], ["projector2", "llm"]],
     "branch": [["vision", "projector"], ["vision", "pooled"], ["projector", "llm"], ["pooled", "llm"]],
 }
-CASES = {  # (graph, {module: (tp, cp, dp)} on 4 ranks)
+CASES = {  # (graph, {module: (tp, cp, dp)} on 4 ranks, encoder recompute)
+    "single__vision_dp4__llm_tp2_cp2__recompute": (
+        "single", {"vision": (1, 1, 4), "projector": (1, 1, 4), "llm": (2, 2, 1)}, True),
+    "single__vision_tp2_dp2__llm_cp4__recompute": (
+        "single", {"vision": (2, 1, 2), "projector": (2, 1, 2), "llm": (1, 4, 1)}, True),
+    "single__vision_tp2_dp2__llm_dp4_fan_out": (
+        "single", {"vision": (2, 1, 2), "projector": (2, 1, 2), "llm": (1, 1, 4)}, False),
     "join__vision_tp2_dp2__vision2_dp4__llm_tp2_cp2": (
         "join", {"vision": (2, 1, 2), "projector": (2, 1, 2), "vision2": (1, 1, 4), "projector2": (1, 1, 4),
-                 "llm": (2, 2, 1)}),
+                 "llm": (2, 2, 1)}, False),
     "branch__vision_dp4__llm_tp2_dp2": (
-        "branch", {"vision": (1, 1, 4), "projector": (1, 1, 4), "pooled": (1, 1, 4), "llm": (2, 1, 2)}),
+        "branch", {"vision": (1, 1, 4), "projector": (1, 1, 4), "pooled": (1, 1, 4), "llm": (2, 1, 2)}, False),
 }
 
 
@@ -152,7 +161,7 @@ def reference(graph):
     return float(loss.detach()), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _bitwise_second_edge(plan, rank, layouts, flows, ids, group=None):
+def _bitwise_last_edge(plan, rank, layouts, flows, ids, group=None):
     """Route row keys (sample * 1000 + row) over the last stream's edge: every LLM first-stage
     rank receives exactly its CP shard's rows, in slot order; the gradients come back exact."""
     f = flows[-1]
@@ -188,7 +197,7 @@ def _bitwise_second_edge(plan, rank, layouts, flows, ids, group=None):
 
 
 def _worker(rank, world, name):
-    graph, sizes = CASES[name]
+    graph, sizes, recompute = CASES[name]
     flows, ids, labels, inputs = make_samples(GRAPHS[graph])
     encs, projs = _configs(flows)
     layouts = layouts_of(sizes)
@@ -202,12 +211,19 @@ def _worker(rank, world, name):
     init_parameters(model, SEED)
     default, per_stream = sizes_of(flows, ids, labels)
     plan = plan_step(default, layouts, "first_fit", MBT, GRAPHS[graph], stream_sizes=per_stream)
-    sent = _bitwise_second_edge(plan, rank, layouts, flows, ids)
+    sent = _bitwise_last_edge(plan, rank, layouts, flows, ids)
     mine = plan.rank(rank)
     total = plan.counts.loss_tokens
     feed = {e: torch.cat([inputs[s][e] for s in mine.encoder_samples[e]]) for e in encs}
 
+    saved, phase = [0], ["encoder"]
+
+    def count(t):  # tensors saved for backward during the encoder phase
+        saved[0] += phase[0] == "encoder"
+        return t
+
     def llm_phase(leaves):
+        phase[0] = "llm"
         loss = torch.zeros((), dtype=torch.float64)
         for mb in mine.micro_batches:
             if mb.empty:
@@ -221,7 +237,9 @@ def _worker(rank, world, name):
             loss += loss_sum.detach().double()
         return loss
 
-    loss, _ = ColocatedStep(side).run_streams(feed, {s: r for (s, _), r in mine.routes.items()}, llm_phase)
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        loss, _ = ColocatedStep(side, recompute=recompute).run_streams(
+            feed, {s: r for (s, _), r in mine.routes.items()}, llm_phase)
     dist.all_reduce(loss, group=groups.group("llm", "dp_cp"))
     for m, module in [("llm", model)] + [(e, side) for e in encs]:
         params = ([p for p in model.parameters()] if m == "llm" else
@@ -233,18 +251,20 @@ def _worker(rank, world, name):
     grads = {n: whole(p.grad, p, group_of[n.split(".")[0]]) for n, p in named}
     torch.optim.AdamW([p for _, p in named], **ADAM).step()
     weights = {n: whole(p.detach(), p, group_of[n.split(".")[0]]) for n, p in named}
-    return float(loss) / total, grads, weights, sent
+    return float(loss) / total, grads, weights, sent, saved[0]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", CASES)
-def test_several_encoders_colocated_step_equals_single_process(name):
-    graph = CASES[name][0]
+def test_colocated_step_equals_single_process(name):
+    graph, _, recompute = CASES[name]
     ref_loss, ref_grads, ref_weights = reference(GRAPHS[graph])
     results = run_ranks(_worker, 4, name, timeout=110)
-    assert sum(r[3] for r in results) > 0, "the second edge moved no rows"
-    for loss, grads, weights, _ in results:
+    assert sum(r[3] for r in results) > 0, "the last edge moved no rows"
+    # encoder recompute: nothing saved in phase 1 (held across phase 2); without: the activations
+    assert all((r[4] == 0) == recompute for r in results), [r[4] for r in results]
+    for loss, grads, weights, _, _ in results:
         assert loss == pytest.approx(ref_loss, rel=1e-5)
         assert set(grads) == set(ref_grads)
         for key, ref in ref_grads.items():

@@ -80,6 +80,7 @@ class _First:
     (["encoders.vision2.layout.tp=3"], "encoders.vision2.layout.tp", "not divisible"),
     (["projectors.projector2.layout.tp=2"], "projectors.projector2.layout", "vision2's layout"),
     (["encoders.vision2.hiden_size=3"], "encoders.vision2.hiden_size", "hidden_size"),
+    (["encoders.vision2.arch=siglip"], "encoders.vision2.arch", "siglip"),
     (["vision=null", "projector=null", "graph.edges=[[vision2,projector2],[projector2,llm]]"], "vision",
      "default encoder"),
     (["placement=non_colocated", "vision.layout.num_ranks=1", "encoders.vision2.layout.num_ranks=1",

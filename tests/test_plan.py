@@ -144,6 +144,29 @@ def test_estimate_covers_the_step_and_dynamic_cp_beats_packing_only():
     assert tp4["grad_sync_s"] > tp8["grad_sync_s"]  # the same stage parameters over twice the DP ranks
 
 
+def test_dynamic_cp_estimate_times_the_plan_training_would_run():
+    """Plan mode's estimate packs its batch with the policy the step plan runs (not a copy of
+    the solver call): the same micro-batches, CP sizes and blocks as the trainer's plan of those
+    lengths (a copy that skipped the policy's length preparation and row layout did not)."""
+    from hcp.config.layouts import resolve_layouts
+    from hcp.dcp.policy import dynamic_cp_policy
+    from hcp.plan.lengths import SampleSizes
+    from hcp.plan.step import plan_step, register_policy
+    from hcp.train import estimate
+
+    cfg = composed("llama_tiny", "packing=dynamic_cp", "trainer.global_batch_size=32", "data.max_seq_len=2048",
+                   "trainer.micro_batch_tokens=256", "launcher.nproc_per_node=8")
+    llm = resolve_layouts(cfg, 8)["llm"]
+    register_policy("dynamic_cp", dynamic_cp_policy(cfg.llm, cfg.packing_profile))
+    lens = estimate.batch_lengths(cfg).tolist()
+    trained = plan_step(SampleSizes.from_lists(lens, [n - 1 for n in lens], [[] for _ in lens]),
+                        {"llm": llm}, "dynamic_cp", 256).packing
+    [(planned, _)] = estimate._plans(cfg, llm)
+    key = lambda plan: [[(tuple(g.seq_indices), g.cp_size, g.rank_offset) for g in r.groups]  # noqa: E731
+                        for r in plan.rounds]
+    assert key(planned) == key(trained) and len({g.cp_size for r in trained.rounds for g in r.groups}) > 1
+
+
 def test_plan_figure_shows_node_boundaries_and_memory_against_the_device():
     from hcp.config.layouts import check_layouts
     from hcp.train.plan_figure import plan_figure

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from hcp.data.packing import first_fit
 from hcp.parallel.cp_sharding import cp_shard
 from hcp.parallel.grid import Grid
-from hcp.parallel.routing import build_routes
 from hcp.plan.lengths import SampleSizes
 from hcp.plan.step import plan_step
+from route_utils import build_routes
 
 EDGES = (("vision", "projector"), ("projector", "llm"))
 EDGE = ("projector", "llm")
@@ -337,11 +337,28 @@ def test_cluster_scale_plans_conserve_rows_and_agree_on_micro_batch_counts(case,
         assert sorted(r.recv_index) == list(range(r.dst_rows))
 
 
-def test_plans_of_the_same_batch_agree_on_their_checksum_and_others_do_not():
-    rng = np.random.default_rng(1)
-    sizes = random_sizes(rng, 16)
-    lays = layouts(1, 8, 2, 2, 2)
-    a, b = (plan_step(sizes, lays, "first_fit", 48, EDGES) for _ in range(2))
-    assert a.checksum() == b.checksum() == a.rank(3, checksum=True).checksum
-    other = plan_step(sizes.take(list(range(1, 16)) + [0]), lays, "first_fit", 48, EDGES)
-    assert other.checksum() != a.checksum()
+def _checksum(order=None):
+    sizes = random_sizes(np.random.default_rng(1), 16)
+    if order is not None:
+        sizes = sizes.take(order)
+    plan = plan_step(sizes, layouts(1, 8, 2, 2, 2), "first_fit", 48, EDGES)
+    assert plan.rank(3, checksum=True).checksum == plan.checksum()  # what plan_check compares
+    return plan.checksum()
+
+
+def test_ranks_in_other_processes_derive_the_same_plan_and_another_batch_another_checksum():
+    """Ranks are separate interpreters: a plan that depended on string hashing (set or dict
+    order of names), object ids or unseeded randomness would differ between them and hang a
+    collective. A fresh interpreter with another hash seed plans what this one plans."""
+    import os
+    import subprocess
+    import sys
+
+    here = _checksum()
+    code = "import test_step_plan as t; print(t._checksum())"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "PYTHONHASHSEED": "12345"},
+                         capture_output=True, text=True, check=True, timeout=120)
+    assert int(out.stdout.split()[-1]) == here
+    assert _checksum(list(range(1, 16)) + [0]) != here

@@ -6,6 +6,9 @@ from hcp.config.errors import ConfigError
 
 OPTIMIZERS = ("adamw",)
 """`optim.name` values (hcp.train.optim)."""
+ENCODER_ARCHS = ("vit", "clip")
+"""`vision.arch` / `encoders.NAME.arch` values; each has one builder in
+`hcp.model.encoder_types.ENCODERS` (a new encoder type joins both; that module checks they match)."""
 PROJECTOR_TYPES = ("mlp2x_gelu", "linear")
 """`projector.type` values (hcp.model.projector)."""
 ATTENTION_BACKENDS = ("auto", "torch", "te", "flash")

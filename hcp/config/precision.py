@@ -53,6 +53,14 @@ class Precision:
             return torch.autocast(device_type, dtype=self.compute)
         return contextlib.nullcontext()
 
+    def stage_forward(self, device_type: str, fn, received=None, out_to_wire: bool = True):
+        """`fn(x)` as every stage and encoder computes: `x` the received activation widened
+        (`from_wire`; None when nothing was received), `fn` under `autocast`, its output
+        narrowed to the compute dtype (`to_wire`) when it leaves over a link or route."""
+        with self.autocast(device_type):
+            out = fn(None if received is None else self.from_wire(received))
+        return self.to_wire(out) if out_to_wire else out
+
     def to_wire(self, x: torch.Tensor) -> torch.Tensor:
         """An activation leaving a module or stage: in the compute dtype (differentiable, so
         its gradient comes back in the compute dtype too)."""

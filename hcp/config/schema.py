@@ -77,7 +77,8 @@ class VisionConfig:
     """A local Hugging Face CLIP checkpoint folder (config.json + safetensors); its architecture
     fields replace this block's (a conflicting command-line value is an error)."""
     arch: str = "vit"
-    """`vit` (the tiny default: GELU MLP) or `clip` (OpenAI CLIP: quick-GELU MLP)."""
+    """The encoder type (`hcp.model.encoder_types.ENCODERS`): `vit` (the tiny default: GELU
+    MLP) or `clip` (OpenAI CLIP: quick-GELU MLP)."""
 
 
 @dataclass

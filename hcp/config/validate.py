@@ -8,7 +8,8 @@ import importlib.util
 from omegaconf import DictConfig, OmegaConf
 
 from hcp.config.capacity import max_length, tokens_per_rank
-from hcp.config.choices import ATTENTION_BACKENDS, BACKEND_MODULES, OPTIMIZERS, PROJECTOR_TYPES, check_cp_backend
+from hcp.config.choices import (ATTENTION_BACKENDS, BACKEND_MODULES, ENCODER_ARCHS, OPTIMIZERS, PROJECTOR_TYPES,
+                                check_cp_backend)
 from hcp.config.errors import ConfigError, check_choice
 from hcp.config.joins import check_joins
 from hcp.config.keys import check_known_keys
@@ -64,7 +65,7 @@ def check_model(cfg) -> None:
     check_graph(cfg)
     for m in encoder_names(cfg):
         key, e = ("vision" if m == "vision" else f"encoders.{m}"), module_cfg(cfg, m)
-        check_choice(f"{key}.arch", e.arch, ("vit", "clip"))
+        check_choice(f"{key}.arch", e.arch, ENCODER_ARCHS)
         if e.image_size % e.patch_size:
             raise ConfigError(f"{key}.patch_size", e.patch_size, f"does not divide {key}.image_size="
                               f"{e.image_size}", "pick a patch size that divides the image size")

@@ -19,7 +19,7 @@ from torch import nn
 from hcp.config.modules import Stream, streams as graph_streams
 from hcp.model.collectives import copy_to_group
 from hcp.model.projector import Projector
-from hcp.model.vit import ViTEncoder
+from hcp.model.encoder_types import build_encoder
 
 DEFAULT_STREAMS = (Stream("projector", "vision"),)
 """LLaVA's graph: vision -> projector -> llm."""
@@ -36,7 +36,7 @@ def graph_kwargs(cfg) -> dict:
 def add_encoder_modules(parent: nn.Module, encoders: Mapping, projectors: Mapping, streams,
                         llm_hidden: int, tp_groups: Mapping | None = None,
                         cp_groups: Mapping | None = None) -> None:
-    """Register on `parent` one `ViTEncoder` per entry of `encoders` (name -> VisionConfig) and
+    """Register on `parent` one encoder (`build_encoder`) per entry of `encoders` (name -> VisionConfig) and
     one `Projector` per stream (from its encoder's width to `llm_hidden`), under their names.
     `tp_groups` / `cp_groups`: encoder name -> its TP / CP group (None: size 1); a projector
     uses its encoder's TP group.
@@ -44,7 +44,7 @@ def add_encoder_modules(parent: nn.Module, encoders: Mapping, projectors: Mappin
     Raises ValueError when a stream names an encoder or projector without a config."""
     tp_groups, cp_groups = tp_groups or {}, cp_groups or {}
     for name, cfg in encoders.items():
-        parent.add_module(name, ViTEncoder(cfg, tp_groups.get(name), cp_group=cp_groups.get(name)))
+        parent.add_module(name, build_encoder(cfg, tp_groups.get(name), cp_group=cp_groups.get(name)))
     for s in streams:
         if s.encoder not in encoders or s.projector not in projectors:
             raise ValueError(f"stream {s.encoder} -> {s.projector} -> llm: no config for "

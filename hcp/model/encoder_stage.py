@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from hcp.model.collectives import copy_to_group
+from hcp.model.encoder_types import build_encoder
 from hcp.model.projector import Projector
 from hcp.model.stage import StageSpec
-from hcp.model.vit import ViTEncoder
 
 
 class EncoderStage(nn.Module):
@@ -47,12 +47,12 @@ class EncoderStage(nn.Module):
         self.name, self.stage, self.tp_group = name, stage, tp_group
         self.projector_names = tuple(projectors) if stage.last else ()
         self.hidden_size = enc_cfg.hidden_size
-        setattr(self, name, ViTEncoder(enc_cfg, tp_group, stage, recompute, cp_group))
+        setattr(self, name, build_encoder(enc_cfg, tp_group, stage, recompute, cp_group))
         for p in self.projector_names:
             setattr(self, p, Projector(projectors[p], enc_cfg.hidden_size, llm_hidden, tp_group))
 
     @property
-    def encoder(self) -> ViTEncoder:
+    def encoder(self) -> nn.Module:
         return getattr(self, self.name)
 
     def activation_shape(self, images: int) -> tuple[int, int, int]:

@@ -68,10 +68,10 @@ def _open(cfg, m: str) -> HFCheckpoint:
 def whole_shapes(cfg, m: str) -> dict[str, tuple[int, ...]]:
     """Shapes of module `m`'s parameters in the whole, unsharded model (built on the meta device)."""
     from hcp.model.llama import LlamaDecoder
-    from hcp.model.vit import ViTEncoder
+    from hcp.model.encoder_types import build_encoder
 
     with torch.device("meta"):
-        module = LlamaDecoder(cfg.llm) if m == "llm" else ViTEncoder(cfg.vision)
+        module = LlamaDecoder(cfg.llm) if m == "llm" else build_encoder(cfg.vision)
     return {n: tuple(p.shape) for n, p in module.named_parameters()}
 
 

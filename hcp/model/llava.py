@@ -62,7 +62,7 @@ from hcp.model.llama import LlamaDecoder
 from hcp.model.projector import Projector
 from hcp.model.stage import StageSpec
 from hcp.model.tp import vocab_parallel_cross_entropy
-from hcp.model.vit import ViTEncoder
+from hcp.model.encoder_types import build_encoder
 from hcp.parallel.cp_sharding import CPShard, cp_shard, host_cu_seqlens
 
 
@@ -92,7 +92,7 @@ class LlavaEncoder(nn.Module):
                 raise ValueError(f"{name}.layout.pp={layout.pp}: the colocated encoder runs whole; "
                                  f"set {name}.layout.pp=1 (encoder pipelines: placement=non_colocated)")
         self.tp_group = tp_group
-        self.vision = ViTEncoder(vision_cfg, tp_group, cp_group=cp_group)
+        self.vision = build_encoder(vision_cfg, tp_group, cp_group=cp_group)
         self.projector = Projector(projector_cfg, vision_cfg.hidden_size, llm_hidden, tp_group)
 
     @property

@@ -2,7 +2,7 @@
 patch embedding (a bias-free linear map of each flattened patch, equal to CLIP's strided conv),
 a CLS token, learned position embeddings, a LayerNorm before the blocks, pre-norm blocks with
 bidirectional multi-head attention and a GELU MLP. Sizes come from `VisionConfig`.
-`arch: clip` makes the MLP's activation quick-GELU, `x * sigmoid(1.702 x)`, as in OpenAI's CLIP:
+`arch: clip` (hcp/model/encoder_types.py) makes the MLP's activation quick-GELU, `x * sigmoid(1.702 x)`, as in OpenAI's CLIP:
 with it the encoder computes exactly what transformers' CLIPVisionModel does (pre-LayerNorm
 blocks with biases, a class token, `pre_layrnorm`; weights via `vision.init_from`).
 
@@ -56,13 +56,13 @@ def quick_gelu(x: torch.Tensor) -> torch.Tensor:
 
 class VisionBlock(nn.Module):
     """Pre-norm block: `x + attn(ln1(x))`, `x + fc2(act(fc1(ln2(x))))` (act: GELU, or quick-GELU
-    with `arch: clip`). x: [I, S, D]
+    for `arch: clip`). x: [I, S, D]
     (replicated over `tp_group`; each TP rank runs num_heads / tp heads and ffn / tp columns).
 
     Raises ValueError when hidden_size does not split into num_heads, or num_heads or
     ffn_hidden_size does not split over the TP size."""
 
-    def __init__(self, cfg: VisionConfig, tp_group=None):
+    def __init__(self, cfg: VisionConfig, tp_group=None, act=F.gelu):
         super().__init__()
         d, tp = cfg.hidden_size, group_size(tp_group)
         if d % cfg.num_heads:
@@ -79,7 +79,7 @@ class VisionBlock(nn.Module):
         self.ln2 = nn.LayerNorm(d, eps=cfg.norm_eps)
         self.fc1 = ColumnParallelLinear(d, cfg.ffn_hidden_size, **par)
         self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, d, **par)
-        self.act = quick_gelu if getattr(cfg, "arch", "vit") == "clip" else F.gelu
+        self.act = act
 
     def _attn(self, x: torch.Tensor, cp_plan: CPAttentionPlan | None) -> torch.Tensor:
         i, s, _ = x.shape
@@ -107,10 +107,11 @@ class ViTEncoder(nn.Module):
     keeps only its input [I, P + 1, D] and runs its forward again during its backward (an
     encoder island's `layout.recompute=full`; the colocated schedule recomputes the whole
     encoder side in its phase 3 instead). `cp_group`: the encoder's CP group (module docstring);
-    under CP the output is this rank's rows of each input [I, n_r, D] (`local_tokens` = k)."""
+    under CP the output is this rank's rows of each input [I, n_r, D] (`local_tokens` = k).
+    `act`: the MLP's activation (the `arch`'s, chosen by `hcp.model.encoder_types.build_encoder`)."""
 
     def __init__(self, cfg: VisionConfig, tp_group=None, stage=None, recompute: bool = False,
-                 cp_group=None):
+                 cp_group=None, act=F.gelu):
         super().__init__()
         self.recompute, self.cp_group = recompute, cp_group
         if cfg.image_size % cfg.patch_size:
@@ -134,9 +135,9 @@ class ViTEncoder(nn.Module):
             self.pre_norm = nn.LayerNorm(d, eps=cfg.norm_eps)
         used = cfg.num_layers + cfg.select_layer + 1
         if stage is None:
-            self.blocks = nn.ModuleList(VisionBlock(cfg, tp_group) for _ in range(used))
+            self.blocks = nn.ModuleList(VisionBlock(cfg, tp_group, act) for _ in range(used))
         else:
-            self.blocks = nn.ModuleDict({str(i): VisionBlock(cfg, tp_group)
+            self.blocks = nn.ModuleDict({str(i): VisionBlock(cfg, tp_group, act)
                                          for i in range(stage.start, stage.stop)})
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:

@@ -4,13 +4,10 @@ Under `placement=non_colocated` the source module (an encoder, with its projecto
 destination module (the LLM) sit on disjoint islands. Rows leave from the source's LAST pipeline
 stage and arrive on the destination's FIRST stage, so the edge's dedicated group holds exactly
 those ranks: the source's last-stage ranks, then the destination's first-stage ranks, each in
-ascending global order (group rank i is `edge_ranks(...)[i]`; a routing table of the edge,
-`hcp.parallel.routing.build_routes`, is indexed by these group ranks). An encoder lane runs
-its micro-batches in the order the LLM consumes them (`island_micro_batches`).
+ascending global order (group rank i is `edge_ranks(...)[i]`; the edge's routing tables are
+indexed by these group ranks).
 """
 from __future__ import annotations
-
-from typing import Sequence
 
 from hcp.parallel.grid import Grid
 
@@ -36,27 +33,3 @@ def edge_ranks(src: Grid, dst: Grid) -> tuple[int, ...]:
                          f"{min(shared)}; a non-colocated edge needs disjoint islands (set the "
                          "layouts' rank_offset, or use placement=colocated)")
     return tuple(sources + dests)
-
-
-def island_micro_batches(lane_samples: Sequence[int],
-                         consumed: Sequence[Sequence[int]]) -> list[list[int]]:
-    """An encoder lane's micro-batches in the order the LLM consumes them (docs/design.md 4.4).
-
-    lane_samples: the samples this encoder lane encodes (any order); consumed[i]: the samples
-    the LLM consumes in micro-batch i (over all its lanes). Returns, per micro-batch i, the lane's
-    samples in consumed[i], in consumed[i]'s order (empty when it has none: the lane still
-    takes part in micro-batch i's schedule steps, with 0 rows).
-
-    Raises:
-        ValueError: a sample of the lane is consumed twice or never (the plan and the lane
-            disagree).
-    """
-    mine = set(int(s) for s in lane_samples)
-    out = [[int(s) for s in mb if int(s) in mine] for mb in consumed]
-    seen = [s for mb in out for s in mb]
-    if len(seen) != len(set(seen)) or set(seen) != mine:
-        missing = sorted(mine - set(seen))
-        raise ValueError(f"island_micro_batches: the lane's samples must each be consumed exactly "
-                         f"once; never consumed: {missing[:8]}, consumed {len(seen)} times in "
-                         f"all for {len(mine)} samples")
-    return out

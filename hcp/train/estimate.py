@@ -12,9 +12,10 @@ What it assumes (printed with the estimate):
   ranks per node;
 - the LLM only (the cost model of the run's `llm`, its tp, pp and `pp_layers`): the encoder and
   projector are not timed; full recompute when `llm.layout.recompute=full`, none otherwise;
-- packing: `first_fit` packs each DP lane's samples into micro-batches of
-  `micro_batch_tokens * cp` tokens, each on the layout's CP group; `dynamic_cp` runs the solver
-  over the whole CP pool (dp * cp ranks);
+- packing: the policy training runs (`hcp.plan.policies`): `first_fit` packs each DP lane's
+  samples into micro-batches of `micro_batch_tokens * cp` tokens, each on the layout's CP group;
+  `dynamic_cp` runs the solver over the whole CP pool (dp * cp ranks, `hcp.dcp.policy` under
+  `packing_profile`);
 - TP of size t: the cost model divides compute and CP traffic by t; the estimate adds TP's own
   two ring all-reduces of the activations per layer forward (`2 (t-1)/t * tokens/c * h * 2 B`),
   the same again in backward and once more under full recompute, over NVLink inside a node,
@@ -70,15 +71,15 @@ def cost_model(cfg, lay, hw: HardwareProfile) -> CostModel:
                      pp_layers=list(lay.pp_layers))
 
 
-def _plans(cfg, lay, cost: CostModel) -> list[tuple[Plan, np.ndarray]]:
+def _plans(cfg, lay) -> list[tuple[Plan, np.ndarray]]:
     """The plans of the CP pools (one per DP lane under first_fit, one pool under dynamic_cp),
-    each with its lengths; one micro-batch per round (the pipeline's unit)."""
+    each with its lengths, from the packing policy training runs; one micro-batch per round."""
     lens, m = batch_lengths(cfg), int(cfg.trainer.micro_batch_tokens)
     if cfg.packing == "dynamic_cp":
-        from hcp.dcp.solver import solve
+        from hcp.dcp.policy import dynamic_cp_policy
 
-        return [(solve(lens, cost, lay.cp_pool, m).plan, lens)]
-    plan = first_fit_policy(lens, lay, m)  # the packing training runs; each lane its own pipeline
+        return [(dynamic_cp_policy(cfg.llm, cfg.packing_profile)(lens, lay, m), lens)]
+    plan = first_fit_policy(lens, lay, m)  # each lane its own pipeline
     return [(Plan([Round([r.groups[lane]]) for r in plan.rounds if r.groups[lane].seq_indices]), lens)
             for lane in range(lay.dp)]
 
@@ -126,7 +127,7 @@ def estimate_step(cfg, lay, world: int, stage_params: list[int], profile: str = 
 def lane_stage_times(cfg, lay, cost: CostModel) -> list[tuple[Plan, np.ndarray, np.ndarray]]:
     """[(plan, fwd, bwd)] of each CP pool (one per DP lane under first_fit): its micro-batches
     and their forward / backward seconds per PP stage, `[pp, R]`, TP's all-reduces included."""
-    return [(plan, *_stage_times(cfg, lay, cost, plan, lens)) for plan, lens in _plans(cfg, lay, cost)]
+    return [(plan, *_stage_times(cfg, lay, cost, plan, lens)) for plan, lens in _plans(cfg, lay)]
 
 
 def _stage_times(cfg, lay, cost: CostModel, plan: Plan, lens: np.ndarray):

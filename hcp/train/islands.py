@@ -283,9 +283,8 @@ class IslandTrainer(Trainer):
             prec = self.precision
 
             def forward(i, received):  # in the compute dtype out, widened in (as the LLM's stages)
-                with prec.autocast(self.device.type):
-                    out = self.encoder(inputs[i] if stage.first else prec.from_wire(received[g - 1]))
-                return prec.to_wire(out)
+                return prec.stage_forward(self.device.type, lambda h: self.encoder(inputs[i] if h is None else h),
+                                          None if stage.first else received[g - 1])
         reducer = self.runner.reducer if self.runner is not None else None
         grad_sync = reducer.sync_in_backward if reducer else None
         if self._sharded():  # FSDP: one reduce-scatter per step, in the last backward

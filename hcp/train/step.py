@@ -78,10 +78,8 @@ class StepRunner:
         """This stage's model forward under the precision policy's autocast. The activation
         travels in the compute dtype; a received one is widened back to the parameter dtype, so
         the residual stream keeps the precision it has without pipeline stages."""
-        p = self.precision
-        with p.autocast(self.device.type):
-            out = self.model(batch, None if x is None else p.from_wire(x), head)
-        return out if self.stage.last else p.to_wire(out)
+        return self.precision.stage_forward(self.device.type, lambda h: self.model(batch, h, head), x,
+                                            not self.stage.last)
 
     def _act_spec(self, meta) -> tuple[tuple[int, int], torch.dtype]:
         """(shape, dtype) of the activation a stage sends for micro-batch `meta`."""

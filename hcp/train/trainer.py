@@ -382,28 +382,35 @@ class Trainer:
         if self.log:
             self.log.write(f"checkpoint step {self.step}: {path}")
 
+    def fit_step(self) -> dict:
+        """One step of `fit`: `train_step`, then evaluation, logging, checkpoint and the
+        preemption check as configured; returns the step's metrics (with any evaluation's)."""
+        tc = self.cfg.trainer
+        metrics, evals = self.train_step(), {}
+        record_step(self.step)
+        if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
+            evals = self.evaluate()
+            metrics.update(evals)
+        if self.log:
+            if self.step % tc.log_every == 0 or self.step == tc.max_steps or evals:
+                self.log.log(self.step, metrics)
+            self.log.advance()
+        if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.max_steps:
+            self.save()
+        if self.step < tc.max_steps and self.preempt.should_stop():  # all ranks agree
+            self.save()
+            self.ahead.close()
+            self.preempt.requeue_and_exit(self.step, self.cfg.checkpoint.dir)
+        return metrics
+
     def fit(self) -> dict:
         """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
         tc = self.cfg.trainer
         t_start, history, metrics, evals = time.perf_counter(), [], {}, {}
         record_step(self.step)  # the launcher names the step of a rank that dies (hcp.train.supervise)
         while self.step < tc.max_steps:
-            metrics, evals = self.train_step(), {}
-            record_step(self.step)
+            metrics = self.fit_step()
             history.append(metrics)
-            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
-                evals = self.evaluate()
-                metrics.update(evals)
-            if self.log:
-                if self.step % tc.log_every == 0 or self.step == tc.max_steps or evals:
-                    self.log.log(self.step, metrics)
-                self.log.advance()
-            if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.max_steps:
-                self.save()
-            if self.step < tc.max_steps and self.preempt.should_stop():  # all ranks agree
-                self.save()
-                self.ahead.close()
-                self.preempt.requeue_and_exit(self.step, self.cfg.checkpoint.dir)
         evals = self.evaluate()
         self.save()
         self.ahead.close()
