@@ -79,6 +79,8 @@ def test_old_profiles_load_with_one_attention_efficiency_and_new_ones_per_cp_siz
         _, attn_old, _ = base._parts(L, L * L, c)
         _, attn_new, _ = new._parts(L, L * L, c)
         assert attn_new[0, 0] == pytest.approx(scale * attn_old[0, 0])
+    shipped = load_profile(ROOT / "hcp/dcp/profiles/gloo_llama_tiny.yaml")   # mode=calibrate's
+    assert sorted(shipped.cp_attention_efficiency) == [2, 4, 8]
     bad = tmp_path / "bad.yaml"
     bad.write_text(text + "cp_attention_efficiency: {3: 0.3}\n")
     with pytest.raises(ValueError, match=r"cp_attention_efficiency=\{3: 0.3\}: invalid value.*power of two"):
