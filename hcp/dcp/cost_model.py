@@ -243,8 +243,9 @@ class CostModel:
     def _parts(self, tokens, sq, c):
         t, s, c = (np.asarray(x, dtype=np.float64) for x in (tokens, sq, c))
         col = (slice(None),) + (None,) * max(t.ndim, s.ndim, c.ndim)
-        attn = self.attn_coef[col] * self.attn_scale(c) * s / c
-        compute = self.mm_coef[col] * t / c + attn
+        attn_coef = self.attn_coef[col] * self.attn_scale(c)
+        compute = (self.mm_coef[col] * t + attn_coef * s) / c
+        attn = attn_coef * s / c
         comm = self.comm_coef[col] * t * (c - 1) / c / self.bandwidth(c)
         return compute, attn, comm
 
