@@ -15,6 +15,7 @@ from dist_utils import run_ranks
 from test_model import make_batch, reference_attention
 
 import hcp.model.cp_attention as cp_attention_module
+import hcp.model.cp_kernels as cp_kernels
 from hcp.config.schema import LLMConfig
 from hcp.model import LlavaModel
 from hcp.model.cp_attention import Partial, build_cp_plan, cp_attention, cp_calls
@@ -94,9 +95,9 @@ def _recording(records):
         fold(self, *args)
         records.append((self.out.dtype, self.lse.dtype))
 
-    def recorded_grads(q, k, v, dout, out, lse, calls, kernel, dq, dk, dv):
-        records.append((lse.dtype, dq.dtype, dk.dtype, dv.dtype))
-        return grads(q, k, v, dout, out, lse, calls, kernel, dq, dk, dv)
+    def recorded_grads(q, kv, dout, out, lse, calls, kernel, dq, dkv):
+        records.append((lse.dtype, dq.dtype, dkv.dtype))
+        return grads(q, kv, dout, out, lse, calls, kernel, dq, dkv)
 
     Partial.fold, cp_attention_module.grads = recorded_fold, recorded_grads
 
@@ -105,6 +106,7 @@ def cp_case(rank, world, comm, ref):
     records = []
     _recording(records)
     cp_attention_module.SHORT_CHUNK = 4   # the long documents as three calls, the short as one
+    cp_kernels.CPU_LONG_QUERY = 12        # full and masked calls of 6-11 query rows fold their heads
     for dtype, tol in ((torch.float32, TOL), (torch.bfloat16, BF16_TOL)):
         records.clear()
         plan = build_cp_plan(qkvw(MIX)[0], dist.group.WORLD, comm)
@@ -125,15 +127,20 @@ def test_fused_cp_attention_fp32_exact_and_bf16_close_with_fp32_statistics(comm,
     run_ranks(cp_case, cp, comm, reference(MIX), timeout=80)
 
 
-@pytest.mark.parametrize("lq, lk, causal, masked", [(6, 6, True, False), (5, 7, False, False),
-                                                    (5, 7, False, True)])
-def test_cpu_kernel_matches_the_math_kernel_with_given_out_and_lse(lq, lk, causal, masked):
+@pytest.mark.parametrize("lq, lk, causal, masked, fold", [
+    (6, 6, True, False, False), (5, 7, False, False, False), (5, 7, False, True, False),
+    (5, 7, False, False, True), (5, 7, False, True, True)])
+def test_cpu_kernel_matches_the_math_kernel_with_given_out_and_lse(lq, lk, causal, masked, fold,
+                                                                   monkeypatch):
     """The fused CPU kernel against the plain-torch one (also CUDA's fp32 path): forward out
     and lse, and the backward from an out / lse pair it did not compute itself (as after a merge:
-    here the math kernel's), grouped-query heads, with and without a shared mask."""
+    here the math kernel's), grouped-query heads, with and without a shared mask, with the
+    query heads folded into the rows (`fold`) or not."""
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, lq, 4, 8, generator=g)
     k, v = (torch.randn(2, lk, 2, 8, generator=g) for _ in range(2))
+    monkeypatch.setattr(cp_kernels, "CPU_LONG_QUERY", 2 * lq if fold else 10**9)
+    assert cp_kernels._folds(q, k, causal) == fold
     dout = torch.randn(q.shape, generator=g)
     mask = (torch.rand(lq, lk, generator=g) < 0.6).index_fill_(1, torch.tensor([0]), True) if masked else None
     cpu = KERNELS["cpu"]
@@ -149,7 +156,7 @@ def test_partial_is_fp32_for_bf16_inputs():
     cu, q, k, v, _ = qkvw([10, 4], torch.bfloat16)
     plan = build_cp_plan(cu, None)
     state = Partial.empty(q)
-    state.fold(q, k, v, plan.calls[0], plan.kernel)
+    state.fold(q, torch.stack([k, v], dim=1), plan.calls[0], plan.kernel)
     assert (state.out.dtype, state.lse.dtype, state.result(q.dtype).dtype) == (
         torch.float32, torch.float32, torch.bfloat16)
 

@@ -169,3 +169,20 @@ def test_lower_bound_with_cp_latency_stays_below_every_plan(raw, pool, cap):
             assert bound <= simulate_plan(plan, lens, cost).iteration_time * (1 + 1e-9)
     if (lens > cap).any():  # some sequence needs CP: the bound sees its latency
         assert lower_bound(lens, cost, pool, cap, True) > lower_bound(lens, base, pool, cap, True)
+
+
+def test_per_cp_size_attention_reaches_every_solver_time():
+    """`cp_attention_efficiency` scales the attention term at c > 1 in `fwd`, the additive
+    floor and local search's scalar time alike (they must stay equal / below)."""
+    from hcp.dcp.local_search import GroupTime
+
+    hw = HardwareProfile(**{**load_profile("h100").__dict__, "cp_attention_efficiency": {2: 0.15}})
+    per_cp, base = CostModel(recipe_llm(), hw, pp=1), CostModel(recipe_llm(), load_profile("h100"), pp=1)
+    lens = np.array([300, 5000, 12000], dtype=float)
+    t, s = lens.sum(), (lens**2).sum()
+    assert per_cp.fwd(t, s, 1)[0] == base.fwd(t, s, 1)[0]
+    for c in (2, 8):
+        _, attn, _ = per_cp._parts(t, s, c)
+        assert attn[0] == pytest.approx(3.0 * base._parts(t, s, c)[1][0])   # 0.45 / 0.15
+        assert GroupTime(per_cp)(t, s, c) == pytest.approx(float(per_cp.fwd(t, s, c)[0]), rel=1e-12)
+        assert per_cp.fwd(t, s, c)[0] >= per_cp.fwd_floor(lens, lens**2, c).sum() - 1e-15

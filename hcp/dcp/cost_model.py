@@ -20,6 +20,8 @@ per layer and micro-batch, never hidden (each step waits for the previous one). 
 micro-batch, not per token, so the additive floor `fwd_floor` leaves it out. TP's own
 collectives are linear in the tokens and left to the matmul coefficient (a calibrated profile
 absorbs them).
+The attention coefficient may depend on c (`cp_attention_efficiency`: CP attention's kernels
+at c > 1 are not the fused SDPA of c = 1; `CostModel.attn_scale`).
 Backward is twice the forward (compute and K/V plus dK/dV traffic), full recompute adds one
 forward: `bwd = (2 + recompute) * fwd`. Each micro-batch also pays a fixed overhead per stage.
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from dataclasses import MISSING, dataclass, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +65,8 @@ def check_fields(obj, rules: dict) -> None:
         if f.type == "int":
             typed = isinstance(v, (int, np.integer)) and not isinstance(v, bool)
             problem = "not an integer"
+        elif f.type.startswith("dict"):
+            typed, problem = v is None or isinstance(v, dict), "not a mapping"
         else:
             typed = (isinstance(v, (int, float, np.integer, np.floating))
                      and not isinstance(v, bool) and np.isfinite(v))
@@ -87,6 +91,12 @@ HARDWARE_RULES = {
     "micro_batch_overhead_bwd": _OVERHEAD,
     "bytes_per_element": (_positive, "a positive integer number of bytes, e.g. 2 (BF16)"),
     "cp_latency": _OVERHEAD,
+    "cp_attention_efficiency": (
+        lambda v: v is None or all(_power_of_two(c) and c > 1 and not isinstance(c, bool)
+                                   and not isinstance(e, bool) and np.isfinite(e) and 0 < e <= 1
+                                   for c, e in v.items()),
+        "a mapping {CP size (a power of two >= 2): fraction of the peak in (0, 1]}, e.g. "
+        "{2: 0.4, 4: 0.38}, or leave it out"),
 }
 
 
@@ -107,6 +117,11 @@ class HardwareProfile:
     bytes_per_element: int
     cp_latency: float = 0.0
     """Seconds per ring step of a CP collective per layer (forward); optional in a YAML."""
+    cp_attention_efficiency: dict | None = field(default=None, hash=False)
+    """{CP size c >= 2: attention efficiency at c}: CP attention (hcp/model/cp_attention.py)
+    runs other kernels than the fused SDPA of c = 1 (`attention_efficiency`). A size not listed
+    takes the largest listed size below it (the smallest listed when none is); None (profiles
+    before it): `attention_efficiency` at every c. Optional in a YAML."""
 
     def __post_init__(self):
         check_fields(self, HARDWARE_RULES)
@@ -202,7 +217,10 @@ class CostModel:
         mm_flops = n * layer_matmul_flops_per_token(llm) + head * head_flops_per_token(llm)
         self.mm_coef = mm_flops / tp / (hw.peak_flops * hw.matmul_efficiency)  # s / token
         self.attn_coef = (n * layer_attention_flops_per_sq_token(llm) / tp
-                          / (hw.peak_flops * hw.attention_efficiency))  # s / token^2
+                          / (hw.peak_flops * hw.attention_efficiency))  # s / token^2 at c = 1
+        sizes = sorted((hw.cp_attention_efficiency or {}).items())
+        self._cp_sizes = np.array([c for c, _ in sizes], dtype=np.float64)
+        self._cp_attn_scale = np.array([hw.attention_efficiency / e for _, e in sizes])
         self.comm_coef = n * 2 * kv_dim(llm) / tp * hw.bytes_per_element  # bytes / token / GPU
         self.latency_coef = n * hw.cp_latency  # s per ring step (c - 1) and micro-batch
         self.bwd_factor = 2.0 + float(recompute)
@@ -212,11 +230,22 @@ class CostModel:
         return np.where(np.asarray(c) * self.tp <= self.hw.ranks_per_node,
                         self.hw.nvlink_bandwidth, self.hw.ib_bandwidth)
 
+    def attn_scale(self, c):
+        """Factor of `attn_coef` (the c = 1 coefficient) at CP sizes `c` (array of c's shape,
+        or 1.0 without `cp_attention_efficiency`): attention_efficiency / the efficiency at c
+        (`HardwareProfile.cp_attention_efficiency`), 1 at c = 1."""
+        if not self._cp_sizes.size:
+            return 1.0
+        c = np.asarray(c, dtype=np.float64)
+        i = np.maximum(np.searchsorted(self._cp_sizes, c, side="right") - 1, 0)
+        return np.where(c > 1, self._cp_attn_scale[i], 1.0)
+
     def _parts(self, tokens, sq, c):
         t, s, c = (np.asarray(x, dtype=np.float64) for x in (tokens, sq, c))
         col = (slice(None),) + (None,) * max(t.ndim, s.ndim, c.ndim)
-        compute = (self.mm_coef[col] * t + self.attn_coef[col] * s) / c
-        attn = self.attn_coef[col] * s / c
+        attn_coef = self.attn_coef[col] * self.attn_scale(c)
+        compute = (self.mm_coef[col] * t + attn_coef * s) / c
+        attn = attn_coef * s / c
         comm = self.comm_coef[col] * t * (c - 1) / c / self.bandwidth(c)
         return compute, attn, comm
 

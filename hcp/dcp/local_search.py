@@ -36,12 +36,13 @@ class GroupTime:
         self.mm, self.attn = float(cost.mm_coef[0]), float(cost.attn_coef[0])
         self.comm, self.ov = float(cost.comm_coef[0]), cost.hw.comm_overlap
         self.bw = {c: float(cost.bandwidth(c)) for c in (1 << e for e in range(40))}
+        self.attn_scale = {c: float(cost.attn_scale(c)) for c in self.bw}  # per CP size
         self.lat = float(cost.latency_coef[0])  # s per ring step (c - 1)
 
     def __call__(self, t: float, s: float, c: int) -> float:
         if t <= 0:
             return 0.0
-        attn = self.attn * s / c
+        attn = self.attn * self.attn_scale[c] * s / c
         comm = self.comm * t * (c - 1) / c / self.bw[c]
         exposed = max((1.0 - self.ov) * comm, comm - attn)
         return self.mm * t / c + attn + exposed + self.lat * (c - 1)

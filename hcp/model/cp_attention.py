@@ -202,7 +202,7 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     CP rank of `plan.group`. Returns [T_loc, Hq, D] in q's dtype."""
     if plan.comm == "allgather":
         kv = gather_seq(torch.stack([k, v], dim=1), plan.group)           # [c * T_loc, 2, Hkv, D]
-        return _FusedAttention.apply(q, kv[:, 0], kv[:, 1], plan)
+        return _FusedAttention.apply(q, kv, plan)
     return _RingAttention.apply(q, k, v, plan)
 
 
@@ -220,54 +220,61 @@ class Partial:
         return cls(torch.zeros(q.shape, dtype=acc, device=q.device),
                    torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device))
 
-    def fold(self, q, k, v, calls: list[Call], kernel: Kernel) -> None:
-        """Merge the calls' attention of q over k, v (in place, fp32)."""
+    def fold(self, q, kv, calls: list[Call], kernel: Kernel) -> None:
+        """Merge the calls' attention of q over kv `[T_k, 2, Hkv, D]` (K and V stacked: one
+        row gather per call) in place, fp32."""
         with torch.autocast(q.device.type, enabled=False):
             for call in calls:
-                out, lse = kernel.forward(call.q.take(q), call.k.take(k), call.k.take(v), call.causal,
-                                          call.mask)
+                kv_rows = call.k.take(kv)
+                out, lse = kernel.forward(call.q.take(q), kv_rows[:, :, 0], kv_rows[:, :, 1],
+                                          call.causal, call.mask)
                 old_out, old_lse = call.q.take(self.out), call.q.take(self.lse)
                 new = torch.logaddexp(old_lse, lse)
-                merged = (old_out * torch.exp(old_lse - new)[..., None]
-                          + out.to(new.dtype) * torch.exp(lse - new)[..., None])
-                call.q.put(self.out, merged)
-                call.q.put(self.lse, new)
+                merged = old_out.mul_(torch.exp_(old_lse.sub_(new))[..., None])
+                merged.addcmul_(out, torch.exp_(lse.sub_(new))[..., None])
+                if call.q.index is not None:                        # views need no write-back
+                    call.q.put(self.out, merged)
+                    call.q.put(self.lse, new)
+                else:
+                    old_lse.copy_(new)
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
         return self.out.to(dtype)
 
 
-def grads(q, k, v, dout, out, lse, calls: list[Call], kernel: Kernel, dq, dk, dv) -> None:
-    """Add the calls' gradients to the fp32 accumulators dq [Tq, Hq, D], dk, dv [Tk, Hkv, D];
-    out, lse: the merged attention of every call of the query rows (`Partial`)."""
+def grads(q, kv, dout, out, lse, calls: list[Call], kernel: Kernel, dq, dkv) -> None:
+    """Add the calls' gradients to the fp32 accumulators dq [Tq, Hq, D] and dkv [Tk, 2, Hkv, D]
+    (of kv, K and V stacked); out, lse: the merged attention of every call of the query rows
+    (`Partial`)."""
     with torch.autocast(q.device.type, enabled=False):
         for call in calls:
             rows = call.q.take
-            g = kernel.backward(rows(dout), rows(q), call.k.take(k), call.k.take(v), rows(out),
-                                rows(lse), call.causal, call.mask)
-            call.q.add(dq, g[0].to(dq.dtype))
-            call.k.add(dk, g[1].to(dk.dtype))
-            call.k.add(dv, g[2].to(dv.dtype))
+            kv_rows = call.k.take(kv)
+            dq_c, dk_c, dv_c = kernel.backward(rows(dout), rows(q), kv_rows[:, :, 0], kv_rows[:, :, 1],
+                                               rows(out), rows(lse), call.causal, call.mask)
+            call.q.add(dq, dq_c.to(dq.dtype))
+            call.k.add(dkv, torch.stack([dk_c, dv_c], dim=2).to(dkv.dtype))
 
 
 class _FusedAttention(torch.autograd.Function):
-    """q [T_loc, Hq, D] against one key source k, v [T_k, Hkv, D] through `plan.calls[0]`."""
+    """q [T_loc, Hq, D] against one key source kv [T_k, 2, Hkv, D] (K and V stacked) through
+    `plan.calls[0]`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan):
+    def forward(ctx, q, kv, plan):
         state = Partial.empty(q)
-        state.fold(q, k, v, plan.calls[0], plan.kernel)
+        state.fold(q, kv, plan.calls[0], plan.kernel)
         out = state.result(q.dtype)
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, out, state.lse)
+        ctx.save_for_backward(q, kv, out, state.lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = (torch.zeros(x.shape, dtype=acc_dtype(x.dtype), device=x.device) for x in (q, k, v))
-        grads(q, k, v, dout, out, lse, ctx.plan.calls[0], ctx.plan.kernel, dq, dk, dv)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        q, kv, out, lse = ctx.saved_tensors
+        dq, dkv = (torch.zeros(x.shape, dtype=acc_dtype(x.dtype), device=x.device) for x in (q, kv))
+        grads(q, kv, dout, out, lse, ctx.plan.calls[0], ctx.plan.kernel, dq, dkv)
+        return dq.to(q.dtype), dkv.to(kv.dtype), None
 
 
 def _ring_shift(x: torch.Tensor, group, tag: int):
@@ -295,11 +302,11 @@ class _RingAttention(torch.autograd.Function):
         group = plan.group
         size, rank = group_size(group), group_rank(group)
         state = Partial.empty(q)
-        kv = torch.stack([k, v])
+        kv = torch.stack([k, v], dim=1)                                   # [T_loc, 2, Hkv, D]
         for step in range(size):
             if step < size - 1:
                 nxt_kv, reqs = _ring_shift(kv, group, tag=0)
-            state.fold(q, kv[0], kv[1], plan.calls[(rank - step) % size], plan.kernel)
+            state.fold(q, kv, plan.calls[(rank - step) % size], plan.kernel)
             if step < size - 1:
                 _wait(reqs)
                 kv = nxt_kv
@@ -316,13 +323,12 @@ class _RingAttention(torch.autograd.Function):
         size, rank = group_size(group), group_rank(group)
         acc = acc_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = torch.stack([k, v])
+        kv = torch.stack([k, v], dim=1)
         for step in range(size):
             if step < size - 1:
                 nxt_kv, kv_reqs = _ring_shift(kv, group, tag=0)
             dkv = torch.zeros(kv.shape, dtype=acc, device=kv.device)
-            grads(q, kv[0], kv[1], dout, out, lse, plan.calls[(rank - step) % size], plan.kernel,
-                  dq, dkv[0], dkv[1])
+            grads(q, kv, dout, out, lse, plan.calls[(rank - step) % size], plan.kernel, dq, dkv)
             if step > 0:
                 _wait(dkv_reqs)
                 dkv += recv_dkv
@@ -332,4 +338,4 @@ class _RingAttention(torch.autograd.Function):
                 _wait(kv_reqs)
                 kv = nxt_kv
         _wait(dkv_reqs)
-        return dq.to(q.dtype), recv_dkv[0].to(k.dtype), recv_dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), recv_dkv[:, 0].to(k.dtype), recv_dkv[:, 1].to(v.dtype), None

@@ -54,7 +54,40 @@ def _additive(mask, dtype):
     return additive.masked_fill_(~mask, float("-inf"))[None, None]
 
 
+CPU_LONG_QUERY = 768
+"""Query length from which torch's CPU flash kernel uses 256-row query blocks (64 below): K/V
+blocks are then reused by 4x more queries."""
+
+
+def _folds(q, k, causal) -> bool:
+    """Fold grouped-query heads into the query rows (`_fold`): exact for a full or masked call
+    (no causal positions), done when it lifts a short call to the kernel's long query blocks."""
+    rep = q.shape[2] // k.shape[2]
+    return not causal and rep > 1 and q.shape[1] < CPU_LONG_QUERY <= rep * q.shape[1]
+
+
+def _fold(x: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[n, L, Hq, ...] -> [n, Hkv, rep * L, ...]: the rep query heads sharing a kv head (SDPA's
+    grouped-query order: head h reads kv head h // rep) as one longer query sequence."""
+    n, length, hq = x.shape[:3]
+    x = x.reshape(n, length, hkv, hq // hkv, *x.shape[3:]).movedim(1, 3)
+    return x.reshape(n, hkv, -1, *x.shape[4:])
+
+
+def _unfold(x: torch.Tensor, length: int) -> torch.Tensor:
+    """Inverse of `_fold`: [n, Hkv, rep * L, ...] -> [n, L, Hq, ...]."""
+    n, hkv = x.shape[:2]
+    x = x.reshape(n, hkv, -1, length, *x.shape[3:]).movedim(3, 1)
+    return x.reshape(n, length, -1, *x.shape[4:])
+
+
 def _cpu_forward(q, k, v, causal, mask=None):
+    if _folds(q, k, causal):
+        rep, length = q.shape[2] // k.shape[2], q.shape[1]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _fold(q, k.shape[2]), _heads_first(k), _heads_first(v), 0.0, False,
+            attn_mask=_additive(None if mask is None else mask.repeat(rep, 1), q.dtype))
+        return _unfold(out, length), _unfold(lse, length)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         _heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal,
         attn_mask=_additive(mask, q.dtype))
@@ -62,6 +95,13 @@ def _cpu_forward(q, k, v, causal, mask=None):
 
 
 def _cpu_backward(dout, q, k, v, out, lse, causal, mask=None):
+    if _folds(q, k, causal):
+        rep, length, hkv = q.shape[2] // k.shape[2], q.shape[1], k.shape[2]
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            _fold(dout, hkv), _fold(q, hkv), _heads_first(k), _heads_first(v), _fold(out, hkv),
+            _fold(lse, hkv), 0.0, False,
+            attn_mask=_additive(None if mask is None else mask.repeat(rep, 1), q.dtype))
+        return _unfold(dq, length), _heads_first(dk), _heads_first(dv)
     grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _heads_first(dout), _heads_first(q), _heads_first(k), _heads_first(v), _heads_first(out),
         lse.transpose(1, 2), 0.0, causal, attn_mask=_additive(mask, q.dtype))

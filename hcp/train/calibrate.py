@@ -7,23 +7,27 @@ lengths L, documents per micro-batch d and CP sizes c (powers of two up to the l
 under the per-rank cap m = `trainer.micro_batch_tokens` (`grid`): at each c, lengths from m / 4
 to the longest a group of c holds (c m), each as one document and packed to the group's
 capacity, so that no point lies outside the region the solver plans in (a fit over 4,096-token
-micro-batches at c = 1, 8x a 512-token cap, bent the fit where the plans are). Then it fits by
-non-negative
-least squares (scipy.optimize.nnls) the per-rank model of hcp/dcp/cost_model.py at pp = 1:
-    time(T, S, c) = (1 + k) (a T / c + b S / c + g T (c - 1) / c + l (c - 1)) + o
+micro-batches at c = 1, 8x a 512-token cap, bent the fit where the plans are). Then it fits
+(`robust_nnls`: non-negative, Huber loss of the relative errors, so that every point weighs the
+same and one disturbed timing cannot bend the fit) the per-rank model of hcp/dcp/cost_model.py
+at pp = 1, with one attention coefficient b_c per CP size (the fused SDPA of c = 1 and CP
+attention at c > 1 run different kernels):
+    time(T, S, c) = (1 + k) (a T / c + b_c S / c + g T (c - 1) / c + l (c - 1)) + o
 with T = d L tokens, S = d L^2, k = 2 + recompute, and writes `profile.yaml` in the run
 directory: a HardwareProfile (so `packing_profile=PATH` and `benchmarks/dynamic_cp.py --cost
-PATH` load it) whose rates reproduce a, b, g, l, o for this model:
+PATH` load it) whose rates reproduce a, b_c, g, l, o for this model:
     matmul rate    = (layers * 2 P_layer + 2 h V) / a      FLOP/s
-    attention rate = layers * 2 h / b                       FLOP/s
-    peak_flops = the larger rate; each efficiency = its rate / peak;
+    attention rate = layers * 2 h / b_c                     FLOP/s at CP size c
+    peak_flops = the largest rate; each efficiency = its rate / peak (attention_efficiency
+                     at the smallest c, cp_attention_efficiency {c: ...} at every c > 1);
     bandwidth      = layers * 2 d_kv * bytes / g, comm_overlap 0, every group on
                      one "node" (ranks_per_node = the next power of two >= the grid's largest c);
     cp_latency     = l / layers                             s per ring step and layer
     overheads      o_f = o / (1 + k), o_b = o - o_f.
 A coefficient fitted to 0 is written as a negligible cost: rate or bandwidth 1e18, latency 0.
-The YAML's `fit:` entry lists every point's measured and predicted seconds and relative error,
-also printed. Measured per rank: its busy time (`busy_time`: CPU time of the whole process on
+The YAML's `fit:` entry lists every point's measured and predicted seconds, relative error
+and weight in the fit (small: an outlier), also printed with the errors by micro-batch kind
+(`error_table`). Measured per rank: its busy time (`busy_time`: CPU time of the whole process on
 CPU, wall time after `torch.cuda.synchronize` on GPU, lazy, untested here); the slowest rank of
 a group counts, the least of `REPEATS` runs is kept. The H100 profile (profiles/h100.yaml) stays
 the analytic defaults until someone runs this on H100.
@@ -147,48 +151,92 @@ def measure(cfg, run_dir: str, sizes, max_tokens_per_rank: int | None = None
     return rows
 
 
-def fit(rows, llm, recompute: bool, bytes_per_element: int, max_cp: int) -> dict:
-    """Least-squares coefficients and the profile mapping (module docstring). `rows`:
-    `[L, d, c, seconds]`. Returns the profile mapping plus its `fit:` report."""
+HUBER = 1.345
+"""Huber threshold of the robust fit, in robust standard deviations of the relative errors."""
+NOISE_FLOOR = 0.01
+"""Relative error below which a point always keeps its full weight (timing noise)."""
+
+
+def robust_nnls(X: np.ndarray, y: np.ndarray, iters: int = 30) -> tuple[np.ndarray, np.ndarray]:
+    """Non-negative x minimising the Huber loss of the RELATIVE errors `X x / y - 1` (every point
+    weighs the same whatever its size; one disturbed timing, e.g. a rank that shared its core,
+    cannot bend the fit): iteratively reweighted NNLS, scale = 1.4826 * median |error| (at least
+    `NOISE_FLOOR`). Returns (x, final weights in (0, 1], small = treated as an outlier)."""
     from scipy.optimize import nnls
 
+    scale = X.max(axis=0)
+    scale[scale == 0] = 1.0
+    A = X / scale / y[:, None]                                     # relative-error rows
+    w = np.ones_like(y)
+    for _ in range(iters):
+        x, _ = nnls(A * w[:, None], w)
+        r = np.abs(A @ x - 1.0)
+        s = max(1.4826 * float(np.median(r)), NOISE_FLOOR)
+        new = np.sqrt(np.minimum(1.0, HUBER * s / np.maximum(r, 1e-300)))  # sqrt: weights rows
+        if np.allclose(new, w, rtol=1e-6, atol=1e-9):
+            break
+        w = new
+    return x / scale, w ** 2
+
+
+def fit(rows, llm, recompute: bool, bytes_per_element: int, max_cp: int) -> dict:
+    """Robust relative-error coefficients (`robust_nnls`) and the profile mapping (module
+    docstring), with one attention coefficient b_c per CP size c of `rows` (`[L, d, c,
+    seconds]`). Returns the profile mapping plus its `fit:` report."""
     arr = np.asarray(rows, dtype=np.float64)
     L, d, c, y = arr.T
     T, S = d * L, d * L * L
-    X = np.stack([T / c, S / c, T * (c - 1) / c, c - 1, np.ones_like(T)], axis=1)
-    scale = X.max(axis=0)
-    scale[scale == 0] = 1.0
-    w = 1.0 / y  # relative errors: every point weighs the same
-    coef, _ = nnls(X / scale * w[:, None], y * w)
-    coef = coef / scale
+    sizes = sorted({int(x) for x in c})
+    X = np.stack([T / c, *(S / c * (c == ci) for ci in sizes), T * (c - 1) / c, c - 1,
+                  np.ones_like(T)], axis=1)
+    coef, weight = robust_nnls(X, y)
     k1 = 3.0 + float(recompute)
-    a, b, g, lat, o = coef[0] / k1, coef[1] / k1, coef[2] / k1, coef[3] / k1, coef[4]
+    a, g, lat = coef[0] / k1, coef[-3] / k1, coef[-2] / k1
+    b = {ci: float(bi / k1) for ci, bi in zip(sizes, coef[1:-3])}
+    o = coef[-1]
     mm_flops = llm.num_layers * layer_matmul_flops_per_token(llm) + head_flops_per_token(llm)
     at_flops = llm.num_layers * layer_attention_flops_per_sq_token(llm)
     comm_bytes = llm.num_layers * 2 * kv_dim(llm) * bytes_per_element
     rate_mm = mm_flops / a if a > 0 else NEGLIGIBLE
-    rate_at = at_flops / b if b > 0 else NEGLIGIBLE
+    rate_at = {ci: at_flops / bi if bi > 0 else NEGLIGIBLE for ci, bi in b.items()}
     bw = comm_bytes / g if g > 0 else NEGLIGIBLE
-    peak = max(rate_mm, rate_at)
+    peak = max(rate_mm, *rate_at.values())
     pred = X @ coef
     profile = {
         "peak_flops": float(peak), "matmul_efficiency": float(rate_mm / peak),
-        "attention_efficiency": float(rate_at / peak),
+        "attention_efficiency": float(rate_at[sizes[0]] / peak),
         "nvlink_bandwidth": float(bw), "ib_bandwidth": float(bw),
         "ranks_per_node": int(1 << max(0, int(max_cp - 1).bit_length())),
         "comm_overlap": 0.0, "micro_batch_overhead_fwd": float(o / k1),
         "micro_batch_overhead_bwd": float(o - o / k1), "bytes_per_element": int(bytes_per_element),
         "cp_latency": float(lat / llm.num_layers),
     }
+    if any(ci > 1 for ci in sizes):
+        profile["cp_attention_efficiency"] = {ci: float(r / peak) for ci, r in rate_at.items()
+                                              if ci > 1}
     profile["fit"] = {
-        "model": "seconds = (1 + k) (a T / c + b S / c + g T (c - 1) / c + l (c - 1)) + o",
-        "coefficients": {"a": float(a), "b": float(b), "g": float(g), "l": float(lat),
-                         "o": float(o)},
+        "model": "seconds = (1 + k) (a T / c + b_c S / c + g T (c - 1) / c + l (c - 1)) + o, "
+                 "Huber loss of the relative errors",
+        "coefficients": {"a": float(a), "b": b, "g": float(g), "l": float(lat), "o": float(o)},
         "points": [{"length": int(li), "docs": int(di), "cp": int(ci), "measured_s": float(yi),
-                    "predicted_s": float(pi), "rel_error": float(pi / yi - 1)}
-                   for li, di, ci, yi, pi in zip(L, d, c, y, pred)],
+                    "predicted_s": float(pi), "rel_error": float(pi / yi - 1),
+                    "weight": float(wi)}
+                   for li, di, ci, yi, pi, wi in zip(L, d, c, y, pred, weight)],
     }
     return profile
+
+
+def error_table(points) -> list[str]:
+    """Mean and largest |relative error| of the fit's points by micro-batch kind (CP size; one
+    document or packed to capacity), worst kind first: lines to print."""
+    kinds: dict = {}
+    for p in points:
+        kinds.setdefault((p["cp"], "1 doc" if p["docs"] == 1 else "packed"), []).append(
+            abs(p["rel_error"]))
+    rows = sorted(kinds.items(), key=lambda kv: -max(kv[1]))
+    return [f"{'cp':>3} {'kind':>6} {'points':>6} {'mean |err|':>10} {'max |err|':>9}"] + [
+        f"{c:>3} {kind:>6} {len(e):>6} {100 * np.mean(e):9.1f}% {100 * max(e):8.1f}%"
+        for (c, kind), e in rows]
 
 
 def check_cap(max_tokens_per_rank: int) -> None:
@@ -226,12 +274,16 @@ def run_calibrate(cfg, run_dir: str, sizes=None, max_tokens_per_rank: int | None
         f.write("# Fitted by `mode=calibrate` (hcp/train/calibrate.py) for this model on this "
                 "machine.\n")
         yaml.safe_dump(profile, f, sort_keys=False)
-    print(f"{'L':>6} {'docs':>4} {'cp':>3} {'measured_s':>11} {'predicted_s':>11} {'error':>7}")
+    print(f"{'L':>6} {'docs':>4} {'cp':>3} {'measured_s':>11} {'predicted_s':>11} {'error':>7} "
+          f"{'weight':>6}")
     for p in profile["fit"]["points"]:
         print(f"{p['length']:>6} {p['docs']:>4} {p['cp']:>3} {p['measured_s']:11.5f} "
-              f"{p['predicted_s']:11.5f} {100 * p['rel_error']:6.1f}%")
+              f"{p['predicted_s']:11.5f} {100 * p['rel_error']:6.1f}% {p['weight']:6.2f}")
+    print("\n".join(error_table(profile["fit"]["points"])))
     errs = np.abs([p["rel_error"] for p in profile["fit"]["points"]])
-    coef = ", ".join(f"{k} {v:.3g}" for k, v in profile["fit"]["coefficients"].items())
+    coef = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else
+                     f"{k} " + "/".join(f"{x:.3g}" for x in v.values())
+                     for k, v in profile["fit"]["coefficients"].items())
     print(f"fit: mean |error| {100 * errs.mean():.1f}%, max {100 * errs.max():.1f}% ({coef}); "
           f"profile written to {path} (load it with packing_profile={path})")
     return path
