@@ -74,7 +74,7 @@ class StepRunner:
         that group's CP collectives on the others (gloo fails, NCCL would hang). Without it every
         bucket goes after the rank's last micro-batch, one order on every rank."""
 
-    def _stage(self, batch, x, head=None):
+    def stage_forward(self, batch, x, head=None):
         """This stage's model forward under the precision policy's autocast. The activation
         travels in the compute dtype; a received one is widened back to the parameter dtype, so
         the residual stream keeps the precision it has without pipeline stages."""
@@ -83,7 +83,7 @@ class StepRunner:
             out = self.model(batch, None if x is None else p.from_wire(x), head)
         return out if self.stage.last else p.to_wire(out)
 
-    def _act_spec(self, meta) -> tuple[tuple[int, int], torch.dtype]:
+    def act_spec(self, meta) -> tuple[tuple[int, int], torch.dtype]:
         """(shape, dtype) of the activation a stage sends for micro-batch `meta`."""
         return self.model.residual_shape(meta), self.precision.compute
 
@@ -135,7 +135,7 @@ class StepRunner:
 
         def forward(batch, x):
             nonlocal loss_total
-            out = self._stage(batch, x)
+            out = self.stage_forward(batch, x)
             if not self.stage.last:
                 return out
             loss_sum = out[0]
@@ -146,7 +146,7 @@ class StepRunner:
                 None if self.reducer is None or not self.overlap_grad_sync else self.reducer.sync_in_backward)
         times = one_f_one_b(forward, self.link, self.stage.index, self.stage.num_stages, batches,
                             metas if metas is not None else self._metas(batches, n_micro),
-                            self._act_spec, sync)
+                            self.act_spec, sync)
         self.sync_grads()
         if counts[4] == 0:
             self._drop_unused_image_grads()
@@ -184,8 +184,8 @@ class StepRunner:
         same number of `batches`; the first stage's are the ones run (the others get their
         metadata from it, as in training)."""
         metas = self._metas(batches if self.stage.first else None, len(batches))
-        outs = forward_only(lambda batch, x: self._stage(batch, x, head), self.link,
-                            self.stage.index, self.stage.num_stages, batches, metas, self._act_spec)
+        outs = forward_only(lambda batch, x: self.stage_forward(batch, x, head), self.link,
+                            self.stage.index, self.stage.num_stages, batches, metas, self.act_spec)
         if self.stage.num_stages == 1:
             return outs
         shared = []

@@ -13,8 +13,8 @@ their gradients back, the encoder backward. Loss is token-level over the whole g
 over each module's own DP (x CP) group, the clipping norm is global over every module, and one
 optimizer steps them all. A text-only LM (no vision) runs the LLM phase alone. Several encoders
 (joins, branches: `hcp.train.encoders`) run as one encoder side with one route per stream.
-Under `placement=non_colocated` `Trainer(cfg, run_dir)` is the island trainer
-(`hcp.train.islands.IslandTrainer`): a rank builds only its island's modules and the step is the
+Under `placement=non_colocated` the same trainer composes the islands' runtime
+(`hcp.train.islands.Islands`): a rank builds only its island's modules and the step is the
 graph-aware 1F1B across the islands.
 """
 from __future__ import annotations
@@ -48,6 +48,7 @@ from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
 from hcp.train.failures import NonFiniteGuard
+from hcp.train.islands import Islands
 from hcp.train.fsdp import shard_encoder, shard_model
 from hcp.train.metrics_log import RunLogger, whole_step_metrics
 from hcp.train.modules import RankModules, clip_, local_grad_sq, module_sq_norm
@@ -65,15 +66,9 @@ class Trainer:
 
     `run_dir` is the run directory chosen once by the launching process; only the logging
     rank writes into it (checkpoints are written by every rank, as DCP shards).
-    `Trainer(cfg, run_dir)` under `placement=non_colocated` builds the island trainer
-    (`hcp.train.islands.IslandTrainer`: a rank builds only its island's modules).
+    Under `placement=non_colocated` it composes `islands` (`hcp.train.islands.Islands`: a rank
+    builds only its island's modules; None under colocation).
     """
-
-    def __new__(cls, cfg, run_dir: str):
-        if cls is Trainer and cfg.placement == "non_colocated":
-            from hcp.train.islands import IslandTrainer  # it subclasses Trainer
-            cls = IslandTrainer
-        return super().__new__(cls)
 
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.run_dir = cfg, run_dir
@@ -97,6 +92,8 @@ class Trainer:
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg)
         self.edges = tuple(tuple(e) for e in cfg.graph.edges)
+        self.islands = (Islands(cfg, self.layouts, self.groups, self.rank, self.device, self.precision)
+                        if cfg.placement == "non_colocated" else None)
         self.encoder = self._build_encoder()  # both on the meta device: nothing allocated yet
         self.model = self._build_model()
         self.modules = self._rank_modules()
@@ -134,11 +131,25 @@ class Trainer:
                     if self.is_logging_rank else None)
         if self.log and self.resume_note:
             self.log.write(self.resume_note)
+        if self.islands is not None:  # every rank, last: the islands' P2P group
+            self.islands.connect(self.world)
+
+    @property
+    def head(self) -> str | None:
+        """This rank's island head module under non_colocated ("llm" on the LLM island), else None."""
+        return self.islands.head if self.islands is not None else None
+
+    @property
+    def route_bytes(self):
+        """The bytes this rank sent over island routes (`RouteBytes`), None under colocation."""
+        return self.islands.route_bytes if self.islands is not None else None
 
     def _build_encoder(self) -> LlavaEncoder | None:
         """The encoder side (vision + projector) on its own TP group, on the meta device (`__init__`
         materializes this rank's shards), or None (text-only LM)."""
         cfg = self.cfg
+        if self.islands is not None:  # this rank's encoder island stage, or None
+            return self.islands.build_encoder()
         if cfg.vision is None or sides.several_streams(cfg):  # named encoders: an EncoderSide
             return sides.build_encoder_side(cfg, self.groups, self.layouts) if cfg.vision else None
         tp = self.groups.group("vision", "tp") if self.layouts["vision"].tp > 1 else None
@@ -153,6 +164,8 @@ class Trainer:
         """This rank's LLM stage on the meta device (`__init__` materializes this rank's
         shards); image rows arrive routed from the encoder side."""
         cfg = self.cfg
+        if self.islands is not None and self.islands.head != "llm":
+            return None
         with torch.device("meta"):
             model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
                                cp_group=self.cp_group, stage=self.stage, encoder=False,
@@ -172,6 +185,8 @@ class Trainer:
     def _rank_modules(self) -> RankModules:
         """This rank's modules under one root keyed by module FQN (checkpoints, optimizer); with
         an encoder side, its checkpoints name every module's layout (`checkpoint.layouts_label`)."""
+        if self.islands is not None:
+            return self.islands.modules(self.encoder, self.model)
         modules = RankModules(self.encoder, self.model)
         if self.encoder is not None:
             modules.layout_label = checkpoint.layouts_label(self.layouts)
@@ -201,6 +216,8 @@ class Trainer:
 
     def _tp_groups(self):
         """TP group of each module's TP-sharded parameters, for checkpoints (None: no TP)."""
+        if self.islands is not None:
+            return self.islands.tp_groups(self.encoder, self.tp_group)
         groups = {"llm": self.tp_group}
         groups.update(sides.tp_groups(self.encoder))
         return groups if any(g is not None for g in groups.values()) else None
@@ -223,6 +240,8 @@ class Trainer:
         step = self.plan(indices) if step is None else step
         mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
         ds, device = self.train_set, self.device
+        if self.islands is not None and self.model is None:  # an encoder island's rank
+            return mine, self.islands.encoder_inputs(mine, indices, ds), None, None, {}
         pixels = None
         if self.encoder is not None:
             pixels = sides.encoder_inputs(ds, indices, mine, self.encoder, device)
@@ -287,6 +306,12 @@ class Trainer:
         Returns (global loss, [global loss tokens, global tokens, global sum of squared document
         lengths], micro-batches per lane)."""
         mine, pixels, batches, metas, _ = prepared if prepared is not None else self.prepare(global_batch)
+        if self.islands is not None:
+            loss, counts, n_micro, self.stage_times, grad_sq = self.islands.forward_backward(
+                mine, pixels, batches, metas, self.encoder, self.runner, self.record_encoder_grad_sq)
+            if grad_sq is not None:
+                self.encoder_grad_sq = grad_sq
+            return loss, counts, n_micro
 
         def llm_phase(leaf):
             if batches is not None and leaf is not None:
@@ -325,6 +350,10 @@ class Trainer:
 
     def clip(self, max_norm: float) -> float:
         """Clip every module's gradients by their global L2 norm; return the norm before."""
+        if self.islands is not None:  # this rank's module only, one world all-reduce
+            own, tp = ((self.encoder, self.encoder.tp_group) if self.encoder is not None
+                       else (self.model, self.tp_group))
+            return self.islands.clip(own, tp, self.modules.parameters(), max_norm)
         llm = self.layouts["llm"]
         sq = module_sq_norm(self.model.parameters(), self.device, self.tp_group,
                             self.grad_group if llm.dp_shard else None,
@@ -341,9 +370,11 @@ class Trainer:
         n = len(self.eval_set)
         if self.cfg.trainer.eval_samples:
             n = min(n, self.cfg.trainer.eval_samples)
+        whole = self._whole_encoder()  # a collective under non_colocated: before leaving
+        if self.model is None:           # an encoder island's rank: the LLM island evaluates
+            return {}
         per = -(-n // self.dp)
         indices = list(range(self.lane * per, min(n, (self.lane + 1) * per)))
-        whole = self._whole_encoder()
         lent = dict(whole.named_children()) if whole is not None and self.stage.first else {}
         for name, module in lent.items():  # held-out images are encoded in place
             setattr(self.model, name, module)
@@ -365,7 +396,10 @@ class Trainer:
         return max(cap, self.cfg.data.max_seq_len) if self.dynamic_cp else cap
 
     def _whole_encoder(self) -> LlavaEncoder | None:
-        """The encoder side whole on this rank, for evaluation (`hcp.train.whole_encoder`)."""
+        """The encoder side whole on this rank, for evaluation (`hcp.train.whole_encoder`; under
+        non_colocated every island's, on the LLM's first stage: `Islands.whole_encoders`)."""
+        if self.islands is not None:
+            return self.islands.whole_encoders(self.encoder)
         return whole_encoder(self.encoder, self.cfg, self.device)
 
     def save(self) -> None:
