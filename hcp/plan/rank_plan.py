@@ -89,3 +89,7 @@ class RankPlan:
     encoder_rows: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Non-colocated: module with an edge into the LLM (a projector) -> per micro-batch, the
     rows its stream leaves this rank's lane with (all TP replicas compute all of them)."""
+    keep_empty: bool = False
+    """Run the empty micro-batches too (`StepPlan.keep_empty`)."""
+    overlap_grad_sync: bool = True
+    """The gradient reduction may start in the last backward (`StepPlan.overlap_grad_sync`)."""

@@ -287,7 +287,7 @@ class Islands:
                     out = encoder(inputs[i] if stage.first else prec.from_wire(received[g - 1]))
                 return prec.to_wire(out)
         reducer = runner.reducer if runner is not None else None
-        grad_sync = reducer.sync_in_backward if reducer else None
+        grad_sync = reducer.sync_in_backward if reducer and mine.overlap_grad_sync else None
         if self.sharded:  # FSDP: one reduce-scatter per step, in the last backward
             grad_sync = (encoder if encoder is not None else runner.model).set_requires_gradient_sync
         actions = graph_one_f_one_b(graph, n_micro)[g]

@@ -31,7 +31,7 @@ from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
-from hcp.dcp.policy import cp_histogram, several_per_round, with_cp_group
+from hcp.dcp.policy import cp_histogram, micro_batch_group
 from hcp.model import LlavaModel
 from hcp.model.backends import resolve_backend
 from hcp.model.init import materialize
@@ -106,8 +106,6 @@ class Trainer:
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's shards
         self.runner = (StepRunner(self.model, self.groups, self.device, self.precision, llm.dp_shard)
                        if self.model is not None else None)
-        if self.runner is not None and self.dynamic_cp and several_per_round(llm):
-            self.runner.overlap_grad_sync = False  # ranks of a pool run different counts
         self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full",
                                         precision=self.precision, device_type=self.device.type)
                           if self.encoder is not None and cfg.placement == "colocated" else None)
@@ -233,9 +231,7 @@ class Trainer:
         dynamic CP (`hcp.dcp.policy.cp_histogram`, else {})). Only this rank's samples are read: images
         only for its encoder samples, text only on the LLM's first stage (and the labels on the
         last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
-        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives;
-        under non_colocated, where every LLM lane runs every micro-batch of the encoder islands;
-        and under dynamic CP with PP (every stage rank of the pool keeps the plan's order).
+        Empty micro-batches (plan padding) run where the plan says so (`StepPlan.keep_empty`).
         `step`: the plan when the plan-ahead worker process computed it."""
         step = self.plan(indices) if step is None else step
         mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
@@ -245,18 +241,14 @@ class Trainer:
         pixels = None
         if self.encoder is not None:
             pixels = sides.encoder_inputs(ds, indices, mine, self.encoder, device)
-        keep_empty = (self.layouts["llm"].dp_shard or self.cfg.placement == "non_colocated"
-                      or (self.dynamic_cp and self.stage.num_stages > 1))
         batches, metas = [] if self.stage.first else None, []
-        tag = ((lambda b, mb: with_cp_group(b, self.groups, mb, self.rank)) if self.dynamic_cp
-               else (lambda b, mb: b))  # dynamic CP: each micro-batch's own pre-built CP group
         for mb in mine.micro_batches:
             if mb.empty:
-                if keep_empty:
+                if mine.keep_empty:
                     empty = empty_batch(device)
-                    metas.append(tag(StageMeta.of(empty), mb))
+                    metas.append(StageMeta.of(empty))
                     if batches is not None:
-                        batches.append((mb, tag(empty, mb)))
+                        batches.append((mb, empty))
                 continue
             host_cu = mb.cu_seqlens   # the plan's, on the host
             if self.stage.first or self.stage.last:
@@ -267,17 +259,17 @@ class Trainer:
                 if not np.array_equal(batch.cu_seqlens.numpy(), host_cu):
                     raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
                                        f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
-                batch = tag(batch.to(device), mb)
+                batch = batch.to(device)
                 batches.append((mb, batch))
-                metas.append(tag(StageMeta.of(batch), mb))
+                metas.append(StageMeta.of(batch))
                 continue
             lengths = tuple(int(n) for n in np.diff(mb.cu_seqlens))  # the plan's, on the host
             host_labels = [t for s in samples for t in s.labels] if self.stage.last else []
             labels = (torch.tensor(host_labels, device=device) if self.stage.last
                       else torch.full((sum(lengths),), -100, device=device))
-            metas.append(tag(StageMeta(torch.as_tensor(host_cu, device=device), mb.max_seqlen, torch.cat(
+            metas.append(StageMeta(torch.as_tensor(host_cu, device=device), mb.max_seqlen, torch.cat(
                 [torch.arange(n, device=device) for n in lengths]), labels, lengths,
-                sum(t != -100 for t in host_labels)), mb))
+                sum(t != -100 for t in host_labels)))
         return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}
 
     def train_step(self) -> dict:
@@ -320,7 +312,7 @@ class Trainer:
             check = self.cfg.trainer.get("check_counts") and not self.dynamic_cp
             planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
             return self.runner.forward_backward([b for _, b in batches] if batches is not None else None,
-                                                metas, planned)
+                                                metas, planned, mine.overlap_grad_sync, self._cp_groups(mine))
 
         if self.colocated is None:
             loss, counts, n_micro, self.stage_times = llm_phase(None)
@@ -332,6 +324,16 @@ class Trainer:
             self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())
         sides.sync_encoder_grads(self.encoder, self.groups, mine.counts)  # no row anywhere: no update
         return loss, self._plan_counts(mine, counts), n_micro
+
+    def _cp_groups(self, mine):
+        """Under dynamic CP, the CP process group of each micro-batch this rank runs: the
+        plan's group (`MicroBatchPlan.cp_size`, `cp_rank`) resolved to its pre-built group
+        (`hcp.dcp.policy.micro_batch_group`; None at CP size 1 and for an empty micro-batch,
+        which runs no CP collective). Else None: the model's own CP group."""
+        if not self.dynamic_cp:
+            return None
+        return [None if mb.empty else micro_batch_group(self.groups, mb, self.rank)
+                for mb in mine.micro_batches if mine.keep_empty or not mb.empty]
 
     def _check_plan(self, checksum: int) -> None:
         """`trainer.check_plan`: every rank must have computed the same step plan
