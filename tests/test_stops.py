@@ -29,14 +29,15 @@ TOY = textwrap.dedent("""
             sys.exit(128 + signum)
         signal.signal(signal.SIGINT, mark)
         signal.signal(signal.SIGUSR2, mark)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torch's terminate-on-failure races the marks
+        if os.environ["WORLD_SIZE"] != "1":  # torch's terminate-on-failure races the marks
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         record_step(3)
         open(os.path.join(out, "pid" + r), "w").write(str(os.getpid()))
         time.sleep(120)
 
     if __name__ == "__main__":
         try:
-            start_local_ranks(rank, 2, sys.argv[1])
+            start_local_ranks(rank, int(sys.argv[2]), sys.argv[1])
         except Interrupted as e:
             print("interrupted", signal.Signals(e.signum).name)
         except RankDied as e:
@@ -44,18 +45,19 @@ TOY = textwrap.dedent("""
 """)
 
 
-def _toy(tmp_path):
-    """The toy launcher, started; returns it once both ranks wait (their pids by rank)."""
+def _toy(tmp_path, nproc=2):
+    """The toy launcher, started; returns it once its ranks wait (their pids by rank)."""
     (tmp_path / "toy.py").write_text(TOY)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "toy.py"), str(tmp_path)], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "toy.py"), str(tmp_path), str(nproc)], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
-    while not all((tmp_path / f"pid{r}").exists() for r in "01") and time.time() < deadline:
+    ranks = [str(r) for r in range(nproc)]
+    while not all((tmp_path / f"pid{r}").exists() for r in ranks) and time.time() < deadline:
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
-    time.sleep(0.5)  # both pid files written in full
-    return proc, [int((tmp_path / f"pid{r}").read_text()) for r in "01"]
+    time.sleep(0.5)  # the pid files written in full
+    return proc, [int((tmp_path / f"pid{r}").read_text()) for r in ranks]
 
 
 def _finish(proc):
@@ -76,6 +78,17 @@ def test_a_signal_to_the_launcher_alone_reaches_every_rank(tmp_path, sent, recei
     out, err = _finish(proc)
     assert out.strip() == f"interrupted {sent}", err[-2000:]
     assert (tmp_path / f"{received}0").exists() and (tmp_path / f"{received}1").exists()
+
+
+def test_a_signal_to_a_one_rank_launch_reaches_its_rank_in_process(tmp_path):
+    """One rank runs in the launching process: SIGTERM still becomes the preemption signal
+    (save, then stop) and the launcher reports the interruption, as with several ranks."""
+    proc, pids = _toy(tmp_path, nproc=1)
+    assert pids == [proc.pid]
+    os.kill(proc.pid, signal.SIGTERM)
+    out, err = _finish(proc)
+    assert out.strip() == "interrupted SIGTERM", err[-2000:]
+    assert (tmp_path / "SIGUSR20").exists()
 
 
 @pytest.mark.slow

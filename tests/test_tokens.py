@@ -11,6 +11,8 @@ from omegaconf import OmegaConf
 from cfg_utils import REPO, compose_cfg
 from dist_utils import run_ranks
 
+from hcp.config.errors import ConfigError
+from hcp.config.validate import validate
 from hcp.data.build import build_datasets, prepare_data
 from hcp.data.indexed import DTYPES, MAGIC, IndexedDataset, write_indexed
 from hcp.data.llava import DataError
@@ -130,6 +132,33 @@ def test_blending_gives_the_requested_proportions_over_many_batches(tmp_path):
     assert np.mean(seen) == pytest.approx(0.6, abs=0.01)
     lines = prepare_data(cfg)
     assert any("big.jsonl" in l and "split into pieces (data.long_docs=split)" in l for l in lines), lines
+
+
+def test_truncate_keeps_one_sample_per_document_its_first_piece(tmp_path):
+    with open(tmp_path / "d.jsonl", "w") as f:
+        for n in (5, 70, 200):
+            f.write(json.dumps({"text": "y" * n}) + "\n")
+    base = ["+recipe=llama_tiny", "data=tokens", "data.max_seq_len=64",
+            f"data.sources=[{{path: {tmp_path / 'd.jsonl'}, weight: 1}}]", "trainer.global_batch_size=2"]
+    _, split, _ = build_datasets(compose_cfg(base))
+    _, cut, _ = build_datasets(compose_cfg(base + ["data.long_docs=truncate"]))
+    assert len(split) > len(cut) == 3
+    lengths = sorted(len(cut[i].input_ids) for i in range(len(cut)))
+    assert lengths == [6, 64, 64]  # bos + 5 bytes (eos is the last target); the others cut
+    assert any("2 documents over max_seq_len=64 truncated (data.long_docs=truncate)" in l
+               for l in prepare_data(compose_cfg(base + ["data.long_docs=truncate"]))), "stated"
+
+
+def test_code_corpus_truncate_keeps_each_file_whole_up_to_max_seq_len(tmp_path):
+    for name, n in (("a.py", 10), ("b.py", 300)):
+        (tmp_path / name).write_text("x" * n)
+    over = ["+recipe=llama_tiny", f"data.path={tmp_path}", "data.max_seq_len=64", "data.eval_fraction=0"]
+    _, split, _ = build_datasets(compose_cfg(over))
+    _, cut, _ = build_datasets(compose_cfg(over + ["data.long_docs=truncate"]))
+    assert len(split) == 1 + 5 and len(cut) == 2
+    assert sorted(len(cut[i].input_ids) for i in range(2)) == [12, 64]  # [bos] + 10 bytes + [eos]
+    with pytest.raises(ConfigError, match="data.long_docs"):
+        validate(compose_cfg(over + ["data.long_docs=reject"]), 4)
 
 
 def _steps(rank, world, container, run_dir):

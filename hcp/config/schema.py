@@ -213,8 +213,9 @@ class DataConfig:
     """data=tokens: `[{path, weight}]`, each a Megatron indexed data set (`PREFIX` of
     PREFIX.bin / PREFIX.idx) or a `.jsonl` file; samples are drawn in proportion to the weights."""
     long_docs: str = "split"
-    """data=tokens: a document longer than `max_seq_len`: `split` into max_seq_len pieces or
-    `reject` (an error naming the file and document)."""
+    """A document longer than `max_seq_len`: `split` into max_seq_len pieces, `truncate` to its
+    first piece (data=tokens, code_corpus), or `reject` (data=tokens: an error naming the file
+    and document)."""
     text_key: str = "text"
     """data=tokens: the JSONL field holding a document's text."""
 

@@ -19,7 +19,7 @@ from hcp.config.precision import PRECISIONS
 _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "mode": ("train", "plan", "export", "calibrate", "rehearse"),
     "export.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "data.long_docs": ("split", "reject"),
+    "data.long_docs": ("split", "truncate", "reject"),
     "precision": PRECISIONS,
     "logger.name": ("wandb", "none"),
     "data.on_error": ("error", "skip"),
@@ -36,6 +36,9 @@ def check_choices(cfg) -> None:
         if key.split(".")[0] in ("projector",) and cfg.get("projector") is None:
             continue
         check_choice(key, OmegaConf.select(cfg, key), allowed)
+    if cfg.data.name == "code_corpus" and cfg.data.long_docs == "reject":
+        raise ConfigError("data.long_docs", "reject", "data=code_corpus reads whole source files, "
+                          "many longer than any max_seq_len", "use data.long_docs=split or truncate")
 
 
 def check_backends(cfg, layouts) -> None:

@@ -100,7 +100,8 @@ def build_datasets(cfg):
     elif d.name == "code_corpus":
         root = d.path or sysconfig.get_paths()["stdlib"]
         files = stdlib_sources(root)
-        make = lambda held: CodeCorpus(files, root, tok, d.max_seq_len, held, d.eval_fraction)  # noqa: E731
+        make = lambda held: CodeCorpus(files, root, tok, d.max_seq_len, held, d.eval_fraction,
+                                         d.long_docs)  # noqa: E731
         return tok, make(False), make(True)
     elif d.name == "tokens":  # text only: no id may stand for an image position
         tok.image_token_id = -1

@@ -2,7 +2,8 @@
 
 Documents of very different lengths (median ~6.5 KB, a long tail past 500 KB), byte-level
 tokens. Each file becomes `[bos] + bytes + [eos]`, split into samples of at most
-`max_seq_len` tokens; labels are shifted inside each sample, once. Files are assigned to the
+`max_seq_len` tokens (`long_docs=split`) or cut to its first sample (`truncate`: one sample
+per file, so sample lengths follow the files' own length distribution); labels are shifted inside each sample, once. Files are assigned to the
 held-out split by a stable hash of their relative path, so the split never changes.
 """
 from __future__ import annotations
@@ -38,11 +39,12 @@ class CodeCorpus:
         max_seq_len: tokens per sample (long documents are split).
         held_out: True for the held-out split, False for training.
         eval_fraction: fraction of files held out (by crc32 of the relative path).
+        long_docs: `split` (every max_seq_len piece is a sample) or `truncate` (the first).
     """
 
     has_answers = False
 
-    def __init__(self, files, root, tokenizer, max_seq_len, held_out, eval_fraction):
+    def __init__(self, files, root, tokenizer, max_seq_len, held_out, eval_fraction, long_docs="split"):
         self.tok, self.max_seq_len = tokenizer, max_seq_len
         self.skipped = SkipReport()
         self.docs: list[np.ndarray] = []
@@ -55,7 +57,8 @@ class CodeCorpus:
             with open(path, "rb") as f:
                 body = np.frombuffer(f.read(), dtype=np.uint8).astype(np.int64)
             doc = np.concatenate([[tokenizer.bos_id], body, [tokenizer.eos_id]])
-            self.chunks += [(len(self.docs), s) for s in range(0, len(doc) - 1, max_seq_len)]
+            starts = range(0, len(doc) - 1, max_seq_len)
+            self.chunks += [(len(self.docs), s) for s in (starts[:1] if long_docs == "truncate" else starts)]
             self.docs.append(doc)
             self.ids.append(rel)
 

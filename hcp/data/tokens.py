@@ -70,7 +70,8 @@ def open_source(path: str, tokenizer, key: str):
 
 
 class TokenSamples:
-    """Samples of one source: each document, or each max_seq_len piece of it (`long_docs`).
+    """Samples of one source: each document, each max_seq_len piece of it, or its first piece
+    (`long_docs`: reject, split, truncate).
 
     Raises:
         hcp.data.llava.DataError: `long_docs=reject` and a document is too long (names the
@@ -88,7 +89,9 @@ class TokenSamples:
                             "data.long_docs=reject (use data.long_docs=split, or raise max_seq_len)")
         pieces = np.maximum(0, -(-(lengths - 1) // max_seq_len))  # a 0/1-token doc has no target
         self.empty = int(np.sum(pieces == 0))
-        self.split = int(np.sum(pieces > 1))
+        self.split = int(np.sum(pieces > 1))  # documents over max_seq_len (split or truncated)
+        if long_docs == "truncate":
+            pieces = np.minimum(pieces, 1)
         self.doc_of = np.repeat(np.arange(len(lengths)), pieces)
         first = np.repeat(np.cumsum(pieces) - pieces, pieces)
         self.start = (np.arange(len(self.doc_of)) - first) * max_seq_len
@@ -147,8 +150,9 @@ class BlendedTokens:
         """Lines stating what was read and how long documents were handled."""
         lines = [f"data=tokens: {name}: {len(p.docs)} documents -> {len(p)} samples, weight "
                  f"{w / sum(self.weights):.3f} ({int(np.sum(self.source == k))} of {len(self)} per epoch)"
-                 + (f"; {p.split} documents over max_seq_len={max_seq_len} split into pieces "
-                    f"(data.long_docs={long_docs})" if p.split else "")
+                 + (f"; {p.split} documents over max_seq_len={max_seq_len} "
+                    + ("truncated" if long_docs == "truncate" else "split into pieces")
+                    + f" (data.long_docs={long_docs})" if p.split else "")
                  + (f"; {p.empty} documents without a target token skipped" if p.empty else "")
                  for k, (name, p, w) in enumerate(zip(self.names, self.parts, self.weights))]
         return lines

@@ -25,7 +25,7 @@ import sys
 from typing import Callable, Mapping, Optional
 
 from hcp.config.errors import ConfigError
-from hcp.train.supervise import join_board, join_ranks, step_board
+from hcp.train.supervise import join_board, join_ranks, run_in_process, step_board
 
 
 def launched_rank_env(env: Mapping[str, str]) -> Optional[dict]:
@@ -223,6 +223,7 @@ def start_local_ranks(fn: Callable, nproc: int, payload, start_method: str = "fo
     process reaches every rank as SIGINT (stop now), SIGTERM as `SIG<save_signal>` (the
     preemption signal, `launcher.slurm.signal`: save at the next step boundary, then stop).
     `start_method` comes from `local_start_method` (spawn: `fn` and `payload` must pickle).
+    One rank runs in this process, with the same signal semantics (`run_in_process`).
     A failing rank's traceback is re-raised here and the other ranks are terminated (never a hang).
 
     Raises:
@@ -232,8 +233,8 @@ def start_local_ranks(fn: Callable, nproc: int, payload, start_method: str = "fo
     import torch.multiprocessing as mp
 
     port = free_port()
-    if nproc == 1:
-        _rank_main(0, fn, 1, port, payload)
+    if nproc == 1:  # the rank runs here, so a signal to the launcher is the rank's own
+        run_in_process(lambda: _rank_main(0, fn, 1, port, payload), getattr(signal, "SIG" + save_signal))
         return
     board = step_board(start_method, nproc)
     context = mp.start_processes(_rank_main, args=(fn, nproc, port, payload, board), nprocs=nproc,

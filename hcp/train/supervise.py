@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-from typing import Optional
+from typing import Callable, Optional
 
 _board: Optional[tuple] = None
 """In a local rank: (the launcher's shared int64 array of completed steps, this rank's index)."""
@@ -91,6 +91,37 @@ def join_ranks(context, board, forward: dict[int, int]) -> None:
     finally:
         for s, handler in before.items():
             signal.signal(s, handler)
+    if got:
+        raise Interrupted(got[0])
+
+
+def run_in_process(fn: Callable[[], None], save_signal: int) -> None:
+    """Run the only local rank, `fn()`, in this process with `join_ranks`'s semantics: SIGTERM
+    is handed to the rank's own `save_signal` handler (`hcp.train.preempt.Preemption`: save at
+    the next step boundary, then stop) or, before the rank has one, stops it at once; SIGINT
+    is Python's KeyboardInterrupt, as for any local run. A rank's own SIGTERM handler (SLURM)
+    replaces this one.
+
+    Raises:
+        Interrupted: after a SIGTERM, once the rank has stopped (its SystemExit replaced).
+    """
+    got: list[int] = []
+
+    def on_term(signum, frame):
+        got.append(signum)
+        handler = signal.getsignal(save_signal)
+        if not callable(handler):  # still starting: nothing to save yet
+            raise Interrupted(signum)
+        handler(save_signal, frame)
+
+    before = signal.signal(signal.SIGTERM, on_term)
+    try:
+        fn()
+    except (SystemExit, KeyboardInterrupt):
+        if not got:
+            raise
+    finally:
+        signal.signal(signal.SIGTERM, before)
     if got:
         raise Interrupted(got[0])
 
