@@ -3,7 +3,7 @@ gloo rank and returns what it measured.
 
 Three layouts of the same model, batch, step plan (`hcp.plan.plan_step`: first-fit micro-batches,
 CP shards), weights and seed; the LLM always runs the graph-aware 1F1B executor
-(`hcp.schedule.graph_executor`, a plain 1F1B for one module):
+(`hcp.schedule.executor`, a plain 1F1B for one module):
 - `homogeneous` (before issue 12): the vision encoder and projector live in the LLM's first PP
   stage (`LlavaModel(encoder=True)`), so every rank of a first-stage TP x CP group encodes every
   image of its micro-batches, inside the LLM's pipeline;
@@ -230,7 +230,8 @@ def _measure(rank, world, port, name, composed, args) -> dict:
     from hcp.plan.step import plan_step
     from hcp.schedule.colocated import ColocatedStep
     from hcp.schedule.graph import graph_one_f_one_b
-    from hcp.schedule.graph_executor import GraphStageExecutor, PipeLink, RouteLink
+    from hcp.schedule.executor import Executor
+    from hcp.schedule.links import PipeLink, RouteLink
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
@@ -298,7 +299,7 @@ def _measure(rank, world, port, name, composed, args) -> dict:
     fwd, bwd = [0.0] * num_micro, [0.0] * num_micro
     loss = torch.zeros((), dtype=torch.float64)
 
-    class Timed(GraphStageExecutor):
+    class Timed(Executor):
         def _backward(self, i):
             t0 = time.thread_time()
             super()._backward(i)

@@ -21,7 +21,8 @@ from hcp.plan.step import plan_step
 
 
 def _layout(m, tp=1, cp=1, dp=1, pp=1):
-    return NS(module=m, tp=tp, cp=cp, pp=pp, dp=dp, rank_offset=0, num_ranks=tp * cp * dp * pp)
+    return NS(module=m, tp=tp, cp=cp, pp=pp, dp=dp, rank_offset=0, num_ranks=tp * cp * dp * pp,
+              dp_shard=False)
 
 
 def llava_batch(batch: int, rows: int, seed: int = 0) -> SampleSizes:

@@ -23,7 +23,8 @@ from hcp.comm.island import IslandEdge
 from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
 from hcp.schedule.graph import graph_one_f_one_b, stage_graph
-from hcp.schedule.graph_executor import GraphStageExecutor, PipeLink, RouteLink
+from hcp.schedule.executor import Executor
+from hcp.schedule.links import PipeLink, RouteLink
 from dist_utils import run_ranks
 from route_utils import build_routes, island_micro_batches, lane, micro_batches, random_batch
 
@@ -107,7 +108,7 @@ def _worker(rank, world, num_micro):
         def forward(i, inputs):
             return ((inputs[g("llm", 0)] @ w["W2"].T) ** 2).sum() / total
 
-    GraphStageExecutor(forward, links).run(graph_one_f_one_b(GRAPH, num_micro)[stage])
+    Executor(forward, links).run(graph_one_f_one_b(GRAPH, num_micro)[stage])
     grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)) for k, v in w.items()}
     vision_dp = dist.new_group([0, 1])
     if rank in (0, 1):
@@ -166,7 +167,7 @@ def _tp_worker(rank, world, num_micro, leader):
         def forward(i, inputs):
             return ((torch.tanh(inputs[0] @ w["W1"].T) @ w["W2"].T) ** 2).sum() / total
     stage = 0 if rank < 2 else 1
-    GraphStageExecutor(forward, {1 - stage: link}).run(graph_one_f_one_b(graph, num_micro)[stage])
+    Executor(forward, {1 - stage: link}).run(graph_one_f_one_b(graph, num_micro)[stage])
     grads = {k: (v.grad if v.grad is not None else torch.zeros_like(v)) for k, v in w.items()}
     vision_dp = dist.new_group([0, 1])
     if rank < 2:
@@ -231,7 +232,7 @@ def _branch_worker(rank, world, num_micro):
         def forward(i, inputs):
             return (inputs[g("head", 0)] @ w["W2"].T).sum() / total
     stage = [g("vision", 0), g("llm", 0), g("head", 0), g("head", 1)][rank]
-    GraphStageExecutor(forward, links).run(graph_one_f_one_b(graph, num_micro)[stage])
+    Executor(forward, links).run(graph_one_f_one_b(graph, num_micro)[stage])
     return {k: (v.grad if v.grad is not None else torch.zeros_like(v)) for k, v in w.items()}
 
 

@@ -42,9 +42,8 @@ def test_pipeline_times_with_events_read_once_per_run(num_micro, monkeypatch):
     monkeypatch.setattr(_FakeEvent, "waits", 0)
     w = torch.ones(3, requires_grad=True)
     link = StageLink([0], 0, torch.device("cuda"))  # one stage: no exchange, so no CUDA tensor
-    times = one_f_one_b(lambda batch, x: (w * batch).sum(), link, 0, 1,
-                        [torch.full((3,), float(i)) for i in range(num_micro)], [None] * num_micro,
-                        lambda meta: ((), torch.float32))
+    batches = [torch.full((3,), float(i)) for i in range(num_micro)]
+    times = one_f_one_b(lambda i, x: (w * batches[i]).sum(), link, num_micro, lambda i: ((), torch.float32))
     assert syncs == [], f"{len(syncs)} device-wide synchronizations for {num_micro} micro-batches"
     assert _FakeEvent.waits == 1, "the host waits for the device once per run"
     assert times.busy_s == pytest.approx(2 * num_micro * 2e-3)  # every forward and backward timed

@@ -85,12 +85,6 @@ def test_import_cycle_finder_sees_a_cycle():
     assert import_cycles({"a": {"b"}, "b": set()}) == []
 
 
-KNOWN_CYCLES = [["hcp.train.islands", "hcp.train.trainer"]]
-"""Left to remove: `Trainer.__new__` picks the `IslandTrainer` subclass (one trainer for every
-placement is the fix). Any other cycle fails the test, and so does this one's disappearing
-without this list being emptied."""
-
-
 def test_no_import_cycles():
     mods = _modules()
     graph = {m: set() for m in mods}
@@ -99,4 +93,4 @@ def test_no_import_cycles():
             target = name if name in mods else name.rpartition(".")[0]
             if target in mods and target != m:
                 graph[m].add(target)
-    assert import_cycles(graph) == KNOWN_CYCLES
+    assert import_cycles(graph) == []

@@ -26,7 +26,7 @@ def _routed_dtypes(rank, world, container, run_dir):
     what each rank sends; backward: the gradients it returns) and of the encoder's matrix
     multiplies (its column-parallel linears' outputs)."""
     import hcp.schedule.colocated as colocated
-    import hcp.schedule.graph_executor as island
+    import hcp.schedule.links as island
     from hcp.train.trainer import Trainer
 
     seen = {"forward": set(), "backward": set(), "encoder": set(), "link": set()}

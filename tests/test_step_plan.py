@@ -21,7 +21,8 @@ EDGE = ("projector", "llm")
 
 
 def lay(m, tp=1, cp=1, dp=1, pp=1):
-    return NS(module=m, tp=tp, cp=cp, pp=pp, dp=dp, rank_offset=0, num_ranks=tp * cp * pp * dp)
+    return NS(module=m, tp=tp, cp=cp, pp=pp, dp=dp, rank_offset=0, num_ranks=tp * cp * pp * dp,
+              dp_shard=False)
 
 
 def layouts(enc_tp, enc_dp, tp, cp, dp, pp=1, enc_cp=1):

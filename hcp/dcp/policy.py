@@ -21,7 +21,7 @@ of step time, fully hidden from step 2 on (`plan_s`, `plan_hidden_s` in metrics.
 process instead (hcp/train/planner.py), where its pure Python holds no GIL of the training
 process.
 
-Runtime (hcp/train/trainer.py `prepare`, `with_cp_group`): the pool of a TP index and pipeline
+Runtime (hcp/train/trainer.py `_cp_groups`, `micro_batch_group`): the pool of a TP index and pipeline
 stage is the dp * cp ranks that share them (ranks strided by tp), so every TP rank of a pool
 position runs the same micro-batches with its own pre-built group of each size, and every stage
 of that position runs them too (the plan is computed by every rank), empty micro-batches
@@ -87,7 +87,7 @@ def several_per_round(llm) -> bool:
     (pp = 1 without dp_shard, `hcp.dcp.plan`), so the ranks of a pool run different numbers of
     micro-batches in a step (the trainer skips the empty rows): then no collective over the
     whole pool (its gradient all-reduce) may start inside a rank's last backward
-    (`hcp.train.step.StepRunner.overlap_grad_sync`)."""
+    (`hcp.plan.step.StepPlan.overlap_grad_sync`)."""
     return llm.pp == 1 and not llm.dp_shard
 
 
@@ -130,11 +130,3 @@ def micro_batch_group(groups, mb, rank: int):
                          f"{mb.cp_size}, but the rank is member {ranks.index(rank)} of {ranks}")
     return groups.group("llm", DYNAMIC_CP, mb.cp_size)
 
-
-def with_cp_group(batch, groups, mb, rank: int):
-    """`batch` (a micro-batch, or its `hcp.comm.p2p.StageMeta` on a later pipeline stage) with
-    attribute `cp_group` set to the plan's group for micro-batch `mb` (`micro_batch_group`);
-    None for an empty micro-batch, which every rank of its (empty) group runs without CP
-    collectives. The model reads `batch.cp_group` instead of its static CP group."""
-    batch.cp_group = None if mb.empty else micro_batch_group(groups, mb, rank)
-    return batch

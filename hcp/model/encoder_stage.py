@@ -38,7 +38,7 @@ class EncoderStage(nn.Module):
     forward(x): x is pixel values [I, C, H, W] on the first stage, else the previous stage's
     hidden states [I, P + 1, D]; returns hidden states [I, P + 1, D] (not last) or the rows of
     every stream, concatenated in stream order, [sum_s I * R_s, H_llm] (last; the island's link,
-    `hcp.schedule.graph_executor.StreamsLink`, cuts them by stream with the plan's rows).
+    `hcp.schedule.links.StreamsLink`, cuts them by stream with the plan's rows).
     """
 
     def __init__(self, name: str, enc_cfg, projectors: dict, llm_hidden: int, stage: StageSpec,

@@ -46,7 +46,9 @@ Pipeline stages (`stage`, `hcp.model.stage.StageSpec`): with `encoder=True` the 
 and projector are built on the first stage only (colocated with the embedding). `forward(batch,
 x, head)` runs this stage's part; on the last stage `loss(batch, hidden)` (default) or another
 head such as `logits(batch, hidden)` finishes it. A non-first stage gets a
-`hcp.comm.p2p.StageMeta` instead of the batch.
+`hcp.comm.p2p.StageMeta` instead of the batch. `forward`, `residual_shape` and `loss` take the
+micro-batch's CP group as an argument (`cp_group`: under `packing=dynamic_cp` the runtime
+resolves the plan's group of each micro-batch, None at CP size 1); by default the model's own.
 """
 from __future__ import annotations
 
@@ -64,6 +66,9 @@ from hcp.model.stage import StageSpec
 from hcp.model.tp import vocab_parallel_cross_entropy
 from hcp.model.encoder_types import build_encoder
 from hcp.parallel.cp_sharding import CPShard, cp_shard, host_cu_seqlens
+
+OWN_CP_GROUP = object()
+"""`cp_group` default of `LlavaModel`'s methods: the model's own CP group."""
 
 
 class LlavaEncoder(nn.Module):
@@ -204,31 +209,30 @@ class LlavaModel(nn.Module):
         row_of = torch.cumsum(mask.long(), 0) - 1
         return feats[row_of[shard.token_index[slots]]], slots
 
-    def _cp_group(self, batch):
-        """The CP group of `batch`: its own `cp_group` attribute when it has one (`packing=
-        dynamic_cp` sets it per micro-batch, None at CP size 1), else the model's."""
-        return batch.cp_group if hasattr(batch, "cp_group") else self.cp_group
+    def _cp(self, cp_group):
+        """The CP group a caller passed (`OWN_CP_GROUP`: the model's own)."""
+        return self.cp_group if cp_group is OWN_CP_GROUP else cp_group
 
-    def _shard(self, batch):
+    def _shard(self, batch, cp_group=OWN_CP_GROUP):
         """(this CP rank's shard or None, labels of its slots [T_loc] with padding -100)."""
-        group = self._cp_group(batch)
+        group = self._cp(cp_group)
         if group_size(group) == 1:
             return None, batch.labels
         shard = cp_shard(host_cu_seqlens(batch), group_size(group), group_rank(group),
                          batch.cu_seqlens.device)
         return shard, batch.labels[shard.token_index].masked_fill(~shard.valid, -100)
 
-    def residual_shape(self, batch) -> tuple[int, int]:
+    def residual_shape(self, batch, cp_group=OWN_CP_GROUP) -> tuple[int, int]:
         """Shape [rows, H] of the residual stream `stage_forward` passes between stages for
         `batch` (a micro-batch or its `StageMeta`): this CP rank's T_loc tokens, under sequence
         parallelism padded to a multiple of tp and split over it. Lets a pipeline stage
         allocate a receive buffer before the activation arrives."""
-        rows = self._shard(batch)[1].shape[0]
+        rows = self._shard(batch, cp_group)[1].shape[0]
         if self.llm.sequence_parallel:
             rows = (rows + self.llm._sp_pad(rows)) // group_size(self.tp_group)
         return rows, self.llm.cfg.hidden_size
 
-    def stage_forward(self, batch, x: torch.Tensor | None = None) -> torch.Tensor:
+    def stage_forward(self, batch, x: torch.Tensor | None = None, cp_group=OWN_CP_GROUP) -> torch.Tensor:
         """This stage's part of the forward pass over one micro-batch.
 
         batch: the micro-batch (first stage) or its `StageMeta` (later stages); x: the previous
@@ -236,23 +240,23 @@ class LlavaModel(nn.Module):
         [(T_loc + pad) / tp, H]) for the next stage, or on the last stage the final-normed
         hidden states [T_loc, H] (T_loc: this CP rank's tokens, T without CP).
         """
-        shard, labels = self._shard(batch)
+        shard, labels = self._shard(batch, cp_group)
         positions = batch.position_ids if shard is None else shard.position_ids
         if self.stage.first:
             x = self.llm.enter(self.embed(batch, shard))
         x = self.llm.run_layers(x, positions, batch.cu_seqlens, batch.max_seqlen,
-                                cp_group=self._cp_group(batch),
+                                cp_group=self._cp(cp_group),
                                 seqlens=getattr(batch, "seqlens", None))
         return self.llm.exit(x, labels.shape[0]) if self.stage.last else x
 
-    def loss(self, batch, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def loss(self, batch, hidden: torch.Tensor, cp_group=OWN_CP_GROUP) -> tuple[torch.Tensor, int]:
         """Last stage: (sum of token cross-entropies over labels != -100 of this rank's CP shard
         as a 0-d fp32 tensor, number of those tokens) from the final hidden states [T_loc, H].
         Without CP the count is the batch's host `loss_tokens` when known (an int), so the loss
         tokens are picked without reading the device (`nonzero_static`). Under CP the shard's
         count is not known on the host: every position of the shard is scored and the ones
         past the count masked out, and the count is a 0-d tensor (still no device read)."""
-        shard, labels = self._shard(batch)
+        shard, labels = self._shard(batch, cp_group)
         keep = labels != -100
         known = getattr(batch, "loss_tokens", None) if shard is None else None
         if known is None:
@@ -271,15 +275,16 @@ class LlavaModel(nn.Module):
         loss_sum = (per_token * weight).sum() if weight is not None else per_token.sum()
         return loss_sum, n
 
-    def forward(self, batch, x: torch.Tensor | None = None, head=None):
-        """This stage's forward (`stage_forward`); on the last stage finished by
-        `head(batch, hidden)`, by default `loss`: (loss sum, token count) of this rank's CP
-        shard, not a mean (the trainer divides by the global token count). One entry point, so
-        wrappers that hook `forward` (FSDP) see the whole stage."""
-        out = self.stage_forward(batch, x)
+    def forward(self, batch, x: torch.Tensor | None = None, head=None, cp_group=OWN_CP_GROUP):
+        """This stage's forward (`stage_forward`) over the micro-batch's CP group `cp_group`;
+        on the last stage finished by `head(batch, hidden)` (evaluation, the model's own
+        group), by default `loss`: (loss sum, token count) of this rank's CP shard, not a mean
+        (the trainer divides by the global token count). One entry point, so wrappers that
+        hook `forward` (FSDP) see the whole stage."""
+        out = self.stage_forward(batch, x, cp_group)
         if not self.stage.last:
             return out
-        return (head or self.loss)(batch, out)
+        return head(batch, out) if head is not None else self.loss(batch, out, cp_group)
 
     def logits(self, batch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of every position [T, V], gathered over TP and CP (greedy decoding reads the
@@ -290,7 +295,7 @@ class LlavaModel(nn.Module):
         logits = gather_from_group(self.llm.logits(hidden), self.tp_group)
         if shard is None:
             return logits
-        group = self._cp_group(batch)
+        group = self.cp_group
         c = group_size(group)
         host, device = host_cu_seqlens(batch), batch.cu_seqlens.device
         shards = [cp_shard(host, c, r, device) for r in range(c)]

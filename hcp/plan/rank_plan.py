@@ -90,3 +90,7 @@ class RankPlan:
     """Non-colocated: module with an edge into the LLM (a projector) -> per micro-batch, the
     rows its stream leaves this rank with (all TP replicas compute all of them; under encoder CP
     the rows of this CP rank's chunk of each input, `hcp.parallel.encoder_cp`)."""
+    keep_empty: bool = False
+    """Run the empty micro-batches too (`StepPlan.keep_empty`)."""
+    overlap_grad_sync: bool = True
+    """The gradient reduction may start in the last backward (`StepPlan.overlap_grad_sync`)."""

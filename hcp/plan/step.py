@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hcp.dcp.plan import Group, Plan
+from hcp.dcp.policy import several_per_round
 from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
 from hcp.parallel.routing import RowTable
@@ -90,6 +91,19 @@ class StepPlan:
     module_sizes: dict = field(default_factory=dict)
     """Encoder-side module -> the sizes of its stream (a projector into the LLM: its own; an
     encoder: its first stream's, whose `images` are its inputs per sample)."""
+    keep_empty: bool = False
+    """Every LLM rank runs its empty micro-batches (plan padding) because they pad collectives
+    that span lanes: under FSDP (`llm.layout.dp_shard`: all-gathers over DP x CP), across
+    islands (every LLM lane runs every micro-batch of the encoder islands' graph 1F1B), and
+    under dynamic CP with PP (every stage rank of the pool keeps the plan's order). Elsewhere
+    they are skipped."""
+    overlap_grad_sync: bool = True
+    """The DP x CP gradient reduction may start inside a rank's last backward. Not under
+    dynamic CP when a CP group may run several micro-batches per round
+    (`hcp.dcp.policy.several_per_round`): the ranks of the pool then run different counts, and
+    a rank's last backward may be a micro-batch of a CP group over the whole pool (the same
+    communicator) that other ranks run before more micro-batches; a reduction launched inside
+    it would cross that group's CP collectives (gloo fails, NCCL would hang)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -169,7 +183,7 @@ class StepPlan:
         island = {e: tuple(t.route(self.island_ranks[e].index(rank)) for t in ts)
                   for e, ts in self.island_tables.items() if rank in self.island_ranks[e]}
         return RankPlan(rank, enc, mbs, routes, self.counts, self.checksum() if checksum else 0,
-                        enc_mbs, island, inputs, rows_out)
+                        enc_mbs, island, inputs, rows_out, self.keep_empty, self.overlap_grad_sync)
 
     def _encoder_micro_batches(self, lane_samples) -> tuple[tuple[int, ...], ...]:
         """A lane's samples per LLM micro-batch, in consumption order."""
@@ -291,6 +305,9 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
     into = [src for src, dst in edges if dst == "llm"]
     fed = {m: next((b for a, b in edges if a == m and b in into), None) for m in source}
     module_sizes = {m: stream_sizes.get(m if m in into else fed[m], sizes) for m in source}
+    dynamic = packing == "dynamic_cp"
     return StepPlan(sizes, layouts, plan, counts, encoder_lanes, tables, group_at, groups,
                     local_tokens, image_row_offsets, grids, island_tables, island_ranks, consume,
-                    mb_of_group[s_group], offsets, module_sizes=module_sizes)
+                    mb_of_group[s_group], offsets, module_sizes=module_sizes,
+                    keep_empty=bool(island_tables or llm.dp_shard or (dynamic and llm.pp > 1)),
+                    overlap_grad_sync=not (dynamic and several_per_round(llm)))

@@ -4,7 +4,8 @@ An action list is what one stage does in one step, in order:
 - `Compute("F", i)` / `Compute("B", i)`: the forward / backward of micro-batch i on this stage;
 - `Exchange(ops)`: point-to-point ops posted together (one `dist.batch_isend_irecv`) and waited
   together. Each op is `P2P(kind, i, peer)` with kind `SEND_F` / `RECV_F` (activation of
-  micro-batch i, to / from stage `peer`) or `SEND_B` / `RECV_B` (its gradient).
+  micro-batch i, to / from stage `peer`) or `SEND_B` / `RECV_B` (its gradient);
+- `SyncGrads()`: the gradient reduction may start from here (`with_grad_sync`).
 
 NCCL runs the point-to-point operations between two ranks in issue order on one stream, and a
 send larger than its buffers completes only once the peer has posted the matching receive. A
@@ -12,8 +13,8 @@ stage that posts a lone send while its peer posts a lone send back therefore wai
 schedule is safe when each step's sends and the receives they can wait on are posted in one
 batch (`hcp.schedule.rendezvous` checks a set of action lists under exactly that rule).
 
-The builders here are pure (no process group): the executor (`hcp.schedule.pipeline`) runs a
-list, so other schedules (the colocated three-phase schedule, the graph-aware 1F1B across
+The builders here are pure (no process group): the one executor (`hcp.schedule.executor`) runs
+any list and the simulator (`hcp.schedule.simulator`) replays the same order, so other schedules (the colocated three-phase schedule, the graph-aware 1F1B across
 islands) are new builders, not new loops. Names follow torch.distributed.pipelining's
 `_ComputationType` (FORWARD, BACKWARD, SEND_F, RECV_F, SEND_B, RECV_B).
 """
@@ -61,7 +62,25 @@ class Exchange:
     ops: tuple[P2P, ...]
 
 
-Action = Union[Compute, Exchange]
+@dataclass(frozen=True)
+class SyncGrads:
+    """The gradient reduction over DP may start: the backwards after it arm it
+    (`hcp.schedule.executor.Executor`)."""
+
+
+Action = Union[Compute, Exchange, SyncGrads]
+
+
+def with_grad_sync(actions: list[Action]) -> list[Action]:
+    """`actions` with `SyncGrads` before the last backward, so the DP reduction of the
+    gradients overlaps it; unchanged when the list has no backward."""
+    last = max((k for k, a in enumerate(actions) if isinstance(a, Compute) and a.kind == "B"), default=None)
+    return list(actions) if last is None else [*actions[:last], SyncGrads(), *actions[last:]]
+
+
+def compute_order(actions: list[Action]) -> list[tuple[str, int]]:
+    """The computes of `actions` in order: `[("F", 0), ..., ("B", m - 1)]`."""
+    return [(a.kind, a.micro) for a in actions if isinstance(a, Compute)]
 
 
 def _batch(*ops) -> list[Exchange]:

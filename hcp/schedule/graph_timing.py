@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from hcp.schedule.actions import Compute
+from hcp.schedule.actions import Compute, SyncGrads
 from hcp.schedule.rendezvous import drive
 
 
@@ -64,7 +64,9 @@ def time_actions(programs: list[list], fwd, bwd) -> ActionTimeline:
 
     def step(s) -> bool:
         action = programs[s][pc[s]]
-        if isinstance(action, Compute):
+        if isinstance(action, SyncGrads):
+            pass
+        elif isinstance(action, Compute):
             d = float((fwd if action.kind == "F" else bwd)[s][action.micro])
             starts[s].append(clock[s])
             clock[s] += d

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from hcp.schedule.actions import Compute, Exchange
+from hcp.schedule.actions import Compute, Exchange, SyncGrads
 
 _PAIR = {"SEND_F": "RECV_F", "SEND_B": "RECV_B"}
 _PRODUCER = {"SEND_F": "F", "SEND_B": "B"}
@@ -75,7 +75,9 @@ def run_rendezvous(programs: list[list]) -> list[tuple[int, object]]:
 
     def step(s) -> bool:
         action = programs[s][pc[s]]
-        if isinstance(action, Compute):
+        if isinstance(action, SyncGrads):
+            pass
+        elif isinstance(action, Compute):
             need = {("F", action.micro)} if action.kind == "B" else set()
             need |= {("RECV_" + action.kind, action.micro)} & receives[s]
             if not need <= done[s]:

@@ -1,7 +1,8 @@
 """Timing model of the 1F1B pipeline schedule (non-interleaved, PipeDream-Flush / Megatron-LM).
 
-Stage s of p runs `min(p - 1 - s, M)` warm-up forwards, then alternates one forward and one
-backward, then drains the remaining backwards, all in micro-batch order. Dependencies:
+Each stage runs the computes of its 1F1B action list (`hcp.schedule.actions.one_f_one_b`, the
+list the executor runs: warm-up forwards, then one forward and one backward, then the remaining
+backwards, all in micro-batch order). Dependencies:
 `F(s, j)` after `F(s - 1, j)`; `B(s, j)` after `B(s + 1, j)` (on the last stage after
 `F(p - 1, j)`). A stage runs one op at a time, in its order, each as early as allowed.
 Inter-stage transfers take no time here (fold them into the per-micro-batch overhead).
@@ -15,6 +16,8 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
+
+from hcp.schedule.actions import compute_order, one_f_one_b
 
 
 @dataclass(frozen=True)
@@ -41,13 +44,9 @@ class Timeline:
 
 
 def stage_order(stage: int, num_stages: int, num_micro_batches: int) -> list[tuple[str, int]]:
-    """The 1F1B op order of one stage: `[("F", 0), ..., ("B", M - 1)]`."""
-    m = num_micro_batches
-    warm = min(num_stages - 1 - stage, m)
-    order = [("F", j) for j in range(warm)]
-    for j in range(m - warm):
-        order += [("F", warm + j), ("B", j)]
-    return order + [("B", j) for j in range(m - warm, m)]
+    """The 1F1B op order of one stage, `[("F", 0), ..., ("B", M - 1)]`: the computes of the
+    executor's action list (`hcp.schedule.actions.one_f_one_b`)."""
+    return compute_order(one_f_one_b(stage, num_stages, num_micro_batches))
 
 
 def simulate_1f1b(fwd: np.ndarray, bwd: np.ndarray, record: bool = True) -> Timeline:
@@ -80,25 +79,25 @@ def simulate_1f1b(fwd: np.ndarray, bwd: np.ndarray, record: bool = True) -> Time
 def _topological(p: int, m: int) -> tuple[tuple[int, int, int], ...]:
     """Every op of 1F1B on p stages and m micro-batches as `(op, stage, op it waits for or -1)`
     (op index `kind * p * m + s * m + j`, kind 0 = F, 1 = B), in an order where each comes
-    after the op it waits for and after the previous op of its stage (`stage_order`). With
-    w_s = min(p - 1 - s, m) warm-up forwards on stage s: all warm-ups, stage by stage (F(s, j)
-    waits for F(s - 1, j), a warm-up of stage s - 1 as w_{s-1} >= w_s); then per k the k-th
-    steady pair of every stage, the forwards F(s, w_s + k) first (each waits for
-    F(s - 1, w_s + k): stage s - 1's pair k - 1 or a warm-up), then the backwards B(s, k) by
-    descending s (it waits for B(s + 1, k), stage s + 1's pair k, as w_{s+1} <= w_s); then
-    the cool-down backwards B(s, j), j >= m - w_s, by ascending j and descending s."""
-    warm = [min(p - 1 - s, m) for s in range(p)]
+    after the op it waits for and after the previous op of its stage (`stage_order`): the
+    stages' orders merged by advancing every stage as far as its dependencies allow, in turn.
+    F(s, j) waits for F(s - 1, j); B(s, j) for B(s + 1, j), on the last stage for F(p - 1, j)."""
     size = p * m
+    orders = [[(size if k == "B" else 0) + s * m + j for k, j in stage_order(s, p, m)]
+              for s in range(p)]
 
-    def f(s, j):
-        return (s * m + j, s, (s - 1) * m + j if s else -1)
+    def dep(op: int) -> int:
+        s, j = (op % size) // m, op % m
+        if op < size:
+            return (s - 1) * m + j if s else -1
+        return size + (s + 1) * m + j if s < p - 1 else s * m + j
 
-    def b(s, j):
-        return (size + s * m + j, s, size + (s + 1) * m + j if s < p - 1 else s * m + j)
-
-    out = [f(s, j) for s in range(p) for j in range(warm[s])]
-    for k in range(m):  # the last stage (w = 0) has m steady pairs, the others fewer
-        out += [f(s, warm[s] + k) for s in range(p) if k < m - warm[s]]
-        out += [b(s, k) for s in reversed(range(p)) if k < m - warm[s]]
-    out += [b(s, j) for j in range(m) for s in reversed(range(p)) if j >= m - warm[s]]
+    done, pc, out = set(), [0] * p, []
+    while len(out) < 2 * size:
+        for s in range(p):
+            while pc[s] < len(orders[s]) and (dep(orders[s][pc[s]]) < 0 or dep(orders[s][pc[s]]) in done):
+                op = orders[s][pc[s]]
+                out.append((op, s, dep(op)))
+                done.add(op)
+                pc[s] += 1
     return tuple(out)

@@ -21,30 +21,32 @@ from hcp.parallel.grid import Grid
 from hcp.train.modules import whole_state
 
 
-def whole_island_encoders(tr) -> nn.Module | None:
+def whole_island_encoders(islands, encoder) -> nn.Module | None:
     """Every island's encoder and projectors whole, as children named after their modules
     (`vision`, `projector`, `vision2`, ...) of one module, on the LLM's first-stage ranks; None
-    elsewhere. `tr`: an `hcp.train.islands.IslandTrainer`. A collective: every rank calls it
-    (new groups are made once, on the first call, in island order)."""
-    cfg, layouts = tr.cfg, tr.layouts
+    elsewhere. `islands`: this rank's
+    `hcp.train.islands.Islands`; `encoder`: its `EncoderStage` or None. A collective: every rank
+    calls it (new groups are made once, on the first call, in island order, kept in
+    `islands.eval_groups`)."""
+    cfg, layouts, rank, device = islands.cfg, islands.layouts, islands.rank, islands.device
     llm_first = [int(r) for r in Grid.of(layouts["llm"]).ranks[0].ravel()]
-    if getattr(tr, "_eval_groups", None) is None:
-        tr._eval_groups = {}
-        for head in tr.heads:  # every rank calls new_group, in the same order
+    if islands.eval_groups is None:
+        islands.eval_groups = {}
+        for head in islands.heads:  # every rank calls new_group, in the same order
             grid = Grid.of(layouts[head])
             senders = [grid.rank_at(pp=s) for s in range(layouts[head].pp)]
-            tr._eval_groups[head] = (senders, dist.new_group(sorted({*senders, *llm_first})))
+            islands.eval_groups[head] = (senders, dist.new_group(sorted({*senders, *llm_first})))
     state = {}
-    if tr.encoder is not None:  # TP shards gathered (a collective over the island's TP group)
-        state = (whole_state(tr.encoder, tr.encoder.tp_group)
-                 or {n: p.detach() for n, p in tr.encoder.named_parameters()})
-    whole = nn.Module() if tr.rank in llm_first else None
-    for head in tr.heads:
-        senders, group = tr._eval_groups[head]
-        if tr.rank not in senders and whole is None:
+    if encoder is not None:  # TP shards gathered (a collective over the island's TP group)
+        state = (whole_state(encoder, encoder.tp_group)
+                 or {n: p.detach() for n, p in encoder.named_parameters()})
+    whole = nn.Module() if rank in llm_first else None
+    for head in islands.heads:
+        senders, group = islands.eval_groups[head]
+        if rank not in senders and whole is None:
             continue
         lay = layouts[head]
-        projectors = {p: module_cfg(cfg, p) for p in tr.island_streams[head]}
+        projectors = {p: module_cfg(cfg, p) for p in islands.streams[head]}
 
         def stage(spec, device="meta"):
             with torch.device(device):
@@ -52,16 +54,14 @@ def whole_island_encoders(tr) -> nn.Module | None:
         received = {}
         for s, src in enumerate(senders):
             shapes = [(n, p.shape) for n, p in stage(StageSpec.of(lay.pp_layers, s)).named_parameters()]
-            flat = (torch.cat([state[n].flatten() for n, _ in shapes]) if tr.rank == src else
-                    torch.empty(sum(shape.numel() for _, shape in shapes), device=tr.device))
+            flat = (torch.cat([state[n].flatten() for n, _ in shapes]) if rank == src else
+                    torch.empty(sum(shape.numel() for _, shape in shapes), device=device))
             dist.broadcast(flat, src, group=group)
             for (n, shape), t in zip(shapes, flat.split([shape.numel() for _, shape in shapes])):
                 received[n] = t.view(shape)
         if whole is not None:
-            island = stage(StageSpec.whole(sum(lay.pp_layers)), tr.device)
+            island = stage(StageSpec.whole(sum(lay.pp_layers)), device)
             island.load_state_dict(received, assign=True)
             for name, child in island.named_children():
                 whole.add_module(name, child)
-    if tr.model is None or not tr.stage.first:
-        return None
     return whole

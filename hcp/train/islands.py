@@ -1,5 +1,7 @@
 """Training under placement=non_colocated: each rank builds and runs only its island's modules,
-and one step runs the graph-aware 1F1B across the islands (docs/design.md 4.4).
+and one step runs the graph-aware 1F1B across the islands (docs/design.md 4.4). `Islands` is the
+placement's runtime that the one `hcp.train.trainer.Trainer` composes (it never imports the
+trainer: everything it needs comes as arguments).
 
 The world is cut into islands (`hcp.config.layouts`): each encoder island runs one encoder (a
 ViT) with its projector(s) under the encoder's own TP, DP and PP (`hcp.model.encoder_stage`:
@@ -15,10 +17,10 @@ an island's streams travel as one link (`StreamsLink`), cut by the plan's row co
 encoder ranks read their encoder's inputs (first stage), only LLM ranks read text (first
 stage; labels on the last).
 
-The step (`IslandTrainer.forward_backward`): the module graph (`graph.edges`, modules on a
+The step (`Islands.forward_backward`): the module graph (`graph.edges`, modules on a
 shared island folded into its head) becomes a stage graph (`hcp.schedule.graph`): an encoder
 island's stages run before the LLM's first stage, the warm-up depth follows the longest path,
-and each stage runs its action list (`hcp.schedule.graph_executor`): an encoder backward of
+and each stage runs its action list (`hcp.schedule.executor`): an encoder backward of
 micro-batch i runs when its gradient arrives. All point-to-point ops of one schedule step go
 out in one `batch_isend_irecv` on one dedicated group over all ranks (pipeline links and
 island routes alike; NCCL needs one group per batch; kept apart from the world group's
@@ -37,7 +39,7 @@ logging rank, the lowest rank of the LLM's last stage, so every rank takes the s
 non-finite decision). Checkpoints: each rank saves its own modules under their FQNs.
 
 Evaluation: every encoder island sends its whole weights to the LLM's first stage, which then
-evaluates as under colocation (`IslandTrainer.evaluate`, `hcp.train.island_eval`).
+evaluates as under colocation (`Islands.whole_encoders`, `hcp.train.island_eval`).
 
 Encoder recompute (`<encoder>.layout.recompute=full`, its projectors follow): each ViT block
 of the island keeps only its input per micro-batch in flight and runs its forward again in its
@@ -58,6 +60,8 @@ other than its encoder's), a fully frozen island.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -71,11 +75,12 @@ from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
 from hcp.parallel.roles import logging_rank
 from hcp.plan.step import island_head
+from hcp.schedule.actions import with_grad_sync
+from hcp.schedule.executor import BusyClock, Executor
 from hcp.schedule.graph import graph_one_f_one_b, stage_graph
-from hcp.schedule.graph_executor import GraphStageExecutor, PipeLink, RouteLink, StreamsLink
+from hcp.schedule.links import PipeLink, RouteLink, StreamsLink
 from hcp.train.island_eval import whole_island_encoders
 from hcp.train.modules import clip_, local_grad_sq, module_sq_norm, sync_grads
-from hcp.train.trainer import Trainer
 
 
 class IslandModules(nn.Module):
@@ -105,93 +110,94 @@ def islands_label(layouts: dict, heads) -> str:
     return " | ".join(parts)
 
 
-class IslandTrainer(Trainer):
-    """The trainer of one rank under placement=non_colocated (module docstring). Built by
-    `Trainer(cfg, run_dir)`; the colocated parts (`prepare` on LLM ranks, the LLM's stage
-    runner and gradient sync, checkpoints, logging) are the base class's."""
+class Islands:
+    """This rank's runtime under placement=non_colocated (module docstring): which island it is
+    on, its encoder stage, its data, the step across the islands, the clipping norm and the
+    whole encoders for evaluation. Pure until `connect`.
 
-    def __init__(self, cfg, run_dir: str):
-        super().__init__(cfg, run_dir)
-        # every rank, in the same order: the one group all schedule P2P ops are posted on
-        self.p2p_group = dist.new_group(list(range(self.world)))
-        warm_up(IslandEdge(tuple(range(self.world)), self.rank, self.p2p_group), self.device)
+    Args:
+        cfg: the resolved config; layouts: every module's `ResolvedLayout`; groups: the
+            `ProcessGroupRegistry`; rank: this global rank; device; precision: the run's
+            `Precision`.
 
-    # ---- which island this rank is on -------------------------------------------------
-    def _island(self):
-        """(this rank's island head module, its stage, the head of every encoder island)."""
-        layouts = self.layouts
-        heads = tuple(dict.fromkeys(island_head(layouts, self.edges, m) for m in layouts if m != "llm"))
-        mine = next((h for h in heads if Grid.of(layouts[h]).contains(self.rank)), "llm")
-        lay = layouts[mine]
-        stage = StageSpec.of(lay.pp_layers, Grid.of(lay).coords(self.rank)["pp"])
-        return mine, stage, heads
+    Attributes: `head` (this rank's island head module, "llm" on the LLM island), `stage` (its
+    `StageSpec` there), `heads` (every encoder island's head), `streams` (island head -> its
+    projectors into the LLM, in stream order: the order its rows are concatenated in),
+    `sharded` (this island shards with FSDP: an encoder island by its encoder's
+    `layout.dp_shard`, over its DP x CP group; the LLM island by `llm.layout.dp_shard`, over DP x
+    CP), `route_bytes` (what this rank sends over island routes: forward rows, returned
+    gradients; the TP leader's broadcast inside the LLM island not counted).
+    """
 
-    def _build_encoder(self) -> EncoderStage | None:
-        """This rank's encoder stage (encoder island), else None. Sets `head`, `island_stage`,
-        `heads` and `island_streams` (island head -> its projectors into the LLM, in stream
-        order: the order its rows are concatenated in)."""
-        cfg, layouts = self.cfg, self.layouts
-        self.head, self.island_stage, self.heads = self._island()
-        self.island_streams = {h: tuple(s.projector for s in streams(self.edges)
-                                        if island_head(layouts, self.edges, s.projector) == h)
-                               for h in self.heads}
-        if self.head == "llm":
+    def __init__(self, cfg, layouts: dict, groups, rank: int, device, precision):
+        self.cfg, self.layouts, self.groups, self.rank = cfg, layouts, groups, rank
+        self.device, self.precision = device, precision
+        self.edges = tuple(tuple(e) for e in cfg.graph.edges)
+        self.heads = tuple(dict.fromkeys(island_head(layouts, self.edges, m) for m in layouts if m != "llm"))
+        self.head = next((h for h in self.heads if Grid.of(layouts[h]).contains(rank)), "llm")
+        lay = layouts[self.head]
+        self.stage = StageSpec.of(lay.pp_layers, Grid.of(lay).coords(rank)["pp"])
+        self.streams = {h: tuple(s.projector for s in streams(self.edges)
+                                 if island_head(layouts, self.edges, s.projector) == h)
+                        for h in self.heads}
+        self.sharded = bool(lay.dp_shard)
+        self.route_bytes = RouteBytes()
+        self.p2p_group = None
+        self.eval_groups = None  # hcp.train.island_eval: made on the first evaluation
+
+    def connect(self, world: int) -> None:
+        """Every rank, in the same order: the one group all schedule P2P ops are posted on."""
+        self.p2p_group = dist.new_group(list(range(world)))
+        warm_up(IslandEdge(tuple(range(world)), self.rank, self.p2p_group), self.device)
+
+    # ---- modules --------------------------------------------------------------------------
+    def build_encoder(self) -> EncoderStage | None:
+        """This rank's encoder stage on the meta device (encoder island), else None."""
+        cfg, layouts, head = self.cfg, self.layouts, self.head
+        if head == "llm":
             return None
-        head = self.head
         tp = self.groups.group(head, "tp") if layouts[head].tp > 1 else None
         cp = self.groups.group(head, "cp") if layouts[head].cp > 1 else None
-        projectors = {p: module_cfg(cfg, p) for p in self.island_streams[head]}
-        with torch.device("meta"):  # the base class materializes this rank's shards
+        projectors = {p: module_cfg(cfg, p) for p in self.streams[head]}
+        with torch.device("meta"):  # the trainer materializes this rank's shards
             encoder = EncoderStage(head, module_cfg(cfg, head), projectors, cfg.llm.hidden_size,
-                                   self.island_stage, tp, layouts[head].recompute == "full", cp)
+                                   self.stage, tp, layouts[head].recompute == "full", cp)
         for name in (head, *projectors):
             if module_cfg(cfg, name).freeze and getattr(encoder, name, None) is not None:
                 getattr(encoder, name).requires_grad_(False)
         return encoder
 
-    def _build_model(self):
-        return super()._build_model() if self.head == "llm" else None
+    def modules(self, encoder, model) -> IslandModules:
+        """This rank's modules under one root (checkpoints, optimizer)."""
+        return IslandModules(encoder, model, islands_label(self.layouts, self.heads))
 
-    def _sharded(self) -> bool:
-        """Whether this rank's island shards with FSDP: an encoder island by its encoder's
-        `layout.dp_shard` (its projectors follow), over its DP x CP group; the LLM island by
-        `llm.layout.dp_shard`, over its DP x CP group (both applied by the base class,
-        `hcp.train.fsdp`)."""
-        return bool(self.layouts[self.head].dp_shard)
-
-
-    def _rank_modules(self) -> IslandModules:
-        return IslandModules(self.encoder, self.model, islands_label(self.layouts, self.heads))
-
-    def _tp_groups(self):
-        groups = {"llm": self.tp_group}
-        if self.encoder is not None:
-            groups = {m: self.encoder.tp_group for m in (self.encoder.name, *self.encoder.projector_names)}
+    @staticmethod
+    def tp_groups(encoder, llm_tp):
+        """TP group of each of this rank's modules (checkpoints); None without TP."""
+        groups = {"llm": llm_tp}
+        if encoder is not None:
+            groups = {m: encoder.tp_group for m in (encoder.name, *encoder.projector_names)}
         return groups if any(g is not None for g in groups.values()) else None
 
     # ---- data ---------------------------------------------------------------------------
-    def prepare(self, indices, step=None):
-        """LLM ranks: the base class's (text and metadata of every micro-batch, empty ones
-        included). Encoder ranks: (RankPlan, per encoder micro-batch the inputs of its
-        samples [I, C, H, W] (first stage) or its input count (later stages), None, None, {}).
+    def encoder_inputs(self, mine, indices, dataset):
+        """An encoder rank's inputs of the step: per encoder micro-batch the inputs of its
+        samples [I, C, H, W] (first stage) or its input count (later stages).
 
         Raises RuntimeError when the data and the plan disagree on a micro-batch's inputs."""
-        if self.encoder is None:
-            return super().prepare(indices, step)
-        step = self.plan(indices) if step is None else step
-        mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
-        counts = mine.encoder_inputs[self.head]
-        if not self.island_stage.first:
-            return mine, list(counts), None, None, {}
-        ds, enc, head = self.train_set, module_cfg(self.cfg, self.head), self.head
+        head = self.head
+        counts = mine.encoder_inputs[head]
+        if not self.stage.first:
+            return list(counts)
+        enc = module_cfg(self.cfg, head)
         empty = torch.empty(0, enc.num_channels, enc.image_size, enc.image_size)
-        pixels = [torch.cat([empty, *(ds.pixel_values(ds[indices[s]], head) for s in mb)]).to(self.device)
+        pixels = [torch.cat([empty, *(dataset.pixel_values(dataset[indices[s]], head) for s in mb)]).to(self.device)
                   for mb in mine.encoder_micro_batches[head]]
         read = [int(x.shape[0]) for x in pixels]
         if read != list(counts):
             raise RuntimeError(f"step plan and data disagree on {head}'s inputs per micro-batch: "
                                f"{list(counts)} planned, {read} read (a stale length index)")
-        return mine, pixels, None, None, {}
+        return pixels
 
     # ---- the step -------------------------------------------------------------------------
     def _stage_graph(self):
@@ -201,61 +207,62 @@ class IslandTrainer(Trainer):
                  for a, b in self.edges]
         return stage_graph(depths, list(dict.fromkeys(e for e in heads if e[0] != e[1])))
 
-    def _route_links(self, mine, graph) -> dict:
+    def _route_links(self, mine, graph, encoder_rank: bool) -> dict:
         """{peer global stage: StreamsLink} of every island edge this rank is on (one link per
-        encoder island, its streams in stream order); the bytes this rank sends over them
-        accumulate in `self.route_bytes` (forward rows, returned gradients; the TP leader's
-        broadcast inside the LLM island not counted)."""
+        encoder island, its streams in stream order)."""
         links, llm, hidden = {}, self.layouts["llm"], self.cfg.llm.hidden_size
-        if not hasattr(self, "route_bytes"):
-            self.route_bytes = RouteBytes()
         for head in self.heads:
-            flows = [p for p in self.island_streams[head] if (p, "llm") in mine.island_routes]
+            flows = [p for p in self.streams[head] if (p, "llm") in mine.island_routes]
             if not flows:
                 continue
             ranks = edge_ranks(Grid.of(self.layouts[head]), Grid.of(llm))
             edge = IslandEdge(ranks, ranks.index(self.rank), self.p2p_group)
-            if self.encoder is not None:  # source: the rows this lane computes per stream
+            if encoder_rank:  # source: the rows this lane computes per stream
                 rows = [mine.encoder_rows[p] for p in flows]
                 peer = graph.index("llm", 0)
-            else:                         # destination: the rows of this rank's shard
+            else:             # destination: the rows of this rank's shard
                 rows = [[mb.stream_rows[p][1] - mb.stream_rows[p][0] for mb in mine.micro_batches]
                         for p in flows]
                 peer = graph.index(head, self.layouts[head].pp - 1)
             routes = []
             for p, r in zip(flows, rows):
                 leader = None  # the plan's default `leader` route: TP rank 0 receives, broadcasts
-                if self.encoder is None and llm.tp > 1:
-                    leader = (self.tp_group, self.groups.ranks("llm", "tp")[0], r)
+                if not encoder_rank and llm.tp > 1:
+                    leader = (self.groups.group("llm", "tp"), self.groups.ranks("llm", "tp")[0], r)
                 routes.append(RouteLink(edge, mine.island_routes[(p, "llm")], hidden, self.precision.compute,
                                         self.device, self.route_bytes, leader=leader))
             links[peer] = StreamsLink(routes, rows)
         return links
 
-    def _pipe_links(self, module: str, stage: StageSpec, g: int, spec) -> dict:
+    def _pipe_links(self, g: int, spec) -> dict:
         """{peer global stage: PipeLink} to this rank's neighbours in its module's pipeline."""
-        grid = Grid.of(self.layouts[module])
+        grid = Grid.of(self.layouts[self.head])
         c = grid.coords(self.rank)
         links = {}
-        for step, ok in ((-1, not stage.first), (1, not stage.last)):
+        for step, ok in ((-1, not self.stage.first), (1, not self.stage.last)):
             if ok:
                 peer = grid.rank_at(c["tp"], c["cp"], c["dp"], c["pp"] + step)
                 links[g + step] = PipeLink(peer, spec, self.p2p_group, self.device)
         return links
 
-    def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[float, list[float], int]:
-        """As `Trainer.forward_backward`, over the islands: returns (global loss, [global loss
-        tokens, global tokens, global sum of squared document lengths], micro-batches)."""
-        mine, inputs, batches, metas, _ = prepared if prepared is not None else self.prepare(global_batch)
+    def forward_backward(self, mine, inputs, batches, metas, encoder, runner, record_grad_sq: bool = False):
+        """One step across the islands on this rank: gradients of the token-level loss summed
+        over each module's DP (x CP) group. inputs: `encoder_inputs` (encoder ranks); batches,
+        metas: the LLM's micro-batches (first stage: (plan, batch) pairs) and `StageMeta`s (LLM
+        ranks); encoder: this rank's `EncoderStage` or None; runner: the LLM's
+        `hcp.train.step.StepRunner` or None. Returns (global loss, [global loss tokens, global
+        tokens, global sum of squared document lengths], micro-batches, `StageTimes`, this
+        rank's encoder gradients' sum of squares before their DP sum or None)."""
         graph = self._stage_graph()
-        links = self._route_links(mine, graph)
+        links = self._route_links(mine, graph, encoder is not None)
         c = mine.counts
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.encoder is None:
-            stage, g = self.stage, graph.index("llm", self.stage.index)
+        stage, prec = self.stage, self.precision
+        g = graph.index(self.head, stage.index)
+        if encoder is None:
             n_micro = len(mine.micro_batches)
-            links.update(self._pipe_links("llm", stage, g, lambda i: self.runner._act_spec(metas[i])))
-            producers = {p: self.island_streams[graph.stages[p][0]] for p in graph.prev[g]
+            links.update(self._pipe_links(g, lambda i: runner.act_spec(metas[i])))
+            producers = {p: self.streams[graph.stages[p][0]] for p in graph.prev[g]
                          if graph.stages[p][0] != "llm"}
 
             def forward(i, received):
@@ -267,83 +274,70 @@ class IslandTrainer(Trainer):
                         cut = [mb.stream_rows[f][1] - mb.stream_rows[f][0] for f in flows]
                         rows.update(zip(flows, received[p].split(cut)))
                     batch.image_rows, batch.stream_rows = rows.pop("projector", None), rows
-                    out = self.runner._stage(batch, None)
+                    out = runner.stage_forward(batch, None)
                 else:
-                    out = self.runner._stage(metas[i], received[g - 1])
+                    out = runner.stage_forward(metas[i], received[g - 1])
                 if not stage.last:
                     return out
                 loss_total = loss_total + out[0].detach().double()
                 return out[0].float() / c.loss_tokens
         else:
-            stage, g = self.island_stage, graph.index(self.head, self.island_stage.index)
             n_micro = len(inputs)
             images = list(mine.encoder_inputs[self.head])
-            links.update(self._pipe_links(self.head, stage, g, lambda i: (
-                self.encoder.activation_shape(images[i]), self.precision.compute)))
-            prec = self.precision
+            links.update(self._pipe_links(g, lambda i: (encoder.activation_shape(images[i]), prec.compute)))
 
             def forward(i, received):  # in the compute dtype out, widened in (as the LLM's stages)
-                return prec.stage_forward(self.device.type, lambda h: self.encoder(inputs[i] if h is None else h),
+                return prec.stage_forward(self.device.type, lambda h: encoder(inputs[i] if h is None else h),
                                           None if stage.first else received[g - 1])
-        reducer = self.runner.reducer if self.runner is not None else None
-        grad_sync = reducer.sync_in_backward if reducer else None
-        if self._sharded():  # FSDP: one reduce-scatter per step, in the last backward
-            grad_sync = (self.encoder if self.encoder is not None else self.model).set_requires_gradient_sync
-        executor = GraphStageExecutor(forward, links, grad_sync)
-        self.stage_times = executor.run(graph_one_f_one_b(graph, n_micro)[g])
-        self._sync(mine)
-        if self.encoder is None and stage.last:
-            dist.all_reduce(loss_total, group=self.grad_group)
+        reducer = runner.reducer if runner is not None else None
+        grad_sync = reducer.sync_in_backward if reducer and mine.overlap_grad_sync else None
+        if self.sharded:  # FSDP: one reduce-scatter per step, in the last backward
+            grad_sync = (encoder if encoder is not None else runner.model).set_requires_gradient_sync
+        actions = graph_one_f_one_b(graph, n_micro)[g]
+        executor = Executor(forward, links, grad_sync, BusyClock(self.device, time.thread_time))
+        times = executor.run(with_grad_sync(actions) if grad_sync else actions)
+        grad_sq = self._sync(mine, encoder, runner, record_grad_sq)
+        if encoder is None and stage.last:
+            dist.all_reduce(loss_total, group=self.groups.group("llm", "dp_cp"))
         dist.broadcast(loss_total, logging_rank(self.layouts))  # every rank: the same loss (non-finite guard)
-        return loss_total / c.loss_tokens, [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths], n_micro
+        counts = [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths]
+        return loss_total / c.loss_tokens, counts, n_micro, times, grad_sq
 
-    def _sync(self, mine) -> None:
-        """Each module's gradients summed over its own DP (x CP) group."""
-        if self.encoder is None:  # the LLM's DP x CP sum (buckets launched in the last backward)
-            self.runner.sync_grads()
-            return
-        params = list(self.encoder.parameters())
-        if self.record_encoder_grad_sq:
-            self.encoder_grad_sq = local_grad_sq(params)
+    def _sync(self, mine, encoder, runner, record_grad_sq: bool):
+        """Each module's gradients summed over its own DP (x CP) group; returns this rank's
+        encoder gradients' sum of squares before the sum when `record_grad_sq`, else None."""
+        if encoder is None:  # the LLM's DP x CP sum (buckets launched in the last backward)
+            runner.sync_grads()
+            return None
+        params = list(encoder.parameters())
+        grad_sq = local_grad_sq(params) if record_grad_sq else None
         sync_grads(params, self.groups.group(self.head, "dp_cp"))  # FSDP shards: already reduced
-        if sum(mine.counts.stream_rows.get(p, 0) for p in self.island_streams[self.head]) == 0:
+        if sum(mine.counts.stream_rows.get(p, 0) for p in self.streams[self.head]) == 0:
             for p in params:  # no input of this encoder anywhere: as in one process, no update
                 p.grad = None
+        return grad_sq
 
-    def clip(self, max_norm: float) -> torch.Tensor:
+    def clip(self, own: nn.Module, tp_group, params, max_norm: float) -> torch.Tensor:
         """Clip every module's gradients by their global L2 norm over all islands; return it.
-        Each island's squared norm (over its TP and PP groups) enters one world all-reduce from
-        the island's lowest rank."""
+        own: this rank's module (its encoder stage or LLM stage); tp_group: its TP group;
+        params: every parameter of this rank. Each island's squared norm (over its TP and PP
+        groups) enters one world all-reduce from the island's lowest rank; the norm is a 0-d
+        device tensor."""
         modules = (*self.heads, "llm")
         sq = torch.zeros(len(modules), dtype=torch.float64, device=self.device)
-        module = self.head
-        lay = self.layouts[module]
-        own = self.encoder if self.encoder is not None else self.model
-        tp = self.encoder.tp_group if self.encoder is not None else self.tp_group
+        module, lay = self.head, self.layouts[self.head]
         pp = self.groups.group(module, "pp") if lay.pp > 1 else None
-        shards = (None if not self._sharded() else self.grad_group if module == "llm"
+        shards = (None if not self.sharded else self.groups.group("llm", "dp_cp") if module == "llm"
                   else self.groups.group(module, "dp_cp"))
-        part = module_sq_norm(own.parameters(), self.device, tp, shards, pp)
+        part = module_sq_norm(own.parameters(), self.device, tp_group, shards, pp)
         if self.rank == lay.rank_offset:
             sq[modules.index(module)] = part
         dist.all_reduce(sq)
         norm = sq.sum().sqrt()
-        clip_(self.modules.parameters(), norm, max_norm)
+        clip_(params, norm, max_norm)
         return norm
 
-    def evaluate(self) -> dict:
-        """Held-out evaluation: greedy decoding re-encodes each prompt's inputs inside the LLM's
-        first stage, so every encoder island first sends its whole weights there
-        (`hcp.train.island_eval.whole_island_encoders`, collectives over each island's senders
-        and the LLM's first stage); then the LLM island evaluates as under colocation and the
-        encoder ranks return {}."""
-        if self.eval_set is None:
-            return {}
-        whole = whole_island_encoders(self)
-        if self.model is None:
-            return {}
-        self._whole = whole
-        return super().evaluate()
-
-    def _whole_encoder(self):
-        return getattr(self, "_whole", None)
+    def whole_encoders(self, encoder):
+        """Every encoder island's weights whole on the LLM's first stage (None elsewhere), for
+        evaluation (`hcp.train.island_eval.whole_island_encoders`; a collective of every rank)."""
+        return whole_island_encoders(self, encoder)

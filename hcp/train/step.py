@@ -37,6 +37,7 @@ from hcp.comm.p2p import StageLink, StageMeta, broadcast_metas
 from hcp.config.precision import Precision
 from hcp.data.packing import pad_micro_batches
 from hcp.model.collectives import group_rank, group_size
+from hcp.model.llava import OWN_CP_GROUP
 from hcp.schedule.pipeline import StageTimes, forward_only, one_f_one_b
 from hcp.train.grad_reduce import GradReducer
 
@@ -65,25 +66,18 @@ class StepRunner:
         # (TP shards are distinct, TP replicas already hold full gradients)
         self.reducer = (GradReducer(model.parameters(), self.grad_group)
                         if not sharded and group_size(self.grad_group) > 1 else None)
-        self.overlap_grad_sync = True
-        """Launch the DP x CP gradient all-reduces during the last backward (`GradReducer`); the
-        trainer turns it off when the ranks of the group may run different micro-batch counts
-        (dynamic CP at pp = 1 without FSDP): a rank's last backward may then be a micro-batch
-        of a CP group with the same ranks (the whole pool), hence the same communicator, that
-        other ranks run before more micro-batches, and a bucket launched inside it would cross
-        that group's CP collectives on the others (gloo fails, NCCL would hang). Without it every
-        bucket goes after the rank's last micro-batch, one order on every rank."""
 
-    def _stage(self, batch, x, head=None):
+    def stage_forward(self, batch, x, head=None, cp_group=OWN_CP_GROUP):
         """This stage's model forward under the precision policy's autocast. The activation
         travels in the compute dtype; a received one is widened back to the parameter dtype, so
         the residual stream keeps the precision it has without pipeline stages."""
-        return self.precision.stage_forward(self.device.type, lambda h: self.model(batch, h, head), x,
-                                            not self.stage.last)
+        return self.precision.stage_forward(
+            self.device.type, lambda h: self.model(batch, h, head, cp_group=cp_group), x, not self.stage.last)
 
-    def _act_spec(self, meta) -> tuple[tuple[int, int], torch.dtype]:
-        """(shape, dtype) of the activation a stage sends for micro-batch `meta`."""
-        return self.model.residual_shape(meta), self.precision.compute
+    def act_spec(self, meta, cp_group=OWN_CP_GROUP) -> tuple[tuple[int, int], torch.dtype]:
+        """(shape, dtype) of the activation a stage sends for micro-batch `meta` over its CP
+        group `cp_group` (default: the model's)."""
+        return self.model.residual_shape(meta, cp_group), self.precision.compute
 
     def _metas(self, batches, n_micro: int) -> list:
         """Every micro-batch's `StageMeta` on every stage (from the first stage). The step plan
@@ -112,14 +106,20 @@ class StepRunner:
             dist.broadcast(counts, self.first_rank, group=self.pp_group)
         return counts
 
-    def forward_backward(self, batches, metas=None, planned=None) -> tuple[torch.Tensor, list[float], int, StageTimes]:
+    def forward_backward(self, batches, metas=None, planned=None, overlap_grad_sync: bool = True,
+                         cp_groups=None) -> tuple[torch.Tensor, list[float], int, StageTimes]:
         """Gradients of the token-level loss of this lane's micro-batches `batches` (first
         stage; None elsewhere), synchronized over DP x CP. `metas`: every micro-batch's
         `StageMeta` when the caller knows them (the step plan), else broadcast from the first
         stage. `planned`: the step plan's global [loss tokens, tokens, sum of squared document
         lengths, image rows], used instead of counting them with a collective (`_counts`); the
         micro-batch count is then `len(metas)` (the plan pads every lane of an FSDP group to
-        the same count). Returns (global loss, [global loss tokens, global tokens, global sum of squared
+        the same count). `overlap_grad_sync`: launch the DP x CP gradient all-reduces during
+        the last backward (`GradReducer`), as the step plan decides (`StepPlan.
+        overlap_grad_sync`); without it every bucket goes after the rank's last micro-batch.
+        `cp_groups`: each micro-batch's CP process group (`packing=dynamic_cp`: the plan's group,
+        resolved by the trainer; None at CP size 1), else None: the model's own.
+        Returns (global loss, [global loss tokens, global tokens, global sum of squared
         document lengths], micro-batches run per lane (padded under FSDP), this stage's
         timings). The loss is a 0-d float64 device tensor: the caller reads it once per step."""
         if planned is not None and metas is None:
@@ -130,10 +130,12 @@ class StepRunner:
         if self.stage.first:  # FSDP: a lane with fewer micro-batches still joins every collective
             batches = pad_micro_batches(batches, n_micro, self.device)
         loss_total = torch.zeros((), dtype=torch.float64, device=self.device)
+        metas = metas if metas is not None else self._metas(batches, n_micro)
+        groups = cp_groups if cp_groups is not None else [OWN_CP_GROUP] * len(metas)
 
-        def forward(batch, x):
+        def forward(i, x):
             nonlocal loss_total
-            out = self._stage(batch, x)
+            out = self.stage_forward(batches[i] if self.stage.first else metas[i], x, cp_group=groups[i])
             if not self.stage.last:
                 return out
             loss_sum = out[0]
@@ -141,10 +143,8 @@ class StepRunner:
             return loss_sum.float() / global_tokens
 
         sync = (self.model.set_requires_gradient_sync if self.sharded else
-                None if self.reducer is None or not self.overlap_grad_sync else self.reducer.sync_in_backward)
-        times = one_f_one_b(forward, self.link, self.stage.index, self.stage.num_stages, batches,
-                            metas if metas is not None else self._metas(batches, n_micro),
-                            self._act_spec, sync)
+                None if self.reducer is None or not overlap_grad_sync else self.reducer.sync_in_backward)
+        times = one_f_one_b(forward, self.link, len(metas), lambda i: self.act_spec(metas[i], groups[i]), sync)
         self.sync_grads()
         if counts[4] == 0:
             self._drop_unused_image_grads()
@@ -181,8 +181,9 @@ class StepRunner:
         same number of `batches`; the first stage's are the ones run (the others get their
         metadata from it, as in training)."""
         metas = self._metas(batches if self.stage.first else None, len(batches))
-        outs = forward_only(lambda batch, x: self._stage(batch, x, head), self.link,
-                            self.stage.index, self.stage.num_stages, batches, metas, self._act_spec)
+        src = batches if self.stage.first else metas
+        outs = forward_only(lambda i, x: self.stage_forward(src[i], x, head), self.link, len(metas),
+                            lambda i: self.act_spec(metas[i]))
         if self.stage.num_stages == 1:
             return outs
         shared = []

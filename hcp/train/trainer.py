@@ -13,8 +13,8 @@ their gradients back, the encoder backward. Loss is token-level over the whole g
 over each module's own DP (x CP) group, the clipping norm is global over every module, and one
 optimizer steps them all. A text-only LM (no vision) runs the LLM phase alone. Several encoders
 (joins, branches: `hcp.train.encoders`) run as one encoder side with one route per stream.
-Under `placement=non_colocated` `Trainer(cfg, run_dir)` is the island trainer
-(`hcp.train.islands.IslandTrainer`): a rank builds only its island's modules and the step is the
+Under `placement=non_colocated` the same trainer composes the islands' runtime
+(`hcp.train.islands.Islands`): a rank builds only its island's modules and the step is the
 graph-aware 1F1B across the islands.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
-from hcp.dcp.policy import cp_histogram, several_per_round, with_cp_group
+from hcp.dcp.policy import cp_histogram, micro_batch_group
 from hcp.model import LlavaModel
 from hcp.model.backends import resolve_backend
 from hcp.model.init import materialize, meta_build
@@ -49,6 +49,7 @@ from hcp.train.distributed import init_distributed
 from hcp.train.evaluate import evaluate
 from hcp.train.failures import NonFiniteGuard
 from hcp.train.fake import host_values
+from hcp.train.islands import Islands
 from hcp.train.fsdp import shard_encoder, shard_model
 from hcp.train.metrics_log import RunLogger, whole_step_metrics
 from hcp.train.modules import RankModules, clip_, local_grad_sq, module_sq_norm
@@ -66,15 +67,9 @@ class Trainer:
 
     `run_dir` is the run directory chosen once by the launching process; only the logging
     rank writes into it (checkpoints are written by every rank, as DCP shards).
-    `Trainer(cfg, run_dir)` under `placement=non_colocated` builds the island trainer
-    (`hcp.train.islands.IslandTrainer`: a rank builds only its island's modules).
+    Under `placement=non_colocated` it composes `islands` (`hcp.train.islands.Islands`: a rank
+    builds only its island's modules; None under colocation).
     """
-
-    def __new__(cls, cfg, run_dir: str):
-        if cls is Trainer and cfg.placement == "non_colocated":
-            from hcp.train.islands import IslandTrainer  # it subclasses Trainer
-            cls = IslandTrainer
-        return super().__new__(cls)
 
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.run_dir = cfg, run_dir
@@ -98,6 +93,8 @@ class Trainer:
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg)
         self.edges = tuple(tuple(e) for e in cfg.graph.edges)
+        self.islands = (Islands(cfg, self.layouts, self.groups, self.rank, self.device, self.precision)
+                        if cfg.placement == "non_colocated" else None)
         self.encoder = self._build_encoder()  # both on the meta device: nothing allocated yet
         self.model = self._build_model()
         self.modules = self._rank_modules()
@@ -110,8 +107,6 @@ class Trainer:
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's shards
         self.runner = (StepRunner(self.model, self.groups, self.device, self.precision, llm.dp_shard)
                        if self.model is not None else None)
-        if self.runner is not None and self.dynamic_cp and several_per_round(llm):
-            self.runner.overlap_grad_sync = False  # ranks of a pool run different counts
         self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full",
                                         precision=self.precision, device_type=self.device.type)
                           if self.encoder is not None and cfg.placement == "colocated" else None)
@@ -136,11 +131,25 @@ class Trainer:
                     if self.is_logging_rank else None)
         if self.log and self.resume_note:
             self.log.write(self.resume_note)
+        if self.islands is not None:  # every rank, last: the islands' P2P group
+            self.islands.connect(self.world)
+
+    @property
+    def head(self) -> str | None:
+        """This rank's island head module under non_colocated ("llm" on the LLM island), else None."""
+        return self.islands.head if self.islands is not None else None
+
+    @property
+    def route_bytes(self):
+        """The bytes this rank sent over island routes (`RouteBytes`), None under colocation."""
+        return self.islands.route_bytes if self.islands is not None else None
 
     def _build_encoder(self) -> LlavaEncoder | None:
         """The encoder side (vision + projector) on its own TP group, on the meta device (`__init__`
         materializes this rank's shards), or None (text-only LM)."""
         cfg = self.cfg
+        if self.islands is not None:  # this rank's encoder island stage, or None
+            return self.islands.build_encoder()
         if cfg.vision is None or sides.several_streams(cfg):  # named encoders: an EncoderSide
             return sides.build_encoder_side(cfg, self.groups, self.layouts) if cfg.vision else None
         tp = self.groups.group("vision", "tp") if self.layouts["vision"].tp > 1 else None
@@ -156,6 +165,8 @@ class Trainer:
         """This rank's LLM stage on the meta device (`__init__` materializes this rank's
         shards); image rows arrive routed from the encoder side."""
         cfg = self.cfg
+        if self.islands is not None and self.islands.head != "llm":
+            return None
         with meta_build():
             model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
                                cp_group=self.cp_group, stage=self.stage, encoder=False,
@@ -175,6 +186,8 @@ class Trainer:
     def _rank_modules(self) -> RankModules:
         """This rank's modules under one root keyed by module FQN (checkpoints, optimizer); with
         an encoder side, its checkpoints name every module's layout (`checkpoint.layouts_label`)."""
+        if self.islands is not None:
+            return self.islands.modules(self.encoder, self.model)
         modules = RankModules(self.encoder, self.model)
         if self.encoder is not None:
             modules.layout_label = checkpoint.layouts_label(self.layouts)
@@ -204,6 +217,8 @@ class Trainer:
 
     def _tp_groups(self):
         """TP group of each module's TP-sharded parameters, for checkpoints (None: no TP)."""
+        if self.islands is not None:
+            return self.islands.tp_groups(self.encoder, self.tp_group)
         groups = {"llm": self.tp_group}
         groups.update(sides.tp_groups(self.encoder))
         return groups if any(g is not None for g in groups.values()) else None
@@ -219,28 +234,24 @@ class Trainer:
         dynamic CP (`hcp.dcp.policy.cp_histogram`, else {})). Only this rank's samples are read: images
         only for its encoder samples, text only on the LLM's first stage (and the labels on the
         last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
-        Empty micro-batches (plan padding) run only under FSDP, whose lanes share collectives;
-        under non_colocated, where every LLM lane runs every micro-batch of the encoder islands;
-        and under dynamic CP with PP (every stage rank of the pool keeps the plan's order).
+        Empty micro-batches (plan padding) run where the plan says so (`StepPlan.keep_empty`).
         `step`: the plan when the plan-ahead worker process computed it."""
         step = self.plan(indices) if step is None else step
         mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
         ds, device = self.train_set, self.device
+        if self.islands is not None and self.model is None:  # an encoder island's rank
+            return mine, self.islands.encoder_inputs(mine, indices, ds), None, None, {}
         pixels = None
         if self.encoder is not None:
             pixels = sides.encoder_inputs(ds, indices, mine, self.encoder, device)
-        keep_empty = (self.layouts["llm"].dp_shard or self.cfg.placement == "non_colocated"
-                      or (self.dynamic_cp and self.stage.num_stages > 1))
         batches, metas = [] if self.stage.first else None, []
-        tag = ((lambda b, mb: with_cp_group(b, self.groups, mb, self.rank)) if self.dynamic_cp
-               else (lambda b, mb: b))  # dynamic CP: each micro-batch's own pre-built CP group
         for mb in mine.micro_batches:
             if mb.empty:
-                if keep_empty:
+                if mine.keep_empty:
                     empty = empty_batch(device)
-                    metas.append(tag(StageMeta.of(empty), mb))
+                    metas.append(StageMeta.of(empty))
                     if batches is not None:
-                        batches.append((mb, tag(empty, mb)))
+                        batches.append((mb, empty))
                 continue
             host_cu = mb.cu_seqlens   # the plan's, on the host
             if self.stage.first or self.stage.last:
@@ -251,17 +262,17 @@ class Trainer:
                 if not np.array_equal(batch.cu_seqlens.numpy(), host_cu):
                     raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
                                        f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
-                batch = tag(batch.to(device), mb)
+                batch = batch.to(device)
                 batches.append((mb, batch))
-                metas.append(tag(StageMeta.of(batch), mb))
+                metas.append(StageMeta.of(batch))
                 continue
             lengths = tuple(int(n) for n in np.diff(mb.cu_seqlens))  # the plan's, on the host
             host_labels = [t for s in samples for t in s.labels] if self.stage.last else []
             labels = (torch.tensor(host_labels, device=device) if self.stage.last
                       else torch.full((sum(lengths),), -100, device=device))
-            metas.append(tag(StageMeta(torch.as_tensor(host_cu, device=device), mb.max_seqlen, torch.cat(
+            metas.append(StageMeta(torch.as_tensor(host_cu, device=device), mb.max_seqlen, torch.cat(
                 [torch.arange(n, device=device) for n in lengths]), labels, lengths,
-                sum(t != -100 for t in host_labels)), mb))
+                sum(t != -100 for t in host_labels)))
         return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}
 
     def train_step(self) -> dict:
@@ -292,6 +303,12 @@ class Trainer:
         Returns (global loss (0-d device tensor), [global loss tokens, global tokens, global sum of squared document
         lengths], micro-batches per lane)."""
         mine, pixels, batches, metas, _ = prepared if prepared is not None else self.prepare(global_batch)
+        if self.islands is not None:
+            loss, counts, n_micro, self.stage_times, grad_sq = self.islands.forward_backward(
+                mine, pixels, batches, metas, self.encoder, self.runner, self.record_encoder_grad_sq)
+            if grad_sq is not None:
+                self.encoder_grad_sq = grad_sq
+            return loss, counts, n_micro
 
         def llm_phase(leaf):
             if batches is not None and leaf is not None:
@@ -300,7 +317,7 @@ class Trainer:
             check = self.cfg.trainer.get("check_counts") and not self.dynamic_cp
             planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
             return self.runner.forward_backward([b for _, b in batches] if batches is not None else None,
-                                                metas, planned)
+                                                metas, planned, mine.overlap_grad_sync, self._cp_groups(mine))
 
         if self.colocated is None:
             loss, counts, n_micro, self.stage_times = llm_phase(None)
@@ -312,6 +329,16 @@ class Trainer:
             self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())
         sides.sync_encoder_grads(self.encoder, self.groups, mine.counts)  # no row anywhere: no update
         return loss, self._plan_counts(mine, counts), n_micro
+
+    def _cp_groups(self, mine):
+        """Under dynamic CP, the CP process group of each micro-batch this rank runs: the
+        plan's group (`MicroBatchPlan.cp_size`, `cp_rank`) resolved to its pre-built group
+        (`hcp.dcp.policy.micro_batch_group`; None at CP size 1 and for an empty micro-batch,
+        which runs no CP collective). Else None: the model's own CP group."""
+        if not self.dynamic_cp:
+            return None
+        return [None if mb.empty else micro_batch_group(self.groups, mb, self.rank)
+                for mb in mine.micro_batches if mine.keep_empty or not mb.empty]
 
     def _check_plan(self, checksum: int) -> None:
         """`trainer.check_plan`: every rank must have computed the same step plan
@@ -331,6 +358,10 @@ class Trainer:
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip every module's gradients by their global L2 norm; return the norm before (a 0-d
         device tensor)."""
+        if self.islands is not None:  # this rank's module only, one world all-reduce
+            own, tp = ((self.encoder, self.encoder.tp_group) if self.encoder is not None
+                       else (self.model, self.tp_group))
+            return self.islands.clip(own, tp, self.modules.parameters(), max_norm)
         llm = self.layouts["llm"]
         sq = module_sq_norm(self.model.parameters(), self.device, self.tp_group,
                             self.grad_group if llm.dp_shard else None,
@@ -347,9 +378,11 @@ class Trainer:
         n = len(self.eval_set)
         if self.cfg.trainer.eval_samples:
             n = min(n, self.cfg.trainer.eval_samples)
+        whole = self._whole_encoder()  # a collective under non_colocated: before leaving
+        if self.model is None:           # an encoder island's rank: the LLM island evaluates
+            return {}
         per = -(-n // self.dp)
         indices = list(range(self.lane * per, min(n, (self.lane + 1) * per)))
-        whole = self._whole_encoder()
         lent = dict(whole.named_children()) if whole is not None and self.stage.first else {}
         for name, module in lent.items():  # held-out images are encoded in place
             setattr(self.model, name, module)
@@ -371,7 +404,10 @@ class Trainer:
         return max(cap, self.cfg.data.max_seq_len) if self.dynamic_cp else cap
 
     def _whole_encoder(self) -> LlavaEncoder | None:
-        """The encoder side whole on this rank, for evaluation (`hcp.train.whole_encoder`)."""
+        """The encoder side whole on this rank, for evaluation (`hcp.train.whole_encoder`; under
+        non_colocated every island's, on the LLM's first stage: `Islands.whole_encoders`)."""
+        if self.islands is not None:
+            return self.islands.whole_encoders(self.encoder)
         return whole_encoder(self.encoder, self.cfg, self.device)
 
     def save(self) -> None:
