@@ -103,7 +103,7 @@ cfg = OmegaConf.create(compose_container(["+recipe=llama13b_dynamic_cp", "llm.la
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
 tp = dist.new_group(list(range(8)))
 lay = resolve_layouts(cfg, 64)["llm"]
-rank = type("Rank", (), {"cfg": cfg, "tp_group": tp, "cp_group": None, "device": torch.device("cpu"),
+rank = type("Rank", (), {"cfg": cfg, "tp_group": tp, "cp_group": None, "device": torch.device("cpu"), "islands": None,
                          "stage": StageSpec.of(lay.pp_layers, 0),
                          "attention_backend": lambda self: "torch"})()
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

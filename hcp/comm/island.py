@@ -120,6 +120,12 @@ def forward_ops(src: torch.Tensor, route: RankRoute, edge: IslandEdge,
     return ops, finish
 
 
+def _mask_index(mask, device) -> torch.Tensor:
+    """The positions where the host mask `mask` is true, as an index on `device` (a
+    boolean index on the device would be a `nonzero`: a device-to-host sync)."""
+    return _index([i for i, m in enumerate(mask) if m], device)
+
+
 def backward_ops(grad_dst: torch.Tensor, route: RankRoute, src_rows: int, edge: IslandEdge,
                  counter: RouteBytes | None = None) -> tuple[list, Callable[[], torch.Tensor]]:
     """The backward move of one micro-batch as P2P ops, and `finish()` -> the gradient of the
@@ -128,14 +134,13 @@ def backward_ops(grad_dst: torch.Tensor, route: RankRoute, src_rows: int, edge: 
     dtype)."""
     device = grad_dst.device
     received = grad_dst.detach().index_select(0, _index(route.recv_index, device))
-    send = received[torch.tensor(route.grad_owner, dtype=torch.bool, device=device)]
+    send = received.index_select(0, _mask_index(route.grad_owner, device))  # no device nonzero
     back = grad_dst.new_empty(sum(route.grad_recv_splits), grad_dst.shape[1])
     add = None if counter is None else (lambda n: setattr(counter, "backward", counter.backward + n))
     ops = _p2p(send, route.grad_send_splits, back, route.grad_recv_splits, edge, TAG_B, add)
 
     def finish() -> torch.Tensor:
-        returns = torch.tensor(route.grad_returns, dtype=torch.bool, device=device)
-        index = _index(route.send_index, device)[returns]
+        index = _index(route.send_index, device).index_select(0, _mask_index(route.grad_returns, device))
         return grad_dst.new_zeros(src_rows, grad_dst.shape[1]).index_add_(0, index, back)
 
     return ops, finish

@@ -70,6 +70,7 @@ from hcp.comm.boundary import RouteBytes
 from hcp.comm.island import IslandEdge, warm_up
 from hcp.config.modules import module_cfg, streams
 from hcp.model.encoder_stage import EncoderStage
+from hcp.model.init import meta_build
 from hcp.model.stage import StageSpec
 from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
@@ -159,7 +160,7 @@ class Islands:
         tp = self.groups.group(head, "tp") if layouts[head].tp > 1 else None
         cp = self.groups.group(head, "cp") if layouts[head].cp > 1 else None
         projectors = {p: module_cfg(cfg, p) for p in self.streams[head]}
-        with torch.device("meta"):  # the trainer materializes this rank's shards
+        with meta_build():  # the trainer materializes this rank's shards
             encoder = EncoderStage(head, module_cfg(cfg, head), projectors, cfg.llm.hidden_size,
                                    self.stage, tp, layouts[head].recompute == "full", cp)
         for name in (head, *projectors):
