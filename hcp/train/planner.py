@@ -5,6 +5,7 @@ holds the training process's GIL."""
 from __future__ import annotations
 
 from hcp.dcp.policy import dynamic_cp_policy
+from hcp.plan.policies import policy
 from hcp.plan.step import StepPlan, plan_step, register_policy
 
 
@@ -22,16 +23,18 @@ class StepPlanner:
         self.packing, self.mbt = cfg.packing, cfg.trainer.micro_batch_tokens
         self.llm_cfg, self.profile = cfg.llm, cfg.packing_profile
         self.layouts, self.index, self.edges = layouts, index, edges
-        self._solver = None  # this run's dynamic-CP policy, built where it first plans
+        if self.packing == "dynamic_cp":  # this run's model and profile, whatever this process
+            self._register()              # planned before (the registry is process-wide)
 
-    def __getstate__(self):  # to the plan-ahead worker: it builds its own solver
-        return {**self.__dict__, "_solver": None}
+    def _register(self) -> None:
+        register_policy("dynamic_cp", dynamic_cp_policy(self.llm_cfg, self.profile))
 
     def __call__(self, indices) -> StepPlan:
-        if self.packing == "dynamic_cp":  # this run's model and profile, whatever this process
-            if self._solver is None:      # planned before (the registry is process-wide)
-                self._solver = dynamic_cp_policy(self.llm_cfg, self.profile)
-            register_policy("dynamic_cp", self._solver)
+        if self.packing == "dynamic_cp":
+            try:
+                policy("dynamic_cp")
+            except ValueError:  # a fresh worker process: register the solver there too
+                self._register()
         sizes, streams = self.index.take(indices)
         return plan_step(sizes, self.layouts, self.packing, self.mbt, self.edges,
                          stream_sizes=streams)
