@@ -100,8 +100,7 @@ def test_non_colocated_trains_encoder_pp_and_refuses_what_it_cannot_run_with_a_f
     base = ["placement=non_colocated", "vision.layout.num_ranks=2", "vision.layout.tp=1"]
     cfg = compose_cfg([*base, "vision.layout.pp=2", "vision.layout.recompute=full", "vision.layout.dp_shard=true"])
     check_trainable(cfg, validate(cfg, world_size=4))   # encoder PP, recompute and FSDP on its island
-    for extra, field in [(["packing=dynamic_cp"], "packing"),
-                         (["projector.layout.tp=2"], "projector.layout.tp"),
+    for extra, field in [(["projector.layout.tp=2"], "projector.layout.tp"),
                          (["projector.layout.recompute=full"], "projector.layout.recompute"),
                          (["projector.layout.dp_shard=true"], "projector.layout.dp_shard"),
                          (["vision.freeze=true", "projector.freeze=true"], "vision.freeze"),

@@ -54,9 +54,15 @@ backward only).
 Encoder CP (`<encoder>.layout.cp`): every input's tokens split over the island's CP ranks
 (`hcp.model.vit`); the routes take each row from the CP rank that holds it (`hcp.plan.island_routes`).
 
-Not built yet (refused in `hcp.train.support`): selective encoder recompute,
-`packing=dynamic_cp`, a projector on an island of its own (or with a recompute or dp_shard
-other than its encoder's), a fully frozen island.
+Dynamic CP (`packing=dynamic_cp`): the plan packs each LLM micro-batch and picks its CP group
+inside the LLM island's pool; every LLM micro-batch runs on its plan's pre-built group
+(`cp_groups`, resolved by the trainer; an empty one still runs, so every rank of the island
+keeps the schedule), and the routes send each row to the CP rank of that group whose head-tail
+chunks hold it.
+
+Not built yet (refused in `hcp.train.support`): selective encoder recompute, a projector on an
+island of its own (or with a recompute or dp_shard other than its encoder's), a fully frozen
+island.
 """
 from __future__ import annotations
 
@@ -71,6 +77,7 @@ from hcp.comm.island import IslandEdge, warm_up
 from hcp.config.modules import module_cfg, streams
 from hcp.model.encoder_stage import EncoderStage
 from hcp.model.init import meta_build
+from hcp.model.llava import OWN_CP_GROUP
 from hcp.model.stage import StageSpec
 from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
@@ -246,12 +253,15 @@ class Islands:
                 links[g + step] = PipeLink(peer, spec, self.p2p_group, self.device)
         return links
 
-    def forward_backward(self, mine, inputs, batches, metas, encoder, runner, record_grad_sq: bool = False):
+    def forward_backward(self, mine, inputs, batches, metas, encoder, runner, record_grad_sq: bool = False,
+                         cp_groups=None):
         """One step across the islands on this rank: gradients of the token-level loss summed
         over each module's DP (x CP) group. inputs: `encoder_inputs` (encoder ranks); batches,
         metas: the LLM's micro-batches (first stage: (plan, batch) pairs) and `StageMeta`s (LLM
         ranks); encoder: this rank's `EncoderStage` or None; runner: the LLM's
-        `hcp.train.step.StepRunner` or None. Returns (global loss, [global loss tokens, global
+        `hcp.train.step.StepRunner` or None; cp_groups: under `packing=dynamic_cp` the CP group
+        of each LLM micro-batch (the plan's, pre-built; None at CP size 1), else None: the
+        LLM's own. Returns (global loss, [global loss tokens, global
         tokens, global sum of squared document lengths], micro-batches, `StageTimes`, this
         rank's encoder gradients' sum of squares before their DP sum or None)."""
         graph = self._stage_graph()
@@ -262,7 +272,8 @@ class Islands:
         g = graph.index(self.head, stage.index)
         if encoder is None:
             n_micro = len(mine.micro_batches)
-            links.update(self._pipe_links(g, lambda i: runner.act_spec(metas[i])))
+            cps = cp_groups if cp_groups is not None else [OWN_CP_GROUP] * n_micro
+            links.update(self._pipe_links(g, lambda i: runner.act_spec(metas[i], cps[i])))
             producers = {p: self.streams[graph.stages[p][0]] for p in graph.prev[g]
                          if graph.stages[p][0] != "llm"}
 
@@ -275,9 +286,9 @@ class Islands:
                         cut = [mb.stream_rows[f][1] - mb.stream_rows[f][0] for f in flows]
                         rows.update(zip(flows, received[p].split(cut)))
                     batch.image_rows, batch.stream_rows = rows.pop("projector", None), rows
-                    out = runner.stage_forward(batch, None)
+                    out = runner.stage_forward(batch, None, cp_group=cps[i])
                 else:
-                    out = runner.stage_forward(metas[i], received[g - 1])
+                    out = runner.stage_forward(metas[i], received[g - 1], cp_group=cps[i])
                 if not stage.last:
                     return out
                 loss_total = loss_total + out[0].detach().double()

@@ -18,13 +18,12 @@ def check_trainable(cfg, layouts: dict) -> None:
 
     Not yet trained: a pooling projector (`pool` > 1) behind an encoder with CP (the pool's
     windows span the CP ranks' chunks), encoder PP under colocated placement (encoder PP runs on
-    its own island under non_colocated); under non_colocated dynamic CP, a projector's
-    recompute or dp_shard other than its island's, a fully frozen island, a projector on an
-    island of its own
-    (`_check_islands_trainable`);
+    its own island under non_colocated); under non_colocated a projector's recompute or
+    dp_shard other than its island's, a fully frozen island, a projector on an island of its
+    own (`_check_islands_trainable`);
     `selective` recompute outside the LLM, and tied embeddings across LLM stages. Each can be
-    planned with `mode=plan`. `packing=dynamic_cp` trains under every colocated LLM layout that
-    trains (TP, PP, dp_shard, an encoder side), given a power-of-two CP pool that holds the
+    planned with `mode=plan`. `packing=dynamic_cp` trains under every LLM layout that trains
+    (TP, PP, dp_shard, an encoder side colocated or on islands), given a power-of-two CP pool that holds the
     longest sample (`hcp.config.validate`) and a cost profile that loads (`check_profile`).
     Under dynamic CP every TP rank of a pool position runs the same micro-batches, every
     pipeline stage the plan's micro-batches (empty ones included) with its CP group of each,
@@ -113,9 +112,6 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
     for head in heads:
         if kind(cfg, head) != "encoder":
             raise projector_island_error(cfg, head)
-    fix = "use placement=colocated for it, or mode=plan to plan it"
-    if cfg.packing != "first_fit":
-        raise ConfigError("packing", cfg.packing, "not built for placement=non_colocated yet", fix)
     for head in heads:
         members = [m for m in layouts if m != "llm" and island_head(layouts, edges, m) == head]
         for m in members:

@@ -305,7 +305,8 @@ class Trainer:
         mine, pixels, batches, metas, _ = prepared if prepared is not None else self.prepare(global_batch)
         if self.islands is not None:
             loss, counts, n_micro, self.stage_times, grad_sq = self.islands.forward_backward(
-                mine, pixels, batches, metas, self.encoder, self.runner, self.record_encoder_grad_sq)
+                mine, pixels, batches, metas, self.encoder, self.runner, self.record_encoder_grad_sq,
+                self._cp_groups(mine) if self.model is not None else None)
             if grad_sq is not None:
                 self.encoder_grad_sq = grad_sq
             return loss, counts, n_micro
