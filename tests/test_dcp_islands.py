@@ -79,3 +79,28 @@ def test_dynamic_cp_on_islands_passes_the_launch_checks(name):
     base, world, extra, _ = CASES[name]
     cfg = compose_cfg([*BASES[base], *DYNAMIC, *extra, f"launcher.nproc_per_node={world}"])
     check_trainable(cfg, validate(cfg, world_size=world))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ten_cli_steps_on_islands_log_the_colocated_first_fit_losses(tmp_path):
+    """`+recipe=internvl_tiles_tiny` (tiles, encoder CP 2) colocated with first_fit, against the
+    same recipe on islands: vision cp2 on ranks 0-1, the LLM pool of 4 with dynamic CP on ranks
+    2-5 (CP 1 and 2 chosen per micro-batch). Losses of 10 steps and the final held-out
+    evaluation within 1e-4. Two CLI runs of 10 steps (about 1-2 minutes each, loaded machine)."""
+    from cfg_utils import cli_metrics, run_summary
+
+    small = ["trainer.global_batch_size=16", "trainer.check_plan=true"]
+    ref = cli_metrics(tmp_path / "colocated", "internvl_tiles_tiny", small)
+    got = cli_metrics(tmp_path / "islands", "internvl_tiles_tiny", [
+        *small, "placement=non_colocated", "vision.layout.num_ranks=2", "llm.layout.tp=1",
+        "packing=dynamic_cp", "trainer.micro_batch_tokens=128", "launcher.nproc_per_node=6"])
+    a, b = [r["loss"] for r in ref], [r["loss"] for r in got]
+    assert len(a) == 10 and a[-1] < a[0]
+    assert b == pytest.approx(a, abs=1e-4)
+    assert [r["loss_tokens"] for r in got] == [r["loss_tokens"] for r in ref]
+    sizes = {int(k.removeprefix("micro_batches_cp")) for r in got for k in r if k.startswith("micro_batches_cp")}
+    assert sizes == {1, 2}, sizes
+    summary, ref_summary = run_summary(tmp_path / "islands"), run_summary(tmp_path / "colocated")
+    assert summary["eval/samples"] == ref_summary["eval/samples"] > 0
+    assert summary["eval/loss"] == pytest.approx(ref_summary["eval/loss"], abs=1e-4)
