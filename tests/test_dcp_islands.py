@@ -104,3 +104,25 @@ def test_ten_cli_steps_on_islands_log_the_colocated_first_fit_losses(tmp_path):
     summary, ref_summary = run_summary(tmp_path / "islands"), run_summary(tmp_path / "colocated")
     assert summary["eval/samples"] == ref_summary["eval/samples"] > 0
     assert summary["eval/loss"] == pytest.approx(ref_summary["eval/loss"], abs=1e-4)
+
+
+def test_plan_mode_at_full_size_shows_encoder_cp_and_dynamic_cp(tmp_path, capsys):
+    """`internvl_tiles_cp` on islands with dynamic CP (128 ranks, no process): the table and the
+    picture (`plan.png`'s figure) say how each module runs CP. A few seconds."""
+    from cfg_utils import compose_cfg
+    from hcp.config.layouts import check_layouts
+    from hcp.train.plan import cp_notes, run_plan
+    from hcp.train.plan_figure import plan_figure
+
+    cfg = compose_cfg(["+recipe=internvl_tiles_cp", "mode=plan", "placement=non_colocated",
+                       "vision.layout.num_ranks=64", "packing=dynamic_cp"])
+    plan = run_plan(cfg, tmp_path)
+    encoder = "encoder CP 4: every input's tokens split over 4 ranks"
+    dynamic = "dynamic CP: pool dp*cp = 4 ranks per stage, CP 1/2/4 chosen per micro-batch"
+    assert plan["modules"]["vision"]["cp"] == encoder and plan["modules"]["llm"]["cp"] == dynamic
+    assert "cp" not in plan["modules"]["projector"]
+    out = capsys.readouterr().out
+    assert encoder in out and dynamic in out and (tmp_path / "plan.png").exists()
+    fig = plan_figure(check_layouts(cfg, 128), 128, 8, cp_notes=cp_notes(cfg, check_layouts(cfg, 128)))
+    texts = {t.get_text() for t in fig.axes[0].texts}
+    assert {encoder, dynamic} <= texts

@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts, world_size_of
+from hcp.config.modules import kind
 from hcp.config.precision import Precision
 from hcp.model.encoder_side import graph_kwargs
 from hcp.model.llava import LlavaModel
@@ -58,6 +59,21 @@ def group_counts(cfg, layouts) -> dict[str, dict[str, list[int]]]:
         if m == "llm" and cfg.packing == "dynamic_cp":
             counts[m] |= {f"dynamic_cp_{s}": [grid.size // s, s] for s in grid.dynamic_cp_sizes()}
     return counts
+
+
+def cp_notes(cfg, layouts) -> dict[str, str]:
+    """module -> how it runs context parallelism, for the table and the picture: the LLM under
+    `packing=dynamic_cp` (its CP pool and the CP sizes a micro-batch may take), an encoder-side
+    encoder with `layout.cp` > 1 (encoder CP: every input's tokens split over its CP ranks)."""
+    notes = {}
+    for m, lay in layouts.items():
+        if m == "llm" and cfg.packing == "dynamic_cp":
+            sizes = Grid.of(lay).dynamic_cp_sizes()
+            notes[m] = (f"dynamic CP: pool dp*cp = {lay.cp_pool} ranks per stage, CP "
+                        f"{'/'.join(map(str, sizes))} chosen per micro-batch")
+        elif m != "llm" and lay.cp > 1 and kind(cfg, m) == "encoder":
+            notes[m] = f"encoder CP {lay.cp}: every input's tokens split over {lay.cp} ranks"
+    return notes
 
 
 def rank_runs(roles) -> list[dict]:
@@ -224,6 +240,7 @@ def run_plan(cfg, out_dir) -> dict:
     stage_mem = stage_memory(cfg, layouts, shapes)
     roles = role_table(running_layouts(cfg, layouts), world)
     per_rank = memory_per_rank(cfg, layouts, world, stage_mem)
+    notes = cp_notes(cfg, layouts)
     plan = {
         "world_size": world,
         "placement": cfg.placement,
@@ -235,7 +252,7 @@ def run_plan(cfg, out_dir) -> dict:
                         {"pp_layers": list(lay.pp_layers), "recompute": lay.recompute},
                         "island": [lay.rank_offset, lay.rank_offset + lay.num_ranks - 1],
                         "num_params": sum(math.prod(s) for _, s in shapes[m]),
-                        "groups": counts}
+                        "groups": counts} | ({"cp": notes[m]} if m in notes else {})
                     for (m, lay), counts in zip(layouts.items(), group_counts(cfg, layouts).values())},
         "rank_map": rank_runs(roles),
         "memory_gib": per_rank,
@@ -252,7 +269,7 @@ def run_plan(cfg, out_dir) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(plan, indent=1))
     draw_plan(layouts, world, out / "plan.png", cfg.cluster.gpus_per_node,
-              [r["total"] for r in per_rank], cfg.cluster.device_memory_gib)
+              [r["total"] for r in per_rank], cfg.cluster.device_memory_gib, notes)
     print(format_plan(plan))
     if worst["total"] > cfg.cluster.device_memory_gib:
         role = roles[worst["rank"]]
@@ -277,6 +294,8 @@ def format_plan(plan: dict) -> str:
                      f"layers/stage {lay['pp_layers']} recompute={lay['recompute']}  "
                      f"{readable_count(info['num_params'])} params")
         lines.append(f"            groups (count x size): {groups}")
+        if "cp" in info:
+            lines.append(f"            {info['cp']}")
     lines.append("  rank map:")
     lines += [f"    {r['first']}-{r['last']}: {r['role']}" for r in plan["rank_map"]]
     worst = max(plan["memory_gib"], key=lambda r: r["total"])

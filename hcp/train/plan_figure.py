@@ -39,20 +39,23 @@ def _cells(layouts, world_size: int) -> np.ndarray:
 
 
 def draw_plan(layouts, world_size: int, path, gpus_per_node: int | None = None,
-              memory_gib: list[float] | None = None, device_memory_gib: float | None = None) -> None:
+              memory_gib: list[float] | None = None, device_memory_gib: float | None = None,
+              cp_notes: dict[str, str] | None = None) -> None:
     """Write `plan_figure(...)` to `path` (PNG)."""
-    fig = plan_figure(layouts, world_size, gpus_per_node, memory_gib, device_memory_gib)
+    fig = plan_figure(layouts, world_size, gpus_per_node, memory_gib, device_memory_gib, cp_notes)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plan_figure(layouts, world_size: int, gpus_per_node: int | None = None,
-                memory_gib: list[float] | None = None, device_memory_gib: float | None = None):
+                memory_gib: list[float] | None = None, device_memory_gib: float | None = None,
+                cp_notes: dict[str, str] | None = None):
     """The placement picture of `layouts` over `world_size` ranks (a matplotlib Figure).
 
     With `gpus_per_node`, dashed red lines mark node boundaries in every panel; with
     `memory_gib` (one estimate per rank) a lower panel shows each rank's estimated memory as a
-    bar (red where it exceeds `device_memory_gib`, drawn as a line)."""
+    bar (red where it exceeds `device_memory_gib`, drawn as a line); `cp_notes` (module -> text,
+    `hcp.train.plan.cp_notes`: encoder CP, dynamic CP) is written on the module's row."""
     rows = len(layouts)
     panels = 2 if memory_gib is not None else 1
     fig, axes = plt.subplots(panels, 1, sharex=True, squeeze=False,
@@ -74,6 +77,9 @@ def plan_figure(layouts, world_size: int, gpus_per_node: int | None = None,
                 for r in range(lo, hi):
                     ax.text(r + 0.5, row + 0.83, str((r - lo) // lay.tp % lay.cp), ha="center",
                             va="center", fontsize=6)
+        if cp_notes and m in cp_notes:
+            ax.text(lo + 0.01 * world_size, row + 0.12, cp_notes[m], ha="left", va="center", fontsize=8,
+                    fontstyle="italic", bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0, "pad": 1})
         stage_width = lay.num_ranks / lay.pp
         for s in range(lay.pp):
             if stage_width >= world_size / 40:
