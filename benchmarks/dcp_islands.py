@@ -46,17 +46,19 @@ ISLANDS = ["placement=non_colocated", "vision.layout.num_ranks=4", "vision.layou
            "launcher.nproc_per_node=8", "logger=none", "trainer.progress_bar=false", "trainer.eval_every=0",
            "data=llava_json", "data.system_prompt=''", "data.max_seq_len=512",
            "packing_profile=hcp/dcp/profiles/gloo_llama_tiny.yaml"]
-ENCODER = ["vision.image_size=12", "vision.patch_size=2", "vision.hidden_size=256", "vision.num_layers=4",
-           "vision.num_heads=4", "vision.ffn_hidden_size=1024"]
+ENCODER = ["vision.image_size=12", "vision.patch_size=2", "vision.hidden_size=384", "vision.num_layers=4",
+           "vision.num_heads=6", "vision.ffn_hidden_size=1536"]
 """A ViT with about the LLM's FLOPs per sample (36 patches + CLS per image), so the encoder
 island's balance matters."""
 LAYOUTS = {
     "static": ["llm.layout.cp=2", "packing=first_fit"],
     "dynamic": ["llm.layout.cp=2", "packing=dynamic_cp"],
-    "encoder_cp": ["llm.layout.cp=2", "packing=dynamic_cp", "vision.layout.cp=4"],
+    "encoder_cp2": ["llm.layout.cp=2", "packing=dynamic_cp", "vision.layout.cp=2"],
+    "encoder_cp4": ["llm.layout.cp=2", "packing=dynamic_cp", "vision.layout.cp=4"],
 }
 COMPARE = {"dynamic CP vs static CP (LLM island)": ("static", "dynamic", "llm"),
-           "encoder CP vs encoder DP (vision island)": ("dynamic", "encoder_cp", "vision")}
+           "encoder CP 2 x DP 2 vs DP 4 (vision island)": ("dynamic", "encoder_cp2", "vision"),
+           "encoder CP 4 vs DP 4 (vision island)": ("dynamic", "encoder_cp4", "vision")}
 
 
 def make_records(root: str, n: int, seed: int = 0) -> list[str]:

@@ -6,7 +6,8 @@
 For the world training would get (`launcher.nnodes x nproc_per_node`; `auto`: this machine's
 local ranks on one node, `cluster.gpus_per_node` on several) it prints, per module, the layout,
 island ranks, parameter count (from the model built on the meta device, as 1.2M / 13.0B) and
-the groups the registry would create; a rank map compressed into runs of ranks with the same
+the groups the registry would create (and how it runs CP: encoder CP, dynamic CP's pool and
+sizes, `cp_notes`, also written on the picture's rows); a rank map compressed into runs of ranks with the same
 role; the per-rank memory estimate of `hcp.train.memory` against `cluster.device_memory_gib`;
 the estimated step time, TFLOPS/GPU and bubble (`hcp.train.estimate`); and warnings for TP (and
 dynamic-CP) groups that cross a node boundary. It writes `plan.json` and `plan.png` to
