@@ -1,23 +1,23 @@
-"""Does `layout=auto` pick a fast layout? Real 8-rank training of the layouts its search ranks,
-against its predictions (issue 27 section 2).
+"""Does `layout=auto` pick a fast layout? Real 8-rank training of every layout its search
+considers, against its predictions (issue 27 section 2).
 
-    python benchmarks/auto_layout.py --json auto.json             # 4 layouts x 4 variants
-    python benchmarks/auto_layout.py --profile profile.yaml       # a `mode=calibrate` profile
-    python benchmarks/auto_layout.py --layouts 0                  # every layout the search ranks (slow)
+    python benchmarks/auto_layout.py --json auto.json     # 7 layouts x 4 variants (~20 min)
+    python benchmarks/auto_layout.py --reuse              # the figures again from earlier measurements
+    python benchmarks/auto_layout.py --calibrate --reuse  # fit cpu_profile.yaml's host model
 
 For each variant of `+recipe=llava_tiny_hetero` (`VARIANTS`: the recipe; a much larger encoder;
-much longer text; and `HELD_OUT`, one not looked at while tuning, reported apart) on
-`--world` local gloo ranks: the search (`hcp.train.auto_layout.search`) ranks every layout of
-its space with `PINS` held (no recompute, no FSDP: they change memory, not the CPU time
-measured here) under `--profile` (`benchmarks/cpu_profile.yaml`: a rough CPU profile whose
-comments say what is measured and what guessed); `--layouts N` of them are trained: the
-predicted best plus an even spread over the rest of the ranking (0: all). Each runs the real trainer on freshly forked ranks (the same
-data, seed and batch), `--warmup` steps, then `--steps` timed ones; its measured step is the
-mean wall `step_time_s` of the timed steps (metrics.jsonl). Reported per variant: the auto
-choice's measured step over the best measured one (target <= 1.10) and the Spearman rank
-correlation of predicted and measured steps (target >= 0.8). Caveat: on a machine with fewer
-cores than ranks wall time sums the ranks' work instead of following the critical path the
-estimate models; on shared cores it is also noisy (run once, read as such).
+much longer text; and `HELD_OUT`, one not looked at while tuning, reported apart) on `--world`
+local gloo ranks, the search (`hcp.train.auto_layout.search`) ranks every layout of its space
+with `PINS` held (recompute none, dp_shard off, vision tp 1 and pp 1, LLM tp 1 and pp 1: what is
+left is the placement, the island size and the LLM's cp) under `--profile`
+(`benchmarks/cpu_profile.yaml`: the CPU profile with its `host:` model, fitted on the recipe's
+variant and `CALIBRATION`'s, never on the others). Every ranked layout is trained: the real
+trainer on freshly forked ranks (the same data, seed and batch), `--warmup` steps, then
+`--steps` timed ones; measured: the mean wall `step_time_s` of the timed steps (metrics.jsonl)
+and the CPU seconds of all ranks together over them (load-robust: other users of the machine
+stretch wall time, not CPU time). Reported per variant, on both: the auto choice's measured step
+over the best measured one (target <= 1.10) and the Spearman rank correlation of predicted and
+measured steps (target >= 0.8).
 """
 from __future__ import annotations
 
@@ -45,8 +45,9 @@ VARIANTS = {
 }
 HELD_OUT = {"wide_llm": ["llm.hidden_size=256", "llm.ffn_hidden_size=768", "llm.num_layers=4"]}
 """Not looked at while tuning the search or this benchmark."""
-CALIBRATION = ("llava_tiny_hetero",)
-"""The variant(s) whose measurements `cpu_profile.yaml`'s host model was fitted on."""
+CALIBRATION = {"small_micro_batches": ["trainer.micro_batch_tokens=256"]}
+"""Measured only to fit `cpu_profile.yaml`'s host model (`--calibrate`), with the recipe's
+variant: more, smaller micro-batches tell per-call costs from per-module ones."""
 
 
 def _rank(payload) -> None:
@@ -164,10 +165,10 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
 
 
 def calibrate(args) -> None:
-    """Fit `--profile`'s host model (`hcp.train.auto_cost.Host`) and `cp_latency` on the
-    `CALIBRATION` variants' measured CPU seconds (measured now, or `--reuse`d): the predicted
-    work is linear in layer_s, cp_layer_s, cp_latency and rank_step_s (peak_flops stays: every
-    layout of a variant does the same FLOPs), so non-negative least squares over them; `cores`:
+    """Fit `--profile`'s `peak_flops`, `cp_latency` and host model (`hcp.train.auto_cost.Host`)
+    on the measured CPU seconds of the recipe's variant and the `CALIBRATION` ones (measured
+    now, or `--reuse`d): the predicted work of all ranks is linear in 1 / peak_flops, layer_s,
+    cp_layer_s, cp_latency and module_step_s, so non-negative least squares over them; `cores`:
     the measured CPU seconds over the wall seconds (the share of the cores the ranks got).
     Prints the fitted values to paste into the profile."""
     import copy
@@ -183,11 +184,12 @@ def calibrate(args) -> None:
     from hcp.train.auto_space import pinned_fields
 
     base = dict(read_profile(args.profile))
-    names = ("layer_s", "cp_layer_s", "cp_latency", "rank_step_s")
-    basis = [dict.fromkeys(names, 0.0)] + [{**dict.fromkeys(names, 0.0), n: 1.0} for n in names]
+    names = ("layer_s", "cp_layer_s", "cp_latency", "module_step_s")
+    zero = dict.fromkeys(names, 0.0)
+    basis = [(zero, 1.0), (zero, 2.0)] + [({**zero, n: 1.0}, 1.0) for n in names]  # (values, peak x)
     rows, cpu, wall = [], [], []
-    for name in CALIBRATION:
-        cfg = variant_config(name, VARIANTS[name], args)
+    for name, overrides in {"llava_tiny_hetero": [], **CALIBRATION}.items():
+        cfg = variant_config(name, overrides, args)
         result = search(cfg, args.world, pinned_fields(cfg, PINS), top=10**6, prune=False)
         for cand, _ in result.ranked:
             trial = copy.deepcopy(cfg)
@@ -198,20 +200,24 @@ def calibrate(args) -> None:
             wall.append(m["wall_s"])
     work = np.zeros((len(rows), len(basis)))
     with tempfile.TemporaryDirectory() as tmp:
-        for j, b in enumerate(basis):
-            prof = {**base, "cp_latency": b["cp_latency"],
-                    "host": {**base["host"], **{n: b[n] for n in names if n != "cp_latency"}}}
+        for j, (values, peak) in enumerate(basis):
+            prof = {**base, "peak_flops": base["peak_flops"] * peak, "cp_latency": values["cp_latency"],
+                    "host": {**base["host"], **{n: values[n] for n in names if n != "cp_latency"}}}
             path = os.path.join(tmp, f"basis{j}.yaml")
             with open(path, "w") as f:
                 yaml.safe_dump(prof, f)
             for i, (cfg, cand, lengths) in enumerate(rows):
                 work[i, j] = Scorer(cfg, args.world, path, lengths).score(cand).work_s
-    theta, resid = nnls(work[:, 1:] - work[:, :1], np.array(cpu) - work[:, 0])
-    fitted = dict(zip(names, (float(f"{t:.3g}") for t in theta)))
-    cores = float(f"{sum(cpu) / sum(wall):.3g}")
-    print(f"calibrated on {len(rows)} layouts of {', '.join(CALIBRATION)} (residual {resid:.3g} CPU s):")
-    print(yaml.safe_dump({"cp_latency": fitted["cp_latency"],
-                          "host": {"cores": cores, **{n: fitted[n] for n in names if n != "cp_latency"}}}))
+    flops = 2 * (work[:, 0] - work[:, 1])  # the FLOPs' seconds at the profile's peak
+    rest = work[:, 0] - flops  # the syncs and routes (bandwidths)
+    theta, resid = nnls(np.column_stack([flops, work[:, 2:] - work[:, :1]]), np.array(cpu) - rest)
+    fitted = dict(zip(names, (float(f"{t:.3g}") for t in theta[1:])))
+    print(f"calibrated on {len(rows)} layouts of llava_tiny_hetero, {', '.join(CALIBRATION)} "
+          f"(residual {resid:.3g} CPU s):")
+    print(yaml.safe_dump({"peak_flops": float(f"{base['peak_flops'] / theta[0]:.3g}") if theta[0] else None,
+                          "cp_latency": fitted["cp_latency"],
+                          "host": {"cores": float(f"{sum(cpu) / sum(wall):.3g}"),
+                                   **{n: fitted[n] for n in names if n != "cp_latency"}}}))
 
 
 def main(argv=None) -> None:
@@ -243,7 +249,7 @@ def main(argv=None) -> None:
     print(f"  {'variant':<20} {'auto/best':>9} {'rank corr':>9} {'CPU auto/best':>13} {'CPU corr':>8} "
           f"{'measured':>8}  (wall; CPU: all ranks' CPU seconds) target <= 1.10, >= 0.8")
     for v in out:
-        tag = " (held out)" if v["name"] in HELD_OUT else " (calibration)" if v["name"] in CALIBRATION else ""
+        tag = " (held out)" if v["name"] in HELD_OUT else " (calibrated on)" if v["name"] == "llava_tiny_hetero" else ""
         print(f"  {v['name']:<20} {v['auto_over_best']:>9.3f} {v['rank_correlation']:>9.2f} "
               f"{v['auto_over_best_cpu']:>13.3f} {v['rank_correlation_cpu']:>8.2f} {v['layouts_measured']:>8}{tag}")
     if args.json:

@@ -17,7 +17,10 @@ and the same gradient backward.
   micro-batch's rows is charged to the encoder's last stage; step = that + the slower
   island's gradient sync.
 Gradient sync: `hcp.train.estimate.grad_sync_s`; `dp_shard` (FSDP) adds half of it again (the
-weights' all-gathers). For the search's pruning, `combine_bounds` of `encoder_part` and
+weights' all-gathers). The batch priced: `data_lengths` (the run's first global batch of its own
+data). CPU ranks sharing a host's cores (a profile's `host:` entry, `Host`): each layer call
+costs the host's dispatch seconds more, and the step is the larger of the critical path and
+all ranks' CPU seconds (`Score.work_s`) over the cores. For the search's pruning, `combine_bounds` of `encoder_part` and
 `llm_part` (or the cheaper `llm_bound`) is at most `score`'s step (equal under colocated).
 """
 from __future__ import annotations
@@ -44,17 +47,19 @@ FSDP_SYNC = 1.5
 @dataclass(frozen=True)
 class Host:
     """CPU ranks sharing one host's cores (a profile's `host:` entry, e.g. benchmarks/
-    cpu_profile.yaml; accelerator profiles have none). `cores`: cores the ranks share;
+    cpu_profile.yaml; accelerator profiles have none): the step is the larger of the critical
+    path (a rank runs on at most one core: divided by min(1, cores)) and the CPU seconds of all
+    ranks over the cores. `cores`: cores the ranks share (a loaded host: the share they get);
     `layer_s`: CPU seconds of one layer's forward + backward call on one rank beyond its FLOPs
     (Python and dispatch; a third of it forward), the LLM's, the encoder's and the projector's
     (one layer) alike; `cp_layer_s`: CPU seconds more per LLM layer call under CP (c > 1: its
-    collectives' calls; the profile's `cp_latency` prices each ring step); `rank_step_s`: CPU
-    seconds per rank and step outside the modules (optimizer, planning, metrics)."""
+    collectives' calls; the profile's `cp_latency` prices each ring step); `module_step_s`: CPU
+    seconds per step of each module a rank holds (its gradient sync calls, optimizer, norm)."""
 
     cores: float
     layer_s: float
     cp_layer_s: float
-    rank_step_s: float
+    module_step_s: float
 
 
 def host_model(profile) -> Host | None:
@@ -67,11 +72,11 @@ def host_model(profile) -> Host | None:
         return None
     try:
         host = Host(**entry)
-        if not (host.cores > 0 and min(host.layer_s, host.cp_layer_s, host.rank_step_s) >= 0):
+        if not (host.cores > 0 and min(host.layer_s, host.cp_layer_s, host.module_step_s) >= 0):
             raise ValueError("cores > 0 and the seconds >= 0")
     except (TypeError, ValueError) as e:
         raise ConfigError("packing_profile", str(profile), f"its host: entry {entry} is invalid ({e})",
-                          "give host: {cores: N, layer_s: S, cp_layer_s: S, rank_step_s: S}") from None
+                          "give host: {cores: N, layer_s: S, cp_layer_s: S, module_step_s: S}") from None
     return host
 
 
@@ -312,7 +317,9 @@ class Scorer:
         if vis is not None:
             work += enc_work + (self.sync(vis) + self.sync(lays["projector"])) * vis.num_ranks
         if self.host is not None:  # ranks time-share the cores: the step is at least their work / cores
-            work += self.world * self.host.rank_step_s
+            held = len(lays) * self.world if cand.placement == "colocated" else vis.num_ranks * 2 + llm.num_ranks
+            work += held * self.host.module_step_s
+            step /= min(1.0, self.host.cores)  # a rank runs on at most one core
             if work / self.host.cores > step:
                 step, critical = work / self.host.cores, "host"
                 why = (f"{self.world} ranks share {self.host.cores:g} cores: {work:.3g} CPU s of work / "
