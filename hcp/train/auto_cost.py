@@ -20,8 +20,9 @@ Gradient sync: `hcp.train.estimate.grad_sync_s`; `dp_shard` (FSDP) adds half of 
 weights' all-gathers). The batch priced: `data_lengths` (the run's first global batch of its own
 data). CPU ranks sharing a host's cores (a profile's `host:` entry, `Host`): each layer call
 costs the host's dispatch seconds more, and the step is the larger of the critical path and
-all ranks' CPU seconds (`Score.work_s`) over the cores. For the search's pruning, `combine_bounds` of `encoder_part` and
-`llm_part` (or the cheaper `llm_bound`) is at most `score`'s step (equal under colocated).
+all ranks' CPU seconds (`Score.work_s`) over the cores. For the search's pruning,
+`combine_bounds` of `encoder_part` and `llm_part` (or the cheaper `llm_bound`) is at most
+`score`'s step (equal under colocated without a host).
 """
 from __future__ import annotations
 
