@@ -197,3 +197,13 @@ def test_a_bad_host_entry_names_the_profile(tmp_path):
     bad.write_text(re.sub(r"cores: .*", "cores: 0", open(CPU_PROFILE).read()))
     with pytest.raises(ConfigError, match="packing_profile.*host.*cores"):
         Scorer(_cfg([*TINY8, f"packing_profile={bad}"]), 8, str(bad))
+
+
+def test_projector_pins_hold_the_encoders_tp_and_others_are_refused():
+    over = ["+recipe=llava_tiny_hetero", "mode=plan", "projector.layout.tp=2"]
+    cfg = _cfg(over)
+    result = search(cfg, 4, pinned_fields(cfg, over))
+    assert result.ranked and all(c.by_module["vision"].tp == 2 and c.by_module["projector"].tp == 2
+                                 for c, _ in result.ranked)
+    with pytest.raises(ConfigError, match="projector.layout.cp.*runs with its encoder"):
+        search(cfg, 4, {"projector.layout.cp": 2})
