@@ -1,23 +1,23 @@
-"""Does `layout=auto` pick a fast layout? Real 8-rank training of the layouts its search ranks,
-against its predictions (issue 27 section 2).
+"""Does `layout=auto` pick a fast layout? Real 8-rank training of every layout its search
+considers, against its predictions (issue 27 section 2).
 
-    python benchmarks/auto_layout.py --json auto.json             # 4 layouts x 4 variants
-    python benchmarks/auto_layout.py --profile profile.yaml       # a `mode=calibrate` profile
-    python benchmarks/auto_layout.py --layouts 0                  # every layout the search ranks (slow)
+    python benchmarks/auto_layout.py --json auto.json     # 7 layouts x 4 variants (~20 min)
+    python benchmarks/auto_layout.py --reuse              # the figures again from earlier measurements
+    python benchmarks/auto_layout.py --calibrate --reuse  # fit cpu_profile.yaml's host model
 
 For each variant of `+recipe=llava_tiny_hetero` (`VARIANTS`: the recipe; a much larger encoder;
-much longer text; and `HELD_OUT`, one not looked at while tuning, reported apart) on
-`--world` local gloo ranks: the search (`hcp.train.auto_layout.search`) ranks every layout of
-its space with `PINS` held (no recompute, no FSDP: they change memory, not the CPU time
-measured here) under `--profile` (`benchmarks/cpu_profile.yaml`: a rough CPU profile whose
-comments say what is measured and what guessed); `--layouts N` of them are trained: the
-predicted best plus an even spread over the rest of the ranking (0: all). Each runs the real trainer on freshly forked ranks (the same
-data, seed and batch), `--warmup` steps, then `--steps` timed ones; its measured step is the
-mean wall `step_time_s` of the timed steps (metrics.jsonl). Reported per variant: the auto
-choice's measured step over the best measured one (target <= 1.10) and the Spearman rank
-correlation of predicted and measured steps (target >= 0.8). Caveat: on a machine with fewer
-cores than ranks wall time sums the ranks' work instead of following the critical path the
-estimate models; on shared cores it is also noisy (run once, read as such).
+much longer text; and `HELD_OUT`, one not looked at while tuning, reported apart) on `--world`
+local gloo ranks, the search (`hcp.train.auto_layout.search`) ranks every layout of its space
+with `PINS` held (recompute none, dp_shard off, vision tp 1 and pp 1, LLM tp 1 and pp 1: what is
+left is the placement, the island size and the LLM's cp) under `--profile`
+(`benchmarks/cpu_profile.yaml`: the CPU profile with its `host:` model, fitted on the recipe's
+variant and `CALIBRATION`'s, never on the others). Every ranked layout is trained: the real
+trainer on freshly forked ranks (the same data, seed and batch), `--warmup` steps, then
+`--steps` timed ones; measured: the mean wall `step_time_s` of the timed steps (metrics.jsonl)
+and the CPU seconds of all ranks together over them (load-robust: other users of the machine
+stretch wall time, not CPU time). Reported per variant, on both: the auto choice's measured step
+over the best measured one (target <= 1.10) and the Spearman rank correlation of predicted and
+measured steps (target >= 0.8).
 """
 from __future__ import annotations
 
@@ -32,7 +32,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 RUN = ["logger=none", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.eval_samples=1"]
 PINS = ["vision.layout.recompute=none", "vision.layout.dp_shard=false", "llm.layout.recompute=none",
-        "llm.layout.dp_shard=false"]
+        "llm.layout.dp_shard=false", "vision.layout.tp=1", "vision.layout.pp=1", "llm.layout.tp=1",
+        "llm.layout.pp=1"]
+"""The benchmark's narrowed space: placement, island size and the LLM's cp (dp the rest), so
+that every layout the search considers is trained."""
 VARIANTS = {
     "llava_tiny_hetero": [],
     "large_encoder": ["vision.image_size=16", "vision.hidden_size=128", "vision.num_layers=4",
@@ -42,19 +45,38 @@ VARIANTS = {
 }
 HELD_OUT = {"wide_llm": ["llm.hidden_size=256", "llm.ffn_hidden_size=768", "llm.num_layers=4"]}
 """Not looked at while tuning the search or this benchmark."""
+CALIBRATION = {"small_micro_batches": ["trainer.micro_batch_tokens=256"]}
+"""Measured only to fit `cpu_profile.yaml`'s host model (`--calibrate`), with the recipe's
+variant: more, smaller micro-batches tell per-call costs from per-module ones."""
 
 
 def _rank(payload) -> None:
+    """One rank: the trainer, with this process's CPU seconds at the end of every step (the
+    trainer's per-step metrics call, which every rank makes) written to `cpu/RANK.json`."""
     from omegaconf import OmegaConf
 
-    from hcp.train.trainer import run_rank
+    from hcp.train import trainer
 
     container, run_dir = payload
-    run_rank(OmegaConf.create(container), run_dir)
+    marks, inner = [], trainer.whole_step_metrics
+
+    def timed(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        marks.append(time.process_time())
+        return out
+
+    trainer.whole_step_metrics = timed
+    try:
+        trainer.run_rank(OmegaConf.create(container), run_dir)
+    finally:
+        os.makedirs(os.path.join(run_dir, "cpu"), exist_ok=True)
+        with open(os.path.join(run_dir, "cpu", os.environ["RANK"] + ".json"), "w") as f:
+            json.dump(marks, f)
 
 
-def measure(cfg, world: int, run_dir: str, steps: int) -> float:
-    """Mean wall seconds of the timed steps of `cfg` trained on `world` forked local ranks."""
+def measure(cfg, world: int, run_dir: str, steps: int) -> tuple[float, float]:
+    """(mean wall seconds, mean CPU seconds of all ranks together) of the timed (last `steps`)
+    steps of `cfg` trained on `world` forked local ranks."""
     from omegaconf import OmegaConf
 
     from hcp.data.build import prepare_data
@@ -66,67 +88,155 @@ def measure(cfg, world: int, run_dir: str, steps: int) -> float:
     start_local_ranks(_rank, world, (container, run_dir), "fork")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         times = [json.loads(line)["step_time_s"] for line in f if "step_time_s" in line]
-    return sum(times[-steps:]) / steps
+    cpu = 0.0
+    for r in range(world):
+        with open(os.path.join(run_dir, "cpu", f"{r}.json")) as f:
+            marks = json.load(f)
+        cpu += marks[-1] - marks[-1 - steps]
+    return sum(times[-steps:]) / steps, cpu / steps
 
 
-def _spread(n_total: int, n: int) -> list[int]:
-    """Indices of the ranking to train: 0 (the auto choice) and an even spread to the last."""
-    if n <= 0 or n >= n_total:
-        return list(range(n_total))
-    return sorted({round(k * (n_total - 1) / (n - 1)) for k in range(n)}) if n > 1 else [0]
+def _measured(trial, name: str, cand, args) -> dict:
+    """{"wall_s", "cpu_s"} of the candidate applied in `trial` (`measure`); with `--reuse`, the
+    figures an earlier run of the same variant, layout and step counts left in its folder."""
+    from hcp.train.auto_layout import describe
+
+    tag = "-".join([cand.placement] + [f"{m}_{d}" for m, d in describe(cand).items()]).replace(" ", "_")
+    run_dir = os.path.join(args.out, name, tag)
+    key = {"layout": tag, "warmup": args.warmup, "steps": args.steps, "world": args.world}
+    saved = os.path.join(run_dir, "measured.json")
+    if args.reuse and os.path.exists(saved):
+        with open(saved) as f:
+            found = json.load(f)
+        if found["key"] == key:
+            return found["measured"]
+    trial.checkpoint.dir = os.path.join(run_dir, "checkpoints")
+    wall, cpu = measure(trial, args.world, run_dir, args.steps)
+    with open(saved, "w") as f:
+        json.dump({"key": key, "measured": {"wall_s": wall, "cpu_s": cpu}}, f)
+    return {"wall_s": wall, "cpu_s": cpu}
+
+
+def variant_config(name: str, overrides: list[str], args):
+    """The variant's resolved config under the benchmark's pins and run settings."""
+    from omegaconf import OmegaConf
+
+    from hcp.config.compose import compose_config
+
+    cli = ["+recipe=llava_tiny_hetero", f"launcher.nproc_per_node={args.world}", *RUN, *PINS, *overrides,
+           f"trainer.max_steps={args.warmup + args.steps}", f"packing_profile={args.profile}"]
+    cfg = compose_config(cli, run_dir=os.path.join(args.out, name))
+    OmegaConf.resolve(cfg)
+    return cfg
 
 
 def run_variant(name: str, overrides: list[str], args) -> dict:
     """One variant's measurements and figures (module docstring)."""
     import copy
 
-    from omegaconf import OmegaConf
     from scipy.stats import spearmanr
 
-    from hcp.config.compose import compose_config
     from hcp.train.auto_layout import apply_layout, describe, search
     from hcp.train.auto_space import pinned_fields
 
-    cli = ["+recipe=llava_tiny_hetero", f"launcher.nproc_per_node={args.world}", *RUN, *PINS, *overrides,
-           f"trainer.max_steps={args.warmup + args.steps}", f"packing_profile={args.profile}"]
-    cfg = compose_config(cli, run_dir=os.path.join(args.out, name))
-    OmegaConf.resolve(cfg)
+    cfg = variant_config(name, overrides, args)
     t0 = time.perf_counter()
     result = search(cfg, args.world, pinned_fields(cfg, PINS), top=10**6, prune=False)
     search_s = time.perf_counter() - t0
-    picks = _spread(len(result.ranked), args.layouts)
     rows = []
-    for k in picks:
-        cand, score = result.ranked[k]
+    for k, (cand, score) in enumerate(result.ranked):
         trial = copy.deepcopy(cfg)
         apply_layout(trial, cand)
-        run_dir = os.path.join(args.out, name, f"rank{k}")
-        trial.checkpoint.dir = os.path.join(run_dir, "checkpoints")
-        measured = measure(trial, args.world, run_dir, args.steps)
+        m = _measured(trial, name, cand, args)
         rows.append({"predicted_rank": k + 1, "placement": cand.placement, "layout": describe(cand),
-                     "predicted_s": score.step_time_s, "measured_s": measured})
+                     "predicted_s": score.step_time_s, "measured_s": m["wall_s"], "cpu_s": m["cpu_s"]})
         print(f"  {name}: #{k + 1} {cand.placement} {describe(cand)} predicted {score.step_time_s:.4g} s, "
-              f"measured {measured:.4g} s", flush=True)
-    best = min(r["measured_s"] for r in rows)
-    rho = float(spearmanr([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows])[0]) \
-        if len(rows) > 2 else float("nan")
-    return {"name": name, "auto_over_best": rows[0]["measured_s"] / best, "rank_correlation": rho,
-            "layouts_measured": len(rows), "layouts_ranked": len(result.ranked),
+              f"measured {m['wall_s']:.4g} s wall, {m['cpu_s']:.4g} s CPU of all ranks", flush=True)
+    pred = [r["predicted_s"] for r in rows]
+
+    def rho(key):
+        return float(spearmanr(pred, [r[key] for r in rows])[0]) if len(rows) > 2 else float("nan")
+
+    return {"name": name, "auto_over_best": rows[0]["measured_s"] / min(r["measured_s"] for r in rows),
+            "rank_correlation": rho("measured_s"),
+            "auto_over_best_cpu": rows[0]["cpu_s"] / min(r["cpu_s"] for r in rows),
+            "rank_correlation_cpu": rho("cpu_s"), "layouts_measured": len(rows),
             "search_s": search_s, "rows": rows}
+
+
+def calibrate(args) -> None:
+    """Fit `--profile`'s `peak_flops`, `cp_latency` and host model (`hcp.train.auto_cost.Host`)
+    on the measured CPU seconds of the recipe's variant and the `CALIBRATION` ones (measured
+    now, or `--reuse`d): the predicted work of all ranks is linear in 1 / peak_flops, layer_s,
+    cp_layer_s, cp_latency and module_step_s, so non-negative least squares over them; `cores`:
+    the measured CPU seconds over the wall seconds (the share of the cores the ranks got).
+    Prints the fitted values to paste into the profile."""
+    import copy
+    import tempfile
+
+    import numpy as np
+    import yaml
+    from scipy.optimize import nnls
+
+    from hcp.dcp.cost_model import read_profile
+    from hcp.train.auto_cost import Scorer
+    from hcp.train.auto_layout import apply_layout, search
+    from hcp.train.auto_space import pinned_fields
+
+    base = dict(read_profile(args.profile))
+    names = ("layer_s", "cp_layer_s", "cp_latency", "module_step_s")
+    zero = dict.fromkeys(names, 0.0)
+    basis = [(zero, 1.0), (zero, 2.0)] + [({**zero, n: 1.0}, 1.0) for n in names]  # (values, peak x)
+    rows, cpu, wall = [], [], []
+    for name, overrides in {"llava_tiny_hetero": [], **CALIBRATION}.items():
+        cfg = variant_config(name, overrides, args)
+        result = search(cfg, args.world, pinned_fields(cfg, PINS), top=10**6, prune=False)
+        for cand, _ in result.ranked:
+            trial = copy.deepcopy(cfg)
+            apply_layout(trial, cand)
+            m = _measured(trial, name, cand, args)
+            rows.append((cfg, cand, result.lengths))
+            cpu.append(m["cpu_s"])
+            wall.append(m["wall_s"])
+    work = np.zeros((len(rows), len(basis)))
+    with tempfile.TemporaryDirectory() as tmp:
+        for j, (values, peak) in enumerate(basis):
+            prof = {**base, "peak_flops": base["peak_flops"] * peak, "cp_latency": values["cp_latency"],
+                    "host": {**base["host"], **{n: values[n] for n in names if n != "cp_latency"}}}
+            path = os.path.join(tmp, f"basis{j}.yaml")
+            with open(path, "w") as f:
+                yaml.safe_dump(prof, f)
+            for i, (cfg, cand, lengths) in enumerate(rows):
+                work[i, j] = Scorer(cfg, args.world, path, lengths).score(cand).work_s
+    flops = 2 * (work[:, 0] - work[:, 1])  # the FLOPs' seconds at the profile's peak
+    rest = work[:, 0] - flops  # the syncs and routes (bandwidths)
+    theta, resid = nnls(np.column_stack([flops, work[:, 2:] - work[:, :1]]), np.array(cpu) - rest)
+    fitted = dict(zip(names, (float(f"{t:.3g}") for t in theta[1:])))
+    print(f"calibrated on {len(rows)} layouts of llava_tiny_hetero, {', '.join(CALIBRATION)} "
+          f"(residual {resid:.3g} CPU s):")
+    print(yaml.safe_dump({"peak_flops": float(f"{base['peak_flops'] / theta[0]:.3g}") if theta[0] else None,
+                          "cp_latency": fitted["cp_latency"],
+                          "host": {"cores": float(f"{sum(cpu) / sum(wall):.3g}"),
+                                   **{n: fitted[n] for n in names if n != "cp_latency"}}}))
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=8, help="local gloo ranks")
-    p.add_argument("--layouts", type=int, default=4, help="layouts trained per variant (0: all ranked)")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per layout")
-    p.add_argument("--steps", type=int, default=2, help="timed steps per layout")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per layout")
     p.add_argument("--profile", default=os.path.join(HERE, "cpu_profile.yaml"),
                    help="packing_profile of the predictions (h100: the analytic H100 defaults)")
     p.add_argument("--variants", nargs="*", default=None, help="names to run (default: all)")
     p.add_argument("--out", default="/tmp/hcp-auto-layout-bench", help="run directories of the trained layouts")
     p.add_argument("--json", default=None, help="write {'variants': [...]} here")
+    p.add_argument("--reuse", action="store_true",
+                   help="reuse the measurements an earlier run left under --out (same layout and steps)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="fit the profile's host model on the calibration variant(s) and print it")
     args = p.parse_args(argv)
+    if args.calibrate:
+        return calibrate(args)
     start = time.perf_counter()
     todo = {**VARIANTS, **HELD_OUT}
     out = []
@@ -136,11 +246,12 @@ def main(argv=None) -> None:
         out.append(run_variant(name, overrides, args))
     print(f"\nauto_layout benchmark: {args.world} ranks, {args.warmup} warm-up + {args.steps} timed steps, "
           f"profile {args.profile}, {time.perf_counter() - start:.0f} s wall")
-    print(f"  {'variant':<20} {'auto/best':>9} {'rank corr':>9} {'measured':>8} {'ranked':>6}  target <= 1.10, >= 0.8")
+    print(f"  {'variant':<20} {'auto/best':>9} {'rank corr':>9} {'CPU auto/best':>13} {'CPU corr':>8} "
+          f"{'measured':>8}  (wall; CPU: all ranks' CPU seconds) target <= 1.10, >= 0.8")
     for v in out:
-        tag = " (held out)" if v["name"] in HELD_OUT else ""
+        tag = " (held out)" if v["name"] in HELD_OUT else " (calibrated on)" if v["name"] == "llava_tiny_hetero" else ""
         print(f"  {v['name']:<20} {v['auto_over_best']:>9.3f} {v['rank_correlation']:>9.2f} "
-              f"{v['layouts_measured']:>8} {v['layouts_ranked']:>6}{tag}")
+              f"{v['auto_over_best_cpu']:>13.3f} {v['rank_correlation_cpu']:>8.2f} {v['layouts_measured']:>8}{tag}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"variants": out}, f, indent=1)

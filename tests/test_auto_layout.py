@@ -1,9 +1,11 @@
 """`layout=auto` (hcp.train.auto_layout): pins respected, only feasible layouts returned, the
 pruned search finds the brute-force optimum, the report is written, and the CLI runs it.
-Cost: about 1-2 minutes in all on 2 loaded cores (the two CLI runs are most of it)."""
+Cost: about 2-3 minutes in all on 2 loaded cores (the two CLI runs are most of it; the data-
+and host-model tests ~40 s)."""
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -13,7 +15,7 @@ from omegaconf import OmegaConf
 from cfg_utils import REPO, compose_cfg
 from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
-from hcp.train.auto_cost import Scorer, combine_bounds
+from hcp.train.auto_cost import Scorer, combine_bounds, host_model
 from hcp.train.auto_layout import apply_layout, choose_layout, search
 from hcp.train.auto_space import (combine, island_sizes, module_options, pinned_fields, placements)
 from hcp.train.plan import memory_per_rank
@@ -141,3 +143,67 @@ def test_cli_plan_full_size_with_a_pin_beats_the_recipe(tmp_path):
     assert auto["pinned"] == {"llm.layout.tp": 8}
     assert plan["modules"]["llm"]["layout"]["tp"] == 8
     assert auto["ranked"][0]["tflops_per_gpu"] >= auto["given"]["tflops_per_gpu"]
+
+
+TINY8 = ["+recipe=llava_tiny_hetero", "mode=plan", "launcher.nproc_per_node=8"]
+CPU_PROFILE = os.path.join(REPO, "benchmarks", "cpu_profile.yaml")
+
+
+def test_the_estimate_prices_the_runs_own_data():
+    # the digits' samples are ~68 tokens; a longer system prompt makes them longer, and the
+    # priced batch follows (the built-in Wikipedia sample would give both the same batch)
+    short = _cfg([*TINY8, "data.max_seq_len=512"])
+    long = _cfg([*TINY8, "data.max_seq_len=512", "data.system_prompt=" + "an assistant. " * 16])
+    a, b = Scorer(short, 8, "h100"), Scorer(long, 8, "h100")
+    assert a.lengths_from == "data.name=digits_vqa" and 60 < a.lens.mean() < 80
+    assert b.lens.mean() > a.lens.mean() + 200 and b.llm_flops > 3 * a.llm_flops
+    result = search(long, 8, {})
+    assert result.lengths_from == "data.name=digits_vqa" and list(result.lengths) == list(b.lens)
+
+
+def test_data_missing_here_falls_back_to_the_built_in_sample():
+    cfg = _cfg([*SMALL, "data=llava_json", "data.path=/nonexistent/llava.json"])
+    scorer = Scorer(cfg, 8, "h100")
+    assert scorer.lengths_from.startswith("the built-in length sample") and len(scorer.lens) == 32
+
+
+def test_ranks_sharing_few_cores_are_priced_by_their_total_work():
+    # 8 CPU ranks on a host of under one core (benchmarks/cpu_profile.yaml): the step is all ranks'
+    # CPU work over the cores, so islands (each module on 4 ranks: half the per-rank layer calls)
+    # beat colocated, and CP's collectives cost work too
+    cfg = _cfg([*TINY8, f"packing_profile={CPU_PROFILE}"])
+    pins = {"vision.layout.tp": 1, "vision.layout.pp": 1, "llm.layout.tp": 1, "llm.layout.pp": 1,
+            "llm.layout.recompute": "none"}
+    result = search(cfg, 8, pins, top=100)
+    cores = host_model(CPU_PROFILE).cores
+    assert cores < 1
+    assert {c.placement for c, _ in result.ranked} == {"colocated", "non_colocated"}
+    for _, s in result.ranked:
+        assert s.step_time_s == pytest.approx(s.work_s / cores, rel=1e-12) and s.critical == "host"
+    best = result.ranked[0][0].by_module
+    assert result.ranked[0][0].placement == "non_colocated" and best["llm"].cp == 1
+
+
+def test_the_search_on_a_host_finds_the_brute_force_optimum():
+    cfg = _cfg([*TINY8, f"packing_profile={CPU_PROFILE}", "llm.layout.recompute=none"])
+    pins = {"llm.layout.recompute": "none"}
+    every = _brute_force(cfg, 8, pins)  # asserts every bound too
+    result = search(cfg, 8, pins)
+    assert result.ranked[0][1].step_time_s == pytest.approx(min(s.step_time_s for _, s in every), rel=1e-12)
+
+
+def test_a_bad_host_entry_names_the_profile(tmp_path):
+    bad = tmp_path / "cpu.yaml"
+    bad.write_text(re.sub(r"cores: .*", "cores: 0", open(CPU_PROFILE).read()))
+    with pytest.raises(ConfigError, match="packing_profile.*host.*cores"):
+        Scorer(_cfg([*TINY8, f"packing_profile={bad}"]), 8, str(bad))
+
+
+def test_projector_pins_hold_the_encoders_tp_and_others_are_refused():
+    over = ["+recipe=llava_tiny_hetero", "mode=plan", "projector.layout.tp=2"]
+    cfg = _cfg(over)
+    result = search(cfg, 4, pinned_fields(cfg, over))
+    assert result.ranked and all(c.by_module["vision"].tp == 2 and c.by_module["projector"].tp == 2
+                                 for c, _ in result.ranked)
+    with pytest.raises(ConfigError, match="projector.layout.cp.*runs with its encoder"):
+        search(cfg, 4, {"projector.layout.cp": 2})

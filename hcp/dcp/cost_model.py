@@ -129,9 +129,10 @@ class HardwareProfile:
     @classmethod
     def from_yaml(cls, path: str | Path) -> "HardwareProfile":
         """Load a profile; every field of the class must be present, unknown keys are errors
-        (a `fit:` entry, the calibration's report, is ignored)."""
+        (a `fit:` entry, the calibration's report, and a `host:` entry are ignored)."""
         data = dict(read_profile(path))
         data.pop("fit", None)
+        data.pop("host", None)  # CPU ranks sharing cores: hcp.train.auto_cost.Host
         return _from_mapping(cls, data, path)
 
 

@@ -17,8 +17,12 @@ and the same gradient backward.
   micro-batch's rows is charged to the encoder's last stage; step = that + the slower
   island's gradient sync.
 Gradient sync: `hcp.train.estimate.grad_sync_s`; `dp_shard` (FSDP) adds half of it again (the
-weights' all-gathers). For the search's pruning, `combine_bounds` of `encoder_part` and
-`llm_part` (or the cheaper `llm_bound`) is at most `score`'s step (equal under colocated).
+weights' all-gathers). The batch priced: `data_lengths` (the run's first global batch of its own
+data). CPU ranks sharing a host's cores (a profile's `host:` entry, `Host`): each layer call
+costs the host's dispatch seconds more, and the step is the larger of the critical path and
+all ranks' CPU seconds (`Score.work_s`) over the cores. For the search's pruning,
+`combine_bounds` of `encoder_part` and `llm_part` (or the cheaper `llm_bound`) is at most
+`score`'s step (equal under colocated without a host).
 """
 from __future__ import annotations
 
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 from omegaconf import OmegaConf
 
+from hcp.config.errors import ConfigError
+from hcp.dcp.cost_model import read_profile
 from hcp.model.flops import encoder_flops, model_flops
 from hcp.schedule.simulator import simulate_1f1b
 from hcp.train.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times, ring_s
@@ -40,9 +46,46 @@ FSDP_SYNC = 1.5
 
 
 @dataclass(frozen=True)
+class Host:
+    """CPU ranks sharing one host's cores (a profile's `host:` entry, e.g. benchmarks/
+    cpu_profile.yaml; accelerator profiles have none): the step is the larger of the critical
+    path (a rank runs on at most one core: divided by min(1, cores)) and the CPU seconds of all
+    ranks over the cores. `cores`: cores the ranks share (a loaded host: the share they get);
+    `layer_s`: CPU seconds of one layer's forward + backward call on one rank beyond its FLOPs
+    (Python and dispatch; a third of it forward), the LLM's, the encoder's and the projector's
+    (one layer) alike; `cp_layer_s`: CPU seconds more per LLM layer call under CP (c > 1: its
+    collectives' calls; the profile's `cp_latency` prices each ring step); `module_step_s`: CPU
+    seconds per step of each module a rank holds (its gradient sync calls, optimizer, norm)."""
+
+    cores: float
+    layer_s: float
+    cp_layer_s: float
+    module_step_s: float
+
+
+def host_model(profile) -> Host | None:
+    """The `host:` entry of the profile file `profile` (None for `h100` or without one).
+    Raises ConfigError naming `packing_profile` for a malformed entry."""
+    if str(profile) == "h100":
+        return None
+    entry = read_profile(profile).get("host")
+    if entry is None:
+        return None
+    try:
+        host = Host(**entry)
+        if not (host.cores > 0 and min(host.layer_s, host.cp_layer_s, host.module_step_s) >= 0):
+            raise ValueError("cores > 0 and the seconds >= 0")
+    except (TypeError, ValueError) as e:
+        raise ConfigError("packing_profile", str(profile), f"its host: entry {entry} is invalid ({e})",
+                          "give host: {cores: N, layer_s: S, cp_layer_s: S, module_step_s: S}") from None
+    return host
+
+
+@dataclass(frozen=True)
 class Score:
     """A candidate's estimate: seconds, TFLOP/s per GPU, GiB per role (`vision`, `llm`;
-    colocated: `all`), bytes of both routes per step, the critical module and why."""
+    colocated: `all`), bytes of both routes per step, the critical module and why; `work_s`
+    the busy seconds of all ranks together (on a `Host`, CPU seconds)."""
 
     step_time_s: float
     tflops_per_gpu: float
@@ -55,6 +98,24 @@ class Score:
     grad_sync_s: float
     critical: str
     why: str
+    work_s: float = 0.0
+
+
+def data_lengths(cfg) -> tuple[np.ndarray, str]:
+    """(lengths `[B]` tokens, where from) of the global batch the estimate prices: the run's
+    first global batch of its own training set (the trainer's sampler and seed), or, when the
+    data cannot be read here (a path only the cluster has), `hcp.train.estimate.batch_lengths`'
+    built-in sample."""
+    from hcp.data.build import build_datasets
+    from hcp.data.llava import DataError
+    from hcp.data.loader import GlobalBatchSampler
+
+    try:
+        train = build_datasets(cfg)[1]
+        batch = GlobalBatchSampler(len(train), int(cfg.trainer.global_batch_size), int(cfg.seed)).batch(0)
+    except (ConfigError, DataError, OSError, ValueError) as e:
+        return batch_lengths(cfg), f"the built-in length sample ({type(e).__name__} reading the data: {e})"
+    return np.array([len(train[i].input_ids) for i in batch], dtype=np.int64), f"data.name={cfg.data.name}"
 
 
 def _key(lay) -> tuple:
@@ -65,19 +126,22 @@ class Scorer:
     """Scores candidates of one config on `world` ranks under the hardware `profile`, caching
     what candidates share (a module's memory, the LLM's simulated lanes)."""
 
-    def __init__(self, cfg, world: int, profile: str = "h100"):
+    def __init__(self, cfg, world: int, profile: str = "h100", lengths=None):
         self.world = world
         self.shapes = named_shapes(cfg)
+        self.lens, self.lengths_from = data_lengths(cfg) if lengths is None else (lengths, "given")
         cfg = self.cfg = plain(OmegaConf.to_container(cfg, resolve=True))
         self.hw = hardware(cfg, profile)
+        self.host = host_model(profile)
         self.cap = float(cfg.cluster.device_memory_gib)
         self._cfgs, self._memory, self._llm, self._params = {}, {}, {}, {}
-        lens = batch_lengths(cfg).astype(np.float64)
+        lens = self.lens.astype(np.float64)
         self.llm_flops = model_flops(cfg.llm, float(lens.sum()), float((lens ** 2).sum()))
         self.images = float(cfg.trainer.global_batch_size) * float(cfg.data.images_per_sample)
         v = cfg.get("vision")
         self.image_flops = encoder_flops(v, cfg.llm.hidden_size, 1) if v is not None else 0.0
         self.patches = (v.image_size // v.patch_size) ** 2 if v is not None else 0
+        self.encoder_layers = v.num_layers + v.select_layer + 2 if v is not None else 0  # + the projector
 
     def _cfg(self, placement: str, vision_recompute: str | None):
         """The config with this placement and encoder recompute (what the memory model reads)."""
@@ -117,14 +181,25 @@ class Scorer:
         return {"vision": max(enc), "llm": max(total([s]) for s in stages["llm"])}
 
     def _llm_lane(self, llm):
-        """(iteration seconds, fwd, bwd, plan) of the LLM layout's slowest lane (`[pp, R]` s)."""
+        """(iteration seconds, fwd, bwd, plan) of the LLM layout's slowest lane (`[pp, R]` s),
+        and the busy seconds of all its ranks (the `Host`'s layer calls included)."""
         key = _key(llm)[1:6] + (llm.recompute == "full",)
         if key not in self._llm:
             cost = cost_model(self.cfg, llm, self.hw)
-            runs = [(simulate_1f1b(f, b, record=False).iteration_time, f, b, plan)
-                    for plan, f, b in lane_stage_times(self.cfg, llm, cost)]
-            self._llm[key] = max(runs, key=lambda r: r[0])  # lanes wait for the slowest
+            calls = self._calls(np.asarray(llm.pp_layers, dtype=np.float64)[:, None], llm.cp > 1)
+            lanes = [(f + calls[0], b + calls[1], plan)
+                     for plan, f, b in lane_stage_times(self.cfg, llm, cost, self.lens)]
+            runs = [(simulate_1f1b(f, b, record=False).iteration_time, f, b, plan) for f, b, plan in lanes]
+            work = sum(float((f + b).sum()) for f, b, _ in lanes) * llm.tp * llm.cp
+            self._llm[key] = (*max(runs, key=lambda r: r[0]), work)  # lanes wait for the slowest
         return self._llm[key]
+
+    def _calls(self, layers, cp: bool = False) -> tuple:
+        """(forward, backward) CPU seconds of calling `layers` layers once on a `Host` (0
+        without); `cp`: LLM layers under CP."""
+        per = (self.host.layer_s + (self.host.cp_layer_s if cp else 0.0)) if self.host else 0.0
+        each = per * np.asarray(layers, dtype=np.float64)
+        return each / 3, 2 * each / 3
 
     def has_lane(self, llm) -> bool:
         """Whether `llm_part` of this LLM layout is known without simulating."""
@@ -170,7 +245,7 @@ class Scorer:
     def llm_part(self, llm, placement: str) -> float:
         """The LLM's share of a step bound: colocated its 1F1B iteration, non_colocated its
         busiest stage, plus its gradient sync (`combine_bounds`)."""
-        iteration, f, b, _ = self._llm_lane(llm)
+        iteration, f, b, _, _ = self._llm_lane(llm)
         return (iteration if placement == "colocated" else float((f + b).sum(axis=1).max())) + self.sync(llm)
 
     def encoder_part(self, vis, placement: str) -> float:
@@ -182,7 +257,8 @@ class Scorer:
         images = self.images / vis.dp
         sync = self.sync(vis) + self.sync(projector_for(vis))
         if placement == "colocated":
-            return images * (f + b) + 2 * self._route_s(self.images / self.world) + sync
+            return images * (f + b) + sum(self._calls(self.encoder_layers)) + 2 * self._route_s(
+                self.images / self.world) + sync
         share = np.asarray(vis.pp_layers, dtype=np.float64) / sum(vis.pp_layers) * images * (f + b)
         share[-1] += 2 * self._route_s(images)
         return float(share.max()) + sync
@@ -195,7 +271,7 @@ class Scorer:
         """The candidate's estimated step, throughput and memory (module docstring)."""
         lays = cand.by_module
         llm, vis = lays["llm"], lays.get("vision")
-        iteration, f, b, plan = self._llm_lane(llm)
+        iteration, f, b, plan, llm_work = self._llm_lane(llm)
         llm_sync = self.sync(llm)
         mem = self.memory(cand)
         busy = (f + b).sum(axis=1)  # each stage's seconds of compute
@@ -206,7 +282,8 @@ class Scorer:
             critical, why = "llm", "the LLM is the only module"
         elif cand.placement == "colocated":
             fi, bi = self._image_s(vis)
-            enc_s = self.images / vis.dp * (fi + bi)
+            enc_s = self.images / vis.dp * (fi + bi) + sum(self._calls(self.encoder_layers))
+            enc_work = enc_s * vis.num_ranks
             route_s = 2 * self._route_s(self.images / self.world)
             sync = llm_sync + self.sync(vis) + self.sync(lays["projector"])
             step = enc_s + route_s + iteration + sync
@@ -220,6 +297,9 @@ class Scorer:
                            dtype=np.float64) * float(self.cfg.data.images_per_sample) * llm.dp / vis.dp
             share = np.asarray(vis.pp_layers, dtype=np.float64)[:, None] / sum(vis.pp_layers)
             ef, eb = share * per[None, :] * fi, share * per[None, :] * bi
+            calls = self._calls(share * self.encoder_layers * (per[None, :] > 0))
+            ef, eb = ef + calls[0], eb + calls[1]
+            enc_work = float(np.sum(ef + eb)) * vis.tp * vis.dp
             ef[-1] += np.array([self._route_s(n) for n in per])
             eb[-1] += np.array([self._route_s(n) for n in per])
             fs, bs = np.vstack([ef, f]), np.vstack([eb, b])
@@ -234,10 +314,21 @@ class Scorer:
             why = (f"graph 1F1B over {vis.pp} encoder + {llm.pp} LLM stages: the busiest stage is "
                    f"{critical} stage {worst if worst < vis.pp else worst - vis.pp} "
                    f"({stage_busy[worst]:.3g} s busy of {iteration:.3g} s)")
+        work = llm_work + llm_sync * llm.num_ranks
+        if vis is not None:
+            work += enc_work + (self.sync(vis) + self.sync(lays["projector"])) * vis.num_ranks
+        if self.host is not None:  # ranks time-share the cores: the step is at least their work / cores
+            held = len(lays) * self.world if cand.placement == "colocated" else vis.num_ranks * 2 + llm.num_ranks
+            work += held * self.host.module_step_s
+            step /= min(1.0, self.host.cores)  # a rank runs on at most one core
+            if work / self.host.cores > step:
+                step, critical = work / self.host.cores, "host"
+                why = (f"{self.world} ranks share {self.host.cores:g} cores: {work:.3g} CPU s of work / "
+                       f"{self.host.cores:g} cores exceeds the critical path ({why})")
         flops = self.llm_flops + self.images * self.image_flops
         return Score(float(step), flops / step / self.world / 1e12, float(bubble), mem,
                      max(mem.values()) <= self.cap, float(route), float(enc_s),
-                     float(iteration), float(sync), critical, why)
+                     float(iteration), float(sync), critical, why, float(work))
 
 def combine_bounds(placement: str, encoder, llm):
     """A step bound from `Scorer.encoder_part` and `Scorer.llm_part` / `llm_bound` (scalars or

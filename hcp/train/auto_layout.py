@@ -43,6 +43,9 @@ class SearchResult:
     ranked: list[tuple[Candidate, Score]]
     counts: dict = field(default_factory=dict)
     seconds: float = 0.0
+    lengths: np.ndarray | None = None
+    lengths_from: str = ""
+    """The priced global batch's lengths and where they come from (`auto_cost.data_lengths`)."""
 
 
 def apply_layout(cfg, cand: Candidate) -> None:
@@ -117,7 +120,7 @@ def search(cfg, world: int, pinned: dict, top: int = TOP, prune: bool = True,
                           f"candidates on {world} ranks) fits cluster.device_memory_gib="
                           f"{cfg.cluster.device_memory_gib} and passes the layout rules",
                           "unpin fields, add ranks (launcher.*) or lower trainer.micro_batch_tokens")
-    return SearchResult(ranked, counts, time.perf_counter() - start)
+    return SearchResult(ranked, counts, time.perf_counter() - start, scorer.lens, scorer.lengths_from)
 
 
 def _rank(cfg, world: int, groups, scorer: Scorer, top: int, prune: bool, inline: bool):
@@ -248,19 +251,20 @@ def choose_layout(cfg, overrides, world: int, run_dir=None, verbose: bool = True
     given_cfg = copy.deepcopy(cfg)
     result = search(cfg, world, pinned, top)
     rows = [_row(c, s) for c, s in result.ranked]
-    given = score_given(given_cfg, world, Scorer(cfg, world, cfg.packing_profile))
+    given = score_given(given_cfg, world, Scorer(cfg, world, cfg.packing_profile, result.lengths))
     best = rows[0]
     why = f"{best['critical']} is the critical path; {best['why']}"
     if "step_time_s" in given:
         why += f"; {given['step_time_s'] / best['step_time_s']:.2f}x the given layout's speed"
-    report = {"world_size": world, "pinned": pinned, "counts": result.counts,
+    report = {"world_size": world, "pinned": pinned, "counts": result.counts, "lengths_from": result.lengths_from,
               "search_seconds": result.seconds, "ranked": rows, "given": given, "why": why}
     c = result.counts
     say = print if verbose else (lambda *a, **k: None)
     say(f"hcp: layout=auto on {world} ranks: {c['space']} candidates ({c['llm_memory_dropped']} dropped "
           f"by LLM memory, {c['memory_rejected']} by rank memory, {c['rule_rejected']} by layout rules, "
           f"{c['scored']} simulated, the rest pruned by bound) in {result.seconds:.1f} s; pinned: "
-          f"{pinned or 'none'}")
+          f"{pinned or 'none'}; the batch priced: {len(result.lengths)} samples of {result.lengths_from}, "
+          f"mean {result.lengths.mean():.0f} tokens")
     say(format_table(rows, given))
     say(f"hcp: layout=auto chose {best['placement']}: "
           + "; ".join(f"{m} {d}" for m, d in best["describe"].items()) + f" ({why})")

@@ -8,7 +8,8 @@ What is enumerated, for a world of W ranks on nodes of N ranks:
   layers (even split), dp the rest; recompute none / selective / full; dp_shard off / on;
 - the encoder: tp a divisor of N, cp 1, pp 1 (colocated) or a divisor of its used layers up to
   `MAX_ENCODER_PP` (an island), dp the rest; recompute none / full; dp_shard off / on;
-- the projector: the encoder's tp and dp_shard, cp 1, pp 1 (it runs with its encoder).
+- the projector: the encoder's tp and dp_shard, cp 1, pp 1 (it runs with its encoder): a pin of
+  its tp or dp_shard holds the encoder's; other projector pins may only restate those values.
 Each module's layout must pass the layout rules on resolved layouts (`hcp.config.layouts.
 check_resolved`); whole candidates pass them again, and the winner the full validation.
 
@@ -29,6 +30,8 @@ FIELDS = ("tp", "cp", "pp", "dp", "dp_shard", "recompute", "num_ranks", "pp_laye
 MAX_ENCODER_PP = 4
 ENCODER_RECOMPUTES = ("none", "full")
 """Encoder recompute that training runs (`hcp.train.support`: selective is the LLM's only)."""
+PROJECTOR_FIXED = {"cp": 1, "pp": 1, "pp_layers": [1], "dp": -1, "recompute": "none"}
+"""Projector fields the search does not vary (`projector_for`); a pin may only restate them."""
 _PIN = re.compile(r"^(vision|projector|llm)\.layout\.(" + "|".join(FIELDS) + r")$")
 
 
@@ -67,6 +70,12 @@ def check_searchable(cfg, pinned: dict) -> None:
         raise ConfigError("layout", "auto", "searches the vision -> projector -> llm graph or an LLM "
                           "alone, not named encoders or projectors", "set every layout by hand "
                           "(layout=manual), or try layouts with a `mode=plan -m` sweep")
+    for key, value in pinned.items():
+        field = key.partition("projector.layout.")[2]
+        if field and field not in ("tp", "dp_shard") and value != PROJECTOR_FIXED.get(field):
+            raise ConfigError(key, value, "the projector runs with its encoder under layout=auto (its tp "
+                              "and dp_shard, cp 1, pp 1, the encoder's ranks)", "pin vision.layout.* "
+                              "instead, or set every layout by hand (layout=manual)")
     if pinned.get("placement") == "non_colocated" and cfg.get("vision") is None:
         raise ConfigError("placement", "non_colocated", "a text-only LLM has no encoder island",
                           "use placement=colocated")
@@ -92,11 +101,14 @@ def module_options(cfg, module: str, ranks: int, offset: int, placement: str, pi
     layers = num_layers(cfg, module)
     encoder = module == "vision"
     tps = _allowed(pinned, p + "tp", _divisors(node, node))
+    shards = _allowed(pinned, p + "dp_shard", (False, True))
+    if encoder:  # the projector runs with its encoder: its pins hold the encoder's tp and dp_shard
+        tps = _allowed(pinned, "projector.layout.tp", tps)
+        shards = _allowed(pinned, "projector.layout.dp_shard", shards)
     cps = _allowed(pinned, p + "cp", [1] if encoder else _powers(ranks))
     pp_cap = 1 if encoder and placement == "colocated" else MAX_ENCODER_PP if encoder else layers
     pps = _allowed(pinned, p + "pp", _divisors(layers, pp_cap))
     recomputes = _allowed(pinned, p + "recompute", ENCODER_RECOMPUTES if encoder else RECOMPUTES)
-    shards = _allowed(pinned, p + "dp_shard", (False, True))
     out = []
     for tp in tps:
         for cp in cps:
@@ -109,7 +121,8 @@ def module_options(cfg, module: str, ranks: int, offset: int, placement: str, pi
                 split = tuple(pinned.get(p + "pp_layers") or (layers // pp,) * pp)
                 for recompute in recomputes:
                     for shard in shards:
-                        if shard and dp * cp == 1 and p + "dp_shard" not in pinned:
+                        if shard and dp * cp == 1 and p + "dp_shard" not in pinned \
+                                and "projector.layout.dp_shard" not in pinned:
                             continue  # nothing to shard over: the same as off
                         lay = ResolvedLayout(module, tp, cp, pp, dp, offset, ranks, split, "allgather",
                                              False, recompute, shard)
