@@ -79,11 +79,16 @@ def attach_rows(batches, leaf) -> None:
             batch.image_rows = leaf[mb.image_rows[0]:mb.image_rows[1]]
 
 
-def run_colocated(step, encoder, inputs, mine, llm_phase):
-    """`ColocatedStep.run` (one stream) or `run_streams` (an `EncoderSide`) with the plan's routes."""
-    if isinstance(encoder, EncoderSide):
-        return step.run_streams(inputs, {s: r for (s, d), r in mine.routes.items() if d == "llm"}, llm_phase)
-    return step.run(inputs, mine.routes[next(e for e in mine.routes if e[1] == "llm")], llm_phase)
+def colocated_phases(step, encoder, inputs, mine, batches):
+    """`ColocatedStep.phases` of this rank's step (`mine`: its `RankPlan`): the plan's routes
+    into the LLM; the routed rows go to its first-stage micro-batches `batches` ((plan, batch)
+    pairs, or None) by `attach_rows`."""
+    several = isinstance(encoder, EncoderSide)
+
+    def attach(leaves):
+        if batches is not None:
+            attach_rows(batches, leaves if several else leaves["projector"])
+    return step.phases(inputs, {s: r for (s, d), r in mine.routes.items() if d == "llm"}, attach)
 
 
 def _members(side: EncoderSide, encoder: str):

@@ -5,10 +5,11 @@ Every step is decided by the step plan (`hcp.plan`, docs/design.md 4.1), compute
 background thread while step k runs (`hcp.plan.ahead.PlanAhead`) from the length index built
 once when the data is read. Each rank loads only what its plan gives it: the images of its
 encoder lane's samples (the encoder side: vision + projector under their own TP/DP layout) and,
-on the LLM's first pipeline stage, the text of its micro-batches. The step
-(`hcp.schedule.colocated.ColocatedStep`): encoder forward, the route of image rows to the LLM
-CP shards that hold their positions, the LLM's 1F1B (`hcp.train.step.StepRunner`), the route of
-their gradients back, the encoder backward. Loss is token-level over the whole global batch
+on the LLM's first pipeline stage, the text of its micro-batches. The step is
+the plan's action list for this rank (`RankPlan.actions`) run by the one executor
+(`hcp.train.step.StepRunner`): encoder forward, the route of image rows to the LLM CP shards
+that hold their positions (`hcp.schedule.colocated`), the LLM's 1F1B, the route of their
+gradients back, the encoder backward. Loss is token-level over the whole global batch
 (docs/design.md section 3): every module is scaled by the same global count; gradients are summed
 over each module's own DP (x CP) group, the clipping norm is global over every module, and one
 optimizer steps them all. A text-only LM (no vision) runs the LLM phase alone. Several encoders
@@ -310,21 +311,17 @@ class Trainer:
                 self.encoder_grad_sq = grad_sq
             return loss, counts, n_micro
 
-        def llm_phase(leaf):
-            if batches is not None and leaf is not None:
-                sides.attach_rows(batches, leaf)
-            c = mine.counts  # the plan's global counts (no collective); trainer.check_counts counts too
-            check = self.cfg.trainer.get("check_counts") and not self.dynamic_cp
-            planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
-            return self.runner.forward_backward([b for _, b in batches] if batches is not None else None,
-                                                metas, planned, mine.overlap_grad_sync, self._cp_groups(mine))
-
-        if self.colocated is None:
-            loss, counts, n_micro, self.stage_times = llm_phase(None)
+        c = mine.counts  # the plan's global counts (no collective); trainer.check_counts counts too
+        check = self.cfg.trainer.get("check_counts") and not self.dynamic_cp
+        planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
+        phases = (sides.colocated_phases(self.colocated, self.encoder, pixels, mine, batches)
+                  if self.colocated is not None else None)  # the encoder and route actions
+        loss, counts, n_micro, self.stage_times = self.runner.forward_backward(
+            [b for _, b in batches] if batches is not None else None, metas, planned,
+            mine.overlap_grad_sync, self._cp_groups(mine), mine.actions, phases and phases.handlers)
+        if phases is None:
             return loss, self._plan_counts(mine, counts), n_micro
-
-        (loss, counts, n_micro, self.stage_times), self.phase_times = sides.run_colocated(
-            self.colocated, self.encoder, pixels, mine, llm_phase)
+        self.phase_times = phases.times
         if self.record_encoder_grad_sq:  # before the DP sum (FSDP: after)
             self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())
         sides.sync_encoder_grads(self.encoder, self.groups, mine.counts)  # no row anywhere: no update
