@@ -164,7 +164,8 @@ class Sections:
 
 def instrument(trainer) -> Sections:
     """Sections of hcp's `Trainer.fit_step` (data, forward/backward with gradient sync, clipping,
-    optimizer, metrics, then logging and the preemption check), by wrapping the calls it makes."""
+    optimizer, metrics with the preemption flag's agreement, then logging and the preemption
+    check), by wrapping the calls it makes."""
     import hcp.train.trainer as trainer_module
 
     sec = Sections()
@@ -173,7 +174,7 @@ def instrument(trainer) -> Sections:
     sec.wrap(trainer, "clip", "clip")
     sec.wrap(trainer.scheduler, "step", "optimizer")
     sec.wrap(trainer_module, "whole_step_metrics", "metrics")
-    sec.wrap(trainer.preempt, "should_stop", "logging")
+    sec.wrap(trainer, "fit_step", "logging")  # logging and the preemption check: to fit_step's end
     return sec
 
 

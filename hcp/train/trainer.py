@@ -296,7 +296,7 @@ class Trainer:
         self.step += 1
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
                 "micro_batches": n_micro, **plan_stats, **prepared[4],
-                **whole_step_metrics(self.cfg.llm, counts, t0, self.stage_times, self.device)}
+                **whole_step_metrics(self.cfg.llm, counts, t0, self.stage_times, self.device, self.preempt)}
 
     def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[torch.Tensor, list[float], int]:
         """Gradients of the token-level loss of `global_batch` (sample indices), summed over each
@@ -430,7 +430,7 @@ class Trainer:
             self.log.advance()
         if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.max_steps:
             self.save()
-        if self.step < tc.max_steps and self.preempt.should_stop():  # all ranks agree
+        if self.step < tc.max_steps and self.preempt.stopping:  # agreed in the step's metrics
             self.save()
             self.ahead.close()
             self.preempt.requeue_and_exit(self.step, self.cfg.checkpoint.dir)
