@@ -14,6 +14,7 @@ import torch
 
 from hcp.config.modules import encoder_names, module_cfg, rows_per_item, streams
 from hcp.model.encoder_side import EncoderSide
+from hcp.model.llava import LlavaEncoder
 from hcp.model.init import meta_build
 from hcp.plan.lengths import build_length_index, stream_indexes
 from hcp.train.modules import encoder_sq_norm, module_sq_norm, sync_grads, whole_state
@@ -23,6 +24,22 @@ def several_streams(cfg) -> bool:
     """Whether the graph is more than vision -> projector -> llm: named encoders or projectors
     (a join, a branch)."""
     return cfg.get("vision") is not None and (len(encoder_names(cfg)) > 1 or len(streams(cfg.graph.edges)) > 1)
+
+
+def build_encoder(cfg, groups, layouts):
+    """The colocated encoder side on the meta device (`hcp.model.init.materialize` makes this
+    rank's shards): a `LlavaEncoder` (vision + projector on vision's TP / CP groups) for the
+    default graph, an `EncoderSide` for named encoders or streams, None for a text-only LM."""
+    if cfg.vision is None or several_streams(cfg):
+        return build_encoder_side(cfg, groups, layouts) if cfg.vision else None
+    tp = groups.group("vision", "tp") if layouts["vision"].tp > 1 else None
+    cp = groups.group("vision", "cp") if layouts["vision"].cp > 1 else None
+    with meta_build():
+        encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp, cp_group=cp)
+    for name in ("vision", "projector"):
+        if cfg[name].freeze:
+            encoder.get_submodule(name).requires_grad_(False)
+    return encoder
 
 
 def build_encoder_side(cfg, groups, layouts) -> EncoderSide:

@@ -202,3 +202,15 @@ class StepRunner:
             dist.broadcast(out, self.last_rank, group=self.pp_group)
             shared.append(out)
         return shared
+
+
+def plan_counts(mine, counted) -> list[float]:
+    """The plan's global [loss tokens, tokens, sum of squared document lengths] of this rank's
+    `RankPlan` `mine`, checked against the loss tokens the schedule counted (`counted`, under
+    `trainer.check_counts` with a collective; else the plan's). Raises RuntimeError when they
+    differ (a stale length index)."""
+    c = mine.counts
+    if counted[0] != c.loss_tokens:
+        raise RuntimeError(f"the step plan counts {c.loss_tokens} loss tokens, the micro-batches "
+                           f"{counted[0]:.0f}: the length index is stale")
+    return [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths]
