@@ -93,3 +93,34 @@ def test_step_reads_do_not_grow_with_layers_or_micro_batches(layout, tmp_path):
         assert large[0] == small[0], (
             f"rank {rank}: {small[0]} reads with {small[3]} layers x {small[2]} micro-batches, "
             f"{large[0]} with {large[3]} x {large[2]}: {large[1]}")
+
+
+def _fit_vs_train(rank, world, container, run_dir):
+    """(reads, world collectives) of a warm `train_step` and of a warm `fit_step`."""
+    import torch.distributed as dist
+
+    from hcp.train.trainer import Trainer
+
+    tr = Trainer(OmegaConf.create(container), run_dir)
+    calls = []
+    for name in ("all_reduce", "all_gather", "broadcast", "barrier"):
+        real = getattr(dist, name)
+        setattr(dist, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1])
+    out = []
+    for step in (tr.train_step, tr.fit_step, tr.train_step, tr.fit_step):
+        calls.clear()
+        with HostReads() as reads:
+            step()
+        out.append((reads.count, sorted(calls)))
+    tr.ahead.close()
+    return out[2:]
+
+
+@pytest.mark.timeout(120)
+def test_fit_step_adds_no_collective_or_read_to_the_training_step(tmp_path):
+    """The preemption flag rides in the step's metrics collective: `fit_step` (with logging and
+    the preemption check, no evaluation or checkpoint) reads and communicates exactly what
+    `train_step` does. One rank, a few seconds."""
+    (train, fit), = run_ranks(_fit_vs_train, 1, compose_container([*STEP, *SMALL, "trainer.max_steps=10"], tmp_path), str(tmp_path),
+                              timeout=110)
+    assert fit == train

@@ -25,11 +25,12 @@ def island_layouts(enc, llm):
     (etp, edp, epp, *ecp), (tp, cp, dp, pp) = enc, llm
     ecp = ecp[0] if ecp else 1
     n = etp * ecp * edp * epp
-    return {"vision": NS(module="vision", tp=etp, cp=ecp, pp=epp, dp=edp, rank_offset=0, num_ranks=n),
+    return {"vision": NS(module="vision", tp=etp, cp=ecp, pp=epp, dp=edp, rank_offset=0, num_ranks=n,
+                         dp_shard=False),
             "projector": NS(module="projector", tp=etp, cp=1, pp=1, dp=edp * epp * ecp, rank_offset=0,
-                            num_ranks=n),
+                            num_ranks=n, dp_shard=False),
             "llm": NS(module="llm", tp=tp, cp=cp, pp=pp, dp=dp, rank_offset=n,
-                      num_ranks=tp * cp * dp * pp)}
+                      num_ranks=tp * cp * dp * pp, dp_shard=False)}
 
 
 def check_island_plan(sizes, lays, mbt, variant="leader"):
@@ -221,7 +222,7 @@ def test_two_encoder_islands_plan_each_stream_and_each_lane_inputs_and_rows():
     edges = (("vision", "projector"), ("vision", "pooled"), ("projector", "llm"), ("pooled", "llm"),
              ("vision2", "projector2"), ("projector2", "llm"))
     on = lambda m, off, n, **k: NS(module=m, tp=1, cp=k.get("cp", 1), pp=1, dp=k.get("dp", n),  # noqa: E731
-                                   rank_offset=off, num_ranks=n)
+                                   rank_offset=off, num_ranks=n, dp_shard=False)
     lays = {"vision": on("vision", 0, 2), "projector": on("projector", 0, 2), "pooled": on("pooled", 0, 2),
             "vision2": on("vision2", 2, 1), "projector2": on("projector2", 2, 1), "llm": on("llm", 3, 2, cp=2, dp=1)}
     streams = _two_encoder_sizes(np.random.default_rng(3), 8)

@@ -99,18 +99,33 @@ def test_sbatch_rejects_bad_inputs_without_submitting(capsys):
 
 
 def _agree(rank, world, flag_rank: int):
+    """Two step boundaries; the flag rides in each step's metrics collective (no collective of
+    its own: `dist.all_reduce` is never called)."""
+    import torch.distributed as dist
+
+    from hcp.train.throughput import step_metrics
+
+    dist.all_reduce = None  # calling it fails the test
     p = Preemption(types.SimpleNamespace(signal="USR2"), torch.device("cpu"), env={})
-    before = p.should_stop()
+    times, llm = types.SimpleNamespace(busy_s=1.0, wall_s=2.0), compose().llm
+
+    def boundary():
+        m = step_metrics(llm, [1.0, 10.0, 100.0], 1.0, times, torch.device("cpu"), p)
+        assert m["bubble_fraction"] == 0.5
+        return p.stopping
+
+    before = boundary()
     if rank == flag_rank:
         os.kill(os.getpid(), signal.SIGUSR2)  # the handler only sets the flag
-    return before, p.received, p.should_stop()
+    return before, p.received, boundary(), p.received
 
 
 def test_a_signal_on_one_rank_stops_every_rank_at_the_same_boundary():
     results = run_ranks(_agree, 3, 2)
     assert [r[0] for r in results] == [False] * 3
-    assert [r[1] for r in results][2] == signal.SIGUSR2  # flagged before the agreement
+    assert [r[1] for r in results] == [0, 0, signal.SIGUSR2]  # flagged before the agreement
     assert [r[2] for r in results] == [True] * 3
+    assert [r[3] for r in results] == [signal.SIGUSR2] * 3  # every rank exits under that signal
 
 
 def _requeue(rank, world, env, path):

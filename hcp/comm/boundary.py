@@ -16,7 +16,9 @@ receive nothing (their tensors have 0 rows but the same hidden size H and dtype)
 two directions are also exposed as plain functions (`route_forward`, `route_backward`): a
 schedule that holds the destination rows as a leaf (the colocated three-phase schedule) calls
 them explicitly, so the backward collective runs on every rank even where autograd would skip
-it (a rank whose source tensor does not require grad).
+it (a rank whose source tensor does not require grad). The row gathers and scatters around
+the exchange (`rows_to_send`, `place_rows`, `grads_to_send`, `sum_grads`) are shared with the
+non-colocated communicator (`hcp.comm.island`), which moves the same routes point to point.
 """
 from __future__ import annotations
 
@@ -42,6 +44,43 @@ def _index(values, device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
+def _where(mask, device) -> torch.Tensor:
+    """The positions where the host mask `mask` is true, as an index on `device` (a boolean
+    index on the device would be a `nonzero`: a device-to-host sync)."""
+    return _index([i for i, m in enumerate(mask) if m], device)
+
+
+def rows_to_send(src: torch.Tensor, route: RankRoute, who: str) -> torch.Tensor:
+    """`src[send_index]`: the rows this rank sends, grouped by destination (no autograd).
+    Raises ValueError naming `who` when src is not [rows, H] or lacks a row the route sends."""
+    if src.dim() != 2:
+        raise ValueError(f"{who}: src must be [rows, H], got {list(src.shape)}")
+    if route.send_index and max(route.send_index) >= src.shape[0]:
+        raise ValueError(f"{who}: the route sends row {max(route.send_index)} but src "
+                         f"has {src.shape[0]} rows")
+    return src.detach().index_select(0, _index(route.send_index, src.device))
+
+
+def place_rows(recv: torch.Tensor, route: RankRoute) -> torch.Tensor:
+    """The received rows [sum(recv_splits), H] at their places of dst [route.dst_rows, H]
+    (zeros where no row arrives)."""
+    dst = recv.new_zeros(route.dst_rows, recv.shape[1])
+    return dst.index_copy_(0, _index(route.recv_index, recv.device), recv)
+
+
+def grads_to_send(grad_dst: torch.Tensor, route: RankRoute) -> torch.Tensor:
+    """The gradients this rank returns: of each received row it owns (`grad_owner`)."""
+    received = grad_dst.detach().index_select(0, _index(route.recv_index, grad_dst.device))
+    return received.index_select(0, _where(route.grad_owner, grad_dst.device))
+
+
+def sum_grads(back: torch.Tensor, route: RankRoute, src_rows: int) -> torch.Tensor:
+    """The returned gradients `back` summed into the source's gradient [src_rows, H] at the
+    sent rows that get one (`grad_returns`); zeros for rows sent nowhere."""
+    index = _index(route.send_index, back.device).index_select(0, _where(route.grad_returns, back.device))
+    return back.new_zeros(src_rows, back.shape[1]).index_add_(0, index, back)
+
+
 def _exchange(send: torch.Tensor, send_splits, recv_splits, group) -> torch.Tensor:
     """One all_to_all_single: send [sum(send_splits), H] -> received [sum(recv_splits), H]."""
     recv = send.new_empty(sum(recv_splits), send.shape[1])
@@ -55,17 +94,11 @@ def route_forward(src: torch.Tensor, route: RankRoute, group=None,
     """Forward move, no autograd: src [rows, H] -> dst [route.dst_rows, H] (zeros where no row
     arrives). Every rank of `group` must call it. Raises ValueError when src is not 2-D or the
     route indexes rows src does not have."""
-    if src.dim() != 2:
-        raise ValueError(f"route_forward: src must be [rows, H], got {list(src.shape)}")
-    if route.send_index and max(route.send_index) >= src.shape[0]:
-        raise ValueError(f"route_forward: the route sends row {max(route.send_index)} but src "
-                         f"has {src.shape[0]} rows")
-    send = src.index_select(0, _index(route.send_index, src.device))
+    send = rows_to_send(src, route, "route_forward")
     recv = _exchange(send, route.send_splits, route.recv_splits, group)
     if counter is not None:
         counter.forward += send.numel() * send.element_size()
-    dst = src.new_zeros(route.dst_rows, src.shape[1])
-    return dst.index_copy_(0, _index(route.recv_index, src.device), recv)
+    return place_rows(recv, route)
 
 
 def route_backward(grad_dst: torch.Tensor, route: RankRoute, src_rows: int, group=None,
@@ -73,15 +106,11 @@ def route_backward(grad_dst: torch.Tensor, route: RankRoute, src_rows: int, grou
     """Backward move, no autograd: the destination's gradient [route.dst_rows, H] -> the
     gradient of the source tensor [src_rows, H] (the sum of what each destination shard
     returned for each row; zeros for rows sent nowhere). Every rank of `group` must call it."""
-    device = grad_dst.device
-    received = grad_dst.index_select(0, _index(route.recv_index, device))
-    send = received.index_select(0, _index([i for i, own in enumerate(route.grad_owner) if own],
-                                           device))  # host indices: no device mask to read
+    send = grads_to_send(grad_dst, route)
     back = _exchange(send, route.grad_send_splits, route.grad_recv_splits, group)
     if counter is not None:
         counter.backward += send.numel() * send.element_size()
-    index = _index([s for s, ret in zip(route.send_index, route.grad_returns) if ret], device)
-    return grad_dst.new_zeros(src_rows, grad_dst.shape[1]).index_add_(0, index, back)
+    return sum_grads(back, route, src_rows)
 
 
 class _Route(torch.autograd.Function):

@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hcp.comm.boundary import RouteBytes
+from hcp.comm.boundary import RouteBytes, grads_to_send, place_rows, rows_to_send, sum_grads
 from hcp.parallel.routing import RankRoute
 
 TAG_F, TAG_B = 2, 3  # activations and gradients of boundary rows (gloo matches tags, NCCL ignores)
@@ -71,10 +71,6 @@ def warm_up(edge: IslandEdge, device=None) -> None:
     dist.all_reduce(torch.zeros(1, device=device), group=edge.group)
 
 
-def _index(values, device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
-
-
 def _p2p(send: torch.Tensor, send_splits, recv: torch.Tensor, recv_splits, edge: IslandEdge,
          tag: int, counter_add: Callable[[int], None] | None) -> list:
     """P2P ops moving `send`'s blocks to their peers and filling `recv`'s blocks; the block
@@ -103,27 +99,11 @@ def forward_ops(src: torch.Tensor, route: RankRoute, edge: IslandEdge,
     src: [rows, H] this rank's source rows (0 rows on a destination-only rank, same H and
     dtype). Raises ValueError when src is not 2-D or the route indexes rows it does not have.
     """
-    if src.dim() != 2:
-        raise ValueError(f"island forward: src must be [rows, H], got {list(src.shape)}")
-    if route.send_index and max(route.send_index) >= src.shape[0]:
-        raise ValueError(f"island forward: the route sends row {max(route.send_index)} but src "
-                         f"has {src.shape[0]} rows")
-    send = src.detach().index_select(0, _index(route.send_index, src.device))
+    send = rows_to_send(src, route, "island forward")
     recv = src.new_empty(sum(route.recv_splits), src.shape[1])
     add = None if counter is None else (lambda n: setattr(counter, "forward", counter.forward + n))
     ops = _p2p(send, route.send_splits, recv, route.recv_splits, edge, TAG_F, add)
-
-    def finish() -> torch.Tensor:
-        dst = src.new_zeros(route.dst_rows, src.shape[1])
-        return dst.index_copy_(0, _index(route.recv_index, src.device), recv)
-
-    return ops, finish
-
-
-def _mask_index(mask, device) -> torch.Tensor:
-    """The positions where the host mask `mask` is true, as an index on `device` (a
-    boolean index on the device would be a `nonzero`: a device-to-host sync)."""
-    return _index([i for i, m in enumerate(mask) if m], device)
+    return ops, lambda: place_rows(recv, route)
 
 
 def backward_ops(grad_dst: torch.Tensor, route: RankRoute, src_rows: int, edge: IslandEdge,
@@ -132,18 +112,11 @@ def backward_ops(grad_dst: torch.Tensor, route: RankRoute, src_rows: int, edge: 
     source rows [src_rows, H] (the sum of what each destination shard returned; zeros for rows
     sent nowhere). grad_dst: [route.dst_rows, H] (0 rows on a source-only rank, same H and
     dtype)."""
-    device = grad_dst.device
-    received = grad_dst.detach().index_select(0, _index(route.recv_index, device))
-    send = received.index_select(0, _mask_index(route.grad_owner, device))  # no device nonzero
+    send = grads_to_send(grad_dst, route)
     back = grad_dst.new_empty(sum(route.grad_recv_splits), grad_dst.shape[1])
     add = None if counter is None else (lambda n: setattr(counter, "backward", counter.backward + n))
     ops = _p2p(send, route.grad_send_splits, back, route.grad_recv_splits, edge, TAG_B, add)
-
-    def finish() -> torch.Tensor:
-        index = _index(route.send_index, device).index_select(0, _mask_index(route.grad_returns, device))
-        return grad_dst.new_zeros(src_rows, grad_dst.shape[1]).index_add_(0, index, back)
-
-    return ops, finish
+    return ops, lambda: sum_grads(back, route, src_rows)
 
 
 def post(ops: list) -> None:

@@ -94,3 +94,5 @@ class RankPlan:
     """Run the empty micro-batches too (`StepPlan.keep_empty`)."""
     overlap_grad_sync: bool = True
     """The gradient reduction may start in the last backward (`StepPlan.overlap_grad_sync`)."""
+    actions: list = field(default_factory=list)
+    """Its action list of the step (`hcp.plan.actions.rank_actions`), run by the one executor."""

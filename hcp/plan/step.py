@@ -6,7 +6,8 @@ group, no rank asks another what to expect). `StepPlan.rank(r)` is rank r's part
 (`hcp.plan.rank_plan.RankPlan`): the samples it encodes per encoder-side module, the LLM
 micro-batches it runs (packed samples, `cu_seqlens`, `max_seqlen`, CP group and shard, the
 offsets of its image rows), the routing of every edge into the LLM
-(`hcp.parallel.routing.RankRoute`) and the global counts.
+(`hcp.parallel.routing.RankRoute`), the global counts and its action list of the step
+(`hcp.plan.actions`: what the one executor runs).
 
 The pieces: the packing policy (`hcp.plan.policies`: `first_fit`, or `dynamic_cp` once
 registered) decides the LLM's micro-batches over its CP pool; every edge into the LLM is then
@@ -45,6 +46,7 @@ from hcp.dcp.policy import several_per_round
 from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
 from hcp.parallel.routing import RowTable
+from hcp.plan.actions import rank_actions
 from hcp.plan.island_routes import island_head, route_from_island, same_span
 from hcp.plan.lengths import SampleSizes
 from hcp.plan.policies import Policy, first_fit_policy, policy, register_policy
@@ -104,6 +106,8 @@ class StepPlan:
     a rank's last backward may be a micro-batch of a CP group over the whole pool (the same
     communicator) that other ranks run before more micro-batches; a reduction launched inside
     it would cross that group's CP collectives (gloo fails, NCCL would hang)."""
+    edges: tuple = ()
+    """The module graph's edges `(src, dst)` (each rank's action list follows them)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -182,8 +186,10 @@ class StepPlan:
         routes = {e: t.route(rank) for e, t in self.tables.items()}
         island = {e: tuple(t.route(self.island_ranks[e].index(rank)) for t in ts)
                   for e, ts in self.island_tables.items() if rank in self.island_ranks[e]}
+        runs = sum(1 for mb in mbs if self.keep_empty or not mb.empty)
+        actions = rank_actions(self, rank, runs)
         return RankPlan(rank, enc, mbs, routes, self.counts, self.checksum() if checksum else 0,
-                        enc_mbs, island, inputs, rows_out, self.keep_empty, self.overlap_grad_sync)
+                        enc_mbs, island, inputs, rows_out, self.keep_empty, self.overlap_grad_sync, actions)
 
     def _encoder_micro_batches(self, lane_samples) -> tuple[tuple[int, ...], ...]:
         """A lane's samples per LLM micro-batch, in consumption order."""
@@ -310,4 +316,5 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
                     local_tokens, image_row_offsets, grids, island_tables, island_ranks, consume,
                     mb_of_group[s_group], offsets, module_sizes=module_sizes,
                     keep_empty=bool(island_tables or llm.dp_shard or (dynamic and llm.pp > 1)),
-                    overlap_grad_sync=not (dynamic and several_per_round(llm)))
+                    overlap_grad_sync=not (dynamic and several_per_round(llm)),
+                    edges=tuple(tuple(e) for e in edges))

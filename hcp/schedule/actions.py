@@ -5,7 +5,11 @@ An action list is what one stage does in one step, in order:
 - `Exchange(ops)`: point-to-point ops posted together (one `dist.batch_isend_irecv`) and waited
   together. Each op is `P2P(kind, i, peer)` with kind `SEND_F` / `RECV_F` (activation of
   micro-batch i, to / from stage `peer`) or `SEND_B` / `RECV_B` (its gradient);
-- `SyncGrads()`: the gradient reduction may start from here (`with_grad_sync`).
+- `SyncGrads()`: the gradient reduction may start from here (`with_grad_sync`);
+- the colocated three-phase step's own actions (`colocated`): `EncoderCompute("F" | "B")`, the
+  encoder side's forward / backward over all of this rank's encoder inputs of the step, and
+  `Route("F" | "B", stream)`, a collective over the route group moving one stream's rows to the
+  LLM's CP shards / their gradients back (`hcp.schedule.colocated`).
 
 NCCL runs the point-to-point operations between two ranks in issue order on one stream, and a
 send larger than its buffers completes only once the peer has posted the matching receive. A
@@ -14,8 +18,10 @@ schedule is safe when each step's sends and the receives they can wait on are po
 batch (`hcp.schedule.rendezvous` checks a set of action lists under exactly that rule).
 
 The builders here are pure (no process group): the one executor (`hcp.schedule.executor`) runs
-any list and the simulator (`hcp.schedule.simulator`) replays the same order, so other schedules (the colocated three-phase schedule, the graph-aware 1F1B across
-islands) are new builders, not new loops. Names follow torch.distributed.pipelining's
+any list and the simulators (`hcp.schedule.simulator`, `hcp.schedule.graph_timing`) replay the
+same lists, so other schedules (the colocated three-phase step, the graph-aware 1F1B across
+islands) are new builders, not new loops; the step plan (`hcp.plan.step.RankPlan.actions`) emits
+each rank's list. Names follow torch.distributed.pipelining's
 `_ComputationType` (FORWARD, BACKWARD, SEND_F, RECV_F, SEND_B, RECV_B).
 """
 from __future__ import annotations
@@ -68,7 +74,32 @@ class SyncGrads:
     (`hcp.schedule.executor.Executor`)."""
 
 
-Action = Union[Compute, Exchange, SyncGrads]
+@dataclass(frozen=True)
+class EncoderCompute:
+    """Forward ("F") or backward ("B") of this rank's whole encoder side over all of its
+    encoder inputs of the step (colocated: one batch per step, not one per micro-batch)."""
+
+    kind: str
+
+    def __post_init__(self):
+        if self.kind not in ("F", "B"):
+            raise ValueError(f"EncoderCompute kind {self.kind!r}: use 'F' or 'B'")
+
+
+@dataclass(frozen=True)
+class Route:
+    """A collective over the route group: stream `stream`'s rows ("F", encoder -> LLM CP
+    shards) or their gradients ("B", back). Every rank of the group runs it, 0 rows or not."""
+
+    kind: str
+    stream: str
+
+    def __post_init__(self):
+        if self.kind not in ("F", "B"):
+            raise ValueError(f"Route kind {self.kind!r}: use 'F' or 'B'")
+
+
+Action = Union[Compute, Exchange, SyncGrads, EncoderCompute, Route]
 
 
 def with_grad_sync(actions: list[Action]) -> list[Action]:
@@ -76,6 +107,15 @@ def with_grad_sync(actions: list[Action]) -> list[Action]:
     gradients overlaps it; unchanged when the list has no backward."""
     last = max((k for k, a in enumerate(actions) if isinstance(a, Compute) and a.kind == "B"), default=None)
     return list(actions) if last is None else [*actions[:last], SyncGrads(), *actions[last:]]
+
+
+def colocated(llm: list[Action], streams) -> list[Action]:
+    """The colocated three-phase step around the LLM's list `llm` (`hcp.schedule.colocated`):
+    the encoder forward, each stream's forward route (in `streams` order), the LLM's actions,
+    each stream's backward route, the encoder backward."""
+    streams = tuple(streams)
+    return [EncoderCompute("F"), *(Route("F", s) for s in streams), *llm,
+            *(Route("B", s) for s in streams), EncoderCompute("B")]
 
 
 def compute_order(actions: list[Action]) -> list[tuple[str, int]]:

@@ -10,6 +10,9 @@ under the encoder's own TP/DP layout) and its part of the LLM (TP x CP x PP). On
    its image rows from the leaf by the plan's row ranges), which accumulates the leaf's gradient;
 3. the backward route of the leaf's gradient (`route_backward`), then the encoder backward.
 
+The step is an action list (`hcp.schedule.actions.colocated`, emitted by the step plan as
+`RankPlan.actions`) run by the one executor: `EncoderCompute` and `Route` actions around the
+LLM's 1F1B actions; `ColocatedStep.phases` gives the handlers of the former for one step.
 Both routes are collectives over the route's group: every rank runs all three phases in the same
 order (ranks without encoder images or without received rows move 0-row tensors), so NCCL sees
 the same sequence of collectives everywhere. Cutting the step at the leaf keeps the encoder out
@@ -41,7 +44,10 @@ from torch import nn
 
 from hcp.comm.boundary import RouteBytes, route_backward, route_forward
 from hcp.config.precision import Precision
+from hcp.model.encoder_side import EncoderSide
 from hcp.parallel.routing import RankRoute
+from hcp.schedule import actions as A
+from hcp.schedule.executor import Executor
 
 
 @dataclass
@@ -69,12 +75,12 @@ class PhaseTimes:
 
 @dataclass
 class ColocatedStep:
-    """Runs one step's three phases on this rank.
+    """The encoder side's part of the colocated step on this rank.
 
     Args:
         encoder: this rank's encoder side (`hcp.model.llava.LlavaEncoder`: pixel_values
-            [I, C, H, W] -> rows [I * P, H], for `run`; or an `EncoderSide`, for `run_streams`;
-            its outputs' backward all-reduces over each encoder's TP group).
+            [I, C, H, W] -> rows [I * P, H], one stream `projector`; or an `EncoderSide`; its
+            outputs' backward all-reduces over each encoder's TP group).
         group: the route's process group (colocated: the world, or the ranks both modules span).
         recompute: encoder recompute (module docstring).
         counter: accumulates the bytes both routes send from this rank.
@@ -91,74 +97,38 @@ class ColocatedStep:
     def __post_init__(self):
         self.precision = Precision.of(self.precision)
 
+    def phases(self, inputs, routes: dict, attach: Callable[[dict], None]) -> "Phases":
+        """The handlers of one step's `EncoderCompute` and `Route` actions.
+
+        inputs: this rank's encoder samples' inputs in order ([I, C, H, W] for a `LlavaEncoder`,
+        {encoder: [I_e, C, H, W]} for an `EncoderSide`; I may be 0); routes: {projector: this
+        rank's `RankRoute` of its edge into the LLM}; attach(leaves): called once every stream's
+        forward route ran, with {projector: leaf [route.dst_rows, H]} (0 rows on ranks that
+        receive none) from which the LLM's micro-batches read their rows."""
+        if isinstance(self.encoder, EncoderSide):
+            side = self.encoder
+            forward, per_encoder = (lambda: side(inputs)), tuple(side.streams_of(e) for e in side.encoder_names)
+        else:
+            forward, per_encoder = (lambda: {"projector": self.encoder(inputs)}), (("projector",),)
+        return Phases(self, self._compute(forward), routes, attach, per_encoder)
+
     def run(self, pixel_values: torch.Tensor, route: RankRoute,
             llm_phase: Callable[[torch.Tensor], Any]) -> tuple[Any, PhaseTimes]:
-        """One step of one encoder side with one stream (`LlavaEncoder`): returns (what
-        `llm_phase(leaf)` returned, this rank's `PhaseTimes`).
-
-        pixel_values: this rank's encoder samples' images in order [I, C, H, W] (I may be 0);
-        route: this rank's `RankRoute` of the image edge for the step; llm_phase: runs the
-        LLM's micro-batches (forward and backward) reading image rows from `leaf`
-        [route.dst_rows, H] (0 rows on ranks that receive none). The encoder's parameter
-        gradients are accumulated into `.grad` as usual; nothing is reduced over DP here.
-        """
-        return self._run(lambda: {"projector": self.encoder(pixel_values)}, {"projector": route},
-                         lambda leaves: llm_phase(leaves["projector"]), (("projector",),))
+        """One step of a `LlavaEncoder` whose LLM phase is the callable `llm_phase(leaf)`
+        (benchmarks, tests): returns (what it returned, this rank's `PhaseTimes`)."""
+        return self._run(pixel_values, {"projector": route}, lambda leaves: llm_phase(leaves["projector"]))
 
     def run_streams(self, inputs: dict, routes: dict, llm_phase: Callable[[dict], Any]) -> tuple[Any, PhaseTimes]:
-        """One step of several encoders and streams (`hcp.model.encoder_side.EncoderSide`):
-        every encoder forward (phase 1), then each stream's forward route in stream order; the
-        LLM phase reads {projector: leaf [route.dst_rows, H]}; then each stream's backward
-        route in stream order and each encoder's backward (phase 3), encoder by encoder in
-        graph order (a branch's tower gets the sum of its projectors' gradients in one pass).
-        Every rank runs the same routes in the same order (NCCL sees one sequence).
+        """As `run`, for an `EncoderSide`: routes {projector: `RankRoute`} (KeyError when a
+        stream has none), `llm_phase({projector: leaf})`."""
+        routes = {s.projector: routes[s.projector] for s in self.encoder.streams}
+        return self._run(inputs, routes, llm_phase)
 
-        inputs: {encoder: this rank's encoder samples' inputs [I_e, C, H, W]}; routes:
-        {projector: this rank's `RankRoute` of its edge into the LLM}, one per stream.
-        Raises KeyError when a stream has no route."""
-        side = self.encoder
-        per_encoder = tuple(side.streams_of(e) for e in side.encoder_names)
-        return self._run(lambda: side(inputs), {s.projector: routes[s.projector] for s in side.streams},
-                         llm_phase, per_encoder)
-
-    def _run(self, forward, routes: dict, llm_phase, per_encoder) -> tuple[Any, PhaseTimes]:
-        """The three phases; `forward()` -> {projector: rows}, `per_encoder`: the projectors of
-        each encoder (one backward each)."""
-        times = PhaseTimes()
-        wall0 = time.perf_counter()
-        forward = self._compute(forward)
-        tick = time.thread_time()
-
-        def lap(name: str) -> None:
-            nonlocal tick
-            now = time.thread_time()
-            setattr(times, name, getattr(times, name) + now - tick)
-            tick = now
-
-        no_grad = torch.no_grad() if self.recompute else contextlib.nullcontext()
-        with no_grad:
-            outs = forward()                                              # {p: [rows_p, H]}
-        lap("encoder_forward")
-        leaves = {s: route_forward(outs[s].detach(), r, self.group, self.counter).requires_grad_()
-                  for s, r in routes.items()}
-        lap("route_forward")
-
-        result = llm_phase(leaves)
-        lap("llm")
-
-        grads = {s: route_backward(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),
-                                   routes[s], outs[s].shape[0], self.group, self.counter)
-                 for s, leaf in leaves.items()}
-        lap("route_backward")
-        if self.recompute and any(w.requires_grad for w in self.encoder.parameters()):
-            outs = forward()  # a frozen encoder needs no recompute
-        for projectors in per_encoder:
-            pairs = [(outs[s], grads[s]) for s in projectors if outs[s].requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        lap("encoder_backward")
-        times.wall = time.perf_counter() - wall0
-        return result, times
+    def _run(self, inputs, routes: dict, llm_phase) -> tuple[Any, PhaseTimes]:
+        result = []
+        phases = self.phases(inputs, routes, lambda leaves: result.append(llm_phase(leaves)))
+        Executor(None, {}, handlers=phases.handlers).run(A.colocated([], routes))
+        return result[0], phases.times
 
     def _compute(self, forward):
         """`forward` under the precision policy: autocast, rows out in the compute dtype."""
@@ -168,3 +138,56 @@ class ColocatedStep:
             with p.autocast(self.device_type):
                 return {s: p.to_wire(rows) for s, rows in forward().items()}
         return run
+
+
+class Phases:
+    """One step's encoder and route actions on this rank (`ColocatedStep.phases`):
+    `handlers` for the executor, `times` (`PhaseTimes`; what runs between them is the LLM's)."""
+
+    def __init__(self, step: ColocatedStep, forward, routes: dict, attach, per_encoder):
+        self.step, self.forward, self.routes, self.attach = step, forward, routes, attach
+        self.per_encoder = per_encoder
+        self.outs: dict = {}    # projector -> encoder rows [rows_p, H]
+        self.leaves: dict = {}  # projector -> received rows, a leaf that requires grad
+        self.grads: dict = {}   # projector -> gradient of its rows, routed back
+        self.times = PhaseTimes()
+        self.handlers = {A.EncoderCompute: self.encoder, A.Route: self.route}
+        self.tick, self.wall0 = time.thread_time(), time.perf_counter()
+
+    def _lap(self, name: str) -> None:
+        now = time.thread_time()
+        setattr(self.times, name, getattr(self.times, name) + now - self.tick)
+        self.tick = now
+
+    def encoder(self, action: A.EncoderCompute) -> None:
+        step = self.step
+        if action.kind == "F":
+            self.tick, self.wall0 = time.thread_time(), time.perf_counter()
+            with torch.no_grad() if step.recompute else contextlib.nullcontext():
+                self.outs = self.forward()
+            self._lap("encoder_forward")
+            return
+        self._lap("llm")
+        if step.recompute and any(w.requires_grad for w in step.encoder.parameters()):
+            self.outs = self.forward()  # a frozen encoder needs no recompute
+        for projectors in self.per_encoder:
+            pairs = [(self.outs[s], self.grads[s]) for s in projectors if self.outs[s].requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        self._lap("encoder_backward")
+        self.times.wall = time.perf_counter() - self.wall0
+
+    def route(self, action: A.Route) -> None:
+        step, s = self.step, action.stream
+        self._lap("llm")
+        if action.kind == "F":
+            self.leaves[s] = route_forward(self.outs[s].detach(), self.routes[s], step.group,
+                                           step.counter).requires_grad_()
+            self._lap("route_forward")
+            if len(self.leaves) == len(self.routes):
+                self.attach(self.leaves)
+            return
+        leaf = self.leaves[s]
+        self.grads[s] = route_backward(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),
+                                       self.routes[s], self.outs[s].shape[0], step.group, step.counter)
+        self._lap("route_backward")

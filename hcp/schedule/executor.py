@@ -15,6 +15,9 @@ Gradients accumulate in the parameters' `.grad` (synchronous semantics: the same
 micro-batches one after another). `SyncGrads` in the list (`hcp.schedule.actions.with_grad_sync`)
 says when the gradient reduction may start: `grad_sync(False)` before the list runs,
 `grad_sync(True)` at the marker (before the last backward when it overlaps).
+
+The colocated step's own actions (`EncoderCompute`, `Route`: `hcp.schedule.colocated`) run by
+`handlers`, {action type: handler(action)}; an `EncoderCompute` is timed as busy compute.
 """
 from __future__ import annotations
 
@@ -86,12 +89,16 @@ class Executor:
             `set_requires_gradient_sync`), driven by the list's `SyncGrads`; or None;
         clock: the `BusyClock` timing forward and backward (default: host clock on the CPU);
         post: posts one `Exchange`'s ops together and waits for them (`hcp.comm.island.post`:
-            `P2POp`s in one `batch_isend_irecv`; a pipeline's `StageLink.exchange`).
+            `P2POp`s in one `batch_isend_irecv`; a pipeline's `StageLink.exchange`);
+        handlers: {action type: handler(action)} of the actions outside the pipeline (module
+            docstring); a list naming such an action without its handler raises KeyError.
     """
 
     def __init__(self, forward: Callable, links: dict, grad_sync: Optional[Callable[[bool], None]] = None,
-                 clock: Optional[BusyClock] = None, post: Callable[[list], None] = post):
+                 clock: Optional[BusyClock] = None, post: Callable[[list], None] = post,
+                 handlers: Optional[dict] = None):
         self.forward, self.links, self.grad_sync, self.post = forward, links, grad_sync, post
+        self.handlers = handlers or {}
         self.clock = clock if clock is not None else BusyClock("cpu")
         self.times = StageTimes()
         self.inputs: dict = {}       # micro -> {peer: received activation}
@@ -113,6 +120,10 @@ class Executor:
             elif isinstance(action, A.SyncGrads):
                 if self.grad_sync is not None:
                     self.grad_sync(True)
+            elif isinstance(action, A.EncoderCompute):
+                self.clock.span(self.handlers[A.EncoderCompute], action)
+            elif not isinstance(action, A.Compute):
+                self.handlers[type(action)](action)
             elif action.kind == "F":
                 i = action.micro
                 x = self.inputs.get(i, {}) if train else self.inputs.pop(i, {})

@@ -7,7 +7,10 @@ when every op in it is matched, at the latest posting time among it and its matc
 batches (transfers take no time: fold them into the durations). So a stage also waits where its
 batching makes it wait (e.g. a 1F1B steady step holds the next forward until the gradient it
 batched with arrived), which a dependency-only model (`hcp.schedule.simulator`) does not see;
-for a plain pipeline the two agree.
+for a plain pipeline the two agree. The colocated step's lists (`actions.colocated`) replay
+too: an `EncoderCompute` takes `encoder[s][0]` (forward) or `[1]` (backward) seconds and counts
+as busy; a `Route` is a collective of every list (`rendezvous.Collectives`), finishing when the
+last stage reaches it. starts / ends list the micro-batch computes only.
 
 Per island, the bubble of a stage is `1 - busy / iteration time`: the share of the step that
 stage sits idle (the regime benchmark reports it per island; docs/design.md 4.4).
@@ -17,8 +20,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from hcp.schedule.actions import Compute, SyncGrads
-from hcp.schedule.rendezvous import drive
+from hcp.schedule.actions import Compute, EncoderCompute, Route, SyncGrads
+from hcp.schedule.rendezvous import Collectives, drive
 
 
 @dataclass(frozen=True)
@@ -37,9 +40,10 @@ class ActionTimeline:
         return 0.0 if t <= 0 else 1.0 - self.busy[stage] / t
 
 
-def time_actions(programs: list[list], fwd, bwd) -> ActionTimeline:
+def time_actions(programs: list[list], fwd, bwd, encoder=None) -> ActionTimeline:
     """Replay `programs[s]` (stage s's action list) with `fwd[s][i]` / `bwd[s][i]` seconds for
-    the forward / backward of micro-batch i on stage s (finite, >= 0).
+    the forward / backward of micro-batch i on stage s (finite, >= 0), and `encoder[s]` =
+    (forward, backward) seconds of stage s's `EncoderCompute`s (default 0).
 
     Raises:
         ScheduleDeadlock: the lists cannot finish (check them with `run_rendezvous`, which
@@ -61,11 +65,21 @@ def time_actions(programs: list[list], fwd, bwd) -> ActionTimeline:
     starts: list[list[float]] = [[] for _ in range(n)]
     ends: list[list[float]] = [[] for _ in range(n)]
     busy = [0.0] * n
+    collectives = Collectives(n)
 
     def step(s) -> bool:
         action = programs[s][pc[s]]
         if isinstance(action, SyncGrads):
             pass
+        elif isinstance(action, EncoderCompute):
+            d = 0.0 if encoder is None else float(encoder[s][action.kind == "B"])
+            clock[s] += d
+            busy[s] += d
+        elif isinstance(action, Route):
+            done = collectives.reach(s, action, clock[s])
+            if done is None:
+                return False
+            clock[s] = done
         elif isinstance(action, Compute):
             d = float((fwd if action.kind == "F" else bwd)[s][action.micro])
             starts[s].append(clock[s])

@@ -26,13 +26,14 @@ from hcp.schedule.executor import BusyClock, Executor, StageTimes
 from hcp.schedule.links import PipeLink
 
 
-def _executor(forward: Callable, link: StageLink, act_spec: Callable, grad_sync=None) -> Executor:
+def _executor(forward: Callable, link: StageLink, act_spec: Callable, grad_sync=None,
+              handlers=None) -> Executor:
     """The executor of stage `link.stage`, with a `PipeLink` to each neighbouring stage."""
     prev = link.stage - 1
     links = {peer: PipeLink(peer, act_spec, device=link.device, stage_link=link)
              for peer in (prev, link.stage + 1) if 0 <= peer < len(link.ranks)}
     return Executor(lambda i, x: forward(i, x.get(prev)), links, grad_sync, BusyClock(link.device),
-                    link.exchange)
+                    link.exchange, handlers)
 
 
 def one_f_one_b(forward: Callable, link: StageLink, num_micro: int, act_spec: Callable,
@@ -44,7 +45,15 @@ def one_f_one_b(forward: Callable, link: StageLink, num_micro: int, act_spec: Ca
     actions = A.one_f_one_b(link.stage, len(link.ranks), num_micro)
     if grad_sync is not None:
         actions = A.with_grad_sync(actions)
-    return _executor(forward, link, act_spec, grad_sync).run(actions)
+    return run(forward, link, actions, act_spec, grad_sync)
+
+
+def run(forward: Callable, link: StageLink, actions: list, act_spec: Callable,
+        grad_sync: Optional[Callable[[bool], None]] = None, handlers: Optional[dict] = None) -> StageTimes:
+    """Run this stage's action list `actions` (e.g. the step plan's `RankPlan.actions`: 1F1B,
+    or the colocated step around it with `handlers` for its encoder and route actions,
+    `hcp.schedule.colocated`). Returns this stage's timings."""
+    return _executor(forward, link, act_spec, grad_sync, handlers).run(actions)
 
 
 @torch.no_grad()

@@ -11,6 +11,10 @@ The model, conservative for NCCL with messages larger than its buffers:
 - between a pair of stages, the k-th send from a to b matches the k-th receive posted by b from
   a, whatever the tags (NCCL ignores them); a match of different messages (kind or micro-batch)
   is an error, since NCCL would silently deliver the wrong tensor.
+A `Route` (the colocated step's route, a collective over every rank) is one collective of all
+the lists: the k-th `Route` of each list finishes once every list has reached its k-th, which
+must be the same route (else ValueError: NCCL would pair different collectives). An
+`EncoderCompute` finishes at once.
 Data dependencies are checked too: a forward after its activation's receive, a send after the
 compute that produces its tensor, a backward after its forward and its gradient's receive.
 """
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from hcp.schedule.actions import Compute, Exchange, SyncGrads
+from hcp.schedule.actions import Compute, EncoderCompute, Exchange, Route, SyncGrads
 
 _PAIR = {"SEND_F": "RECV_F", "SEND_B": "RECV_B"}
 _PRODUCER = {"SEND_F": "F", "SEND_B": "B"}
@@ -26,6 +30,29 @@ _PRODUCER = {"SEND_F": "F", "SEND_B": "B"}
 
 class ScheduleDeadlock(RuntimeError):
     """Some stages wait forever; the message names each stuck stage and its pending action."""
+
+
+class Collectives:
+    """The `Route`s of `n` lists as collectives: the k-th `Route` of every list is one."""
+
+    def __init__(self, n: int):
+        self.n, self.count = n, [0] * n
+        self.arrived: dict = defaultdict(dict)  # k -> {stage: (action, its clock)}
+
+    def reach(self, s: int, action, clock: float = 0.0) -> float | None:
+        """Stage `s` is at `action` (its next collective) at `clock`: the time every stage is
+        there (the collective finishes), or None while some stage is not. Raises ValueError
+        when the stages reach different collectives."""
+        here = self.arrived[self.count[s]]
+        here.setdefault(s, (action, clock))
+        if len(here) < self.n:
+            return None
+        kinds = {a for a, _ in here.values()}
+        if len(kinds) > 1:
+            raise ValueError(f"collective {self.count[s]}: the stages run different ones "
+                             f"({sorted(map(str, kinds))})")
+        self.count[s] += 1
+        return max(t for _, t in here.values())
 
 
 def run_rendezvous(programs: list[list]) -> list[tuple[int, object]]:
@@ -49,6 +76,7 @@ def run_rendezvous(programs: list[list]) -> list[tuple[int, object]]:
     receives = [{(op.kind, op.micro) for a in prog if isinstance(a, Exchange) for op in a.ops
                  if not op.is_send} for prog in programs]
     log: list = []
+    collectives = Collectives(n)
 
     def fail(s, action, why):
         raise ValueError(f"stage {s}, {action}: {why}")
@@ -75,8 +103,11 @@ def run_rendezvous(programs: list[list]) -> list[tuple[int, object]]:
 
     def step(s) -> bool:
         action = programs[s][pc[s]]
-        if isinstance(action, SyncGrads):
+        if isinstance(action, (SyncGrads, EncoderCompute)):
             pass
+        elif isinstance(action, Route):
+            if collectives.reach(s, action) is None:
+                return False
         elif isinstance(action, Compute):
             need = {("F", action.micro)} if action.kind == "B" else set()
             need |= {("RECV_" + action.kind, action.micro)} & receives[s]

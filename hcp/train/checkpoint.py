@@ -349,3 +349,25 @@ def load(path: str, model, optimizer, tp_group=None) -> dict:
 def derived_seed(seed: int, step: int, rank: int) -> int:
     """A rank's RNG seed after a resume under another layout (stable across processes)."""
     return zlib.crc32(f"{seed}:{step}:{rank}".encode())
+
+
+def resume(cfg, modules, optimizer, scheduler, sampler, tp_groups) -> tuple[int, str | None]:
+    """Start of a run as `cfg.resume` / `cfg.init_from_checkpoint` say: load the latest (or
+    the named) checkpoint into `modules`, `optimizer`, `scheduler` and `sampler`, or only the
+    weights of `init_from_checkpoint` (a new stage). Returns (the step to start at, a note for
+    the log or None). Every rank calls it (a collective load)."""
+    path = latest(cfg.checkpoint.dir) if cfg.resume == "auto" else cfg.resume
+    if path is None and cfg.init_from_checkpoint:  # a new stage: weights only
+        loaded = load_weights(cfg.init_from_checkpoint, modules, tp_groups)
+        return 0, f"init_from_checkpoint: {loaded}; optimizer, schedule and data start fresh at step 0"
+    if not cfg.resume:
+        return 0, None
+    if path is None:  # resume=auto with no checkpoint yet: a fresh start, said so
+        return 0, f"resume=auto: no checkpoint in checkpoint.dir={cfg.checkpoint.dir}; starting at step 0"
+    state = load(path, modules, optimizer, tp_groups)
+    scheduler.load_state_dict(state["scheduler"])
+    sampler.load_state_dict(state["sampler"])
+    note = state["note"]
+    if scheduler.change_note:  # a changed trainer.max_steps / optim.lr: said, and followed
+        note += "\n" + scheduler.change_note
+    return state["step"], note

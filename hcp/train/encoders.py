@@ -14,6 +14,7 @@ import torch
 
 from hcp.config.modules import encoder_names, module_cfg, rows_per_item, streams
 from hcp.model.encoder_side import EncoderSide
+from hcp.model.llava import LlavaEncoder
 from hcp.model.init import meta_build
 from hcp.plan.lengths import build_length_index, stream_indexes
 from hcp.train.modules import encoder_sq_norm, module_sq_norm, sync_grads, whole_state
@@ -23,6 +24,22 @@ def several_streams(cfg) -> bool:
     """Whether the graph is more than vision -> projector -> llm: named encoders or projectors
     (a join, a branch)."""
     return cfg.get("vision") is not None and (len(encoder_names(cfg)) > 1 or len(streams(cfg.graph.edges)) > 1)
+
+
+def build_encoder(cfg, groups, layouts):
+    """The colocated encoder side on the meta device (`hcp.model.init.materialize` makes this
+    rank's shards): a `LlavaEncoder` (vision + projector on vision's TP / CP groups) for the
+    default graph, an `EncoderSide` for named encoders or streams, None for a text-only LM."""
+    if cfg.vision is None or several_streams(cfg):
+        return build_encoder_side(cfg, groups, layouts) if cfg.vision else None
+    tp = groups.group("vision", "tp") if layouts["vision"].tp > 1 else None
+    cp = groups.group("vision", "cp") if layouts["vision"].cp > 1 else None
+    with meta_build():
+        encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp, cp_group=cp)
+    for name in ("vision", "projector"):
+        if cfg[name].freeze:
+            encoder.get_submodule(name).requires_grad_(False)
+    return encoder
 
 
 def build_encoder_side(cfg, groups, layouts) -> EncoderSide:
@@ -79,11 +96,16 @@ def attach_rows(batches, leaf) -> None:
             batch.image_rows = leaf[mb.image_rows[0]:mb.image_rows[1]]
 
 
-def run_colocated(step, encoder, inputs, mine, llm_phase):
-    """`ColocatedStep.run` (one stream) or `run_streams` (an `EncoderSide`) with the plan's routes."""
-    if isinstance(encoder, EncoderSide):
-        return step.run_streams(inputs, {s: r for (s, d), r in mine.routes.items() if d == "llm"}, llm_phase)
-    return step.run(inputs, mine.routes[next(e for e in mine.routes if e[1] == "llm")], llm_phase)
+def colocated_phases(step, encoder, inputs, mine, batches):
+    """`ColocatedStep.phases` of this rank's step (`mine`: its `RankPlan`): the plan's routes
+    into the LLM; the routed rows go to its first-stage micro-batches `batches` ((plan, batch)
+    pairs, or None) by `attach_rows`."""
+    several = isinstance(encoder, EncoderSide)
+
+    def attach(leaves):
+        if batches is not None:
+            attach_rows(batches, leaves if several else leaves["projector"])
+    return step.phases(inputs, {s: r for (s, d), r in mine.routes.items() if d == "llm"}, attach)
 
 
 def _members(side: EncoderSide, encoder: str):

@@ -13,8 +13,8 @@ on until the last prompt of every lane is done (one all-reduce of the active cou
 
 Under `packing=dynamic_cp` evaluation keeps the static layout: lanes of `llm.layout.dp`, the
 model's own CP group of `llm.layout.cp` (evaluation batches carry no per-micro-batch
-`cp_group`), packed first-fit per lane with the trainer's raised capacity (`Trainer.
-_eval_capacity`: a sample that training spreads over a larger CP group runs whole on its lane,
+`cp_group`), packed first-fit per lane with the trainer's raised capacity
+(`eval_capacity`: a sample that training spreads over a larger CP group runs whole on its lane,
 forward only). So the collectives are those of `first_fit` (lock-step as above, no hang) and
 the held-out loss equals first_fit's for the same weights (tests/test_dcp_train.py).
 """
@@ -43,6 +43,16 @@ def answer_tokens(sample, eos_id: int) -> int:
 
 
 @torch.no_grad()
+def eval_capacity(cfg, llm_layout, dynamic_cp: bool) -> int:
+    """Tokens per evaluation micro-batch: training's, trainer.micro_batch_tokens per rank
+    times the LLM's CP size. Evaluation keeps the static layout; under dynamic CP a sample
+    that training spreads over a larger CP group is evaluated whole on its DP lane, forward
+    only (no activations kept for a backward pass), so the capacity is raised to
+    data.max_seq_len there."""
+    cap = cfg.trainer.micro_batch_tokens * llm_layout.cp
+    return max(cap, cfg.data.max_seq_len) if dynamic_cp else cap
+
+
 def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, loss_group=None,
              lane_group=None, max_new_tokens: int | None = None) -> dict:
     """Evaluate this rank's lane's share `indices` of the held-out set with `run` (see the

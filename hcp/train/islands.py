@@ -82,10 +82,9 @@ from hcp.model.stage import StageSpec
 from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
 from hcp.parallel.roles import logging_rank
+from hcp.plan.actions import island_heads, island_stage_graph
 from hcp.plan.step import island_head
-from hcp.schedule.actions import with_grad_sync
 from hcp.schedule.executor import BusyClock, Executor
-from hcp.schedule.graph import graph_one_f_one_b, stage_graph
 from hcp.schedule.links import PipeLink, RouteLink, StreamsLink
 from hcp.train.island_eval import whole_island_encoders
 from hcp.train.modules import clip_, local_grad_sq, module_sq_norm, sync_grads
@@ -141,7 +140,7 @@ class Islands:
         self.cfg, self.layouts, self.groups, self.rank = cfg, layouts, groups, rank
         self.device, self.precision = device, precision
         self.edges = tuple(tuple(e) for e in cfg.graph.edges)
-        self.heads = tuple(dict.fromkeys(island_head(layouts, self.edges, m) for m in layouts if m != "llm"))
+        self.heads = island_heads(layouts, self.edges)
         self.head = next((h for h in self.heads if Grid.of(layouts[h]).contains(rank)), "llm")
         lay = layouts[self.head]
         self.stage = StageSpec.of(lay.pp_layers, Grid.of(lay).coords(rank)["pp"])
@@ -209,11 +208,8 @@ class Islands:
 
     # ---- the step -------------------------------------------------------------------------
     def _stage_graph(self):
-        """The stage graph of the islands: every island head's stages, then the LLM's."""
-        depths = {m: self.layouts[m].pp for m in (*self.heads, "llm")}
-        heads = [(island_head(self.layouts, self.edges, a), island_head(self.layouts, self.edges, b))
-                 for a, b in self.edges]
-        return stage_graph(depths, list(dict.fromkeys(e for e in heads if e[0] != e[1])))
+        """The stage graph of the islands (`hcp.plan.actions.island_stage_graph`)."""
+        return island_stage_graph(self.layouts, self.edges)
 
     def _route_links(self, mine, graph, encoder_rank: bool) -> dict:
         """{peer global stage: StreamsLink} of every island edge this rank is on (one link per
@@ -305,9 +301,8 @@ class Islands:
         grad_sync = reducer.sync_in_backward if reducer and mine.overlap_grad_sync else None
         if self.sharded:  # FSDP: one reduce-scatter per step, in the last backward
             grad_sync = (encoder if encoder is not None else runner.model).set_requires_gradient_sync
-        actions = graph_one_f_one_b(graph, n_micro)[g]
         executor = Executor(forward, links, grad_sync, BusyClock(self.device, time.thread_time))
-        times = executor.run(with_grad_sync(actions) if grad_sync else actions)
+        times = executor.run(mine.actions)  # the plan's: graph 1F1B, SyncGrads where it overlaps
         grad_sq = self._sync(mine, encoder, runner, record_grad_sq)
         if encoder is None and stage.last:
             dist.all_reduce(loss_total, group=self.groups.group("llm", "dp_cp"))

@@ -2,8 +2,10 @@
 
 The order (launchers/README.md):
 1. the signal handler only sets a flag (no I/O, no collective: it may run inside one);
-2. at the next step boundary every rank takes part in one all-reduce (MAX) of its flag, so all
-   ranks agree to stop at the same step (`Preemption.should_stop`);
+2. at the next step boundary every rank's flag rides in the step's one metrics collective
+   (`hcp.train.throughput.step_metrics`), and every rank takes the largest (`Preemption.agree`),
+   so all ranks agree to stop at the same step with no collective or host read of its own (a
+   signal that arrives after a rank's flag left is gathered at the next step);
 3. they save a checkpoint together (`Trainer.save`, a collective) and
 4. rank 0 requeues the job (`scontrol requeue $SLURM_JOB_ID`), then every rank exits with
    SystemExit: the requeued job resumes with `resume=auto` at the same step from the same
@@ -43,6 +45,7 @@ class Preemption:
     def __init__(self, slurm_cfg, device: torch.device, env=os.environ):
         self.cfg, self.device, self.env = slurm_cfg, device, env
         self.received: int = 0
+        self.stopping = False  # every rank agreed to stop (`agree`)
         names = [slurm_cfg.signal, "USR2"] + (["TERM"] if "SLURM_JOB_ID" in env else [])
         for name in dict.fromkeys(names):
             signal.signal(getattr(signal, "SIG" + name), self._flag)
@@ -50,13 +53,12 @@ class Preemption:
     def _flag(self, signum, frame) -> None:
         self.received = self.received or signum
 
-    def should_stop(self) -> bool:
-        """True on every rank when any rank got the signal (a MAX all-reduce of one int over
-        the default group: every rank must call it at the same step boundary)."""
-        flag = torch.tensor([self.received], dtype=torch.int32, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.received = int(flag.item())
-        return self.received > 0
+    def agree(self, flag: int) -> None:
+        """Take `flag`, the largest of every rank's `received` gathered at this step boundary
+        (every rank passes the same): when set, every rank stops now (`stopping`) under that
+        signal. A local flag is never cleared here (it counts at the next boundary)."""
+        if flag:
+            self.received, self.stopping = int(flag), True
 
     def requeue_and_exit(self, step: int, checkpoint_dir: str) -> None:
         """After the joint save at `step`: rank 0 requeues the job (or says why not), then every

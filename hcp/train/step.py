@@ -38,7 +38,8 @@ from hcp.config.precision import Precision
 from hcp.data.packing import pad_micro_batches
 from hcp.model.collectives import group_rank, group_size
 from hcp.model.llava import OWN_CP_GROUP
-from hcp.schedule.pipeline import StageTimes, forward_only, one_f_one_b
+from hcp.schedule import actions as A
+from hcp.schedule.pipeline import StageTimes, forward_only, run
 from hcp.train.grad_reduce import GradReducer
 
 
@@ -107,7 +108,7 @@ class StepRunner:
         return counts
 
     def forward_backward(self, batches, metas=None, planned=None, overlap_grad_sync: bool = True,
-                         cp_groups=None) -> tuple[torch.Tensor, list[float], int, StageTimes]:
+                         cp_groups=None, actions=None, handlers=None) -> tuple[torch.Tensor, list[float], int, StageTimes]:
         """Gradients of the token-level loss of this lane's micro-batches `batches` (first
         stage; None elsewhere), synchronized over DP x CP. `metas`: every micro-batch's
         `StageMeta` when the caller knows them (the step plan), else broadcast from the first
@@ -119,6 +120,9 @@ class StepRunner:
         overlap_grad_sync`); without it every bucket goes after the rank's last micro-batch.
         `cp_groups`: each micro-batch's CP process group (`packing=dynamic_cp`: the plan's group,
         resolved by the trainer; None at CP size 1), else None: the model's own.
+        `actions`: this rank's action list (the step plan's `RankPlan.actions`, with its
+        `SyncGrads`; the colocated step's around the 1F1B with `handlers` for its encoder and
+        route actions, `hcp.schedule.colocated`), else the 1F1B of the micro-batches.
         Returns (global loss, [global loss tokens, global tokens, global sum of squared
         document lengths], micro-batches run per lane (padded under FSDP), this stage's
         timings). The loss is a 0-d float64 device tensor: the caller reads it once per step."""
@@ -144,7 +148,10 @@ class StepRunner:
 
         sync = (self.model.set_requires_gradient_sync if self.sharded else
                 None if self.reducer is None or not overlap_grad_sync else self.reducer.sync_in_backward)
-        times = one_f_one_b(forward, self.link, len(metas), lambda i: self.act_spec(metas[i], groups[i]), sync)
+        if actions is None:
+            actions = A.one_f_one_b(self.stage.index, self.stage.num_stages, len(metas))
+            actions = A.with_grad_sync(actions) if sync is not None else actions
+        times = run(forward, self.link, actions, lambda i: self.act_spec(metas[i], groups[i]), sync, handlers)
         self.sync_grads()
         if counts[4] == 0:
             self._drop_unused_image_grads()
@@ -195,3 +202,15 @@ class StepRunner:
             dist.broadcast(out, self.last_rank, group=self.pp_group)
             shared.append(out)
         return shared
+
+
+def plan_counts(mine, counted) -> list[float]:
+    """The plan's global [loss tokens, tokens, sum of squared document lengths] of this rank's
+    `RankPlan` `mine`, checked against the loss tokens the schedule counted (`counted`, under
+    `trainer.check_counts` with a collective; else the plan's). Raises RuntimeError when they
+    differ (a stale length index)."""
+    c = mine.counts
+    if counted[0] != c.loss_tokens:
+        raise RuntimeError(f"the step plan counts {c.loss_tokens} loss tokens, the micro-batches "
+                           f"{counted[0]:.0f}: the length index is stale")
+    return [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths]

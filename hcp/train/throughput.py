@@ -23,19 +23,27 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
-def step_metrics(llm_cfg, counts: list[float], step_s: float, times, device) -> dict:
+def step_metrics(llm_cfg, counts: list[float], step_s: float, times, device, preempt=None) -> dict:
     """TFLOPS/GPU, max peak memory over ranks (GiB) and the pipeline bubble fraction (mean over
     ranks of 1 - busy / wall of the 1F1B schedule, from each stage's measured compute time).
 
     counts: [global loss tokens, global tokens, global sum of squared document lengths];
-    times: this rank's `StageTimes`. A collective over the world (every rank calls it)."""
+    times: this rank's `StageTimes`; preempt: this rank's `hcp.train.preempt.Preemption` (or
+    None): its signal flag rides in the same collective and every rank gets the largest
+    (`Preemption.agree`), so the step has one collective and one host read for both.
+    A collective over the world (every rank calls it)."""
     world = dist.get_world_size()
-    mine = torch.tensor([peak_memory_bytes(device), 1.0 - times.busy_s / max(times.wall_s, 1e-12)],
+    flag = float(preempt.received) if preempt is not None else 0.0
+    mine = torch.tensor([peak_memory_bytes(device), 1.0 - times.busy_s / max(times.wall_s, 1e-12), flag],
                         dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)  # one collective for both figures
-    peak, bubble = torch.stack(every).max(0).values[0], torch.stack(every).sum(0)[1]
+    dist.all_gather(every, mine)  # one collective for all three
+    every = torch.stack(every)
+    peak, bubble, flag = every[:, 0].max(), every[:, 1].sum(), every[:, 2].max()
     flops = model_flops(llm_cfg, counts[1], counts[2])
-    peak, bubble = host_values(torch.stack([peak, bubble])) or (float("nan"), float("nan"))  # fake: none
+    read = host_values(torch.stack([peak, bubble, flag]))  # fake tensors: no value
+    peak, bubble, flag = read if read is not None else (float("nan"), float("nan"), 0.0)
+    if preempt is not None:
+        preempt.agree(int(flag))
     return {"tflops_per_gpu": flops / step_s / world / 1e12, "peak_memory_gib": peak / 2**30,
             "bubble_fraction": bubble / world}

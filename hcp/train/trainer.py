@@ -5,10 +5,11 @@ Every step is decided by the step plan (`hcp.plan`, docs/design.md 4.1), compute
 background thread while step k runs (`hcp.plan.ahead.PlanAhead`) from the length index built
 once when the data is read. Each rank loads only what its plan gives it: the images of its
 encoder lane's samples (the encoder side: vision + projector under their own TP/DP layout) and,
-on the LLM's first pipeline stage, the text of its micro-batches. The step
-(`hcp.schedule.colocated.ColocatedStep`): encoder forward, the route of image rows to the LLM
-CP shards that hold their positions, the LLM's 1F1B (`hcp.train.step.StepRunner`), the route of
-their gradients back, the encoder backward. Loss is token-level over the whole global batch
+on the LLM's first pipeline stage, the text of its micro-batches. The step is
+the plan's action list for this rank (`RankPlan.actions`) run by the one executor
+(`hcp.train.step.StepRunner`): encoder forward, the route of image rows to the LLM CP shards
+that hold their positions (`hcp.schedule.colocated`), the LLM's 1F1B, the route of their
+gradients back, the encoder backward. Loss is token-level over the whole global batch
 (docs/design.md section 3): every module is scaled by the same global count; gradients are summed
 over each module's own DP (x CP) group, the clipping norm is global over every module, and one
 optimizer steps them all. A text-only LM (no vision) runs the LLM phase alone. Several encoders
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -29,8 +29,6 @@ from hcp.config.layouts import resolve_layouts
 from hcp.config.precision import Precision
 from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
-from hcp.comm.p2p import StageMeta
-from hcp.data.packing import collate, empty_batch
 from hcp.dcp.policy import cp_histogram, micro_batch_group
 from hcp.model import LlavaModel
 from hcp.model.backends import resolve_backend
@@ -46,7 +44,7 @@ from hcp.train.planner import StepPlanner
 from hcp.schedule.colocated import ColocatedStep
 from hcp.train import checkpoint
 from hcp.train.distributed import init_distributed
-from hcp.train.evaluate import evaluate
+from hcp.train.evaluate import eval_capacity, evaluate
 from hcp.train.failures import NonFiniteGuard
 from hcp.train.fake import host_values
 from hcp.train.islands import Islands
@@ -56,7 +54,8 @@ from hcp.train.modules import RankModules, clip_, local_grad_sq, module_sq_norm
 from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
 from hcp.train.plan_check import check_plans_agree
 from hcp.train.preempt import Preemption, continue_wandb_run
-from hcp.train.step import StepRunner
+from hcp.train.rank_data import llm_inputs
+from hcp.train.step import StepRunner, plan_counts
 from hcp.train.supervise import record_step
 from hcp.train import encoders as sides  # one or several encoders (joins, branches)
 from hcp.train.whole_encoder import whole_encoder
@@ -115,12 +114,12 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
         self.index = sides.LengthIndexes(cfg, self.train_set, self.tok)  # one per stream into the LLM
-        self.step, self.resume_note = 0, None
         self.record_encoder_grad_sq, self.encoder_grad_sq = False, None
         """Set `record_encoder_grad_sq` (tests) to keep in `encoder_grad_sq` the sum of squares
         of this rank's own encoder gradients before their DP sum: one host read per parameter
         tensor, so never on by default."""
-        self._resume()
+        self.step, self.resume_note = checkpoint.resume(cfg, self.modules, self.optimizer, self.scheduler,
+                                                        self.sampler, self._tp_groups())
         self.planner = StepPlanner(cfg, self.layouts, self.index, self.edges)
         in_process = self.dynamic_cp and use_worker(cfg.trainer.get("plan_process"),
                                                     self.device.type)  # hcp.train.planner
@@ -150,16 +149,7 @@ class Trainer:
         cfg = self.cfg
         if self.islands is not None:  # this rank's encoder island stage, or None
             return self.islands.build_encoder()
-        if cfg.vision is None or sides.several_streams(cfg):  # named encoders: an EncoderSide
-            return sides.build_encoder_side(cfg, self.groups, self.layouts) if cfg.vision else None
-        tp = self.groups.group("vision", "tp") if self.layouts["vision"].tp > 1 else None
-        cp = self.groups.group("vision", "cp") if self.layouts["vision"].cp > 1 else None
-        with meta_build():
-            encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp, cp_group=cp)
-        for name in ("vision", "projector"):
-            if cfg[name].freeze:
-                encoder.get_submodule(name).requires_grad_(False)
-        return encoder
+        return sides.build_encoder(cfg, self.groups, self.layouts)
 
     def _build_model(self) -> LlavaModel:
         """This rank's LLM stage on the meta device (`__init__` materializes this rank's
@@ -193,28 +183,6 @@ class Trainer:
             modules.layout_label = checkpoint.layouts_label(self.layouts)
         return modules
 
-    def _resume(self) -> None:
-        resume = self.cfg.resume
-        path = checkpoint.latest(self.cfg.checkpoint.dir) if resume == "auto" else resume
-        if path is None and self.cfg.init_from_checkpoint:  # a new stage: weights only
-            loaded = checkpoint.load_weights(self.cfg.init_from_checkpoint, self.modules, self._tp_groups())
-            self.resume_note = (f"init_from_checkpoint: {loaded}; optimizer, schedule and data "
-                                "start fresh at step 0")
-            return
-        if not resume:
-            return
-        if path is None:  # resume=auto with no checkpoint yet: a fresh start, said so
-            self.resume_note = (f"resume=auto: no checkpoint in checkpoint.dir={self.cfg.checkpoint.dir}; "
-                                "starting at step 0")
-            return
-        state = checkpoint.load(path, self.modules, self.optimizer, self._tp_groups())
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.step = state["step"]
-        self.resume_note = state["note"]
-        if self.scheduler.change_note:  # a changed trainer.max_steps / optim.lr: said, and followed
-            self.resume_note += "\n" + self.scheduler.change_note
-
     def _tp_groups(self):
         """TP group of each module's TP-sharded parameters, for checkpoints (None: no TP)."""
         if self.islands is not None:
@@ -231,10 +199,8 @@ class Trainer:
         """On the plan-ahead thread: this rank's plan and data, (RankPlan, pixel values of its
         encoder samples [I, C, H, W] or None, its LLM micro-batches (first stage) or None, every
         micro-batch's `StageMeta` for the pipeline, the step's micro-batches per CP size under
-        dynamic CP (`hcp.dcp.policy.cp_histogram`, else {})). Only this rank's samples are read: images
-        only for its encoder samples, text only on the LLM's first stage (and the labels on the
-        last, for the loss). The pipeline's shapes come from the plan: no metadata broadcast.
-        Empty micro-batches (plan padding) run where the plan says so (`StepPlan.keep_empty`).
+        dynamic CP (`hcp.dcp.policy.cp_histogram`, else {})). Only this rank's samples are read:
+        images only for its encoder samples, text by `hcp.train.rank_data.llm_inputs`.
         `step`: the plan when the plan-ahead worker process computed it."""
         step = self.plan(indices) if step is None else step
         mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
@@ -244,35 +210,7 @@ class Trainer:
         pixels = None
         if self.encoder is not None:
             pixels = sides.encoder_inputs(ds, indices, mine, self.encoder, device)
-        batches, metas = [] if self.stage.first else None, []
-        for mb in mine.micro_batches:
-            if mb.empty:
-                if mine.keep_empty:
-                    empty = empty_batch(device)
-                    metas.append(StageMeta.of(empty))
-                    if batches is not None:
-                        batches.append((mb, empty))
-                continue
-            host_cu = mb.cu_seqlens   # the plan's, on the host
-            if self.stage.first or self.stage.last:
-                samples = [ds[indices[s]] for s in mb.samples]
-            if self.stage.first:
-                ids = getattr(ds, "stream_ids", None)  # every stream's placeholder positions
-                batch = collate(samples, [], self.tok.image_token_id, ids)
-                if not np.array_equal(batch.cu_seqlens.numpy(), host_cu):
-                    raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
-                                       f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
-                batch = batch.to(device)
-                batches.append((mb, batch))
-                metas.append(StageMeta.of(batch))
-                continue
-            lengths = tuple(int(n) for n in np.diff(mb.cu_seqlens))  # the plan's, on the host
-            host_labels = [t for s in samples for t in s.labels] if self.stage.last else []
-            labels = (torch.tensor(host_labels, device=device) if self.stage.last
-                      else torch.full((sum(lengths),), -100, device=device))
-            metas.append(StageMeta(torch.as_tensor(host_cu, device=device), mb.max_seqlen, torch.cat(
-                [torch.arange(n, device=device) for n in lengths]), labels, lengths,
-                sum(t != -100 for t in host_labels)))
+        batches, metas = llm_inputs(mine, indices, ds, self.tok.image_token_id, self.stage, device)
         return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}
 
     def train_step(self) -> dict:
@@ -295,7 +233,7 @@ class Trainer:
         self.step += 1
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
                 "micro_batches": n_micro, **plan_stats, **prepared[4],
-                **whole_step_metrics(self.cfg.llm, counts, t0, self.stage_times, self.device)}
+                **whole_step_metrics(self.cfg.llm, counts, t0, self.stage_times, self.device, self.preempt)}
 
     def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[torch.Tensor, list[float], int]:
         """Gradients of the token-level loss of `global_batch` (sample indices), summed over each
@@ -311,25 +249,21 @@ class Trainer:
                 self.encoder_grad_sq = grad_sq
             return loss, counts, n_micro
 
-        def llm_phase(leaf):
-            if batches is not None and leaf is not None:
-                sides.attach_rows(batches, leaf)
-            c = mine.counts  # the plan's global counts (no collective); trainer.check_counts counts too
-            check = self.cfg.trainer.get("check_counts") and not self.dynamic_cp
-            planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
-            return self.runner.forward_backward([b for _, b in batches] if batches is not None else None,
-                                                metas, planned, mine.overlap_grad_sync, self._cp_groups(mine))
-
-        if self.colocated is None:
-            loss, counts, n_micro, self.stage_times = llm_phase(None)
-            return loss, self._plan_counts(mine, counts), n_micro
-
-        (loss, counts, n_micro, self.stage_times), self.phase_times = sides.run_colocated(
-            self.colocated, self.encoder, pixels, mine, llm_phase)
+        c = mine.counts  # the plan's global counts (no collective); trainer.check_counts counts too
+        check = self.cfg.trainer.get("check_counts") and not self.dynamic_cp
+        planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
+        phases = (sides.colocated_phases(self.colocated, self.encoder, pixels, mine, batches)
+                  if self.colocated is not None else None)  # the encoder and route actions
+        loss, counts, n_micro, self.stage_times = self.runner.forward_backward(
+            [b for _, b in batches] if batches is not None else None, metas, planned,
+            mine.overlap_grad_sync, self._cp_groups(mine), mine.actions, phases and phases.handlers)
+        if phases is None:
+            return loss, plan_counts(mine, counts), n_micro
+        self.phase_times = phases.times
         if self.record_encoder_grad_sq:  # before the DP sum (FSDP: after)
             self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())
         sides.sync_encoder_grads(self.encoder, self.groups, mine.counts)  # no row anywhere: no update
-        return loss, self._plan_counts(mine, counts), n_micro
+        return loss, plan_counts(mine, counts), n_micro
 
     def _cp_groups(self, mine):
         """Under dynamic CP, the CP process group of each micro-batch this rank runs: the
@@ -345,16 +279,6 @@ class Trainer:
         """`trainer.check_plan`: every rank must have computed the same step plan
         (`hcp.train.plan_check`: one int64 all-reduce; RuntimeError naming the step on every rank)."""
         check_plans_agree(checksum, self.step + 1, self.device)
-
-    @staticmethod
-    def _plan_counts(mine, counted) -> list[float]:
-        """The plan's global counts, checked against the loss tokens the schedule counted
-        (under `trainer.check_counts` it counts them with a collective; else it takes the plan's)."""
-        c = mine.counts
-        if counted[0] != c.loss_tokens:
-            raise RuntimeError(f"the step plan counts {c.loss_tokens} loss tokens, the micro-batches "
-                               f"{counted[0]:.0f}: the length index is stale")
-        return [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths]
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Clip every module's gradients by their global L2 norm; return the norm before (a 0-d
@@ -389,20 +313,11 @@ class Trainer:
             setattr(self.model, name, module)
         try:
             return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok, indices,
-                            self._eval_capacity(), self.device, self.grad_group, self.dp_group,
+                            eval_capacity(self.cfg, self.layouts['llm'], self.dynamic_cp), self.device, self.grad_group, self.dp_group,
                             self.cfg.trainer.get("eval_max_new_tokens"))
         finally:
             for name in lent:
                 setattr(self.model, name, None)
-
-    def _eval_capacity(self) -> int:
-        """Tokens per evaluation micro-batch: training's, trainer.micro_batch_tokens per rank
-        times the LLM's CP size. Evaluation keeps the static layout; under dynamic CP a sample
-        that training spreads over a larger CP group is evaluated whole on its DP lane, forward
-        only (no activations kept for a backward pass), so the capacity is raised to
-        data.max_seq_len there."""
-        cap = self.cfg.trainer.micro_batch_tokens * self.layouts["llm"].cp
-        return max(cap, self.cfg.data.max_seq_len) if self.dynamic_cp else cap
 
     def _whole_encoder(self) -> LlavaEncoder | None:
         """The encoder side whole on this rank, for evaluation (`hcp.train.whole_encoder`; under
@@ -434,7 +349,7 @@ class Trainer:
             self.log.advance()
         if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.max_steps:
             self.save()
-        if self.step < tc.max_steps and self.preempt.should_stop():  # all ranks agree
+        if self.step < tc.max_steps and self.preempt.stopping:  # agreed in the step's metrics
             self.save()
             self.ahead.close()
             self.preempt.requeue_and_exit(self.step, self.cfg.checkpoint.dir)
