@@ -18,13 +18,13 @@ NON_COLOCATED = ["placement=non_colocated", "vision.layout.tp=1"]
 
 
 def _island_step(rank, world, container, run_dir):
-    import hcp.train.trainer as trainer_module
+    import hcp.train.rank_data as rank_data  # where the trainer collates its text
     from hcp.train.trainer import Trainer
 
     tr = Trainer(OmegaConf.create(container), run_dir)
     tr.record_encoder_grad_sq = True
     reads = {"images": 0, "text": 0}
-    pixel_values, collate = tr.train_set.pixel_values, trainer_module.collate
+    pixel_values, collate = tr.train_set.pixel_values, rank_data.collate
 
     def count_images(sample, *encoder):
         reads["images"] += 1
@@ -34,14 +34,14 @@ def _island_step(rank, world, container, run_dir):
         reads["text"] += len(samples)
         return collate(samples, *args)
 
-    tr.train_set.pixel_values, trainer_module.collate = count_images, count_text
+    tr.train_set.pixel_values, rank_data.collate = count_images, count_text
     forwards = []  # forwards of the stage's first ViT block (recompute: two per micro-batch;
     if tr.encoder is not None:  # a module hook would not see checkpoint's recompute)
         blocks = tr.encoder.encoder.blocks
         block = next(iter(blocks.values() if hasattr(blocks, "values") else blocks))
         block.forward = lambda x, *a, forward=block.forward: forwards.append(1) or forward(x, *a)
     loss, counts, n_micro = tr.forward_backward(tr.sampler.batch(0))
-    trainer_module.collate = collate
+    rank_data.collate = collate
     group = tr.encoder.tp_group if tr.encoder is not None else tr.tp_group
     named = list(tr.modules.named_parameters())
     grads = {n: whole(p.grad, p, group) for n, p in named}
