@@ -14,7 +14,7 @@ divided by c is what a perfectly balanced CP rank without overhead would take. C
 document of each `--long` length packed with `--short` short ones (lengths uniform in
 [16, `--short-max`], seed 0), and `--docs` documents of 512.
 
-Columns (CP: max over ranks; times: the least over the reps): `fwd_bwd_s` = the rank's thread
+Columns (CP: max over ranks; times: the median over the reps): `fwd_bwd_s` = the rank's thread
 CPU seconds of forward + backward (the time it takes with a core of its own: c ranks share 2
 cores here, so wall time would mostly measure the wait; gloo's own threads are not counted),
 `wall_s` = wall seconds of the same, `ideal_s` = the ideal's thread CPU seconds / c,
@@ -57,15 +57,16 @@ def _rss_mib() -> float:
 
 
 def _timed(fn, reps: int) -> tuple[float, float]:
-    """(least thread CPU seconds, least wall seconds) of fn() over `reps` runs after a warm-up."""
+    """(median thread CPU seconds, median wall seconds) of fn() over `reps` runs after a
+    warm-up."""
     fn()
-    best_cpu = best_wall = float("inf")
+    cpus, walls = [], []
     for _ in range(reps):
         wall, cpu = time.perf_counter(), time.thread_time()
         fn()
-        best_cpu = min(best_cpu, time.thread_time() - cpu)
-        best_wall = min(best_wall, time.perf_counter() - wall)
-    return best_cpu, best_wall
+        cpus.append(time.thread_time() - cpu)
+        walls.append(time.perf_counter() - wall)
+    return sorted(cpus)[reps // 2], sorted(walls)[reps // 2]
 
 
 def _inputs(case: dict, t: int, seed: int):
@@ -189,7 +190,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=2, help="timed runs after one warm-up (least kept)")
+    ap.add_argument("--reps", type=int, default=3, help="timed runs after one warm-up (median kept)")
     ap.add_argument("--baseline", help="another hcp checkout whose CP attention runs beside")
     ap.add_argument("--mem-limit-gib", type=float, default=3.0, help="address space per rank")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per case")
@@ -215,7 +216,7 @@ def main() -> None:
     if args.docs:
         shapes.append(dict(long_doc=512, short_docs=0, docs=args.docs))
     print(f"q heads {args.heads}, kv heads {args.kv_heads}, head dim {args.head_dim}, fp32, one thread "
-          f"per rank, gloo; CP: max over ranks; times: thread CPU s, least of {args.reps}")
+          f"per rank, gloo; CP: max over ranks; times: thread CPU s, median of {args.reps}")
     print(f"{'case':>18} {'cp':>3} {'strategy':>9} {'tokens':>7} {'fwd_bwd_s':>9} {'ideal_s':>8} "
           f"{'over_ideal':>10} {'wall_s':>7} {'peak_mib':>8} {'attn_mib':>8} {'plan_s':>6}"
           + (f" {'base_s':>7} {'base/new':>8} {'base_mib':>8}" if args.baseline else ""))

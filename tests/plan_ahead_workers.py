@@ -35,3 +35,14 @@ class FlagPlanner:
 
     def __call__(self, indices):
         return sum(indices)
+
+
+class ImportsPlanner:
+    """Runs `planner` and also returns whether its process has imported torch."""
+
+    def __init__(self, planner):
+        self.planner = planner
+
+    def __call__(self, indices):
+        import sys
+        return self.planner(indices), "torch" in sys.modules

@@ -18,25 +18,28 @@ ROOT = Path(__file__).resolve().parents[1]
 LLM = compose_config(["+recipe=llama_tiny"]).llm
 
 
-def synthetic(a, b, g, o, k1=3.0, lat=0.0):
+def synthetic(a, b, g, o, k1=3.0, e=None):
     """Times of the calibration model on the uncapped grid at c = 1, 2, 4, 8; `b`: one attention
-    coefficient, or {c: b_c}."""
+    coefficient, or {c: b_c}; `e`: {c: fixed seconds per micro-batch at c > 1} or None."""
     b = b if isinstance(b, dict) else dict.fromkeys((1, 2, 4, 8), b)
+    e = {1: 0.0, **(e or dict.fromkeys((2, 4, 8), 0.0))}
     return [[L, d, c, k1 * (a * d * L / c + b[c] * d * L * L / c + g * d * L * (c - 1) / c
-                            + lat * (c - 1)) + o]
+                            + e[c]) + o]
             for L, d in grid() for c in (1, 2, 4, 8)]
 
 
 B_CP = {1: 3e-9, 2: 4.5e-9, 4: 5e-9, 8: 7e-9}  # CP attention slower than c = 1's fused SDPA
+E_CP = {2: 2e-3, 4: 1e-3, 8: 3e-3}  # fixed per micro-batch, not linear in c - 1 (no ring latency)
 
 
 @pytest.mark.parametrize("outlier", [False, True])
 def test_fit_recovers_per_cp_size_coefficients_and_the_profile_reproduces_the_times(tmp_path, outlier,
                                                                                    monkeypatch):
-    """Synthetic times with one attention coefficient per CP size; with `outlier`, one point
-    measured 3x too slow (a rank that shared its core) is given a small weight and the others
-    are still reproduced (a plain least-squares fit misses them by percents)."""
-    rows = synthetic(2e-6, B_CP, 5e-7, 4e-3, lat=1.5e-3)
+    """Synthetic times with one attention coefficient and one fixed cost per CP size; with
+    `outlier`, one point measured 3x too slow (a rank that shared its core) is given a small
+    weight and the others are still reproduced (a plain least-squares fit misses them by
+    percents)."""
+    rows = synthetic(2e-6, B_CP, 5e-7, 4e-3, e=E_CP)
     if outlier:
         rows[5][3] *= 3.0
     prof = fit(rows, LLM, recompute=False, bytes_per_element=4, max_cp=8)
@@ -49,16 +52,18 @@ def test_fit_recovers_per_cp_size_coefficients_and_the_profile_reproduces_the_ti
         monkeypatch.setattr(calibrate, "HUBER", np.inf)   # plain least squares: bent by it
         bent = fit(rows, LLM, recompute=False, bytes_per_element=4, max_cp=8)["fit"]["points"]
         assert max(abs(p["rel_error"]) for i, p in enumerate(bent) if i != 5) > 1e-2
-    np.testing.assert_allclose([got["coefficients"][k] for k in "aglo"], [2e-6, 5e-7, 1.5e-3, 4e-3],
+    np.testing.assert_allclose([got["coefficients"][k] for k in "ago"], [2e-6, 5e-7, 4e-3],
                                rtol=tol * 10)
     assert got["coefficients"]["b"] == pytest.approx(B_CP, rel=tol * 10)
-    assert prof["cp_latency"] == pytest.approx(1.5e-3 / LLM.num_layers, rel=tol * 10)
+    assert got["coefficients"]["e"] == pytest.approx(E_CP, rel=tol * 10)
+    assert prof["cp_overhead"] == pytest.approx({c: x / LLM.num_layers for c, x in E_CP.items()},
+                                                rel=tol * 10)
     assert sorted(prof["cp_attention_efficiency"]) == [2, 4, 8]
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({**prof, "fit": got}))
     cost = CostModel(LLM, load_profile(path), pp=1, tp=1, recompute=False)
     o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
-    for L, d, c, y in synthetic(2e-6, B_CP, 5e-7, 4e-3, lat=1.5e-3):
+    for L, d, c, y in synthetic(2e-6, B_CP, 5e-7, 4e-3, e=E_CP):
         t = 3.0 * cost.fwd(d * L, d * L * L, c)[0] + o
         assert t == pytest.approx(y, rel=max(tol, 1e-5))
 

@@ -136,6 +136,31 @@ def test_cp_latency_is_paid_once_per_micro_batch_per_ring_step():
     assert per_stage.shape == (4,) and per_stage.sum() == pytest.approx(2e-4 * 40 * 3)
 
 
+def test_cp_overhead_is_paid_once_per_micro_batch_at_its_cp_size(tmp_path):
+    """Issue 24: a fixed cost per micro-batch and layer at each CP size (`cp_overhead`), on top
+    of the ring latency; sizes not listed take the largest listed below; the floor stays
+    additive; local search and the pipeline stages see it; a bad entry is a one-line error."""
+    from hcp.dcp.local_search import GroupTime
+
+    fixed = {2: 3e-4, 8: 1e-4}
+    hw = HardwareProfile(**{**load_profile("h100").__dict__, "cp_latency": 2e-4, "cp_overhead": fixed})
+    cost, base = CostModel(recipe_llm(), hw, pp=1, recompute=False), _with_latency()
+    lens = np.array([300, 5000, 12000], dtype=float)
+    t, s = lens.sum(), (lens**2).sum()
+    for c, e in ((1, 0.0), (2, 3e-4), (4, 3e-4), (8, 1e-4)):
+        assert cost.fwd(t, s, c)[0] - base.fwd(t, s, c)[0] == pytest.approx(e * 40, abs=1e-15)
+        assert cost.fwd(t, s, c)[0] >= cost.fwd_floor(lens, lens**2, c).sum() - 1e-15
+        assert GroupTime(cost)(t, s, c) == pytest.approx(float(cost.fwd(t, s, c)[0]), rel=1e-12)
+    assert (cost.fwd(0.0, 0.0, 8) == 0).all()
+    staged = CostModel(recipe_llm(), hw, pp=4, recompute=False)
+    assert staged.latency(2).sum() == pytest.approx(40 * (2e-4 + 3e-4))
+    assert staged.one_stage("sum").latency(2)[0] == pytest.approx(40 * (2e-4 + 3e-4))
+    text = (Path(__file__).resolve().parents[1] / "hcp/dcp/profiles/h100.yaml").read_text()
+    (tmp_path / "bad.yaml").write_text(text + "cp_overhead: {2: -1.0e-4}\n")
+    with pytest.raises(ValueError, match=r"cp_overhead=\{2: -0.0001\}: invalid value.*seconds >= 0"):
+        load_profile(tmp_path / "bad.yaml")
+
+
 def test_a_profile_without_cp_latency_loads_with_none(tmp_path):
     text = (Path(__file__).resolve().parents[1] / "hcp/dcp/profiles/h100.yaml").read_text()
     lines = [x for x in text.splitlines() if not x.startswith("cp_latency")]

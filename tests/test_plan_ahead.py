@@ -12,7 +12,7 @@ from hcp.data.loader import GlobalBatchSampler
 from hcp.data.tokenizer import ByteTokenizer
 from hcp.plan.ahead import PlanAhead, use_worker
 from hcp.plan.lengths import build_length_index
-from plan_ahead_workers import FlagPlanner, busy, busy_planner, pid_planner
+from plan_ahead_workers import FlagPlanner, ImportsPlanner, busy, busy_planner, pid_planner
 
 TOK = ByteTokenizer()
 
@@ -159,7 +159,8 @@ def test_planning_in_a_worker_process_does_not_stall_a_busy_main_thread():
 def test_dynamic_cp_step_planner_plans_the_same_in_a_worker_process(tmp_path):
     """The trainer's planner (`hcp.train.planner.StepPlanner`) pickles with the run's config,
     layouts and length index, registers the dynamic-CP policy in the fresh worker, and plans
-    there what it plans in this process (the plan's checksum)."""
+    there what it plans in this process (the plan's checksum), without importing torch there
+    (issue 24: the worker's start)."""
     from cfg_utils import compose_cfg, long_tail_corpus
     from hcp.config.layouts import resolve_layouts
     from hcp.data.build import build_datasets
@@ -173,13 +174,14 @@ def test_dynamic_cp_step_planner_plans_the_same_in_a_worker_process(tmp_path):
     planner = StepPlanner(cfg, resolve_layouts(cfg, 4), LengthIndexes(cfg, train, tok),
                           tuple(tuple(e) for e in cfg.graph.edges))
     sampler = GlobalBatchSampler(len(train), 16, seed=0)
-    ahead = PlanAhead(sampler, lambda indices, plan: plan, planner)
+    ahead = PlanAhead(sampler, lambda indices, plan: plan, ImportsPlanner(planner))
     try:
-        indices, step, _ = ahead.next()
+        indices, (step, torch_in_worker), _ = ahead.next()
     finally:
         ahead.close()
     here = planner(indices)
     assert step.checksum() == here.checksum() and step.packing.num_rounds > 0
+    assert not torch_in_worker
 
 
 def test_the_worker_starts_with_the_wrapper_not_at_the_first_plan(tmp_path):

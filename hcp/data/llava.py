@@ -22,9 +22,9 @@ from typing import Callable
 import torch
 from PIL import Image
 
+from hcp.data.host import IGNORE_INDEX
 from hcp.data.packing import collate
 
-IGNORE_INDEX = -100
 IMAGE_PLACEHOLDER = "<image>"
 
 

@@ -13,6 +13,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from hcp.data.host import first_fit  # noqa: F401 - packing's static policy, torch-free there
+
 
 @dataclass
 class Batch:
@@ -50,32 +52,6 @@ class Batch:
                      {k: move(v) for k, v in self.stream_masks.items()},
                      {k: move(v) for k, v in self.encoder_pixels.items()}, self.seqlens,
                      self.loss_tokens)
-
-
-def first_fit(lengths: list[int], capacity: int) -> list[list[int]]:
-    """Static `packing=first_fit`: each sample, in arrival order, goes into the first micro-batch
-    with room for it (at most `capacity` tokens each), else opens a new one.
-
-    Returns the sample indices of each micro-batch, in arrival order.
-
-    Raises:
-        ValueError: a sample is longer than `capacity` (names its index and the knob to raise).
-    """
-    packs: list[list[int]] = []
-    free: list[int] = []
-    for i, n in enumerate(lengths):
-        if n > capacity:
-            raise ValueError(f"sample {i} has {n} tokens > trainer.micro_batch_tokens={capacity}: "
-                             "raise trainer.micro_batch_tokens or lower data.max_seq_len")
-        for j, room in enumerate(free):
-            if n <= room:
-                packs[j].append(i)
-                free[j] -= n
-                break
-        else:
-            packs.append([i])
-            free.append(capacity - n)
-    return packs
 
 
 def collate(samples, pixel_values: list[torch.Tensor], image_token_id: int,

@@ -16,8 +16,9 @@ block transfers with block compute; FlexSP and ByteScale model CP time the same 
 exposed = max((1 - overlap) * comm, comm - attention). Each CP collective also pays a latency
 per ring step (the alpha of the alpha-beta model of a ring collective of c ranks, Thakur,
 Rabenseifner and Gropp 2005: `alpha (c - 1) + beta bytes (c - 1) / c`): `cp_latency * (c - 1)`
-per layer and micro-batch, never hidden (each step waits for the previous one). It is per
-micro-batch, not per token, so the additive floor `fwd_floor` leaves it out. TP's own
+per layer and micro-batch, never hidden (each step waits for the previous one), plus a fixed
+`cp_overhead[c]` per layer and micro-batch (CP attention's calls and set-up). Both are per
+micro-batch, not per token, so the additive floor `fwd_floor` leaves them out. TP's own
 collectives are linear in the tokens and left to the matmul coefficient (a calibrated profile
 absorbs them).
 The attention coefficient may depend on c (`cp_attention_efficiency`: CP attention's kernels
@@ -92,12 +93,33 @@ HARDWARE_RULES = {
     "bytes_per_element": (_positive, "a positive integer number of bytes, e.g. 2 (BF16)"),
     "cp_latency": _OVERHEAD,
     "cp_attention_efficiency": (
-        lambda v: v is None or all(_power_of_two(c) and c > 1 and not isinstance(c, bool)
-                                   and not isinstance(e, bool) and np.isfinite(e) and 0 < e <= 1
-                                   for c, e in v.items()),
+        lambda v: _per_cp_size(v, lambda e: 0 < e <= 1),
         "a mapping {CP size (a power of two >= 2): fraction of the peak in (0, 1]}, e.g. "
         "{2: 0.4, 4: 0.38}, or leave it out"),
+    "cp_overhead": (
+        lambda v: _per_cp_size(v, lambda e: e >= 0),
+        "a mapping {CP size (a power of two >= 2): seconds >= 0}, e.g. {2: 1.0e-4, 4: 2.0e-4}, "
+        "or leave it out"),
 }
+
+
+def _per_cp_size(v, valid) -> bool:
+    """None, or {CP size: number}: sizes powers of two >= 2, numbers finite and `valid`."""
+    return v is None or all(
+        isinstance(c, (int, np.integer)) and not isinstance(c, bool) and _power_of_two(c) and c > 1
+        and isinstance(e, (int, float, np.integer, np.floating)) and not isinstance(e, bool)
+        and np.isfinite(e) and valid(e) for c, e in v.items())
+
+
+def _at_cp_size(mapping: dict | None, c) -> np.ndarray | None:
+    """`mapping`'s value at each CP size of `c` (a size not listed: the largest listed below it,
+    else the smallest listed), or None without a mapping."""
+    if not mapping:
+        return None
+    sizes = sorted(mapping)
+    c = np.asarray(c, dtype=np.float64)
+    i = np.maximum(np.searchsorted(np.array(sizes, dtype=np.float64), c, side="right") - 1, 0)
+    return np.array([mapping[x] for x in sizes], dtype=np.float64)[i]
 
 
 @dataclass(frozen=True)
@@ -122,6 +144,12 @@ class HardwareProfile:
     runs other kernels than the fused SDPA of c = 1 (`attention_efficiency`). A size not listed
     takes the largest listed size below it (the smallest listed when none is); None (profiles
     before it): `attention_efficiency` at every c. Optional in a YAML."""
+    cp_overhead: dict | None = field(default=None, hash=False)
+    """{CP size c >= 2: forward seconds per layer that a micro-batch on a group of c pays once,
+    whatever its tokens}: CP attention's per-call work (kernel calls, row gathers, the merge)
+    and the collectives' set-up, which a micro-batch of a few short documents pays in full.
+    Sizes not listed as in `cp_attention_efficiency`; None (profiles before it): 0. Added to
+    the `cp_latency` ring steps. Optional in a YAML."""
 
     def __post_init__(self):
         check_fields(self, HARDWARE_RULES)
@@ -219,11 +247,9 @@ class CostModel:
         self.mm_coef = mm_flops / tp / (hw.peak_flops * hw.matmul_efficiency)  # s / token
         self.attn_coef = (n * layer_attention_flops_per_sq_token(llm) / tp
                           / (hw.peak_flops * hw.attention_efficiency))  # s / token^2 at c = 1
-        sizes = sorted((hw.cp_attention_efficiency or {}).items())
-        self._cp_sizes = np.array([c for c, _ in sizes], dtype=np.float64)
-        self._cp_attn_scale = np.array([hw.attention_efficiency / e for _, e in sizes])
         self.comm_coef = n * 2 * kv_dim(llm) / tp * hw.bytes_per_element  # bytes / token / GPU
         self.latency_coef = n * hw.cp_latency  # s per ring step (c - 1) and micro-batch
+        self.cp_layers = n  # layers per stage: they pay `hw.cp_overhead` per micro-batch
         self.bwd_factor = 2.0 + float(recompute)
 
     def bandwidth(self, c):
@@ -235,11 +261,10 @@ class CostModel:
         """Factor of `attn_coef` (the c = 1 coefficient) at CP sizes `c` (array of c's shape,
         or 1.0 without `cp_attention_efficiency`): attention_efficiency / the efficiency at c
         (`HardwareProfile.cp_attention_efficiency`), 1 at c = 1."""
-        if not self._cp_sizes.size:
+        eff = _at_cp_size(self.hw.cp_attention_efficiency, c)
+        if eff is None:
             return 1.0
-        c = np.asarray(c, dtype=np.float64)
-        i = np.maximum(np.searchsorted(self._cp_sizes, c, side="right") - 1, 0)
-        return np.where(c > 1, self._cp_attn_scale[i], 1.0)
+        return np.where(np.asarray(c) > 1, self.hw.attention_efficiency / eff, 1.0)
 
     def _parts(self, tokens, sq, c):
         t, s, c = (np.asarray(x, dtype=np.float64) for x in (tokens, sq, c))
@@ -251,17 +276,23 @@ class CostModel:
         return compute, attn, comm
 
     def latency(self, c) -> np.ndarray:
-        """Forward seconds `[pp, *S]` of the CP collectives' ring steps of one micro-batch on a
-        group of `c` ranks (shape S): `cp_latency * layers * (c - 1)`, 0 at c = 1."""
+        """Forward seconds `[pp, *S]` one micro-batch on a group of `c` ranks (shape S) pays
+        whatever its tokens: the collectives' ring steps `cp_latency * layers * (c - 1)` plus
+        `cp_overhead[c] * layers`; 0 at c = 1."""
         c = np.asarray(c, dtype=np.float64)
-        return self.latency_coef[(slice(None),) + (None,) * c.ndim] * (c - 1.0)
+        col = (slice(None),) + (None,) * c.ndim
+        lat = self.latency_coef[col] * (c - 1.0)
+        fixed = _at_cp_size(self.hw.cp_overhead, c)
+        if fixed is None:
+            return lat
+        return lat + self.cp_layers[col] * np.where(c > 1, fixed, 0.0)
 
     def fwd(self, tokens, sq, c) -> np.ndarray:
         """Forward seconds `[pp, *S]` of groups with `tokens`, `sq` on `c` ranks (no overhead):
         compute, exposed K/V traffic and the collectives' latency."""
         compute, attn, comm = self._parts(tokens, sq, c)
         exposed = np.maximum((1.0 - self.hw.comm_overlap) * comm, comm - attn)
-        if not self.hw.cp_latency:
+        if not (self.hw.cp_latency or self.hw.cp_overhead):
             return compute + exposed
         return compute + exposed + np.where(np.asarray(tokens) > 0, self.latency(c), 0.0)
 
@@ -285,7 +316,7 @@ class CostModel:
             raise ValueError(f"how={how!r}: use 'sum' or 'max'")
         out = copy.copy(self)
         agg = np.sum if how == "sum" else np.max
-        for name in ("mm_coef", "attn_coef", "comm_coef", "latency_coef"):
+        for name in ("mm_coef", "attn_coef", "comm_coef", "latency_coef", "cp_layers"):
             setattr(out, name, np.atleast_1d(agg(getattr(self, name))))
         scale = self.pp if how == "sum" else 1
         out.hw = replace(self.hw, micro_batch_overhead_fwd=scale * self.hw.micro_batch_overhead_fwd,

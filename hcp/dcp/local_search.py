@@ -37,7 +37,7 @@ class GroupTime:
         self.comm, self.ov = float(cost.comm_coef[0]), cost.hw.comm_overlap
         self.bw = {c: float(cost.bandwidth(c)) for c in (1 << e for e in range(40))}
         self.attn_scale = {c: float(cost.attn_scale(c)) for c in self.bw}  # per CP size
-        self.lat = float(cost.latency_coef[0])  # s per ring step (c - 1)
+        self.lat = {c: float(cost.latency(c)[0]) for c in self.bw}  # once per micro-batch
 
     def __call__(self, t: float, s: float, c: int) -> float:
         if t <= 0:
@@ -45,7 +45,7 @@ class GroupTime:
         attn = self.attn * self.attn_scale[c] * s / c
         comm = self.comm * t * (c - 1) / c / self.bw[c]
         exposed = max((1.0 - self.ov) * comm, comm - attn)
-        return self.mm * t / c + attn + exposed + self.lat * (c - 1)
+        return self.mm * t / c + attn + exposed + self.lat[c]
 
 
 def _split(seqs: list[int], lens: list[int]) -> tuple[list[int], list[int]]:

@@ -47,7 +47,7 @@ from hcp.config.errors import ConfigError
 from hcp.dcp.cost_model import CostModel, load_profile
 from hcp.dcp.plan import Group, Plan, Round, check_pool, prepare_lengths
 from hcp.dcp.solver import solve
-from hcp.parallel.groups import DYNAMIC_CP
+from hcp.parallel.grid import DYNAMIC_CP  # not groups.py: the planner imports no torch
 
 
 def rows(plan: Plan) -> Plan:

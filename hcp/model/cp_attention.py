@@ -71,19 +71,19 @@ class Rows:
     def take(self, x: torch.Tensor) -> torch.Tensor:
         if self.index is None:
             return x[self.start:self.start + self.n * self.length].view(self.n, self.length, *x.shape[1:])
-        return x[self.index]
+        return x.index_select(0, self.index.view(-1)).view(self.n, self.length, *x.shape[1:])
 
     def put(self, x: torch.Tensor, value: torch.Tensor) -> None:
         if self.index is None:
             self.take(x).copy_(value)
         else:
-            x[self.index] = value
+            x.index_copy_(0, self.index.view(-1), value.flatten(0, 1))
 
     def add(self, x: torch.Tensor, value: torch.Tensor) -> None:
         if self.index is None:
             self.take(x).add_(value)
         else:
-            x.index_add_(0, self.index.flatten(), value.flatten(0, 1))
+            x.index_add_(0, self.index.view(-1), value.flatten(0, 1))
 
 
 @dataclass
@@ -253,7 +253,8 @@ def grads(q, kv, dout, out, lse, calls: list[Call], kernel: Kernel, dq, dkv) -> 
             dq_c, dk_c, dv_c = kernel.backward(rows(dout), rows(q), kv_rows[:, :, 0], kv_rows[:, :, 1],
                                                rows(out), rows(lse), call.causal, call.mask)
             call.q.add(dq, dq_c.to(dq.dtype))
-            call.k.add(dkv, torch.stack([dk_c, dv_c], dim=2).to(dkv.dtype))
+            call.k.add(dkv[:, 0], dk_c.to(dkv.dtype))              # no stacked copy of dK, dV
+            call.k.add(dkv[:, 1], dv_c.to(dkv.dtype))
 
 
 class _FusedAttention(torch.autograd.Function):

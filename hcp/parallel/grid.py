@@ -35,6 +35,8 @@ AXES = ("pp", "dp", "cp", "tp")
 KINDS = {"tp": ("tp",), "cp": ("cp",), "dp": ("dp",), "pp": ("pp",), "dp_cp": ("dp", "cp"),
          "tp_cp": ("cp", "tp"), "mp": ("pp", "tp")}
 """Group kind -> the axes varying inside one group (in array order)."""
+DYNAMIC_CP = "dynamic_cp"
+"""Kind of the dynamic-CP block groups (hcp/parallel/groups.py); looked up with a `size`."""
 
 
 @dataclass(frozen=True)

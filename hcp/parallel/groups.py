@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from hcp.parallel.grid import KINDS, Grid
+from hcp.parallel.grid import DYNAMIC_CP, KINDS, Grid
 
-DYNAMIC_CP = "dynamic_cp"
-"""Kind of the dynamic-CP block groups; looked up with a `size`."""
 SELF_BACKEND = "hcp_self"
 """Backend of the stand-in group of one rank (module docstring)."""
 SELF_GROUP_DESC = "hcp_self"

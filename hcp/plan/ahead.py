@@ -15,8 +15,9 @@ in turns with the training thread, delaying its kernel launches by up to the who
 in a process it only competes for a core (benchmarks/dynamic_cp_stall.py and
 tests/test_plan_ahead.py: the stall it causes to a busy main thread). The worker is spawned (not
 forked: the training process holds threads and process groups) when the wrapper is built, and
-the planner is sent to it once: its imports (torch among them, through the cost model) run then,
-behind the caller's set-up, not in the first step's plan. Plans come back pickled, as plain data.
+the planner is sent to it once: its imports run then, behind the caller's set-up, not in the
+first step's plan. The planning path (hcp/dcp, hcp/plan, `hcp.train.planner`) imports no torch
+(tests/test_plan_ahead.py), so the worker starts in numpy's import time, not torch's. Plans come back pickled, as plain data.
 `use_worker` is the default rule (`trainer.plan_process`).
 """
 from __future__ import annotations

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hcp.data.llava import IGNORE_INDEX
+from hcp.config.modules import rows_per_item, streams
+from hcp.data.host import IGNORE_INDEX
 
 
 def _ragged_take(offsets: np.ndarray, values: np.ndarray, rows: np.ndarray):
@@ -171,3 +172,19 @@ def stream_indexes(dataset, token_ids: dict[str, int], rows_per_item: dict[str, 
     (`encoders`). Tokens and loss tokens are the same in every index; the image arrays are the
     stream's rows. Raises ValueError as `build_length_index`."""
     return {p: build_length_index(dataset, token_ids[p], rows_per_item[p], encoders[p]) for p in token_ids}
+
+
+class LengthIndexes:
+    """The length index of the default stream (LLaVA's `<image>` rows, or a text-only model's
+    lengths) and, with several streams, one per stream into the LLM (`stream_indexes`)."""
+
+    def __init__(self, cfg, dataset, tok):
+        flows = streams(cfg.graph.edges) if hasattr(dataset, "stream_ids") else ()
+        self.streams = stream_indexes(dataset, dataset.stream_ids, {s.projector: rows_per_item(cfg, s) for s in flows},
+                                      {s.projector: s.encoder for s in flows}) if flows else {}
+        first = "projector" if "projector" in self.streams else flows[0].projector if flows else None
+        self.default = self.streams[first] if first else build_length_index(dataset, tok.image_token_id, 0)
+
+    def take(self, indices):
+        """(the batch's default sizes, {projector: sizes} of every stream or {})."""
+        return self.default.take(indices), {p: ix.take(indices) for p, ix in self.streams.items()}

@@ -16,7 +16,7 @@ from typing import Callable
 
 import numpy as np
 
-from hcp.data.packing import first_fit
+from hcp.data.host import first_fit
 from hcp.dcp.plan import Group, Plan, Round, rank_tokens
 
 Policy = Callable[[np.ndarray, object, int], Plan]

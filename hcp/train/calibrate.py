@@ -11,8 +11,10 @@ micro-batches at c = 1, 8x a 512-token cap, bent the fit where the plans are). T
 (`robust_nnls`: non-negative, Huber loss of the relative errors, so that every point weighs the
 same and one disturbed timing cannot bend the fit) the per-rank model of hcp/dcp/cost_model.py
 at pp = 1, with one attention coefficient b_c per CP size (the fused SDPA of c = 1 and CP
-attention at c > 1 run different kernels):
-    time(T, S, c) = (1 + k) (a T / c + b_c S / c + g T (c - 1) / c + l (c - 1)) + o
+attention at c > 1 run different kernels) and one fixed cost e_c per micro-batch at each CP
+size c > 1 (CP attention's calls and the collectives' set-up: single 128-256-token documents at
+c = 2 and 4 measured ~20% above a fit with a ring latency l (c - 1) instead):
+    time(T, S, c) = (1 + k) (a T / c + b_c S / c + g T (c - 1) / c + e_c) + o
 with T = d L tokens, S = d L^2, k = 2 + recompute, and writes `profile.yaml` in the run
 directory: a HardwareProfile (so `packing_profile=PATH` and `benchmarks/dynamic_cp.py --cost
 PATH` load it) whose rates reproduce a, b_c, g, l, o for this model:
@@ -22,9 +24,10 @@ PATH` load it) whose rates reproduce a, b_c, g, l, o for this model:
                      at the smallest c, cp_attention_efficiency {c: ...} at every c > 1);
     bandwidth      = layers * 2 d_kv * bytes / g, comm_overlap 0, every group on
                      one "node" (ranks_per_node = the next power of two >= the grid's largest c);
-    cp_latency     = l / layers                             s per ring step and layer
+    cp_overhead    = {c: e_c / layers}                      s per micro-batch and layer
+                     (cp_latency 0: e_c holds the ring steps' latency too)
     overheads      o_f = o / (1 + k), o_b = o - o_f.
-A coefficient fitted to 0 is written as a negligible cost: rate or bandwidth 1e18, latency 0.
+A coefficient fitted to 0 is written as a negligible cost: rate or bandwidth 1e18, overhead 0.
 The YAML's `fit:` entry lists every point's measured and predicted seconds, relative error
 and weight in the fit (small: an outlier), also printed with the errors by micro-batch kind
 (`error_table`). Measured per rank: its busy time (`busy_time`: CPU time of the whole process on
@@ -187,12 +190,14 @@ def fit(rows, llm, recompute: bool, bytes_per_element: int, max_cp: int) -> dict
     L, d, c, y = arr.T
     T, S = d * L, d * L * L
     sizes = sorted({int(x) for x in c})
-    X = np.stack([T / c, *(S / c * (c == ci) for ci in sizes), T * (c - 1) / c, c - 1,
-                  np.ones_like(T)], axis=1)
+    wide = [ci for ci in sizes if ci > 1]
+    X = np.stack([T / c, *(S / c * (c == ci) for ci in sizes), T * (c - 1) / c,
+                  *((c == ci).astype(np.float64) for ci in wide), np.ones_like(T)], axis=1)
     coef, weight = robust_nnls(X, y)
     k1 = 3.0 + float(recompute)
-    a, g, lat = coef[0] / k1, coef[-3] / k1, coef[-2] / k1
-    b = {ci: float(bi / k1) for ci, bi in zip(sizes, coef[1:-3])}
+    a, g = coef[0] / k1, coef[len(sizes) + 1] / k1
+    b = {ci: float(bi / k1) for ci, bi in zip(sizes, coef[1:len(sizes) + 1])}
+    e = {ci: float(ei / k1) for ci, ei in zip(wide, coef[len(sizes) + 2:-1])}
     o = coef[-1]
     mm_flops = llm.num_layers * layer_matmul_flops_per_token(llm) + head_flops_per_token(llm)
     at_flops = llm.num_layers * layer_attention_flops_per_sq_token(llm)
@@ -209,15 +214,16 @@ def fit(rows, llm, recompute: bool, bytes_per_element: int, max_cp: int) -> dict
         "ranks_per_node": int(1 << max(0, int(max_cp - 1).bit_length())),
         "comm_overlap": 0.0, "micro_batch_overhead_fwd": float(o / k1),
         "micro_batch_overhead_bwd": float(o - o / k1), "bytes_per_element": int(bytes_per_element),
-        "cp_latency": float(lat / llm.num_layers),
+        "cp_latency": 0.0,
     }
-    if any(ci > 1 for ci in sizes):
+    if wide:
         profile["cp_attention_efficiency"] = {ci: float(r / peak) for ci, r in rate_at.items()
                                               if ci > 1}
+        profile["cp_overhead"] = {ci: ei / llm.num_layers for ci, ei in e.items()}
     profile["fit"] = {
-        "model": "seconds = (1 + k) (a T / c + b_c S / c + g T (c - 1) / c + l (c - 1)) + o, "
+        "model": "seconds = (1 + k) (a T / c + b_c S / c + g T (c - 1) / c + e_c) + o, "
                  "Huber loss of the relative errors",
-        "coefficients": {"a": float(a), "b": b, "g": float(g), "l": float(lat), "o": float(o)},
+        "coefficients": {"a": float(a), "b": b, "g": float(g), "e": e, "o": float(o)},
         "points": [{"length": int(li), "docs": int(di), "cp": int(ci), "measured_s": float(yi),
                     "predicted_s": float(pi), "rel_error": float(pi / yi - 1),
                     "weight": float(wi)}

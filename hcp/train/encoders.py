@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from hcp.config.modules import encoder_names, module_cfg, rows_per_item, streams
+from hcp.config.modules import encoder_names, module_cfg, streams
 from hcp.model.encoder_side import EncoderSide
 from hcp.model.llava import LlavaEncoder
 from hcp.model.init import meta_build
-from hcp.plan.lengths import build_length_index, stream_indexes
+from hcp.plan.lengths import LengthIndexes  # noqa: F401 - the trainer's `sides.LengthIndexes`
 from hcp.train.modules import encoder_sq_norm, module_sq_norm, sync_grads, whole_state
 
 
@@ -57,22 +57,6 @@ def build_encoder_side(cfg, groups, layouts) -> EncoderSide:
         if module_cfg(cfg, m).freeze:
             getattr(side, m).requires_grad_(False)
     return side
-
-
-class LengthIndexes:
-    """The length index of the default stream (LLaVA's `<image>` rows, or a text-only model's
-    lengths) and, with several streams, one per stream into the LLM (`stream_indexes`)."""
-
-    def __init__(self, cfg, dataset, tok):
-        flows = streams(cfg.graph.edges) if hasattr(dataset, "stream_ids") else ()
-        self.streams = stream_indexes(dataset, dataset.stream_ids, {s.projector: rows_per_item(cfg, s) for s in flows},
-                                      {s.projector: s.encoder for s in flows}) if flows else {}
-        first = "projector" if "projector" in self.streams else flows[0].projector if flows else None
-        self.default = self.streams[first] if first else build_length_index(dataset, tok.image_token_id, 0)
-
-    def take(self, indices):
-        """(the batch's default sizes, {projector: sizes} of every stream or {})."""
-        return self.default.take(indices), {p: ix.take(indices) for p, ix in self.streams.items()}
 
 
 def encoder_inputs(dataset, indices, mine, encoder, device):

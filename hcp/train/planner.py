@@ -15,7 +15,7 @@ class StepPlanner:
     Args:
         cfg: the run's config (packing, packing_profile, llm, trainer.micro_batch_tokens).
         layouts: module -> `hcp.config.layouts.ResolvedLayout`.
-        index: `hcp.train.encoders.LengthIndexes` of the training set (its `take(indices)`).
+        index: `hcp.plan.lengths.LengthIndexes` of the training set (its `take(indices)`).
         edges: the module graph's edges `(src, dst)`.
     """
 
