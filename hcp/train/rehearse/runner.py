@@ -33,8 +33,10 @@ REHEARSAL_OVERRIDES = {"logger.name": "none", "trainer.eval_every": 0,
 class RankResult:
     """One rank's rehearsal: its ops (`hcp.train.rehearse.record.Op`, issue order), group
     creations, its trained parameters' bytes, peak bytes tracked by `MemTracker`, FLOPs
-    counted in the last step, the plan's global (tokens, sum of squared document lengths) of each step, and the traceback if the
-    rank raised (then the rest may be partial)."""
+    counted in the last step, the plan's global (tokens, sum of squared document lengths) of each
+    step, the bytes of each `MemTracker` category (parameters, gradients, optimizer states,
+    activations, temporaries) at the peak, and the traceback if the rank raised (then the rest
+    may be partial)."""
 
     rank: int
     ops: list = field(default_factory=list)
@@ -43,6 +45,7 @@ class RankResult:
     flops: int = 0
     param_bytes: int = 0
     step_counts: list = field(default_factory=list)
+    peak_categories: dict = field(default_factory=dict)
     error: str | None = None
 
 
@@ -94,9 +97,11 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
                     with rec, flops:
                         trainer.train_step()
                     result.flops = flops.get_total_flops()
-        result.peak_bytes = sum(snap.get("Total", 0) for snap in
-                                tracker.get_tracker_snapshot("peak").values()
-                                if isinstance(snap, dict))
+        for snap in tracker.get_tracker_snapshot("peak").values():
+            for key, nbytes in snap.items():
+                name = getattr(key, "value", str(key))
+                result.peak_categories[name] = result.peak_categories.get(name, 0) + nbytes
+        result.peak_bytes = result.peak_categories.pop("Total", 0)
     except Exception:  # noqa: BLE001 - a rank that raises is a finding, reported with its traceback
         result.error = traceback.format_exc()
     finally:
