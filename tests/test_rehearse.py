@@ -114,7 +114,9 @@ def test_one_rank_runs_under_fake_tensors_with_its_whole_training_state(tmp_path
     """Rank 3 of 8 (a TP 2 x PP 2 LLM beside a data-parallel encoder side), one step in this
     process under `FakeTensorMode`: no host read of a device value stops it, and the peak
     tracked holds the fp32 weights, their gradients and both Adam moments (16 B per trained
-    parameter) besides activations."""
+    parameter) besides activations; each LLM micro-batch's FLOPs counted (attention included)
+    agree with the cost model's within 10% (measured: 6.8% more counted on this stage-0 rank,
+    not yet explained; llama_tiny's stages: 3.7-4.2%)."""
     import torch.distributed as dist
 
     from hcp.config.validate import validate
@@ -129,6 +131,15 @@ def test_one_rank_runs_under_fake_tensors_with_its_whole_training_state(tmp_path
     assert res.error is None, res.error
     assert not dist.is_initialized() and res.flops > 0 and res.ops and res.param_bytes > 0
     assert res.peak_bytes > 4 * res.param_bytes
+    from hcp.config.layouts import resolve_layouts
+    from hcp.parallel.roles import role_of
+    from hcp.train.estimate import cost_model, hardware
+
+    layouts = resolve_layouts(cfg, 8)
+    cost, stage = cost_model(cfg, layouts["llm"], hardware(cfg)), role_of(layouts, 3).stage("llm")
+    assert res.micro_batches and sum(c for c, *_ in res.micro_batches) <= res.flops
+    for counted, tokens, sq, c in res.micro_batches:
+        assert abs(counted / cost.micro_batch_flops(tokens, sq, c)[stage] - 1) < 0.10
 
 
 @pytest.mark.slow
