@@ -16,6 +16,10 @@ FULL = {
     # middle ones run the same layers as theirs without embedding or head)
     "llama13b_dynamic_cp": ("+recipe=llama13b_dynamic_cp", "trainer.global_batch_size=8",
                             "rehearse.ranks=[0,56]"),
+    # colocated: every rank runs the whole encoder side (dp 64) and one LLM stage (TP 8 x CP 2
+    # x PP 2): rank 0 is LLM stage 0, rank 32 the last; GBS 64, one image per encoder rank
+    # (~200 s of CPU for the two ranks)
+    "llava_hetero": ("+recipe=llava_hetero", "trainer.global_batch_size=64", "rehearse.ranks=[0,32]"),
 }
 
 

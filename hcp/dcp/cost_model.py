@@ -243,9 +243,10 @@ class CostModel:
         self.llm, self.hw, self.pp, self.tp, self.recompute = llm, hw, pp, tp, bool(recompute)
         head = np.zeros(pp)
         head[-1] = 1.0
-        mm_flops = n * layer_matmul_flops_per_token(llm) + head * head_flops_per_token(llm)
-        self.mm_coef = mm_flops / tp / (hw.peak_flops * hw.matmul_efficiency)  # s / token
-        self.attn_coef = (n * layer_attention_flops_per_sq_token(llm) / tp
+        self.mm_flops = n * layer_matmul_flops_per_token(llm) + head * head_flops_per_token(llm)  # / token
+        self.attn_flops = n * layer_attention_flops_per_sq_token(llm)  # / token^2
+        self.mm_coef = self.mm_flops / tp / (hw.peak_flops * hw.matmul_efficiency)  # s / token
+        self.attn_coef = (self.attn_flops / tp
                           / (hw.peak_flops * hw.attention_efficiency))  # s / token^2 at c = 1
         self.comm_coef = n * 2 * kv_dim(llm) / tp * hw.bytes_per_element  # bytes / token / GPU
         self.latency_coef = n * hw.cp_latency  # s per ring step (c - 1) and micro-batch
@@ -323,6 +324,13 @@ class CostModel:
                          micro_batch_overhead_bwd=scale * self.hw.micro_batch_overhead_bwd)
         out.pp = 1
         return out
+
+    def micro_batch_flops(self, tokens: float, sq: float, c: int) -> np.ndarray:
+        """FLOPs `[pp]` one rank of each stage computes for a micro-batch of `tokens` tokens
+        whose documents' squared lengths sum to `sq`, on a CP group of `c` ranks: what `fwd`
+        times (matmuls and causal attention, / tp / c) for the forward, `bwd_factor` times it
+        for the backward (full recompute: one more forward)."""
+        return (1.0 + self.bwd_factor) * (self.mm_flops * tokens + self.attn_flops * sq) / self.tp / c
 
     def model_flops(self, lengths) -> float:
         """Model FLOPs of one training step on these sequences (hcp/model/flops.py)."""

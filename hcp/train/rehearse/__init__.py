@@ -37,14 +37,17 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     from hcp.config.layouts import resolve_layouts
     from hcp.parallel.roles import role_table
     from hcp.train.plan import memory_per_rank, running_layouts
-    from hcp.train.rehearse.report import find_mismatches, format_report, role_rows, step_flops, write_json
+    from hcp.train.estimate import cost_model, hardware
+    from hcp.train.rehearse.report import (find_mismatches, format_report, micro_batch_flops, role_rows,
+                                           write_json)
     from hcp.train.rehearse.runner import default_jobs, rehearsal_config, rehearse_ranks
 
     ranks = check_rehearse(cfg, world)
     layouts = resolve_layouts(cfg, world)
     running = running_layouts(cfg, layouts)
-    roles = {role.rank: ", ".join(f"{m} pp{role.stage(m)}" for m in role.modules)
-             for role in role_table(running, world)}
+    table = role_table(running, world)
+    roles = {role.rank: ", ".join(f"{m} pp{role.stage(m)}" for m in role.modules) for role in table}
+    stages = {role.rank: role.stage("llm") if "llm" in role.modules else None for role in table}
     plan_gib = {row["rank"]: row["total"] for row in memory_per_rank(cfg, layouts, world)}
     cfg = rehearsal_config(cfg)  # what the ranks get: the resolved container, as in training
     jobs = cfg.rehearse.jobs or default_jobs()
@@ -57,7 +60,8 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     results = rehearse_ranks(cfg, run_dir, ranks, world, cfg.rehearse.steps, jobs, progress=said)
     wall = time.perf_counter() - t0
     mismatches = find_mismatches(results, world, cfg.cluster.device_memory_gib)
-    rows, flops = role_rows(results, roles, plan_gib), step_flops(cfg, results, world)
-    print(format_report(rows, mismatches, flops, wall), flush=True)
-    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, flops, results, wall)
+    micro = micro_batch_flops(results, stages, cost_model(cfg, running["llm"], hardware(cfg)))
+    rows = role_rows(results, roles, plan_gib, micro)
+    print(format_report(rows, mismatches, wall), flush=True)
+    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall)
     return mismatches

@@ -45,7 +45,7 @@ def _first_difference(seqs: dict[int, list], key=lambda x: x):
     ref = seqs[ref_rank]
     for i in range(max(len(s) for s in seqs.values())):
         want = key(ref[i]) if i < len(ref) else None
-        bad = [r for r, s in seqs.items() if (key(s[i]) if i < len(s) else None) != want]
+        bad = [r for r, s in sorted(seqs.items()) if (key(s[i]) if i < len(s) else None) != want]
         if bad:
             return i, ref_rank, bad
     return None

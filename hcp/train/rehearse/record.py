@@ -36,7 +36,8 @@ class Op:
     groups over the same ranks stay apart); `shapes` and `dtype` of its tensors; `peer` the
     global rank of a send's destination or a receive's source; `tag`; `batch` the rank's
     sequence number of the `batch_isend_irecv` (or lone send/recv) it was posted in; `splits`
-    (output, input) split sizes of an all-to-all; `step` the training step (0: set-up)."""
+    (output, input) split sizes of an all-to-all; `reduce_op` a reducing collective's
+    `ReduceOp` name (`SUM`, `AVG`, `MAX`, ...); `step` the training step (0: set-up)."""
 
     kind: str
     op: str
@@ -49,6 +50,7 @@ class Op:
     tag: int | None = None
     batch: int | None = None
     splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    reduce_op: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -57,14 +59,15 @@ class Op:
         return sum(size * int(torch.Size(s).numel()) for s in self.shapes)
 
     def signature(self) -> tuple:
-        """What every member of a collective must agree on: op, dtype and (unless its splits
-        may be uneven) shapes; a send/recv: shape and dtype."""
+        """What every member of a collective must agree on: op, dtype, reduce op and (unless
+        its splits may be uneven) shapes; a send/recv: shape and dtype."""
         shapes = () if self.op in UNEVEN_OPS else self.shapes
-        return (self.op, shapes, self.dtype)
+        return (self.op, shapes, self.dtype, self.reduce_op)
 
     def __str__(self) -> str:
         where = f" peer {self.peer} tag {self.tag}" if self.peer is not None else ""
-        return (f"{self.op} {list(map(list, self.shapes))} {self.dtype.replace('torch.', '')} "
+        reduce = f" {self.reduce_op}" if self.reduce_op else ""
+        return (f"{self.op}{reduce} {list(map(list, self.shapes))} {self.dtype.replace('torch.', '')} "
                 f"on group {list(self.group)}{where}")
 
 
@@ -87,11 +90,21 @@ def _fake_pg_alltoall_args(args) -> tuple:
     return (out, dummy, pg, out_splits, [1] + [0] * (len(in_splits) - 1), *rest)
 
 
+def _script_object(args, kind: str):
+    return next((a for a in args if isinstance(a, torch.ScriptObject) and kind in str(a._type())), None)
+
+
 def _group(args) -> dist.ProcessGroup:
-    for a in args:
-        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
-            return dist.ProcessGroup.unbox(a)
-    raise RuntimeError("a c10d op without a process group")
+    pg = _script_object(args, "ProcessGroup")
+    if pg is None:
+        raise RuntimeError("a c10d op without a process group")
+    return dist.ProcessGroup.unbox(pg)
+
+
+def _reduce_op(args) -> str | None:
+    """The name of a reducing collective's `ReduceOp` (the dispatcher passes it boxed)."""
+    op = _script_object(args, "ReduceOp")
+    return None if op is None else dist.ReduceOp.RedOpType(op.op()).name
 
 
 class Recorder(TorchDispatchMode):
@@ -136,7 +149,7 @@ class Recorder(TorchDispatchMode):
             splits = (tuple(args[3]), tuple(args[4]))
             shapes = tuple(tuple(t.shape) for t in tensors[:2])
             common["shapes"] = shapes
-        self.ops.append(Op("collective", name, splits=splits, **common))
+        self.ops.append(Op("collective", name, splits=splits, reduce_op=_reduce_op(args), **common))
 
     @contextlib.contextmanager
     def _batched(self):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-from hcp.model.flops import model_flops
 from hcp.train.rehearse.checks import (Mismatch, check_collectives, check_creations,
                                        check_rendezvous)
 
@@ -28,20 +27,38 @@ def find_mismatches(results: dict, world: int, device_gib: float) -> list[Mismat
     return out
 
 
-def role_rows(results: dict, roles: dict[int, str], plan_gib: dict[int, float]) -> list[dict]:
+def micro_batch_flops(results: dict, stages: dict[int, int | None], cost) -> dict[int, list[tuple]]:
+    """rank -> [(FLOPs counted, FLOPs by the cost model)] of each LLM micro-batch of its last
+    step; `stages`: rank -> its LLM PP stage (None: no LLM stage); `cost`: the LLM's
+    `hcp.dcp.cost_model.CostModel` (`CostModel.micro_batch_flops`)."""
+    return {r: [(counted, float(cost.micro_batch_flops(tokens, sq, c)[stages[r]]))
+                for counted, tokens, sq, c in res.micro_batches if tokens]
+            for r, res in results.items() if stages.get(r) is not None}
+
+
+def role_rows(results: dict, roles: dict[int, str], plan_gib: dict[int, float], micro: dict) -> list[dict]:
     """One row per role (ranks with the same modules and PP stages): ranks rehearsed, the
-    largest per-rank collectives issued, p2p bytes sent, peak GiB tracked, plan mode's
-    estimate and FLOPs counted in one step."""
+    largest per-rank collectives issued, p2p bytes sent, peak GiB tracked (and its largest
+    `MemTracker` categories), plan mode's estimate, FLOPs counted in the last step, and the
+    LLM micro-batches' FLOPs counted and modelled (`micro`: `micro_batch_flops`) with the
+    largest relative difference of one micro-batch."""
     rows: dict[str, dict] = {}
     for r, res in sorted(results.items()):
         row = rows.setdefault(roles[r], {"role": roles[r], "ranks": [], "collectives": 0, "sent_mib": 0.0,
-                                         "peak_gib": 0.0, "plan_gib": 0.0, "flops": 0})
+                                         "peak_gib": 0.0, "plan_gib": 0.0, "flops": 0, "llm_counted": 0.0,
+                                         "llm_modelled": 0.0, "flops_diff": 0.0, "categories": {}})
         row["ranks"].append(r)
         row["collectives"] = max(row["collectives"], sum(op.kind == "collective" for op in res.ops))
         row["sent_mib"] = max(row["sent_mib"], sum(op.nbytes for op in res.ops if op.kind == "send") / 2 ** 20)
+        if res.peak_bytes / GIB >= row["peak_gib"]:
+            row["categories"] = {k: v / GIB for k, v in res.peak_categories.items() if v}
         row["peak_gib"] = max(row["peak_gib"], res.peak_bytes / GIB)
         row["plan_gib"] = max(row["plan_gib"], plan_gib.get(r, 0.0))
         row["flops"] = max(row["flops"], res.flops)
+        pairs = micro.get(r, [])
+        if pairs and sum(c for c, _ in pairs) >= row["llm_counted"]:
+            row["llm_counted"], row["llm_modelled"] = sum(c for c, _ in pairs), sum(m for _, m in pairs)
+        row["flops_diff"] = max([row["flops_diff"]] + [abs(c / m - 1) for c, m in pairs if m])
     return list(rows.values())
 
 
@@ -50,19 +67,24 @@ def _ranks_text(ranks: list[int]) -> str:
         else ",".join(map(str, ranks))
 
 
-def format_report(rows: list[dict], mismatches: list[Mismatch], flops: dict, wall_s: float) -> str:
-    """The console report: the role table, the step's FLOPs counted against the cost model's,
-    then `rehearsal passed` or every mismatch."""
-    head = (f"{'role':<28} {'ranks':>9} {'collectives':>11} {'p2p sent MiB':>12} "
-            f"{'peak GiB':>9} {'plan GiB':>9} {'GFLOP/step':>11}")
+def format_report(rows: list[dict], mismatches: list[Mismatch], wall_s: float) -> str:
+    """The console report: the role table (memory tracked against plan mode's estimate, the
+    LLM micro-batches' FLOPs counted against the cost model's), then `rehearsal passed` or
+    every mismatch."""
+    head = (f"{'role':<28} {'ranks':>9} {'collectives':>11} {'p2p sent MiB':>12} {'peak GiB':>9} "
+            f"{'plan GiB':>9} {'GFLOP/step':>11} {'LLM GFLOP':>10} {'modelled':>10} {'worst mb':>8}")
     lines = ["hcp rehearsal: per rank (largest in each role)", head]
     for row in rows:
+        llm = (f"{row['llm_counted'] / 1e9:>10.1f} {row['llm_modelled'] / 1e9:>10.1f} "
+               f"{100 * row['flops_diff']:>7.1f}%" if row["llm_modelled"] else f"{'-':>10} {'-':>10} {'-':>8}")
         lines.append(f"{row['role']:<28} {_ranks_text(row['ranks']):>9} {row['collectives']:>11} "
                      f"{row['sent_mib']:>12.2f} {row['peak_gib']:>9.3f} {row['plan_gib']:>9.3f} "
-                     f"{row['flops'] / 1e9:>11.2f}")
-    lines.append(f"last step, all ranks rehearsed: {flops['counted'] / 1e9:.2f} GFLOP counted "
-                 f"(every module, recompute included), {flops['modelled'] / 1e9:.2f} GFLOP by the cost "
-                 f"model (LLM, 3 x forward) for the same micro-batches; wall {wall_s:.1f} s")
+                     f"{row['flops'] / 1e9:>11.1f} {llm}")
+    lines.append("peak GiB: MemTracker on the real ops (parameters, gradients, optimizer states, "
+                 "activations, temporaries); plan GiB: plan mode's estimate. LLM GFLOP: the last step's "
+                 "LLM micro-batches counted (recompute and the flash backward's recomputed scores "
+                 "included) and by the cost model; worst mb: the largest difference of one micro-batch. "
+                 f"Wall {wall_s:.1f} s")
     if not mismatches:
         lines.append("rehearsal passed")
     else:
@@ -71,24 +93,15 @@ def format_report(rows: list[dict], mismatches: list[Mismatch], flops: dict, wal
     return "\n".join(lines)
 
 
-def step_flops(cfg, results: dict, world: int) -> dict:
-    """The last step's FLOPs counted on all rehearsed ranks, and the cost model's
-    (`hcp.model.flops.model_flops`) of that step's global tokens; the modelled figure is
-    scaled to the share of ranks rehearsed."""
-    counted = sum(res.flops for res in results.values())
-    steps = [res.step_counts[-1] for res in results.values() if res.step_counts]
-    modelled = model_flops(cfg.llm, *steps[0]) * len(results) / world if steps else 0.0
-    return {"counted": counted, "modelled": modelled}
-
-
-def write_json(path: str, rows, mismatches, flops, results, wall_s: float) -> None:
-    """`rehearsal.json`: the table, the FLOPs, every mismatch, and each rank's op count and
-    error (traceback)."""
-    data = {"passed": not mismatches, "wall_s": wall_s, "roles": rows, "flops": flops,
+def write_json(path: str, rows, mismatches, micro: dict, results, wall_s: float) -> None:
+    """`rehearsal.json`: the table, every mismatch, and each rank's op count, peak, FLOPs
+    (per LLM micro-batch: counted, modelled) and error (traceback)."""
+    data = {"passed": not mismatches, "wall_s": wall_s, "roles": rows,
             "mismatches": [m.__dict__ | {"sides": {str(k): v for k, v in m.sides.items()}}
                            for m in mismatches],
             "ranks": {str(r): {"ops": len(res.ops), "groups_created": len(res.creations),
-                               "peak_gib": res.peak_bytes / GIB, "flops": res.flops, "error": res.error}
+                               "peak_gib": res.peak_bytes / GIB, "flops": res.flops,
+                               "micro_batch_flops": micro.get(r, []), "error": res.error}
                       for r, res in sorted(results.items())}}
     with open(path, "w") as f:
         json.dump(data, f, indent=1)

@@ -5,7 +5,7 @@ group (`FakeStore`, backend `"fake"`: every collective returns at once, its outp
 at rank r of the full world W, the `Trainer` built exactly as training builds it, then
 `rehearse.steps` `train_step()`s under the `Recorder` (every c10d op and group creation),
 torch's `MemTracker` (peak bytes of the steps, parameters included) and `FlopCounterMode` (the
-last step). Everything runs under torch's `FakeTensorMode`: every tensor has its shape, dtype
+last step, per micro-batch: `hcp.train.rehearse.count`). Everything runs under torch's `FakeTensorMode`: every tensor has its shape, dtype
 and device but no storage, so a 70B recipe's rank costs what its number of ops costs, not its
 FLOPs or bytes. The step plan and the rank's data are real host values (the plan-ahead thread
 runs outside the fake mode); what the device computes has no value, so nothing reads it: the
@@ -33,8 +33,11 @@ REHEARSAL_OVERRIDES = {"logger.name": "none", "trainer.eval_every": 0,
 class RankResult:
     """One rank's rehearsal: its ops (`hcp.train.rehearse.record.Op`, issue order), group
     creations, its trained parameters' bytes, peak bytes tracked by `MemTracker`, FLOPs
-    counted in the last step, the plan's global (tokens, sum of squared document lengths) of each step, and the traceback if the
-    rank raised (then the rest may be partial)."""
+    counted in the last step, the plan's global (tokens, sum of squared document lengths) of each
+    step, the last step's LLM micro-batches as `(FLOPs counted, tokens, sum of squared document
+    lengths, CP size)` (`hcp.train.rehearse.count`), the bytes of each `MemTracker` category (parameters, gradients, optimizer states,
+    activations, temporaries) at the peak, and the traceback if the rank raised (then the rest
+    may be partial)."""
 
     rank: int
     ops: list = field(default_factory=list)
@@ -43,6 +46,8 @@ class RankResult:
     flops: int = 0
     param_bytes: int = 0
     step_counts: list = field(default_factory=list)
+    peak_categories: dict = field(default_factory=dict)
+    micro_batches: list = field(default_factory=list)
     error: str | None = None
 
 
@@ -61,8 +66,7 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from torch.utils.flop_counter import FlopCounterMode
-
+    from hcp.train.rehearse.count import flop_counter, per_micro_batch
     from hcp.train.rehearse.record import Recorder
     from hcp.train.trainer import Trainer
 
@@ -77,26 +81,32 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
                 trainer = Trainer(cfg, run_dir)
             result.param_bytes = sum(_local(p).numel() * p.element_size()
                                      for p in trainer.modules.parameters() if p.requires_grad)
-            fb = trainer.forward_backward
+            fb, planned = trainer.forward_backward, []
 
             def forward_backward(global_batch, prepared=None):
-                c = prepared[0].counts
-                result.step_counts.append((c.tokens, c.sum_sq_lengths))
+                mine = prepared[0]
+                result.step_counts.append((mine.counts.tokens, mine.counts.sum_sq_lengths))
+                planned[:] = [mb for mb in mine.micro_batches if mine.keep_empty or not mb.empty]
                 return fb(global_batch, prepared)
 
             trainer.forward_backward = forward_backward
             tracker = _peak_tracker()  # entered inside the fake mode: it tracks the fake tensors
             tracker.track_external(trainer.modules, trainer.optimizer)
             with tracker:
-                for step in range(1, steps + 1):
+                for step in range(1, steps):
                     rec.step = step
-                    flops = FlopCounterMode(display=False)
-                    with rec, flops:
+                    with rec:
                         trainer.train_step()
-                    result.flops = flops.get_total_flops()
-        result.peak_bytes = sum(snap.get("Total", 0) for snap in
-                                tracker.get_tracker_snapshot("peak").values()
-                                if isinstance(snap, dict))
+                rec.step, counter = steps, flop_counter()  # FLOPs: the last step only
+                with rec, counter, per_micro_batch(counter) as micro_flops:
+                    trainer.train_step()
+                result.flops = counter.get_total_flops()
+                result.micro_batches = [(micro_flops.get(i, 0), *_sizes(mb)) for i, mb in enumerate(planned)]
+        for snap in tracker.get_tracker_snapshot("peak").values():
+            for key, nbytes in snap.items():
+                name = getattr(key, "value", str(key))
+                result.peak_categories[name] = result.peak_categories.get(name, 0) + nbytes
+        result.peak_bytes = result.peak_categories.pop("Total", 0)
     except Exception:  # noqa: BLE001 - a rank that raises is a finding, reported with its traceback
         result.error = traceback.format_exc()
     finally:
@@ -107,6 +117,12 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
         dist.destroy_process_group()
         torch.set_grad_enabled(True)
     return result
+
+
+def _sizes(mb) -> tuple[int, float, int]:
+    """(tokens, sum of squared document lengths, CP size) of a `MicroBatchPlan`."""
+    lengths = [int(b - a) for a, b in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])]
+    return sum(lengths), float(sum(n * n for n in lengths)), mb.cp_size
 
 
 def _local(p):
