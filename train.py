@@ -5,7 +5,7 @@
     python train.py -m optim.lr=1e-3,3e-3             # a sweep: one run directory per job
     torchrun --nproc-per-node 8 train.py ...          # joins the ranks torchrun started
 """
-from hcp.train.entry import main
+from hcp.entry import main
 
 if __name__ == "__main__":
     main()

@@ -138,7 +138,7 @@ def ideal(case: dict) -> dict:
 
 def worker(case: dict) -> dict:
     """Run one CP case on `cp` forked ranks; the max over ranks (or the failure)."""
-    from hcp.train.launch import free_port
+    from hcp.launch.launch import free_port
 
     ctx = mp.get_context("fork")
     queue, port = ctx.Queue(), free_port()

@@ -7,7 +7,7 @@ considers, against its predictions (issue 27 section 2).
 
 For each variant of `+recipe=llava_tiny_hetero` (`VARIANTS`: the recipe; a much larger encoder;
 much longer text; and `HELD_OUT`, one not looked at while tuning, reported apart) on `--world`
-local gloo ranks, the search (`hcp.train.auto_layout.search`) ranks every layout of its space
+local gloo ranks, the search (`hcp.preflight.auto_layout.search`) ranks every layout of its space
 with `PINS` held (recompute none, dp_shard off, vision tp 1 and pp 1, LLM tp 1 and pp 1: what is
 left is the placement, the island size and the LLM's cp) under `--profile`
 (`benchmarks/cpu_profile.yaml`: the CPU profile with its `host:` model, fitted on the recipe's
@@ -80,7 +80,7 @@ def measure(cfg, world: int, run_dir: str, steps: int) -> tuple[float, float]:
     from omegaconf import OmegaConf
 
     from hcp.data.build import prepare_data
-    from hcp.train.launch import start_local_ranks
+    from hcp.launch.launch import start_local_ranks
 
     os.makedirs(run_dir, exist_ok=True)
     prepare_data(cfg)
@@ -99,7 +99,7 @@ def measure(cfg, world: int, run_dir: str, steps: int) -> tuple[float, float]:
 def _measured(trial, name: str, cand, args) -> dict:
     """{"wall_s", "cpu_s"} of the candidate applied in `trial` (`measure`); with `--reuse`, the
     figures an earlier run of the same variant, layout and step counts left in its folder."""
-    from hcp.train.auto_layout import describe
+    from hcp.preflight.auto_layout import describe
 
     tag = "-".join([cand.placement] + [f"{m}_{d}" for m, d in describe(cand).items()]).replace(" ", "_")
     run_dir = os.path.join(args.out, name, tag)
@@ -136,8 +136,8 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
 
     from scipy.stats import spearmanr
 
-    from hcp.train.auto_layout import apply_layout, describe, search
-    from hcp.train.auto_space import pinned_fields
+    from hcp.preflight.auto_layout import apply_layout, describe, search
+    from hcp.preflight.auto_space import pinned_fields
 
     cfg = variant_config(name, overrides, args)
     t0 = time.perf_counter()
@@ -165,7 +165,7 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
 
 
 def calibrate(args) -> None:
-    """Fit `--profile`'s `peak_flops`, `cp_latency` and host model (`hcp.train.auto_cost.Host`)
+    """Fit `--profile`'s `peak_flops`, `cp_latency` and host model (`hcp.preflight.auto_cost.Host`)
     on the measured CPU seconds of the recipe's variant and the `CALIBRATION` ones (measured
     now, or `--reuse`d): the predicted work of all ranks is linear in 1 / peak_flops, layer_s,
     cp_layer_s, cp_latency and module_step_s, so non-negative least squares over them; `cores`:
@@ -179,9 +179,9 @@ def calibrate(args) -> None:
     from scipy.optimize import nnls
 
     from hcp.dcp.cost_model import read_profile
-    from hcp.train.auto_cost import Scorer
-    from hcp.train.auto_layout import apply_layout, search
-    from hcp.train.auto_space import pinned_fields
+    from hcp.preflight.auto_cost import Scorer
+    from hcp.preflight.auto_layout import apply_layout, search
+    from hcp.preflight.auto_space import pinned_fields
 
     base = dict(read_profile(args.profile))
     names = ("layer_s", "cp_layer_s", "cp_latency", "module_step_s")

@@ -135,7 +135,7 @@ def run_layout(name, data, args, root) -> dict:
     from hcp.config.compose import compose_config
     from hcp.config.validate import validate
     from hcp.train import encoders as sides
-    from hcp.train.launch import start_local_ranks
+    from hcp.launch.launch import start_local_ranks
     from hcp.train.planner import StepPlanner
     from omegaconf import OmegaConf
 

@@ -19,7 +19,7 @@ Per batch and on average: simulated iteration time (s), its ratio to the provabl
 (hcp/dcp/lower_bound.py; with `--lp-bound` and pp > 1 the tighter hcp/dcp/pinned_bound.py),
 rounds, CP-size histogram (sequences per CP size), planning wall time, and TFLOPS/GPU = model FLOPs of the real tokens (hcp/model/flops.py) / (iteration time *
 GPUs), GPUs = pool * pp * tp. At pp = 1 (without `--dp-shard`) a group may run several
-micro-batches per round (hcp/dcp/plan.py), for our solver and for Megatron's scheduler alike.
+micro-batches per round (hcp/dcp/packing.py), for our solver and for Megatron's scheduler alike.
 Lengths (`--lengths`): `wikipedia` (FlexSP's Wikipedia sample, hcp/data/lengths/), `code`
 (this Python's standard-library sources as byte-level documents: the `code_corpus` data set's
 document lengths), `lognormal` (numpy `lognormal(mean=ln 1024, sigma=1.5)`, i.e. median
@@ -50,7 +50,7 @@ from hcp.dcp.exact import solve_exact  # noqa: E402
 from hcp.dcp.lower_bound import lower_bound  # noqa: E402
 from hcp.dcp.megatron_peer import megatron_plan  # noqa: E402
 from hcp.dcp.pinned_bound import pinned_bound  # noqa: E402
-from hcp.dcp.plan import max_length, prepare_lengths, validate_plan  # noqa: E402
+from hcp.dcp.packing import max_length, prepare_lengths, validate_plan  # noqa: E402
 from hcp.dcp.solver import simulate_plan, solve  # noqa: E402
 
 WIKIPEDIA = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"

@@ -72,7 +72,7 @@ def _rank(payload) -> None:
 
     from hcp.dcp.cost_model import load_cost, recipe_llm
     from hcp.dcp.solver import solve
-    from hcp.train.distributed import init_distributed
+    from hcp.launch.distributed import init_distributed
 
     init_distributed(OmegaConf.create(payload["launcher"]))
     torch.set_num_threads(1)
@@ -121,7 +121,7 @@ def main(argv=None) -> dict:
     from hcp.config.compose import compose_config
     from omegaconf import OmegaConf
 
-    from hcp.train.launch import start_local_ranks
+    from hcp.launch.launch import start_local_ranks
 
     cfg = compose_config(["+recipe=llama_tiny", f"launcher.nproc_per_node={args.ranks}"])
     tmp = tempfile.mkdtemp(prefix="dcp-bcast-")  # not TemporaryDirectory: forked finalizers

@@ -16,7 +16,7 @@ longest documents need the whole pool, and a static run sizes its CP for them. S
 `first_fit` at cp = pool (dp 1, every micro-batch on the whole pool). Dynamic: the `dynamic_cp`
 policy (hcp/dcp/policy.py) with the cost model under the profile calibrated on this machine
 (`--profile`, else `mode=calibrate`'s fit is run first, over every CP size 1 .. pool and the
-cap's region, hcp/train/calibrate.py `grid`; with `--json X.json` the profile is kept as
+cap's region, hcp/preflight/calibrate.py `grid`; with `--json X.json` the profile is kept as
 X.profile.yaml). Each micro-batch runs on its CP group from the pre-built dynamic-CP groups. Not
 measured: gradient sync and the optimizer step (the same for both).
 
@@ -25,7 +25,7 @@ all runs share one fork of the ranks and one calibration. Per method and rep (`-
 measurements of both methods on the same plans, the order alternating, after one unmeasured
 warm-up step of each on the first batch of each distribution: gloo connects a group on its
 first collective): wall tokens/s (rank 0's wall time; 2 shared cores hide imbalance), and the
-critical path from each rank's busy time per micro-batch (hcp/train/calibrate.py `busy_time`:
+critical path from each rank's busy time per micro-batch (hcp/preflight/calibrate.py `busy_time`:
 the CPU time of the rank's whole process over the micro-batch's forward and backward, so that
 gloo's CP all-gathers and reduce-scatters, which run on gloo's own threads, count, while
 waiting for a peer does not: a blocked gloo rank sleeps; neither does the machine's other
@@ -115,8 +115,8 @@ def _rank(payload) -> None:
     from hcp.plan.lengths import SampleSizes
     from hcp.plan.step import plan_step, register_policy
     from hcp.dcp.policy import micro_batch_group
-    from hcp.train.calibrate import busy_time
-    from hcp.train.distributed import init_distributed
+    from hcp.preflight.calibrate import busy_time
+    from hcp.launch.distributed import init_distributed
 
     cfg = OmegaConf.create(payload["cfg"])
     init_distributed(cfg.launcher)
@@ -247,7 +247,7 @@ def parse_args(argv=None):
     if args.json and not Path(args.json).resolve().parent.is_dir():
         p.error(f"--json {args.json}: its directory does not exist; create it or pick another path")
     if args.profile is None:
-        from hcp.train.calibrate import check_cap
+        from hcp.preflight.calibrate import check_cap
         try:
             check_cap(args.micro_batch_tokens)
         except ValueError as err:
@@ -291,7 +291,7 @@ def main(argv=None) -> dict:
                         for _ in range(args.steps)]
     from omegaconf import OmegaConf
 
-    from hcp.train.launch import start_local_ranks
+    from hcp.launch.launch import start_local_ranks
 
     # mkdtemp, not TemporaryDirectory: forked ranks inherit its finalizer and would delete it
     tmp = tempfile.mkdtemp(prefix="dcp-train-")
@@ -299,7 +299,7 @@ def main(argv=None) -> dict:
     try:
         profile = args.profile
         if profile is None:  # every CP size the plans use, over the plans' region (the cap)
-            from hcp.train.calibrate import run_calibrate
+            from hcp.preflight.calibrate import run_calibrate
             sizes = [1 << e for e in range(args.ranks.bit_length())]
             profile = run_calibrate(cfg, tmp, sizes, args.micro_batch_tokens)
             keep = Path(args.json).with_suffix(".profile.yaml") if args.json else None

@@ -61,7 +61,7 @@ import functools  # noqa: E402
 
 import hetero_rank  # noqa: E402
 from hetero_rank import PHASES, encoder_flops, make_data, run_rank, schedule_graph  # noqa: E402,F401
-from hcp.train.launch import free_port  # noqa: E402
+from hcp.launch.launch import free_port  # noqa: E402
 
 MODEL = ["vision.image_size=32", "vision.patch_size=4", "vision.hidden_size=256",
          "vision.num_layers=4", "vision.num_heads=4", "vision.ffn_hidden_size=1024",

@@ -5,9 +5,9 @@ Cases (`CASES`): `+recipe=llava_hetero` (CLIP ViT-L/14-336 + LLaMA-13B on 64 H10
 and non-colocated (the recipe's own alternative), and `+recipe=internvit6b_llama70b` (a 6B
 encoder + a 70B LLM on 160 H100s) colocated and non-colocated, each also with the encoder state
 replicated over its DP lanes (`dp_shard=false`: the encoder FSDP that training lacks today).
-Per case: the LLM and encoder layouts, the largest per-rank memory (`hcp.train.plan.memory_per_rank`:
+Per case: the LLM and encoder layouts, the largest per-rank memory (`hcp.preflight.plan_mode.memory_per_rank`:
 a rank holds only its island's modules) on encoder-only ranks and on LLM ranks, whether it fits
-`cluster.device_memory_gib`, plan mode's LLM step estimate and bubble (`hcp.train.estimate`),
+`cluster.device_memory_gib`, plan mode's LLM step estimate and bubble (`hcp.preflight.estimate`),
 and the encoder's seconds per rank: its training FLOPs (`hetero_rank.encoder_flops`; 4/3 of
 them again under recompute) for the images of one lane per step (`global_batch / dp *
 data.images_per_sample`) at the H100 profile's peak x matmul efficiency. Step estimate:
@@ -55,8 +55,8 @@ def plan_case(recipe: str, overrides) -> dict:
     from hcp.config.layouts import check_layouts, world_size_of
     from hcp.dcp.cost_model import load_profile
     from hcp.parallel.roles import role_table
-    from hcp.train.estimate import estimate_step
-    from hcp.train.plan import memory_per_rank, stage_memory
+    from hcp.preflight.estimate import estimate_step
+    from hcp.preflight.plan_mode import memory_per_rank, stage_memory
 
     cfg = compose_config([f"+recipe={recipe}", "mode=plan", *overrides])
     world = world_size_of(cfg)

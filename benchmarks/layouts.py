@@ -25,7 +25,7 @@ from collections import Counter
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hcp.train.launch import free_port  # noqa: E402
+from hcp.launch.launch import free_port  # noqa: E402
 
 SMALL = ["trainer.global_batch_size=8", "data.max_seq_len=512", "trainer.micro_batch_tokens=1024",
          "trainer.eval_every=0", "trainer.progress_bar=false", "logger=none"]

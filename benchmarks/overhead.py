@@ -38,7 +38,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from hcp.train.launch import free_port  # noqa: E402
+from hcp.launch.launch import free_port  # noqa: E402
 from plain_loop import PlainLoop, Sections  # noqa: E402  (benchmarks/plain_loop.py)
 
 OVERRIDES = ["+recipe=llama_tiny", "trainer.eval_every=0", "trainer.save_every=0"]

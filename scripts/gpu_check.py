@@ -193,7 +193,7 @@ def check_te_cp(lengths) -> bool:
 
     import torch.multiprocessing as tmp
 
-    from hcp.train.launch import free_port
+    from hcp.launch.launch import free_port
 
     if importlib.util.find_spec("transformer_engine") is None or torch.cuda.device_count() < 2:
         print(f"te cp attention: skipped (transformer_engine "

@@ -12,7 +12,7 @@ import os
 import pickle
 import traceback
 
-from hcp.train.launch import free_port
+from hcp.launch.launch import free_port
 
 
 def _child(fn, rank, world_size, port, args, queue):

@@ -43,7 +43,7 @@ def rehearse(monkeypatch, tmp_path, overrides, registry=None):
     from hcp.config.layouts import world_size_of
     from hcp.config.validate import validate
     from hcp.data.build import prepare_data
-    from hcp.train.rehearse import run_rehearsal
+    from hcp.preflight.rehearse import run_rehearsal
 
     if registry is not None:
         monkeypatch.setattr(ProcessGroupRegistry, "__init__", registry)

@@ -1,4 +1,4 @@
-"""`layout=auto` (hcp.train.auto_layout): pins respected, only feasible layouts returned, the
+"""`layout=auto` (hcp.preflight.auto_layout): pins respected, only feasible layouts returned, the
 pruned search finds the brute-force optimum, the report is written, and the CLI runs it.
 Cost: about 2-3 minutes in all on 2 loaded cores (the two CLI runs are most of it; the data-
 and host-model tests ~40 s)."""
@@ -15,10 +15,10 @@ from omegaconf import OmegaConf
 from cfg_utils import REPO, compose_cfg
 from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
-from hcp.train.auto_cost import Scorer, combine_bounds, host_model
-from hcp.train.auto_layout import apply_layout, choose_layout, search
-from hcp.train.auto_space import (combine, island_sizes, module_options, pinned_fields, placements)
-from hcp.train.plan import memory_per_rank
+from hcp.preflight.auto_cost import Scorer, combine_bounds, host_model
+from hcp.preflight.auto_layout import apply_layout, choose_layout, search
+from hcp.preflight.auto_space import (combine, island_sizes, module_options, pinned_fields, placements)
+from hcp.preflight.plan_mode import memory_per_rank
 from hcp.train.support import check_trainable
 
 SMALL = ["+recipe=llava_hetero", "mode=plan", "launcher.nnodes=1", "cluster.num_nodes=1",

@@ -208,7 +208,7 @@ def test_every_module_frozen_is_rejected():
 def test_launch_inputs_are_checked_before_ranks_start(tmp_path):
     from hcp.data.build import prepare_data
     from hcp.train.checkpoint import check_resume
-    from hcp.train.launch import local_world_size, resolve_nproc
+    from hcp.launch.launch import local_world_size, resolve_nproc
 
     with pytest.raises(ConfigError, match="launcher.nnodes=2"):
         local_world_size(compose_cfg(["launcher.nnodes=2", "launcher.nproc_per_node=2"]), None)

@@ -46,7 +46,7 @@ def test_offline_wandb_says_so_and_prints_the_sync_command(tmp_path, capsys, mon
 
 
 def test_step_time_covers_the_metrics_own_collectives(monkeypatch):
-    from hcp.train.launch import free_port
+    from hcp.launch.launch import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

@@ -10,8 +10,8 @@ import yaml
 from dist_utils import run_ranks
 
 from hcp.config.compose import compose_config
-import hcp.train.calibrate as calibrate
-from hcp.train.calibrate import fit, grid
+import hcp.preflight.calibrate as calibrate
+from hcp.preflight.calibrate import fit, grid
 from hcp.dcp.cost_model import CostModel, HardwareProfile, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def _collectives(rank, world):
     import torch
     import torch.distributed as dist
 
-    from hcp.train.calibrate import busy_time
+    from hcp.preflight.calibrate import busy_time
 
     x = torch.ones(1 << 22)
     dist.barrier()
@@ -150,7 +150,7 @@ def test_a_cap_below_the_grid_is_a_config_error_before_ranks_start(tmp_path):
     """A cap under the grid's shortest document leaves nothing to time: a ConfigError naming
     trainer.micro_batch_tokens and the minimum, raised before any rank starts."""
     from hcp.config.errors import ConfigError
-    from hcp.train.calibrate import MIN_LENGTH, run_calibrate
+    from hcp.preflight.calibrate import MIN_LENGTH, run_calibrate
 
     cfg = compose_config(["+recipe=llama_tiny", "trainer.micro_batch_tokens=8"])
     with pytest.raises(ConfigError, match=f"trainer.micro_batch_tokens=8: .*>={MIN_LENGTH}"):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hcp.dcp.cost_model import CostModel, HardwareProfile, load_cost, load_profile, recipe_llm
-from hcp.dcp.plan import Group, Round, Plan
+from hcp.dcp.packing import Group, Round, Packing
 
 
 def test_llama13b_shape_and_model_flops():
@@ -62,7 +62,7 @@ def test_floor_is_additive_lower_envelope_of_group_time():
 def test_stage_times_take_slowest_group_plus_overhead():
     cost = CostModel(recipe_llm(), load_profile("h100"), pp=1, recompute=False)
     lens = [4000, 100, 100]
-    plan = Plan([Round([Group([0], 2, 0), Group([1, 2], 2, 2)])])
+    plan = Packing([Round([Group([0], 2, 0), Group([1, 2], 2, 2)])])
     fwd, bwd = cost.stage_times(plan, lens)
     slow = cost.fwd(4000, 4000**2, 2)[0]
     assert fwd[0, 0] == pytest.approx(slow + cost.hw.micro_batch_overhead_fwd)
@@ -179,7 +179,7 @@ def test_lower_bound_with_cp_latency_stays_below_every_plan(raw, pool, cap):
     step 1); it must stay below the simulated time of every planner's plan, and rise."""
     from hcp.dcp.baselines import greedy, packing_only
     from hcp.dcp.lower_bound import lower_bound
-    from hcp.dcp.plan import prepare_lengths
+    from hcp.dcp.packing import prepare_lengths
     from hcp.dcp.solver import simulate_plan, solve
 
     lat = 5e-4  # s per ring step and layer: latency-heavy, like gloo's

@@ -9,7 +9,7 @@ from hcp.dcp.baselines import greedy
 from hcp.dcp.cost_model import load_cost, recipe_llm
 from hcp.dcp.exact import best_weights, solve_exact
 from hcp.dcp.lower_bound import lower_bound
-from hcp.dcp.plan import validate_plan
+from hcp.dcp.packing import validate_plan
 from hcp.dcp.solver import simulate_plan
 
 COST = load_cost(recipe_llm(), pp=1)

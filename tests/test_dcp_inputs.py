@@ -11,7 +11,7 @@ import pytest
 from hcp.config.errors import ConfigError
 from hcp.dcp.cost_model import PROFILES, HardwareProfile, load_cost, load_profile, recipe_llm
 from hcp.dcp.lower_bound import lower_bound
-from hcp.dcp.plan import Group, Round, Plan, prepare_lengths, validate_plan
+from hcp.dcp.packing import Group, Round, Packing, prepare_lengths, validate_plan
 from hcp.schedule.simulator import simulate_1f1b
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def test_numpy_int32_pool_and_cap_do_not_overflow():
 # 2. validate_plan
 
 def one_mb_plan(*seq_indices):
-    return Plan([Round([Group(list(seq_indices), 2, 0)])])
+    return Packing([Round([Group(list(seq_indices), 2, 0)])])
 
 
 @pytest.mark.parametrize("plan, match", [

@@ -113,8 +113,8 @@ def test_plan_mode_at_full_size_shows_encoder_cp_and_dynamic_cp(tmp_path, capsys
     picture (`plan.png`'s figure) say how each module runs CP. A few seconds."""
     from cfg_utils import compose_cfg
     from hcp.config.layouts import check_layouts
-    from hcp.train.plan import cp_notes, run_plan
-    from hcp.train.plan_figure import plan_figure
+    from hcp.preflight.plan_mode import cp_notes, run_plan
+    from hcp.preflight.plan_figure import plan_figure
 
     cfg = compose_cfg(["+recipe=internvl_tiles_cp", "mode=plan", "placement=non_colocated",
                        "vision.layout.num_ranks=64", "packing=dynamic_cp"])

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 from cfg_utils import compose_container, long_tail_corpus, long_tail_llava
 from dist_utils import run_ranks
 from parity_utils import assert_all_close, merged, whole
-from hcp.dcp.plan import Group, Plan, Round
+from hcp.dcp.packing import Group, Packing, Round
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 COMMON = ["trainer.progress_bar=false", "trainer.eval_every=0",
@@ -133,7 +133,7 @@ def _pool_then_rank_0(tokens, llm, micro_batch_tokens):
     pool = llm.dp * llm.cp
     long = [i for i, n in enumerate(tokens) if n > micro_batch_tokens]
     short = [i for i, n in enumerate(tokens) if n <= micro_batch_tokens]
-    return Plan([Round([Group([i], pool, 0)]) for i in long] +
+    return Packing([Round([Group([i], pool, 0)]) for i in long] +
                 [Round([Group([i], 1, 0), *(Group([], 1, p) for p in range(1, pool))]) for i in short])
 
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from hcp.dcp.baselines import greedy, packing_only
 from hcp.dcp.cost_model import load_cost, recipe_llm
 from hcp.dcp.local_search import GroupTime, improve
-from hcp.dcp.plan import prepare_lengths, validate_plan
+from hcp.dcp.packing import prepare_lengths, validate_plan
 from hcp.dcp.solver import simulate_plan
 
 COST = load_cost(recipe_llm(), pp=1)

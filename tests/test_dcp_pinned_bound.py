@@ -11,7 +11,7 @@ from hypothesis import given, settings, strategies as st
 from hcp.dcp.baselines import greedy, packing_only
 from hcp.dcp.pinned_bound import interval_lp, pin_floor, pinned_bound
 from hcp.dcp.pipeline_bound import lp_model, pipeline_bound, stage_floors
-from hcp.dcp.plan import Plan, validate_plan
+from hcp.dcp.packing import Packing, validate_plan
 from hcp.dcp.solver import simulate_plan, solve
 from test_dcp_pipeline_bound import COSTS, best_time
 
@@ -49,7 +49,7 @@ def test_every_planners_plan_in_any_order_is_above_every_interval_covering_its_m
                  packing_only(lens, pool, cap)):
         validate_plan(plan, lens, pool, cap)
         M = plan.num_rounds
-        fastest = min(simulate_plan(Plan([plan.rounds[j] for j in rng.permutation(M)]), lens,
+        fastest = min(simulate_plan(Packing([plan.rounds[j] for j in rng.permutation(M)]), lens,
                                     cost).iteration_time for _ in range(4))
         for a, b in ((M, M), (max(1, M - 3), M), (M, M + 4), (max(1, M - 5), M + 5)):
             assert fastest >= interval_lp(a, b, cost, work, smallest, floor)[0] * (1 - 1e-9)

@@ -11,7 +11,7 @@ from hcp.dcp.baselines import greedy, packing_only
 from hcp.dcp.cost_model import load_cost, recipe_llm
 from hcp.dcp.lower_bound import lower_bound
 from hcp.dcp.pipeline_bound import lp_makespan, pipeline_bound, stage_classes, stage_floors
-from hcp.dcp.plan import Group, Plan, Round, fill_idle, rank_tokens, validate_plan
+from hcp.dcp.packing import Group, Packing, Round, fill_idle, rank_tokens, validate_plan
 from hcp.dcp.solver import simulate_plan, solve
 from test_dcp_exact import set_partitions
 
@@ -43,7 +43,7 @@ def best_time(lens, cost, pool, cap):
         options = [rounds_of(seqs, lens, pool, cap) for seqs in part]
         for choice in itertools.product(*options):
             for order in itertools.permutations(choice):
-                plan = Plan(list(order))
+                plan = Packing(list(order))
                 best = min(best, simulate_plan(plan, lens, cost).iteration_time)
     return best
 
@@ -72,7 +72,7 @@ def test_bound_is_never_above_any_planners_plan_in_any_order(raw, pp, seed):
         validate_plan(plan, lens, pool, cap)
         for _ in range(5):
             order = rng.permutation(plan.num_rounds)
-            shuffled = Plan([plan.rounds[j] for j in order])
+            shuffled = Packing([plan.rounds[j] for j in order])
             assert simulate_plan(shuffled, lens, cost).iteration_time >= bound * (1 - 1e-9)
 
 
@@ -82,7 +82,7 @@ def test_lp_of_fixed_sizes_is_the_simulated_time():
     cost = COSTS[3]
     lens = np.array([3000])
     work, smallest = stage_floors(lens, cost, 1, 4096)
-    plan = Plan([Round([Group([0], 1, 0)])])
+    plan = Packing([Round([Group([0], 1, 0)])])
     # fwd_floor = fwd at c = 1 (no communication), so the floors are the plan's durations
     assert lp_makespan(1, cost, work, smallest) == pytest.approx(
         simulate_plan(plan, lens, cost).iteration_time, rel=1e-9)

@@ -11,7 +11,7 @@ from cfg_utils import REPO
 from hcp.config.compose import compose_config
 from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
-from hcp.dcp.plan import Group, Plan, Round, prepare_lengths, rank_tokens, validate_plan
+from hcp.dcp.packing import Group, Packing, Round, prepare_lengths, rank_tokens, validate_plan
 from hcp.dcp.policy import check_dynamic_cp, dynamic_cp_policy, rows
 from hcp.plan.lengths import SampleSizes
 from hcp.plan.step import plan_step, register_policy
@@ -50,7 +50,7 @@ def test_every_rank_gets_the_same_count_and_caps_hold(layout):
 
 
 def test_rows_lay_out_a_round_as_one_micro_batch_per_group():
-    plan = Plan([Round([Group([0, 1, 2], 2, 0, [1, 2]), Group([3], 1, 2), Group([], 1, 3)])])
+    plan = Packing([Round([Group([0, 1, 2], 2, 0, [1, 2]), Group([3], 1, 2), Group([], 1, 3)])])
     out = rows(plan)
     assert [[g.seq_indices for g in r.groups] for r in out.rounds] == [[[0], [3], []],
                                                                        [[1, 2], [], []]]

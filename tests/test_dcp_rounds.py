@@ -6,7 +6,7 @@ import torch
 from hcp.dcp.baselines import greedy, packing_only
 from hcp.dcp.cost_model import load_cost, recipe_llm
 from hcp.dcp.lower_bound import lower_bound
-from hcp.dcp.plan import Group, Plan, Round, rank_tokens, validate_plan
+from hcp.dcp.packing import Group, Packing, Round, rank_tokens, validate_plan
 from hcp.dcp.rounds import merge_rounds
 from hcp.dcp.solver import simulate_plan, solve
 from hcp.parallel.cp_sharding import cp_shard
@@ -48,7 +48,7 @@ def test_no_planner_overfills_a_rank_with_padding(planner):
 
 def test_validate_plan_counts_padding():
     lens = np.array([9] * 8)  # 72 tokens <= 8 * 10, but each pads to 16: 16 per rank > 10
-    plan = Plan([Round([Group(list(range(8)), 8, 0)])])
+    plan = Packing([Round([Group(list(range(8)), 8, 0)])])
     with pytest.raises(ValueError, match="head-tail padding"):
         validate_plan(plan, lens, 8, 10)
 
@@ -57,7 +57,7 @@ def test_round_time_is_the_busiest_group_sum_of_micro_batches():
     lens = np.array([4000, 4000, 3000, 100])
     o = COST1.hw.micro_batch_overhead_fwd + COST1.hw.micro_batch_overhead_bwd
     k1 = 1 + COST1.bwd_factor
-    plan = Plan([Round([Group([0, 1], 1, 0, [1, 1]), Group([2, 3], 1, 1)])])
+    plan = Packing([Round([Group([0, 1], 1, 0, [1, 1]), Group([2, 3], 1, 1)])])
     f = [COST1.fwd(L, L * L, 1)[0] for L in (4000, 4000)]
     want = k1 * sum(f) + 2 * o  # group 0 (two micro-batches) is the busier one
     assert simulate_plan(plan, lens, COST1).iteration_time == pytest.approx(want)
@@ -84,7 +84,7 @@ def test_bound_for_rounds_holds_at_a_perfectly_balanced_plan():
     """Eight equal sequences, one per rank in one round: the plan meets the bound exactly
     (work and overhead terms are tight), so a bound above it would be invalid."""
     lens = np.array([1000] * 8)
-    plan = Plan([Round([Group([i], 1, i) for i in range(8)])])
+    plan = Packing([Round([Group([i], 1, i) for i in range(8)])])
     t = simulate_plan(plan, lens, COST1).iteration_time
     b = lower_bound(lens, COST1, 8, 1000, several_per_round=True)
     assert b == pytest.approx(t, rel=1e-12)

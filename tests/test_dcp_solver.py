@@ -10,7 +10,7 @@ from hcp.dcp.baselines import greedy, packing_only
 from hcp.dcp.cost_model import load_cost, recipe_llm
 from hcp.dcp.exact import solve_exact
 from hcp.dcp.lower_bound import lower_bound
-from hcp.dcp.plan import prepare_lengths, validate_plan
+from hcp.dcp.packing import prepare_lengths, validate_plan
 from hcp.dcp.solver import ramps, simulate_plan, solve
 
 SAMPLE = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"

@@ -9,7 +9,7 @@ import pytest
 
 from hcp.dcp.cost_model import CostModel, HardwareProfile, recipe_llm
 from hcp.dcp.lower_bound import lower_bound
-from hcp.dcp.plan import validate_plan
+from hcp.dcp.packing import validate_plan
 from hcp.dcp.rank_pack import rank_time_plan
 from hcp.dcp.solver import simulate_plan, solve
 

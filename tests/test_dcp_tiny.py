@@ -9,7 +9,7 @@ import pytest
 from hcp.dcp.baselines import greedy
 from hcp.dcp.cost_model import CostModel, load_cost, recipe_llm
 from hcp.dcp.exact import exhaustive, solve_exact
-from hcp.dcp.plan import validate_plan
+from hcp.dcp.packing import validate_plan
 from hcp.dcp.solver import simulate_plan, solve
 from test_dcp_solver_latency import GLOO
 

@@ -164,13 +164,13 @@ def test_non_colocated_encoder_cp_step_equals_single_process(name, reference, tm
 
 
 def test_plan_memory_charges_a_cp_rank_its_chunk_and_the_gathered_kv():
-    """`hcp.train.memory` at full size (internvl_tiles_cp, encoder cp4 x dp32, 7 tiles of 1024
+    """`hcp.preflight.memory` at full size (internvl_tiles_cp, encoder cp4 x dp32, 7 tiles of 1024
     patches per sample): a rank holds ceil(1025 / 4) = 257 tokens of each tile, and each ViT
     layer also keeps the all-gathered K/V (3 more chunks of 2h)."""
     from cfg_utils import compose_cfg
     from hcp.config.layouts import check_layouts
     from hcp.config.precision import Precision
-    from hcp.train.memory import _activations, encoder_activation_tokens, layer_bytes
+    from hcp.preflight.memory import _activations, encoder_activation_tokens, layer_bytes
 
     cfg = compose_cfg(["+recipe=internvl_tiles_cp", "vision.layout.recompute=none"], resolve=False)
     layouts = check_layouts(cfg, 128)

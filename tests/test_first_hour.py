@@ -52,7 +52,7 @@ def test_torchrun_world_size_mismatch_is_one_line_and_leaves_no_run_directory(tm
 
 
 def test_a_cluster_recipe_here_says_so_once_and_offers_plan_mode_and_srun():
-    from hcp.train.launch import local_world_size
+    from hcp.launch.launch import local_world_size
 
     with pytest.raises(ConfigError) as e:
         local_world_size(compose_cfg(["+recipe=llava_hetero"]), None, ["+recipe=llava_hetero"])
@@ -61,13 +61,13 @@ def test_a_cluster_recipe_here_says_so_once_and_offers_plan_mode_and_srun():
     assert "srun --nodes 8 --ntasks-per-node 8 python train.py +recipe=llava_hetero" in msg
     # it says how many processes (one per rank, not one per node) and names the sbatch helper
     assert "one process per node" not in msg and "one process per rank (per GPU), 8 per node" in msg
-    assert "`python -m hcp.train.sbatch +recipe=llava_hetero`" in msg
+    assert "`python -m hcp.launch.sbatch +recipe=llava_hetero`" in msg
     assert "launcher.nnodes=1" not in msg
 
 
 def test_local_ranks_that_cannot_fit_this_machine_fail_before_they_start():
     from hcp.config.validate import validate
-    from hcp.train.plan import check_fits_here
+    from hcp.preflight.plan_mode import check_fits_here
 
     overrides = ["+recipe=llava_hetero", "launcher.nnodes=1", "llm.layout.pp=1", "llm.layout.cp=1"]
     cfg = compose_cfg(overrides)
@@ -75,7 +75,7 @@ def test_local_ranks_that_cannot_fit_this_machine_fail_before_they_start():
     with pytest.raises(ConfigError) as e:
         check_fits_here(cfg, layouts, 8, overrides, memory=(64.0, "memory", True))
     assert "more than this machine's 64.0 GiB" in str(e.value) and "mode=plan" in str(e.value)
-    assert "one process per node" not in str(e.value) and "python -m hcp.train.sbatch" in str(e.value)
+    assert "one process per node" not in str(e.value) and "python -m hcp.launch.sbatch" in str(e.value)
     tiny = compose_cfg()
     check_fits_here(tiny, validate(tiny, 4), 4, [], memory=(64.0, "memory", True))
 

@@ -1,5 +1,5 @@
-"""The "am I already one of several launched ranks?" predicate (hcp.train.launch)."""
-from hcp.train.launch import launched_rank_env, resolve_nproc
+"""The "am I already one of several launched ranks?" predicate (hcp.launch.launch)."""
+from hcp.launch.launch import launched_rank_env, resolve_nproc
 
 SBATCH_SCRIPT_ENV = {  # what a batch script sees: job variables, no step of several tasks
     "SLURM_JOB_ID": "42", "SLURM_NTASKS": "8", "SLURM_NNODES": "2", "SLURM_PROCID": "0",
@@ -45,7 +45,7 @@ def test_nproc_auto_is_four_on_cpu():
 
 
 def test_run_directory_name_is_shared_by_every_rank_of_one_launch():
-    from hcp.train.launch import run_name
+    from hcp.launch.launch import run_name
 
     torchrun = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "9",
                 "TORCHELASTIC_RUN_ID": "abc"}

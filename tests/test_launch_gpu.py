@@ -1,4 +1,4 @@
-"""Launching on a GPU node without a GPU (hcp.train.launch): `python train.py` on a node whose
+"""Launching on a GPU node without a GPU (hcp.launch.launch): `python train.py` on a node whose
 NVML sees 8 GPUs must never initialise CUDA in the launching process (its forked ranks could
 not use CUDA then) and must start its ranks with spawn. CUDA initialisation in this process
 raises (monkeypatched) while the whole launch path of `train.py` runs, up to starting ranks."""
@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-import hcp.train.entry as entry
-import hcp.train.launch as launch
+import hcp.entry as entry
+import hcp.launch.launch as launch
 
 
 def _boom(*args, **kwargs):

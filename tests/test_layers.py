@@ -8,7 +8,7 @@ is still a cycle).
 import ast
 import pathlib
 
-LAYERS = ["config", "parallel", "comm", "model", "data", "schedule", "dcp", "plan", "train"]
+LAYERS = ["config", "parallel", "comm", "model", "data", "schedule", "dcp", "plan", "launch", "train", "preflight"]
 PKG = pathlib.Path(__file__).resolve().parents[1] / "hcp"
 
 

@@ -97,7 +97,7 @@ def test_bad_names_edges_and_layouts_of_named_modules_are_named(overrides, field
 
 @pytest.mark.slow
 def test_plan_mode_lists_named_modules(tmp_path, capsys):
-    from hcp.train.plan import run_plan
+    from hcp.preflight.plan_mode import run_plan
 
     plan = run_plan(_cfg(*BRANCH), str(tmp_path))
     out = capsys.readouterr().out

@@ -1,5 +1,5 @@
 """Plan mode on the full-size recipes, composed with Hydra as `python train.py +recipe=NAME mode=plan`
-composes them (hcp.train.plan)."""
+composes them (hcp.preflight.plan_mode)."""
 import json
 from pathlib import Path
 
@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 
 from hcp.config.errors import ConfigError
 from hcp.config.schema import register
-from hcp.train.plan import run_plan
+from hcp.preflight.plan_mode import run_plan
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GIB = 2**30
@@ -93,14 +93,14 @@ def test_world_larger_than_the_cluster_is_rejected(tmp_path):
 # ------------------------------------------------------------- which layout (issue 11, part 5)
 def test_plan_mode_plans_the_world_training_would_get(tmp_path):
     from cfg_utils import compose_cfg
-    from hcp.train.launch import local_world_size
+    from hcp.launch.launch import local_world_size
 
     cfg = compose_cfg(["mode=plan"])
     assert run_plan(cfg, tmp_path)["world_size"] == local_world_size(cfg, None) == 4
 
 
 def test_readable_parameter_counts():
-    from hcp.train.plan import readable_count
+    from hcp.preflight.plan_mode import readable_count
 
     assert [readable_count(n) for n in (950, 12_345, 1_234_567, 290_900_000, 13_015_864_320, 1.1e12)] == [
         "950", "12.3K", "1.2M", "290.9M", "13.0B", "1.1T"]
@@ -108,7 +108,7 @@ def test_readable_parameter_counts():
 
 def test_groups_crossing_a_node_boundary_are_named():
     from hcp.config.layouts import check_layouts
-    from hcp.train.plan import node_warnings
+    from hcp.preflight.plan_mode import node_warnings
 
     cfg = composed("llama13b_dynamic_cp", "cluster.gpus_per_node=4", "cluster.num_nodes=16")
     warnings = node_warnings(cfg, check_layouts(cfg, 64))
@@ -125,7 +125,7 @@ def test_groups_crossing_a_node_boundary_are_named():
 def test_estimate_covers_the_step_and_dynamic_cp_beats_packing_only():
     from hcp.config.layouts import resolve_layouts
     from hcp.model.flops import model_flops
-    from hcp.train.estimate import batch_lengths, estimate_step
+    from hcp.preflight.estimate import batch_lengths, estimate_step
 
     def estimate(recipe, *overrides):
         cfg = composed(recipe, *overrides)
@@ -152,7 +152,7 @@ def test_dynamic_cp_estimate_times_the_plan_training_would_run():
     from hcp.dcp.policy import dynamic_cp_policy
     from hcp.plan.lengths import SampleSizes
     from hcp.plan.step import plan_step, register_policy
-    from hcp.train import estimate
+    from hcp.preflight import estimate
 
     cfg = composed("llama_tiny", "packing=dynamic_cp", "trainer.global_batch_size=32", "data.max_seq_len=2048",
                    "trainer.micro_batch_tokens=256", "launcher.nproc_per_node=8")
@@ -169,7 +169,7 @@ def test_dynamic_cp_estimate_times_the_plan_training_would_run():
 
 def test_plan_figure_shows_node_boundaries_and_memory_against_the_device():
     from hcp.config.layouts import check_layouts
-    from hcp.train.plan_figure import plan_figure
+    from hcp.preflight.plan_figure import plan_figure
 
     cfg = composed("llava_hetero")
     mem = [10.0 + r for r in range(64)]
@@ -186,7 +186,7 @@ def test_plan_figure_shows_node_boundaries_and_memory_against_the_device():
 def test_a_plan_sweep_ends_with_one_comparison_table(tmp_path, capsys):
     from omegaconf import OmegaConf
 
-    from hcp.train.plan_table import PlanSweepTable
+    from hcp.preflight.plan_table import PlanSweepTable
 
     jobs = [(["llm.layout.tp=8", "llm.layout.pp=2"], {"max_memory_gib": 29.9, "fits": True, "step_time_s": 0.47}),
             (["llm.layout.tp=4", "llm.layout.pp=1"], {"max_memory_gib": 92.6, "fits": False, "step_time_s": 0.3}),
@@ -219,4 +219,4 @@ def test_the_sweep_table_callback_is_registered():
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose("config", overrides=["mode=plan"], return_hydra_config=True)
-    assert cfg.hydra.callbacks.plan_table._target_ == "hcp.train.plan_table.PlanSweepTable"
+    assert cfg.hydra.callbacks.plan_table._target_ == "hcp.preflight.plan_table.PlanSweepTable"

@@ -9,7 +9,7 @@ import pytest
 from hcp.config.compose import compose_config
 from hcp.config.layouts import check_layouts
 from hcp.parallel.roles import role_table
-from hcp.train.plan import memory_per_rank, stage_memory
+from hcp.preflight.plan_mode import memory_per_rank, stage_memory
 
 GIB = 2**30
 NON_COLOCATED = ["placement=non_colocated", "vision.layout.num_ranks=16", "llm.layout.pp=3",
@@ -63,7 +63,7 @@ def test_large_encoder_fits_colocated_only_with_its_state_sharded():
 
 
 def test_plan_prints_memory_per_island_and_warns_of_encoder_recompute_it_cannot_run(tmp_path, capsys):
-    from hcp.train.plan import run_plan
+    from hcp.preflight.plan_mode import run_plan
 
     cfg = compose_config(["+recipe=llava_hetero", "mode=plan", *NON_COLOCATED, "vision.layout.recompute=full"])
     plan = run_plan(cfg, tmp_path)
@@ -84,7 +84,7 @@ def test_plan_prints_memory_per_island_and_warns_of_encoder_recompute_it_cannot_
 def test_projector_is_charged_on_the_last_encoder_stage_only():
     """On an island the projector runs on the encoder's last stage with its TP and DP
     (`hcp.plan.step.island_head`), so only those ranks carry its state and activations."""
-    from hcp.train.plan import running_layouts
+    from hcp.preflight.plan_mode import running_layouts
 
     cfg, layouts, stage, per_rank = _plan("llava_hetero", *NON_COLOCATED, "vision.layout.pp=2",
                                           "vision.layout.pp_layers=[12,11]")

@@ -175,13 +175,13 @@ def test_gpu_backend_with_cp_is_one_rule_checked_before_any_rank_starts(monkeypa
 def test_memory_estimate_charges_the_dtypes_a_bf16_run_stores():
     """Plan mode's activation bytes follow the run's policy: measured on a real bf16 forward,
     the decoder's residual stream (each layer's input: what full recompute keeps, and the norms'
-    inputs) is fp32 while q/k/v come out in bf16, and `hcp.train.memory.layer_bytes` charges
+    inputs) is fp32 while q/k/v come out in bf16, and `hcp.preflight.memory.layer_bytes` charges
     exactly those element sizes (it charged 2 B for the stream)."""
     from cfg_utils import compose_cfg
     from hcp.config.layouts import resolve_layouts
     from hcp.config.precision import Precision
     from hcp.model.llama import LlamaDecoder
-    from hcp.train.memory import layer_bytes
+    from hcp.preflight.memory import layer_bytes
 
     cfg = compose_cfg(["+recipe=llama_tiny", "precision=bf16"])
     policy, llm = Precision.of(cfg.precision), cfg.llm

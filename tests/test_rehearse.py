@@ -1,4 +1,4 @@
-"""`mode=rehearse` (hcp/train/rehearse): the checks on hand-made traces, then the real trainer at
+"""`mode=rehearse` (hcp/preflight/rehearse): the checks on hand-made traces, then the real trainer at
 8 ranks on torch's fake process group: the tiny recipes pass, and each seeded fault is named."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from hcp.train.rehearse.checks import check_collectives, check_creations, check_rendezvous
-from hcp.train.rehearse.record import Op
+from hcp.preflight.rehearse.checks import check_collectives, check_creations, check_rendezvous
+from hcp.preflight.rehearse.record import Op
 from tests.cfg_utils import REPO, compose_cfg
 from tests.rehearse_utils import local_only_init, rehearse
 
@@ -50,7 +50,7 @@ def _recorded(rank: int, world: int, reduce_op) -> list:
     import torch
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hcp.train.rehearse.record import Recorder
+    from hcp.preflight.rehearse.record import Recorder
 
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
@@ -101,7 +101,7 @@ def test_creations_must_match_on_every_rank():
                                              ("rehearse.ranks=[0,4]", "rehearse.ranks")])
 def test_bad_rehearse_values_name_field_value_and_fix(override, field):
     from hcp.config.errors import ConfigError
-    from hcp.train.rehearse import check_rehearse
+    from hcp.preflight.rehearse import check_rehearse
 
     with pytest.raises(ConfigError) as err:
         check_rehearse(compose_cfg([override]), 4)  # the base config's world: 4 ranks
@@ -121,7 +121,7 @@ def test_one_rank_runs_under_fake_tensors_with_its_whole_training_state(tmp_path
 
     from hcp.config.validate import validate
     from hcp.data.build import prepare_data
-    from hcp.train.rehearse.runner import rehearsal_config, rehearse_rank
+    from hcp.preflight.rehearse.runner import rehearsal_config, rehearse_rank
 
     cfg = compose_cfg(["mode=rehearse", "logger=none", *HETERO, "llm.layout.tp=2", "llm.layout.pp=2",
                        "trainer.global_batch_size=8"], run_dir=str(tmp_path))
@@ -133,7 +133,7 @@ def test_one_rank_runs_under_fake_tensors_with_its_whole_training_state(tmp_path
     assert res.peak_bytes > 4 * res.param_bytes
     from hcp.config.layouts import resolve_layouts
     from hcp.parallel.roles import role_of
-    from hcp.train.estimate import cost_model, hardware
+    from hcp.preflight.estimate import cost_model, hardware
 
     layouts = resolve_layouts(cfg, 8)
     cost, stage = cost_model(cfg, layouts["llm"], hardware(cfg)), role_of(layouts, 3).stage("llm")

@@ -1,5 +1,5 @@
 """Issue 23 section 4: the full-size recipes rehearse at their own world size under torch's
-`FakeTensorMode` (hcp.train.rehearse.runner): a few ranks of one pipeline (below), one step of
+`FakeTensorMode` (hcp.preflight.rehearse.runner): a few ranks of one pipeline (below), one step of
 a small global batch (the CI budget), every collective, send and receive of those ranks checked
 against each other, peak memory and FLOPs per role reported next to plan mode's and the cost
 model's. Marked `full_size` (`-m full_size` selects them); they run in the default suite."""

@@ -44,7 +44,7 @@ def cluster():
 
 
 def submit(cluster, run_dir, overrides, env=None) -> str:
-    out = cluster.run([sys.executable, "-m", "hcp.train.sbatch", "--run-dir", str(run_dir), *overrides],
+    out = cluster.run([sys.executable, "-m", "hcp.launch.sbatch", "--run-dir", str(run_dir), *overrides],
                       env={**JOB_ENV, **(env or {})})
     return re.search(r"submitted job (\d+)", out.stdout).group(1)
 

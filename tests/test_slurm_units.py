@@ -14,10 +14,10 @@ from cfg_utils import compose_cfg as compose
 from dist_utils import run_ranks
 from hcp.config.errors import ConfigError
 from hcp.train.failures import NonFiniteError, NonFiniteGuard
-from hcp.train.launch import launched_rank_env
-from hcp.train.preempt import Preemption, continue_wandb_run, resume_after_requeue
-from hcp.train.sbatch import main as sbatch_main
-from hcp.train.slurm import LaunchCheck, check_job, first_host
+from hcp.launch.launch import launched_rank_env
+from hcp.launch.preempt import Preemption, continue_wandb_run, resume_after_requeue
+from hcp.launch.sbatch import main as sbatch_main
+from hcp.launch.slurm import LaunchCheck, check_job, first_host
 
 TINY = ["+recipe=llama_tiny", "launcher=slurm_cpu"]
 

@@ -1,4 +1,4 @@
-"""How local ranks stop (hcp.train.supervise): a signal to the launching process alone reaches
+"""How local ranks stop (hcp.launch.supervise): a signal to the launching process alone reaches
 every rank, a rank that dies is named with its step, and the hint names what is on disk.
 
 The toy launches run `start_local_ranks` in a subprocess (the launcher a signal is sent to) with
@@ -19,8 +19,8 @@ from cfg_utils import REPO
 
 TOY = textwrap.dedent("""
     import os, signal, sys, time
-    from hcp.train.launch import start_local_ranks
-    from hcp.train.supervise import Interrupted, RankDied, record_step
+    from hcp.launch.launch import start_local_ranks
+    from hcp.launch.supervise import Interrupted, RankDied, record_step
 
     def rank(out):
         r = os.environ["RANK"]
@@ -103,7 +103,7 @@ def test_a_killed_rank_is_named_with_its_signal_and_step(tmp_path):
 def test_the_killed_rank_is_named_even_when_a_peer_failed_first(tmp_path):
     """A peer that raised (it saw the killed rank's connection close) is not the cause; torch's
     own SIGTERM to the others is not either."""
-    from hcp.train.supervise import _died
+    from hcp.launch.supervise import _died
 
     (tmp_path / "raised").write_text("traceback")
     procs = [types.SimpleNamespace(exitcode=c) for c in (1, -signal.SIGKILL, -signal.SIGTERM)]
@@ -120,7 +120,7 @@ def test_the_killed_rank_is_named_even_when_a_peer_failed_first(tmp_path):
 def test_the_resume_hint_is_a_command_that_finds_the_checkpoint(tmp_path):
     """The default checkpoint.dir lies in the run directory, which a new run does not reuse: the
     hint names checkpoint.dir, quotes what the shell would change, and replaces resume=."""
-    from hcp.train.entry import resume_hint
+    from hcp.entry import resume_hint
 
     ckpt = tmp_path / "ckpt"
     empty = resume_hint(str(ckpt), ["optim.lr=1e-3"])
@@ -134,7 +134,7 @@ def test_the_resume_hint_is_a_command_that_finds_the_checkpoint(tmp_path):
 
 
 def test_more_cpu_ranks_than_cores_warn_once_and_gpu_ranks_never():
-    from hcp.train.launch import oversubscribed
+    from hcp.launch.launch import oversubscribed
 
     cpu = types.SimpleNamespace(backend="gloo", nproc_per_node=16)
     assert oversubscribed(16, cpu, cores=2) == (

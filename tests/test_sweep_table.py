@@ -1,6 +1,6 @@
 """A training sweep (`python train.py -m ...`): a point whose config breaks a rule is one
 `hcp: error:` line and the sweep goes on; the sweep ends with one table of every point and exit
-status 2 when a point failed (`hcp.train.sweep_table`)."""
+status 2 when a point failed (`hcp.preflight.sweep_table`)."""
 import json
 import os
 import subprocess
@@ -24,7 +24,7 @@ def _job(root, num, overrides, summary=None, error=None):
 def test_a_training_sweep_ends_with_one_table_of_every_point(tmp_path, capsys):
     import pytest
 
-    from hcp.train.sweep_table import TrainSweepTable
+    from hcp.preflight.sweep_table import TrainSweepTable
 
     _job(tmp_path, 0, ["optim.lr=1e-3"], {"final_loss": 2.34567, "tokens_per_s": 12345.6, "step_time_s": 0.1254})
     _job(tmp_path, 1, ["optim.lr=3e-3"], error="optim.lr=... no")

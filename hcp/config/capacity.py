@@ -4,7 +4,7 @@ Head-tail CP sharding (docs/design.md 3; hcp/parallel/cp_sharding.py) pads a doc
 to a multiple of 2c on a group of c > 1 ranks, so each rank holds `2 * ceil(L / 2c)` slots;
 at c = 1 the document runs whole, unpadded (L slots). Config validation
 (`hcp.config.validate.check_trainer`: `data.max_seq_len` against `trainer.micro_batch_tokens`
-under static and dynamic CP) and the dynamic-CP planner (`hcp.dcp.plan`: `max_length`,
+under static and dynamic CP) and the dynamic-CP planner (`hcp.dcp.packing`: `max_length`,
 `rank_tokens` is its vectorised form) both use these two functions.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The run's precision policy (`precision`): the one place that says which dtype each kind of
 tensor has, used by both placements' schedules, the routes and P2P links, the attention
-backend's resolution and plan mode's memory estimate (`hcp.train.memory`).
+backend's resolution and plan mode's memory estimate (`hcp.preflight.memory`).
 
 - compute dtype: matrix multiplies and attention run in it (autocast), and every activation
   that crosses a module or stage boundary travels in it, forward and backward (colocated

@@ -234,7 +234,7 @@ class LoggerConfig:
 
 @dataclass
 class SlurmConfig:
-    """SLURM job settings for `python -m hcp.train.sbatch` and `hydra/launcher=submitit_slurm`
+    """SLURM job settings for `python -m hcp.launch.sbatch` and `hydra/launcher=submitit_slurm`
     (launchers/README.md). Nodes and tasks per node are `launcher.nnodes` / `nproc_per_node`."""
 
     partition: Optional[str] = None
@@ -268,7 +268,7 @@ class LauncherConfig:
     start_method: str = "auto"
     """Local rank start method: `auto` (spawn when CUDA devices are visible, else fork), `fork`
     (fast on CPU; refused with CUDA unless backend=gloo), `spawn` or `forkserver`.
-    hcp.train.launch.local_start_method."""
+    hcp.launch.launch.local_start_method."""
     backend: str = "auto"
     """`auto` (nccl on CUDA, gloo on CPU), `nccl` or `gloo`."""
     timeout_s: int = 600
@@ -304,7 +304,7 @@ class ClusterConfig:
 @dataclass
 class RehearseConfig:
     """`mode=rehearse`: every rank of the job's full world runs the real training code on a
-    recording fake process group (hcp.train.rehearse)."""
+    recording fake process group (hcp.preflight.rehearse)."""
 
     steps: int = 2
     """Training steps each rank runs."""
@@ -320,16 +320,16 @@ class HCPConfig:
     mode: str = "train"
     """`train`, `plan` (one process, no process groups: layouts, memory, plan.json/png),
     `export` (write the model as the run would start it as a Hugging Face checkpoint) or
-    `calibrate` (fit the dynamic-CP cost model on this machine: hcp/train/calibrate.py) or
+    `calibrate` (fit the dynamic-CP cost model on this machine: hcp/preflight/calibrate.py) or
     `rehearse` (every rank of the full world through the real training code on a recording
     fake process group; checks collectives, sends/receives, group creation, memory:
-    hcp/train/rehearse)."""
+    hcp/preflight/rehearse)."""
     placement: str = "colocated"
     """`colocated` or `non_colocated`."""
     layout: str = "manual"
     """`manual` (every module's `layout` as configured) or `auto`: search placement, island
     sizes and every module's layout for the fastest estimated step; fields set on the command
-    line stay fixed (hcp.train.auto_layout)."""
+    line stay fixed (hcp.preflight.auto_layout)."""
     packing: str = "first_fit"
     """`first_fit` or `dynamic_cp`."""
     precision: str = "fp32"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hcp.dcp.plan import Group, Round, Plan, fill_idle, rank_tokens
+from hcp.dcp.packing import Group, Round, Packing, fill_idle, rank_tokens
 
 
 def pow2ceil(x) -> np.ndarray:
@@ -36,7 +36,7 @@ def min_cp(lengths, max_tokens_per_rank: int) -> np.ndarray:
     return c
 
 
-def packing_only(lengths, pool: int, max_tokens_per_rank: int, max_len: int | None = None) -> Plan:
+def packing_only(lengths, pool: int, max_tokens_per_rank: int, max_len: int | None = None) -> Packing:
     """First-fit packs of `c_static * m` tokens at the static CP size (see module docstring)."""
     lens = np.asarray(lengths, dtype=np.int64)
     max_len = int(lens.max()) if max_len is None else max(int(max_len), int(lens.max()))
@@ -58,7 +58,7 @@ def packing_only(lengths, pool: int, max_tokens_per_rank: int, max_len: int | No
         packs[k].append(i)
         free[k] -= n
     lanes = pool // c
-    plan = Plan()
+    plan = Packing()
     for start in range(0, len(packs), lanes):
         groups = [Group(p, c, k * c) for k, p in enumerate(packs[start:start + lanes])]
         plan.rounds.append(Round(fill_idle(groups, pool)))
@@ -116,12 +116,12 @@ def _greedy_micro_batch(order, lens, cps, pool, m):
     return [Group(g["seqs"], g["c"], g["off"]) for g in groups], deferred
 
 
-def greedy(lengths, pool: int, max_tokens_per_rank: int) -> Plan:
+def greedy(lengths, pool: int, max_tokens_per_rank: int) -> Packing:
     """Megatron-LM-style dynamic CP (see module docstring); micro-batches in build order."""
     lens = np.asarray(lengths, dtype=np.int64)
     cps = min_cp(lens, max_tokens_per_rank)
     order = list(np.argsort(-lens, kind="stable"))
-    plan = Plan()
+    plan = Packing()
     while order:
         groups, order = _greedy_micro_batch(order, lens, cps, pool, max_tokens_per_rank)
         plan.rounds.append(Round(fill_idle(groups, pool)))

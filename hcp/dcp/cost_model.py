@@ -41,7 +41,7 @@ import numpy as np
 import yaml
 
 from hcp.config.errors import ConfigError
-from hcp.dcp.plan import Plan
+from hcp.dcp.packing import Packing
 from hcp.model.flops import (head_flops_per_token, kv_dim, layer_attention_flops_per_sq_token,
                              layer_matmul_flops_per_token, model_flops)
 
@@ -160,7 +160,7 @@ class HardwareProfile:
         (a `fit:` entry, the calibration's report, and a `host:` entry are ignored)."""
         data = dict(read_profile(path))
         data.pop("fit", None)
-        data.pop("host", None)  # CPU ranks sharing cores: hcp.train.auto_cost.Host
+        data.pop("host", None)  # CPU ranks sharing cores: hcp.preflight.auto_cost.Host
         return _from_mapping(cls, data, path)
 
 
@@ -337,7 +337,7 @@ class CostModel:
         arr = np.asarray(lengths, dtype=np.float64)
         return model_flops(self.llm, float(arr.sum()), float((arr**2).sum()))
 
-    def stage_times(self, plan: Plan, lengths) -> tuple[np.ndarray, np.ndarray]:
+    def stage_times(self, plan: Packing, lengths) -> tuple[np.ndarray, np.ndarray]:
         """Forward and backward seconds `[pp, R]` of each round on each stage.
 
         A group's time in a round is the sum over its micro-batches q of `(1 + k) f(q)` plus

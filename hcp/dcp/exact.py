@@ -46,7 +46,7 @@ import numpy as np
 from hcp.dcp.cost_model import CostModel
 from hcp.dcp.local_search import GroupTime
 from hcp.dcp.lower_bound import cp_sizes, lower_bound
-from hcp.dcp.plan import Round, Plan, rank_tokens, tile
+from hcp.dcp.packing import Round, Packing, rank_tokens, tile
 from hcp.schedule.simulator import simulate_1f1b
 
 
@@ -56,14 +56,14 @@ class ExactResult:
     their relative gap is within the tolerance (the plan is then called optimal), and the
     number of search nodes."""
 
-    plan: Plan
+    plan: Packing
     time: float
     dual_bound: float
     optimal: bool
     nodes: int = 0
 
 
-def plan_time(plan: Plan, lens, cost: CostModel) -> float:
+def plan_time(plan: Packing, lens, cost: CostModel) -> float:
     """T of a plan at pp = 1 (seconds), as the simulator computes it."""
     fwd, bwd = cost.stage_times(plan, lens)
     return float(fwd.sum() + bwd.sum())
@@ -98,7 +98,7 @@ def best_weights(lens, cost: CostModel, pool: int, m: int, steps: int = 11,
 
 
 def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
-                plans: tuple[Plan, ...] = (), time_limit: float = 20.0,
+                plans: tuple[Packing, ...] = (), time_limit: float = 20.0,
                 gap: float = 0.01, max_nodes: int | None = None) -> ExactResult:
     """Branch and bound (module docstring) within `time_limit` seconds and `max_nodes` search
     nodes, starting from the best of `plans` (at least one). The returned plan is never slower
@@ -152,7 +152,7 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
             t = k1 * sum(mb[0] for mb in mbs) + o * len(mbs)
             if t < state["ub"] * (1 - 1e-12):
                 state["ub"] = t
-                state["plan"] = Plan([Round(tile([(list(g[3]), g[0]) for g in mb[3]], N))
+                state["plan"] = Packing([Round(tile([(list(g[3]), g[0]) for g in mb[3]], N))
                                       for mb in mbs])
             return t
         i = order[depth]
@@ -282,7 +282,7 @@ def exhaustive(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int) ->
                                   record=False).iteration_time
                 if t < best[0]:
                     best = (t, [choice[j][1] for j in order])
-    plan = Plan([Round(tile([(list(s), c) for s, c in groups], pool)) for groups in best[1]])
+    plan = Packing([Round(tile([(list(s), c) for s, c in groups], pool)) for groups in best[1]])
     return ExactResult(plan, best[0], best[0], True)
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
-from hcp.dcp.plan import Group, Round, Plan, fill_idle, rank_tokens_of
+from hcp.dcp.packing import Group, Round, Packing, fill_idle, rank_tokens_of
 
 EPS = 1e-12
 
@@ -61,8 +61,8 @@ def _split(seqs: list[int], lens: list[int]) -> tuple[list[int], list[int]]:
     return a, b
 
 
-def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
-            max_sweeps: int = 50, max_evals: int | None = None) -> Plan:
+def improve(plan: Packing, lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
+            max_sweeps: int = 50, max_evals: int | None = None) -> Packing:
     """A local optimum of the moves above, starting from `plan` (never slower than it). With
     `max_evals`, the search stops after the sequence at which that many moves have been
     evaluated (a deterministic budget: the same input gives the same plan)."""
@@ -242,7 +242,7 @@ def improve(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank
                     improved = True
         if not improved or (max_evals is not None and evals[0] >= max_evals):
             break
-    out_plan = Plan()
+    out_plan = Packing()
     for j in range(nmb):
         gs = sorted(members(j), key=lambda g: (-g[1], min(g[2])))
         blocks, off = [], 0

@@ -22,7 +22,7 @@ micro-batch j takes `F_sj = o_f + max_g f_s(g)` and `B_sj = o_b + k max_g f_s(g)
    micro-batches first and last.)
 3. Critical path. Each sequence's micro-batch passes forward through all stages and back, so
    T >= max_i min_c sum_s (1 + k) phi_s(L_i, c) + p (o_f + o_b).
-4. Several micro-batches per round (pp = 1 without dp_shard, hcp/dcp/plan.py). Rounds no longer
+4. Several micro-batches per round (pp = 1 without dp_shard, hcp/dcp/packing.py). Rounds no longer
    tile the pool per micro-batch, so replace M_min in 1: each micro-batch of a group of c ranks
    puts at most m tokens on each of its ranks, so the groups' micro-batches occupy at least
    `sum L / m` rank-micro-batches in all, each paying o_f + o_b on each of its ranks; the
@@ -53,7 +53,7 @@ from __future__ import annotations
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
-from hcp.dcp.plan import check_pool, prepare_lengths, rank_tokens
+from hcp.dcp.packing import check_pool, prepare_lengths, rank_tokens
 
 
 def cp_sizes(pool: int) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 Runs `megatron.core.pipeline_parallel.hybrid_cp_schedule.BalancedCPScheduler` (package
 `megatron-core`, optional extra `bench`; never needed to train) on a batch of lengths and
-converts its output to our `Plan`, faithfully to how Megatron executes it
+converts its output to our `Packing`, faithfully to how Megatron executes it
 (`hybrid_context_parallel_forward_backward` in the same file):
 - each element of `get_groups_and_subsamples`' `sample_id_groups` is a round: the DPxCP ranks
   run it between two barriers of the DPxCP group;
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hcp.dcp.plan import Group, Plan, Round, fill_idle
+from hcp.dcp.packing import Group, Packing, Round, fill_idle
 
 
 class _Pool:
@@ -30,7 +30,7 @@ class _Pool:
         return self.n
 
 
-def megatron_plan(lengths, pool: int, max_tokens_per_rank: int) -> Plan:
+def megatron_plan(lengths, pool: int, max_tokens_per_rank: int) -> Packing:
     """Megatron-Core's BalancedCPScheduler plan of these lengths (tokens) on `pool` ranks.
 
     Raises:
@@ -43,7 +43,7 @@ def megatron_plan(lengths, pool: int, max_tokens_per_rank: int) -> Plan:
     lens = [int(x) for x in np.asarray(lengths)]
     sched = BalancedCPScheduler(max_tokens_per_rank, _Pool(pool))
     _, sample_id_groups = sched.get_groups_and_subsamples(list(enumerate(lens)), None)
-    plan = Plan()
+    plan = Packing()
     seen = np.zeros(len(lens), dtype=np.int64)
     for j, per_rank in enumerate(sample_id_groups):
         per_rank = [list(ids) for ids in per_rank] + [[]] * (pool - len(per_rank))

@@ -68,7 +68,7 @@ from hcp.dcp.cost_model import CostModel
 from hcp.dcp.lower_bound import cp_sizes
 from hcp.dcp.pipeline_bound import (PipelineBound, lp_makespan, lp_model, pipeline_bound,
                                     stage_floors, staged_bound)
-from hcp.dcp.plan import check_pool, prepare_lengths, rank_tokens
+from hcp.dcp.packing import check_pool, prepare_lengths, rank_tokens
 
 GROWTH = 1.5  # the intervals of M added above grow by this factor (Claim 3)
 # No search when the pin raises R(M) at the unpinned LP's best M by at most this fraction:

@@ -67,7 +67,7 @@ from scipy.optimize import linprog
 
 from hcp.dcp.cost_model import CostModel
 from hcp.dcp.lower_bound import cp_sizes, lower_bound
-from hcp.dcp.plan import check_pool, prepare_lengths, rank_tokens
+from hcp.dcp.packing import check_pool, prepare_lengths, rank_tokens
 from hcp.schedule.simulator import stage_order
 
 

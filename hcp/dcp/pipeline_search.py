@@ -26,14 +26,14 @@ import numpy as np
 
 from hcp.dcp.cost_model import CostModel
 from hcp.dcp.lower_bound import cp_sizes
-from hcp.dcp.plan import Plan, Round, rank_tokens_of, tile
+from hcp.dcp.packing import Packing, Round, rank_tokens_of, tile
 from hcp.schedule.simulator import simulate_1f1b
 
 EPS = 1e-12
 
 
-def improve_pipeline(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
-                     max_evals: int = 20_000) -> tuple[Plan, float]:
+def improve_pipeline(plan: Packing, lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
+                     max_evals: int = 20_000) -> tuple[Packing, float]:
     """A local optimum of the moves above from `plan` (one micro-batch per group and round, in
     execution order) and its simulated time (s); never slower than `plan`."""
     lens = [int(x) for x in np.asarray(lengths)]
@@ -102,7 +102,7 @@ def improve_pipeline(plan: Plan, lengths, cost: CostModel, pool: int, max_tokens
                 break
             if evals >= max_evals:
                 break
-    out = Plan([Round(tile([(s, c) for c, s in mb], pool)) for mb in mbs])
+    out = Packing([Round(tile([(s, c) for c, s in mb], pool)) for mb in mbs])
     return out, best
 
 

@@ -1,7 +1,7 @@
 """The `dynamic_cp` packing policy of the step plan (docs/design.md 4.1; hcp/plan/step.py).
 
 `dynamic_cp_policy(llm_cfg, profile)` returns the policy `(merged lengths [B], the LLM's
-ResolvedLayout, micro_batch_tokens) -> Plan` that the step plan calls through
+ResolvedLayout, micro_batch_tokens) -> Packing` that the step plan calls through
 `hcp.plan.step.register_policy("dynamic_cp", ...)` (registered by the caller: hcp/plan sits
 above hcp/dcp). It runs the solver (hcp/dcp/solver.py) on the global batch with the cost model
 of the run's own `llm.*` config and layout (tp strides the CP pool, pp, recompute) under the
@@ -45,15 +45,15 @@ import numpy as np
 
 from hcp.config.errors import ConfigError
 from hcp.dcp.cost_model import CostModel, load_profile
-from hcp.dcp.plan import Group, Plan, Round, check_pool, prepare_lengths
+from hcp.dcp.packing import Group, Packing, Round, check_pool, prepare_lengths
 from hcp.dcp.solver import solve
 from hcp.parallel.grid import DYNAMIC_CP  # not groups.py: the planner imports no torch
 
 
-def rows(plan: Plan) -> Plan:
+def rows(plan: Packing) -> Packing:
     """`plan` with every round laid out as rows of one micro-batch per group (module
     docstring); a plan of one micro-batch per group is returned as it is."""
-    out = Plan()
+    out = Packing()
     for r in plan.rounds:
         mbs = [g.micro_batches for g in r.groups]
         for q in range(max(map(len, mbs))):
@@ -67,7 +67,7 @@ def dynamic_cp_policy(llm_cfg, profile: str = "h100"):
     hw = load_profile(profile)
     costs: dict[tuple, CostModel] = {}
 
-    def policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Plan:
+    def policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Packing:
         pool = llm.dp * llm.cp
         check_pool(pool, micro_batch_tokens)
         key = (llm.tp, llm.pp, llm.recompute, tuple(llm.pp_layers))
@@ -84,14 +84,14 @@ def dynamic_cp_policy(llm_cfg, profile: str = "h100"):
 
 def several_per_round(llm) -> bool:
     """Whether a CP group of the LLM's layout `llm` may run several micro-batches in a round
-    (pp = 1 without dp_shard, `hcp.dcp.plan`), so the ranks of a pool run different numbers of
+    (pp = 1 without dp_shard, `hcp.dcp.packing`), so the ranks of a pool run different numbers of
     micro-batches in a step (the trainer skips the empty rows): then no collective over the
     whole pool (its gradient all-reduce) may start inside a rank's last backward
     (`hcp.plan.step.StepPlan.overlap_grad_sync`)."""
     return llm.pp == 1 and not llm.dp_shard
 
 
-def cp_histogram(plan: Plan) -> dict[str, int]:
+def cp_histogram(plan: Packing) -> dict[str, int]:
     """The step's non-empty micro-batches (groups with samples) per CP size c, as metrics
     `{"micro_batches_cp{c}": count}` in increasing c (logged each step under dynamic CP)."""
     sizes = sorted(g.cp_size for r in plan.rounds for g in r.groups if g.seq_indices)

@@ -28,11 +28,11 @@ import numpy as np
 from hcp.dcp.cost_model import CostModel
 from hcp.dcp.local_search import GroupTime
 from hcp.dcp.lower_bound import cp_sizes
-from hcp.dcp.plan import Group, Plan, Round, rank_tokens
+from hcp.dcp.packing import Group, Packing, Round, rank_tokens
 from hcp.dcp.rounds import fill_slack
 
 
-def rank_time_plan(lens: np.ndarray, cost: CostModel, pool: int, m: int) -> Plan:
+def rank_time_plan(lens: np.ndarray, cost: CostModel, pool: int, m: int) -> Packing:
     """A plan of rounds of several micro-batches per group for `lens` `[n]` (tokens, each
     fitting the pool under the cap `m` tokens per rank, as `plan.prepare_lengths` ensures) on
     a pool of `pool` ranks at pp = 1 (see module docstring). Raises ValueError for pp > 1
@@ -68,7 +68,7 @@ def rank_time_plan(lens: np.ndarray, cost: CostModel, pool: int, m: int) -> Plan
         mb[2] += n
         mb[3] += sq
         mb[4] += int(rt[cs.index(mb[0]), i])
-    plan = Plan()
+    plan = Packing()
     for c in cs:
         own = sorted((mb for mb in mbs if mb[0] == c),
                      key=lambda mb: -(k1 * f(mb[2], mb[3], c) + o))

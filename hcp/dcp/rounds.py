@@ -1,4 +1,4 @@
-"""Rounds of several micro-batches per group (pp = 1 without dp_shard; hcp/dcp/plan.py).
+"""Rounds of several micro-batches per group (pp = 1 without dp_shard; hcp/dcp/packing.py).
 
 With one pipeline stage a group need not synchronise with the pool after every micro-batch:
 between two synchronisations (a round) it may run several micro-batches one after another, so
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
-from hcp.dcp.plan import Group, Plan, Round, rank_tokens, rank_tokens_of
+from hcp.dcp.packing import Group, Packing, Round, rank_tokens, rank_tokens_of
 
 
 def _key(r: Round) -> tuple:
@@ -29,7 +29,7 @@ def _key(r: Round) -> tuple:
 
 
 def _round_time(r: Round, lens, cost: CostModel) -> float:
-    fwd, bwd = cost.stage_times(Plan([r]), lens)
+    fwd, bwd = cost.stage_times(Packing([r]), lens)
     return float(fwd.sum() + bwd.sum())
 
 
@@ -74,7 +74,7 @@ def _rebalance(r: Round, lens: np.ndarray, cost: CostModel, m: int) -> Round:
     return Round(groups)
 
 
-def merge_rounds(plan: Plan, lengths, cost: CostModel, max_tokens_per_rank: int) -> Plan:
+def merge_rounds(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int) -> Packing:
     """Rounds of several micro-batches per group from `plan` (see module docstring); pp = 1."""
     if cost.pp != 1:
         raise ValueError(f"several micro-batches per round need pp=1, not {cost.pp}")
@@ -89,7 +89,7 @@ def merge_rounds(plan: Plan, lengths, cost: CostModel, max_tokens_per_rank: int)
             for mb in h.micro_batches:
                 g.seq_indices += mb
                 g.micro_batch_sizes.append(len(mb))
-    out = Plan()
+    out = Packing()
     for r in merged.values():
         best, t = r, _round_time(r, lens, cost)
         new = _rebalance(r, lens, cost, max_tokens_per_rank)
@@ -102,8 +102,8 @@ def merge_rounds(plan: Plan, lengths, cost: CostModel, max_tokens_per_rank: int)
 FILL_SLACK_EVALS = 200_000  # candidate placements costed per fill_slack call (deterministic)
 
 
-def fill_slack(plan: Plan, lengths, cost: CostModel, max_tokens_per_rank: int,
-               max_moves: int = 2000, max_evals: int = FILL_SLACK_EVALS) -> Plan:
+def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int,
+               max_moves: int = 2000, max_evals: int = FILL_SLACK_EVALS) -> Packing:
     """Move sequences off the busiest group of a round onto groups (of any round, idle blocks
     included) that finish early, while a move shortens the iteration: the time of a round is
     its busiest group's, so taking a sequence off a round's unique busiest group saves
@@ -205,7 +205,7 @@ def fill_slack(plan: Plan, lengths, cost: CostModel, max_tokens_per_rank: int,
         ga, qa, new_a, gb, qb, new_b = best[1]
         apply(ga, qa, new_a)
         apply(gb, qb, new_b)
-    out = Plan()
+    out = Packing()
     for r in rounds:
         groups = []
         for c, off, mbs, _ in r:

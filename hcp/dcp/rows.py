@@ -9,7 +9,7 @@ import heapq
 import numpy as np
 
 from hcp.dcp.lower_bound import cp_sizes
-from hcp.dcp.plan import Group, Plan, Round, fill_idle, rank_tokens_of
+from hcp.dcp.packing import Group, Packing, Round, fill_idle, rank_tokens_of
 
 # A micro-batch j much slower than the rest (one sequence longer than the level even on the
 # whole pool) stalls 1F1B: its backwards on stages s < p - 1 delay their forwards of j + p - s,
@@ -121,7 +121,7 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
 
 
 def level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open: int = 0,
-                escort: int = 0) -> tuple[Plan, int, int, bool]:
+                escort: int = 0) -> tuple[Packing, int, int, bool]:
     """Steps 2-3 for one micro-batch count: `rows_target` row-equivalents of work, as one light
     row per entry of `fractions` (filled to that fraction of the level; the first `n_open` open
     the pipeline) and full rows for the rest. With `escort > 0`, each body row whose slowest
@@ -157,7 +157,7 @@ def level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open:
         for ri in calm:
             offsets[len(fractions) + ri] = -ESCORT_LIFT * max(excess)
     _place_single(rows, single.tolist(), lens, heights, pool, m, offsets)
-    plan = Plan()
+    plan = Packing()
     opened = light = 0
     for ri, r in enumerate(rows):
         groups = [Group(sorted(g[2]), g[1], g[0]) for g in r.groups if g[2]]
@@ -168,7 +168,7 @@ def level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open:
     return plan, opened, light, bool(escort and heavy)
 
 
-def shaped_plan(lens, heights, feasible, shape, pool, m, scale) -> Plan:
+def shaped_plan(lens, heights, feasible, shape, pool, m, scale) -> Packing:
     """Rows with target heights proportional to `shape` (one entry per row, e.g. the optimal
     micro-batch sizes of the pipeline LP, hcp/dcp/pipeline_bound.py), scaled so that the
     targets hold `scale` x the batch's rank-seconds at the smallest feasible CP sizes.
@@ -219,7 +219,7 @@ def shaped_plan(lens, heights, feasible, shape, pool, m, scale) -> Plan:
     single = np.flatnonzero(cs == 1)
     single = single[np.argsort(-height[single], kind="stable")]
     _place_single(rows, single.tolist(), lens, heights, pool, m, [peak - t for t in targets])
-    plan = Plan()
+    plan = Packing()
     for r in rows:
         groups = [Group(sorted(g[2]), g[1], g[0]) for g in r.groups if g[2]]
         if groups:

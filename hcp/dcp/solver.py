@@ -77,7 +77,7 @@ from hcp.dcp.lower_bound import cp_sizes
 from hcp.dcp.pinned_bound import pin_floor
 from hcp.dcp.pipeline_search import improve_pipeline
 from hcp.dcp.pipeline_bound import lp_makespan, stage_classes, stage_floors, staged_bound
-from hcp.dcp.plan import Plan, max_length, prepare_lengths, rank_tokens
+from hcp.dcp.packing import Packing, max_length, prepare_lengths, rank_tokens
 from hcp.dcp.rows import level_plan, shaped_plan
 from hcp.schedule.simulator import simulate_1f1b
 
@@ -128,12 +128,12 @@ GOLDEN = (np.sqrt(5.0) - 1.0) / 2.0
 class Solution:
     """The chosen plan, its simulated iteration time (seconds) and which candidate won."""
 
-    plan: Plan
+    plan: Packing
     time: float
     source: str
 
 
-def simulate_plan(plan: Plan, lengths, cost: CostModel, record: bool = False):
+def simulate_plan(plan: Packing, lengths, cost: CostModel, record: bool = False):
     """Timeline of `plan` through 1F1B under `cost`."""
     fwd, bwd = cost.stage_times(plan, lengths)
     return simulate_1f1b(fwd, bwd, record=record)
@@ -187,15 +187,15 @@ def _orderings(fwd: np.ndarray, bwd: np.ndarray, opening: int, light: int) -> li
     return orders
 
 
-def _best_order(plan: Plan, lens, cost: CostModel, opening: int = 0,
-                light: int = 0) -> tuple[Plan, float]:
+def _best_order(plan: Packing, lens, cost: CostModel, opening: int = 0,
+                light: int = 0) -> tuple[Packing, float]:
     fwd, bwd = cost.stage_times(plan, lens)
     best = None
     for order in _orderings(fwd, bwd, opening, light):
         t = simulate_1f1b(fwd[:, order], bwd[:, order], record=False).iteration_time
         if best is None or t < best[0] - 1e-12:
             best = (t, order)
-    ordered = Plan([plan.rounds[j] for j in best[1].tolist()])
+    ordered = Packing([plan.rounds[j] for j in best[1].tolist()])
     return ordered, best[0]
 
 
@@ -233,7 +233,7 @@ def _pinned_sizes(rows: int, cost: CostModel, work, smallest, floor) -> np.ndarr
 
 
 def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int, m_min: int,
-                     baselines: list[tuple[Plan, str]]) -> Solution:
+                     baselines: list[tuple[Packing, str]]) -> Solution:
     """Step 4 (p > 1), in two passes: each closing span at the memory minimum M, then the best
     span at `M_min + TARGET_OFFSETS` (fewer body rows raise the level `tau`; measured on the
     seed-sized benchmark, seeds 0 and 1: 1.096 / 1.099 at the minimum alone, 1.094 / 1.097
@@ -311,7 +311,7 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     """Plan one global batch (see module docstring). `lengths` must already fit the pool (use
     plan.prepare_lengths); `max_len` only configures the packing-only fallback candidate.
     With `several_per_round` (pp = 1 without dp_shard: a group may run several micro-batches
-    between two synchronisations of the pool, hcp/dcp/plan.py) every pp = 1 candidate is also
+    between two synchronisations of the pool, hcp/dcp/packing.py) every pp = 1 candidate is also
     turned into such rounds (hcp/dcp/rounds.py) and competes."""
     lens, _ = prepare_lengths(lengths, pool, max_tokens_per_rank)
     m = max_tokens_per_rank

@@ -132,7 +132,7 @@ def init_parameters(model: nn.Module, seed: int, std: float = 0.02, prefix: str 
 @contextlib.contextmanager
 def meta_build():
     """Build modules on the meta device (no storage), also under a `FakeTensorMode` (the
-    rehearsal, `hcp.train.rehearse`): their parameters stay plain meta tensors, which
+    rehearsal, `hcp.preflight.rehearse`): their parameters stay plain meta tensors, which
     `materialize` can replace (torch cannot swap a fake parameter out of a module)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 

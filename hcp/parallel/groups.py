@@ -1,7 +1,7 @@
 """Process-group registry: every module's torch.distributed groups, created once, looked up in O(1).
 
 NCCL-safe creation. Once the default group is bound to a device (`device_id=`, as
-`hcp.train.distributed` does on CUDA), torch builds each `new_group` by `ncclCommSplit` of the
+`hcp.launch.distributed` does on CUDA), torch builds each `new_group` by `ncclCommSplit` of the
 world communicator, which every rank of the world must call, members or not, in the same order.
 So every rank creates every group of the world (`creation_order`: modules in graph order, then
 the kinds of `hcp.parallel.grid.KINDS`, then for modules with dynamic CP the block sizes 1, 2,

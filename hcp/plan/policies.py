@@ -1,5 +1,5 @@
 """Packing policies of the step plan (docs/design.md 4.1): each maps the global batch's merged
-lengths to a `hcp.dcp.plan.Plan` over the LLM's CP pool (dp * cp ranks of one pipeline stage and
+lengths to a `hcp.dcp.packing.Packing` over the LLM's CP pool (dp * cp ranks of one pipeline stage and
 TP index, pool position = dp * cp + cp): micro-batches in execution order, each a set of groups
 (samples, CP size c, aligned block offset) tiling the pool, so every rank of the pool runs the
 same number of micro-batches (a rank whose group is empty runs an empty micro-batch).
@@ -17,10 +17,10 @@ from typing import Callable
 import numpy as np
 
 from hcp.data.host import first_fit
-from hcp.dcp.plan import Group, Plan, Round, rank_tokens
+from hcp.dcp.packing import Group, Packing, Round, rank_tokens
 
-Policy = Callable[[np.ndarray, object, int], Plan]
-"""(merged lengths int64 [B], the LLM's ResolvedLayout, micro_batch_tokens) -> Plan over the
+Policy = Callable[[np.ndarray, object, int], Packing]
+"""(merged lengths int64 [B], the LLM's ResolvedLayout, micro_batch_tokens) -> Packing over the
 LLM's CP pool whose groups hold positions in the global batch."""
 
 _POLICIES: dict[str, Policy] = {}
@@ -38,7 +38,7 @@ def policy(name: str) -> Policy:
     return _POLICIES[name]
 
 
-def first_fit_policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Plan:
+def first_fit_policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Packing:
     """Static lanes, first-fit inside each lane (module docstring); lanes with fewer packs get
     empty groups, so every lane runs the same number of micro-batches.
 
@@ -50,7 +50,7 @@ def first_fit_policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Plan:
     n = len(tokens) // dp
     padded = (cp * rank_tokens(tokens, cp)).tolist()
     lanes = [first_fit(padded[lane * n:(lane + 1) * n], micro_batch_tokens * cp) for lane in range(dp)]
-    return Plan([Round([Group([lane * n + i for i in packs[j]] if j < len(packs) else [], cp,
+    return Packing([Round([Group([lane * n + i for i in packs[j]] if j < len(packs) else [], cp,
                                    lane * cp) for lane, packs in enumerate(lanes)])
                  for j in range(max(map(len, lanes)))])
 

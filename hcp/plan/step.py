@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hcp.dcp.plan import Group, Plan
+from hcp.dcp.packing import Group, Packing
 from hcp.dcp.policy import several_per_round
 from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
@@ -63,7 +63,7 @@ class StepPlan:
 
     sizes: SampleSizes
     layouts: dict
-    packing: Plan
+    packing: Packing
     """LLM micro-batches over the CP pool (policy output)."""
     counts: Counts
     encoder_lanes: dict[str, int]
@@ -199,7 +199,7 @@ class StepPlan:
         return tuple(tuple(int(s) for s in lane[mb == j]) for j in range(self.num_micro_batches))
 
 
-def _flatten(plan: Plan, pool: int, batch: int):
+def _flatten(plan: Packing, pool: int, batch: int):
     """Groups as flat arrays; checks that every sample appears once and groups tile the pool."""
     if any(g.micro_batch_sizes is not None for r in plan.rounds for g in r.groups):
         raise ValueError("the step plan runs one micro-batch per group and round; a plan whose "

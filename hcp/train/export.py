@@ -130,7 +130,7 @@ def start_export(cfg, run_dir: str, joined, world: int) -> None:
 
     from hcp.config.errors import ConfigError
     from hcp.train.encoders import several_streams
-    from hcp.train.launch import export_rank_env, local_start_method, start_local_ranks
+    from hcp.launch.launch import export_rank_env, local_start_method, start_local_ranks
 
     if not cfg.export.dir:
         raise ConfigError("export.dir", cfg.export.dir, "mode=export needs a folder to write",
@@ -165,7 +165,7 @@ def run_export_rank(cfg, run_dir: str) -> None:
     from hcp.model.stage import StageSpec
     from hcp.parallel.groups import ProcessGroupRegistry
     from hcp.train import checkpoint
-    from hcp.train.distributed import init_distributed
+    from hcp.launch.distributed import init_distributed
 
     device = init_distributed(cfg.launcher)
     try:

@@ -2,7 +2,7 @@
 `trainer.on_nonfinite`), and a failing rank (`report_rank_failure`, naming the rank).
 
 A rank that dies without an exception (killed) is reported by its launcher: `python train.py`
-names the rank, the signal or exit code and its step (`hcp.train.supervise`), srun with
+names the rank, the signal or exit code and its step (`hcp.launch.supervise`), srun with
 `--kill-on-bad-exit=1` (hcp's sbatch script; `SLURM_KILL_BAD_EXIT=1` under submitit) names the
 task and ends the step at once, torchrun names the local rank; the surviving ranks' collectives
 fail on the closed connection, or at the latest after `launcher.timeout_s`.

@@ -1,5 +1,5 @@
 """Fake tensors (torch's `FakeTensorMode`, under which the rehearsal runs full-size recipes:
-`hcp.train.rehearse`): shapes, dtypes and devices without values, so no host read."""
+`hcp.preflight.rehearse`): shapes, dtypes and devices without values, so no host read."""
 from __future__ import annotations
 
 import torch

@@ -28,7 +28,7 @@ def step_metrics(llm_cfg, counts: list[float], step_s: float, times, device, pre
     ranks of 1 - busy / wall of the 1F1B schedule, from each stage's measured compute time).
 
     counts: [global loss tokens, global tokens, global sum of squared document lengths];
-    times: this rank's `StageTimes`; preempt: this rank's `hcp.train.preempt.Preemption` (or
+    times: this rank's `StageTimes`; preempt: this rank's `hcp.launch.preempt.Preemption` (or
     None): its signal flag rides in the same collective and every rank gets the largest
     (`Preemption.agree`), so the step has one collective and one host read for both.
     A collective over the world (every rank calls it)."""

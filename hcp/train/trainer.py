@@ -43,7 +43,7 @@ from hcp.plan.ahead import PlanAhead, use_worker
 from hcp.train.planner import StepPlanner
 from hcp.schedule.colocated import ColocatedStep
 from hcp.train import checkpoint
-from hcp.train.distributed import init_distributed
+from hcp.launch.distributed import init_distributed
 from hcp.train.evaluate import eval_capacity, evaluate
 from hcp.train.failures import NonFiniteGuard
 from hcp.train.fake import host_values
@@ -53,10 +53,10 @@ from hcp.train.metrics_log import RunLogger, whole_step_metrics
 from hcp.train.modules import RankModules, clip_, local_grad_sq, module_sq_norm
 from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
 from hcp.train.plan_check import check_plans_agree
-from hcp.train.preempt import Preemption, continue_wandb_run
+from hcp.launch.preempt import Preemption, continue_wandb_run
 from hcp.train.rank_data import llm_inputs
 from hcp.train.step import StepRunner, plan_counts
-from hcp.train.supervise import record_step
+from hcp.launch.supervise import record_step
 from hcp.train import encoders as sides  # one or several encoders (joins, branches)
 from hcp.train.whole_encoder import whole_encoder
 
@@ -73,7 +73,7 @@ class Trainer:
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.run_dir = cfg, run_dir
         self.device = init_distributed(cfg.launcher)
-        self.preempt = Preemption(cfg.launcher.slurm, self.device)  # signal -> flag (hcp.train.preempt)
+        self.preempt = Preemption(cfg.launcher.slurm, self.device)  # signal -> flag (hcp.launch.preempt)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.precision = Precision.of(cfg.precision)  # one policy: schedules, routes, links, backend
         self.layouts = resolve_layouts(cfg, self.world)
@@ -359,7 +359,7 @@ class Trainer:
         """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
         tc = self.cfg.trainer
         t_start, history, metrics, evals = time.perf_counter(), [], {}, {}
-        record_step(self.step)  # the launcher names the step of a rank that dies (hcp.train.supervise)
+        record_step(self.step)  # the launcher names the step of a rank that dies (hcp.launch.supervise)
         while self.step < tc.max_steps:
             metrics = self.fit_step()
             history.append(metrics)

@@ -3,20 +3,20 @@
     python train.py -m optim.lr=1e-3,3e-3 trainer.max_steps=50
 
 Each job writes `summary.json` (`hcp.train.trainer.Trainer.fit`) or, for a point whose config
-breaks a rule, `error.txt` (`hcp.train.entry`; the sweep goes on). Hydra calls
+breaks a rule, `error.txt` (`hcp.entry`; the sweep goes on). Hydra calls
 `TrainSweepTable.on_multirun_end` in the launching process once every job is done (registered
 under `hydra.callbacks` in `conf/config.yaml`): it prints one row per job, labelled by the
-overrides that differ between jobs (`hcp.train.plan_table.job_labels`), with its status, final
+overrides that differ between jobs (`hcp.preflight.plan_table.job_labels`), with its status, final
 loss, mean tokens/s and mean step time, writes the table to `sweep_summary.txt` in the sweep
 folder and, when a point failed, ends the sweep with exit status 2. Plan sweeps have their own
-table (`hcp.train.plan_table`).
+table (`hcp.preflight.plan_table`).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from hcp.train.plan_table import Callback, format_table, job_labels
+from hcp.preflight.plan_table import Callback, format_table, job_labels
 
 HEADER = ("run", "status", "final loss", "tokens/s", "step time s")
 ERROR_FILE = "error.txt"

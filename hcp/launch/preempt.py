@@ -39,7 +39,7 @@ class Preemption:
     Handles `SIG<launcher.slurm.signal>` and SIGUSR2 (submitit's) always, and SIGTERM under
     SLURM only (`SLURM_JOB_ID` set: SLURM's preemption and time-limit notice; a local run keeps
     torch.multiprocessing's terminate-on-failure semantics, and its launcher sends a SIGTERM it
-    gets on as `SIG<launcher.slurm.signal>`: `hcp.train.supervise`).
+    gets on as `SIG<launcher.slurm.signal>`: `hcp.launch.supervise`).
     """
 
     def __init__(self, slurm_cfg, device: torch.device, env=os.environ):

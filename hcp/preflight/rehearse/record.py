@@ -23,7 +23,7 @@ P2P_OPS = {"send": "send", "recv_": "recv", "recv_any_source_": "recv"}
 """c10d point-to-point ops -> `Op.kind`."""
 UNEVEN_OPS = {"alltoall_base_"}
 """Collectives whose shapes legitimately differ between members (uneven splits): matched on
-op and dtype, and their splits checked pairwise (hcp.train.rehearse.checks)."""
+op and dtype, and their splits checked pairwise (hcp.preflight.rehearse.checks)."""
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """Write, print or submit an sbatch script for a recipe and its overrides.
 
-    python -m hcp.train.sbatch --dry-run +recipe=llama13b_dynamic_cp launcher=slurm_h100
-    python -m hcp.train.sbatch +recipe=llama_tiny launcher=slurm launcher.nproc_per_node=4
+    python -m hcp.launch.sbatch --dry-run +recipe=llama13b_dynamic_cp launcher=slurm_h100
+    python -m hcp.launch.sbatch +recipe=llama_tiny launcher=slurm launcher.nproc_per_node=4
 
 Nodes and tasks come from `launcher.nnodes` / `launcher.nproc_per_node`, the rest from
 `launcher.slurm` (partition, time, signal and lead time, setup lines). The launch inputs are
-checked first (`hcp.train.slurm.check_job`): a bad one fails here, before submission, with the fix.
+checked first (`hcp.launch.slurm.check_job`): a bad one fails here, before submission, with the fix.
 
 The job runs `train.py` in one of two ways (`launcher.slurm.launch`):
 - `srun`: one task per GPU; each task joins the launch from the SLURM variables;
@@ -36,7 +36,7 @@ def render(cfg, overrides: list[str], run_dir: str, log: str, job_name: str,
     `$SLURM_JOB_ID` (expanded in the job), `log` sbatch's `%j`."""
     lc, s = cfg.launcher, cfg.launcher.slurm
     torchrun = s.launch == "torchrun"
-    lines = ["#!/bin/bash", f"# Written by `python -m hcp.train.sbatch {shlex.join(overrides)}`",
+    lines = ["#!/bin/bash", f"# Written by `python -m hcp.launch.sbatch {shlex.join(overrides)}`",
              f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={lc.nnodes}",
              f"#SBATCH --ntasks-per-node={1 if torchrun else lc.nproc_per_node}",
              f"#SBATCH --time={s.time_min}", f"#SBATCH --signal={s.signal}@{s.signal_lead_s}",
@@ -51,13 +51,13 @@ def render(cfg, overrides: list[str], run_dir: str, log: str, job_name: str,
         lines.append(f"#SBATCH --gpus-per-node={s.gpus_per_node}")
     script = os.path.join(REPO, "train.py")
     program = ([shlex.quote(script)] if os.path.isfile(script)  # a source tree, else the package
-               else ["-c", shlex.quote("from hcp.train.entry import main; main()")])
+               else ["-c", shlex.quote("from hcp.entry import main; main()")])
     args = f'{shlex.join(overrides)} "hydra.run.dir={run_dir}" resume=auto'
     run = f"{shlex.quote(python)} {' '.join(program)} {args}"
     lines += ["", *s.setup,
               'echo "hcp: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"']
     if torchrun:
-        lines += [f"export HCP_RDZV_HOST=$({shlex.quote(python)} -c 'import os; from hcp.train.slurm "
+        lines += [f"export HCP_RDZV_HOST=$({shlex.quote(python)} -c 'import os; from hcp.launch.slurm "
                   "import first_host; print(first_host(os.environ[\"SLURM_JOB_NODELIST\"]))')",
                   "export HCP_RDZV_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
         worker = " ".join(program) if program[0] != "-c" else f"--no-python {shlex.quote(python)} {' '.join(program)}"
@@ -73,7 +73,7 @@ def render(cfg, overrides: list[str], run_dir: str, log: str, job_name: str,
 
 def main(argv=None) -> int:
     """CLI: compose, check, then print (`--dry-run`) or write and submit; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m hcp.train.sbatch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hcp.launch.sbatch", description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     parser.add_argument("--run-dir", default=None, help="run directory (default: "
                         "outputs/slurm-$SLURM_JOB_ID, expanded in the job)")
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as for train.py")
     args = parser.parse_args(argv)
     from hcp.config.compose import compose_config
-    from hcp.train.slurm import check_job
+    from hcp.launch.slurm import check_job
 
     try:
         cfg = compose_config(args.overrides)

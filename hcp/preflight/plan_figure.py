@@ -55,7 +55,7 @@ def plan_figure(layouts, world_size: int, gpus_per_node: int | None = None,
     With `gpus_per_node`, dashed red lines mark node boundaries in every panel; with
     `memory_gib` (one estimate per rank) a lower panel shows each rank's estimated memory as a
     bar (red where it exceeds `device_memory_gib`, drawn as a line); `cp_notes` (module -> text,
-    `hcp.train.plan.cp_notes`: encoder CP, dynamic CP) is written on the module's row."""
+    `hcp.preflight.plan_mode.cp_notes`: encoder CP, dynamic CP) is written on the module's row."""
     rows = len(layouts)
     panels = 2 if memory_gib is not None else 1
     fig, axes = plt.subplots(panels, 1, sharex=True, squeeze=False,

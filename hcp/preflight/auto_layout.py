@@ -4,8 +4,8 @@ estimated step that fits, before any process group starts. Pure: no process grou
     python train.py +recipe=llava_hetero mode=plan layout=auto
     python train.py +recipe=llava_hetero mode=plan layout=auto llm.layout.tp=8   # tp pinned
 
-The space and the pins: `hcp.train.auto_space` (a field given on the command line stays fixed);
-the estimate: `hcp.train.auto_cost` under `packing_profile`'s hardware (`h100`, or a profile
+The space and the pins: `hcp.preflight.auto_space` (a field given on the command line stays fixed);
+the estimate: `hcp.preflight.auto_cost` under `packing_profile`'s hardware (`h100`, or a profile
 of `mode=calibrate`). Branch and bound: the (placement, island size) groups and, inside each,
 the (encoder, LLM) pairs are visited in order of a cheap lower bound on their step; LLM layouts
 whose own stages exceed `cluster.device_memory_gib` are dropped first, a pair is checked for
@@ -27,8 +27,8 @@ from omegaconf import open_dict
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts
-from hcp.train.auto_cost import Score, Scorer, combine_bounds
-from hcp.train.auto_space import (Candidate, check_searchable, combine, island_sizes, module_options,
+from hcp.preflight.auto_cost import Score, Scorer, combine_bounds
+from hcp.preflight.auto_space import (Candidate, check_searchable, combine, island_sizes, module_options,
                                   pinned_fields, placements)
 
 TOP = 10

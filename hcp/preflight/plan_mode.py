@@ -8,11 +8,11 @@ local ranks on one node, `cluster.gpus_per_node` on several) it prints, per modu
 island ranks, parameter count (from the model built on the meta device, as 1.2M / 13.0B) and
 the groups the registry would create (and how it runs CP: encoder CP, dynamic CP's pool and
 sizes, `cp_notes`, also written on the picture's rows); a rank map compressed into runs of ranks with the same
-role; the per-rank memory estimate of `hcp.train.memory` against `cluster.device_memory_gib`;
-the estimated step time, TFLOPS/GPU and bubble (`hcp.train.estimate`); and warnings for TP (and
+role; the per-rank memory estimate of `hcp.preflight.memory` against `cluster.device_memory_gib`;
+the estimated step time, TFLOPS/GPU and bubble (`hcp.preflight.estimate`); and warnings for TP (and
 dynamic-CP) groups that cross a node boundary. It writes `plan.json` and `plan.png` to
 `out_dir`, then raises ConfigError naming the knob to turn when a rank does not fit. A `-m`
-sweep of plans ends with one comparison table (`hcp.train.plan_table`).
+sweep of plans ends with one comparison table (`hcp.preflight.plan_table`).
 """
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ from hcp.model.llava import LlavaModel
 from hcp.parallel.grid import KINDS, Grid
 from hcp.parallel.roles import logging_rank, role_table
 from hcp.plan.step import island_head
-from hcp.train.estimate import ASSUMPTIONS, estimate_step
-from hcp.train.launch import cluster_fix, machine_memory_gib, resolve_nproc
-from hcp.train.memory import GIB, module_memory, rank_activations
-from hcp.train.plan_figure import draw_plan
+from hcp.preflight.estimate import ASSUMPTIONS, estimate_step
+from hcp.launch.launch import cluster_fix, machine_memory_gib, resolve_nproc
+from hcp.preflight.memory import GIB, module_memory, rank_activations
+from hcp.preflight.plan_figure import draw_plan
 
 
 def named_shapes(cfg) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
@@ -121,7 +121,7 @@ def running_layouts(cfg, layouts) -> dict:
 
 
 def stage_memory(cfg, layouts, shapes=None) -> dict:
-    """{module: [StageMemory of one rank of each PP stage]} (`hcp.train.memory.module_memory`)
+    """{module: [StageMemory of one rank of each PP stage]} (`hcp.preflight.memory.module_memory`)
     under the layouts the modules run with (`running_layouts`); `shapes`: `named_shapes(cfg)`
     if known."""
     shapes = shapes or named_shapes(cfg)
@@ -131,7 +131,7 @@ def stage_memory(cfg, layouts, shapes=None) -> dict:
 
 def memory_per_rank(cfg, layouts, world: int, stage_mem=None) -> list[dict]:
     """Each rank's estimated memory in GiB, `[{rank, weights, grads, optimizer, activations,
-    total}]` (`hcp.train.memory`): the modules and PP stages of the rank's role only (under
+    total}]` (`hcp.preflight.memory`): the modules and PP stages of the rank's role only (under
     `non_colocated` its island's); `stage_mem` (`stage_memory`'s result) if known."""
     if stage_mem is None:
         stage_mem = stage_memory(cfg, layouts)
@@ -316,7 +316,7 @@ def format_plan(plan: dict) -> str:
 
 def check_fits_here(cfg, layouts: dict, world: int, overrides=(), memory=None) -> None:
     """Before local ranks start: the estimated memory of the run (plan mode's per-rank estimate,
-    `hcp.train.memory`) must fit this machine, else one error that offers plan mode and the
+    `hcp.preflight.memory`) must fit this machine, else one error that offers plan mode and the
     cluster launch. `memory` overrides `machine_memory_gib()` (tests).
 
     Raises:

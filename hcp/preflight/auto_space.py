@@ -1,4 +1,4 @@
-"""The layout space `layout=auto` searches (hcp.train.auto_layout): placements, island sizes
+"""The layout space `layout=auto` searches (hcp.preflight.auto_layout): placements, island sizes
 and each module's layout, with the fields the user pinned held fixed. Pure: no process group.
 
 What is enumerated, for a world of W ranks on nodes of N ranks:

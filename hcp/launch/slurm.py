@@ -1,6 +1,6 @@
 """SLURM facts hcp derives and checks: the rendezvous host from the node list, and the launch
 inputs (tasks per node, GPUs per node, world size against the layouts, signal, requeue settings)
-checked before anything is submitted (`python -m hcp.train.sbatch`, and the Hydra callback
+checked before anything is submitted (`python -m hcp.launch.sbatch`, and the Hydra callback
 `LaunchCheck` before `hydra/launcher=submitit_slurm` submits a sweep).
 """
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""The launching process watches the local ranks it started (`hcp.train.launch.start_local_ranks`).
+"""The launching process watches the local ranks it started (`hcp.launch.launch.start_local_ranks`).
 
 - A signal to the launcher alone (a scheduler, an IDE's stop button, a supervisor, `kill PID`)
   reaches every rank: SIGINT is forwarded as SIGINT, so every rank stops at once, as after a
   terminal's Ctrl-C (what is on disk is what `trainer.save_every` saved); SIGTERM is forwarded as
   the preemption signal `SIG<launcher.slurm.signal>`, so every rank takes part in one checkpoint
-  at the next step boundary and stops (`hcp.train.preempt`). The launcher waits until every rank
+  at the next step boundary and stops (`hcp.launch.preempt`). The launcher waits until every rank
   has stopped and only then raises `Interrupted`: the hint it prints names what is on disk then.
 - A rank that ends without a Python exception (SIGKILL, the out-of-memory killer, `os._exit`)
   becomes `RankDied`, naming the rank, the signal or exit code and the step it was in: each rank
@@ -97,7 +97,7 @@ def join_ranks(context, board, forward: dict[int, int]) -> None:
 
 def run_in_process(fn: Callable[[], None], save_signal: int) -> None:
     """Run the only local rank, `fn()`, in this process with `join_ranks`'s semantics: SIGTERM
-    is handed to the rank's own `save_signal` handler (`hcp.train.preempt.Preemption`: save at
+    is handed to the rank's own `save_signal` handler (`hcp.launch.preempt.Preemption`: save at
     the next step boundary, then stop) or, before the rank has one, stops it at once; SIGINT
     is Python's KeyboardInterrupt, as for any local run. A rank's own SIGTERM handler (SLURM)
     replaces this one.

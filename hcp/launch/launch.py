@@ -25,7 +25,7 @@ import sys
 from typing import Callable, Mapping, Optional
 
 from hcp.config.errors import ConfigError
-from hcp.train.supervise import join_board, join_ranks, run_in_process, step_board
+from hcp.launch.supervise import join_board, join_ranks, run_in_process, step_board
 
 
 def launched_rank_env(env: Mapping[str, str]) -> Optional[dict]:
@@ -38,8 +38,8 @@ def launched_rank_env(env: Mapping[str, str]) -> Optional[dict]:
                 "master_port": env.get("MASTER_PORT")}
     if "SLURM_STEP_ID" in env and int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1:
         # Rendezvous every task derives alike: the first host of the node list, a port from the
-        # job id (hcp.train.slurm).
-        from hcp.train.slurm import rendezvous_host, rendezvous_port
+        # job id (hcp.launch.slurm).
+        from hcp.launch.slurm import rendezvous_host, rendezvous_port
 
         return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_STEP_NUM_TASKS"]),
                 "local_rank": int(env.get("SLURM_LOCALID", "0")),
@@ -150,9 +150,9 @@ def oversubscribed(world: int, launcher_cfg, cores: Optional[int] = None) -> Opt
 
 def cluster_fix(cfg, overrides) -> str:
     """The fix of a config sized for a cluster: plan it here, or run `overrides` on a SLURM
-    cluster with the sbatch helper (`hcp.train.sbatch`) or `srun` inside an allocation with one
+    cluster with the sbatch helper (`hcp.launch.sbatch`) or `srun` inside an allocation with one
     process per rank (per GPU), each joining the launch."""
-    sbatch = " ".join(["python -m hcp.train.sbatch", *[o for o in overrides if not o.startswith("mode=")]])
+    sbatch = " ".join(["python -m hcp.launch.sbatch", *[o for o in overrides if not o.startswith("mode=")]])
     lc = cfg.launcher
     per_node = cfg.cluster.gpus_per_node if lc.nproc_per_node == "auto" else lc.nproc_per_node
     return (f"plan it here with `{_command(overrides, 'mode=plan')}`, or "
@@ -219,7 +219,7 @@ def _rank_main(local_rank: int, fn: Callable, nproc: int, port: int, payload, bo
 def start_local_ranks(fn: Callable, nproc: int, payload, start_method: str = "fork",
                       save_signal: str = "USR2") -> None:
     """Run `fn(payload)` in `nproc` local processes with torch's multiprocessing, each with the
-    torchrun environment variables set, and watch them (`hcp.train.supervise`): SIGINT to this
+    torchrun environment variables set, and watch them (`hcp.launch.supervise`): SIGINT to this
     process reaches every rank as SIGINT (stop now), SIGTERM as `SIG<save_signal>` (the
     preemption signal, `launcher.slurm.signal`: save at the next step boundary, then stop).
     `start_method` comes from `local_start_method` (spawn: `fn` and `payload` must pickle).

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import json
 
-from hcp.train.rehearse.checks import (Mismatch, check_collectives, check_creations,
+from hcp.preflight.rehearse.checks import (Mismatch, check_collectives, check_creations,
                                        check_rendezvous)
 
 GIB = 2 ** 30
 
 
 def find_mismatches(results: dict, world: int, device_gib: float) -> list[Mismatch]:
-    """Every fault in the rank results (`hcp.train.rehearse.runner.RankResult`): a rank that
+    """Every fault in the rank results (`hcp.preflight.rehearse.runner.RankResult`): a rank that
     raised, group creations, collectives, sends/receives and deadlock, a peak over the device."""
     out = [Mismatch("rank failed", [r], None, None, {r: res.error.strip().splitlines()[-1]},
                     "the rank raised (traceback in rehearsal.json)")

@@ -1,4 +1,4 @@
-"""The rehearsal's checks over every rank's recorded trace (`hcp.train.rehearse.record`).
+"""The rehearsal's checks over every rank's recorded trace (`hcp.preflight.rehearse.record`).
 
 - `check_creations`: every rank created the same process groups in the same order (NCCL builds
   each `new_group` by a split of the world communicator that every rank must call in order).

@@ -97,7 +97,7 @@ def _rank(payload) -> None:
 
     from hcp.model.llama import LlamaDecoder
     from hcp.parallel.cp_sharding import cp_shard
-    from hcp.train.distributed import init_distributed
+    from hcp.launch.distributed import init_distributed
 
     cfg = OmegaConf.create(payload["cfg"])
     device = init_distributed(cfg.launcher)
@@ -141,7 +141,7 @@ def measure(cfg, run_dir: str, sizes, max_tokens_per_rank: int | None = None
     `[L, d, c, seconds]`."""
     from omegaconf import OmegaConf
 
-    from hcp.train.launch import local_start_method, start_local_ranks
+    from hcp.launch.launch import local_start_method, start_local_ranks
 
     container = OmegaConf.to_container(cfg, resolve=True)
     rows = []
@@ -265,7 +265,7 @@ def run_calibrate(cfg, run_dir: str, sizes=None, max_tokens_per_rank: int | None
         max_tokens_per_rank = int(cfg.trainer.micro_batch_tokens)
     check_cap(max_tokens_per_rank)
     if sizes is None:
-        from hcp.train.launch import resolve_nproc
+        from hcp.launch.launch import resolve_nproc
 
         top = min(CALIBRATE_MAX_CP, resolve_nproc(cfg.launcher.nproc_per_node))  # training's `auto`
         sizes = [1 << e for e in range(top.bit_length()) if 1 << e <= top]
@@ -277,7 +277,7 @@ def run_calibrate(cfg, run_dir: str, sizes=None, max_tokens_per_rank: int | None
     profile = fit(rows, cfg.llm, recompute, bytes_per_element, max(sizes))
     path = os.path.join(run_dir, "profile.yaml")
     with open(path, "w") as f:
-        f.write("# Fitted by `mode=calibrate` (hcp/train/calibrate.py) for this model on this "
+        f.write("# Fitted by `mode=calibrate` (hcp/preflight/calibrate.py) for this model on this "
                 "machine.\n")
         yaml.safe_dump(profile, f, sort_keys=False)
     print(f"{'L':>6} {'docs':>4} {'cp':>3} {'measured_s':>11} {'predicted_s':>11} {'error':>7} "

@@ -5,7 +5,7 @@ group (`FakeStore`, backend `"fake"`: every collective returns at once, its outp
 at rank r of the full world W, the `Trainer` built exactly as training builds it, then
 `rehearse.steps` `train_step()`s under the `Recorder` (every c10d op and group creation),
 torch's `MemTracker` (peak bytes of the steps, parameters included) and `FlopCounterMode` (the
-last step, per micro-batch: `hcp.train.rehearse.count`). Everything runs under torch's `FakeTensorMode`: every tensor has its shape, dtype
+last step, per micro-batch: `hcp.preflight.rehearse.count`). Everything runs under torch's `FakeTensorMode`: every tensor has its shape, dtype
 and device but no storage, so a 70B recipe's rank costs what its number of ops costs, not its
 FLOPs or bytes. The step plan and the rank's data are real host values (the plan-ahead thread
 runs outside the fake mode); what the device computes has no value, so nothing reads it: the
@@ -31,11 +31,11 @@ REHEARSAL_OVERRIDES = {"logger.name": "none", "trainer.eval_every": 0,
 
 @dataclass
 class RankResult:
-    """One rank's rehearsal: its ops (`hcp.train.rehearse.record.Op`, issue order), group
+    """One rank's rehearsal: its ops (`hcp.preflight.rehearse.record.Op`, issue order), group
     creations, its trained parameters' bytes, peak bytes tracked by `MemTracker`, FLOPs
     counted in the last step, the plan's global (tokens, sum of squared document lengths) of each
     step, the last step's LLM micro-batches as `(FLOPs counted, tokens, sum of squared document
-    lengths, CP size)` (`hcp.train.rehearse.count`), the bytes of each `MemTracker` category (parameters, gradients, optimizer states,
+    lengths, CP size)` (`hcp.preflight.rehearse.count`), the bytes of each `MemTracker` category (parameters, gradients, optimizer states,
     activations, temporaries) at the peak, and the traceback if the rank raised (then the rest
     may be partial)."""
 
@@ -66,8 +66,8 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from hcp.train.rehearse.count import flop_counter, per_micro_batch
-    from hcp.train.rehearse.record import Recorder
+    from hcp.preflight.rehearse.count import flop_counter, per_micro_batch
+    from hcp.preflight.rehearse.record import Recorder
     from hcp.train.trainer import Trainer
 
     result, rec = RankResult(rank), Recorder()

@@ -32,15 +32,15 @@ def check_rehearse(cfg, world: int) -> list[int]:
 
 def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     """Rehearse `cfg`'s job of `world` ranks; print the report, write `rehearsal.json` into
-    `run_dir`; return its mismatches (`hcp.train.rehearse.checks.Mismatch`; none: passed). The
+    `run_dir`; return its mismatches (`hcp.preflight.rehearse.checks.Mismatch`; none: passed). The
     layouts must already be validated and the data prepared."""
     from hcp.config.layouts import resolve_layouts
     from hcp.parallel.roles import role_table
-    from hcp.train.plan import memory_per_rank, running_layouts
-    from hcp.train.estimate import cost_model, hardware
-    from hcp.train.rehearse.report import (find_mismatches, format_report, micro_batch_flops, role_rows,
+    from hcp.preflight.plan_mode import memory_per_rank, running_layouts
+    from hcp.preflight.estimate import cost_model, hardware
+    from hcp.preflight.rehearse.report import (find_mismatches, format_report, micro_batch_flops, role_rows,
                                            write_json)
-    from hcp.train.rehearse.runner import default_jobs, rehearsal_config, rehearse_ranks
+    from hcp.preflight.rehearse.runner import default_jobs, rehearsal_config, rehearse_ranks
 
     ranks = check_rehearse(cfg, world)
     layouts = resolve_layouts(cfg, world)

@@ -1,6 +1,6 @@
-"""Step time and memory of one `layout=auto` candidate (hcp.train.auto_space.Candidate), from plan
-mode's models: the per-rank memory of `hcp.train.memory` (under `hcp.train.plan.running_layouts`)
-and the LLM's cost model and 1F1B simulator of `hcp.train.estimate`. Pure: no process group.
+"""Step time and memory of one `layout=auto` candidate (hcp.preflight.auto_space.Candidate), from plan
+mode's models: the per-rank memory of `hcp.preflight.memory` (under `hcp.preflight.plan_mode.running_layouts`)
+and the LLM's cost model and 1F1B simulator of `hcp.preflight.estimate`. Pure: no process group.
 
 The encoder side (the ViT + projector, `hcp.model.flops.encoder_flops`) runs at the profile's
 peak x matmul efficiency per rank, divided by its tp, plus TP's two ring all-reduces of the
@@ -16,7 +16,7 @@ and the same gradient backward.
   divided over the dp_e / dp_llm encoder lanes that feed one LLM lane, and the route of the
   micro-batch's rows is charged to the encoder's last stage; step = that + the slower
   island's gradient sync.
-Gradient sync: `hcp.train.estimate.grad_sync_s`; `dp_shard` (FSDP) adds half of it again (the
+Gradient sync: `hcp.preflight.estimate.grad_sync_s`; `dp_shard` (FSDP) adds half of it again (the
 weights' all-gathers). The batch priced: `data_lengths` (the run's first global batch of its own
 data). CPU ranks sharing a host's cores (a profile's `host:` entry, `Host`): each layer call
 costs the host's dispatch seconds more, and the step is the larger of the critical path and
@@ -36,10 +36,10 @@ from hcp.config.errors import ConfigError
 from hcp.dcp.cost_model import read_profile
 from hcp.model.flops import encoder_flops, model_flops
 from hcp.schedule.simulator import simulate_1f1b
-from hcp.train.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times, ring_s
-from hcp.train.auto_space import Candidate, projector_for
-from hcp.train.memory import GIB, module_memory, rank_activations, stage_params
-from hcp.train.plan import named_shapes, running_layouts
+from hcp.preflight.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times, ring_s
+from hcp.preflight.auto_space import Candidate, projector_for
+from hcp.preflight.memory import GIB, module_memory, rank_activations, stage_params
+from hcp.preflight.plan_mode import named_shapes, running_layouts
 
 FSDP_SYNC = 1.5
 """Gradient sync under dp_shard relative to the plain all-reduce (module docstring)."""
@@ -104,7 +104,7 @@ class Score:
 def data_lengths(cfg) -> tuple[np.ndarray, str]:
     """(lengths `[B]` tokens, where from) of the global batch the estimate prices: the run's
     first global batch of its own training set (the trainer's sampler and seed), or, when the
-    data cannot be read here (a path only the cluster has), `hcp.train.estimate.batch_lengths`'
+    data cannot be read here (a path only the cluster has), `hcp.preflight.estimate.batch_lengths`'
     built-in sample."""
     from hcp.data.build import build_datasets
     from hcp.data.llava import DataError
@@ -210,7 +210,7 @@ class Scorer:
         return grad_sync_s(lay, self._stage_params(lay), self.hw) * (FSDP_SYNC if lay.dp_shard else 1.0)
 
     def _stage_params(self, lay) -> list[int]:
-        """`hcp.train.memory.stage_params` of a layout, computed once per module, tp and split."""
+        """`hcp.preflight.memory.stage_params` of a layout, computed once per module, tp and split."""
         key = (lay.module, lay.tp, lay.pp_layers)
         if key not in self._params:
             vocab = self.cfg.llm.vocab_size if lay.module == "llm" else None

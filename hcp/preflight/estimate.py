@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel, HardwareProfile, load_profile
-from hcp.dcp.plan import Plan, Round
+from hcp.dcp.packing import Packing, Round
 from hcp.plan.policies import first_fit_policy
 from hcp.schedule.simulator import simulate_1f1b
 
@@ -71,7 +71,7 @@ def cost_model(cfg, lay, hw: HardwareProfile) -> CostModel:
                      pp_layers=list(lay.pp_layers))
 
 
-def _plans(cfg, lay, lens=None) -> list[tuple[Plan, np.ndarray]]:
+def _plans(cfg, lay, lens=None) -> list[tuple[Packing, np.ndarray]]:
     """The plans of the CP pools (one per DP lane under first_fit, one pool under dynamic_cp),
     each with its lengths, from the packing policy training runs; one micro-batch per round.
     `lens`: the global batch's lengths (default `batch_lengths`)."""
@@ -82,11 +82,11 @@ def _plans(cfg, lay, lens=None) -> list[tuple[Plan, np.ndarray]]:
 
         return [(dynamic_cp_policy(cfg.llm, cfg.packing_profile)(lens, lay, m), lens)]
     plan = first_fit_policy(lens, lay, m)  # each lane its own pipeline
-    return [(Plan([Round([r.groups[lane]]) for r in plan.rounds if r.groups[lane].seq_indices]), lens)
+    return [(Packing([Round([r.groups[lane]]) for r in plan.rounds if r.groups[lane].seq_indices]), lens)
             for lane in range(lay.dp)]
 
 
-def _tokens_per_rank(plan: Plan, lens: np.ndarray) -> np.ndarray:
+def _tokens_per_rank(plan: Packing, lens: np.ndarray) -> np.ndarray:
     """[R] the largest tokens per rank of any group of each round."""
     return np.array([max((lens[g.seq_indices].sum() / g.cp_size for g in r.groups if g.seq_indices),
                          default=0.0) for r in plan.rounds])
@@ -126,14 +126,14 @@ def estimate_step(cfg, lay, world: int, stage_params: list[int], profile: str = 
             "micro_batches": plan.num_rounds, "grad_sync_s": grad_sync}
 
 
-def lane_stage_times(cfg, lay, cost: CostModel, lens=None) -> list[tuple[Plan, np.ndarray, np.ndarray]]:
+def lane_stage_times(cfg, lay, cost: CostModel, lens=None) -> list[tuple[Packing, np.ndarray, np.ndarray]]:
     """[(plan, fwd, bwd)] of each CP pool (one per DP lane under first_fit): its micro-batches
     and their forward / backward seconds per PP stage, `[pp, R]`, TP's all-reduces included.
     `lens`: the global batch's lengths (default `batch_lengths`)."""
     return [(plan, *_stage_times(cfg, lay, cost, plan, lens)) for plan, lens in _plans(cfg, lay, lens)]
 
 
-def _stage_times(cfg, lay, cost: CostModel, plan: Plan, lens: np.ndarray):
+def _stage_times(cfg, lay, cost: CostModel, plan: Packing, lens: np.ndarray):
     """(fwd, bwd) `[pp, R]` seconds of one CP pool's plan under TP."""
     fwd, bwd = cost.stage_times(plan, lens)  # [pp, R] seconds, per-micro-batch overhead included
     hw, t = cost.hw, lay.tp

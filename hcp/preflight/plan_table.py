@@ -7,7 +7,7 @@ into its folder; Hydra calls `PlanSweepTable.on_multirun_end` in the launching p
 job is done (registered under `hydra.callbacks` in `conf/config.yaml`). It prints one row per
 job, labelled by the overrides that differ between jobs, with the largest per-rank memory
 estimate, whether it fits `cluster.device_memory_gib`, the estimated step time, TFLOPS/GPU and
-pipeline bubble (`hcp.train.estimate`), and writes the table to `plan_comparison.txt` in the
+pipeline bubble (`hcp.preflight.estimate`), and writes the table to `plan_comparison.txt` in the
 sweep folder. Sweeps that are not plan sweeps (no `plan.json` / `plan_error.txt`) print nothing.
 """
 from __future__ import annotations
@@ -85,7 +85,7 @@ class PlanSweepTable(Callback):
         rows, errors = comparison_rows(sweep_dir)
         if not rows:
             return
-        text = "\n".join([f"plan comparison ({len(rows)} layouts; estimates: hcp/train/estimate.py)",
+        text = "\n".join([f"plan comparison ({len(rows)} layouts; estimates: hcp/preflight/estimate.py)",
                           format_table(mark_fastest(rows)), *[f"invalid {e}" for e in errors]])
         (sweep_dir / "plan_comparison.txt").write_text(text + "\n")
         print(text + f"\nhcp: plan comparison written to {sweep_dir / 'plan_comparison.txt'}", flush=True)

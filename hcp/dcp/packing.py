@@ -62,7 +62,7 @@ class Round:
 
 
 @dataclass
-class Plan:
+class Packing:
     """A global batch cut into rounds, in execution order."""
 
     rounds: list[Round] = field(default_factory=list)
@@ -225,7 +225,7 @@ def tile(groups: list[tuple[list[int], int]], pool: int) -> list[Group]:
     return fill_idle(out, pool)
 
 
-def validate_plan(plan: Plan, lengths: Sequence[int], pool: int, max_tokens_per_rank: int,
+def validate_plan(plan: Packing, lengths: Sequence[int], pool: int, max_tokens_per_rank: int,
                   several_per_round: bool = False) -> None:
     """Raise ValueError unless the plan places every sequence (an integer index into `lengths`,
     valid as for `as_lengths`) exactly once, tiles the pool with aligned power-of-two blocks in

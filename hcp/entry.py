@@ -5,8 +5,8 @@ start (or join) the ranks that train.
 A user error (`ConfigError`, `DataError`) prints one line `hcp: error: ...` (under torchrun or
 srun only from rank 0), exits with status 2 and removes the run directory Hydra made for the run
 when nothing but Hydra's own `.hydra/` went into it. In a sweep (`-m`) the point's error goes
-into its job folder instead and the sweep goes on; its table (`hcp.train.sweep_table`,
-`hcp.train.plan_table`) lists it.
+into its job folder instead and the sweep goes on; its table (`hcp.preflight.sweep_table`,
+`hcp.preflight.plan_table`) lists it.
 """
 from __future__ import annotations
 
@@ -21,12 +21,12 @@ from omegaconf import DictConfig, OmegaConf
 from hcp.config.compose import CONF_DIR, config_groups
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import world_size_of
-from hcp.train.launch import (export_rank_env, launched_rank_env, local_start_method,
+from hcp.launch.launch import (export_rank_env, launched_rank_env, local_start_method,
                               local_world_size, oversubscribed, resolve_nproc, resume_command,
                               start_local_ranks)
-from hcp.train.slurm import check_slurm
+from hcp.launch.slurm import check_slurm
 from hcp.train.export import start_export
-from hcp.train.sweep_table import ERROR_FILE
+from hcp.preflight.sweep_table import ERROR_FILE
 from hcp.model.hf_load import apply_hf_configs, check_hf_weights, cli_keys
 
 
@@ -55,8 +55,8 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     from hcp.config.validate import validate
     from hcp.data.build import prepare_data
     from hcp.train.checkpoint import check_resume
-    from hcp.train.plan import check_fits_here
-    from hcp.train.preempt import resume_after_requeue
+    from hcp.preflight.plan_mode import check_fits_here
+    from hcp.launch.preempt import resume_after_requeue
     from hcp.train.support import check_profile, check_trainable
 
     run_dir = HydraConfig.get().runtime.output_dir
@@ -66,14 +66,14 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     for line in apply_hf_configs(cfg, cli_keys(HydraConfig.get().overrides.task)):
         print(f"hcp: {line}")
     if cfg.layout == "auto":  # the searched layout goes into cfg before anything starts
-        from hcp.train.auto_layout import choose_layout
+        from hcp.preflight.auto_layout import choose_layout
 
         world = (local_world_size(cfg, joined, overrides) if cfg.mode == "train"
                  else world_size_of(cfg, resolve_nproc("auto")))
         choose_layout(cfg, overrides, world, run_dir if _is_first(joined) else None, _is_first(joined))
         unresolved = copy.deepcopy(cfg)
     if cfg.mode == "plan":
-        from hcp.train.plan import run_plan
+        from hcp.preflight.plan_mode import run_plan
 
         validate(cfg, world_size_of(cfg, resolve_nproc("auto")), unresolved)
         check_profile(cfg)  # an error here too: a missing profile is not a layout to plan
@@ -81,13 +81,13 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         plan = run_plan(cfg, run_dir)
         print(f"hcp: plan written to {run_dir}")
         return plan
-    if cfg.mode == "calibrate":  # dynamic-CP cost-model profile: hcp/train/calibrate.py
-        from hcp.train.calibrate import run_calibrate
+    if cfg.mode == "calibrate":  # dynamic-CP cost-model profile: hcp/preflight/calibrate.py
+        from hcp.preflight.calibrate import run_calibrate
 
         validate(cfg, world_size_of(cfg, resolve_nproc("auto")), unresolved)
         return run_calibrate(cfg, run_dir)
     if cfg.mode == "rehearse":  # every rank of the full world on a fake process group
-        from hcp.train.rehearse import check_rehearse, run_rehearsal
+        from hcp.preflight.rehearse import check_rehearse, run_rehearsal
 
         world = world_size_of(cfg, resolve_nproc("auto"))
         validate(cfg, world)
@@ -154,7 +154,7 @@ def _task(cfg: DictConfig):
     from hydra.types import RunMode
 
     from hcp.data.llava import DataError
-    from hcp.train.supervise import RankDied
+    from hcp.launch.supervise import RankDied
 
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
@@ -166,7 +166,7 @@ def _task(cfg: DictConfig):
             print(f"hcp: error: {e}", file=sys.stderr, flush=True)
         run_dir = hydra_cfg.runtime.output_dir
         if hydra_cfg.mode == RunMode.MULTIRUN:
-            # the sweep goes on; its table (hcp.train.plan_table, hcp.train.sweep_table) shows
+            # the sweep goes on; its table (hcp.preflight.plan_table, hcp.preflight.sweep_table) shows
             # this point's error, and a training sweep then exits with status 2
             if not os.path.isfile(os.path.join(run_dir, "plan.json")):
                 name = "plan_error.txt" if cfg.mode == "plan" else ERROR_FILE
@@ -175,7 +175,7 @@ def _task(cfg: DictConfig):
             return None
         discard_run_dir(run_dir)
         sys.exit(2)
-    except (KeyboardInterrupt, RankDied) as e:  # Ctrl-C, a signal or a dead rank (hcp.train.supervise)
+    except (KeyboardInterrupt, RankDied) as e:  # Ctrl-C, a signal or a dead rank (hcp.launch.supervise)
         died, signum = isinstance(e, RankDied), getattr(e, "signum", signal.SIGINT)
         what = str(e) if died else f"interrupted by {signal.Signals(signum).name}"
         if cfg.mode == "train":  # looked up once every rank has stopped: what is on disk
@@ -210,7 +210,7 @@ def main() -> None:
     from hcp.config.compose import check_module_names
     from hcp.config.keys import check_overrides
     from hcp.config.schema import register
-    from hcp.train.launch import run_name
+    from hcp.launch.launch import run_name
 
     try:
         check_overrides(command_line_overrides(sys.argv[1:]), config_groups(), CONF_DIR)
@@ -223,7 +223,7 @@ def main() -> None:
     if not OmegaConf.has_resolver("hcp_run_name"):
         OmegaConf.register_new_resolver("hcp_run_name", lambda: run_name(os.environ), use_cache=True)
     if not OmegaConf.has_resolver("hcp_slurm_tasks"):  # hydra/launcher=submitit_slurm's tasks_per_node
-        from hcp.train.slurm import slurm_tasks
+        from hcp.launch.slurm import slurm_tasks
 
         OmegaConf.register_new_resolver("hcp_slurm_tasks", slurm_tasks)
     hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")(_task)()
