@@ -1,7 +1,8 @@
 """Layering (docs/design.md section 2: layers import only downward) and no import cycles inside `hcp`.
 
 Each package of `hcp` belongs to one layer and imports only itself and the layers above it; a new
-package must be placed in `LAYERS` (the test fails until it is). No two modules import each other,
+package must be placed in `LAYERS` (the test fails until it is). `hcp/entry.py`, the program's entry,
+sits below every layer (it may import any). No two modules import each other,
 directly or through others, counting imports inside functions too (a late import that hides a cycle
 is still a cycle).
 """
