@@ -160,7 +160,7 @@ def test_missing_gpu_backend_says_how_to_install():
 @pytest.mark.parametrize("overrides, field", [
     (["vision.layout.cp=2", "projector.pool=2"], "projector.pool"),   # its windows span the CP chunks
     (["llm.layout.pp=2", "llm.tie_embeddings=true"], "llm.tie_embeddings"),
-    (["placement=non_colocated", "vision.layout.num_ranks=2", "packing=dynamic_cp"], "packing"),
+    (["vision.layout.pp=2"], "vision.layout.pp"),   # encoder PP comes with placement=non_colocated
 ])
 def test_training_rejects_layouts_it_cannot_run_yet_with_a_fix(overrides, field):
     from hcp.train.support import check_trainable
