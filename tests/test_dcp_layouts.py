@@ -56,7 +56,7 @@ def _step(rank, world, container, run_dir, policy=None):
     groups = tr._tp_groups() or {}   # each module's TP group (by the FQN's first name)
     grads = {n: whole(p.grad, p, groups.get(n.split(".")[0])) for n, p in tr.modules.named_parameters()
              if p.grad is not None}
-    return dict(loss=loss, counts=counts, grads=grads, histogram=prepared[4],
+    return dict(loss=float(loss), counts=counts, grads=grads, histogram=prepared[4],
                 cp_sizes=sorted({mb.cp_size for mb in prepared[0].micro_batches if not mb.empty}),
                 run=[mb.cp_size for mb in prepared[0].micro_batches if not mb.empty])
 

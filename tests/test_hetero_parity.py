@@ -39,7 +39,7 @@ def _step(rank, world, container, run_dir):
     tr.optimizer.step()
     weights = {n: whole(p.data if not isinstance(p, DTensor) else p, p, groups.get(n.split(".")[0]))
                for n, p in named}
-    return dict(loss=loss, counts=counts, norm=norm, grads=grads, weights=weights,
+    return dict(loss=float(loss), counts=counts, norm=float(norm), grads=grads, weights=weights,
                 encoder_grad_sq=getattr(tr, "encoder_grad_sq", None),
                 groups={g["name"]: (g["lr"], g["weight_decay"]) for g in tr.optimizer.param_groups},
                 sharded=sorted({n.split(".")[0] for n, p in named if isinstance(p, DTensor)}))

@@ -51,7 +51,7 @@ def _island_step(rank, world, container, run_dir):
     first = (tr.encoder.stage if tr.encoder is not None else tr.stage).first
     sent = getattr(tr, "route_bytes", None)
     image_rows = tr.plan(tr.sampler.batch(0)).counts.image_rows
-    return dict(loss=loss, counts=counts, norm=norm, grads=grads, weights=weights, n_micro=n_micro,
+    return dict(loss=float(loss), counts=counts, norm=float(norm), grads=grads, weights=weights, n_micro=n_micro,
                 encoder=tr.encoder is not None, first=first, head=getattr(tr, "head", None),
                 forwards=len(forwards), sharded=any(isinstance(p, DTensor) for _, p in named), reads=reads, image_rows=image_rows,
                 route_bytes=(sent.forward, sent.backward) if sent is not None else (0, 0), encoder_grad_sq=getattr(tr, "encoder_grad_sq", None))

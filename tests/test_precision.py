@@ -53,7 +53,7 @@ def _routed_dtypes(rank, world, container, run_dir):
         if isinstance(m, ColumnParallelLinear):
             m.register_forward_hook(lambda m, i, out: seen["encoder"].add(str(out.dtype)))
     loss, _, _ = tr.forward_backward(tr.sampler.batch(0))
-    return dict(loss=loss, seen={k: sorted(v) for k, v in seen.items()})
+    return dict(loss=float(loss), seen={k: sorted(v) for k, v in seen.items()})
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ def _loss_and_grads(rank, world, container, run_dir):
 
     tr = Trainer(OmegaConf.create(container), run_dir)
     loss, counts, n_micro = tr.forward_backward(tr.sampler.batch(0))
-    return loss, n_micro, {n: p.grad.clone() for n, p in tr.modules.named_parameters()}
+    return float(loss), n_micro, {n: p.grad.clone() for n, p in tr.modules.named_parameters()}
 
 
 @pytest.mark.timeout(120)
