@@ -23,11 +23,12 @@ FULL = {
 }
 
 MEMORY_GAP = {
-    # MemTracker finds one all-gathered K/V of every layer and micro-batch (from full
-    # recompute's re-run forward, ~14 GiB on rank 0) still alive at the optimizer step; the
-    # estimate charges one layer's CP attention buffers, so it stays ~33% under until that is
-    # explained (a retention in the recompute path, or the tracker's)
-    "llama13b_dynamic_cp": "gathered K/V of every layer and micro-batch alive at the step's end",
+    # MemTracker counts the storage of one all-gathered K/V of every layer and micro-batch (full
+    # recompute's re-run forward, ~14 GiB on rank 0) as live at the optimizer step, though
+    # weak references show those tensors freed by then; the estimate charges one layer's CP
+    # attention buffers and stays ~33% under until that is explained (a view keeping the
+    # storage, or a free the tracker misses)
+    "llama13b_dynamic_cp": "gathered K/V of every layer and micro-batch tracked as live at the step",
 }
 """Recipes whose plan-mode memory is not yet held within 20% of the tracked peak, and why."""
 
