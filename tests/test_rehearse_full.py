@@ -22,6 +22,16 @@ FULL = {
     "llava_hetero": ("+recipe=llava_hetero", "trainer.global_batch_size=64", "rehearse.ranks=[0,32]"),
 }
 
+MEMORY_GAP = {
+    # MemTracker counts the storage of one all-gathered K/V of every layer and micro-batch (full
+    # recompute's re-run forward, ~14 GiB on rank 0) as live at the optimizer step, though
+    # weak references show those tensors freed by then; the estimate charges one layer's CP
+    # attention buffers and stays ~33% under until that is explained (a view keeping the
+    # storage, or a free the tracker misses)
+    "llama13b_dynamic_cp": "gathered K/V of every layer and micro-batch tracked as live at the step",
+}
+"""Recipes whose plan-mode memory is not yet held within 20% of the tracked peak, and why."""
+
 
 @pytest.mark.slow
 @pytest.mark.full_size
@@ -32,3 +42,5 @@ def test_full_size_recipe_rehearses(monkeypatch, tmp_path, capsys, recipe):
     report = json.load(open(tmp_path / "rehearsal.json"))
     assert report["passed"] and all(r["error"] is None and r["ops"] > 0 for r in report["ranks"].values())
     print(capsys.readouterr().out)
+    if recipe not in MEMORY_GAP:  # plan mode's estimate within 20% of the tracked peak, per role
+        assert all(abs(row["plan_gib"] / row["peak_gib"] - 1) <= 0.2 for row in report["roles"]), report["roles"]

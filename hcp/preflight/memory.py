@@ -30,7 +30,9 @@ recomputed layer's input are charged 4 B in bf16 too:
 - `full`: only the layer input, h (divided by t under sequence parallelism), plus one layer's
   `none` activations while it is recomputed.
 Under 1F1B, stage s holds pp - s micro-batches in flight. The LLM's last stage adds fp32 logits
-(T x vocab/t x 4 B). The projector stores (its input width + 2h/t) per token.
+(T x vocab/t x 4 B). An LLM under CP c > 1 adds the buffers of one layer's CP attention backward
+(`cp_attention_bytes`, `hcp.model.cp_attention`), c the largest CP size a micro-batch may take
+(under `packing=dynamic_cp` the largest power of two dividing the pool dp*cp). The projector stores (its input width + 2h/t) per token.
 A module stores activations only when gradients flow through it (it or a module upstream trains).
 
 Encoder-side modules (every module but the LLM) run image tokens, not `micro_batch_tokens`
@@ -166,7 +168,31 @@ def _activations(cfg, layout, stage: int, layouts=None) -> float:
         total += tokens * per_token["none"]
     if m == "llm" and stage == layout.pp - 1:
         total += tokens * c.vocab_size / layout.tp * 4
+    if m == "llm":
+        total += cp_attention_bytes(h_kv, tokens, _largest_cp(cfg, layout), layout, precision)
     return total
+
+
+def _largest_cp(cfg, layout) -> int:
+    """The largest CP size an LLM micro-batch may take: `layout.cp`, or under
+    `packing=dynamic_cp` the largest power of two dividing the pool dp*cp."""
+    if cfg.packing != "dynamic_cp":
+        return layout.cp
+    pool = layout.dp * layout.cp
+    return pool & -pool
+
+
+def cp_attention_bytes(h_kv: int, tokens: float, cp: int, layout, precision: Precision) -> float:
+    """Bytes of one layer's CP attention backward on a rank holding `tokens` of a CP-`cp`
+    micro-batch (0 when cp is 1). `allgather`: over the group's cp * tokens gathered rows, the
+    gathered K/V, the index copy of a call's rows and the K/V gradient cast for the
+    reduce-scatter (compute dtype each) and the fp32 dK/dV accumulator: 2 h_kv / t
+    (3 act_bytes + 4) per gathered row. `p2p`: the same over the two shards in flight
+    (own and received), 2 * tokens rows."""
+    if cp <= 1:
+        return 0.0
+    rows = cp * tokens if layout.cp_comm == "allgather" else 2 * tokens
+    return rows * 2 * h_kv / layout.tp * (3 * precision.act_bytes + 4)
 
 
 def _phase3_recompute(cfg, layout, layouts) -> bool:
