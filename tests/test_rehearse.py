@@ -142,6 +142,25 @@ def test_one_rank_runs_under_fake_tensors_with_its_whole_training_state(tmp_path
         assert abs(counted / cost.micro_batch_flops(tokens, sq, c)[stage] - 1) < 0.10
 
 
+@pytest.mark.timeout(300)
+def test_a_rank_with_a_sharded_encoder_rehearses(tmp_path):
+    """`vision.layout.dp_shard=true` (FSDP builds a `DeviceMesh`, which reads its ranks on the
+    host): rank 0 of 8 runs its step and FSDP's all-gathers and reduce-scatters are recorded
+    (internvit6b_llama70b's encoder is sharded)."""
+    from hcp.config.validate import validate
+    from hcp.data.build import prepare_data
+    from hcp.preflight.rehearse.runner import rehearsal_config, rehearse_rank
+
+    cfg = compose_cfg(["mode=rehearse", "logger=none", *HETERO, "vision.layout.dp_shard=true",
+                       "trainer.global_batch_size=8"], run_dir=str(tmp_path))
+    validate(cfg, 8)
+    list(prepare_data(cfg))
+    res = rehearse_rank(rehearsal_config(cfg), str(tmp_path), 0, 8, 1)
+    assert res.error is None, res.error
+    ops = {op.op for op in res.ops if op.group == tuple(range(8))}
+    assert any("allgather" in o for o in ops) and any("reduce_scatter" in o for o in ops), ops
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("overrides", [("+recipe=llama_tiny", *WORLD), HETERO, ISLANDS,
