@@ -20,6 +20,13 @@ FULL = {
     # x PP 2): rank 0 is LLM stage 0, rank 32 the last; GBS 64, one image per encoder rank
     # (~200 s of CPU for the two ranks)
     "llava_hetero": ("+recipe=llava_hetero", "trainer.global_batch_size=64", "rehearse.ranks=[0,32]"),
+    # islands: the encoder side on ranks 0-15 (dp 16), the LLM on 16-63 (TP 8 x CP 2 x PP 3,
+    # dp 1): rank 0 the encoder, 16, 32 and 48 the LLM's first, middle and last stage; GBS 16,
+    # one image per encoder rank (~150 s of CPU for the four ranks)
+    "llava_hetero_non_colocated": ("+recipe=llava_hetero", "placement=non_colocated",
+                                   "vision.layout.num_ranks=16", "llm.layout.pp=3",
+                                   "llm.layout.pp_layers=[13,14,13]", "trainer.global_batch_size=16",
+                                   "rehearse.ranks=[0,16,32,48]"),
 }
 
 
