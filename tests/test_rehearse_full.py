@@ -39,3 +39,21 @@ def test_full_size_recipe_rehearses(monkeypatch, tmp_path, capsys, recipe):
     report = json.load(open(tmp_path / "rehearsal.json"))
     assert report["passed"] and all(r["error"] is None and r["ops"] > 0 for r in report["ranks"].values())
     print(capsys.readouterr().out)
+
+
+@pytest.mark.slow
+@pytest.mark.full_size
+@pytest.mark.timeout(2400)
+def test_internvit6b_llama70b_communication_rehearses(monkeypatch, tmp_path, capsys):
+    """160 ranks colocated: every rank runs the FSDP-sharded encoder side (dp 160) and one LLM
+    stage (TP 8 x PP 4 x DP 5, stage s on ranks 40s..40s+39): rank 0 is stage 0, rank 120 the
+    last (the middle ones run the same layers without embedding or head); GBS 160, one image
+    per encoder rank (~450 s of CPU for the two ranks). Every collective, send and group creation
+    agrees; the tracked peak of stage 0 (93 GiB against plan mode's 72) does not fit 80 GiB: a
+    memory finding for plan mode, not a communication one, so it is printed, not asserted."""
+    found = rehearse(monkeypatch, tmp_path, ("+recipe=internvit6b_llama70b", "trainer.global_batch_size=160",
+                                             "rehearse.ranks=[0,120]"))
+    assert [m for m in found if m.what != "memory"] == []
+    report = json.load(open(tmp_path / "rehearsal.json"))
+    assert all(r["error"] is None and r["ops"] > 0 for r in report["ranks"].values())
+    print(capsys.readouterr().out)
