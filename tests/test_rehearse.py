@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
+from hcp.parallel.grid import AXES, Grid
 from hcp.preflight.rehearse.checks import check_collectives, check_creations, check_rendezvous
 from hcp.preflight.rehearse.record import Op
 from tests.cfg_utils import REPO, compose_cfg
@@ -142,6 +143,25 @@ def test_one_rank_runs_under_fake_tensors_with_its_whole_training_state(tmp_path
         assert abs(counted / cost.micro_batch_flops(tokens, sq, c)[stage] - 1) < 0.10
 
 
+@pytest.mark.timeout(300)
+def test_a_rank_with_a_sharded_encoder_rehearses(tmp_path):
+    """`vision.layout.dp_shard=true` (FSDP builds a `DeviceMesh`, which reads its ranks on the
+    host): rank 0 of 8 runs its step and FSDP's all-gathers and reduce-scatters are recorded
+    (internvit6b_llama70b's encoder is sharded)."""
+    from hcp.config.validate import validate
+    from hcp.data.build import prepare_data
+    from hcp.preflight.rehearse.runner import rehearsal_config, rehearse_rank
+
+    cfg = compose_cfg(["mode=rehearse", "logger=none", *HETERO, "vision.layout.dp_shard=true",
+                       "trainer.global_batch_size=8"], run_dir=str(tmp_path))
+    validate(cfg, 8)
+    list(prepare_data(cfg))
+    res = rehearse_rank(rehearsal_config(cfg), str(tmp_path), 0, 8, 1)
+    assert res.error is None, res.error
+    ops = {op.op for op in res.ops if op.group == tuple(range(8))}
+    assert any("allgather" in o for o in ops) and any("reduce_scatter" in o for o in ops), ops
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("overrides", [("+recipe=llama_tiny", *WORLD), HETERO, ISLANDS,
@@ -152,6 +172,39 @@ def test_tiny_recipes_pass_at_8_ranks(monkeypatch, tmp_path, overrides):
     report = json.load(open(tmp_path / "rehearsal.json"))
     assert report["passed"] and len(report["ranks"]) == 8
     assert all(r["ops"] > 0 and r["error"] is None for r in report["ranks"].values())
+
+
+def _by_class(op, grid, rank) -> tuple:
+    """`op` of `rank` with its group named by the grid axes it spans and its peer by the peer's
+    pipeline-stage offset: what two ranks of one class must agree on."""
+    coords = {r: grid.coords(r) for r in op.group}
+    axes = tuple(a for a in AXES if len({c[a] for c in coords.values()}) > 1)
+    peer = None if op.peer is None else grid.coords(op.peer)["pp"] - grid.coords(rank)["pp"]
+    return op.kind, op.op, axes, op.shapes, op.dtype, op.step, peer, op.tag, op.splits, op.reduce_op
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ranks_of_one_class_issue_the_same_ops(tmp_path):
+    """Why a subset of ranks (`rehearse.ranks`) is a proof: ranks 0 and 3 of a TP 2 x PP 2 x DP 2
+    LLM (stage 0, other TP and DP coordinates, other data) issue the same ops, op by op, once
+    groups are named by the axes they span; rank 4 (stage 1, another class) does not."""
+    from hcp.config.layouts import resolve_layouts
+    from hcp.config.validate import validate
+    from hcp.data.build import prepare_data
+    from hcp.preflight.rehearse.runner import rehearsal_config, rehearse_ranks
+
+    cfg = compose_cfg(["mode=rehearse", "logger=none", "+recipe=llama_tiny", *WORLD, "llm.layout.tp=2",
+                       "llm.layout.pp=2", "trainer.global_batch_size=8"], run_dir=str(tmp_path))
+    validate(cfg, 8)
+    list(prepare_data(cfg))
+    grid = Grid.of(resolve_layouts(cfg, 8)["llm"])
+    assert grid.dp == 2 and grid.coords(0)["dp"] != grid.coords(3)["dp"]
+    res = rehearse_ranks(rehearsal_config(cfg), str(tmp_path), [0, 3, 4], 8, 1, 2)
+    trace = {r: [_by_class(op, grid, r) for op in res[r].ops] for r in res}
+    assert all(res[r].error is None for r in res) and trace[0]
+    assert trace[0] == trace[3]
+    assert trace[0] != trace[4]
 
 
 @pytest.mark.slow

@@ -20,6 +20,13 @@ FULL = {
     # x PP 2): rank 0 is LLM stage 0, rank 32 the last; GBS 64, one image per encoder rank
     # (~200 s of CPU for the two ranks)
     "llava_hetero": ("+recipe=llava_hetero", "trainer.global_batch_size=64", "rehearse.ranks=[0,32]"),
+    # islands: the encoder side on ranks 0-15 (dp 16), the LLM on 16-63 (TP 8 x CP 2 x PP 3,
+    # dp 1): rank 0 the encoder, 16, 32 and 48 the LLM's first, middle and last stage; GBS 16,
+    # one image per encoder rank (~150 s of CPU for the four ranks)
+    "llava_hetero_non_colocated": ("+recipe=llava_hetero", "placement=non_colocated",
+                                   "vision.layout.num_ranks=16", "llm.layout.pp=3",
+                                   "llm.layout.pp_layers=[13,14,13]", "trainer.global_batch_size=16",
+                                   "rehearse.ranks=[0,16,32,48]"),
 }
 
 MEMORY_GAP = {
@@ -29,6 +36,9 @@ MEMORY_GAP = {
     # attention buffers and stays ~33% under until that is explained (a view keeping the
     # storage, or a free the tracker misses)
     "llama13b_dynamic_cp": "gathered K/V of every layer and micro-batch tracked as live at the step",
+    # islands: the estimate charges the LLM's first stage 19.7 GiB against 13.6 tracked (45% over,
+    # not yet explained); the encoder island and the later stages are within 20%
+    "llava_hetero_non_colocated": "LLM stage 0 on islands estimated 45% over the tracked peak",
 }
 """Recipes whose plan-mode memory is not yet held within 20% of the tracked peak, and why."""
 
@@ -44,3 +54,21 @@ def test_full_size_recipe_rehearses(monkeypatch, tmp_path, capsys, recipe):
     print(capsys.readouterr().out)
     if recipe not in MEMORY_GAP:  # plan mode's estimate within 20% of the tracked peak, per role
         assert all(abs(row["plan_gib"] / row["peak_gib"] - 1) <= 0.2 for row in report["roles"]), report["roles"]
+
+
+@pytest.mark.slow
+@pytest.mark.full_size
+@pytest.mark.timeout(2400)
+def test_internvit6b_llama70b_communication_rehearses(monkeypatch, tmp_path, capsys):
+    """160 ranks colocated: every rank runs the FSDP-sharded encoder side (dp 160) and one LLM
+    stage (TP 8 x PP 4 x DP 5, stage s on ranks 40s..40s+39): rank 0 is stage 0, rank 120 the
+    last (the middle ones run the same layers without embedding or head); GBS 160, one image
+    per encoder rank (~450 s of CPU for the two ranks). Every collective, send and group creation
+    agrees; the tracked peak of stage 0 (93 GiB against plan mode's 72) does not fit 80 GiB: a
+    memory finding for plan mode, not a communication one, so it is printed, not asserted."""
+    found = rehearse(monkeypatch, tmp_path, ("+recipe=internvit6b_llama70b", "trainer.global_batch_size=160",
+                                             "rehearse.ranks=[0,120]"))
+    assert [m for m in found if m.what != "memory"] == []
+    report = json.load(open(tmp_path / "rehearsal.json"))
+    assert all(r["error"] is None and r["ops"] > 0 for r in report["ranks"].values())
+    print(capsys.readouterr().out)

@@ -2,7 +2,15 @@
 real training code, one forked process per rank, on torch's fake process group; its
 collectives, sends/receives and group creations are recorded and checked against every other
 rank's (`checks`), its peak memory is tracked and its FLOPs counted (`runner`), and the verdict
-is printed and written to `rehearsal.json` (`report`)."""
+is printed and written to `rehearsal.json` (`report`).
+
+`rehearse.ranks` restricts it to a subset, which is a proof for the whole world when it holds
+one rank of each class: ranks of one role and pipeline stage (their TP/CP/DP coordinates
+differ) run the same code on identically shaped data (every rank computes the same global step
+plan), so a rank issues its class's ops, its groups and peers named by the grid axes they span
+instead of by ranks (tests/test_rehearse.py checks two ranks of one class op by op). A
+data-dependent branch could still split a class; NCCL discipline forbids one, and a rehearsal
+of all ranks checks it."""
 from __future__ import annotations
 
 import os

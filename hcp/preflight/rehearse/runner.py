@@ -76,7 +76,7 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
     trainer = None
     fake = FakeTensorMode(allow_non_fake_inputs=True)  # the host data it meets become fake
     try:
-        with fake:
+        with fake, _host_metadata():
             with rec:
                 trainer = Trainer(cfg, run_dir)
             result.param_bytes = sum(_local(p).numel() * p.element_size()
@@ -117,6 +117,31 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
         dist.destroy_process_group()
         torch.set_grad_enabled(True)
     return result
+
+
+@contextlib.contextmanager
+def _host_metadata():
+    """FSDP's (`dp_shard`) mesh and shard-offset arithmetic outside the fake mode: they compute
+    host values (a mesh's ranks, a shard's offset) with small tensors, which fake tensors
+    cannot answer."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.device_mesh import DeviceMesh
+
+    import hcp.model.init as init
+
+    def on_host(fn):
+        def wrapped(*args, **kwargs):
+            with unset_fake_temporarily():
+                return fn(*args, **kwargs)
+        return wrapped
+
+    mesh, offset = DeviceMesh.from_group, init.compute_local_shape_and_global_offset
+    DeviceMesh.from_group = staticmethod(on_host(mesh))
+    init.compute_local_shape_and_global_offset = on_host(offset)
+    try:
+        yield
+    finally:
+        DeviceMesh.from_group, init.compute_local_shape_and_global_offset = staticmethod(mesh), offset
 
 
 def _sizes(mb) -> tuple[int, float, int]:
