@@ -41,5 +41,5 @@ def test_counts_come_from_the_plan_under_pp_and_fsdp_and_check_counts_counts_the
     results = run_ranks(_two_ways, 4, container, timeout=110)
     for (loss, counts, n_micro), (loss2, counts2, n_micro2), counted in results:
         assert counts == counts2 and counts[0] > 0 and n_micro == n_micro2
-        assert loss == pytest.approx(loss2, rel=1e-12)
+        assert float(loss) == pytest.approx(float(loss2), rel=1e-12)
         assert counted == [counted[0]]  # once, under trainer.check_counts only
