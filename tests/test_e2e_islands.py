@@ -6,8 +6,8 @@ final held-out evaluation (encoder weights sent to the LLM island) gives llava_t
 encoders: 10 steps of llava_tiny_two_encoders with a branch on top, each encoder on its own
 island (vision + projector + pooled on rank 0, vision2 + projector2 on rank 1, the LLM dp2 on
 ranks 2-3, sharded with FSDP), log the colocated run's losses and held-out evaluation, and
-resumed from step 5 with the vision island sharded over two ranks and the LLM whole on one
-rank continue them."""
+resumed from step 5 with the vision island sharded over two ranks, vision2 on encoder CP 2 and
+the LLM whole on one rank continue them."""
 import pytest
 
 from cfg_utils import cli_metrics, logged_steps, run_summary
@@ -55,11 +55,14 @@ def test_two_encoders_on_their_own_islands_log_the_colocated_losses(tmp_path):
     ref, got = run_summary(tmp_path / "colocated"), run_summary(tmp_path / "islands")
     assert got["eval/samples"] == ref["eval/samples"] > 0
     assert got["eval/loss"] == pytest.approx(ref["eval/loss"], abs=1e-4)
-    # resumed from step 5 with the vision island sharded (FSDP over dp2 on ranks 0-1) and the
+    # resumed from step 5 with the vision island sharded (FSDP over dp2 on ranks 0-1), vision2
+    # split over encoder CP 2 (ranks 2-3: each holds a chunk of every scan's tokens) and the
     # LLM whole on one rank instead of sharded over dp2: every island loads its modules and
     # continues the same run
     step5 = tmp_path / "islands" / "checkpoints" / "step_00000005"
     resumed = cli_metrics(tmp_path / "resumed", "llava_tiny_two_encoders", [
-        *base, "vision.layout.num_ranks=2", "vision.layout.dp_shard=true", f"resume={step5}"])
+        *[o for o in base if not o.startswith("encoders.vision2.layout.num_ranks")],
+        "encoders.vision2.layout.num_ranks=2", "encoders.vision2.layout.cp=2", "launcher.nproc_per_node=5",
+        "vision.layout.num_ranks=2", "vision.layout.dp_shard=true", f"resume={step5}"])
     assert [r["step"] for r in resumed] == list(range(6, 11))
     assert [r["loss"] for r in resumed] == pytest.approx(b[5:], abs=1e-4)
