@@ -1,7 +1,7 @@
 """Through the CLI: llava_tiny_hetero with placement=non_colocated (a vision island of 2 ranks,
 the LLM's tp2 x cp2 on ranks 2-5) logs the same losses as llava_tiny for 10 steps, and a run
 resumed from its step-5 checkpoint (each island saved its own modules) with the encoder split
-into two pipeline stages instead of two DP lanes continues with them; the
+into two pipeline stages of encoder CP 2 instead of two DP lanes continues with them; the
 final held-out evaluation (encoder weights sent to the LLM island) gives llava_tiny's. Several
 encoders: 10 steps of llava_tiny_two_encoders with a branch on top, each encoder on its own
 island (vision + projector + pooled on rank 0, vision2 + projector2 on rank 1, the LLM dp2 on
@@ -29,9 +29,12 @@ def test_non_colocated_llava_tiny_hetero_logs_llava_tiny_losses_and_resumes(llav
     assert got["eval/samples"] == ref["eval/samples"] == 16
     assert got["eval/loss"] == pytest.approx(ref["eval/loss"], abs=1e-4)
     step5 = tmp_path / "islands" / "checkpoints" / "step_00000005"
-    # resumed with the encoder split into two pipeline stages instead of two DP lanes
-    resumed = cli_metrics(tmp_path / "resumed", "llava_tiny_hetero",
-                          [*ISLANDS, "vision.layout.pp=2", f"resume={step5}"])
+    # resumed with the encoder split into two pipeline stages of encoder CP 2 (4 ranks) instead
+    # of two DP lanes
+    resumed = cli_metrics(tmp_path / "resumed", "llava_tiny_hetero", [
+        *[o for o in ISLANDS if not o.startswith(("vision.layout.num_ranks", "launcher."))],
+        "vision.layout.num_ranks=4", "launcher.nproc_per_node=8", "vision.layout.pp=2", "vision.layout.cp=2",
+        f"resume={step5}"])
     assert [r["step"] for r in resumed] == list(range(6, 11))
     assert [r["loss"] for r in resumed] == pytest.approx(b[5:], abs=1e-4)
 
