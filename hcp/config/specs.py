@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from hcp.config.layouts import ResolvedLayout
-from hcp.config.modules import Stream, kind, module_cfg, module_key, module_names, patches, streams
-
-KINDS = ("encoder", "projector", "llm")
+from hcp.config.modules import Stream, kind, module_cfg, module_key, module_names, streams
 
 
 @dataclass(frozen=True)
@@ -22,8 +20,8 @@ class ModuleSpec:
 
     `arch` is the module's config block, which the model builders read the architecture from
     (hidden_size, num_layers, ...); `layout` is None when resolved without layouts (data
-    preparation). `pool` and `source` are a projector's (1 and None elsewhere); `patches` is an
-    encoder's patches per input (0 elsewhere)."""
+    preparation). `pool` and `source` (the encoder feeding it) are a projector's (1 and None
+    elsewhere)."""
 
     name: str
     kind: str
@@ -37,10 +35,9 @@ class ModuleSpec:
     optim: dict
     """The module's own optimizer settings it sets: {"lr": ..., "weight_decay": ...} or fewer."""
     hidden_size: int
+    """Its width; 0 for a projector (it maps its encoder's width to the LLM's)."""
     pool: int = 1
     source: str | None = None
-    """A projector's encoder."""
-    patches: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,11 +68,12 @@ class ModuleSpecs:
         return tuple(m.name for m in self.modules)
 
     def of_kind(self, kind_: str) -> tuple[ModuleSpec, ...]:
-        """The modules of one kind (`KINDS`), in graph order."""
+        """The modules of one kind (`encoder`, `projector` or `llm`), in graph order."""
         return tuple(m for m in self.modules if m.kind == kind_)
 
     @property
     def llm(self) -> ModuleSpec:
+        """The LLM's spec (every config has one)."""
         return self["llm"]
 
     @property
@@ -96,7 +94,7 @@ class ModuleSpecs:
         return (side // self[stream.projector].pool) ** 2
 
 
-def _spec(cfg, name: str, layouts) -> ModuleSpec:
+def _spec(cfg, name: str, layouts, edges) -> ModuleSpec:
     block, k = module_cfg(cfg, name), kind(cfg, name)
     own = block.get("optim") or {}
     return ModuleSpec(
@@ -105,8 +103,7 @@ def _spec(cfg, name: str, layouts) -> ModuleSpec:
         init_from=block.get("init_from"), hidden_size=int(block.get("hidden_size") or 0),
         optim={f: float(own[f]) for f in ("lr", "weight_decay") if own.get(f) is not None},
         pool=int(block.get("pool", 1) or 1) if k == "projector" else 1,
-        source=next((s for s, d in cfg.graph.edges if d == name), None) if k == "projector" else None,
-        patches=patches(block) if k == "encoder" else 0)
+        source=next((s for s, d in edges if d == name), None) if k == "projector" else None)
 
 
 def resolve_modules(cfg, layouts: dict | None = None) -> ModuleSpecs:
@@ -114,4 +111,4 @@ def resolve_modules(cfg, layouts: dict | None = None) -> ModuleSpecs:
     result, None where no layout is needed (data preparation)."""
     edges = tuple((str(s), str(d)) for s, d in cfg.graph.edges)
     flows = streams(edges) if cfg.get("vision") is not None else ()
-    return ModuleSpecs(tuple(_spec(cfg, m, layouts) for m in module_names(cfg)), edges, flows)
+    return ModuleSpecs(tuple(_spec(cfg, m, layouts, edges) for m in module_names(cfg)), edges, flows)

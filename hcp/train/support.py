@@ -100,8 +100,7 @@ def _check_islands_trainable(cfg, specs) -> None:
     from hcp.config.spans import projector_island_error
     from hcp.plan.step import island_head
 
-    layouts = specs.layouts
-    edges = [tuple(e) for e in cfg.graph.edges]
+    layouts, edges = specs.layouts, specs.edges
     heads = list(dict.fromkeys(island_head(layouts, edges, m) for m in layouts if m != "llm"))
     if not heads:
         raise ConfigError("placement", "non_colocated", "a text-only LLM has no encoder island "
