@@ -79,11 +79,12 @@ def measure(cfg, world: int, run_dir: str, steps: int) -> tuple[float, float]:
     steps of `cfg` trained on `world` forked local ranks."""
     from omegaconf import OmegaConf
 
+    from hcp.config.specs import resolve_modules
     from hcp.data.build import prepare_data
     from hcp.launch.launch import start_local_ranks
 
     os.makedirs(run_dir, exist_ok=True)
-    prepare_data(cfg)
+    prepare_data(cfg, resolve_modules(cfg))
     container = OmegaConf.to_container(cfg, resolve=True)
     start_local_ranks(_rank, world, (container, run_dir), "fork")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

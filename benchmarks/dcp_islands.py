@@ -155,11 +155,13 @@ def run_layout(name, data, args, root) -> dict:
     if launcher.exitcode:
         raise RuntimeError(f"layout {name}: the ranks failed (exit code {launcher.exitcode})")
     ranks = [json.load(open(os.path.join(run_dir, f"rank{r}.json"))) for r in range(8)]
+    from hcp.config.specs import resolve_modules
     from hcp.data.build import build_datasets
     from hcp.data.loader import GlobalBatchSampler
 
-    tok, train, _ = build_datasets(cfg)
-    planner = StepPlanner(cfg, layouts, sides.LengthIndexes(cfg, train, tok), tuple(map(tuple, cfg.graph.edges)))
+    specs = resolve_modules(cfg)
+    tok, train, _ = build_datasets(cfg, specs)
+    planner = StepPlanner(cfg, layouts, sides.LengthIndexes(specs, train, tok), tuple(map(tuple, cfg.graph.edges)))
     sampler = GlobalBatchSampler(len(train), args.samples, cfg.seed)
     batches = [sampler.batch(k) for k in range(args.warmup, args.warmup + args.steps)]
     model = modelled(cfg, layouts, planner, batches)

@@ -134,6 +134,7 @@ class PlainLoop:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        from hcp.config.specs import resolve_modules
         from hcp.data.build import build_datasets      # the same samples (data reading only)
         from hcp.data.loader import GlobalBatchSampler  # the same global batches
         from hcp.model import LlavaModel, init_parameters  # only to copy hcp's initial weights
@@ -157,7 +158,7 @@ class PlainLoop:
             return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
         self.step, self.sections = 0, Sections()
-        _, self.data, _ = build_datasets(cfg)
+        _, self.data, _ = build_datasets(cfg, resolve_modules(cfg))
         self.sampler = GlobalBatchSampler(len(self.data), cfg.trainer.global_batch_size, cfg.seed)
 
     def batches(self) -> list:

@@ -52,6 +52,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     `overrides` are the command line's (for the commands error messages suggest)."""
     from hydra.core.hydra_config import HydraConfig
 
+    from hcp.config.specs import resolve_modules
     from hcp.config.validate import validate
     from hcp.data.build import prepare_data
     from hcp.train.checkpoint import check_resume
@@ -90,9 +91,9 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         from hcp.preflight.rehearse import check_rehearse, run_rehearsal
 
         world = world_size_of(cfg, resolve_nproc("auto"))
-        validate(cfg, world)
+        specs = resolve_modules(cfg, validate(cfg, world))
         check_rehearse(cfg, world)
-        for line in prepare_data(cfg):
+        for line in prepare_data(cfg, specs):
             print(line)
         print(f"hcp: run directory {run_dir}", flush=True)
         if run_rehearsal(cfg, run_dir, world):  # mismatches: exit status 1
@@ -100,20 +101,21 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         return None
     world = local_world_size(cfg, joined, overrides)
     layouts = validate(cfg, world, unresolved)
+    specs = resolve_modules(cfg, layouts)  # once: the typed modules the checks below read
     if not joined:
         check_fits_here(cfg, layouts, world, overrides)
         start_method = local_start_method(cfg.launcher)  # spawn with CUDA; checked before any rank starts
-    check_trainable(cfg, layouts)
+    check_trainable(cfg, specs)
     check_slurm(cfg)
     resume_after_requeue(cfg)
-    check_resume(cfg)
+    check_resume(cfg, specs)
     for line in check_hf_weights(cfg):
         print(f"hcp: {line}")
     if cfg.mode == "export":
-        return start_export(cfg, run_dir, joined, world)
+        return start_export(cfg, specs, run_dir, joined, world)
     container = OmegaConf.to_container(cfg, resolve=True)
     first = _is_first(joined)
-    for line in prepare_data(cfg):
+    for line in prepare_data(cfg, specs):
         if first:
             print(line)
     if first:

@@ -107,3 +107,11 @@ def run_summary(run_dir) -> dict:
 def cli_metrics(run_dir, recipe: str, extra=(), timeout: float = 400) -> list[dict]:
     """`cli_run`, then its logged steps (metrics.jsonl records with a loss)."""
     return logged_steps(cli_run(run_dir, recipe, extra, timeout))
+
+
+def with_specs(cfg):
+    """(cfg, its `hcp.config.specs.ModuleSpecs` without layouts): the arguments of
+    `prepare_data`, `build_datasets` and `check_resume`."""
+    from hcp.config.specs import resolve_modules
+
+    return cfg, resolve_modules(cfg)

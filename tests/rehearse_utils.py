@@ -10,6 +10,7 @@ import torch.distributed as dist
 from hcp.parallel.grid import KINDS, Grid
 from hcp.parallel.groups import DYNAMIC_CP, ProcessGroupRegistry
 from tests.cfg_utils import compose_cfg
+from tests.cfg_utils import with_specs
 
 FAST = ("rehearse.steps=1", "rehearse.jobs=2", "trainer.global_batch_size=8")
 """One step of a small global batch: what a test rehearsal needs to see every collective kind."""
@@ -50,5 +51,5 @@ def rehearse(monkeypatch, tmp_path, overrides, registry=None):
     cfg = compose_cfg(["mode=rehearse", "logger=none", *FAST, *overrides], run_dir=str(tmp_path))
     world = world_size_of(cfg, 4)
     validate(cfg, world)
-    list(prepare_data(cfg))
+    list(prepare_data(*with_specs(cfg)))
     return run_rehearsal(cfg, str(tmp_path), world, progress=False)

@@ -20,6 +20,7 @@ from hcp.preflight.auto_layout import apply_layout, choose_layout, search
 from hcp.preflight.auto_space import (combine, island_sizes, module_options, pinned_fields, placements)
 from hcp.preflight.plan_mode import memory_per_rank
 from hcp.train.support import check_trainable
+from hcp.config.specs import resolve_modules
 
 SMALL = ["+recipe=llava_hetero", "mode=plan", "launcher.nnodes=1", "cluster.num_nodes=1",
          "trainer.global_batch_size=32"]
@@ -85,7 +86,7 @@ def test_search_respects_pins_and_returns_only_feasible_layouts():
         trial = copy.deepcopy(cfg)
         apply_layout(trial, cand)
         layouts = validate(trial, 8)          # every rule, as training runs them
-        check_trainable(trial, layouts)
+        check_trainable(trial, resolve_modules(trial, layouts))
         assert layouts == lays
         plan_mem = max(r["total"] for r in memory_per_rank(trial, layouts, 8))   # plan mode's memory
         assert plan_mem == pytest.approx(max(score.memory_gib.values()), rel=1e-9) and plan_mem <= 60

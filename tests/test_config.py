@@ -7,6 +7,8 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 from cfg_utils import compose_cfg
 from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
+from hcp.config.specs import resolve_modules
+from cfg_utils import with_specs
 
 
 def test_base_config_is_the_tiny_llava_on_digits_and_validates():
@@ -167,7 +169,7 @@ def test_training_rejects_layouts_it_cannot_run_yet_with_a_fix(overrides, field)
 
     cfg = compose_cfg(overrides)
     with pytest.raises(ConfigError) as e:
-        check_trainable(cfg, validate(cfg, world_size=4))
+        check_trainable(cfg, resolve_modules(cfg, validate(cfg, world_size=4)))
     assert e.value.field == field and "Fix:" in str(e.value)
 
 
@@ -175,7 +177,7 @@ def test_vocab_smaller_than_the_tokenizer_is_rejected_before_ranks_start():
     from hcp.data.build import prepare_data
 
     with pytest.raises(ConfigError) as e:
-        prepare_data(compose_cfg(["llm.vocab_size=100"]))
+        prepare_data(*with_specs(compose_cfg(["llm.vocab_size=100"])))
     assert e.value.field == "llm.vocab_size" and "260" in str(e.value)
 
 
@@ -186,9 +188,9 @@ def test_encoder_side_follows_the_llm_tp_by_default_and_trains_its_own_layout():
     assert (cfg.vision.layout.tp, cfg.projector.layout.tp, cfg.vision.layout.cp) == (2, 2, 1)
     layouts = validate(cfg, world_size=4)
     assert (layouts["vision"].dp, layouts["projector"].dp, layouts["llm"].dp) == (2, 2, 1)
-    check_trainable(cfg, layouts)
+    check_trainable(cfg, resolve_modules(cfg, layouts))
     cfg = compose_cfg(["llm.layout.tp=2", "vision.layout.tp=1"])      # encoder dp4, LLM tp2 dp2
-    check_trainable(cfg, validate(cfg, world_size=4))
+    check_trainable(cfg, resolve_modules(cfg, validate(cfg, world_size=4)))
 
 
 def test_a_projector_layout_apart_from_its_encoder_names_both_and_a_fix():
@@ -216,11 +218,11 @@ def test_launch_inputs_are_checked_before_ranks_start(tmp_path):
     with pytest.raises(ConfigError, match="launcher.nproc_per_node='abc'"):
         resolve_nproc("abc")
     with pytest.raises(ConfigError, match="resume="):
-        check_resume(compose_cfg([f"resume={tmp_path}/nope"]))
+        check_resume(*with_specs(compose_cfg([f"resume={tmp_path}/nope"])))
     with pytest.raises(ConfigError, match="data.path"):
-        prepare_data(compose_cfg(["data=llava_json"]))
+        prepare_data(*with_specs(compose_cfg(["data=llava_json"])))
     with pytest.raises(ConfigError, match="exceeds the 1527 training samples"):
-        prepare_data(compose_cfg(["trainer.global_batch_size=2000"]))
+        prepare_data(*with_specs(compose_cfg(["trainer.global_batch_size=2000"])))
 
 
 def test_a_key_below_a_plain_value_names_the_closest_key():

@@ -11,6 +11,7 @@ from hcp.data.llava import IGNORE_INDEX, DataError, LlavaDataset
 from hcp.data.loader import GlobalBatchSampler, lane_slice
 from hcp.data.packing import collate, first_fit
 from hcp.data.tokenizer import ByteTokenizer
+from cfg_utils import with_specs
 
 TOK = ByteTokenizer()
 
@@ -180,7 +181,7 @@ def test_leading_gpt_turns_are_reported_before_ranks_start(tmp_path):
     opening = {"id": "g", "image": "a.png", "conversations": [
         {"from": "gpt", "value": "Hi"}, {"from": "human", "value": "<image>\nq"}, {"from": "gpt", "value": "a"}]}
     path = _write(tmp_path, [rec(str(i)) for i in range(4)] + [opening])
-    lines = prepare_data(compose_cfg(["data=llava_json", f"data.path={path}", "trainer.global_batch_size=4"]))
+    lines = prepare_data(*with_specs(compose_cfg(["data=llava_json", f"data.path={path}", "trainer.global_batch_size=4"])))
     assert any("dropped the leading `gpt` turn of 1 train records" in line and path in line for line in lines)
 
 

@@ -16,6 +16,7 @@ from cfg_utils import compose_container
 from dist_utils import run_ranks
 from parity_utils import assert_all_close, assert_island_ranks, merged
 from test_hetero_parity import SMALL, TOL, TWO_ENCODERS
+from hcp.config.specs import resolve_modules
 
 TILES = [*SMALL, "data=digits_tiles", "trainer.global_batch_size=16"]
 DYNAMIC = ["placement=non_colocated", "vision.layout.tp=1", "packing=dynamic_cp", "trainer.check_plan=true"]
@@ -79,7 +80,7 @@ def test_dynamic_cp_on_islands_passes_the_launch_checks(name):
 
     base, world, extra, _ = CASES[name]
     cfg = compose_cfg([*BASES[base], *DYNAMIC, *extra, f"launcher.nproc_per_node={world}"])
-    check_trainable(cfg, validate(cfg, world_size=world))
+    check_trainable(cfg, resolve_modules(cfg, validate(cfg, world_size=world)))
 
 
 @pytest.mark.slow

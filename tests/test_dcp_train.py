@@ -15,6 +15,7 @@ from cfg_utils import compose_cfg, long_tail_corpus, long_tail_llava, train_cli
 from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
 from hcp.train.support import check_trainable
+from hcp.config.specs import resolve_modules
 
 RUN = ["+recipe=llama_tiny", "trainer.max_steps=10", "logger=none", "trainer.log_every=1",
        "trainer.eval_every=0", "trainer.eval_samples=8", "trainer.progress_bar=false",
@@ -114,7 +115,7 @@ def test_dynamic_cp_training_refuses_bad_input_before_ranks_start(overrides, wor
     recipe = [] if "data=llava_json" in overrides else ["+recipe=llama_tiny"]
     cfg = compose_cfg([*recipe, "packing=dynamic_cp", f"launcher.nproc_per_node={world}", *overrides])
     with pytest.raises(ConfigError) as e:
-        check_trainable(cfg, validate(cfg, world_size=world))
+        check_trainable(cfg, resolve_modules(cfg, validate(cfg, world_size=world)))
     assert e.value.field == field and "Fix:" in str(e.value) and words in str(e.value), str(e.value)
 
 
@@ -128,4 +129,4 @@ def test_dynamic_cp_training_refuses_bad_input_before_ranks_start(overrides, wor
 ])
 def test_dynamic_cp_training_accepts_tp_pp_dp_shard_and_llava(overrides, world):
     cfg = compose_cfg(["packing=dynamic_cp", f"launcher.nproc_per_node={world}", *overrides])
-    check_trainable(cfg, validate(cfg, world_size=world))
+    check_trainable(cfg, resolve_modules(cfg, validate(cfg, world_size=world)))

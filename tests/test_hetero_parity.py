@@ -96,11 +96,13 @@ def _plain(rank, world, container):
     from hcp.data.build import build_datasets
     from hcp.data.loader import GlobalBatchSampler
     from hcp.model import LlavaModel, init_parameters
-    from hcp.model.encoder_side import graph_kwargs
+    from hcp.config.specs import resolve_modules
+    from hcp.model.encoder_side import llava_kwargs
 
     cfg = OmegaConf.create(container)
-    _, ds, _ = build_datasets(cfg)
-    model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, **graph_kwargs(cfg))
+    specs = resolve_modules(cfg)
+    _, ds, _ = build_datasets(cfg, specs)
+    model = LlavaModel(**llava_kwargs(specs))
     init_parameters(model, cfg.seed)
     batches = [ds.collate([ds[i]]) for i in GlobalBatchSampler(len(ds), 8, cfg.seed).batch(0)]
     total = sum(int((b.labels != -100).sum()) for b in batches)

@@ -17,6 +17,7 @@ from dist_utils import run_ranks
 from parity_utils import assert_all_close, assert_island_ranks, merged
 from test_island_parity import _island_step
 from test_hetero_parity import TOL, TWO_ENCODERS
+from hcp.config.specs import resolve_modules
 
 ISLANDS = ["placement=non_colocated", "vision.layout.tp=1", "encoders.vision2.layout.tp=1"]
 CASES = {
@@ -61,5 +62,5 @@ def test_join_and_branch_on_islands_pass_the_training_checks(name):
     world, extra = CASES[name]
     cfg = compose_cfg([*TWO_ENCODERS, *ISLANDS, *extra])
     layouts = validate(cfg, world)
-    check_trainable(cfg, layouts)
+    check_trainable(cfg, resolve_modules(cfg, layouts))
     assert layouts["llm"].rank_offset == world - layouts["llm"].num_ranks

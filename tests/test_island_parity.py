@@ -13,6 +13,7 @@ from cfg_utils import compose_cfg, compose_container
 from dist_utils import run_ranks
 from parity_utils import assert_all_close, assert_island_ranks, merged, whole
 from test_hetero_parity import SMALL, TOL
+from hcp.config.specs import resolve_modules
 
 NON_COLOCATED = ["placement=non_colocated", "vision.layout.tp=1"]
 
@@ -99,7 +100,7 @@ def test_non_colocated_trains_encoder_pp_and_refuses_what_it_cannot_run_with_a_f
 
     base = ["placement=non_colocated", "vision.layout.num_ranks=2", "vision.layout.tp=1"]
     cfg = compose_cfg([*base, "vision.layout.pp=2", "vision.layout.recompute=full", "vision.layout.dp_shard=true"])
-    check_trainable(cfg, validate(cfg, world_size=4))   # encoder PP, recompute and FSDP on its island
+    check_trainable(cfg, resolve_modules(cfg, validate(cfg, world_size=4)))   # encoder PP, recompute and FSDP on its island
     for extra, field in [(["projector.layout.tp=2"], "projector.layout.tp"),
                          (["projector.layout.recompute=full"], "projector.layout.recompute"),
                          (["projector.layout.dp_shard=true"], "projector.layout.dp_shard"),
@@ -107,8 +108,8 @@ def test_non_colocated_trains_encoder_pp_and_refuses_what_it_cannot_run_with_a_f
                          (["llm.freeze=true"], "llm.freeze")]:
         cfg = compose_cfg([*base, *extra])
         with pytest.raises(ConfigError) as e:
-            check_trainable(cfg, validate(cfg, world_size=4))
+            check_trainable(cfg, resolve_modules(cfg, validate(cfg, world_size=4)))
         assert e.value.field == field and "Fix:" in str(e.value)
     cfg = compose_cfg(["+recipe=llama_tiny", "placement=non_colocated"])     # text only: no island
     with pytest.raises(ConfigError, match="no encoder island"):
-        check_trainable(cfg, validate(cfg, world_size=4))
+        check_trainable(cfg, resolve_modules(cfg, validate(cfg, world_size=4)))

@@ -7,6 +7,8 @@ import pytest
 
 from hcp.config.modules import Stream, streams
 from hcp.plan.step import plan_step
+from hcp.config.specs import resolve_modules
+from cfg_utils import with_specs
 
 RECIPE = ["+recipe=llava_tiny_two_encoders"]
 BRANCH = ["+projectors={pooled:{pool:2,layout:{tp:${vision.layout.tp}}}}", "graph.edges=[[vision,projector],[vision,pooled],[projector,llm],"
@@ -30,8 +32,8 @@ def test_two_encoder_recipe_reads_both_inputs_and_plans_every_stream():
         "llm": (2, 2)}
     flows = streams(cfg.graph.edges)
     assert flows == (Stream("projector", "vision"), Stream("pooled", "vision"), Stream("projector2", "vision2"))
-    tok, train, held_out = build_datasets(cfg)
-    ids = stream_token_ids(cfg, tok)
+    tok, train, held_out = build_datasets(*with_specs(cfg))
+    ids = stream_token_ids(resolve_modules(cfg), tok)
     assert ids == {"projector": 259, "pooled": 260, "projector2": 261} and tok.vocab_size == 262
     s = train[0]
     assert len(s.images) == 1 and len(s.inputs["vision2"]) == 1 and held_out is not None
@@ -124,7 +126,7 @@ def test_training_refuses_what_several_encoders_do_not_run_yet(overrides, field)
 
     cfg = _cfg(*overrides)
     with pytest.raises(ConfigError) as err:
-        check_trainable(cfg, validate(cfg, 4))
+        check_trainable(cfg, resolve_modules(cfg, validate(cfg, 4)))
     assert err.value.field == field
 
 
@@ -132,7 +134,7 @@ def test_named_modules_take_their_own_optimizer_settings():
     from hcp.train.optim import module_overrides
 
     cfg = _cfg("encoders.vision2.optim.lr=1e-4", "projectors.projector2.optim.weight_decay=0.1")
-    assert module_overrides(cfg) == {"vision2": {"lr": 1e-4}, "projector2": {"weight_decay": 0.1}}
+    assert module_overrides(resolve_modules(cfg)) == {"vision2": {"lr": 1e-4}, "projector2": {"weight_decay": 0.1}}
 
 
 def test_export_refuses_named_modules_instead_of_dropping_them(tmp_path):
@@ -140,5 +142,5 @@ def test_export_refuses_named_modules_instead_of_dropping_them(tmp_path):
     from hcp.train.export import start_export
 
     with pytest.raises(ConfigError, match="left out") as err:
-        start_export(_cfg(f"export.dir={tmp_path}"), str(tmp_path), None, 1)
+        start_export(*with_specs(_cfg(f"export.dir={tmp_path}")), str(tmp_path), None, 1)
     assert err.value.field == "graph.edges"

@@ -7,6 +7,7 @@ import torch
 
 from cfg_utils import compose_cfg
 from hcp.train.optim import build_optimizer, build_scheduler, cosine_with_warmup, module_overrides
+from hcp.config.specs import resolve_modules
 
 
 def test_weight_decay_applies_to_weight_matrices_only():
@@ -77,7 +78,7 @@ def _llava_opt(overrides, max_steps=100, freeze_llm=False):
     model = LlavaModel(cfg.vision, cfg.projector, cfg.llm)
     if freeze_llm:
         model.llm.requires_grad_(False)  # what the trainer does for llm.freeze=true
-    opt = build_optimizer(model, cfg.optim, module_overrides(cfg))
+    opt = build_optimizer(model, cfg.optim, module_overrides(resolve_modules(cfg)))
     return opt, build_scheduler(opt, cfg.optim, max_steps), model
 
 
@@ -158,7 +159,7 @@ def _resume_old_groups(rank, world, root):
     sched.step()
     path = checkpoint.save(root, 1, old, opt, {"step": 1}, keep=1)
     new = model()
-    opt2 = build_optimizer(new, cfg.optim, module_overrides(cfg))
+    opt2 = build_optimizer(new, cfg.optim, module_overrides(resolve_modules(cfg)))
     sched2 = build_scheduler(opt2, cfg.optim, 10)
     checkpoint.load(path, new, opt2)
     sched2.load_state_dict(json.loads(json.dumps(sched.state_dict())))

@@ -13,6 +13,8 @@ from hcp.data.tokenizer import ByteTokenizer
 from hcp.plan.ahead import PlanAhead, use_worker
 from hcp.plan.lengths import build_length_index
 from plan_ahead_workers import FlagPlanner, ImportsPlanner, busy, busy_planner, pid_planner
+from hcp.config.specs import resolve_modules
+from cfg_utils import with_specs
 
 TOK = ByteTokenizer()
 
@@ -109,7 +111,7 @@ def test_length_index_of_blended_token_data_matches_the_samples(tmp_path):
     sources = (f"data.sources=[{{path: {tmp_path / 'small'}, weight: 0.6}}, "
                f"{{path: {tmp_path / 'big.jsonl'}, weight: 0.4}}]")
     cfg = compose_cfg(["+recipe=llama_tiny", "data=tokens", "data.max_seq_len=32", sources])
-    _, train, _ = build_datasets(cfg)
+    _, train, _ = build_datasets(*with_specs(cfg))
     index = build_length_index(train, -1, 0)
     assert index.tokens.tolist() == [len(train[i].input_ids) for i in range(len(train))]
     assert index.loss_tokens.tolist() == [sum(lab != IGNORE_INDEX for lab in train[i].labels)
@@ -170,8 +172,8 @@ def test_dynamic_cp_step_planner_plans_the_same_in_a_worker_process(tmp_path):
     cfg = compose_cfg(["+recipe=llama_tiny", "packing=dynamic_cp", "trainer.global_batch_size=16",
                        "data.max_seq_len=512", "trainer.micro_batch_tokens=128",
                        "launcher.nproc_per_node=4", f"data.path={long_tail_corpus(tmp_path)}"])
-    tok, train, _ = build_datasets(cfg)
-    planner = StepPlanner(cfg, resolve_layouts(cfg, 4), LengthIndexes(cfg, train, tok),
+    tok, train, _ = build_datasets(*with_specs(cfg))
+    planner = StepPlanner(cfg, resolve_layouts(cfg, 4), LengthIndexes(resolve_modules(cfg), train, tok),
                           tuple(tuple(e) for e in cfg.graph.edges))
     sampler = GlobalBatchSampler(len(train), 16, seed=0)
     ahead = PlanAhead(sampler, lambda indices, plan: plan, ImportsPlanner(planner))

@@ -15,6 +15,7 @@ from hcp.preflight.rehearse.checks import check_collectives, check_creations, ch
 from hcp.preflight.rehearse.record import Op
 from tests.cfg_utils import REPO, compose_cfg
 from tests.rehearse_utils import local_only_init, rehearse
+from tests.cfg_utils import with_specs
 
 WORLD = ("launcher.nproc_per_node=8",)
 HETERO = ("+recipe=llava_tiny_hetero", *WORLD)
@@ -127,7 +128,7 @@ def test_one_rank_runs_under_fake_tensors_with_its_whole_training_state(tmp_path
     cfg = compose_cfg(["mode=rehearse", "logger=none", *HETERO, "llm.layout.tp=2", "llm.layout.pp=2",
                        "trainer.global_batch_size=8"], run_dir=str(tmp_path))
     validate(cfg, 8)
-    list(prepare_data(cfg))
+    list(prepare_data(*with_specs(cfg)))
     res = rehearse_rank(rehearsal_config(cfg), str(tmp_path), 3, 8, 1)
     assert res.error is None, res.error
     assert not dist.is_initialized() and res.flops > 0 and res.ops and res.param_bytes > 0
@@ -155,7 +156,7 @@ def test_a_rank_with_a_sharded_encoder_rehearses(tmp_path):
     cfg = compose_cfg(["mode=rehearse", "logger=none", *HETERO, "vision.layout.dp_shard=true",
                        "trainer.global_batch_size=8"], run_dir=str(tmp_path))
     validate(cfg, 8)
-    list(prepare_data(cfg))
+    list(prepare_data(*with_specs(cfg)))
     res = rehearse_rank(rehearsal_config(cfg), str(tmp_path), 0, 8, 1)
     assert res.error is None, res.error
     ops = {op.op for op in res.ops if op.group == tuple(range(8))}
@@ -197,7 +198,7 @@ def test_ranks_of_one_class_issue_the_same_ops(tmp_path):
     cfg = compose_cfg(["mode=rehearse", "logger=none", "+recipe=llama_tiny", *WORLD, "llm.layout.tp=2",
                        "llm.layout.pp=2", "trainer.global_batch_size=8"], run_dir=str(tmp_path))
     validate(cfg, 8)
-    list(prepare_data(cfg))
+    list(prepare_data(*with_specs(cfg)))
     grid = Grid.of(resolve_layouts(cfg, 8)["llm"])
     assert grid.dp == 2 and grid.coords(0)["dp"] != grid.coords(3)["dp"]
     res = rehearse_ranks(rehearsal_config(cfg), str(tmp_path), [0, 3, 4], 8, 1, 2)

@@ -7,15 +7,17 @@ import pytest
 from cfg_utils import compose_cfg
 from hcp.config.errors import ConfigError
 from hcp.train.checkpoint import check_resume, expected_trainable
+from hcp.config.specs import resolve_modules
+from cfg_utils import with_specs
 
 
 def test_resume_into_a_config_without_a_module_says_absent_not_frozen(tmp_path):
     two = compose_cfg(["+recipe=llava_tiny_two_encoders"])
-    saved = sorted(expected_trainable(two))
+    saved = sorted(expected_trainable(resolve_modules(two)))
     (tmp_path / "trainer.json").write_text(json.dumps({"trainable": saved}))
     one = compose_cfg([f"resume={tmp_path}"])
     with pytest.raises(ConfigError) as e:
-        check_resume(one)
+        check_resume(*with_specs(one))
     msg = str(e.value)
     gone = [n for n in saved if n.split(".")[0] in ("vision2", "projector2")]
     assert gone and f"trained there, absent now ({len(gone)}): {gone[0]}" in msg

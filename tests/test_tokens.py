@@ -19,6 +19,7 @@ from hcp.data.llava import DataError
 from hcp.data.loader import GlobalBatchSampler
 from hcp.data.tokenizer import ByteTokenizer
 from hcp.data.tokens import JsonlDocuments, TokenSamples, blend
+from cfg_utils import with_specs
 
 CHECKED_IN = os.path.join(REPO, "tests", "data", "megatron_tiny")
 """Written by megatron-core 0.16.1's IndexedDatasetBuilder (uint16): 5 documents, the second
@@ -125,12 +126,12 @@ def _sources(tmp_path):
 
 def test_blending_gives_the_requested_proportions_over_many_batches(tmp_path):
     cfg = compose_cfg(["+recipe=llama_tiny", "data=tokens", "data.max_seq_len=64", _sources(tmp_path)])
-    tok, train, held_out = build_datasets(cfg)
+    tok, train, held_out = build_datasets(*with_specs(cfg))
     assert held_out is None and tok.image_token_id == -1
     sampler = GlobalBatchSampler(len(train), 16, seed=3)
     seen = [train[i].id.startswith("small") for _ in range(200) for i in sampler.next()]
     assert np.mean(seen) == pytest.approx(0.6, abs=0.01)
-    lines = prepare_data(cfg)
+    lines = prepare_data(*with_specs(cfg))
     assert any("big.jsonl" in l and "split into pieces (data.long_docs=split)" in l for l in lines), lines
 
 
@@ -140,21 +141,21 @@ def test_truncate_keeps_one_sample_per_document_its_first_piece(tmp_path):
             f.write(json.dumps({"text": "y" * n}) + "\n")
     base = ["+recipe=llama_tiny", "data=tokens", "data.max_seq_len=64",
             f"data.sources=[{{path: {tmp_path / 'd.jsonl'}, weight: 1}}]", "trainer.global_batch_size=2"]
-    _, split, _ = build_datasets(compose_cfg(base))
-    _, cut, _ = build_datasets(compose_cfg(base + ["data.long_docs=truncate"]))
+    _, split, _ = build_datasets(*with_specs(compose_cfg(base)))
+    _, cut, _ = build_datasets(*with_specs(compose_cfg(base + ["data.long_docs=truncate"])))
     assert len(split) > len(cut) == 3
     lengths = sorted(len(cut[i].input_ids) for i in range(len(cut)))
     assert lengths == [6, 64, 64]  # bos + 5 bytes (eos is the last target); the others cut
     assert any("2 documents over max_seq_len=64 truncated (data.long_docs=truncate)" in l
-               for l in prepare_data(compose_cfg(base + ["data.long_docs=truncate"]))), "stated"
+               for l in prepare_data(*with_specs(compose_cfg(base + ["data.long_docs=truncate"])))), "stated"
 
 
 def test_code_corpus_truncate_keeps_each_file_whole_up_to_max_seq_len(tmp_path):
     for name, n in (("a.py", 10), ("b.py", 300)):
         (tmp_path / name).write_text("x" * n)
     over = ["+recipe=llama_tiny", f"data.path={tmp_path}", "data.max_seq_len=64", "data.eval_fraction=0"]
-    _, split, _ = build_datasets(compose_cfg(over))
-    _, cut, _ = build_datasets(compose_cfg(over + ["data.long_docs=truncate"]))
+    _, split, _ = build_datasets(*with_specs(compose_cfg(over)))
+    _, cut, _ = build_datasets(*with_specs(compose_cfg(over + ["data.long_docs=truncate"])))
     assert len(split) == 1 + 5 and len(cut) == 2
     assert sorted(len(cut[i].input_ids) for i in range(2)) == [12, 64]  # [bos] + 10 bytes + [eos]
     with pytest.raises(ConfigError, match="data.long_docs"):

@@ -13,7 +13,7 @@ tower runs once, its gradient is the sum of its consumers').
 Data conventions of an encoder `e` (hcp.data.llava): a record gives its inputs under
 `record_key(e)` (`image` for `vision`, else the name) and the text marks each input with
 `placeholder(e)` (`<image>` for `vision`, else `<name>`); each placeholder expands, for every
-stream of `e` in edge order, into that stream's rows per input (`rows_per_item`).
+stream of `e` in edge order, into that stream's rows per input (`hcp.config.specs.ModuleSpecs.rows`).
 
 `check_graph(cfg)` raises `ConfigError(field, value, problem, fix)` for bad names and edges,
 before any rank starts.
@@ -99,13 +99,6 @@ def record_key(encoder: str) -> str:
 def patches(enc_cfg) -> int:
     """Patches per input of an encoder: (image_size / patch_size)^2."""
     return (enc_cfg.image_size // enc_cfg.patch_size) ** 2
-
-
-def rows_per_item(cfg, stream: Stream) -> int:
-    """Rows (placeholder tokens) one input of `stream.encoder` gives the stream: the encoder's
-    patch grid side divided by the projector's `pool`, squared."""
-    side = module_cfg(cfg, stream.encoder).image_size // module_cfg(cfg, stream.encoder).patch_size
-    return (side // int(module_cfg(cfg, stream.projector).get("pool", 1))) ** 2
 
 
 def _check_names(cfg) -> None:

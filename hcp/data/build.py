@@ -7,7 +7,6 @@ import sysconfig
 from hcp.config.errors import ConfigError
 from hcp.data.clip_image import load_clip_image
 from hcp.data.code_corpus import CodeCorpus, stdlib_sources
-from hcp.config.modules import encoder_names, module_cfg, rows_per_item, streams
 from hcp.data.digits import build_digits_pair, build_digits_tiles, build_digits_vqa
 from hcp.data.llava import EncoderInput, LlavaDataset, load_image
 from hcp.data.tokenizer import build_tokenizer
@@ -22,36 +21,34 @@ def num_image_tokens(vision_cfg) -> int:
     return 0 if vision_cfg is None else (vision_cfg.image_size // vision_cfg.patch_size) ** 2
 
 
-def stream_token_ids(cfg, tok) -> dict[str, int]:
-    """Placeholder id of every stream into the LLM (`hcp.config.modules.streams`), by projector:
-    the default `projector` takes the tokenizer's image id, every other stream an id after the
-    vocabulary (`add_placeholders`: the tokenizer's vocab_size grows accordingly)."""
-    names = [s.projector for s in streams(cfg.graph.edges)]
+def stream_token_ids(specs, tok) -> dict[str, int]:
+    """Placeholder id of every stream into the LLM (`hcp.config.specs.ModuleSpecs.streams`), by
+    projector: the default `projector` takes the tokenizer's image id, every other stream an id
+    after the vocabulary (`add_placeholders`: the tokenizer's vocab_size grows accordingly)."""
+    names = [s.projector for s in specs.streams]
     extra = tok.add_placeholders([n for n in names if n != "projector"])
     return {n: tok.image_token_id if n == "projector" else extra[n] for n in names}
 
 
-def encoder_inputs(cfg, tok) -> tuple[EncoderInput, ...] | None:
+def encoder_inputs(specs, tok) -> tuple[EncoderInput, ...] | None:
     """What each encoder reads from a sample and what its placeholder expands into
     (`hcp.data.llava.EncoderInput`), or None for the plain LLaVA graph (vision -> projector ->
     llm, unpooled), which `LlavaDataset` builds from its own arguments."""
-    all_streams = streams(cfg.graph.edges)
-    plain = [(s.projector, s.encoder) for s in all_streams] == [("projector", "vision")]
-    if cfg.get("vision") is None or (plain and int(cfg.projector.get("pool", 1)) == 1
-                                     and encoder_names(cfg) == ("vision",)):
+    plain = [(s.projector, s.encoder) for s in specs.streams] == [("projector", "vision")]
+    if "vision" not in specs or (plain and specs["projector"].pool == 1 and len(specs.of_kind("encoder")) == 1):
         return None
-    ids = stream_token_ids(cfg, tok)
+    ids = stream_token_ids(specs, tok)
     out = []
-    for e in encoder_names(cfg):
-        c = module_cfg(cfg, e)
-        expansion = tuple((s.projector, ids[s.projector], rows_per_item(cfg, s)) for s in all_streams
-                          if s.encoder == e)
-        out.append(EncoderInput(e, expansion, c.image_size, c.num_channels,
+    for e in specs.of_kind("encoder"):
+        c = e.arch
+        expansion = tuple((s.projector, ids[s.projector], specs.rows(s)) for s in specs.streams
+                          if s.encoder == e.name)
+        out.append(EncoderInput(e.name, expansion, c.image_size, c.num_channels,
                                 load_clip_image if c.arch == "clip" else load_image))
     return tuple(out)
 
 
-def prepare_data(cfg) -> list[str]:
+def prepare_data(cfg, specs) -> list[str]:
     """In the launching process, before ranks start: check that the LLM's vocabulary holds the
     tokenizer's ids, write built-in data sets once and read every record (so a bad record stops
     the run here, naming its file and id, instead of inside N ranks). Returns the lines that
@@ -65,7 +62,7 @@ def prepare_data(cfg) -> list[str]:
             file none of whose records is usable.
     """
     tok = build_tokenizer(cfg.data.tokenizer)
-    encoder_inputs(cfg, tok)  # more streams: more placeholder ids the LLM's vocabulary must hold
+    encoder_inputs(specs, tok)  # more streams: more placeholder ids the LLM's vocabulary must hold
     if cfg.llm.vocab_size < tok.vocab_size:
         raise ConfigError("llm.vocab_size", cfg.llm.vocab_size, f"smaller than the {tok.vocab_size} "
                           f"ids of data.tokenizer={cfg.data.tokenizer!r}",
@@ -74,7 +71,7 @@ def prepare_data(cfg) -> list[str]:
         build_digits_vqa(cfg.data.root, cfg.data.eval_fraction)
     elif cfg.data.name in BUILT_IN:
         BUILT_IN[cfg.data.name](cfg.data.root, cfg.data.eval_fraction)
-    _, train, held_out = build_datasets(cfg)  # every record validated here, before any rank
+    _, train, held_out = build_datasets(cfg, specs)  # every record validated here, before any rank
     if len(train) < cfg.trainer.global_batch_size:
         raise ConfigError("trainer.global_batch_size", cfg.trainer.global_batch_size,
                           f"exceeds the {len(train)} training samples", "lower it or add data")
@@ -87,14 +84,15 @@ def prepare_data(cfg) -> list[str]:
              for name, ds in sets if getattr(ds, "leading_turns_dropped", 0)])
 
 
-def build_datasets(cfg):
-    """Return (tokenizer, train set, held-out set or None) for `cfg.data`.
+def build_datasets(cfg, specs):
+    """Return (tokenizer, train set, held-out set or None) for `cfg.data`, with the encoders of
+    `specs` (`hcp.config.specs.ModuleSpecs`).
 
     Raises:
         ConfigError: unknown `data.name`, a missing `data.path`, images without an encoder.
         hcp.data.llava.DataError: a bad record under `data.on_error=error`.
     """
-    d, v = cfg.data, cfg.vision
+    d, v = cfg.data, specs["vision"].arch if "vision" in specs else None
     tok = build_tokenizer(d.tokenizer)
     if d.name in BUILT_IN:
         root = BUILT_IN[d.name](d.root, d.eval_fraction)
@@ -121,7 +119,7 @@ def build_datasets(cfg):
         raise ConfigError("data.name", d.name, "LLaVA data has images but the config has no vision "
                           "encoder", "use a LLaVA model config, or data=code_corpus for a text-only LM")
     loader = load_clip_image if v.arch == "clip" else load_image  # CLIP: LLaVA-1.5's pad + normalize
-    inputs = encoder_inputs(cfg, tok)  # several encoders or streams (hcp.config.modules)
+    inputs = encoder_inputs(specs, tok)  # several encoders or streams (hcp.config.modules)
     make = lambda p: LlavaDataset(p, folder, tok, num_image_tokens(v), v.image_size,  # noqa: E731
                                   v.num_channels, d.max_seq_len, d.system_prompt, d.on_error, loader,
                                   inputs)

@@ -16,7 +16,7 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from hcp.config.modules import Stream, streams as graph_streams
+from hcp.config.modules import BUILT_IN, Stream
 from hcp.model.collectives import copy_to_group
 from hcp.model.projector import Projector
 from hcp.model.encoder_types import build_encoder
@@ -25,12 +25,16 @@ DEFAULT_STREAMS = (Stream("projector", "vision"),)
 """LLaVA's graph: vision -> projector -> llm."""
 
 
-def graph_kwargs(cfg) -> dict:
-    """`LlavaModel` keyword arguments for a config's named encoders and projectors and its
-    streams (`hcp.config.modules`): `LlavaModel(cfg.vision, cfg.projector, cfg.llm,
-    **graph_kwargs(cfg))` is the whole single-process model."""
-    return dict(encoders=dict(cfg.get("encoders") or {}), projectors=dict(cfg.get("projectors") or {}),
-                streams=graph_streams(cfg.graph.edges) if cfg.get("vision") is not None else None)
+def llava_kwargs(specs, block=lambda arch: arch) -> dict:
+    """`LlavaModel` keyword arguments of a run's modules (`hcp.config.specs.ModuleSpecs`): the
+    `vision`, `projector` and `llm` blocks, the named encoders and projectors, the streams into
+    the LLM. `LlavaModel(**llava_kwargs(specs))` is the whole single-process model; `block`
+    maps each config block (e.g. to a plain object)."""
+    def of(kind: str, built_in: bool) -> dict:
+        return {m.name: block(m.arch) for m in specs.of_kind(kind) if (m.name in BUILT_IN) == built_in}
+    return dict(vision_cfg=of("encoder", True).get("vision"), projector_cfg=of("projector", True).get("projector"),
+                llm_cfg=block(specs.llm.arch), encoders=of("encoder", False),
+                projectors=of("projector", False), streams=specs.streams)
 
 
 def add_encoder_modules(parent: nn.Module, encoders: Mapping, projectors: Mapping, streams,

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hcp.config.modules import rows_per_item, streams
 from hcp.data.host import IGNORE_INDEX
 
 
@@ -176,11 +175,12 @@ def stream_indexes(dataset, token_ids: dict[str, int], rows_per_item: dict[str, 
 
 class LengthIndexes:
     """The length index of the default stream (LLaVA's `<image>` rows, or a text-only model's
-    lengths) and, with several streams, one per stream into the LLM (`stream_indexes`)."""
+    lengths) and, with several streams, one per stream into the LLM (`stream_indexes`).
+    `specs`: the run's `hcp.config.specs.ModuleSpecs`."""
 
-    def __init__(self, cfg, dataset, tok):
-        flows = streams(cfg.graph.edges) if hasattr(dataset, "stream_ids") else ()
-        self.streams = stream_indexes(dataset, dataset.stream_ids, {s.projector: rows_per_item(cfg, s) for s in flows},
+    def __init__(self, specs, dataset, tok):
+        flows = specs.streams if hasattr(dataset, "stream_ids") else ()
+        self.streams = stream_indexes(dataset, dataset.stream_ids, {s.projector: specs.rows(s) for s in flows},
                                       {s.projector: s.encoder for s in flows}) if flows else {}
         first = "projector" if "projector" in self.streams else flows[0].projector if flows else None
         self.default = self.streams[first] if first else build_length_index(dataset, tok.image_token_id, 0)

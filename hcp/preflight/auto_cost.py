@@ -33,6 +33,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from hcp.config.errors import ConfigError
+from hcp.config.specs import resolve_modules
 from hcp.dcp.cost_model import read_profile
 from hcp.model.flops import encoder_flops, model_flops
 from hcp.schedule.simulator import simulate_1f1b
@@ -101,7 +102,7 @@ class Score:
     work_s: float = 0.0
 
 
-def data_lengths(cfg) -> tuple[np.ndarray, str]:
+def data_lengths(cfg, specs) -> tuple[np.ndarray, str]:
     """(lengths `[B]` tokens, where from) of the global batch the estimate prices: the run's
     first global batch of its own training set (the trainer's sampler and seed), or, when the
     data cannot be read here (a path only the cluster has), `hcp.preflight.estimate.batch_lengths`'
@@ -111,7 +112,7 @@ def data_lengths(cfg) -> tuple[np.ndarray, str]:
     from hcp.data.loader import GlobalBatchSampler
 
     try:
-        train = build_datasets(cfg)[1]
+        train = build_datasets(cfg, specs)[1]
         batch = GlobalBatchSampler(len(train), int(cfg.trainer.global_batch_size), int(cfg.seed)).batch(0)
     except (ConfigError, DataError, OSError, ValueError) as e:
         return batch_lengths(cfg), f"the built-in length sample ({type(e).__name__} reading the data: {e})"
@@ -128,8 +129,9 @@ class Scorer:
 
     def __init__(self, cfg, world: int, profile: str = "h100", lengths=None):
         self.world = world
-        self.shapes = named_shapes(cfg)
-        self.lens, self.lengths_from = data_lengths(cfg) if lengths is None else (lengths, "given")
+        specs = resolve_modules(cfg)  # the modules of every candidate (layouts are the candidates')
+        self.shapes = named_shapes(specs)
+        self.lens, self.lengths_from = data_lengths(cfg, specs) if lengths is None else (lengths, "given")
         cfg = self.cfg = plain(OmegaConf.to_container(cfg, resolve=True))
         self.hw = hardware(cfg, profile)
         self.host = host_model(profile)

@@ -27,6 +27,7 @@ from omegaconf import open_dict
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts
+from hcp.config.specs import resolve_modules
 from hcp.preflight.auto_cost import Score, Scorer, combine_bounds
 from hcp.preflight.auto_space import (Candidate, check_searchable, combine, island_sizes, module_options,
                                   pinned_fields, placements)
@@ -73,7 +74,7 @@ def check_candidate(cfg, cand: Candidate, world: int) -> None:
     trial = copy.deepcopy(cfg)
     apply_layout(trial, cand)
     layouts = validate(trial, world)
-    check_trainable(trial, layouts)
+    check_trainable(trial, resolve_modules(trial, layouts))
     if layouts != cand.by_module:
         raise ConfigError("layout", "auto", f"resolution gives {layouts}, not the candidate {cand.by_module}",
                           "report this as a bug")

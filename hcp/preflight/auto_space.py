@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import RECOMPUTES, ResolvedLayout, check_resolved, num_layers
+from hcp.config.modules import BUILT_IN, module_names
 
 FIELDS = ("tp", "cp", "pp", "dp", "dp_shard", "recompute", "num_ranks", "pp_layers")
 """Layout fields a command-line override pins."""
@@ -66,7 +67,7 @@ def pinned_fields(cfg, overrides) -> dict[str, object]:
 def check_searchable(cfg, pinned: dict) -> None:
     """`layout=auto` searches LLaVA's vision -> projector -> llm graph or an LLM alone; named
     encoders and projectors are not searched. Raises ConfigError."""
-    if len(cfg.get("encoders") or {}) or len(cfg.get("projectors") or {}):
+    if set(module_names(cfg)) - set(BUILT_IN):
         raise ConfigError("layout", "auto", "searches the vision -> projector -> llm graph or an LLM "
                           "alone, not named encoders or projectors", "set every layout by hand "
                           "(layout=manual), or try layouts with a `mode=plan -m` sweep")

@@ -26,9 +26,10 @@ from omegaconf import OmegaConf
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts, world_size_of
+from hcp.config.specs import resolve_modules
 from hcp.config.modules import kind
 from hcp.config.precision import Precision
-from hcp.model.encoder_side import graph_kwargs
+from hcp.model.encoder_side import llava_kwargs
 from hcp.model.llava import LlavaModel
 from hcp.parallel.grid import KINDS, Grid
 from hcp.parallel.roles import logging_rank, role_table
@@ -39,14 +40,11 @@ from hcp.preflight.memory import GIB, module_memory, rank_activations
 from hcp.preflight.plan_figure import draw_plan
 
 
-def named_shapes(cfg) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-    """Parameter names (relative to each module) and shapes of the model built on the meta device."""
-    def part(key):
-        return OmegaConf.to_object(cfg[key]) if cfg.get(key) is not None else None
-
-    with torch.device("meta"):
-        model = LlavaModel(part("vision"), part("projector"), part("llm"),
-                           **graph_kwargs(cfg))  # named encoders and projectors (h-encoders)
+def named_shapes(specs) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """Parameter names (relative to each module) and shapes of the model of `specs`
+    (`hcp.config.specs.ModuleSpecs`) built on the meta device."""
+    with torch.device("meta"):  # named encoders and projectors too (h-encoders)
+        model = LlavaModel(**llava_kwargs(specs, OmegaConf.to_object))
     return {m: [(n, tuple(p.shape)) for n, p in sub.named_parameters()]
             for m, sub in model.named_children() if sub is not None}
 
@@ -122,9 +120,9 @@ def running_layouts(cfg, layouts) -> dict:
 
 def stage_memory(cfg, layouts, shapes=None) -> dict:
     """{module: [StageMemory of one rank of each PP stage]} (`hcp.preflight.memory.module_memory`)
-    under the layouts the modules run with (`running_layouts`); `shapes`: `named_shapes(cfg)`
+    under the layouts the modules run with (`running_layouts`); `shapes`: `named_shapes`' result
     if known."""
-    shapes = shapes or named_shapes(cfg)
+    shapes = shapes or named_shapes(resolve_modules(cfg, layouts))
     running = running_layouts(cfg, layouts)
     return {m: module_memory(cfg, lay, shapes[m], running) for m, lay in running.items()}
 
@@ -211,13 +209,13 @@ def encoder_recompute_warnings(cfg, layouts) -> list[str]:
             for m, lay in layouts.items() if m != "llm" and lay.recompute not in ("none", "full")]
 
 
-def trainable_warnings(cfg, layouts) -> list[str]:
+def trainable_warnings(cfg, specs) -> list[str]:
     """A layout that plan mode accepts but `python train.py` refuses today
     (`hcp.train.support.check_trainable`): one warning with training's own error."""
     from hcp.train.support import check_trainable
 
     try:
-        check_trainable(cfg, layouts)
+        check_trainable(cfg, specs)
     except ConfigError as e:
         return [f"warning: training refuses this layout today: {e}"]
     return []
@@ -237,7 +235,8 @@ def run_plan(cfg, out_dir) -> dict:
         raise ConfigError("launcher.nnodes", cfg.launcher.nnodes,
                           f"{world} ranks exceed the cluster's {capacity} GPUs", "match cluster.* to the launcher")
     layouts = check_layouts(cfg, world)
-    shapes = named_shapes(cfg)
+    specs = resolve_modules(cfg, layouts)  # once: the plan's modules
+    shapes = named_shapes(specs)
     stage_mem = stage_memory(cfg, layouts, shapes)
     roles = role_table(running_layouts(cfg, layouts), world)
     per_rank = memory_per_rank(cfg, layouts, world, stage_mem)
@@ -259,7 +258,7 @@ def run_plan(cfg, out_dir) -> dict:
         "memory_gib": per_rank,
         "memory_by_role": memory_by_role(rank_runs(roles), per_rank),
         "warnings": (node_warnings(cfg, layouts) + encoder_recompute_warnings(cfg, layouts)
-                     + trainable_warnings(cfg, layouts)),
+                     + trainable_warnings(cfg, specs)),
     }
     worst = max(per_rank, key=lambda r: r["total"])
     llm = layouts["llm"]

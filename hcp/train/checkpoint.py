@@ -248,22 +248,23 @@ def _check_folder(key: str, path) -> None:
                       "use resume=auto with checkpoint.dir=DIR, or a step_XXXXXXXX folder")
 
 
-def expected_trainable(cfg) -> set[str]:
-    """FQNs this config trains (the whole model, every stage; built on the meta device)."""
-    from hcp.config.modules import module_cfg, module_names
-    from hcp.model.encoder_side import graph_kwargs
+def expected_trainable(specs) -> set[str]:
+    """FQNs the run of `specs` (`hcp.config.specs.ModuleSpecs`) trains (the whole model, every
+    stage; built on the meta device)."""
+    from hcp.model.encoder_side import llava_kwargs
     from hcp.model.llava import LlavaModel
 
     with torch.device("meta"):  # named encoders and projectors too (h-encoders)
-        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, **graph_kwargs(cfg))
+        model = LlavaModel(**llava_kwargs(specs))
     return {n for n, _ in model.named_parameters()
-            if n.split(".")[0] in module_names(cfg) and not module_cfg(cfg, n.split(".")[0]).freeze}
+            if n.split(".")[0] in specs and not specs[n.split(".")[0]].freeze}
 
 
-def check_resume(cfg) -> None:
+def check_resume(cfg, specs) -> None:
     """Before ranks start: `resume` and `init_from_checkpoint` must be None, (`auto`,) or complete
     checkpoint folders, and the checkpoint `resume` continues must have trained the same
-    parameters this config trains (else it is a new stage: `init_from_checkpoint`).
+    parameters this config trains (else it is a new stage: `init_from_checkpoint`). `specs`:
+    the config's `hcp.config.specs.ModuleSpecs`.
 
     Raises:
         ConfigError: a folder that is not a complete checkpoint; trainable parameters that differ
@@ -278,9 +279,7 @@ def check_resume(cfg) -> None:
     saved = _trainer_json(path).get("trainable")
     if saved is None:
         return
-    from hcp.config.modules import module_names
-
-    now, present = expected_trainable(cfg), set(module_names(cfg))
+    now, present = expected_trainable(specs), set(specs.names)
     gone, new = sorted(set(saved) - now), sorted(now - set(saved))
     if gone or new:
         absent = [n for n in gone if n.split(".")[0] not in present]  # modules this config lacks

@@ -5,14 +5,13 @@ inputs for this rank, gradient sync over each encoder's own DP group and its sha
 global clipping norm over its own TP group (docs/design.md 4.4, last bullet).
 
 LLaVA's plain graph (vision -> projector -> llm) keeps `hcp.model.llava.LlavaEncoder`
-(`several_streams(cfg)` says which one the trainer builds); the helpers that take `encoder`
+(`ModuleSpecs.several_streams` says which one the trainer builds); the helpers that take `encoder`
 accept either, so the trainer has one code path.
 """
 from __future__ import annotations
 
 import torch
 
-from hcp.config.modules import encoder_names, module_cfg, streams
 from hcp.model.encoder_side import EncoderSide
 from hcp.model.llava import LlavaEncoder
 from hcp.model.init import meta_build
@@ -20,41 +19,42 @@ from hcp.plan.lengths import LengthIndexes  # noqa: F401 - the trainer's `sides.
 from hcp.train.modules import encoder_sq_norm, module_sq_norm, sync_grads, whole_state
 
 
-def several_streams(cfg) -> bool:
-    """Whether the graph is more than vision -> projector -> llm: named encoders or projectors
-    (a join, a branch)."""
-    return cfg.get("vision") is not None and (len(encoder_names(cfg)) > 1 or len(streams(cfg.graph.edges)) > 1)
-
-
-def build_encoder(cfg, groups, layouts):
+def build_encoder(specs, groups):
     """The colocated encoder side on the meta device (`hcp.model.init.materialize` makes this
     rank's shards): a `LlavaEncoder` (vision + projector on vision's TP / CP groups) for the
-    default graph, an `EncoderSide` for named encoders or streams, None for a text-only LM."""
-    if cfg.vision is None or several_streams(cfg):
-        return build_encoder_side(cfg, groups, layouts) if cfg.vision else None
-    tp = groups.group("vision", "tp") if layouts["vision"].tp > 1 else None
-    cp = groups.group("vision", "cp") if layouts["vision"].cp > 1 else None
+    default graph, an `EncoderSide` for named encoders or streams, None for a text-only LM.
+    `specs`: `hcp.config.specs.ModuleSpecs` with layouts."""
+    if "vision" not in specs or specs.several_streams:
+        return build_encoder_side(specs, groups) if "vision" in specs else None
+    vision = specs["vision"].layout
+    tp = groups.group("vision", "tp") if vision.tp > 1 else None
+    cp = groups.group("vision", "cp") if vision.cp > 1 else None
     with meta_build():
-        encoder = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size, tp_group=tp, cp_group=cp)
+        encoder = LlavaEncoder(specs["vision"].arch, specs["projector"].arch, specs.llm.hidden_size,
+                               tp_group=tp, cp_group=cp)
     for name in ("vision", "projector"):
-        if cfg[name].freeze:
+        if specs[name].freeze:
             encoder.get_submodule(name).requires_grad_(False)
     return encoder
 
 
-def build_encoder_side(cfg, groups, layouts) -> EncoderSide:
+def _side_blocks(specs, encoders) -> tuple[dict, dict]:
+    """({encoder: block}, {projector: block}) of `encoders` and the streams they feed."""
+    return ({e: specs[e].arch for e in encoders},
+            {s.projector: specs[s.projector].arch for s in specs.streams if s.encoder in encoders})
+
+
+def build_encoder_side(specs, groups) -> EncoderSide:
     """Every encoder and projector of the config on its own TP group (projectors share their
     encoder's), frozen per module's `freeze`, on the meta device: `hcp.model.init.materialize`
     makes this rank's shards, layout-invariantly from (seed, FQN)."""
-    flows = streams(cfg.graph.edges)
-    encoders = {e: module_cfg(cfg, e) for e in encoder_names(cfg)}
-    projectors = {s.projector: module_cfg(cfg, s.projector) for s in flows}
-    tp = {e: groups.group(e, "tp") if layouts[e].tp > 1 else None for e in encoders}
-    cp = {e: groups.group(e, "cp") if layouts[e].cp > 1 else None for e in encoders}
+    encoders, projectors = _side_blocks(specs, [m.name for m in specs.of_kind("encoder")])
+    tp = {e: groups.group(e, "tp") if specs[e].layout.tp > 1 else None for e in encoders}
+    cp = {e: groups.group(e, "cp") if specs[e].layout.cp > 1 else None for e in encoders}
     with meta_build():
-        side = EncoderSide(encoders, projectors, flows, cfg.llm.hidden_size, tp, cp)
+        side = EncoderSide(encoders, projectors, specs.streams, specs.llm.hidden_size, tp, cp)
     for m in (*encoders, *projectors):
-        if module_cfg(cfg, m).freeze:
+        if specs[m].freeze:
             getattr(side, m).requires_grad_(False)
     return side
 
@@ -140,7 +140,7 @@ def tp_groups(encoder) -> dict:
                                                                   "projector": encoder.tp_group}
 
 
-def whole_encoder_side(side: EncoderSide, cfg, device) -> EncoderSide:
+def whole_encoder_side(side: EncoderSide, specs, device) -> EncoderSide:
     """The encoder side whole on this rank (evaluation encodes prompts' inputs in place): itself
     when no encoder uses TP or CP, else a copy (without CP) whose TP shards are gathered over
     each encoder's TP group (`hcp.train.modules.whole_state`, encoder by encoder: every rank
@@ -148,9 +148,8 @@ def whole_encoder_side(side: EncoderSide, cfg, device) -> EncoderSide:
     if all(g is None for g in side.tp_groups.values()) and all(
             getattr(side, e).cp == 1 for e in side.encoder_names):
         return side
-    whole = EncoderSide({e: module_cfg(cfg, e) for e in side.encoder_names},
-                        {s.projector: module_cfg(cfg, s.projector) for s in side.streams}, side.streams,
-                        cfg.llm.hidden_size).to(device)
+    whole = EncoderSide(*_side_blocks(specs, side.encoder_names), side.streams,
+                        specs.llm.hidden_size).to(device)
     for e in side.encoder_names:
         for m in _members(side, e):
             state = whole_state(getattr(side, m), side.tp_groups.get(e))

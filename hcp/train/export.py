@@ -118,9 +118,10 @@ def export(model, cfg, out: str, stage, writer: bool) -> list[str]:
     return [os.path.join(out, "llm", f) for f in files]
 
 
-def start_export(cfg, run_dir: str, joined, world: int) -> None:
-    """`mode=export` in the launching process: check `export.dir`, then run `run_export_rank`
-    on this launch's ranks (joined, or started locally like training's).
+def start_export(cfg, specs, run_dir: str, joined, world: int) -> None:
+    """`mode=export` in the launching process: check `export.dir` and the graph (`specs`:
+    `hcp.config.specs.ModuleSpecs`), then run `run_export_rank` on this launch's ranks (joined,
+    or started locally like training's).
 
     Raises:
         ConfigError: no `export.dir`; named encoders or projectors (Hugging Face's LLaVA has one
@@ -129,13 +130,12 @@ def start_export(cfg, run_dir: str, joined, world: int) -> None:
     from omegaconf import OmegaConf
 
     from hcp.config.errors import ConfigError
-    from hcp.train.encoders import several_streams
     from hcp.launch.launch import export_rank_env, local_start_method, start_local_ranks
 
     if not cfg.export.dir:
         raise ConfigError("export.dir", cfg.export.dir, "mode=export needs a folder to write",
                           "add export.dir=OUT")
-    if several_streams(cfg):
+    if specs.several_streams:
         raise ConfigError("graph.edges", [list(e) for e in cfg.graph.edges], "mode=export writes "
                           "Hugging Face's LLaVA (one vision tower, one projector); the named "
                           "encoders and projectors would be left out", "export a config with "

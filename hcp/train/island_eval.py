@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hcp.config.modules import module_cfg
 from hcp.model.encoder_stage import EncoderStage
 from hcp.model.stage import StageSpec
 from hcp.parallel.grid import Grid
@@ -28,7 +27,7 @@ def whole_island_encoders(islands, encoder) -> nn.Module | None:
     `hcp.train.islands.Islands`; `encoder`: its `EncoderStage` or None. A collective: every rank
     calls it (new groups are made once, on the first call, in island order, kept in
     `islands.eval_groups`)."""
-    cfg, layouts, rank, device = islands.cfg, islands.layouts, islands.rank, islands.device
+    specs, layouts, rank, device = islands.specs, islands.layouts, islands.rank, islands.device
     llm_first = [int(r) for r in Grid.of(layouts["llm"]).ranks[0].ravel()]
     if islands.eval_groups is None:
         islands.eval_groups = {}
@@ -46,11 +45,11 @@ def whole_island_encoders(islands, encoder) -> nn.Module | None:
         if rank not in senders and whole is None:
             continue
         lay = layouts[head]
-        projectors = {p: module_cfg(cfg, p) for p in islands.streams[head]}
+        projectors = {p: specs[p].arch for p in islands.streams[head]}
 
         def stage(spec, device="meta"):
             with torch.device(device):
-                return EncoderStage(head, module_cfg(cfg, head), projectors, cfg.llm.hidden_size, spec)
+                return EncoderStage(head, specs[head].arch, projectors, specs.llm.hidden_size, spec)
         received = {}
         for s, src in enumerate(senders):
             shapes = [(n, p.shape) for n, p in stage(StageSpec.of(lay.pp_layers, s)).named_parameters()]

@@ -74,7 +74,6 @@ from torch import nn
 
 from hcp.comm.boundary import RouteBytes
 from hcp.comm.island import IslandEdge, warm_up
-from hcp.config.modules import module_cfg, streams
 from hcp.model.encoder_stage import EncoderStage
 from hcp.model.init import meta_build
 from hcp.model.llava import OWN_CP_GROUP
@@ -123,7 +122,7 @@ class Islands:
     whole encoders for evaluation. Pure until `connect`.
 
     Args:
-        cfg: the resolved config; layouts: every module's `ResolvedLayout`; groups: the
+        specs: the run's `hcp.config.specs.ModuleSpecs` (with layouts); groups: the
             `ProcessGroupRegistry`; rank: this global rank; device; precision: the run's
             `Precision`.
 
@@ -136,15 +135,16 @@ class Islands:
     gradients; the TP leader's broadcast inside the LLM island not counted).
     """
 
-    def __init__(self, cfg, layouts: dict, groups, rank: int, device, precision):
-        self.cfg, self.layouts, self.groups, self.rank = cfg, layouts, groups, rank
+    def __init__(self, specs, groups, rank: int, device, precision):
+        self.specs, self.groups, self.rank = specs, groups, rank
+        self.layouts = layouts = specs.layouts
         self.device, self.precision = device, precision
-        self.edges = tuple(tuple(e) for e in cfg.graph.edges)
+        self.edges = specs.edges
         self.heads = island_heads(layouts, self.edges)
         self.head = next((h for h in self.heads if Grid.of(layouts[h]).contains(rank)), "llm")
         lay = layouts[self.head]
         self.stage = StageSpec.of(lay.pp_layers, Grid.of(lay).coords(rank)["pp"])
-        self.streams = {h: tuple(s.projector for s in streams(self.edges)
+        self.streams = {h: tuple(s.projector for s in specs.streams
                                  if island_head(layouts, self.edges, s.projector) == h)
                         for h in self.heads}
         self.sharded = bool(lay.dp_shard)
@@ -160,17 +160,17 @@ class Islands:
     # ---- modules --------------------------------------------------------------------------
     def build_encoder(self) -> EncoderStage | None:
         """This rank's encoder stage on the meta device (encoder island), else None."""
-        cfg, layouts, head = self.cfg, self.layouts, self.head
+        specs, layouts, head = self.specs, self.layouts, self.head
         if head == "llm":
             return None
         tp = self.groups.group(head, "tp") if layouts[head].tp > 1 else None
         cp = self.groups.group(head, "cp") if layouts[head].cp > 1 else None
-        projectors = {p: module_cfg(cfg, p) for p in self.streams[head]}
+        projectors = {p: specs[p].arch for p in self.streams[head]}
         with meta_build():  # the trainer materializes this rank's shards
-            encoder = EncoderStage(head, module_cfg(cfg, head), projectors, cfg.llm.hidden_size,
+            encoder = EncoderStage(head, specs[head].arch, projectors, specs.llm.hidden_size,
                                    self.stage, tp, layouts[head].recompute == "full", cp)
         for name in (head, *projectors):
-            if module_cfg(cfg, name).freeze and getattr(encoder, name, None) is not None:
+            if specs[name].freeze and getattr(encoder, name, None) is not None:
                 getattr(encoder, name).requires_grad_(False)
         return encoder
 
@@ -196,7 +196,7 @@ class Islands:
         counts = mine.encoder_inputs[head]
         if not self.stage.first:
             return list(counts)
-        enc = module_cfg(self.cfg, head)
+        enc = self.specs[head].arch
         empty = torch.empty(0, enc.num_channels, enc.image_size, enc.image_size)
         pixels = [torch.cat([empty, *(dataset.pixel_values(dataset[indices[s]], head) for s in mb)]).to(self.device)
                   for mb in mine.encoder_micro_batches[head]]
@@ -214,7 +214,7 @@ class Islands:
     def _route_links(self, mine, graph, encoder_rank: bool) -> dict:
         """{peer global stage: StreamsLink} of every island edge this rank is on (one link per
         encoder island, its streams in stream order)."""
-        links, llm, hidden = {}, self.layouts["llm"], self.cfg.llm.hidden_size
+        links, llm, hidden = {}, self.layouts["llm"], self.specs.llm.hidden_size
         for head in self.heads:
             flows = [p for p in self.streams[head] if (p, "llm") in mine.island_routes]
             if not flows:

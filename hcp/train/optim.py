@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from hcp.config.choices import OPTIMIZERS
-from hcp.config.modules import module_cfg, module_names
 
 
 def decays(module: nn.Module, name: str, param: torch.Tensor) -> bool:
@@ -22,19 +21,11 @@ def decays(module: nn.Module, name: str, param: torch.Tensor) -> bool:
                 or name.endswith("embedding"))
 
 
-def module_overrides(cfg) -> dict[str, dict]:
-    """Each present module's own optimizer settings from the root config, {module: {"lr": ...,
-    "weight_decay": ...}} with only the fields it sets (`<module>.optim`, schema
-    `ModuleOptimConfig`); modules without such a block or setting nothing are left out."""
-    out = {}
-    for m in module_names(cfg):  # named encoders and projectors too (hcp.config.modules)
-        block = module_cfg(cfg, m)
-        own = block.get("optim") if block is not None else None
-        if own is not None:
-            set_ = {k: float(own[k]) for k in ("lr", "weight_decay") if own.get(k) is not None}
-            if set_:
-                out[m] = set_
-    return out
+def module_overrides(specs) -> dict[str, dict]:
+    """Each module's own optimizer settings, {module: {"lr": ..., "weight_decay": ...}} with only
+    the fields it sets (`<module>.optim`, `hcp.config.specs.ModuleSpec.optim`); modules setting
+    nothing are left out. `specs`: `hcp.config.specs.ModuleSpecs`."""
+    return {m.name: dict(m.optim) for m in specs if m.optim}
 
 
 def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
@@ -72,7 +63,7 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
 def build_optimizer(model: nn.Module, cfg, overrides: dict[str, dict] | None = None) -> torch.optim.AdamW:
     """AdamW with `optim.lr`, `optim.betas`, `optim.eps` over `model`'s trainable parameters in
     per-module groups (`param_groups`), `optim.weight_decay` on weight matrices only
-    (`decays`); `overrides` (`module_overrides(root_cfg)`) sets a module's own lr / weight decay.
+    (`decays`); `overrides` (`module_overrides(specs)`) sets a module's own lr / weight decay.
     Parameter groups differ between ranks (a pipeline stage holds some modules only); the
     checkpoint keys their settings by parameter FQN (`hcp.train.checkpoint`), so any layout
     resumes them.

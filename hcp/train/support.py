@@ -13,8 +13,9 @@ from __future__ import annotations
 from hcp.config.errors import ConfigError
 
 
-def check_trainable(cfg, layouts: dict) -> None:
-    """Raise ConfigError for a valid layout that training does not run yet.
+def check_trainable(cfg, specs) -> None:
+    """Raise ConfigError for a valid layout that training does not run yet (`specs`:
+    `hcp.config.specs.ModuleSpecs` with layouts).
 
     Not yet trained: a pooling projector (`pool` > 1) behind an encoder with CP (the pool's
     windows span the CP ranks' chunks), encoder PP under colocated placement (encoder PP runs on
@@ -31,12 +32,13 @@ def check_trainable(cfg, layouts: dict) -> None:
     rows to the CP rank that holds their positions. A global batch with fewer samples than pool
     ranks trains (ranks without a sample run empty micro-batches: no collective hangs).
     """
+    layouts = specs.layouts
     llm = layouts["llm"]
     check_profile(cfg)
-    _check_several_encoders_trainable(cfg, layouts)
-    _check_encoder_cp_trainable(cfg, layouts)
+    _check_several_encoders_trainable(cfg, specs)
+    _check_encoder_cp_trainable(specs)
     if cfg.placement == "non_colocated":
-        _check_islands_trainable(cfg, layouts)
+        _check_islands_trainable(cfg, specs)
     if llm.pp > 1 and cfg.llm.tie_embeddings:
         raise ConfigError("llm.tie_embeddings", True, f"the embedding (first of {llm.pp} pipeline "
                           "stages) and the LM head (last stage) cannot share one table",
@@ -53,42 +55,37 @@ def check_trainable(cfg, layouts: dict) -> None:
                               "implemented in the LLM's decoder layers only", "use recompute=none or full")
 
 
-def _check_encoder_cp_trainable(cfg, layouts: dict) -> None:
+def _check_encoder_cp_trainable(specs) -> None:
     """Encoder CP (`<encoder>.layout.cp` > 1) trains behind per-row projectors only: a projector
     with `pool` > 1 averages windows of the whole patch grid, which the CP ranks hold in chunks."""
-    from hcp.config.modules import module_cfg, module_key, streams
-
-    if cfg.get("vision") is None:
-        return
-    for s in streams(cfg.graph.edges):
-        cp, pool = layouts[s.encoder].cp, int(module_cfg(cfg, s.projector).get("pool", 1))
+    for s in specs.streams:
+        enc, proj = specs[s.encoder], specs[s.projector]
+        cp, pool = enc.layout.cp, proj.pool
         if cp > 1 and pool > 1:
-            key = module_key(cfg, s.projector)
-            raise ConfigError(f"{key}.pool", pool, f"its windows span the patch grid that "
-                              f"{module_key(cfg, s.encoder)}.layout.cp={cp} splits over CP ranks",
-                              f"set {key}.pool=1, or {module_key(cfg, s.encoder)}.layout.cp=1 (more dp or tp)")
+            raise ConfigError(f"{proj.key}.pool", pool, f"its windows span the patch grid that "
+                              f"{enc.key}.layout.cp={cp} splits over CP ranks",
+                              f"set {proj.key}.pool=1, or {enc.key}.layout.cp=1 (more dp or tp)")
 
 
-def _check_several_encoders_trainable(cfg, layouts: dict) -> None:
+def _check_several_encoders_trainable(cfg, specs) -> None:
     """Several encoders or streams (joins, branches: `hcp.config.modules`) train colocated, each
     encoder at its own TP/DP layout (`hcp.train.encoders`), or non_colocated, each encoder on its
     own island (`hcp.train.islands`, checked by `_check_islands_trainable`); the rest raises
     ConfigError: (colocated) FSDP of the encoder side, a named encoder's `init_from`, and
     (colocated) encoder recompute that differs between encoders (the colocated step recomputes
     the whole encoder side)."""
-    from hcp.config.modules import encoder_names, module_cfg, module_key
-    from hcp.train.encoders import several_streams
-
-    if not several_streams(cfg):
+    if not specs.several_streams:
         return
-    side = [m for m in layouts if m != "llm"]
-    for m in side:
-        key = module_key(cfg, m)
+    layouts = specs.layouts
+    for spec in specs:
+        m, key = spec.name, spec.key
+        if m == "llm":
+            continue
         if cfg.placement == "colocated" and layouts[m].dp_shard:
             raise ConfigError(f"{key}.layout.dp_shard", True, "FSDP of the encoder side is built for "
                               "LLaVA's one encoder and projector", f"set {key}.layout.dp_shard=false")
-        if m != "vision" and m in encoder_names(cfg) and module_cfg(cfg, m).get("init_from"):
-            raise ConfigError(f"{key}.init_from", module_cfg(cfg, m).init_from, "weights are loaded for "
+        if m != "vision" and spec.kind == "encoder" and spec.init_from:
+            raise ConfigError(f"{key}.init_from", spec.init_from, "weights are loaded for "
                               "`vision` and `llm` only", f"remove {key}.init_from (it would be ignored)")
         if cfg.placement == "colocated" and layouts[m].recompute != layouts["vision"].recompute:
             raise ConfigError(f"{key}.layout.recompute", layouts[m].recompute, "the colocated step "
@@ -96,26 +93,25 @@ def _check_several_encoders_trainable(cfg, layouts: dict) -> None:
                               f"{layouts['vision'].recompute})", f"set it to {layouts['vision'].recompute}")
 
 
-def _check_islands_trainable(cfg, layouts: dict) -> None:
+def _check_islands_trainable(cfg, specs) -> None:
     """`placement=non_colocated` trains one island per encoder (the encoder with the projectors
     it feeds, under the encoder's TP, DP and PP) and the LLM island (`hcp.train.islands`): one
     encoder, a join of several, a branch; the rest raises ConfigError."""
-    from hcp.config.modules import kind, module_cfg, module_key
     from hcp.config.spans import projector_island_error
     from hcp.plan.step import island_head
 
-    edges = [tuple(e) for e in cfg.graph.edges]
+    layouts, edges = specs.layouts, specs.edges
     heads = list(dict.fromkeys(island_head(layouts, edges, m) for m in layouts if m != "llm"))
     if not heads:
         raise ConfigError("placement", "non_colocated", "a text-only LLM has no encoder island "
                           "to place apart", "use placement=colocated")
     for head in heads:
-        if kind(cfg, head) != "encoder":
+        if specs[head].kind != "encoder":
             raise projector_island_error(cfg, head)
     for head in heads:
         members = [m for m in layouts if m != "llm" and island_head(layouts, edges, m) == head]
         for m in members:
-            lay, key = layouts[m], module_key(cfg, m)
+            lay, key = layouts[m], specs[m].key
             if m != head and (lay.tp != layouts[head].tp or lay.pp != 1 or lay.cp not in (1, layouts[head].cp)):
                 raise ConfigError(f"{key}.layout.tp", lay.tp, f"{m} runs on the last stage of "
                                   f"{head}'s island with {head}'s TP and CP groups (tp={layouts[head].tp}, "
@@ -125,16 +121,16 @@ def _check_islands_trainable(cfg, layouts: dict) -> None:
                 raise ConfigError(f"{key}.layout.recompute", lay.recompute, f"{m} runs inside "
                                   f"{head}'s last stage, which recomputes as {head} says "
                                   f"(recompute={layouts[head].recompute})",
-                                  f"set {module_key(cfg, head)}.layout.recompute={lay.recompute} "
+                                  f"set {specs[head].key}.layout.recompute={lay.recompute} "
                                   f"for the island, or {key}.layout.recompute=none")
             if m != head and lay.dp_shard and not layouts[head].dp_shard:
                 raise ConfigError(f"{key}.layout.dp_shard", True, f"{m} runs inside {head}'s last "
                                   f"stage, which shards (FSDP) as {head} says (dp_shard=false)",
-                                  f"set {module_key(cfg, head)}.layout.dp_shard=true for the island, "
+                                  f"set {specs[head].key}.layout.dp_shard=true for the island, "
                                   f"or {key}.layout.dp_shard=false")
         for island in (members, ["llm"]):
-            if all(module_cfg(cfg, m).freeze for m in island):
-                raise ConfigError(f"{module_key(cfg, island[0])}.freeze", True, f"every module of the "
+            if all(specs[m].freeze for m in island):
+                raise ConfigError(f"{specs[island[0]].key}.freeze", True, f"every module of the "
                                   f"island {island} is frozen: its ranks would have nothing to train",
                                   "use placement=colocated for this stage (e.g. LLaVA pretraining)")
 

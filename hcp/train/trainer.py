@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from hcp.config.layouts import resolve_layouts
 from hcp.config.precision import Precision
+from hcp.config.specs import resolve_modules
 from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
 from hcp.dcp.policy import cp_histogram, micro_batch_group
@@ -34,7 +35,7 @@ from hcp.model import LlavaModel
 from hcp.model.backends import resolve_backend
 from hcp.model.init import materialize, meta_build
 from hcp.model.hf_load import load_pretrained
-from hcp.model.encoder_side import graph_kwargs
+from hcp.model.encoder_side import llava_kwargs
 from hcp.model.llava import LlavaEncoder
 from hcp.model.stage import StageSpec
 from hcp.parallel.groups import ProcessGroupRegistry
@@ -77,6 +78,7 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.precision = Precision.of(cfg.precision)  # one policy: schedules, routes, links, backend
         self.layouts = resolve_layouts(cfg, self.world)
+        self.specs = resolve_modules(cfg, self.layouts)  # once: the modules the layers build from
         self.dynamic_cp = cfg.packing == "dynamic_cp"  # hcp.dcp.policy: per-micro-batch CP groups
         self.groups = ProcessGroupRegistry(self.layouts, ("llm",) if self.dynamic_cp else ())
         llm = self.layouts["llm"]
@@ -90,9 +92,9 @@ class Trainer:
             self.tp_group = self.groups.group("llm", "tp") if llm.tp > 1 else None
             self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
-        self.tok, self.train_set, self.eval_set = build_datasets(cfg)
+        self.tok, self.train_set, self.eval_set = build_datasets(cfg, self.specs)
         self.edges = tuple(tuple(e) for e in cfg.graph.edges)
-        self.islands = (Islands(cfg, self.layouts, self.groups, self.rank, self.device, self.precision)
+        self.islands = (Islands(self.specs, self.groups, self.rank, self.device, self.precision)
                         if cfg.placement == "non_colocated" else None)
         self.encoder = self._build_encoder()  # both on the meta device: nothing allocated yet
         self.model = self._build_model()
@@ -106,14 +108,14 @@ class Trainer:
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's shards
         self.runner = (StepRunner(self.model, self.groups, self.device, self.precision, llm.dp_shard)
                        if self.model is not None else None)
-        self.colocated = (ColocatedStep(self.encoder, None, cfg.vision.layout.recompute == "full",
+        self.colocated = (ColocatedStep(self.encoder, None, self.layouts["vision"].recompute == "full",
                                         precision=self.precision, device_type=self.device.type)
                           if self.encoder is not None and cfg.placement == "colocated" else None)
-        self.optimizer = build_optimizer(self.modules, cfg.optim, module_overrides(cfg))  # groups per module
+        self.optimizer = build_optimizer(self.modules, cfg.optim, module_overrides(self.specs))  # groups per module
         self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
-        self.index = sides.LengthIndexes(cfg, self.train_set, self.tok)  # one per stream into the LLM
+        self.index = sides.LengthIndexes(self.specs, self.train_set, self.tok)  # one per stream into the LLM
         self.record_encoder_grad_sq, self.encoder_grad_sq = False, None
         """Set `record_encoder_grad_sq` (tests) to keep in `encoder_grad_sq` the sum of squares
         of this rank's own encoder gradients before their DP sum: one host read per parameter
@@ -146,22 +148,19 @@ class Trainer:
     def _build_encoder(self) -> LlavaEncoder | None:
         """The encoder side (vision + projector) on its own TP group, on the meta device (`__init__`
         materializes this rank's shards), or None (text-only LM)."""
-        cfg = self.cfg
         if self.islands is not None:  # this rank's encoder island stage, or None
             return self.islands.build_encoder()
-        return sides.build_encoder(cfg, self.groups, self.layouts)
+        return sides.build_encoder(self.specs, self.groups)
 
     def _build_model(self) -> LlavaModel:
         """This rank's LLM stage on the meta device (`__init__` materializes this rank's
         shards); image rows arrive routed from the encoder side."""
-        cfg = self.cfg
         if self.islands is not None and self.islands.head != "llm":
             return None
         with meta_build():
-            model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=self.tp_group,
-                               cp_group=self.cp_group, stage=self.stage, encoder=False,
-                               streams=graph_kwargs(cfg)["streams"], attention_backend=self.attention_backend())
-        if cfg.llm.freeze:
+            model = LlavaModel(**llava_kwargs(self.specs), tp_group=self.tp_group, cp_group=self.cp_group,
+                               stage=self.stage, encoder=False, attention_backend=self.attention_backend())
+        if self.specs.llm.freeze:
             model.llm.requires_grad_(False)
         return model
 
@@ -324,7 +323,7 @@ class Trainer:
         non_colocated every island's, on the LLM's first stage: `Islands.whole_encoders`)."""
         if self.islands is not None:
             return self.islands.whole_encoders(self.encoder)
-        return whole_encoder(self.encoder, self.cfg, self.device)
+        return whole_encoder(self.encoder, self.specs, self.device)
 
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),

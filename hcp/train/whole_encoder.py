@@ -8,7 +8,7 @@ from hcp.train.encoders import whole_encoder_side
 from hcp.train.modules import whole_state
 
 
-def whole_encoder(encoder, cfg, device) -> LlavaEncoder | None:
+def whole_encoder(encoder, specs, device) -> LlavaEncoder | None:
     """The colocated encoder side (`LlavaEncoder`) whole on this rank: the training encoder itself
     when its parameters are whole here and it runs without CP, else a copy (without CP, which
     shards tokens, not weights) gathered over the encoder's TP group and, under dp_shard, its
@@ -17,11 +17,11 @@ def whole_encoder(encoder, cfg, device) -> LlavaEncoder | None:
     if encoder is None:
         return None
     if isinstance(encoder, EncoderSide):  # several encoders (hcp.train.encoders)
-        return whole_encoder_side(encoder, cfg, device)
+        return whole_encoder_side(encoder, specs, device)
     state = whole_state(encoder, encoder.tp_group)
     if state is None and encoder.vision.cp == 1:
         return encoder
     state = state or encoder.state_dict()
-    whole = LlavaEncoder(cfg.vision, cfg.projector, cfg.llm.hidden_size).to(device)
+    whole = LlavaEncoder(specs["vision"].arch, specs["projector"].arch, specs.llm.hidden_size).to(device)
     whole.load_state_dict(state)
     return whole
