@@ -49,6 +49,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,15 +57,17 @@ from types import SimpleNamespace as NS
 
 import numpy as np
 
-from hcp.config.compose import compose_config
-from hcp.dcp.cost_model import CostModel, load_profile
-from hcp.dcp.lower_bound import lower_bound
-from hcp.dcp.policy import dynamic_cp_policy
-from hcp.dcp.solver import simulate_plan
-from hcp.plan.step import first_fit_policy
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # lengths.py beside this file
+
+from hcp.config.compose import compose_config  # noqa: E402
+from hcp.dcp.cost_model import CostModel, load_profile  # noqa: E402
+from hcp.dcp.lower_bound import lower_bound  # noqa: E402
+from hcp.dcp.policy import dynamic_cp_policy  # noqa: E402
+from hcp.dcp.solver import simulate_plan  # noqa: E402
+from hcp.plan.step import first_fit_policy  # noqa: E402
+from lengths import DISTRIBUTIONS, distribution, parse_seeds  # noqa: E402
 
 METHODS = ("static", "dynamic")
-WIKIPEDIA = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"
 
 
 def layout(dp: int, cp: int, layers: int):
@@ -73,33 +76,11 @@ def layout(dp: int, cp: int, layers: int):
               sequence_parallel=False)
 
 
-def code_lengths(max_len: int) -> np.ndarray:
-    """The code corpus's document lengths that fit the pool, `[bos] + bytes + [eos]` of each
-    standard-library source file of at most `max_len` tokens (whole files, not cut: cutting
-    long files at max_len made most documents exactly max_len long, every one needing the
-    whole pool, so dynamic CP had nothing to choose). At max_len 4096: 732 documents, median
-    1062, 10% under 60 and 10% over 3329 tokens."""
-    from hcp.data.code_corpus import stdlib_sources
-
-    lens = np.array([os.path.getsize(f) + 2 for f in stdlib_sources()], dtype=np.int64)
+def pool(name: str, max_len: int) -> np.ndarray:
+    """The lengths of pool `name` (`lengths.DISTRIBUTIONS`, scaled to `max_len`) that fit the
+    CP pool's `max_len` tokens, sorted."""
+    lens = distribution(name, max_len)
     return np.sort(lens[lens <= max_len])
-
-
-def wikipedia_lengths(max_len: int) -> np.ndarray:
-    """FlexSP's Wikipedia lengths (hcp/data/lengths/, median 347) of at most max_len tokens."""
-    lens = np.loadtxt(WIKIPEDIA, dtype=np.int64)
-    return np.sort(lens[lens <= max_len])
-
-
-def lognormal_lengths(max_len: int) -> np.ndarray:
-    """Megatron's dynamic-CP example's lengths (lognormal, sigma 1.5, median 1024, clipped to
-    [128, 8192]) scaled by max_len / 8192, so that the longest needs the whole pool as in the
-    other settings: a fixed pool of 100,000 draws of numpy `lognormal(ln(max_len / 8), 1.5)`,
-    rounded and clipped to [max_len / 64, max_len] (default_rng(20260101)). At max_len 8192 it
-    is the example's distribution; at 2048 (pool 8, cap 256): median 256, mean about 530."""
-    rng = np.random.default_rng(20260101)
-    draws = np.rint(rng.lognormal(np.log(max_len / 8), 1.5, 100_000))
-    return np.sort(np.clip(draws, max(1, max_len // 64), max_len).astype(np.int64))
 
 
 def _rank(payload) -> None:
@@ -193,9 +174,6 @@ def _rank(payload) -> None:
     dist.destroy_process_group()
 
 
-LENGTHS = {"code": code_lengths, "wikipedia": wikipedia_lengths, "lognormal": lognormal_lengths}
-
-
 def critical_path(busy, groups) -> float:
     """Seconds: micro-batch j of a group starts when all its ranks are free and lasts as long
     as its slowest rank (busy[r][j]); the end of the last rank. `groups[r][j]` = (c, block)."""
@@ -221,7 +199,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=1, help="global batches (steps) per seed and rep")
     p.add_argument("--reps", type=int, default=3, help="measurements of both methods")
     p.add_argument("--lengths", default="wikipedia,lognormal,code",
-                   help=f"comma list of {', '.join(LENGTHS)}: the code corpus's, FlexSP's "
+                   help=f"comma list of {', '.join(DISTRIBUTIONS)}: the code corpus's, FlexSP's "
                         "Wikipedia sample, or Megatron's example's lognormal scaled to the pool")
     p.add_argument("--global-batch", type=int, default=64, help="documents per step")
     p.add_argument("--micro-batch-tokens", type=int, default=256, help="cap per rank")
@@ -238,8 +216,8 @@ def parse_args(argv=None):
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     args.lengths = args.lengths.split(",")
     for name in args.lengths:
-        if name not in LENGTHS:
-            p.error(f"--lengths {name}: not one of {', '.join(LENGTHS)}; give a comma list of them")
+        if name not in DISTRIBUTIONS:
+            p.error(f"--lengths {name}: not one of {', '.join(DISTRIBUTIONS)}; give a comma list of them")
     try:
         args.seeds = parse_seeds(args.seeds)
     except ValueError as err:
@@ -259,22 +237,10 @@ def parse_args(argv=None):
             p.error(f"--profile {args.profile}: {err}")
     max_len = args.ranks * args.micro_batch_tokens
     for name in args.lengths:
-        if LENGTHS[name](max_len).size < args.global_batch:
-            p.error(f"--global-batch {args.global_batch}: only {LENGTHS[name](max_len).size} "
+        if pool(name, max_len).size < args.global_batch:
+            p.error(f"--global-batch {args.global_batch}: only {pool(name, max_len).size} "
                     f"{name} documents fit {max_len} tokens; lower it")
     return args
-
-
-def parse_seeds(text: str) -> list[int]:
-    """`A-B` (inclusive) or `a,b,c` -> seeds; ValueError naming the text otherwise."""
-    try:
-        a, _, b = text.partition("-")
-        seeds = list(range(int(a), int(b) + 1)) if b else [int(x) for x in text.split(",")]
-    except ValueError:
-        seeds = []
-    if not seeds or min(seeds) < 0:
-        raise ValueError(f"--seeds {text!r}: give A-B or a comma list of seeds >= 0, e.g. 100-104")
-    return seeds
 
 
 def main(argv=None) -> dict:
@@ -283,11 +249,11 @@ def main(argv=None) -> dict:
     max_len = args.ranks * args.micro_batch_tokens
     runs, batches = [], []  # a run: one (lengths, seed), its `--steps` batches
     for name in args.lengths:
-        pool = LENGTHS[name](max_len)
+        lens = pool(name, max_len)
         for seed in args.seeds:
             rng = np.random.default_rng(seed)
             runs.append({"lengths": name, "seed": seed, "first": len(batches)})
-            batches += [rng.choice(pool, args.global_batch, replace=False)
+            batches += [rng.choice(lens, args.global_batch, replace=False)
                         for _ in range(args.steps)]
     from omegaconf import OmegaConf
 
