@@ -40,9 +40,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # dynamic_cp_report beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # dynamic_cp_report, harness, lengths beside this file
 
 from dynamic_cp_report import METHODS, draw_timeline, print_summary, summarize  # noqa: E402
+from harness import HelpFormatter  # noqa: E402
 from hcp.dcp.baselines import greedy, packing_only  # noqa: E402
 from hcp.dcp.cost_model import CostModel, load_profile, recipe_llm  # noqa: E402
 from hcp.dcp.exact import solve_exact  # noqa: E402
@@ -66,15 +67,11 @@ COLUMNS = """columns, per batch and method (the summary averages them over the b
   cp histogram  {CP size: sequences planned at that size}"""
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in every flag's help, and the column list kept as written."""
-
-
 def parse_args(argv=None):
     """`(args, cost model, length pool)`; every bad argument, the cost profile and the
     `--lengths` file included, is a parser error (exit 2) naming the value and the fix."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=COLUMNS,
-                                formatter_class=_HelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--lengths", default="wikipedia",
                    help="wikipedia, code, lognormal, or a file of one positive integer per line "
                         "(blank lines and # comments allowed)")

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness import report  # beside this file (benchmarks/hetero.py puts it on the path)
 from hcp.model.flops import encoder_flops  # noqa: F401  (hetero.py and hetero_plan.py import it from here)
 
 PHASES = ("encoder_forward", "route_forward", "llm", "route_backward", "encoder_backward")
@@ -209,14 +210,9 @@ def _all_reduce_grads(params, group) -> None:
 
 
 def run_rank(rank: int, world: int, port: int, name: str, composed, args, queue) -> None:
-    """Fork target: measure, put (rank, result dict or traceback text) on `queue`. composed:
-    `compose(overrides)`, done once in the parent (Hydra takes ~1 s per call)."""
-    try:
-        queue.put((rank, _measure(rank, world, port, name, composed, args)))
-    except BaseException:  # noqa: BLE001 - hand the failure to the parent instead of hanging it
-        import traceback
-
-        queue.put((rank, traceback.format_exc()))
+    """Fork target (`harness.fork_ranks`): measure, put (rank, result dict or traceback text) on
+    `queue`. composed: `compose(overrides)`, done once in the parent (Hydra is slow to start)."""
+    report(queue, rank, _measure, rank, world, port, name, composed, args)
 
 
 def _measure(rank, world, port, name, composed, args) -> dict:
