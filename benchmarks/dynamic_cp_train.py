@@ -6,19 +6,20 @@
         --micro-batch-tokens 512 --profile out.profile.yaml
 
 Setup: `--ranks` CPU ranks (gloo, one thread each) form one CP pool; the tiny LLaMA of
-`+recipe=llama_tiny` (fp32) runs forward + backward of every micro-batch of the step plan
+`+recipe=llama_tiny` (fp32) runs the trainer's step (`hcp.train.step.StepRunner.forward_backward`:
+token-level loss, 1F1B, the DP x CP gradient sync) over the micro-batches of the step plan
 (hcp/plan/step.py) on global batches drawn from long-tail document lengths (`--lengths`, a comma list): FlexSP's
 Wikipedia sample (the documents that fit `--ranks x --micro-batch-tokens` tokens),
-`code`, the code corpus's (`code_lengths`: this Python's standard-library sources,
-byte-level), or `--lengths lognormal`, Megatron's dynamic-CP example's scaled to the pool; token ids
+`code`, the code corpus's (this Python's standard-library sources, byte-level; pools in
+benchmarks/lengths.py), or `--lengths lognormal`, Megatron's dynamic-CP example's scaled to the pool; token ids
 drawn at random: the content does not change the time). The cap forces static CP = pool: the
 longest documents need the whole pool, and a static run sizes its CP for them. Static:
 `first_fit` at cp = pool (dp 1, every micro-batch on the whole pool). Dynamic: the `dynamic_cp`
 policy (hcp/dcp/policy.py) with the cost model under the profile calibrated on this machine
 (`--profile`, else `mode=calibrate`'s fit is run first, over every CP size 1 .. pool and the
 cap's region, hcp/preflight/calibrate.py `grid`; with `--json X.json` the profile is kept as
-X.profile.yaml). Each micro-batch runs on its CP group from the pre-built dynamic-CP groups. Not
-measured: gradient sync and the optimizer step (the same for both).
+X.profile.yaml). Each micro-batch runs on its CP group from the pre-built dynamic-CP groups. Not in
+the critical path: the gradient sync (the same for both); no optimizer step runs.
 
 Every (lengths, seed) pair of `--lengths` x `--seeds` is a run of `--steps` global batches;
 all runs share one fork of the ranks and one calibration. Per method and rep (`--reps`
@@ -86,30 +87,35 @@ def pool(name: str, max_len: int) -> np.ndarray:
 def _rank(payload) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from omegaconf import OmegaConf
 
-    from hcp.model.init import init_parameters
-    from hcp.model.llama import LlamaDecoder
-    from hcp.parallel.cp_sharding import cp_shard
+    from hcp.data.llava import Sample
+    from hcp.launch.distributed import init_distributed
+    from hcp.model import LlavaModel, init_parameters
+    from hcp.model.stage import StageSpec
     from hcp.parallel.groups import ProcessGroupRegistry
     from hcp.plan.lengths import SampleSizes
     from hcp.plan.step import plan_step, register_policy
-    from hcp.dcp.policy import micro_batch_group
     from hcp.preflight.calibrate import busy_time
-    from hcp.launch.distributed import init_distributed
+    from hcp.train.rank_data import llm_inputs, micro_batch_groups
+    from hcp.train.step import StepRunner
 
     cfg = OmegaConf.create(payload["cfg"])
-    init_distributed(cfg.launcher)
+    device = init_distributed(cfg.launcher)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     register_policy("dynamic_cp", dynamic_cp_policy(cfg.llm, payload["profile"]))
     layouts = {"static": {"llm": layout(1, world, cfg.llm.num_layers)},
                "dynamic": {"llm": layout(world, 1, cfg.llm.num_layers)}}
     groups = ProcessGroupRegistry(layouts["dynamic"], dynamic_cp_modules=("llm",))
-    model = LlamaDecoder(cfg.llm)
-    init_parameters(model, 7, prefix="llm.")
+    model = LlavaModel(None, None, cfg.llm, stage=StageSpec.of((cfg.llm.num_layers,), 0), encoder=False)
+    init_parameters(model, 7)
+    runner = StepRunner(model, groups, device)  # the trainer's step: 1F1B, token-level loss, DP x CP sync
     gen = torch.Generator().manual_seed(0)
+    data = []  # per batch: its documents as samples (random ids: the content does not change the time)
+    for lens in payload["batches"]:
+        ids = [torch.randint(0, cfg.llm.vocab_size, (int(n),), generator=gen).tolist() for n in lens]
+        data.append([Sample(str(j), x, x[1:] + x[:1], [], 0, "") for j, x in enumerate(ids)])
     plans, plan_s = {}, {}
     for method in METHODS:
         packing = "first_fit" if method == "static" else "dynamic_cp"
@@ -120,44 +126,42 @@ def _rank(payload) -> None:
             plans[method].append(plan_step(sizes, layouts[method], packing,
                                            payload["cap"]).rank(rank))
             plan_s[method].append(busy_time() - t0)
-    def run(plan):
-        """One step of `plan`: per micro-batch (busy, calling-thread) seconds, and wall."""
+    marks = []  # (busy, calling-thread) seconds at each micro-batch's forward, then at the grad sync
+    for name in ("stage_forward", "sync_grads"):
+        def marked(*a, _call=getattr(runner, name), **k):
+            marks.append((busy_time(), time.thread_time()))
+            return _call(*a, **k)
+        setattr(runner, name, marked)
+
+    def run(plan, b):
+        """One step of `plan` on batch `b` through the trainer's `StepRunner.forward_backward`:
+        per micro-batch (busy, calling-thread) seconds of its forward and backward (0 for one
+        this rank does not run), and the wall time with the gradient sync."""
+        batches, metas = llm_inputs(plan, range(len(data[b])), data[b], -1, runner.stage, device)
+        c = plan.counts
+        marks.clear()
         dist.barrier()
         w0 = time.perf_counter()
-        step = []
-        for mb in plan.micro_batches:
-            if mb.empty:
-                step.append((0.0, 0.0))
-                continue
-            group = micro_batch_group(groups, mb, rank)
-            n = int(mb.cu_seqlens[-1])
-            ids = torch.randint(0, cfg.llm.vocab_size, (n,), generator=gen)
-            cu = torch.from_numpy(mb.cu_seqlens)
-            if mb.cp_size > 1:
-                sh = cp_shard(cu, mb.cp_size, mb.cp_rank)
-                ids, pos = ids[sh.token_index], sh.position_ids
-            else:
-                pos = torch.cat([torch.arange(int(b - a)) for a, b in
-                                 zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])])
-            b0, c0 = busy_time(), time.thread_time()
-            h = model.exit(model.run_layers(model.enter(model.embed(ids)), pos, cu,
-                                            mb.max_seqlen, cp_group=group), ids.shape[0])
-            F.cross_entropy(model.logits(h), ids).backward()
-            step.append((busy_time() - b0, time.thread_time() - c0))
+        runner.forward_backward([x for _, x in batches], metas, [c.loss_tokens, c.tokens, c.sum_sq_lengths,
+                                c.image_rows], False, micro_batch_groups(groups, plan, rank))
         dist.barrier()
-        return step, time.perf_counter() - w0
+        wall = time.perf_counter() - w0
+        spans = iter([(b1 - b0, t1 - t0) for (b0, t0), (b1, t1) in zip(marks, marks[1:])])
+        runner.model.zero_grad(set_to_none=True)
+        return [next(spans) if plan.keep_empty or not mb.empty else (0.0, 0.0)
+                for mb in plan.micro_batches], wall
 
     for method in METHODS:  # warm-up, not measured: gloo connects each group on first use
         for b in payload["warm_up"]:  # the first batch of each distribution
-            run(plans[method][b])
+            run(plans[method][b], b)
     reps = []
     for rep in range(payload["reps"]):
         out = {}
         # alternate which method runs first, so a drift of the machine's load hits both
         for method in (METHODS if rep % 2 == 0 else METHODS[::-1]):
             busy, compute, walls = [], [], []
-            for plan in plans[method]:
-                step, wall = run(plan)
+            for b, plan in enumerate(plans[method]):
+                step, wall = run(plan, b)
                 walls.append(wall)
                 busy.append([b for b, _ in step])
                 compute.append([c for _, c in step])

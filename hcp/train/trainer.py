@@ -29,7 +29,7 @@ from hcp.config.layouts import resolve_layouts
 from hcp.config.precision import Precision
 from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
-from hcp.dcp.policy import cp_histogram, micro_batch_group
+from hcp.dcp.policy import cp_histogram
 from hcp.model import LlavaModel
 from hcp.model.backends import resolve_backend
 from hcp.model.init import materialize, meta_build
@@ -54,7 +54,7 @@ from hcp.train.modules import RankModules, clip_, local_grad_sq, module_sq_norm
 from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
 from hcp.train.plan_check import check_plans_agree
 from hcp.launch.preempt import Preemption, continue_wandb_run
-from hcp.train.rank_data import llm_inputs
+from hcp.train.rank_data import llm_inputs, micro_batch_groups
 from hcp.train.step import StepRunner, plan_counts
 from hcp.launch.supervise import record_step
 from hcp.train import encoders as sides  # one or several encoders (joins, branches)
@@ -266,14 +266,9 @@ class Trainer:
         return loss, plan_counts(mine, counts), n_micro
 
     def _cp_groups(self, mine):
-        """Under dynamic CP, the CP process group of each micro-batch this rank runs: the
-        plan's group (`MicroBatchPlan.cp_size`, `cp_rank`) resolved to its pre-built group
-        (`hcp.dcp.policy.micro_batch_group`; None at CP size 1 and for an empty micro-batch,
-        which runs no CP collective). Else None: the model's own CP group."""
-        if not self.dynamic_cp:
-            return None
-        return [None if mb.empty else micro_batch_group(self.groups, mb, self.rank)
-                for mb in mine.micro_batches if mine.keep_empty or not mb.empty]
+        """Under dynamic CP, each micro-batch's CP group (`hcp.train.rank_data.micro_batch_groups`);
+        else None: the model's own CP group."""
+        return micro_batch_groups(self.groups, mine, self.rank) if self.dynamic_cp else None
 
     def _check_plan(self, checksum: int) -> None:
         """`trainer.check_plan`: every rank must have computed the same step plan
