@@ -186,7 +186,7 @@ def machine_memory_gib() -> tuple[float, str, bool]:
 
 
 def gpu_memory_gib() -> float:
-    """Total memory of CUDA device 0 in GiB, read by a child Python process (2-3 s) so that the
+    """Total memory of CUDA device 0 in GiB, read by a child Python process so that the
     launching process never initialises CUDA. Raises RuntimeError with the child's error."""
     code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
