@@ -38,7 +38,9 @@ critical-path ratio static / dynamic (median over reps); `predicted_speedup`, th
 (hcp/schedule/simulator.py via hcp/dcp/solver.simulate_plan) under the same profile;
 `bound_speedup`, the static prediction over the provable lower bound (hcp/dcp/lower_bound.py),
 a limit no plan can pass under that profile; `measured_over_bound`; `prediction_error` =
-predicted / measured - 1. Per distribution: the median of each over its seeds. `plan ms`: a
+predicted / measured - 1; `loss_rel_diff`, the largest relative difference of the two methods'
+losses (the same batches and weights: ~0). Per distribution: the median of each figure over its
+seeds. `plan ms`: a
 rank's CPU time to plan a step (every rank plans). `--json PATH` writes `{"runs": [{"lengths",
 "seed", "static": {...}, "dynamic": {...}, the figures above}], "summary": {lengths: medians},
 "profile": the profile's path}`. On an NCCL cluster the ring-step latency is microseconds and
@@ -136,20 +138,20 @@ def _rank(payload) -> None:
     def run(plan, b):
         """One step of `plan` on batch `b` through the trainer's `StepRunner.forward_backward`:
         per micro-batch (busy, calling-thread) seconds of its forward and backward (0 for one
-        this rank does not run), and the wall time with the gradient sync."""
+        this rank does not run), the wall time with the gradient sync, and the step's loss."""
         batches, metas = llm_inputs(plan, range(len(data[b])), data[b], -1, runner.stage, device)
         c = plan.counts
         marks.clear()
         dist.barrier()
         w0 = time.perf_counter()
-        runner.forward_backward([x for _, x in batches], metas, [c.loss_tokens, c.tokens, c.sum_sq_lengths,
+        loss, _, _, _ = runner.forward_backward([x for _, x in batches], metas, [c.loss_tokens, c.tokens, c.sum_sq_lengths,
                                 c.image_rows], False, micro_batch_groups(groups, plan, rank))
         dist.barrier()
         wall = time.perf_counter() - w0
         spans = iter([(b1 - b0, t1 - t0) for (b0, t0), (b1, t1) in zip(marks, marks[1:])])
         runner.model.zero_grad(set_to_none=True)
         return [next(spans) if plan.keep_empty or not mb.empty else (0.0, 0.0)
-                for mb in plan.micro_batches], wall
+                for mb in plan.micro_batches], wall, float(loss)
 
     for method in METHODS:  # warm-up, not measured: gloo connects each group on first use
         for b in payload["warm_up"]:  # the first batch of each distribution
@@ -159,13 +161,14 @@ def _rank(payload) -> None:
         out = {}
         # alternate which method runs first, so a drift of the machine's load hits both
         for method in (METHODS if rep % 2 == 0 else METHODS[::-1]):
-            busy, compute, walls = [], [], []
+            busy, compute, walls, losses = [], [], [], []
             for b, plan in enumerate(plans[method]):
-                step, wall = run(plan, b)
+                step, wall, loss = run(plan, b)
                 walls.append(wall)
-                busy.append([b for b, _ in step])
+                losses.append(loss)
+                busy.append([x for x, _ in step])
                 compute.append([c for _, c in step])
-            out[method] = {"busy": busy, "compute": compute, "wall": walls}
+            out[method] = {"busy": busy, "compute": compute, "wall": walls, "loss": losses}
         reps.append(out)
     mine = {"reps": reps, "plan_s": plan_s,
             "groups": {m: [[(mb.cp_size, mb.cp_block) for mb in pl.micro_batches]
@@ -345,6 +348,9 @@ def measure(run, batches, ranks, args, cost, lays, policy) -> dict:
     out["bound_speedup"] = st["predicted_s"] / bound
     out["measured_over_bound"] = out["measured_speedup"] / out["bound_speedup"]
     out["prediction_error"] = out["predicted_speedup"] / out["measured_speedup"] - 1.0
+    # the same batches and weights: static and dynamic plans must give the same loss
+    loss = {m: [ranks[0]["reps"][0][m]["loss"][b] for b in idx] for m in METHODS}
+    out["loss_rel_diff"] = max(abs(a - b) / abs(a) for a, b in zip(loss["static"], loss["dynamic"]))
     return out
 
 
@@ -376,6 +382,8 @@ def print_table(args, result) -> None:
           "simulator's under the profile; bound: static's prediction over the provable lower "
           "bound (no plan can beat it); pred err: predicted / measured - 1; comm: "
           "communication's share of busy time; plan ms: a rank's CPU time to plan a step")
+    print(f"largest relative loss difference static / dynamic (same batches and weights): "
+          f"{max(r['loss_rel_diff'] for r in result['runs']):.1e}")
 
 
 def _histogram(plans) -> dict[int, int]:
