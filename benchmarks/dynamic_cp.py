@@ -34,16 +34,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # dynamic_cp_report beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # dynamic_cp_report, harness, lengths beside this file
 
 from dynamic_cp_report import METHODS, draw_timeline, print_summary, summarize  # noqa: E402
+from harness import HelpFormatter  # noqa: E402
 from hcp.dcp.baselines import greedy, packing_only  # noqa: E402
 from hcp.dcp.cost_model import CostModel, load_profile, recipe_llm  # noqa: E402
 from hcp.dcp.exact import solve_exact  # noqa: E402
@@ -52,10 +52,7 @@ from hcp.dcp.megatron_peer import megatron_plan  # noqa: E402
 from hcp.dcp.pinned_bound import pinned_bound  # noqa: E402
 from hcp.dcp.packing import max_length, prepare_lengths, validate_plan  # noqa: E402
 from hcp.dcp.solver import simulate_plan, solve  # noqa: E402
-
-WIKIPEDIA = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"
-DISTRIBUTIONS = ("wikipedia", "code", "lognormal")
-
+from lengths import DISTRIBUTIONS, distribution, parse_seeds  # noqa: E402,F401  (beside this file)
 
 COLUMNS = """columns, per batch and method (the summary averages them over the batches):
   time_s      simulated iteration time of the method's plan through 1F1B (seconds, cost model --cost)
@@ -70,15 +67,11 @@ COLUMNS = """columns, per batch and method (the summary averages them over the b
   cp histogram  {CP size: sequences planned at that size}"""
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in every flag's help, and the column list kept as written."""
-
-
 def parse_args(argv=None):
     """`(args, cost model, length pool)`; every bad argument, the cost profile and the
     `--lengths` file included, is a parser error (exit 2) naming the value and the fix."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=COLUMNS,
-                                formatter_class=_HelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--lengths", default="wikipedia",
                    help="wikipedia, code, lognormal, or a file of one positive integer per line "
                         "(blank lines and # comments allowed)")
@@ -176,50 +169,6 @@ def parse_args(argv=None):
     # the exact branch and bound searches one micro-batch per group and round
     args.several_per_round = args.pp == 1 and not args.dp_shard and not args.exact
     return args, CostModel(llm, hw, pp=args.pp, tp=args.tp), lengths
-
-
-def parse_seeds(text: str) -> list[int]:
-    """`A-B` (inclusive) or `a,b,c` -> seeds; ValueError naming the text otherwise."""
-    try:
-        if "-" in text:
-            a, b = (int(x) for x in text.split("-"))
-            seeds = list(range(a, b + 1))
-        else:
-            seeds = [int(x) for x in text.split(",")]
-    except ValueError:
-        seeds = []
-    if not seeds or min(seeds) < 0:
-        raise ValueError(f"--seeds {text!r}: give A-B or a comma list of seeds >= 0, e.g. 100-109")
-    return seeds
-
-
-def distribution(name: str) -> np.ndarray:
-    """The length pool (tokens) of `--lengths` (see module docstring)."""
-    if name == "wikipedia":
-        return read_lengths(WIKIPEDIA)
-    if name == "code":
-        from hcp.data.code_corpus import stdlib_sources
-        return np.array([os.path.getsize(f) + 2 for f in stdlib_sources()], dtype=np.int64)
-    if name == "lognormal":
-        rng = np.random.default_rng(20260101)
-        draws = np.rint(rng.lognormal(np.log(1024), 1.5, 100_000))
-        return np.clip(draws, 128, 8192).astype(np.int64)
-    return read_lengths(name)
-
-
-def read_lengths(path) -> np.ndarray:
-    """Sequence lengths (tokens) from a text file: one positive integer per line, blank lines
-    and `#` comments allowed; ValueError naming the file, line number and text otherwise."""
-    out = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        text = line.split("#", 1)[0].strip()
-        if not text:
-            continue
-        if not text.isdecimal() or int(text) < 1:
-            raise ValueError(f"--lengths {path}, line {n}: {line.strip()!r} is not a positive "
-                             f"integer; give one token count per line (# starts a comment)")
-        out.append(int(text))
-    return np.array(out, dtype=np.int64)
 
 
 def draw_batches(args, lengths: np.ndarray) -> list[np.ndarray]:

@@ -56,11 +56,11 @@ def batch(name: str, seed: int) -> np.ndarray:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "dynamic_cp", Path(__file__).resolve().parent / "dynamic_cp.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+        "lengths", Path(__file__).resolve().parent / "lengths.py")
+    lengths = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lengths)
     dist_name, gbs, _, _, _, max_len = SETTINGS[name]
-    pool = bench.distribution(dist_name)
+    pool = lengths.distribution(dist_name)
     pool = pool[pool <= max_len]
     return np.random.default_rng(seed).choice(pool, gbs, replace=False)
 

@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # dynamic_cp beside this file
 
-from dynamic_cp import distribution  # noqa: E402
+from lengths import distribution  # noqa: E402
 from hcp.plan.ahead import PlanAhead  # noqa: E402
 
 POOL, PP, CAP, MAX_LEN = 8, 8, 8192, 65536

@@ -6,19 +6,20 @@
         --micro-batch-tokens 512 --profile out.profile.yaml
 
 Setup: `--ranks` CPU ranks (gloo, one thread each) form one CP pool; the tiny LLaMA of
-`+recipe=llama_tiny` (fp32) runs forward + backward of every micro-batch of the step plan
+`+recipe=llama_tiny` (fp32) runs the trainer's step (`hcp.train.step.StepRunner.forward_backward`:
+token-level loss, 1F1B, the DP x CP gradient sync) over the micro-batches of the step plan
 (hcp/plan/step.py) on global batches drawn from long-tail document lengths (`--lengths`, a comma list): FlexSP's
 Wikipedia sample (the documents that fit `--ranks x --micro-batch-tokens` tokens),
-`code`, the code corpus's (`code_lengths`: this Python's standard-library sources,
-byte-level), or `--lengths lognormal`, Megatron's dynamic-CP example's scaled to the pool; token ids
+`code`, the code corpus's (this Python's standard-library sources, byte-level; pools in
+benchmarks/lengths.py), or `--lengths lognormal`, Megatron's dynamic-CP example's scaled to the pool; token ids
 drawn at random: the content does not change the time). The cap forces static CP = pool: the
 longest documents need the whole pool, and a static run sizes its CP for them. Static:
 `first_fit` at cp = pool (dp 1, every micro-batch on the whole pool). Dynamic: the `dynamic_cp`
 policy (hcp/dcp/policy.py) with the cost model under the profile calibrated on this machine
 (`--profile`, else `mode=calibrate`'s fit is run first, over every CP size 1 .. pool and the
 cap's region, hcp/preflight/calibrate.py `grid`; with `--json X.json` the profile is kept as
-X.profile.yaml). Each micro-batch runs on its CP group from the pre-built dynamic-CP groups. Not
-measured: gradient sync and the optimizer step (the same for both).
+X.profile.yaml). Each micro-batch runs on its CP group from the pre-built dynamic-CP groups. Not in
+the critical path: the gradient sync (the same for both); no optimizer step runs.
 
 Every (lengths, seed) pair of `--lengths` x `--seeds` is a run of `--steps` global batches;
 all runs share one fork of the ranks and one calibration. Per method and rep (`--reps`
@@ -37,7 +38,9 @@ critical-path ratio static / dynamic (median over reps); `predicted_speedup`, th
 (hcp/schedule/simulator.py via hcp/dcp/solver.simulate_plan) under the same profile;
 `bound_speedup`, the static prediction over the provable lower bound (hcp/dcp/lower_bound.py),
 a limit no plan can pass under that profile; `measured_over_bound`; `prediction_error` =
-predicted / measured - 1. Per distribution: the median of each over its seeds. `plan ms`: a
+predicted / measured - 1; `loss_rel_diff`, the largest relative difference of the two methods'
+losses (the same batches and weights: ~0). Per distribution: the median of each figure over its
+seeds. `plan ms`: a
 rank's CPU time to plan a step (every rank plans). `--json PATH` writes `{"runs": [{"lengths",
 "seed", "static": {...}, "dynamic": {...}, the figures above}], "summary": {lengths: medians},
 "profile": the profile's path}`. On an NCCL cluster the ring-step latency is microseconds and
@@ -49,6 +52,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,15 +60,17 @@ from types import SimpleNamespace as NS
 
 import numpy as np
 
-from hcp.config.compose import compose_config
-from hcp.dcp.cost_model import CostModel, load_profile
-from hcp.dcp.lower_bound import lower_bound
-from hcp.dcp.policy import dynamic_cp_policy
-from hcp.dcp.solver import simulate_plan
-from hcp.plan.step import first_fit_policy
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # lengths.py beside this file
+
+from hcp.config.compose import compose_config  # noqa: E402
+from hcp.dcp.cost_model import CostModel, load_profile  # noqa: E402
+from hcp.dcp.lower_bound import lower_bound  # noqa: E402
+from hcp.dcp.policy import dynamic_cp_policy  # noqa: E402
+from hcp.dcp.solver import simulate_plan  # noqa: E402
+from hcp.plan.step import first_fit_policy  # noqa: E402
+from lengths import DISTRIBUTIONS, distribution, parse_seeds  # noqa: E402
 
 METHODS = ("static", "dynamic")
-WIKIPEDIA = Path(__file__).resolve().parents[1] / "hcp/data/lengths/wikipedia_sample.txt"
 
 
 def layout(dp: int, cp: int, layers: int):
@@ -73,62 +79,45 @@ def layout(dp: int, cp: int, layers: int):
               sequence_parallel=False)
 
 
-def code_lengths(max_len: int) -> np.ndarray:
-    """The code corpus's document lengths that fit the pool, `[bos] + bytes + [eos]` of each
-    standard-library source file of at most `max_len` tokens (whole files, not cut: cutting
-    long files at max_len made most documents exactly max_len long, every one needing the
-    whole pool, so dynamic CP had nothing to choose). At max_len 4096: 732 documents, median
-    1062, 10% under 60 and 10% over 3329 tokens."""
-    from hcp.data.code_corpus import stdlib_sources
-
-    lens = np.array([os.path.getsize(f) + 2 for f in stdlib_sources()], dtype=np.int64)
+def pool(name: str, max_len: int) -> np.ndarray:
+    """The lengths of pool `name` (`lengths.DISTRIBUTIONS`, scaled to `max_len`) that fit the
+    CP pool's `max_len` tokens, sorted."""
+    lens = distribution(name, max_len)
     return np.sort(lens[lens <= max_len])
-
-
-def wikipedia_lengths(max_len: int) -> np.ndarray:
-    """FlexSP's Wikipedia lengths (hcp/data/lengths/, median 347) of at most max_len tokens."""
-    lens = np.loadtxt(WIKIPEDIA, dtype=np.int64)
-    return np.sort(lens[lens <= max_len])
-
-
-def lognormal_lengths(max_len: int) -> np.ndarray:
-    """Megatron's dynamic-CP example's lengths (lognormal, sigma 1.5, median 1024, clipped to
-    [128, 8192]) scaled by max_len / 8192, so that the longest needs the whole pool as in the
-    other settings: a fixed pool of 100,000 draws of numpy `lognormal(ln(max_len / 8), 1.5)`,
-    rounded and clipped to [max_len / 64, max_len] (default_rng(20260101)). At max_len 8192 it
-    is the example's distribution; at 2048 (pool 8, cap 256): median 256, mean about 530."""
-    rng = np.random.default_rng(20260101)
-    draws = np.rint(rng.lognormal(np.log(max_len / 8), 1.5, 100_000))
-    return np.sort(np.clip(draws, max(1, max_len // 64), max_len).astype(np.int64))
 
 
 def _rank(payload) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
     from omegaconf import OmegaConf
 
-    from hcp.model.init import init_parameters
-    from hcp.model.llama import LlamaDecoder
-    from hcp.parallel.cp_sharding import cp_shard
+    from hcp.data.llava import Sample
+    from hcp.launch.distributed import init_distributed
+    from hcp.model import LlavaModel, init_parameters
+    from hcp.model.stage import StageSpec
     from hcp.parallel.groups import ProcessGroupRegistry
     from hcp.plan.lengths import SampleSizes
     from hcp.plan.step import plan_step, register_policy
-    from hcp.dcp.policy import micro_batch_group
     from hcp.preflight.calibrate import busy_time
-    from hcp.launch.distributed import init_distributed
+    from hcp.train.rank_data import llm_inputs, micro_batch_groups
+    from hcp.train.step import StepRunner
 
     cfg = OmegaConf.create(payload["cfg"])
-    init_distributed(cfg.launcher)
+    device = init_distributed(cfg.launcher)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     register_policy("dynamic_cp", dynamic_cp_policy(cfg.llm, payload["profile"]))
     layouts = {"static": {"llm": layout(1, world, cfg.llm.num_layers)},
                "dynamic": {"llm": layout(world, 1, cfg.llm.num_layers)}}
     groups = ProcessGroupRegistry(layouts["dynamic"], dynamic_cp_modules=("llm",))
-    model = LlamaDecoder(cfg.llm)
-    init_parameters(model, 7, prefix="llm.")
+    model = LlavaModel(None, None, cfg.llm, stage=StageSpec.of((cfg.llm.num_layers,), 0), encoder=False)
+    init_parameters(model, 7)
+    runner = StepRunner(model, groups, device)  # the trainer's step: 1F1B, token-level loss, DP x CP sync
     gen = torch.Generator().manual_seed(0)
+    data = []  # per batch: its documents as samples (random ids: the content does not change the time)
+    for lens in payload["batches"]:
+        ids = [torch.randint(0, cfg.llm.vocab_size, (int(n),), generator=gen).tolist() for n in lens]
+        data.append([Sample(str(j), x, x[1:] + x[:1], [], 0, "") for j, x in enumerate(ids)])
     plans, plan_s = {}, {}
     for method in METHODS:
         packing = "first_fit" if method == "static" else "dynamic_cp"
@@ -139,48 +128,47 @@ def _rank(payload) -> None:
             plans[method].append(plan_step(sizes, layouts[method], packing,
                                            payload["cap"]).rank(rank))
             plan_s[method].append(busy_time() - t0)
-    def run(plan):
-        """One step of `plan`: per micro-batch (busy, calling-thread) seconds, and wall."""
+    marks = []  # (busy, calling-thread) seconds at each micro-batch's forward, then at the grad sync
+    for name in ("stage_forward", "sync_grads"):
+        def marked(*a, _call=getattr(runner, name), **k):
+            marks.append((busy_time(), time.thread_time()))
+            return _call(*a, **k)
+        setattr(runner, name, marked)
+
+    def run(plan, b):
+        """One step of `plan` on batch `b` through the trainer's `StepRunner.forward_backward`:
+        per micro-batch (busy, calling-thread) seconds of its forward and backward (0 for one
+        this rank does not run), the wall time with the gradient sync, and the step's loss."""
+        batches, metas = llm_inputs(plan, range(len(data[b])), data[b], -1, runner.stage, device)
+        c = plan.counts
+        marks.clear()
         dist.barrier()
         w0 = time.perf_counter()
-        step = []
-        for mb in plan.micro_batches:
-            if mb.empty:
-                step.append((0.0, 0.0))
-                continue
-            group = micro_batch_group(groups, mb, rank)
-            n = int(mb.cu_seqlens[-1])
-            ids = torch.randint(0, cfg.llm.vocab_size, (n,), generator=gen)
-            cu = torch.from_numpy(mb.cu_seqlens)
-            if mb.cp_size > 1:
-                sh = cp_shard(cu, mb.cp_size, mb.cp_rank)
-                ids, pos = ids[sh.token_index], sh.position_ids
-            else:
-                pos = torch.cat([torch.arange(int(b - a)) for a, b in
-                                 zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])])
-            b0, c0 = busy_time(), time.thread_time()
-            h = model.exit(model.run_layers(model.enter(model.embed(ids)), pos, cu,
-                                            mb.max_seqlen, cp_group=group), ids.shape[0])
-            F.cross_entropy(model.logits(h), ids).backward()
-            step.append((busy_time() - b0, time.thread_time() - c0))
+        loss, _, _, _ = runner.forward_backward([x for _, x in batches], metas, [c.loss_tokens, c.tokens, c.sum_sq_lengths,
+                                c.image_rows], False, micro_batch_groups(groups, plan, rank))
         dist.barrier()
-        return step, time.perf_counter() - w0
+        wall = time.perf_counter() - w0
+        spans = iter([(b1 - b0, t1 - t0) for (b0, t0), (b1, t1) in zip(marks, marks[1:])])
+        runner.model.zero_grad(set_to_none=True)
+        return [next(spans) if plan.keep_empty or not mb.empty else (0.0, 0.0)
+                for mb in plan.micro_batches], wall, float(loss)
 
     for method in METHODS:  # warm-up, not measured: gloo connects each group on first use
         for b in payload["warm_up"]:  # the first batch of each distribution
-            run(plans[method][b])
+            run(plans[method][b], b)
     reps = []
     for rep in range(payload["reps"]):
         out = {}
         # alternate which method runs first, so a drift of the machine's load hits both
         for method in (METHODS if rep % 2 == 0 else METHODS[::-1]):
-            busy, compute, walls = [], [], []
-            for plan in plans[method]:
-                step, wall = run(plan)
+            busy, compute, walls, losses = [], [], [], []
+            for b, plan in enumerate(plans[method]):
+                step, wall, loss = run(plan, b)
                 walls.append(wall)
-                busy.append([b for b, _ in step])
+                losses.append(loss)
+                busy.append([x for x, _ in step])
                 compute.append([c for _, c in step])
-            out[method] = {"busy": busy, "compute": compute, "wall": walls}
+            out[method] = {"busy": busy, "compute": compute, "wall": walls, "loss": losses}
         reps.append(out)
     mine = {"reps": reps, "plan_s": plan_s,
             "groups": {m: [[(mb.cp_size, mb.cp_block) for mb in pl.micro_batches]
@@ -191,9 +179,6 @@ def _rank(payload) -> None:
         Path(payload["out"]).write_text(json.dumps(gathered))
     dist.barrier()
     dist.destroy_process_group()
-
-
-LENGTHS = {"code": code_lengths, "wikipedia": wikipedia_lengths, "lognormal": lognormal_lengths}
 
 
 def critical_path(busy, groups) -> float:
@@ -221,7 +206,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=1, help="global batches (steps) per seed and rep")
     p.add_argument("--reps", type=int, default=3, help="measurements of both methods")
     p.add_argument("--lengths", default="wikipedia,lognormal,code",
-                   help=f"comma list of {', '.join(LENGTHS)}: the code corpus's, FlexSP's "
+                   help=f"comma list of {', '.join(DISTRIBUTIONS)}: the code corpus's, FlexSP's "
                         "Wikipedia sample, or Megatron's example's lognormal scaled to the pool")
     p.add_argument("--global-batch", type=int, default=64, help="documents per step")
     p.add_argument("--micro-batch-tokens", type=int, default=256, help="cap per rank")
@@ -238,8 +223,8 @@ def parse_args(argv=None):
             p.error(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     args.lengths = args.lengths.split(",")
     for name in args.lengths:
-        if name not in LENGTHS:
-            p.error(f"--lengths {name}: not one of {', '.join(LENGTHS)}; give a comma list of them")
+        if name not in DISTRIBUTIONS:
+            p.error(f"--lengths {name}: not one of {', '.join(DISTRIBUTIONS)}; give a comma list of them")
     try:
         args.seeds = parse_seeds(args.seeds)
     except ValueError as err:
@@ -259,22 +244,10 @@ def parse_args(argv=None):
             p.error(f"--profile {args.profile}: {err}")
     max_len = args.ranks * args.micro_batch_tokens
     for name in args.lengths:
-        if LENGTHS[name](max_len).size < args.global_batch:
-            p.error(f"--global-batch {args.global_batch}: only {LENGTHS[name](max_len).size} "
+        if pool(name, max_len).size < args.global_batch:
+            p.error(f"--global-batch {args.global_batch}: only {pool(name, max_len).size} "
                     f"{name} documents fit {max_len} tokens; lower it")
     return args
-
-
-def parse_seeds(text: str) -> list[int]:
-    """`A-B` (inclusive) or `a,b,c` -> seeds; ValueError naming the text otherwise."""
-    try:
-        a, _, b = text.partition("-")
-        seeds = list(range(int(a), int(b) + 1)) if b else [int(x) for x in text.split(",")]
-    except ValueError:
-        seeds = []
-    if not seeds or min(seeds) < 0:
-        raise ValueError(f"--seeds {text!r}: give A-B or a comma list of seeds >= 0, e.g. 100-104")
-    return seeds
 
 
 def main(argv=None) -> dict:
@@ -283,11 +256,11 @@ def main(argv=None) -> dict:
     max_len = args.ranks * args.micro_batch_tokens
     runs, batches = [], []  # a run: one (lengths, seed), its `--steps` batches
     for name in args.lengths:
-        pool = LENGTHS[name](max_len)
+        lens = pool(name, max_len)
         for seed in args.seeds:
             rng = np.random.default_rng(seed)
             runs.append({"lengths": name, "seed": seed, "first": len(batches)})
-            batches += [rng.choice(pool, args.global_batch, replace=False)
+            batches += [rng.choice(lens, args.global_batch, replace=False)
                         for _ in range(args.steps)]
     from omegaconf import OmegaConf
 
@@ -375,6 +348,9 @@ def measure(run, batches, ranks, args, cost, lays, policy) -> dict:
     out["bound_speedup"] = st["predicted_s"] / bound
     out["measured_over_bound"] = out["measured_speedup"] / out["bound_speedup"]
     out["prediction_error"] = out["predicted_speedup"] / out["measured_speedup"] - 1.0
+    # the same batches and weights: static and dynamic plans must give the same loss
+    loss = {m: [ranks[0]["reps"][0][m]["loss"][b] for b in idx] for m in METHODS}
+    out["loss_rel_diff"] = max(abs(a - b) / abs(a) for a, b in zip(loss["static"], loss["dynamic"]))
     return out
 
 
@@ -406,6 +382,8 @@ def print_table(args, result) -> None:
           "simulator's under the profile; bound: static's prediction over the provable lower "
           "bound (no plan can beat it); pred err: predicted / measured - 1; comm: "
           "communication's share of busy time; plan ms: a rank's CPU time to plan a step")
+    print(f"largest relative loss difference static / dynamic (same batches and weights): "
+          f"{max(r['loss_rel_diff'] for r in result['runs']):.1e}")
 
 
 def _histogram(plans) -> dict[int, int]:

@@ -43,11 +43,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import queue as queue_mod
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -61,6 +58,7 @@ import functools  # noqa: E402
 
 import hetero_rank  # noqa: E402
 from hetero_rank import PHASES, encoder_flops, make_data, run_rank, schedule_graph  # noqa: E402,F401
+from harness import fork_ranks  # noqa: E402
 from hcp.launch.launch import free_port  # noqa: E402
 
 MODEL = ["vision.image_size=32", "vision.patch_size=4", "vision.hidden_size=256",
@@ -97,39 +95,8 @@ def layout_overrides(world: int, name: str, args) -> list[str]:
 
 
 def _collect(world, name, overrides, args) -> list[dict]:
-    composed = compose(overrides)
-    ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=run_rank, args=(r, world, port, name, composed, args, queue), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    deadline = time.monotonic() + args.timeout
-    try:
-        while len(results) < world:
-            try:
-                rank, payload = queue.get(timeout=5)
-            except queue_mod.Empty:  # no word yet: make sure no rank died silently or hangs
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"{name}: rank {dead[0]} died (exit code "
-                                       f"{procs[dead[0]].exitcode})") from None
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world)) - set(results))
-                    raise RuntimeError(f"{name}: ranks {missing} did not finish within --timeout "
-                                       f"{args.timeout} s") from None
-                continue
-            if isinstance(payload, str):
-                raise RuntimeError(f"{name}: rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return [results[r] for r in range(world)]
+    """Each rank's measurements of one layout (`hetero_rank.run_rank` on forked gloo ranks)."""
+    return fork_ranks(run_rank, world, (world, free_port(), name, compose(overrides), args), name, args.timeout)
 
 
 def _modeled(per_rank, graph, colocated: bool):

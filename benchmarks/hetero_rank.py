@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from harness import report  # beside this file (benchmarks/hetero.py puts it on the path)
 from hcp.model.flops import encoder_flops  # noqa: F401  (hetero.py and hetero_plan.py import it from here)
 
 PHASES = ("encoder_forward", "route_forward", "llm", "route_backward", "encoder_backward")
@@ -196,27 +197,10 @@ def schedule_graph(cfg, layouts):
     return stage_graph({"llm": layouts["llm"].pp}, [])
 
 
-def _all_reduce_grads(params, group) -> None:
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-    if not params:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
-        p.grad = g
-
-
 def run_rank(rank: int, world: int, port: int, name: str, composed, args, queue) -> None:
-    """Fork target: measure, put (rank, result dict or traceback text) on `queue`. composed:
-    `compose(overrides)`, done once in the parent (Hydra takes ~1 s per call)."""
-    try:
-        queue.put((rank, _measure(rank, world, port, name, composed, args)))
-    except BaseException:  # noqa: BLE001 - hand the failure to the parent instead of hanging it
-        import traceback
-
-        queue.put((rank, traceback.format_exc()))
+    """Fork target (`harness.fork_ranks`): measure, put (rank, result dict or traceback text) on
+    `queue`. composed: `compose(overrides)`, done once in the parent (Hydra is slow to start)."""
+    report(queue, rank, _measure, rank, world, port, name, composed, args)
 
 
 def _measure(rank, world, port, name, composed, args) -> dict:
@@ -232,6 +216,7 @@ def _measure(rank, world, port, name, composed, args) -> dict:
     from hcp.schedule.graph import graph_one_f_one_b
     from hcp.schedule.executor import Executor
     from hcp.schedule.links import PipeLink, RouteLink
+    from hcp.train.modules import sync_grads
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
@@ -355,10 +340,10 @@ def _measure(rank, world, port, name, composed, args) -> dict:
         else:
             fn = llm_forward if model is not None else encoder_forward
             Timed(timed(fn), links).run(programs[stage_id])
-        if encoder is not None:
-            _all_reduce_grads(list(encoder.parameters()), groups.group("vision", "dp"))
+        if encoder is not None:  # the trainer's gradient sums (hcp.train.modules.sync_grads)
+            sync_grads(encoder.parameters(), groups.group("vision", "dp"))
         if model is not None:
-            _all_reduce_grads(list(model.parameters()), groups.group("llm", "dp_cp"))
+            sync_grads(model.parameters(), groups.group("llm", "dp_cp"))
         busy, wall = time.thread_time() - cpu0, time.perf_counter() - wall0
         if model is not None and model.stage.last:
             dist.all_reduce(loss, group=groups.group("llm", "dp_cp"))

@@ -24,7 +24,9 @@ from collections import Counter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
+from harness import HelpFormatter  # noqa: E402
 from hcp.launch.launch import free_port  # noqa: E402
 
 SMALL = ["trainer.global_batch_size=8", "data.max_seq_len=512", "trainer.micro_batch_tokens=1024",
@@ -117,7 +119,7 @@ def run_layout(spec: str, nproc: int, steps: int, warmup: int) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=COLUMNS,
-                                 formatter_class=_HelpFormatter)
+                                 formatter_class=HelpFormatter)
     ap.add_argument("--layouts", default="dp4,tp2,cp2,cp2:p2p,tp2cp2,tp2cp2:p2p,cp4,cp4:p2p",
                     help="comma-separated LLM layouts: tpN, cpN (dp inferred), `:p2p` for ring CP "
                          "attention (default allgather); the first is the ratio's baseline")
@@ -133,10 +135,6 @@ COLUMNS = """columns (one line per layout, printed as soon as it finishes):
   ratio       tokens/s over the first layout's
   cpu s/step  largest per-rank CPU time per step (the critical path on a shared machine)
   MB/step     megabytes each collective moved per step, summed over ranks"""
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in every flag's help, and the column list kept as written."""
 
 
 def format_row(r: dict, base: float) -> str:

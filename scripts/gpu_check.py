@@ -27,7 +27,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hcp.config.precision import Precision  # noqa: E402
 from hcp.config.schema import LLMConfig  # noqa: E402
+from hcp.data.packing import Batch  # noqa: E402
 from hcp.model import LlavaModel  # noqa: E402
 from hcp.model.attention import thd_attention  # noqa: E402
 from hcp.model.backends import attention_fn, resolve_backend  # noqa: E402
@@ -43,17 +43,6 @@ from hcp.model.cp_attention import (Call, CPAttentionPlan, Partial, Rows,  # noq
 from hcp.model.cp_kernels import fused_kernel  # noqa: E402
 from hcp.parallel.cp_sharding import cp_shard  # noqa: E402
 from hcp.train.throughput import model_flops  # noqa: E402
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    pixel_values: torch.Tensor | None = None
-    image_mask: torch.Tensor | None = None
 
 
 def cu_of(lengths) -> torch.Tensor:
@@ -239,7 +228,7 @@ def train_step(device, cfg: LLMConfig, tokens: int, peak_tflops: float) -> None:
     cu = cu_of(lengths).to(device)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
     batch = Batch(ids, torch.roll(ids, -1), torch.cat([torch.arange(n) for n in lengths]).to(device),
-                  cu, max(lengths))
+                  cu, max(lengths), None, None)
     backend = model.llm.attention_backend  # the one the model runs
 
     def step():

@@ -3,26 +3,15 @@ isolation, layout-invariant init, and the parameter counts of LLaMA-13B and CLIP
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from hcp.config.schema import LLMConfig, ProjectorConfig, VisionConfig
+from hcp.data.packing import Batch
 from hcp.model import LlamaDecoder, LlavaModel, ViTEncoder, init_parameters
 from hcp.model.attention import thd_attention
 from hcp.model.layers import apply_rope
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    position_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    pixel_values: torch.Tensor | None = None
-    image_mask: torch.Tensor | None = None
 
 
 def make_batch(lengths, vocab=264, images_per_doc=0, num_patches=16, image_size=8, seed=0):

@@ -1,25 +1,13 @@
 """Colocated boundary communicator (docs/design.md 4.2): moves rows between the ranks of one group by
 a routing table (`hcp.parallel.routing.RankRoute`) with one `all_to_all_single` per direction.
 
-Forward: rank r sends `src[send_index]` (`send_splits[j]` rows to group rank j), receives
-`recv_splits` rows and scatters them into a destination tensor `[dst_rows, H]` at `recv_index`.
-Backward: each received row whose `grad_owner` is True sends its gradient back to the rank it
-came from (so a row delivered to several replicas of one destination shard, e.g. the LLM's TP
-ranks, returns its gradient once); the source sums what comes back into its rows
-(`index_add_` at the `send_index` entries whose `grad_returns` is True). Rows no route sends get
-a zero gradient.
-
-`all_to_all_single` with uneven splits runs on gloo and NCCL (the list form `all_to_all` with
-uneven sizes fails on gloo, docs/design.md section 8). Both directions are collectives over the whole
-group: every rank of the group must call them, in the same order, also ranks that send and
-receive nothing (their tensors have 0 rows but the same hidden size H and dtype). That is why the
-two directions are also exposed as plain functions (`route_forward`, `route_backward`): a
-schedule that holds the destination rows as a leaf (the colocated three-phase schedule) calls
-them explicitly, so the backward collective runs on every rank even where autograd would skip
-it (a rank whose source tensor does not require grad). The row gathers and scatters around
-the exchange (`rows_to_send`, `place_rows`, `grads_to_send`, `sum_grads`) are shared with the
-non-colocated communicator (`hcp.comm.island`), which moves the same routes point to point.
-"""
+Forward: rank r sends `src[send_index]` (`send_splits[j]` rows to group rank j) and scatters the
+`recv_splits` rows it receives into `[dst_rows, H]` at `recv_index`. Backward: a received row
+whose `grad_owner` is True returns its gradient; the source sums them back (`index_add_` at
+`send_index` where `grad_returns`); unsent rows get zero gradient. Both directions are
+collectives every rank of the group calls in the same order (0-row tensors where it has
+nothing), so they are also plain functions (`route_forward`, `route_backward`) a schedule calls
+explicitly. The row gathers and scatters are shared with `hcp.comm.island`."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,37 +1,16 @@
 """Non-colocated boundary communicator (docs/design.md 4.2): per micro-batch, batched point-to-point
-ops (`dist.batch_isend_irecv`) on the edge's dedicated group move a routing table's rows from
-the encoder island's last-stage ranks to the LLM's first-stage ranks, and their gradients back.
+ops (`dist.batch_isend_irecv`) on the edge's dedicated group move a routing table's rows from the
+encoder island's last-stage ranks to the LLM's first-stage ranks, and their gradients back.
 
-The routing table is the colocated one (`hcp.parallel.routing.RankRoute`, built per micro-batch
-by `build_routes` over the edge group's ranks, `hcp.parallel.islands.edge_ranks`): this rank
-sends `src[send_index]` in blocks of `send_splits[j]` rows to group rank j and receives
-`recv_splits[j]` rows from group rank j; backward, a received row returns its gradient only
-where `grad_owner` is True (once per destination shard, e.g. from TP rank 0 of the LLM's TP
-group), and the source sums what returns into its rows at `send_index`. Shapes come from the
-route: nothing is exchanged to learn them. Rows that a rank would send to itself are copied
-locally (never the case between disjoint islands).
-
-Source and destination layouts are the route's business, not this module's:
-- source CP > 1: rows leave from the CP rank that holds them (its keys in `build_routes`), no
-  gather first; source TP replicas split the rows (`build_routes`' holder rule);
-- source PP > 1: only the last stage is in the edge group;
-- destination CP > 1: each row goes straight to the CP rank whose head-tail chunks hold it;
-- destination TP > 1, two variants: `direct` (every TP rank of the destination group receives
-  its rows from the sources: tp times the cross-island bytes, one step) or `leader` (only TP
-  rank 0 is a destination in the route, then `broadcast_rows` inside the TP group: the
-  cross-island bytes are the minimum, plus a broadcast on the fast intra-island links).
-  `leader` is the one to default to: measured on 6 forked gloo CPU ranks (encoder dp2 -> LLM
-  tp4, 2048 rows x 1024 fp32 per micro-batch, 6 micro-batches, forward + backward), direct
-  moved 201.3 MB across the islands forward, leader 50.3 MB (+ 151.0 MB of broadcast inside
-  the TP group); wall 1.00 s / 2.40 s direct against 0.83 s / 1.54 s leader in two runs. On
-  GPUs the broadcast rides NVLink inside a node while the route crosses the network.
-
-NCCL: each call posts ALL of one micro-batch's sends and receives of this rank in ONE
-`batch_isend_irecv` (`forward_ops` / `backward_ops` also hand the ops out, so a schedule can
-post them together with its pipeline ops of the same step). Ranks of the group with nothing to
-move post nothing. The first point-to-point call on an NCCL group must follow a collective on
-it (`warm_up`).
-"""
+The table is a `hcp.parallel.routing.RankRoute` (built per micro-batch by `build_routes` over
+`hcp.parallel.islands.edge_ranks`): this rank sends `src[send_index]` in blocks of
+`send_splits[j]` rows to group rank j and receives `recv_splits[j]` rows; backward, a row
+returns its gradient only where `grad_owner` is True and the source sums it back at
+`send_index`. Shapes come from the route (nothing is exchanged to learn them). Destination TP:
+`direct` (every TP rank receives) or `leader` (TP rank 0 receives, then `broadcast_rows` inside
+the TP group: the fewest cross-island bytes, the default). NCCL: all of one micro-batch's ops of
+this rank go in ONE `batch_isend_irecv` (`forward_ops` / `backward_ops` hand them out to post
+with the pipeline's ops); the first P2P call on an NCCL group follows a collective (`warm_up`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

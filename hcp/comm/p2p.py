@@ -1,19 +1,11 @@
 """Point-to-point links between pipeline stages: batched exchanges of tensors of known shapes.
 
-Every stage learns all micro-batches' metadata once per step, before the schedule
-(`broadcast_metas`: the first stage, which holds the data, broadcasts every micro-batch's
-cu_seqlens, position ids and labels over the `pp` group), so every receive in the schedule can
-allocate its buffer up front and no header travels ahead of a tensor. That is what lets a
-schedule post a step's sends and receives together in one `dist.batch_isend_irecv`
-(`StageLink.exchange`), which NCCL needs: it runs one pair of ranks' operations in order on one
-stream, and a send larger than its buffers waits for the matching receive, so a lone send each
-way between two stages deadlocks (`hcp.schedule.actions`).
-
-The step plan (issue 12) will compute the same metadata on every rank locally; that swap
-replaces `broadcast_metas` at its one call site (`hcp.train.step.StepRunner._metas`).
-NCCL: the first point-to-point call on a group must come after a collective on it (here the
-metadata broadcast), and each rank must have set its CUDA device.
-"""
+Every stage knows all micro-batches' metadata before the schedule (from the step plan, or
+`broadcast_metas` from the first stage over the `pp` group), so every receive allocates its
+buffer up front and a step's sends and receives go together in one `dist.batch_isend_irecv`
+(`StageLink.exchange`): NCCL needs that, since a lone send each way between two stages
+deadlocks once messages outgrow its buffers. NCCL: the first point-to-point call on a group must
+follow a collective on it, and each rank must have set its CUDA device."""
 from __future__ import annotations
 
 from dataclasses import dataclass

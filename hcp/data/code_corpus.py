@@ -20,8 +20,7 @@ from hcp.data.llava import IGNORE_INDEX, Sample, SkipReport
 
 def stdlib_sources(root: str | None = None) -> list[str]:
     """Sorted `.py` files of the standard library under `root` (hidden names skipped, as
-    `glob`'s `**` does). `site-packages` folders are not entered at all: walking the installed
-    packages (torch's among them) only to drop them took ~10 s per process."""
+    `glob`'s `**` does). `site-packages` folders are not entered at all (walking them is slow)."""
     root = root or sysconfig.get_paths()["stdlib"]
     files = []
     for folder, subfolders, names in os.walk(root):

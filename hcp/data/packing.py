@@ -26,7 +26,7 @@ class Batch:
     Several streams into the LLM (`hcp.config.modules`): stream_masks {projector: bool [T]} of
     every stream but the default `projector`; encoder_pixels {encoder: [I_e, C, H, W]} of every
     named encoder (the single-process model encodes them; `hcp.model.llava`).
-    Host copies, so the model never reads them back from the device (issue 22): seqlens, the N
+    Host copies, so the model never reads them back from the device: seqlens, the N
     document lengths (cu_seqlens' differences); loss_tokens, the number of labels != -100 (None:
     not known on the host, read from the device when needed).
     """

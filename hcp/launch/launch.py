@@ -1,19 +1,13 @@
 """Starting ranks: join an existing launch (torchrun, an srun step) or start local ranks.
 
-The predicate `launched_rank_env(env)` decides, from the environment alone, whether this
-process is already one of several launched ranks:
-- torchrun / torch elastic: `TORCHELASTIC_RUN_ID` is set, or all of RANK, WORLD_SIZE,
-  LOCAL_RANK, MASTER_ADDR and MASTER_PORT are;
-- SLURM: inside an `srun` step with more than one task (`SLURM_STEP_ID` and
-  `SLURM_STEP_NUM_TASKS` > 1 are set, rendezvous at the first host of the node list; an sbatch
-  batch script has neither, so a plain `python train.py` in an sbatch script starts its own
-  local ranks instead of waiting for N - 1 peers that never come).
-Otherwise `train.py` starts `launcher.nproc_per_node` local ranks itself (`local_start_method`:
-fork on a CPU machine, ~0.2 s for 8 ranks here against 12-15 s for spawn, docs/design.md section 8;
-spawn whenever CUDA devices are visible, since a forked child cannot use CUDA once its parent
-initialised it). The launching process never initialises CUDA: it counts devices through NVML
-(`cuda_device_count`) and reads GPU memory in a child process (`machine_memory_gib`).
-"""
+`launched_rank_env(env)` decides from the environment alone whether this process is already one
+of several launched ranks: torchrun (`TORCHELASTIC_RUN_ID`, or all of RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or an `srun` step with more than one task
+(`SLURM_STEP_ID`, `SLURM_STEP_NUM_TASKS` > 1; a plain sbatch script is neither). Otherwise
+`train.py` starts `launcher.nproc_per_node` local ranks (`local_start_method`: fork on a CPU
+machine, much faster to start, docs/design.md section 8; spawn when CUDA devices are visible).
+The launching process never initialises CUDA (`cuda_device_count` via NVML, `machine_memory_gib`
+in a child process)."""
 from __future__ import annotations
 
 import os
@@ -192,7 +186,7 @@ def machine_memory_gib() -> tuple[float, str, bool]:
 
 
 def gpu_memory_gib() -> float:
-    """Total memory of CUDA device 0 in GiB, read by a child Python process (2-3 s) so that the
+    """Total memory of CUDA device 0 in GiB, read by a child Python process so that the
     launching process never initialises CUDA. Raises RuntimeError with the child's error."""
     code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -1,25 +1,14 @@
 """Preemption and time limits: a signal becomes a joint checkpoint, a requeue and an exit.
 
-The order (launchers/README.md):
-1. the signal handler only sets a flag (no I/O, no collective: it may run inside one);
-2. at the next step boundary every rank's flag rides in the step's one metrics collective
-   (`hcp.train.throughput.step_metrics`), and every rank takes the largest (`Preemption.agree`),
-   so all ranks agree to stop at the same step with no collective or host read of its own (a
-   signal that arrives after a rank's flag left is gathered at the next step);
-3. they save a checkpoint together (`Trainer.save`, a collective) and
-4. rank 0 requeues the job (`scontrol requeue $SLURM_JOB_ID`), then every rank exits with
-   SystemExit: the requeued job resumes with `resume=auto` at the same step from the same
-   `checkpoint.dir`, continuing the same wandb run (`continue_wandb_run`).
-
-hcp owns the signal. It installs its handlers in every rank after submitit installed its own
-(which would requeue at once on SIGUSR2, before the save), so submitit never sees it; exiting
-with SystemExit rather than returning keeps submitit from recording the job as finished. SLURM
-sends the signal to every process of the step (proctrack), so under `torchrun` the workers get
-it directly; hcp's sbatch script makes torchrun itself ignore it (`trap '' USR2`), so torchrun
-neither dies of it nor kills the workers mid-save. Where `scontrol` is missing the ranks exit
-with `launcher.slurm.requeue_exit_code`, which SLURM requeues only where slurm.conf lists it in
-`RequeueExit`; the message says so.
-"""
+1. The signal handler only sets a flag (no I/O, no collective);
+2. at the next step boundary the flag rides in the step's one metrics collective and every rank
+   takes the largest (`Preemption.agree`), so all ranks stop at the same step;
+3. they save a checkpoint together (`Trainer.save`);
+4. rank 0 requeues the job (`scontrol requeue $SLURM_JOB_ID`) and every rank exits with
+   SystemExit; the requeued job resumes with `resume=auto` and the same wandb run.
+hcp installs its handlers after submitit's (which would requeue before the save); hcp's sbatch
+script makes torchrun ignore the signal (`trap '' USR2`). Without `scontrol` the ranks exit with
+`launcher.slurm.requeue_exit_code` (requeued only where slurm.conf lists it in `RequeueExit`)."""
 from __future__ import annotations
 
 import os

@@ -40,9 +40,8 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 def _reduce_scatter0(x: torch.Tensor, group) -> torch.Tensor:
     """Sum `x` [n * S, ...] over the group and keep this rank's [S, ...] slice of dim 0. On gloo
-    with more than 2 ranks as an all-reduce and a slice: gloo's reduce_scatter costs a fixed
-    25-30 ms at 8 ranks on a 2-core machine, 4-7x the all-reduce of the same tensor (measured
-    with [256-4096, 2, 2, 32] fp32 at 4 and 8 ranks; at 2 ranks it is the cheaper one)."""
+    with more than 2 ranks as an all-reduce and a slice (gloo's reduce_scatter is the slower
+    one there)."""
     n = group_size(group)
     if n > 2 and dist.get_backend(group) == "gloo":
         return _slice(_all_reduce(x, group), group, 0)
@@ -56,25 +55,25 @@ def _slice(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return x.chunk(group_size(group), dim=dim)[group_rank(group)].contiguous()
 
 
-class _CopyToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
+def _pair(name: str, forward, backward) -> type:
+    """An autograd Function `apply(x, group)` computing `forward(x, group)`, whose backward is
+    `backward(grad, group)`: each row of the module docstring's table is one pair."""
+
+    def fwd(ctx, x, group):
         ctx.group = group
-        return x.view_as(x)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.group), None
+
+    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _ReduceFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+_CopyToGroup = _pair("_CopyToGroup", lambda x, g: x.view_as(x), _all_reduce)
+_ReduceFromGroup = _pair("_ReduceFromGroup", _all_reduce, lambda grad, g: grad)
+_GatherSeq = _pair("_GatherSeq", lambda x, g: _all_gather(x, g, 0), _reduce_scatter0)
+_ReduceScatterSeq = _pair("_ReduceScatterSeq", _reduce_scatter0, lambda grad, g: _all_gather(grad, g, 0))
+_SplitSeq = _pair("_SplitSeq", lambda x, g: _slice(x, g, 0), lambda grad, g: _all_gather(grad, g, 0))
 
 
 class _GatherFromGroup(torch.autograd.Function):
@@ -86,39 +85,6 @@ class _GatherFromGroup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _slice(grad, ctx.group, ctx.dim), None, None
-
-
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, group, 0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter0(grad, ctx.group), None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter0(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, 0), None
-
-
-class _SplitSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _slice(x, group, 0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.group, 0), None
 
 
 def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:

@@ -1,36 +1,17 @@
 """Causal THD attention across context-parallel ranks (head-tail shards of
 `hcp.parallel.cp_sharding`) on fused kernels (`hcp.model.cp_kernels`), exact in values and
-gradients.
+gradients. Two strategies (`cp_comm`): `allgather` (default; Llama 3 / Megatron-LM
+`cp_comm_type=all_gather`): all-gather K/V once, reduce-scatter their gradients back; `p2p`:
+ring attention (Liu et al. 2023; Transformer Engine's `p2p`): K/V shards rotate with
+`batch_isend_irecv`, partial outputs merged by log-sum-exp in fp32.
 
-Two strategies (`cp_comm`), as Transformer Engine / torch users know them:
-- `allgather` (default): all-gather K/V of the CP group once, attend the local queries to the
-  keys, and reduce-scatter the K/V gradients back to their owners (the all-gather CP of Llama 3 /
-  Megatron-LM `cp_comm_type=all_gather`).
-- `p2p`: ring attention (Liu et al. 2023; Transformer Engine's `p2p` CP): K/V shards rotate
-  around the ring with `batch_isend_irecv` while the current shard is attended, one fused call
-  per document shape per step, merged with its log-sum-exp in fp32. The backward rotates K/V
-  again together with their fp32 gradient accumulators, which reach their owners after one
-  more hop.
-
-The calls come from positions alone. CP size c cuts a document of L tokens into 2c chunks of
-k = ceil(L / 2c) positions, chunk i owned by rank min(i, 2c-1-i), stored in the owner's local
-rows as [head chunk, tail chunk]; a query in chunk i sees the chunks before i and the causal
-diagonal of its own. Per document, rank r computes (every other chunk pair is skipped, which the
-head-tail split balances):
-- its own 2k rows against themselves, top-left causal (head and tail diagonals, tail x head);
-- allgather: its head against chunks 0..r-1, its tail against chunks 0..2c-2-r except r;
-- p2p, source rank s != r: s < r: head and tail against s's head chunk; s > r: tail against
-  both of s's chunks.
-Documents of the same chunk size k share each call (`Call`: n blocks of one shape). Under
-allgather a short document (k <= `SHORT_CHUNK`) on a kernel that takes masks (CPU) is one call
-instead of three: its 2k rows against chunks 0..2c-1-r with a position mask shared by the
-group (twice the scores of the three calls, but one tiny call instead of three). Padding slots
-(positions >= L) come last in their document, so no valid query sees them.
-
-The CP group is an argument of each micro-batch's plan (dynamic CP gives every micro-batch its
-own group), never of a layer. The plan is built from the micro-batch's lengths on the host
-(`hcp.parallel.cp_sharding.host_cu_seqlens`): no device-to-host read.
-"""
+CP size c cuts a document of L tokens into 2c chunks of k = ceil(L / 2c) positions, chunk i
+owned by rank min(i, 2c-1-i), stored as [head chunk, tail chunk]. Per document rank r computes
+its own 2k rows causally, then allgather: its head against chunks 0..r-1 and its tail against
+chunks 0..2c-2-r except r; p2p, source s: s < r both against s's head, s > r its tail against
+both. Documents of one chunk size share each `Call`; under allgather a short document
+(k <= `SHORT_CHUNK`) on a masking kernel is one masked call. The plan comes from the host
+lengths (`host_cu_seqlens`: no device-to-host read); the CP group is per micro-batch."""
 from __future__ import annotations
 
 from collections import defaultdict

@@ -1,24 +1,12 @@
 """Fused attention kernels of CP attention (`hcp.model.cp_attention`).
 
-A call attends n blocks of one shape: q `[n, Lq, Hq, D]` to k, v `[n, Lk, Hkv, D]` (Hq a
-multiple of Hkv: grouped-query attention), either fully or with the top-left causal mask
-(`causal`, only for Lq == Lk: query i sees keys 0..i) or through `mask` (bool `[Lq, Lk]` shared
-by the n blocks, True = attend; only kernels with `masks`). The forward returns out `[n, Lq, Hq, D]`
-in q's dtype and the log-sum-exp lse `[n, Lq, Hq]` in fp32, so partial results over disjoint key
-sets merge exactly (`out = sum_i exp(lse_i - lse) out_i`, `lse = logsumexp_i lse_i`). The
-backward takes the MERGED out and lse of the query rows (the flash backward, Dao 2023:
-`P = exp(S - lse)`, `dS = P * (dP - rowsum(dO * out))`), so each call's gradients are its exact
-share of the merged attention's gradients. Statistics are fp32 inside the kernels whatever the
-input dtype.
-
-- `cpu`: aten `_scaled_dot_product_flash_attention_for_cpu` and its backward (block-wise, the
-  kernel SDPA runs on CPU).
-- `cuda`: aten `_flash_attention_forward` / `_flash_attention_backward` (flash-attn 2 inside
-  torch, the kernels of `torch.nn.attention.varlen.varlen_attn`), the n blocks as n varlen
-  sequences, for fp16/bf16 inputs (`precision=bf16`); fp32 inputs run `math`.
-- `math`: the same contract in plain torch with materialized `[n, Hq, Lq, Lk]` scores (fp32 or
-  wider), the reference the tests hold the fused kernels to.
-"""
+A call attends n blocks of one shape: q `[n, Lq, Hq, D]` to k, v `[n, Lk, Hkv, D]` (grouped-query),
+fully, top-left causal (`causal`, Lq == Lk) or through a shared bool `mask [Lq, Lk]` (kernels
+with `masks`). The forward returns out `[n, Lq, Hq, D]` (q's dtype) and lse `[n, Lq, Hq]` (fp32),
+so partial results over disjoint keys merge exactly; the backward takes the MERGED out and lse
+(the flash backward, Dao 2023), so each call's gradients are its exact share. Kernels: `cpu`
+(aten's CPU flash attention), `cuda` (aten's flash-attn 2 varlen kernels, fp16/bf16; fp32 runs
+`math`), `math` (plain torch with materialized scores: the tests' reference)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

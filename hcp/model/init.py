@@ -1,21 +1,12 @@
 """Layout-invariant parameter initialization (docs/design.md section 3), of this rank's shards only.
 
-Every parameter's values are those of its *whole* tensor drawn from `(seed, fully qualified
-name)` with its own `torch.Generator`, cut to this rank's shard: the tensor-parallel slice
-(layers mark their parameters with a `ShardSpec`), and under FSDP the rank's dim-0 chunk of it
-(a `DTensor`). So a dp4 run and a tp2 x cp2 run start from the same weights.
-
-The whole tensor is never made: it is drawn in blocks of rows (`_normal_rows`) of a few MiB,
-and each block's overlap with the shard is kept, so a model built on the meta device
-(`materialize`) holds only its shards, also for a 70B LLM. Drawing a whole normal tensor in
-blocks whose sizes are multiples of 16 elements (the last one at least 16) gives exactly
-`torch.randn(whole)`'s values: torch fills the uniforms in order and transforms them in
-aligned groups of 16 (tests/test_init_shards.py checks it against `torch.randn`).
-
-Scheme: norm weights 1, biases 0, every other tensor (linear weights, embeddings, class and
-position embeddings) normal(0, `std`). The seed of a parameter is `zlib.crc32` of
-`f"{seed}:{fqn}"` (stable across processes and Python versions, unlike `hash()`).
-"""
+Every parameter's values are those of its whole tensor drawn from `(seed, fully qualified name)`
+with its own `torch.Generator` (seed `zlib.crc32(f"{seed}:{fqn}")`), cut to this rank's TP slice
+(`ShardSpec`) and FSDP chunk, so a dp4 run and a tp2 x cp2 run start from the same weights. The
+whole tensor is never made: it is drawn in blocks of rows (`_normal_rows`), sized in multiples of
+16 elements so the values equal `torch.randn(whole)`'s (tests/test_init_shards.py); a meta-device
+model (`materialize`) holds only its shards. Scheme: norm weights 1, biases 0, everything else
+normal(0, `std`)."""
 from __future__ import annotations
 
 import contextlib

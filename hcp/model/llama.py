@@ -1,31 +1,16 @@
-"""LLaMA-style decoder over packed THD tokens: RMSNorm, RoPE, grouped-query attention,
-SwiGLU (Touvron et al. 2023), with optional tensor, sequence and context parallelism.
+"""LLaMA-style decoder over packed THD tokens: RMSNorm, RoPE, grouped-query attention, SwiGLU
+(Touvron et al. 2023), with optional tensor, sequence, context and pipeline parallelism.
 
-Parameter names (the FQNs init, freeze and checkpoints rely on; the same under every layout):
-`embed_tokens.weight`, `layers.{i}.attn_norm.weight`, `layers.{i}.attn.{q,k,v,o}_proj.weight`,
-`layers.{i}.mlp_norm.weight`, `layers.{i}.mlp.{gate,up,down}_proj.weight`, `norm.weight`,
-`lm_head.weight` (absent with `tie_embeddings`).
-
-Parallelism (groups are passed in; None = size 1):
-- TP over `tp_group`: q/k/v and gate/up column-parallel (query and kv heads split over TP ranks),
-  o/down row-parallel, vocab-parallel embedding and LM head (logits stay vocab-sharded).
-- Sequence parallelism (`sequence_parallel`, TP > 1): the residual stream between TP regions is
-  split along tokens (padded to a multiple of tp); the final hidden states are gathered back.
-- CP over `cp_group`: the caller passes this rank's head-tail shard of the tokens
-  (`hcp.parallel.cp_sharding.cp_shard`) and the WHOLE micro-batch's cu_seqlens / max_seqlen
-  (and their host copy, read by the CP plan); attention runs across the CP ranks with `cp_comm`
-  (`allgather` or `p2p`) on the CP attention its backend picks once at build time
-  (`hcp.model.cp_attention.cp_attention_for`: fused kernels, or TE's THD CP for `te`).
-- PP (`stage`, a `hcp.model.stage.StageSpec`): only the stage's layers are built (named by their
-  global index); the embedding lives on the first stage, the final norm and LM head on the last.
-  `forward` = `enter` (first stage) -> `run_layers` (every stage) -> `exit` (last stage).
-
-Activation recompute (`recompute`, default `cfg.layout.recompute`; torch.utils.checkpoint with
-use_reentrant=False, so the backward re-runs the forward, collectives included, in the same order
-on every rank of a group): `none`; `selective` keeps each layer's inputs and the attention
-core's q/k/v and recomputes the attention core (its [S, S] scores dominate activation memory,
-Korthikanti et al. 2022); `full` keeps only each decoder layer's input and recomputes the layer.
-"""
+Parameter names (the same under every layout): `embed_tokens.weight`,
+`layers.{i}.attn_norm.weight`, `layers.{i}.attn.{q,k,v,o}_proj.weight`, `layers.{i}.mlp_norm.weight`,
+`layers.{i}.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight` (absent when tied).
+Groups are passed in (None = size 1). TP (`tp_group`): q/k/v and gate/up column-parallel, o/down
+row-parallel, vocab-parallel embedding and head. Sequence parallelism splits the residual stream
+along tokens between TP regions. CP (`cp_group`): the caller passes this rank's head-tail shard
+and the WHOLE micro-batch's cu_seqlens (`hcp.model.cp_attention.cp_attention_for` picks the CP
+attention once). PP (`stage`): only the stage's layers are built, under their global indices;
+`forward` = `enter` (first) -> `run_layers` -> `exit` (last). Recompute (`recompute`):
+`selective` recomputes the attention core (Korthikanti et al. 2022), `full` the whole layer."""
 from __future__ import annotations
 
 import torch

@@ -1,55 +1,32 @@
 """LLaVA-style model: ViT encoder -> projector -> LLaMA decoder over one THD micro-batch.
 
-Submodules are named after the config keys (`vision`, `projector`, `llm`) so every FQN starts
-with its module key: per-module freeze, optimizers and process groups select parameters by it.
-With `vision_cfg=None` (and `projector_cfg=None`) it is a plain language model.
-
-Several encoders (`encoders`, `projectors`, `streams`: hcp.config.modules, hcp.model.encoder_side):
-named encoders and projectors sit next to `vision` and `projector` under their own names; every
-stream (a projector into the LLM) fills its own placeholder positions with its rows. A join: two
-encoders with a projector each; a branch: one tower (run once) feeding two projectors.
-
-Two ways to run the encoder (docs/design.md 4.2, 4.4):
-- inside the LLM's first stage (`LlavaModel(..., encoder=True)`, the default and the
-  single-process reference): every rank of the LLM's TP x CP group encodes the micro-batch's
-  images (replicated, not TP-sharded);
-- as its own module (`LlavaEncoder`, with its own TP group and DP lanes) whose output rows a
-  boundary route (`hcp.comm.boundary`) delivers to the LLM's first-stage ranks; the LLM stage
-  is then built with `encoder=False` and reads `batch.image_rows`.
+Submodules are named after the config keys (`vision`, `projector`, `llm`, and named `encoders` /
+`projectors`: hcp.model.encoder_side), so per-module freeze, optimizers and groups select
+parameters by FQN prefix; `vision_cfg=None` makes a plain LM. The encoder runs inside the LLM's
+first stage (`encoder=True`, the single-process reference: every TP x CP rank encodes the
+micro-batch's images) or as its own module (`LlavaEncoder`) whose rows a route delivers
+(`encoder=False`, reads `batch.image_rows`; docs/design.md 4.2, 4.4).
 
 The micro-batch `batch` is any object with these attributes (shapes per micro-batch):
     input_ids     long [T]      token ids; ignored where image_mask is True
-    labels        long [T]      ALREADY shifted targets (labels[t] is the target of position t),
-                                -100 = ignore; never shifted again here
+    labels        long [T]      ALREADY shifted targets, -100 = ignore; never shifted here
     position_ids  long [T]      restart at 0 in each document
     cu_seqlens    int32 [N + 1] document boundaries; max_seqlen: int
-    seqlens       N ints on the host (the document lengths), or absent when cu_seqlens is on
-                                the CPU (CP reads lengths from it: `hcp.parallel.cp_sharding.host_cu_seqlens`)
+    seqlens       N ints on the host, or absent when cu_seqlens is on the CPU
     pixel_values  float [I, C, H, W] or None (images in order of appearance; `encoder=True`)
     image_mask    bool [T] or None: positions replaced, in order, by the I * P image embeddings
-    image_rows    float [R, H] or None (`encoder=False`): the image embeddings of THIS rank's
-                                CP shard, in local slot order (all I * P of them without CP)
-  and, for streams other than the default `projector` (`vision`'s inputs are `pixel_values`):
+    image_rows    float [R, H] or None (`encoder=False`): this rank's CP shard's image rows,
+                                in local slot order
+  and, for streams other than the default `projector`:
     stream_masks    {projector: bool [T]}: that stream's positions
     encoder_pixels  {encoder: float [I_e, C, H, W]} (`encoder=True`): a named encoder's inputs
     stream_rows     {projector: float [R_s, H]} (`encoder=False`): routed rows, as image_rows
 
-Parallelism of the LLM (`tp_group`, `cp_group`, `cp_comm`, `sequence_parallel`: see
-`hcp.model.llama`). Every rank of a TP x CP group gets the SAME whole micro-batch (text); the
-image embeddings are written at the image positions of this rank's CP shard of the combined
-(text + image) sequence (docs/design.md section 4). Under CP, `forward` returns this rank's share of
-the loss and of the token count: summed over the CP (and DP) ranks they give the single-process
-numbers. Gradients: the trainer sums them over DP x CP; parameters replicated over TP (norms,
-and with `encoder=True` vision and projector) already carry the full gradient on every TP rank.
-
-Pipeline stages (`stage`, `hcp.model.stage.StageSpec`): with `encoder=True` the vision encoder
-and projector are built on the first stage only (colocated with the embedding). `forward(batch,
-x, head)` runs this stage's part; on the last stage `loss(batch, hidden)` (default) or another
-head such as `logits(batch, hidden)` finishes it. A non-first stage gets a
-`hcp.comm.p2p.StageMeta` instead of the batch. `forward`, `residual_shape` and `loss` take the
-micro-batch's CP group as an argument (`cp_group`: under `packing=dynamic_cp` the runtime
-resolves the plan's group of each micro-batch, None at CP size 1); by default the model's own.
-"""
+Every rank of a TP x CP group gets the same whole micro-batch; under CP `forward` returns this
+rank's share of the loss and token count (summed over CP and DP they give the single-process
+numbers). Pipeline stages (`stage`): a non-first stage gets a `hcp.comm.p2p.StageMeta` instead
+of the batch; the last stage finishes with `loss` (default) or another head. `forward`,
+`residual_shape` and `loss` take the micro-batch's `cp_group` (dynamic CP), by default the model's."""
 from __future__ import annotations
 
 import torch

@@ -1,38 +1,17 @@
-"""ViT image encoder, CLIP-style (Radford et al. 2021; Dosovitskiy et al. 2020): non-overlapping
-patch embedding (a bias-free linear map of each flattened patch, equal to CLIP's strided conv),
-a CLS token, learned position embeddings, a LayerNorm before the blocks, pre-norm blocks with
-bidirectional multi-head attention and a GELU MLP. Sizes come from `VisionConfig`.
-`arch: clip` (hcp/model/encoder_types.py) makes the MLP's activation quick-GELU, `x * sigmoid(1.702 x)`, as in OpenAI's CLIP:
-with it the encoder computes exactly what transformers' CLIPVisionModel does (pre-LayerNorm
-blocks with biases, a class token, `pre_layrnorm`; weights via `vision.init_from`).
+"""ViT image encoder, CLIP-style (Radford et al. 2021; Dosovitskiy et al. 2020): bias-free linear
+patch embedding, a CLS token, learned position embeddings, a pre-LayerNorm, pre-norm blocks with
+bidirectional attention and a GELU MLP (quick-GELU under `arch: clip`, hcp/model/encoder_types.py:
+then it computes what transformers' CLIPVisionModel does). `select_layer` picks the hidden state
+fed to the projector (-1 last, -2 penultimate); only the blocks feeding it are built.
 
-`select_layer` picks the hidden state fed to the projector: -1 the last block's output, -2 the
-penultimate (LLaVA). Only the blocks that feed that state are built, so no parameter goes unused
-(CLIP ViT-L/14 with select_layer -2 holds 23 blocks).
-
-Tensor parallelism over `tp_group` (Megatron-LM, Shoeybi et al. 2019; None = TP size 1): in
-each block q/k/v and fc1 are column-parallel (attention heads and MLP columns split over the TP
-ranks), o_proj and fc2 row-parallel (their outputs all-reduced), so the residual stream, the
-norms, the patch and position embeddings stay replicated and every TP rank returns the whole
-output. Parameter names and whole shapes are those of the unsharded model (`nn.Linear`'s
-`weight [out, in]` and `bias`), so init and checkpoints do not depend on the TP size.
-
-Pipeline stages (`stage`, a `hcp.model.stage.StageSpec` over the blocks, placement=
-non_colocated): stage s holds blocks [start, stop) under their global indices (`blocks.7.*`
-on whichever stage holds block 7); the first stage also holds the patch and position
-embeddings and the pre-norm and takes pixel values, later stages take the hidden states
-[I, P + 1, D] of the stage before; only the last stage drops the CLS token.
-
-Context parallelism over `cp_group` (`vision.layout.cp`; None = CP size 1): every input's P + 1
-tokens are cut into contiguous chunks of k = ceil((P + 1) / cp) positions, one per CP rank
-(`hcp.parallel.encoder_cp`: the split, its padding and which rank returns which row). A rank
-embeds only its chunk, carries hidden states [I, k, D] between blocks (and pipeline stages),
-and attends its k queries of each input to that input's P + 1 keys, all-gathered over the CP
-group (`hcp.model.cp_attention` on the fused kernels, bidirectional: no mask; the K/V gradients
-reduce-scatter back to their owners). The last stage returns this rank's rows of each input
-[I, n_r, D] (`encoder_cp.rows_on_rank`); the weights' gradients are partial sums over the CP
-group's tokens, summed with the DP ones over the encoder's DP x CP group.
-"""
+Tensor parallelism over `tp_group` (Megatron-LM): q/k/v and fc1 column-parallel, o_proj and fc2
+row-parallel; parameter names and whole shapes are the unsharded model's, so init and checkpoints
+do not depend on the TP size. Pipeline stages (`stage`): stage s holds blocks [start, stop) under
+their global indices; later stages take hidden states [I, P + 1, D]; the last drops the CLS token.
+Context parallelism over `cp_group`: each input's P + 1 tokens are cut into chunks of
+k = ceil((P + 1) / cp), one per CP rank (`hcp.parallel.encoder_cp`); a rank carries [I, k, D] and
+attends its queries to all-gathered keys (`hcp.model.cp_attention`); the last stage returns this
+rank's rows [I, n_r, D]; weight gradients are partial sums over the encoder's DP x CP group."""
 from __future__ import annotations
 
 import numpy as np

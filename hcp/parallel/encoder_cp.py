@@ -1,22 +1,12 @@
 """Context parallelism inside an encoder (a ViT): which CP rank holds which tokens and output rows.
 
-An encoder input (an image, a tile, a video frame) is one bidirectional sequence of
-`tokens = lead + rows` tokens: `lead` leading tokens (the ViT's CLS) then one token per output
-row (patch). Under encoder CP size c every input is cut into c contiguous chunks of
-k = ceil(tokens / c) positions, rank r holding positions [r*k, (r+1)*k) (positions >= tokens are
-padding, last in the last chunks). Attention has no causal mask, so contiguous chunks carry equal
-work and no head-tail split is needed; every rank holds k positions of EVERY input, so the split
-balances tokens exactly (up to the padding of one chunk per input) however many inputs each
-sample brings (InternVL's tiles: a thumbnail plus 1-12 tiles per image).
-
-Output rows: rank r returns, per input (inputs in order), the rows whose position falls in its
-chunk, in position order (`rows_on_rank`); `row_slot` gives each row's rank and its index there.
-The step plan routes rows from these slots (`hcp.plan.routes`), the ViT cuts its chunks with
-`positions` (`hcp.model.vit`). Pure numpy, no process group.
-
-Known value: rows = 16, lead = 1 (17 tokens), c = 2: k = 9; rank 0 holds positions 0..8 (CLS
-and rows 0..7), rank 1 positions 9..17 (rows 8..15 and one padding slot).
-"""
+An encoder input is one bidirectional sequence of `tokens = lead + rows` (the CLS, then one token
+per output row). Under encoder CP size c it is cut into c contiguous chunks of
+k = ceil(tokens / c) positions, rank r holding [r*k, (r+1)*k) (padding last): with no causal mask
+contiguous chunks carry equal work, and every rank holds k positions of every input. Rank r
+returns each input's rows that fall in its chunk, in position order (`rows_on_rank`; `row_slot`
+gives a row's rank and index). Pure numpy. Example: rows 16, lead 1, c 2: k = 9; rank 0 holds
+the CLS and rows 0..7, rank 1 rows 8..15 and one padding slot."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,23 +1,12 @@
 """Process-group registry: every module's torch.distributed groups, created once, looked up in O(1).
 
-NCCL-safe creation. Once the default group is bound to a device (`device_id=`, as
-`hcp.launch.distributed` does on CUDA), torch builds each `new_group` by `ncclCommSplit` of the
-world communicator, which every rank of the world must call, members or not, in the same order.
-So every rank creates every group of the world (`creation_order`: modules in graph order, then
-the kinds of `hcp.parallel.grid.KINDS`, then for modules with dynamic CP the block sizes 1, 2,
-4, ... of their CP pool; rows in grid order; a rank list met again is shared, e.g. `mp` equals
-`tp` when pp = 1 and colocated modules with the same grid share every group) and keeps the ones
-it belongs to. Megatron-LM's `initialize_model_parallel` does the same. The order is a pure
-function of the layouts, never of the rank (tests/test_group_creation.py checks every recipe).
-
-No communicator for a group of one rank: it is not in the world's order. Its member instead
-gets a stand-in, a real registered process group of the `hcp_self` backend (torch's C++
-`FakeProcessGroup` at size 1, made locally with no world-wide step) whose every collective is
-what a one-rank group computes: all-reduce/broadcast leave the tensor as it is, gathers and
-scatters copy input to output. So callers use it like any group (`dist.*` collectives, FSDP's
-`DeviceMesh.from_group`) and pay no NCCL communicator for DP, CP or TP of size 1.
-Checked on gloo at 8 ranks (tests/test_groups_gloo.py).
-"""
+NCCL-safe creation: with the default group bound to a device, every `new_group` is an
+`ncclCommSplit` that every rank must call in the same order, so every rank creates every group
+of the world in one order (`creation_order`: modules in graph order, the kinds of
+`hcp.parallel.grid.KINDS`, then dynamic-CP block sizes 1, 2, 4, ...; a rank list met again is
+shared) and keeps its own, as Megatron-LM's `initialize_model_parallel` does. The order depends
+on the layouts only (tests/test_group_creation.py). A group of one rank gets no communicator but
+a local stand-in of the `hcp_self` backend (torch's `FakeProcessGroup`), usable like any group."""
 from __future__ import annotations
 
 import torch.distributed as dist

@@ -1,29 +1,17 @@
 """Routing tables of module-graph edges (docs/design.md 4.2, 4.3): which rows each source rank sends
-to each destination rank, and the reverse for gradients. Pure data, no process group: the step
-plan (`hcp.plan`) fills them identically on every rank, the boundary communicators
-(`hcp.comm.boundary`) execute them.
+to each destination rank, and the reverse for gradients. Pure data: the step plan fills them
+identically on every rank, the boundary communicators (`hcp.comm.boundary`) execute them.
 
-Conventions of the edge into the LLM (the projector's output rows; agreed with the boundary
-communicators and the LLM stage):
-- Row keys: the image rows of sample s are rows 0..n_s-1 (n_s = its images x patches, images in
-  order of appearance). An encoder rank's source tensor is its encoder lane's samples' rows
-  concatenated in sample order (projector output flattened to `[rows, H_llm]`).
-- Encoder TP > 1: the TP replicas of one lane hold identical rows; row p of the lane's R rows
-  is sent by replica floor(p * tp / R) (contiguous, balanced, disjoint parts), which gets back
-  the gradients of exactly those rows. The encoder output goes through an op whose
-  backward all-reduces over the encoder TP group (Megatron's copy-to-TP-region), which turns the
-  replicas' partial gradients into the full one.
-- Destination: only LLM first-stage ranks (pp = 0) receive. Each receives exactly the image rows
-  that fall in its CP shard (head-tail chunks of the MERGED text + image sequence, `cp_slot`),
-  ordered by (its micro-batch order, then slot order inside its local shard); the step plan gives
-  each micro-batch its `[start, end)` range of that tensor. Every TP rank of the destination TP
-  group receives the same rows; only TP rank 0 is `grad_owner`.
-- Group: colocated placement uses the world group (group rank = global rank).
-
-The step plan builds a `RowTable` (all rows of an edge as flat arrays, vectorized) and cuts each
-rank's `RankRoute` from it. (Routes from hand-built per-rank row keys, the tests' and benchmarks'
-reference: benchmarks/route_keys.py.)
-"""
+Conventions of the edge into the LLM:
+- Row keys: sample s's image rows are 0..n_s-1 (images x patches, in order of appearance); an
+  encoder rank's source tensor is its lane's samples' rows in sample order, `[rows, H_llm]`.
+- Encoder TP > 1: row p of a lane's R rows is sent by replica floor(p * tp / R), which gets
+  back exactly those rows' gradients (the output's backward all-reduces over the encoder TP).
+- Destination: LLM first-stage ranks receive the rows of their CP shard of the MERGED sequence
+  (`cp_slot`), ordered by micro-batch then local slot; every TP rank receives, TP rank 0 is
+  `grad_owner`. Colocated placement uses the world group.
+The step plan builds a `RowTable` (all rows of an edge, vectorized) and cuts each `RankRoute`
+from it; benchmarks/route_keys.py builds routes from per-rank keys (the tests' reference)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,25 +1,13 @@
 """Plan ahead: the data-iterator wrapper that computes step k+1's plan while step k runs.
 
-`PlanAhead(sampler, prepare)` yields, per step, the global batch's sample indices and
-`prepare(indices)` (the step plan and whatever this rank loads for it), computed on one
-background thread that starts on step k+1 as soon as step k's result is handed out. It reports
-per step the time `prepare` took on its thread and the part of it hidden behind the caller's work
-(`plan_s - wait_s`, where `wait_s` is how long `next()` blocked). The sampler's position stays
-the number of consumed global batches, so checkpoints and resume are unchanged.
-
-With `planner` (a picklable callable `indices -> plan`), the pure planning runs in a worker
-process instead: the background thread sends it the indices and waits for the plan (waiting
-holds no GIL), then runs `prepare(indices, plan)` (the rank's data, which may touch tensors and
-pre-built groups that cannot leave the process). Pure-Python planning on a thread holds the GIL
-in turns with the training thread, delaying its kernel launches by up to the whole plan time;
-in a process it only competes for a core (benchmarks/dynamic_cp_stall.py and
-tests/test_plan_ahead.py: the stall it causes to a busy main thread). The worker is spawned (not
-forked: the training process holds threads and process groups) when the wrapper is built, and
-the planner is sent to it once: its imports run then, behind the caller's set-up, not in the
-first step's plan. The planning path (hcp/dcp, hcp/plan, `hcp.train.planner`) imports no torch
-(tests/test_plan_ahead.py), so the worker starts in numpy's import time, not torch's. Plans come back pickled, as plain data.
-`use_worker` is the default rule (`trainer.plan_process`).
-"""
+`PlanAhead(sampler, prepare)` yields, per step, the global batch's indices and
+`prepare(indices)` (the step plan and this rank's data), computed on one background thread, and
+reports the time `prepare` took and how much of it was hidden (`plan_s - wait_s`). The sampler's
+position stays the number of consumed batches (checkpoints and resume unchanged). With
+`planner` (a picklable `indices -> plan`) the pure planning runs in a spawned worker process, so
+it does not hold the GIL against the training thread; the thread then runs
+`prepare(indices, plan)`. The planning path imports no torch, so the worker starts fast.
+`use_worker` is the default rule (`trainer.plan_process`)."""
 from __future__ import annotations
 
 import multiprocessing

@@ -1,21 +1,14 @@
 """The non-colocated part of the step plan (docs/design.md 4.1, 4.4): island heads and the routing
 tables of edges from an encoder island into the LLM.
 
-Non-colocated placement (`placement=non_colocated`: an edge into the LLM whose source sits on
-other ranks than the LLM): a module on an encoder's island (the projector) runs with the
-island head's layout (the encoder's TP, DP and PP; the projector on its last stage). The
-encoder lane encodes its block as one encoder micro-batch per LLM micro-batch, in the order
-the LLM consumes them (`RankPlan.encoder_micro_batches`: encoder micro-batch j holds the lane's
-samples that LLM micro-batch j packs, over all LLM lanes, in packing order; empty when it has
-none). Each micro-batch then has its own routing table over the edge group
-(`hcp.parallel.islands.edge_ranks`: the encoder's last-stage ranks, then the LLM's first-stage
-ranks): a source rank's rows are its encoder micro-batch's rows in sample order (under encoder
-CP the rows of its chunk of each input: every CP rank sends; TP replicas split them as under
-colocation), a destination receives the image rows of its CP shard of that
-micro-batch in slot order (`RankPlan.island_routes`, one `RankRoute` per micro-batch, and
-`MicroBatchPlan.image_rows == (0, rows)`). Destination TP (`island_route`): `leader` (default;
-
-"""
+A module on an encoder's island (the projector) runs with the island head's layout. Each encoder
+lane encodes its block as one encoder micro-batch per LLM micro-batch, in the LLM's consumption
+order (`RankPlan.encoder_micro_batches`), and each micro-batch has its own routing table over the
+edge group (`hcp.parallel.islands.edge_ranks`: the encoder's last-stage ranks, then the LLM's
+first-stage ranks): a source sends its micro-batch's rows in sample order (under encoder CP, its
+chunk's rows), a destination receives its CP shard's image rows in slot order
+(`RankPlan.island_routes`; `MicroBatchPlan.image_rows == (0, rows)`). Destination TP
+(`island_route`): `leader` (default: TP rank 0 receives and broadcasts) or `direct`."""
 from __future__ import annotations
 
 import numpy as np

@@ -2,38 +2,17 @@
 
 `plan_step(sizes, layouts, packing, micro_batch_tokens, edges)` maps the global batch's sample
 sizes (`hcp.plan.lengths`) to a `StepPlan`, identical on every rank (no randomness, no process
-group, no rank asks another what to expect). `StepPlan.rank(r)` is rank r's part
-(`hcp.plan.rank_plan.RankPlan`): the samples it encodes per encoder-side module, the LLM
-micro-batches it runs (packed samples, `cu_seqlens`, `max_seqlen`, CP group and shard, the
-offsets of its image rows), the routing of every edge into the LLM
-(`hcp.parallel.routing.RankRoute`), the global counts and its action list of the step
-(`hcp.plan.actions`: what the one executor runs).
+group). `StepPlan.rank(r)` is rank r's part (`hcp.plan.rank_plan.RankPlan`): the samples it
+encodes per encoder-side module, its LLM micro-batches (packed samples, `cu_seqlens`, CP group
+and shard, image-row offsets), the routing of every edge into the LLM
+(`hcp.parallel.routing.RankRoute`), the global counts and its action list (`hcp.plan.actions`).
 
-The pieces: the packing policy (`hcp.plan.policies`: `first_fit`, or `dynamic_cp` once
-registered) decides the LLM's micro-batches over its CP pool; every edge into the LLM is then
-routed, by `hcp.plan.routes` when its source shares the LLM's ranks (colocated: one table for
-the step) and by `hcp.plan.island_routes` when it sits on an island of its own (non-colocated:
-one table per micro-batch over the edge group, the encoder lanes' micro-batches in the order
-the LLM consumes them). Both placements are policies of this one plan.
-
-Encoder-side modules (every module but the LLM) use static lanes: lane l of a module with dp
-lanes encodes block l of the global batch, on each of its TP replicas and CP ranks (encoder CP:
-each CP rank holds a chunk of every input's tokens and sends the rows of its chunk,
-`hcp.parallel.encoder_cp`); encoder PP under colocated placement is refused (`ValueError`).
-
-Several encoders or streams (joins, branches: `hcp.config.modules`): every edge into the LLM is
-routed from its own stream's sizes (`stream_sizes`, one length index per stream), so each
-stream's rows reach the CP rank holding its own placeholder positions; `MicroBatchPlan.
-stream_rows` and `Counts.stream_rows` give each stream's rows by source projector, and
-`RankPlan.encoder_samples` every encoder's and projector's samples. Under non_colocated each
-encoder island has its own edge group and tables, and `RankPlan.encoder_inputs` /
-`encoder_rows` give an island rank its inputs and each stream's rows per micro-batch.
-
-Public names kept here for their callers: `plan_step`, `register_policy`, `first_fit_policy`,
-`island_head`, `MicroBatchPlan`, `Counts`, `RankPlan`, `StepPlan`.
-
-Conventions of the routed rows (projector output, one row per image token): `hcp.parallel.routing`.
-"""
+The packing policy (`hcp.plan.policies`: `first_fit`, or `dynamic_cp` once registered) packs
+the LLM's micro-batches; each edge into the LLM is routed by `hcp.plan.routes` (colocated: one
+table per step) or `hcp.plan.island_routes` (non-colocated: one per micro-batch). Encoder-side
+modules use static lanes (lane l encodes block l of the batch; encoder CP: `hcp.parallel.
+encoder_cp`); encoder PP under colocated placement raises ValueError. Several streams are each
+routed from their own sizes (`stream_sizes`). Row conventions: `hcp.parallel.routing`."""
 from __future__ import annotations
 
 import hashlib

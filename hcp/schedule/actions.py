@@ -1,29 +1,15 @@
 """A pipeline stage's schedule as a list of actions: compute, and batches of point-to-point ops.
 
-An action list is what one stage does in one step, in order:
-- `Compute("F", i)` / `Compute("B", i)`: the forward / backward of micro-batch i on this stage;
-- `Exchange(ops)`: point-to-point ops posted together (one `dist.batch_isend_irecv`) and waited
-  together. Each op is `P2P(kind, i, peer)` with kind `SEND_F` / `RECV_F` (activation of
-  micro-batch i, to / from stage `peer`) or `SEND_B` / `RECV_B` (its gradient);
+- `Compute("F" | "B", i)`: the forward / backward of micro-batch i on this stage;
+- `Exchange(ops)`: ops posted together in one `dist.batch_isend_irecv`, each `P2P(kind, i, peer)`
+  with kind `SEND_F` / `RECV_F` (activation) or `SEND_B` / `RECV_B` (its gradient);
 - `SyncGrads()`: the gradient reduction may start from here (`with_grad_sync`);
-- the colocated three-phase step's own actions (`colocated`): `EncoderCompute("F" | "B")`, the
-  encoder side's forward / backward over all of this rank's encoder inputs of the step, and
-  `Route("F" | "B", stream)`, a collective over the route group moving one stream's rows to the
-  LLM's CP shards / their gradients back (`hcp.schedule.colocated`).
-
-NCCL runs the point-to-point operations between two ranks in issue order on one stream, and a
-send larger than its buffers completes only once the peer has posted the matching receive. A
-stage that posts a lone send while its peer posts a lone send back therefore waits forever; a
-schedule is safe when each step's sends and the receives they can wait on are posted in one
-batch (`hcp.schedule.rendezvous` checks a set of action lists under exactly that rule).
-
-The builders here are pure (no process group): the one executor (`hcp.schedule.executor`) runs
-any list and the simulators (`hcp.schedule.simulator`, `hcp.schedule.graph_timing`) replay the
-same lists, so other schedules (the colocated three-phase step, the graph-aware 1F1B across
-islands) are new builders, not new loops; the step plan (`hcp.plan.step.RankPlan.actions`) emits
-each rank's list. Names follow torch.distributed.pipelining's
-`_ComputationType` (FORWARD, BACKWARD, SEND_F, RECV_F, SEND_B, RECV_B).
-"""
+- the colocated step's `EncoderCompute("F" | "B")` and `Route("F" | "B", stream)`
+  (`hcp.schedule.colocated`).
+A lone NCCL send larger than its buffers waits for the peer's receive, so a schedule is safe
+when each step's sends and the receives they can wait on are in one batch (checked by
+`hcp.schedule.rendezvous`). The builders are pure: the one executor runs any list and the
+simulators replay the same lists. Names follow torch.distributed.pipelining's `_ComputationType`."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,37 +1,17 @@
 """The colocated three-phase schedule of one training step (docs/design.md 4.4).
 
-Under `placement=colocated` every rank runs both the encoder side (its encoder lane's images,
-under the encoder's own TP/DP layout) and its part of the LLM (TP x CP x PP). One step:
-
-1. every encoder forward over this rank's encoder samples, then the forward boundary route
-   (`hcp.comm.boundary.route_forward`): the LLM's first-stage ranks receive the image rows of
-   their CP shards and hold them as ONE leaf tensor that requires grad;
-2. the LLM's 1F1B over its micro-batches (a callable from the trainer; each micro-batch reads
-   its image rows from the leaf by the plan's row ranges), which accumulates the leaf's gradient;
+Under `placement=colocated` every rank runs its encoder lane and its part of the LLM. One step:
+1. every encoder forward over this rank's encoder samples, then the forward route
+   (`hcp.comm.boundary.route_forward`): first-stage LLM ranks hold their CP shards' image rows
+   as ONE leaf that requires grad;
+2. the LLM's 1F1B (each micro-batch reads its rows from the leaf by the plan's row ranges);
 3. the backward route of the leaf's gradient (`route_backward`), then the encoder backward.
-
-The step is an action list (`hcp.schedule.actions.colocated`, emitted by the step plan as
-`RankPlan.actions`) run by the one executor: `EncoderCompute` and `Route` actions around the
-LLM's 1F1B actions; `ColocatedStep.phases` gives the handlers of the former for one step.
-Both routes are collectives over the route's group: every rank runs all three phases in the same
-order (ranks without encoder images or without received rows move 0-row tensors), so NCCL sees
-the same sequence of collectives everywhere. Cutting the step at the leaf keeps the encoder out
-of the LLM's pipeline schedule: the encoder runs once per step over all of this rank's images
-(one large batch instead of one per micro-batch), and its gradient leaves in one message.
-
-Several encoders and streams (`run_streams`, `hcp.model.encoder_side.EncoderSide`): phase 1
-runs every encoder and routes every stream (one `all_to_all_single` per edge into the LLM, in
-stream order); phase 3 routes every stream's gradient back, then runs each encoder's backward.
-
-Precision (`hcp.config.precision.Precision`): the encoder forward (phase 1, and its phase-3
-recompute) runs under the run's autocast, as the LLM does, and its rows leave in the compute
-dtype, so both routes carry bf16 rows and gradients under `precision=bf16`.
-
-Encoder recompute (`recompute=True`, `vision.layout.recompute=full`): phase 1 runs without
-autograd and phase 3 recomputes the encoder forward before its backward, so no encoder
-activation is held across phase 2 (the price: one more encoder forward, its collectives
-included). Weight/optimizer offload during phase 2 (`offload`) is CUDA-only and not done here.
-"""
+The step is an action list (`hcp.schedule.actions.colocated`) run by the one executor;
+`ColocatedStep.phases` gives the handlers of its `EncoderCompute` and `Route` actions. Both
+routes are collectives: every rank runs all three phases in the same order (0-row tensors where
+it has nothing). Several streams (`run_streams`): one `all_to_all_single` per edge, in stream
+order. Rows and gradients travel in the compute dtype. Encoder recompute (`recompute=True`):
+phase 1 runs without autograd and phase 3 recomputes the forward before its backward."""
 from __future__ import annotations
 
 import contextlib

@@ -1,24 +1,13 @@
 """The one executor of action lists (`hcp.schedule.actions`): 1F1B inside a module, the graph-aware
-1F1B across islands (`hcp.schedule.graph`), all-forward evaluation; any schedule is a new builder
-of action lists, never a new loop.
+1F1B across islands, all-forward evaluation; a new schedule is a new builder, never a new loop.
 
-The executor sees micro-batch indices, a `forward` callable and one link per peer stage
-(`hcp.schedule.links`), never data sets or models. `forward(micro, inputs)` gets `inputs`,
-{peer stage: received activation} ({} on a source stage, which reads its own micro-batch; a leaf
-that requires grad in training), and returns the activation to send (the same tensor goes to
-every next stage of a branch) or, on a sink stage, the 0-d loss to differentiate (training) or
-any output (evaluation: `Executor.results`). A backward runs on the sum of the gradients the next
-stages returned, then each input leaf's gradient goes back to the stage it came from. All ops of
-one `Exchange` (every peer, every kind of link) are posted in ONE `batch_isend_irecv`.
-
-Gradients accumulate in the parameters' `.grad` (synchronous semantics: the same as running the
-micro-batches one after another). `SyncGrads` in the list (`hcp.schedule.actions.with_grad_sync`)
-says when the gradient reduction may start: `grad_sync(False)` before the list runs,
-`grad_sync(True)` at the marker (before the last backward when it overlaps).
-
-The colocated step's own actions (`EncoderCompute`, `Route`: `hcp.schedule.colocated`) run by
-`handlers`, {action type: handler(action)}; an `EncoderCompute` is timed as busy compute.
-"""
+It sees micro-batch indices, a `forward` callable and one link per peer stage
+(`hcp.schedule.links`). `forward(micro, inputs)` gets {peer stage: received activation} ({} on a
+source stage) and returns the activation to send or, on a sink, the 0-d loss (training) or any
+output (evaluation: `Executor.results`). A backward runs on the sum of the next stages'
+gradients and sends each input leaf's gradient back. All ops of one `Exchange` go in ONE
+`batch_isend_irecv`. Gradients accumulate in `.grad`; `SyncGrads` arms `grad_sync`. The colocated
+step's `EncoderCompute` / `Route` actions run by `handlers` ({action type: handler(action)})."""
 from __future__ import annotations
 
 import time

@@ -1,32 +1,14 @@
 """The graph-aware 1F1B across islands (docs/design.md 4.4) as pure action-list builders.
 
-Under `placement=non_colocated` every module of the graph (an encoder island, the LLM, ...)
-is a chain of pipeline stages, and `graph.edges` connects the LAST stage of a module to the
-FIRST stage of the next one. The builder numbers all stages globally (modules in the given
-order, each module's stages in order) and gives every stage a 1F1B action list
-(`hcp.schedule.actions.one_f_one_b_peers`) whose peers are its neighbours in that stage graph:
-an encoder island acts as pipeline stages before the LLM's first stage; a join (several
-modules into one) receives from all its producers in one batch, a branch (one module into
-several) sends to all its consumers in one batch and its backward waits for all their
-gradients. Every stage runs the micro-batches in the same order 0..m-1 (the order the LLM
-consumes them), and a stage's backward of micro-batch i runs once its gradient arrived.
-
-Warm-up depth. In a chain of p stages, stage s runs `p - s - 1` forwards before its first
-backward: its distance to the end of the pipeline. Here stage s gets `depth(s)`, the longest
-path (in edges) from s through the graph, computed so that every edge u -> v has
-`depth(u) = depth(v) + 1`: then each edge behaves exactly like two neighbouring stages of a
-plain 1F1B pipeline, which is why the lists are deadlock-free under NCCL's rendezvous rule
-(`hcp.schedule.rendezvous` checks them; tests/test_graph_schedule.py). When the sinks of one
-graph sit at different distances (a branch into consumers of different depths) the shallower
-branch runs with a deeper warm-up than its own length: it accepts what its producer sends
-ahead, and holds that many more activations.
-
-A graph where two paths between the same two stages differ in length (a skip connection, e.g.
-vision -> llm next to vision -> projector -> llm with the projector on its own stages) has no
-such depth: a producer would run ahead of one consumer by more than that consumer receives,
-and the lone sends would deadlock. `graph_depths` rejects it: put the modules of the shorter
-path on the same stages (e.g. the projector on the encoder's last stage, the default).
-"""
+Under `placement=non_colocated` every module of the graph is a chain of pipeline stages and
+`graph.edges` connects a module's LAST stage to the next one's FIRST. Stages are numbered
+globally (modules in order, then their stages) and each gets a 1F1B action list
+(`hcp.schedule.actions.one_f_one_b_peers`) over its neighbours: a join receives from all its
+producers in one batch, a branch sends to all its consumers in one batch. Every stage runs
+micro-batches 0..m-1 in the LLM's order. Stage s warms up `depth(s)` forwards, the longest path
+from s, so each edge behaves like two neighbouring stages of a plain 1F1B (deadlock-free under
+NCCL's rendezvous rule: `hcp.schedule.rendezvous`). `graph_depths` raises ValueError for two
+paths of different lengths between the same stages (a skip connection), which would deadlock."""
 from __future__ import annotations
 
 from collections import deque

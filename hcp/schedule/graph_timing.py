@@ -1,20 +1,11 @@
-"""Timing model of action lists (`hcp.schedule.actions`, e.g. the graph-aware 1F1B of
-`hcp.schedule.graph`): when each compute runs, each stage's busy time and its pipeline bubble.
+"""Timing model of action lists (`hcp.schedule.actions`): when each compute runs, each stage's busy
+time and its pipeline bubble.
 
-The rules are `hcp.schedule.rendezvous`'s, with clocks: a stage runs its list in order; a
-compute takes its duration; an `Exchange` is posted at the stage's current time and completes
-when every op in it is matched, at the latest posting time among it and its matching ops'
-batches (transfers take no time: fold them into the durations). So a stage also waits where its
-batching makes it wait (e.g. a 1F1B steady step holds the next forward until the gradient it
-batched with arrived), which a dependency-only model (`hcp.schedule.simulator`) does not see;
-for a plain pipeline the two agree. The colocated step's lists (`actions.colocated`) replay
-too: an `EncoderCompute` takes `encoder[s][0]` (forward) or `[1]` (backward) seconds and counts
-as busy; a `Route` is a collective of every list (`rendezvous.Collectives`), finishing when the
-last stage reaches it. starts / ends list the micro-batch computes only.
-
-Per island, the bubble of a stage is `1 - busy / iteration time`: the share of the step that
-stage sits idle (the regime benchmark reports it per island; docs/design.md 4.4).
-"""
+The rules are `hcp.schedule.rendezvous`'s with clocks: a compute takes its duration; an
+`Exchange` completes when every op in it is matched (transfers take no time), so a stage also
+waits where its batching makes it wait, which the dependency-only `hcp.schedule.simulator` does
+not see. The colocated step replays too: `EncoderCompute` takes `encoder[s][0]` / `[1]` seconds
+(busy); a `Route` is a collective of every list. A stage's bubble is `1 - busy / iteration time`."""
 from __future__ import annotations
 
 from collections import defaultdict

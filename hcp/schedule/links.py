@@ -1,20 +1,13 @@
 """Links of the executor (`hcp.schedule.executor`): each turns the schedule's abstract ops
 (`P2P(kind, micro, peer stage)`) into this rank's `torch.distributed.P2POp`s.
 
-- `PipeLink`: neighbouring stages of one module's pipeline (this rank to the rank with the
-  same TP/CP/DP coordinates on the peer stage); shapes from `spec(micro)`, known on every stage
-  before the schedule starts, so each step's sends and receives are posted together; a send
-  whose tensor does not have that shape raises instead of letting the peer read a wrong-sized
-  message;
-- `RouteLink`: an edge between islands, per micro-batch `RankRoute`s run by
-  `hcp.comm.island` (encoder last stage -> LLM first stage, fan-in/out, CP, TP);
-- `StreamsLink`: the routes of every stream between two islands (a branch: one encoder feeding
-  two projectors into the LLM) as one link; the stage's tensor is the streams' rows
-  concatenated in stream order, cut by rows the step plan gives.
-All ops of one `Exchange` (every peer, both kinds of link) are posted in ONE
-`batch_isend_irecv`, so every link of a rank must post on the same process group (e.g. the
-`pp` group of one module, the world, or the group of all islands' ranks).
-"""
+- `PipeLink`: neighbouring stages of one module's pipeline; shapes from `spec(micro)`, known on
+  every stage beforehand (a send of another shape raises);
+- `RouteLink`: an edge between islands, per micro-batch `RankRoute`s run by `hcp.comm.island`;
+- `StreamsLink`: every stream's routes between two islands as one link (the streams' rows
+  concatenated in stream order, cut by the plan's row counts).
+All ops of one `Exchange` go in ONE `batch_isend_irecv`, so every link of a rank posts on the
+same process group."""
 from __future__ import annotations
 
 from typing import Callable, Sequence

@@ -1,19 +1,11 @@
 """One module's pipeline on one stage: 1F1B for training, all-forward for evaluation, both as
-action lists (`hcp.schedule.actions`) run by the one executor (`hcp.schedule.executor`) over
-`PipeLink`s to the neighbouring stages.
+action lists run by the one executor (`hcp.schedule.executor`) over `PipeLink`s.
 
-`forward(i, x)` runs micro-batch i on this stage with the received activation x (None on the
-first stage, which reads its own micro-batch) and returns the activation for the next stage (in
-the dtype it travels in), or on the last stage a 0-d tensor to differentiate (the scaled loss)
-or, in evaluation, any output. Every stage knows every micro-batch's metadata before the
-schedule starts (`hcp.comm.p2p.broadcast_metas`, or the step plan), so `act_spec(i) -> (shape,
-dtype)` gives each receive buffer up front.
-
-1F1B (PipeDream-Flush, Narayanan et al. 2021): at most `p - s` micro-batches' activations are
-alive on stage s, and all weights are updated once after the flush (synchronous semantics: the
-result equals running the micro-batches one after another). The number of micro-batches may
-change every step.
-"""
+`forward(i, x)` runs micro-batch i with the received activation x (None on the first stage) and
+returns the activation for the next stage or, on the last, the 0-d scaled loss (or any output in
+evaluation). `act_spec(i) -> (shape, dtype)` gives each receive buffer up front. 1F1B
+(PipeDream-Flush, Narayanan et al. 2021): at most `p - s` micro-batches alive on stage s, one
+weight update after the flush; the number of micro-batches may change every step."""
 from __future__ import annotations
 
 from typing import Callable, Optional

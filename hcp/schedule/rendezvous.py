@@ -1,23 +1,13 @@
 """Check that a set of stages' action lists (`hcp.schedule.actions`) finishes under NCCL's
 rendezvous semantics, without processes.
 
-The model, conservative for NCCL with messages larger than its buffers:
-- each stage runs its list in order; a compute action finishes at once;
-- an `Exchange` posts all its ops together and the stage waits until every one of them is
-  matched: a send by its peer's receive, a receive by its peer's send, posted in the peer's
-  same-step batch or earlier. An unbatched `isend` is modelled as an Exchange of one op: NCCL
-  runs one pair's operations in issue order on one stream, so nothing issued after it to that
-  peer runs before it is matched;
-- between a pair of stages, the k-th send from a to b matches the k-th receive posted by b from
-  a, whatever the tags (NCCL ignores them); a match of different messages (kind or micro-batch)
-  is an error, since NCCL would silently deliver the wrong tensor.
-A `Route` (the colocated step's route, a collective over every rank) is one collective of all
-the lists: the k-th `Route` of each list finishes once every list has reached its k-th, which
-must be the same route (else ValueError: NCCL would pair different collectives). An
-`EncoderCompute` finishes at once.
-Data dependencies are checked too: a forward after its activation's receive, a send after the
-compute that produces its tensor, a backward after its forward and its gradient's receive.
-"""
+The model (conservative for messages larger than NCCL's buffers): each stage runs its list in
+order; an `Exchange` waits until every op in it is matched by its peer's op, posted in the peer's
+same-step batch or earlier (an unbatched send is an Exchange of one op); between two stages the
+k-th send matches the k-th receive, and a match of different messages is an error. The k-th
+`Route` (a collective) of every list must be the same route (else ValueError); compute and
+`EncoderCompute` finish at once. Data dependencies are checked too (a forward after its receive,
+a send after its compute, a backward after its forward and its gradient's receive)."""
 from __future__ import annotations
 
 from collections import defaultdict

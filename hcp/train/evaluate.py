@@ -1,23 +1,12 @@
 """Held-out evaluation: token-level loss and greedy-decoded answer accuracy.
 
-Micro-batches run through `run(batches, head) -> [tensor per micro-batch]` (the trainer's
-`StepRunner.forward_outputs`): under pipeline parallelism they go forward through every stage,
-`head` is applied on the last stage and its result reaches every stage, so the first stage can
-extend the prompts with the decoded tokens. Every stage builds the same packs from the held-out
-set (deterministic), so the decoding loop runs in lock-step on all ranks.
-
-DP lanes also run in lock-step, whatever their data: under FSDP every forward all-gathers over
-DP x CP, so every call of `run` gets the same number of micro-batches on every lane (a lane
-with fewer, or with no sample at all, is padded with `empty_batch`es), and greedy decoding goes
-on until the last prompt of every lane is done (one all-reduce of the active count per token).
-
-Under `packing=dynamic_cp` evaluation keeps the static layout: lanes of `llm.layout.dp`, the
-model's own CP group of `llm.layout.cp` (evaluation batches carry no per-micro-batch
-`cp_group`), packed first-fit per lane with the trainer's raised capacity
-(`eval_capacity`: a sample that training spreads over a larger CP group runs whole on its lane,
-forward only). So the collectives are those of `first_fit` (lock-step as above, no hang) and
-the held-out loss equals first_fit's for the same weights (tests/test_dcp_train.py).
-"""
+Micro-batches run through `run(batches, head)` (the trainer's `StepRunner.forward_outputs`):
+under PP the last stage's `head` result reaches every stage, so the first stage can extend the
+prompts. Every stage and DP lane runs in lock-step whatever its data: lanes with fewer
+micro-batches are padded with `empty_batch`es, and greedy decoding goes on until every lane is
+done (one all-reduce of the active count per token). Under `packing=dynamic_cp` evaluation keeps
+the static layout with the trainer's raised capacity (`eval_capacity`), so its collectives are
+first_fit's and its loss equals first_fit's for the same weights."""
 from __future__ import annotations
 
 from types import SimpleNamespace

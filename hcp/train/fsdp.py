@@ -1,41 +1,13 @@
 """Sharded data parallelism (`<module>.layout.dp_shard=true`) with torch's FSDP2 (`fully_shard`).
 
-Each module shards over its own DP x CP group (`shard_model`: the LLM; `shard_encoder`: the
-vision encoder and the projector, each on its own mesh, colocated on the same ranks).
-
-Parameters, gradients and AdamW state are sharded over the LLM's joint DP x CP group (a 1-D
-`DeviceMesh` made from the existing process group): each decoder layer is one FSDP unit (its
-parameters are all-gathered for its forward and backward and its gradients reduce-scattered
-right after its backward), the root unit holds the rest of this stage (embedding, vision encoder
-and projector on the first stage; final norm and LM head on the last).
-
-Composition with the other parallelisms:
-- TP: TP-sharded parameters are plain local tensors to FSDP (it shards each rank's TP slice
-  over DP x CP); their `shard_spec` is re-attached to the new DTensor parameters so clipping and
-  checkpoints still know them.
-- Token-level loss: the loss is already divided by the global token count, so the gradients
-  must be SUMMED over DP x CP, never averaged: the divide factor is 1 and the reduction a sum.
-- PP / gradient accumulation: `StepRunner` turns gradient sync off for every micro-batch but the
-  last (`set_requires_gradient_sync`), so each step reduce-scatters once.
-- Unused parameters: a lane whose samples carry no image leaves the encoder and projector out
-  of its graph; every unit reduce-scatters them anyway (zeros there,
-  `set_reduce_scatter_unused_params`), so every rank's reduce-scatter has the same size.
-- bf16: compute runs under autocast (`hcp.train.step`), so parameters, gradients and their
-  reduction stay fp32.
-
-The encoder side (`shard_encoder`) shards each module whose layout has `dp_shard` over that
-module's DP x CP group (the encoder's lanes times its CP ranks, `vision.layout.cp`; under encoder TP each rank's TP slice is sharded, as
-above): each ViT block is one unit, the `vision` root holds the patch and position embeddings and
-the pre-norm; the projector is one unit. The encoder runs once per step (phase 1 of
-`hcp.schedule.colocated`, recomputed in phase 3 under `recompute=full`) and backward once, so its
-reduce-scatter runs once per step with no gradient-sync toggling. Every encoder lane runs that
-forward and backward, also with no image (a `[0, C, H, W]` batch, whose zero gradients still
-reach every parameter), so lanes with no or fewer images issue the same all-gathers and
-reduce-scatters. Each module's root unit reshards after its forward too (FSDP keeps a root whole
-by default): its backward comes only after the LLM's phase, which should not hold it whole.
-Its gradients are summed like the LLM's (divide factor 1); the clipping norm
-sums the shards' squares over the module's DP x CP group (`hcp.train.modules.encoder_sq_norm`).
-"""
+Each module shards over its own DP x CP group (`shard_model`: the LLM, one FSDP unit per decoder
+layer plus the stage's root; `shard_encoder`: the vision encoder, one unit per ViT block, and
+the projector, each on its own mesh). TP-sharded parameters keep their `shard_spec` on the new
+DTensors (clipping, checkpoints). Gradients are SUMMED over DP x CP (divide factor 1: the loss
+is already token-level); `StepRunner` turns gradient sync on for the last micro-batch only.
+Every unit reduce-scatters unused parameters too (a lane with no image), and every encoder lane
+runs its forward and backward even with no image, so all ranks issue the same collectives. An
+encoder's root reshards after its forward (its backward comes after the LLM's phase)."""
 from __future__ import annotations
 
 import torch

@@ -1,25 +1,12 @@
 """Gradient sum over a DP (x CP) group in buckets, overlapped with the last backward.
 
-The reduction of the LLM's replicated (not FSDP-sharded) gradients, done the way torch's
-`DistributedDataParallel` reducer does it (Li et al., "PyTorch Distributed: Experiences on
-Accelerating Data Parallel Training", VLDB 2020): the trainable parameters, in reverse
-registration order (about the order backward produces their gradients), are cut into buckets
-(the first of at most `FIRST_BUCKET_BYTES`, the others of at most `BUCKET_BYTES`, DDP's
-defaults). During the last micro-batch's backward a bucket's flat all-reduce is launched
-(`async_op`) as soon as every one of its gradients is final, while backward goes on with the
-earlier layers; `finish()` launches what is left, waits, and hands the sums back.
-
-Same collectives on every rank, whatever the data: the hooks fire in autograd order, which
-differs between ranks whose micro-batches differ (a text-only lane leaves the image path out of
-its graph; another lane's last micro-batch may not use a parameter at all). So a bucket is
-launched only when it is complete AND every bucket before it has been launched: the launches
-are always buckets 0, 1, ..., n-1, once each per step, on every rank (NCCL runs collectives in
-issue order; gloo matches them by order). A parameter that got no gradient on this rank joins
-with zeros; its bucket is launched by `finish()`, in order.
-
-Parameters and gradients stay fp32 (bf16 is the autocast compute dtype only), so buckets are
-reduced in fp32. FSDP-sharded modules reduce-scatter in their own backward and use none of this.
-"""
+The LLM's replicated gradients are reduced as torch's DDP reducer does it (Li et al., VLDB 2020):
+trainable parameters in reverse registration order are cut into buckets (`FIRST_BUCKET_BYTES`,
+then `BUCKET_BYTES`); during the last micro-batch's backward a bucket's flat all-reduce is
+launched (`async_op`) once its gradients are final; `finish()` launches the rest, waits and hands
+the sums back. A bucket launches only when complete AND every bucket before it has launched, so
+every rank issues buckets 0..n-1 in the same order whatever its data; a parameter with no
+gradient here joins with zeros. Buckets are fp32. FSDP-sharded modules use none of this."""
 from __future__ import annotations
 
 import torch

@@ -1,69 +1,18 @@
-"""Training under placement=non_colocated: each rank builds and runs only its island's modules,
-and one step runs the graph-aware 1F1B across the islands (docs/design.md 4.4). `Islands` is the
-placement's runtime that the one `hcp.train.trainer.Trainer` composes (it never imports the
-trainer: everything it needs comes as arguments).
+"""Training under placement=non_colocated (docs/design.md 4.4): each rank builds and runs only its
+island's modules, and one step is the graph-aware 1F1B across the islands. `Islands` is the
+placement's runtime that `hcp.train.trainer.Trainer` composes (it never imports the trainer).
 
-The world is cut into islands (`hcp.config.layouts`): each encoder island runs one encoder (a
-ViT) with its projector(s) under the encoder's own TP, DP and PP (`hcp.model.encoder_stage`:
-blocks split over the stages, the projectors on the last), the LLM island runs the LLM stages.
-Several encoders (`encoders.<name>`, `hcp.config.modules`) each get their own island: a join
-(two encoder islands feeding the LLM's first stage) or a branch (one island whose tower feeds
-two projectors, each a stream of rows into the LLM; the tower runs once and its gradient is
-the sum of both). The step plan (`hcp.plan.step`) gives every encoder lane one micro-batch per
-LLM micro-batch, in the order the LLM consumes them, and per stream a routing table per
-micro-batch from its encoder's last stage to the LLM's first stage (destination CP: rows go to
-the CP rank holding their positions; destination TP: the TP leader receives and broadcasts);
-an island's streams travel as one link (`StreamsLink`), cut by the plan's row counts. Only
-encoder ranks read their encoder's inputs (first stage), only LLM ranks read text (first
-stage; labels on the last).
-
-The step (`Islands.forward_backward`): the module graph (`graph.edges`, modules on a
-shared island folded into its head) becomes a stage graph (`hcp.schedule.graph`): an encoder
-island's stages run before the LLM's first stage, the warm-up depth follows the longest path,
-and each stage runs its action list (`hcp.schedule.executor`): an encoder backward of
-micro-batch i runs when its gradient arrives. All point-to-point ops of one schedule step go
-out in one `batch_isend_irecv` on one dedicated group over all ranks (pipeline links and
-island routes alike; NCCL needs one group per batch; kept apart from the world group's
-collectives), and every rank of the LLM runs every micro-batch (empty ones included), so each
-island's ranks post the same sequence of ops and collectives.
-
-Precision (`hcp.config.precision.Precision`, the colocated schedule's too): every island's
-forward runs under the run's autocast; island routes and pipeline links carry activations and
-their gradients in the compute dtype, and a received residual stream is widened back to fp32.
-
-Then: gradients summed over each module's own DP (x CP) group, the clipping norm global over
-every module and rank (each module's squared norm, reduced over its TP and PP groups, enters one
-world all-reduce from the module's lowest rank), one optimizer step for all modules, the loss
-and counts from the plan (the loss is shared with every rank by one world broadcast from the
-logging rank, the lowest rank of the LLM's last stage, so every rank takes the same
-non-finite decision). Checkpoints: each rank saves its own modules under their FQNs.
-
-Evaluation: every encoder island sends its whole weights to the LLM's first stage, which then
-evaluates as under colocation (`Islands.whole_encoders`, `hcp.train.island_eval`).
-
-Encoder recompute (`<encoder>.layout.recompute=full`, its projectors follow): each ViT block
-of the island keeps only its input per micro-batch in flight and runs its forward again in its
-backward (`hcp.model.vit.ViTEncoder`'s `recompute`; TP collectives of the recompute run on every
-TP rank at the same schedule step), as plan mode's memory estimate assumes.
-
-FSDP (`<encoder>.layout.dp_shard=true`, its projectors follow; `llm.layout.dp_shard=true`):
-an encoder island's stage shards over its DP x CP group (`hcp.train.fsdp.shard_island`), the LLM's
-over its DP x CP group; each reduce-scatters once per step (gradient sync on for the last
-backward only).
-
-Encoder CP (`<encoder>.layout.cp`): every input's tokens split over the island's CP ranks
-(`hcp.model.vit`); the routes take each row from the CP rank that holds it (`hcp.plan.island_routes`).
-
-Dynamic CP (`packing=dynamic_cp`): the plan packs each LLM micro-batch and picks its CP group
-inside the LLM island's pool; every LLM micro-batch runs on its plan's pre-built group
-(`cp_groups`, resolved by the trainer; an empty one still runs, so every rank of the island
-keeps the schedule), and the routes send each row to the CP rank of that group whose head-tail
-chunks hold it.
-
-Not built yet (refused in `hcp.train.support`): selective encoder recompute, a projector on an
-island of its own (or with a recompute or dp_shard other than its encoder's), a fully frozen
-island.
-"""
+Each encoder island runs one encoder (with its projectors) under its own TP/CP/DP/PP
+(`hcp.model.encoder_stage`); the LLM island runs the LLM stages. The step plan gives every
+encoder lane one micro-batch per LLM micro-batch and per stream a route to the CP rank holding
+each row (`hcp.plan.island_routes`). All point-to-point ops of one schedule step go out in one
+`batch_isend_irecv` on one dedicated all-rank group, and every LLM rank runs every micro-batch
+(empty ones too), so each island's ranks post the same ops and collectives. Routes and links
+carry the compute dtype. Then: per-module DP (x CP) gradient sums, one global clipping norm,
+one optimizer step; the loss goes to every rank by one world broadcast from the logging rank.
+Evaluation lends every encoder's whole weights to the LLM's first stage (`Islands.whole_encoders`).
+Refused in `hcp.train.support`: selective encoder recompute, a projector on its own island (or
+unlike its encoder), a fully frozen island."""
 from __future__ import annotations
 
 import time

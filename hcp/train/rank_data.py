@@ -1,6 +1,7 @@
 """What one rank loads for its LLM micro-batches of a step, from the step plan alone: the
-text of its micro-batches on the LLM's first stage, the labels on the last (for the loss), and
-every micro-batch's `StageMeta` (the pipeline's shapes: no metadata broadcast).
+text of its micro-batches on the LLM's first stage, the labels on the last (for the loss),
+every micro-batch's `StageMeta` (the pipeline's shapes: no metadata broadcast) and, under
+dynamic CP, every micro-batch's CP group.
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
+from hcp.dcp.policy import micro_batch_group
 
 
 def llm_inputs(mine, indices, dataset, image_token_id: int, stage, device) -> tuple[list | None, list]:
@@ -46,3 +48,12 @@ def llm_inputs(mine, indices, dataset, image_token_id: int, stage, device) -> tu
             [torch.arange(n, device=device) for n in lengths]), labels, lengths,
             sum(t != -100 for t in host_labels)))
     return batches, metas
+
+
+def micro_batch_groups(groups, mine, rank: int) -> list:
+    """Under dynamic CP, the CP process group of each micro-batch this rank runs (those
+    `llm_inputs` gives): the plan's (`MicroBatchPlan.cp_size`, `cp_rank`) pre-built group
+    (`hcp.dcp.policy.micro_batch_group`); None at CP size 1 and for an empty micro-batch,
+    which runs no CP collective."""
+    return [None if mb.empty else micro_batch_group(groups, mb, rank)
+            for mb in mine.micro_batches if mine.keep_empty or not mb.empty]

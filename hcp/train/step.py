@@ -1,33 +1,14 @@
 """One training step's forward/backward on one rank of the LLM's grid, and gradient clipping.
 
-Token-level loss (docs/design.md section 3): every micro-batch's loss sum is divided by the number
-of loss tokens of the whole global batch (all micro-batches, DP lanes and CP ranks), counted
-with one all-reduce over the first stage's DP group before any forward pass, or taken from the
-step plan (`planned`: no collective), so gradients summed over DP x CP equal the
-single-process gradient of the same global batch.
-
-Pipeline: the first stage holds the data; it broadcasts [number of micro-batches, global loss
-tokens, global tokens] over the `pp` group (the number may change every step), then every
-micro-batch's metadata (`_metas`, `hcp.comm.p2p.broadcast_metas`), so every point-to-point
-receive of the schedule has a known shape and each schedule step's sends and receives are posted
-together. Activations and their gradients travel in the run's compute dtype
-(`hcp.config.precision.Precision`: bf16 under `precision=bf16`). Every step runs the 1F1B
-schedule (`hcp.schedule.pipeline`; with pp = 1 it is plain gradient accumulation). Only the last stage computes the loss; the reported loss is
-reduced over DP x CP there and then shared with every stage.
-
-Gradient sync: plain DP sums the gradients over DP x CP in buckets launched during the last
-micro-batch's backward, in the same order on every rank (`hcp.train.grad_reduce.GradReducer`,
-as DDP); under FSDP (`sharded=True`, the model is `fully_shard`-ed by `hcp.train.fsdp`) the
-reduce-scatter runs in the last micro-batch's backward and nothing is summed here.
-
-Uneven data, same collectives on every rank: under FSDP each micro-batch's forward and backward
-all-gather over DP x CP, so a lane that packs fewer micro-batches than another is padded with
-empty ones (`hcp.data.packing.pad_micro_batches`: zero loss, tokens and gradient); the per-lane
-counts come from the step's one DP all-reduce (the step plan will compute them locally). Every
-trainable parameter joins the gradient reduction, with zeros where a lane got no gradient (a
-text-only lane leaves the encoder and projector out of its graph); when no lane had an image,
-the encoder and projector get no gradient at all, as in one process.
-"""
+Token-level loss (docs/design.md section 3): every micro-batch's loss sum is divided by the
+global batch's loss-token count (from the step plan, or counted with one DP all-reduce), so
+gradients summed over DP x CP equal the single-process gradient. Every step runs the 1F1B
+schedule (`hcp.schedule.pipeline`; plain gradient accumulation at pp = 1); with pp > 1 the first
+stage broadcasts the counts and each micro-batch's `StageMeta` unless the plan gives them.
+Activations travel in the compute dtype. Gradient sync: DDP-like buckets over DP x CP
+(`hcp.train.grad_reduce.GradReducer`), or FSDP's reduce-scatter in the last backward. Under FSDP
+a lane with fewer micro-batches is padded with empty ones (`pad_micro_batches`), so every rank
+issues the same collectives; with no image anywhere the encoder gets no gradient, as in one process."""
 from __future__ import annotations
 
 import torch

@@ -14,24 +14,13 @@ from hcp.config.errors import ConfigError
 
 
 def check_trainable(cfg, specs) -> None:
-    """Raise ConfigError for a valid layout that training does not run yet (`specs`:
-    `hcp.config.specs.ModuleSpecs` with layouts).
-
-    Not yet trained: a pooling projector (`pool` > 1) behind an encoder with CP (the pool's
-    windows span the CP ranks' chunks), encoder PP under colocated placement (encoder PP runs on
-    its own island under non_colocated); under non_colocated a projector's recompute or
-    dp_shard other than its island's, a fully frozen island, a projector on an island of its
-    own (`_check_islands_trainable`);
-    `selective` recompute outside the LLM, and tied embeddings across LLM stages. Each can be
-    planned with `mode=plan`. `packing=dynamic_cp` trains under every LLM layout that trains
-    (TP, PP, dp_shard, an encoder side colocated or on islands), given a power-of-two CP pool that holds the
-    longest sample (`hcp.config.validate`) and a cost profile that loads (`check_profile`).
-    Under dynamic CP every TP rank of a pool position runs the same micro-batches, every
-    pipeline stage the plan's micro-batches (empty ones included) with its CP group of each,
-    `llm.layout.dp_shard` one micro-batch per group and round, and an encoder side routes image
-    rows to the CP rank that holds their positions. A global batch with fewer samples than pool
-    ranks trains (ranks without a sample run empty micro-batches: no collective hangs).
-    """
+    """Raise ConfigError for a valid layout that training does not run yet (each can still be
+    planned with `mode=plan`; `specs`: `hcp.config.specs.ModuleSpecs` with layouts): a pooling
+    projector (`pool` > 1) behind encoder CP, encoder PP under colocated placement, what
+    `_check_several_encoders_trainable` refuses, under non_colocated a projector unlike its island
+    or on an island of its own or a fully frozen island (`_check_islands_trainable`), `selective`
+    recompute outside the LLM, tied embeddings across LLM stages, and under `packing=dynamic_cp` a
+    cost profile that does not load (`check_profile`)."""
     layouts = specs.layouts
     llm = layouts["llm"]
     check_profile(cfg)

@@ -1,23 +1,14 @@
-"""The training loop of one rank: step plan -> this rank's data -> the colocated three-phase step
--> per-module gradient sync -> one AdamW step -> metrics, evaluation and checkpoints.
+"""The training loop of one rank: step plan -> this rank's data -> the step's action list ->
+per-module gradient sync -> one AdamW step -> metrics, evaluation and checkpoints.
 
-Every step is decided by the step plan (`hcp.plan`, docs/design.md 4.1), computed for step k+1 on a
-background thread while step k runs (`hcp.plan.ahead.PlanAhead`) from the length index built
-once when the data is read. Each rank loads only what its plan gives it: the images of its
-encoder lane's samples (the encoder side: vision + projector under their own TP/DP layout) and,
-on the LLM's first pipeline stage, the text of its micro-batches. The step is
-the plan's action list for this rank (`RankPlan.actions`) run by the one executor
-(`hcp.train.step.StepRunner`): encoder forward, the route of image rows to the LLM CP shards
-that hold their positions (`hcp.schedule.colocated`), the LLM's 1F1B, the route of their
-gradients back, the encoder backward. Loss is token-level over the whole global batch
-(docs/design.md section 3): every module is scaled by the same global count; gradients are summed
-over each module's own DP (x CP) group, the clipping norm is global over every module, and one
-optimizer steps them all. A text-only LM (no vision) runs the LLM phase alone. Several encoders
-(joins, branches: `hcp.train.encoders`) run as one encoder side with one route per stream.
-Under `placement=non_colocated` the same trainer composes the islands' runtime
-(`hcp.train.islands.Islands`): a rank builds only its island's modules and the step is the
-graph-aware 1F1B across the islands.
-"""
+Every step is decided by the step plan (`hcp.plan`, docs/design.md 4.1), computed for step k+1
+while step k runs (`hcp.plan.ahead.PlanAhead`); each rank loads only what its plan gives it (its
+encoder lane's images; on the LLM's first stage the text of its micro-batches). The one executor
+(`hcp.train.step.StepRunner`) runs the plan's action list: encoder forward, the route of image
+rows to the LLM's CP shards (`hcp.schedule.colocated`), the LLM's 1F1B, the route back, the
+encoder backward. Loss is token-level over the global batch; each module sums its gradients over
+its own DP (x CP) group, the clipping norm is global, one optimizer steps all modules. Under
+`placement=non_colocated` the trainer composes `hcp.train.islands.Islands` instead."""
 from __future__ import annotations
 
 import time
@@ -30,7 +21,7 @@ from hcp.config.precision import Precision
 from hcp.config.specs import resolve_modules
 from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
-from hcp.dcp.policy import cp_histogram, micro_batch_group
+from hcp.dcp.policy import cp_histogram
 from hcp.model import LlavaModel
 from hcp.model.backends import resolve_backend
 from hcp.model.init import materialize, meta_build
@@ -55,7 +46,7 @@ from hcp.train.modules import RankModules, clip_, local_grad_sq, module_sq_norm
 from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
 from hcp.train.plan_check import check_plans_agree
 from hcp.launch.preempt import Preemption, continue_wandb_run
-from hcp.train.rank_data import llm_inputs
+from hcp.train.rank_data import llm_inputs, micro_batch_groups
 from hcp.train.step import StepRunner, plan_counts
 from hcp.launch.supervise import record_step
 from hcp.train import encoders as sides  # one or several encoders (joins, branches)
@@ -265,14 +256,9 @@ class Trainer:
         return loss, plan_counts(mine, counts), n_micro
 
     def _cp_groups(self, mine):
-        """Under dynamic CP, the CP process group of each micro-batch this rank runs: the
-        plan's group (`MicroBatchPlan.cp_size`, `cp_rank`) resolved to its pre-built group
-        (`hcp.dcp.policy.micro_batch_group`; None at CP size 1 and for an empty micro-batch,
-        which runs no CP collective). Else None: the model's own CP group."""
-        if not self.dynamic_cp:
-            return None
-        return [None if mb.empty else micro_batch_group(self.groups, mb, self.rank)
-                for mb in mine.micro_batches if mine.keep_empty or not mb.empty]
+        """Under dynamic CP, each micro-batch's CP group (`hcp.train.rank_data.micro_batch_groups`);
+        else None: the model's own CP group."""
+        return micro_batch_groups(self.groups, mine, self.rank) if self.dynamic_cp else None
 
     def _check_plan(self, checksum: int) -> None:
         """`trainer.check_plan`: every rank must have computed the same step plan
