@@ -193,16 +193,19 @@ def lp_model(M: int, cost: CostModel, work: np.ndarray, smallest: np.ndarray, st
 
 
 def lp_makespan(M: int, cost: CostModel, work: np.ndarray, smallest: np.ndarray,
-                stages=None, sizes: bool = False, pin: tuple[int, np.ndarray] | None = None):
+                stages=None, sizes: bool = False, pin: tuple[int, np.ndarray] | None = None,
+                model: tuple | None = None):
     """LP(M) of the module docstring (seconds); `work`, `smallest`: Phi_s and the least phi_s
     per stage `[p]`. `stages` (sorted, with 0 and p - 1; default all) keeps the op order of
     those stages only; between kept stages a < b the skipped ones contribute their durations:
     F(a, j) ends + sum_{a<s<b} F_sj <= F(b, j) starts, and likewise for B from b to a (implied
     by (d), so this is a relaxation: a lower bound on LP(M)). With `sizes`, returns
     `(LP(M), x)`, x `[p, M]` the optimal forward seconds of each stage and micro-batch. With
-    `pin = (j, floor [p])`, row j's x is at least `floor` (hcp/dcp/pinned_bound.py, Claim 1)."""
-    A, rhs, lower, cls = lp_model(M, cost, work, smallest, stages)
+    `pin = (j, floor [p])`, row j's x is at least `floor` (hcp/dcp/pinned_bound.py, Claim 1).
+    `model`: `lp_model(M, cost, work, smallest, stages)` built once for several pins (unchanged)."""
+    A, rhs, lower, cls = model if model is not None else lp_model(M, cost, work, smallest, stages)
     if pin is not None:
+        lower = lower.copy()
         for c in range(int(cls.max()) + 1):
             lower[c * M + pin[0]] = max(lower[c * M + pin[0]], float(pin[1][cls == c].max()))
     n = lower.size

@@ -67,11 +67,6 @@ def _place_multi(rows, order, cs, lens, height, tau, pool, m):
         g[4] += h
 
 
-def _fit_len(room: int, c: int) -> int:
-    """The longest document that fits `room` free tokens per rank of a group of c ranks."""
-    return room if c == 1 else 2 * c * (room // 2)
-
-
 def _place_single(rows, order, lens, heights, pool, m, offsets):
     """Step 3 for sequences with c = 1: LPT over the free ranks and the open groups (a short
     sequence may join a group of size c at its per-rank cost `heights[log2 c, i]`), tokens
@@ -83,26 +78,30 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
         heap += [(offsets[ri], ri, k, None) for k in r.free_ranks()]
     heapq.heapify(heap)
     shortest = int(lens[order].min()) if order else 0
-    lens, heights = lens.tolist(), heights.tolist()  # Python scalars: the loop is per sequence
+    # Python scalars, the helpers inlined (_fit_len, rank_tokens_of): the loop is per sequence
+    lens, heights = lens.tolist(), heights.tolist()
+    one = heights[0]
+    push, pop, replace = heapq.heappush, heapq.heappop, heapq.heapreplace
     waiting = []  # slots too full for the current sequence, by room: `order` is longest first,
     for i in order:  # so a slot comes back once the sequences get short enough to fit it
         n = lens[i]
         while waiting and -waiting[0][0] >= n:
-            heapq.heappush(heap, heapq.heappop(waiting)[1])
+            push(heap, pop(waiting)[1])
         while heap:  # the least loaded slot stays on top until it is known to fit
-            key, ri, k, g = heap[0]
+            key, ri, k, g = top = heap[0]
             if g is None:
                 g = [k, 1, [], 0, 0.0]
                 rows[ri].mask &= ~(1 << k)
                 rows[ri].nfree -= 1
                 rows[ri].groups.append(g)
-                heap[0] = (key, ri, k, g)  # same order: keys and slots are unique
-            room = _fit_len(m - g[3], g[1])
+                heap[0] = top = (key, ri, k, g)  # same order: keys and slots are unique
+            c = g[1]
+            room = m - g[3] if c == 1 else 2 * c * ((m - g[3]) // 2)
             if n <= room:
                 break
-            heapq.heappop(heap)
+            pop(heap)
             if room >= shortest:  # full for this one; a shorter sequence may still fit
-                heapq.heappush(waiting, (-room, (key, ri, k, g)))
+                push(waiting, (-room, top))
         else:
             r = _Row(pool)
             rows.append(r)
@@ -111,13 +110,18 @@ def _place_single(rows, order, lens, heights, pool, m, offsets):
             g = [r.take_block(1), 1, [], 0, 0.0]
             r.groups.append(g)
             for q in r.free_ranks():
-                heapq.heappush(heap, (0.0, ri, q, None))
-            heapq.heappush(heap, (key, ri, g[0], g))
-        h = heights[g[1].bit_length() - 1][i]
+                push(heap, (0.0, ri, q, None))
+            push(heap, (key, ri, g[0], g))
+            c = 1
+        if c == 1:
+            h = one[i]
+            g[3] += n
+        else:
+            h = heights[c.bit_length() - 1][i]
+            g[3] += 2 * (-(-n // (2 * c)))
         g[2].append(i)
-        g[3] += rank_tokens_of(n, g[1])
         g[4] += h
-        heapq.heapreplace(heap, (key + h, ri, g[0], g))  # the slot on top takes its new load
+        replace(heap, (key + h, ri, g[0], g))  # the slot on top takes its new load
 
 
 def level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open: int = 0,

@@ -76,7 +76,8 @@ from hcp.dcp.rounds import merge_rounds
 from hcp.dcp.lower_bound import cp_sizes
 from hcp.dcp.pinned_bound import pin_floor
 from hcp.dcp.pipeline_search import improve_pipeline
-from hcp.dcp.pipeline_bound import lp_makespan, stage_classes, stage_floors, staged_bound
+from hcp.dcp.pipeline_bound import (lp_makespan, lp_model, stage_classes, stage_floors,
+                                     staged_bound)
 from hcp.dcp.packing import Packing, max_length, prepare_lengths, rank_tokens
 from hcp.dcp.rows import level_plan, shaped_plan
 from hcp.schedule.simulator import simulate_1f1b
@@ -210,14 +211,16 @@ def _pinned_sizes(rows: int, cost: CostModel, work, smallest, floor) -> np.ndarr
     # constraint), so x_sj >= lo_s Phi_0 / rows (the stage ratios)
     if (lo[cls] * work[0] / rows >= floor).all():
         return None
-    x = lp_makespan(rows, cost, work, smallest, stages, sizes=True)[1]
+    model = lp_model(rows, cost, work, smallest, stages)  # the same LP for every pin
+    x = lp_makespan(rows, cost, work, smallest, stages, sizes=True, model=model)[1]
     if (x >= floor[:, None]).all(axis=0).any():
         return None
     memo: dict[int, tuple[float, np.ndarray]] = {}
 
     def lp(j: int) -> float:
         if j not in memo:
-            t, x = lp_makespan(rows, cost, work, smallest, stages, sizes=True, pin=(j, floor))
+            t, x = lp_makespan(rows, cost, work, smallest, stages, sizes=True, pin=(j, floor),
+                               model=model)
             memo[j] = (t, x[0])
         return memo[j][0]
 
