@@ -56,6 +56,8 @@ LAYOUTS = {
     "encoder_cp2": ["llm.layout.cp=2", "packing=dynamic_cp", "vision.layout.cp=2"],
     "encoder_cp4": ["llm.layout.cp=2", "packing=dynamic_cp", "vision.layout.cp=4"],
 }
+DP_ONLY = ("static", "dynamic")
+"""The layouts whose vision island is DP only: the encoder model's calibration (`calibrate`)."""
 COMPARE = {"dynamic CP vs static CP (LLM island)": ("static", "dynamic", "llm"),
            "encoder CP 2 x DP 2 vs DP 4 (vision island)": ("dynamic", "encoder_cp2", "vision"),
            "encoder CP 4 vs DP 4 (vision island)": ("dynamic", "encoder_cp4", "vision")}
@@ -107,66 +109,169 @@ def _rank(payload) -> None:
         json.dump({"busy": busy, "losses": losses, "head": tr.head}, f)
 
 
-def modelled(cfg, layouts, planner, batches) -> dict[str, dict]:
-    """Per island: {"critical", "bound"} (seconds under the profile for the LLM, FLOPs for the
-    encoder), summed over `batches` (module docstring)."""
+def encoder_work(cfg, vis, plan) -> np.ndarray:
+    """float [vision ranks, 4] of one step plan: per rank of the vision island (layout `vis`),
+    its training FLOPs (its lane's images, each rank computing its k = ceil(S / cp) positions of
+    every image: `encoder_flops` x k / S), the K/V bytes it receives (the all-gather of K and V
+    per block forward, the reduce-scatter of their gradients backward: 2 x (cp - 1) x k x 2D
+    elements per image and block), its layer calls (blocks + patch embedding + projector per
+    micro-batch with images) and its CP attention calls (one per block and such micro-batch)."""
+    from hcp.model.flops import encoder_flops
+    from hcp.parallel import encoder_cp
+
+    v = cfg.vision
+    blocks = v.num_layers + v.select_layer + 1
+    tokens = (v.image_size // v.patch_size) ** 2 + encoder_cp.LEAD
+    k = encoder_cp.chunk(tokens, vis.cp)
+    per_image = encoder_flops(v, cfg.llm.hidden_size, 1.0) * k / tokens
+    kv_bytes = 2 * (vis.cp - 1) * k * 2 * v.hidden_size * 4 * blocks
+    out = []
+    for r in vis.ranks:
+        images = np.asarray(plan.rank(r).encoder_inputs["vision"], dtype=np.float64)
+        busy = float((images > 0).sum())
+        out.append([images.sum() * per_image, images.sum() * kv_bytes, busy * (blocks + 2),
+                    busy * blocks * (vis.cp > 1)])
+    return np.array(out)
+
+
+def calibrate(results: dict) -> tuple[float, float]:
+    """(seconds per FLOP, seconds per layer call) of the encoder on this machine: fitted (non-
+    negative least squares) to the DP-only vision islands' step critical paths (`DP_ONLY`, whose
+    CP columns are 0) as the step's most FLOPs x a + its most layer calls x b."""
+    from scipy.optimize import nnls
+
+    x, y = [], []
+    for name in DP_ONLY:
+        for work, busy in zip(results[name]["model"]["vision"]["work"], results[name]["vision_steps_s"]):
+            w = np.asarray(work)
+            x.append([w[:, 0].max(), w[:, 2].max()])
+            y.append(busy)
+    (per_flop, per_call), _ = nnls(np.array(x), np.array(y))
+    return float(per_flop), float(per_call)
+
+
+def cp_coefficients(cfg) -> list[float]:
+    """[seconds per K/V byte, seconds per CP attention call] of the vision layout of `cfg`, from
+    the run's gloo profile (`packing_profile`, fitted on this kind of machine): its CP bandwidth
+    and its `cp_overhead` + `cp_latency` ring steps per layer, forward plus twice that backward,
+    as `hcp.dcp.cost_model.CostModel` charges an LLM layer."""
+    from hcp.dcp.cost_model import CostModel, load_profile
+
+    cost = CostModel(cfg.llm, load_profile(cfg.packing_profile))
+    cp = cfg.vision.layout.cp
+    per_call = float(cost.latency(cp)[0] / cost.cp_layers[0]) * (1 + cost.bwd_factor)
+    return [1 / float(cost.bandwidth(cp)), per_call]
+
+
+def encoder_times(work, coef: np.ndarray) -> tuple[float, float]:
+    """(modelled, bound) seconds of the vision island, medians over the steps of `work`
+    ([steps, ranks, 4], `encoder_work`): modelled, the step's most loaded rank in each column
+    (its ranks meet at every micro-batch), bound, the columns' means over its ranks (module
+    docstring: a lower bound of any rank's maximum)."""
+    w = np.asarray(work)
+    return float(np.median(w.max(1) @ coef)), float(np.median(w.mean(1) @ coef))
+
+
+def modelled(cfg, layouts, planner, batches) -> dict:
+    """LLM island: {"critical", "bound"} seconds under the profile, summed over `batches`;
+    vision island: "work", `encoder_work` of each batch (module docstring)."""
     from hcp.dcp.cost_model import CostModel, load_profile
     from hcp.dcp.lower_bound import lower_bound
     from hcp.dcp.solver import simulate_plan
-    from hcp.model.flops import encoder_flops
 
-    llm, vis = layouts["llm"], layouts["vision"]
+    llm = layouts["llm"]
     cost = CostModel(cfg.llm, load_profile(cfg.packing_profile))
     cap = cfg.trainer.micro_batch_tokens
-    out = {"llm": [0.0, 0.0], "vision": [0.0, 0.0]}
-    per_image = encoder_flops(cfg.vision, cfg.llm.hidden_size, 1.0)
+    out = {"llm": {"critical": 0.0, "bound": 0.0}, "vision": {"work": []}}
     for indices in batches:
         plan = planner(indices)
-        out["llm"][0] += simulate_plan(plan.packing, plan.sizes.tokens, cost).iteration_time
-        out["llm"][1] += lower_bound(plan.sizes.tokens, cost, llm.dp * llm.cp, cap, several_per_round=True)
-        images = plan.sizes.images.astype(float)
-        lanes = images.reshape(vis.dp, -1).sum(1)   # lane l encodes block l; its CP ranks split each image
-        out["vision"][0] += lanes.max() * per_image / vis.cp
-        out["vision"][1] += images.sum() * per_image / vis.num_ranks
-    return {k: {"critical": a, "bound": b} for k, (a, b) in out.items()}
+        out["llm"]["critical"] += simulate_plan(plan.packing, plan.sizes.tokens, cost).iteration_time
+        out["llm"]["bound"] += lower_bound(plan.sizes.tokens, cost, llm.dp * llm.cp, cap, several_per_round=True)
+        out["vision"]["work"].append(encoder_work(cfg, layouts["vision"], plan).tolist())
+    out["vision"]["cp_coef"] = cp_coefficients(cfg)
+    return out
 
 
-def run_layout(name, data, args, root) -> dict:
+def layout_config(name, data, args, run_dir):
+    """(cfg, resolved layouts) of layout `name` on the records `data`."""
     from hcp.config.compose import compose_config
     from hcp.config.validate import validate
-    from hcp.train import encoders as sides
-    from hcp.launch.launch import start_local_ranks
-    from hcp.train.planner import StepPlanner
-    from omegaconf import OmegaConf
 
-    run_dir = os.path.join(root, name)
-    os.makedirs(run_dir)
     overrides = [*ISLANDS, *ENCODER, *data, *LAYOUTS[name], f"trainer.global_batch_size={args.samples}",
                  f"trainer.micro_batch_tokens={args.micro_batch_tokens}", *args.overrides]
     cfg = compose_config(overrides, run_dir=run_dir)
-    layouts = validate(cfg, 8)
-    container = OmegaConf.to_container(cfg, resolve=True)
+    return cfg, validate(cfg, 8)
+
+
+def layout_model(cfg, layouts, args) -> dict:
+    """`modelled` over the timed steps' global batches of the run `cfg`."""
+    from hcp.data.build import build_datasets
+    from hcp.data.loader import GlobalBatchSampler
+    from hcp.train import encoders as sides
+    from hcp.train.planner import StepPlanner
+
+    tok, train, _ = build_datasets(cfg)
+    planner = StepPlanner(cfg, layouts, sides.LengthIndexes(cfg, train, tok), tuple(map(tuple, cfg.graph.edges)))
+    sampler = GlobalBatchSampler(len(train), args.samples, cfg.seed)
+    return modelled(cfg, layouts, planner, [sampler.batch(k) for k in range(args.warmup, args.warmup + args.steps)])
+
+
+def run_layout(name, data, args, root) -> dict:
+    """Run layout `name` on 8 forked ranks; its measurements and model inputs."""
     import multiprocessing as mp
 
+    from omegaconf import OmegaConf
+
+    from hcp.launch.launch import start_local_ranks
+
+    run_dir = os.path.join(root, name)
+    os.makedirs(run_dir)
+    cfg, layouts = layout_config(name, data, args, run_dir)
     launcher = mp.get_context("fork").Process(target=start_local_ranks, args=(
-        _rank, 8, (container, run_dir, args.warmup, args.steps), "fork"))
+        _rank, 8, (OmegaConf.to_container(cfg, resolve=True), run_dir, args.warmup, args.steps), "fork"))
     launcher.start()
     launcher.join()
     if launcher.exitcode:
         raise RuntimeError(f"layout {name}: the ranks failed (exit code {launcher.exitcode})")
     ranks = [json.load(open(os.path.join(run_dir, f"rank{r}.json"))) for r in range(8)]
-    from hcp.data.build import build_datasets
-    from hcp.data.loader import GlobalBatchSampler
-
-    tok, train, _ = build_datasets(cfg)
-    planner = StepPlanner(cfg, layouts, sides.LengthIndexes(cfg, train, tok), tuple(map(tuple, cfg.graph.edges)))
-    sampler = GlobalBatchSampler(len(train), args.samples, cfg.seed)
-    batches = [sampler.batch(k) for k in range(args.warmup, args.warmup + args.steps)]
-    model = modelled(cfg, layouts, planner, batches)
-    critical = {isl: float(np.mean(np.max([r["busy"] for r in ranks if (r["head"] == "llm") == (isl == "llm")], 0)))
+    critical = {isl: float(np.median(np.max([r["busy"] for r in ranks if (r["head"] == "llm") == (isl == "llm")], 0)))
                 for isl in ("llm", "vision")}
     loss = next(r["losses"] for r in ranks if r["head"] == "llm")
-    return {"critical_s": critical, "modelled_flops": model, "losses": loss}
+    vision = [r["busy"] for r in ranks if r["head"] != "llm"]
+    return {"critical_s": critical, "model": layout_model(cfg, layouts, args), "losses": loss,
+            "busy_s": [r["busy"] for r in ranks], "vision_steps_s": np.max(vision, 0).tolist()}
+
+
+def report(results: dict) -> dict:
+    """Calibrate the encoder model on `results` (`run_layout` per layout), set each layout's
+    vision "modelled_s" and "bound_s", print the comparisons; returns them by name."""
+    per_flop, per_call = calibrate(results)
+    for r in results.values():
+        v = r["model"]["vision"]
+        coef = np.array([per_flop, v["cp_coef"][0], per_call, v["cp_coef"][1]])
+        v["modelled_s"], v["bound_s"] = encoder_times(v["work"], coef)
+    print(f"encoder model: {1e-9 / max(per_flop, 1e-30):.0f} GFLOP/s and {1e3 * per_call:.1f} ms per layer "
+          f"call (fitted to the {' and '.join(DP_ONLY)} vision islands), K/V at "
+          f"{1e-6 / results['encoder_cp4']['model']['vision']['cp_coef'][0]:.0f} MB/s and "
+          f"{1e3 * results['encoder_cp4']['model']['vision']['cp_coef'][1]:.1f} ms per CP-4 attention call (profile)")
+    rows = {}
+    print(f"{'comparison':<42} {'measured':>8} {'modelled':>8} {'bound':>6} {'measured/bound':>14}")
+    for what, (base, new, isl) in COMPARE.items():
+        b, n = results[base], results[new]
+        measured = b["critical_s"][isl] / n["critical_s"][isl]
+        if isl == "llm":
+            model = b["model"]["llm"]["critical"] / n["model"]["llm"]["critical"]
+            bound = b["model"]["llm"]["critical"] / b["model"]["llm"]["bound"]
+        else:
+            model = b["model"]["vision"]["modelled_s"] / n["model"]["vision"]["modelled_s"]
+            bound = b["model"]["vision"]["modelled_s"] / n["model"]["vision"]["bound_s"]
+        rows[what] = {"measured": measured, "modelled": model, "bound": bound, "measured_over_bound": measured / bound}
+        print(f"{what:<42} {measured:8.2f} {model:8.2f} {bound:6.2f} {measured / bound:14.2f}")
+    print("bound, LLM: the static plan's modelled time over the provable lower bound of any plan (the most any\n"
+          "plan could gain); encoder: the DP-4 island's modelled time over the new layout's floor: its FLOPs,\n"
+          "K/V bytes and layer calls spread evenly over its ranks at the measured rates (no rank can do\n"
+          "less than the mean: a lower bound of its critical path); < 1: that layout cannot beat DP here")
+    return rows
 
 
 def main(argv=None) -> dict:
@@ -187,15 +292,7 @@ def main(argv=None) -> dict:
     for name, r in results.items():
         print(f"{name:<11} {r['critical_s']['llm']:12.3f} {r['critical_s']['vision']:15.3f} "
               + " ".join(f"{x:.5f}" for x in r["losses"]))
-    rows = {}
-    print(f"{'comparison':<42} {'measured':>8} {'modelled':>8} {'bound':>6} {'measured/bound':>14}")
-    for what, (base, new, isl) in COMPARE.items():
-        b, n = results[base], results[new]
-        measured = b["critical_s"][isl] / n["critical_s"][isl]
-        model = b["modelled_flops"][isl]["critical"] / n["modelled_flops"][isl]["critical"]
-        bound = b["modelled_flops"][isl]["critical"] / b["modelled_flops"][isl]["bound"]
-        rows[what] = {"measured": measured, "modelled": model, "bound": bound, "measured_over_bound": measured / bound}
-        print(f"{what:<42} {measured:8.2f} {model:8.2f} {bound:6.2f} {measured / bound:14.2f}")
+    rows = report(results)
     wall = time.perf_counter() - t0
     print(f"wall time {wall:.0f} s ({args.warmup} warm-up + {args.steps} timed steps per layout, 8 ranks)")
     out = {"layouts": results, "comparisons": rows, "wall_s": wall}
