@@ -1,8 +1,8 @@
 """Dynamic CP on the LLM island and encoder CP on the vision island, measured side by side on 8
 forked gloo ranks through the trainer (issue 25 section 3).
 
-    python benchmarks/dcp_islands.py                 # 1 warm-up + 2 timed steps per layout
-    python benchmarks/dcp_islands.py --steps 3 --json out.json
+    python benchmarks/dcp_islands.py                 # 1 warm-up + 3 timed steps per layout
+    python benchmarks/dcp_islands.py --steps 5 --json out.json
 
 Data: LLaVA-JSON records written to a temporary folder, each with 1 to 6 images (tiles: a
 long tail, mostly 1-2, some 5-6) and a long-tail text answer (lognormal bytes, 2-250), so the
@@ -276,7 +276,7 @@ def report(results: dict) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per layout")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout (medians over them)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--samples", type=int, default=16, help="global batch (a multiple of 4)")
     ap.add_argument("--micro-batch-tokens", type=int, default=256, help="THD tokens per rank and micro-batch")
