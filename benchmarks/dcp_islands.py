@@ -7,26 +7,31 @@ forked gloo ranks through the trainer (issue 25 section 3).
 Data: LLaVA-JSON records written to a temporary folder, each with 1 to 6 images (tiles: a
 long tail, mostly 1-2, some 5-6) and a long-tail text answer (lognormal bytes, 2-250), so the
 merged length per sample (text + 36 rows per image) varies widely. Placement=non_colocated on
-8 ranks: the vision island on ranks 0-3 (a ViT of 4 blocks, width 256: `ENCODER`), the LLM
+8 ranks: the vision island on ranks 0-3 (a ViT of 4 blocks, width 384: `ENCODER`), the LLM
 island (the tiny LLaVA's LLM, llama_tiny's size) on ranks 4-7. Dynamic CP plans with the cost
 profile fitted on this kind of machine (`hcp/dcp/profiles/gloo_llama_tiny.yaml`). Layouts:
 - `static`: vision dp4, LLM cp2 x dp2 with `first_fit` (static CP: every micro-batch at cp 2);
 - `dynamic`: the same islands, the LLM's pool of 4 with `packing=dynamic_cp`;
-- `encoder_cp`: as `dynamic`, the vision island at cp4 (every image's tokens split over 4 ranks)
-  instead of dp4 (each lane encodes its block of samples, whatever their image counts).
-Every layout runs the same global batches, weights and seed (the losses must agree).
+- `encoder_cp2`, `encoder_cp4`: as `dynamic`, the vision island at cp2 x dp2 / cp4 (every
+  image's tokens split over its CP ranks) instead of dp4 (each lane encodes its block of
+  samples, whatever their image counts);
+- `wide_dp4`, `wide_cp4`: `dynamic` and `encoder_cp4` with a wider ViT (`WIDE`).
+Every layout runs the same global batches, weights and seed (the LLM's losses must agree).
 
 Measured per rank and step: the process CPU time of `Trainer.forward_backward` (gloo runs
-collectives on its own threads; a rank waiting for a peer sleeps): an island's critical path is
-the max over its ranks (mean over the timed steps); 8 ranks share the machine's cores, so wall
-time hides imbalance (docs/design.md 8). Modelled and bound, LLM island: the step plans'
-iteration times under the fitted profile (`hcp.dcp.solver.simulate_plan`) and the provable
-lower bound of any plan of the batch's lengths on the pool (`hcp.dcp.lower_bound`); encoder
-island: training FLOPs (`hcp.model.flops.encoder_flops`) of the most loaded rank (its lane's
-images, split over its CP group), bound: the island's FLOPs spread evenly (CP's K/V exchange
-not counted). The bound ratio is the baseline's modelled time over the bound: the most any
-layout could gain. Reported: measured ratio (baseline / new), modelled ratio, bound ratio and
-measured / bound.
+collectives on its own threads); an island's critical path is the max over its ranks, the
+median over the timed steps; 8 ranks share the machine's cores, so wall time hides imbalance
+(docs/design.md 8). LLM island: modelled, the step plans' iteration times under the fitted
+profile (`hcp.dcp.solver.simulate_plan`); bound, the static plan's modelled time over the
+provable lower bound of any plan of the batch's lengths on the pool (`hcp.dcp.lower_bound`).
+Encoder island (`encoder_work`, per rank: FLOPs, K/V bytes, layer calls, CP attention calls):
+seconds per FLOP and per layer call fitted to the DP-only islands' steps in this run
+(`calibrate`), seconds per K/V byte of CP attention measured first on 4 gloo ranks (`measure_kv`), seconds per
+CP attention call from the gloo profile (`cp_call_seconds`); modelled, each column's most loaded rank; bound, the DP-4 island's
+measured time over the new layout's floor, its columns spread evenly over its ranks (no layout
+can move fewer bytes or make fewer calls than it must, and its slowest rank does at least the
+mean): the most that layout could gain here (< 1: it cannot beat DP). Reported: measured ratio
+(baseline / new), modelled ratio, bound and measured / bound.
 """
 from __future__ import annotations
 
@@ -156,17 +161,64 @@ def calibrate(results: dict) -> tuple[float, float]:
     return float(per_flop), float(per_call)
 
 
-def cp_coefficients(cfg) -> list[float]:
-    """[seconds per K/V byte, seconds per CP attention call] of the vision layout of `cfg`, from
-    the run's gloo profile (`packing_profile`, fitted on this kind of machine): its CP bandwidth
-    and its `cp_overhead` + `cp_latency` ring steps per layer, forward plus twice that backward,
-    as `hcp.dcp.cost_model.CostModel` charges an LLM layer."""
+def cp_call_seconds(cfg) -> float:
+    """Seconds per CP attention call (one block, one micro-batch) of the vision layout of `cfg`,
+    from the run's gloo profile (`packing_profile`, fitted on this kind of machine): its
+    `cp_overhead` + `cp_latency` ring steps per layer, forward plus twice that backward, as
+    `hcp.dcp.cost_model.CostModel` charges an LLM layer."""
     from hcp.dcp.cost_model import CostModel, load_profile
 
     cost = CostModel(cfg.llm, load_profile(cfg.packing_profile))
-    cp = cfg.vision.layout.cp
-    per_call = float(cost.latency(cp)[0] / cost.cp_layers[0]) * (1 + cost.bwd_factor)
-    return [1 / float(cost.bandwidth(cp)), per_call]
+    return float(cost.latency(cfg.vision.layout.cp)[0] / cost.cp_layers[0]) * (1 + cost.bwd_factor)
+
+
+def _kv_rank(payload) -> None:
+    """One rank of `measure_kv`: CPU seconds of the ViT's CP attention forward + backward."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from hcp.model.cp_attention import cp_attention
+    from hcp.model.vit import ViTEncoder
+
+    vision, images, reps, path = payload
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    enc = ViTEncoder(OmegaConf.merge(vision, {"num_layers": 1}), cp_group=dist.group.WORLD)
+    heads = vision.num_heads
+    times = []
+    for i in images:
+        plan = enc.cp_plan(i, torch.device("cpu"))
+        qkv = [torch.randn(i * enc.local_tokens, heads, vision.hidden_size // heads, requires_grad=True)
+               for _ in range(3)]
+        runs = []
+        for k in range(reps + 1):
+            dist.barrier()
+            t0 = time.process_time()
+            cp_attention(*qkv, plan).sum().backward()
+            if k:
+                runs.append(time.process_time() - t0)
+        times.append(float(np.median(runs)))
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def measure_kv(root: str, vision, cp: int = 4, images=(8, 64), reps: int = 3) -> float:
+    """Seconds per K/V byte a rank receives under encoder CP, measured here: the CPU time (median
+    of `reps`) of one block's CP attention (the K/V all-gather, the attention over the gathered
+    keys and the backward's reduce-scatter) of the ViT `vision` on `cp` forked gloo ranks, at
+    two image counts; the slope over the bytes each rank receives (`encoder_work`'s column; the
+    intercept, a per-call cost, is the profile's `cp_call_seconds`)."""
+    from hcp.launch.launch import start_local_ranks
+    from hcp.parallel import encoder_cp
+
+    path = os.path.join(root, "kv.json")
+    start_local_ranks(_kv_rank, cp, (vision, list(images), reps, path), "fork")
+    t = json.load(open(path))
+    k = encoder_cp.chunk((vision.image_size // vision.patch_size) ** 2 + encoder_cp.LEAD, cp)
+    return (t[1] - t[0]) / (2 * (cp - 1) * k * 2 * vision.hidden_size * 4 * (images[1] - images[0]))
 
 
 def encoder_times(work, coef: np.ndarray) -> tuple[float, float]:
@@ -194,7 +246,7 @@ def modelled(cfg, layouts, planner, batches) -> dict:
         out["llm"]["critical"] += simulate_plan(plan.packing, plan.sizes.tokens, cost).iteration_time
         out["llm"]["bound"] += lower_bound(plan.sizes.tokens, cost, llm.dp * llm.cp, cap, several_per_round=True)
         out["vision"]["work"].append(encoder_work(cfg, layouts["vision"], plan).tolist())
-    out["vision"]["cp_coef"] = cp_coefficients(cfg)
+    out["vision"]["cp_call_s"] = cp_call_seconds(cfg)
     return out
 
 
@@ -250,18 +302,19 @@ def run_layout(name, data, args, root) -> dict:
             "busy_s": [r["busy"] for r in ranks], "vision_steps_s": np.max(vision, 0).tolist()}
 
 
-def report(results: dict) -> dict:
-    """Calibrate the encoder model on `results` (`run_layout` per layout), set each layout's
-    vision "modelled_s" and "bound_s", print the comparisons; returns them by name."""
+def report(results: dict, per_byte: float) -> dict:
+    """Calibrate the encoder model on `results` (`run_layout` per layout; `per_byte`: seconds per
+    K/V byte, `measure_kv`), set each layout's vision "modelled_s" and "bound_s", print the
+    comparisons; returns them by name."""
     per_flop, per_call = calibrate(results)
     for r in results.values():
         v = r["model"]["vision"]
-        coef = np.array([per_flop, v["cp_coef"][0], per_call, v["cp_coef"][1]])
+        coef = np.array([per_flop, per_byte, per_call, v["cp_call_s"]])
         v["modelled_s"], v["bound_s"] = encoder_times(v["work"], coef)
     print(f"encoder model: {1e-9 / max(per_flop, 1e-30):.0f} GFLOP/s and {1e3 * per_call:.1f} ms per layer "
           f"call (fitted to the {' and '.join(DP_ONLY)} vision islands), K/V at "
-          f"{1e-6 / results['encoder_cp4']['model']['vision']['cp_coef'][0]:.0f} MB/s and "
-          f"{1e3 * results['encoder_cp4']['model']['vision']['cp_coef'][1]:.1f} ms per CP-4 attention call (profile)")
+          f"{1e-6 / per_byte:.0f} MB/s (CP attention, measured) and "
+          f"{1e3 * results['encoder_cp4']['model']['vision']['cp_call_s']:.1f} ms per CP-4 attention call (profile)")
     rows = {}
     print(f"{'comparison':<42} {'measured':>8} {'modelled':>8} {'bound':>6} {'measured/bound':>14}")
     for what, (base, new, isl) in COMPARE.items():
@@ -295,15 +348,16 @@ def main(argv=None) -> dict:
     root = tempfile.mkdtemp(prefix="dcp_islands_")  # kept: forked ranks must not delete it
     os.makedirs(os.path.join(root, "data"))
     data = make_records(os.path.join(root, "data"), 4 * args.samples * (args.warmup + args.steps))
+    per_byte = measure_kv(root, layout_config("dynamic", data, args, os.path.join(root, "kv"))[0].vision)
     results = {name: run_layout(name, data, args, root) for name in LAYOUTS}
     print(f"{'layout':<11} {'LLM island s':>12} {'vision island s':>15} {'losses'}")
     for name, r in results.items():
         print(f"{name:<11} {r['critical_s']['llm']:12.3f} {r['critical_s']['vision']:15.3f} "
               + " ".join(f"{x:.5f}" for x in r["losses"]))
-    rows = report(results)
+    rows = report(results, per_byte)
     wall = time.perf_counter() - t0
     print(f"wall time {wall:.0f} s ({args.warmup} warm-up + {args.steps} timed steps per layout, 8 ranks)")
-    out = {"layouts": results, "comparisons": rows, "wall_s": wall}
+    out = {"layouts": results, "comparisons": rows, "kv_s_per_byte": per_byte, "wall_s": wall}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

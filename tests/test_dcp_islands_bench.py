@@ -18,7 +18,7 @@ bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 
 PER_FLOP, PER_CALL = 1 / 1.5e11, 0.02          # the "machine" that made the DP step times
-CP_COEF = {1: [0.0, 0.0], 2: [1 / 5e8, 0.004], 4: [1 / 5e8, 0.007]}   # [s per byte, s per CP call]
+PER_BYTE, CP_CALL = 1 / 3e8, {1: 0.0, 2: 0.004, 4: 0.007}   # s per K/V byte, s per CP attention call
 
 
 def _work(flops_per_lane, cp: int, calls: int):
@@ -36,14 +36,16 @@ def _results(dp_lanes):
     """Facts of the four layouts: DP step times made by PER_FLOP and PER_CALL, the CP layouts
     measured exactly at their model."""
     out = {}
-    for name, cp in (("static", 1), ("dynamic", 1), ("encoder_cp2", 2), ("encoder_cp4", 4)):
-        lanes = [[sum(l)] if cp == 4 else [l[0] + l[1], l[2] + l[3]] if cp == 2 else l for l in dp_lanes]
+    for name, cp, wide in (("static", 1, 1), ("dynamic", 1, 1), ("encoder_cp2", 2, 1), ("encoder_cp4", 4, 1),
+                           ("wide_dp4", 1, 7), ("wide_cp4", 4, 7)):
+        lanes = [[wide * sum(l)] if cp == 4 else [l[0] + l[1], l[2] + l[3]] if cp == 2 else
+                 [wide * f for f in l] for l in dp_lanes]
         work = _work(lanes, cp, 18)
-        coef = np.array([PER_FLOP, CP_COEF[cp][0], PER_CALL, CP_COEF[cp][1]])
+        coef = np.array([PER_FLOP, PER_BYTE, PER_CALL, CP_CALL[cp]])
         steps = (work.max(1) @ coef).tolist()
         out[name] = {"critical_s": {"llm": 1.0, "vision": float(np.median(steps))}, "vision_steps_s": steps,
                      "model": {"llm": {"critical": 1.0, "bound": 0.8},
-                               "vision": {"work": work.tolist(), "cp_coef": CP_COEF[cp]}}}
+                               "vision": {"work": work.tolist(), "cp_call_s": CP_CALL[cp]}}}
     return out
 
 
@@ -53,13 +55,14 @@ def _results(dp_lanes):
 def test_encoder_bound_is_the_dp_time_over_the_layouts_floor(dp_lanes, cp_wins, capsys):
     results = _results(dp_lanes)
     assert np.allclose(bench.calibrate(results), (PER_FLOP, PER_CALL), rtol=1e-6)
-    rows = bench.report(results)
+    rows = bench.report(results, PER_BYTE)
     assert "bound, LLM" in capsys.readouterr().out
-    dp = results["dynamic"]["critical_s"]["vision"]
-    for what, cp in (("encoder CP 2 x DP 2 vs DP 4 (vision island)", 2),
-                     ("encoder CP 4 vs DP 4 (vision island)", 4)):
-        work = np.asarray(results[f"encoder_cp{cp}"]["model"]["vision"]["work"])
-        coef = np.array([PER_FLOP, CP_COEF[cp][0], PER_CALL, CP_COEF[cp][1]])
+    for what, base, new, cp in (("encoder CP 2 x DP 2 vs DP 4 (vision island)", "dynamic", "encoder_cp2", 2),
+                                ("encoder CP 4 vs DP 4 (vision island)", "dynamic", "encoder_cp4", 4),
+                                ("wide ViT: encoder CP 4 vs DP 4 (vision)", "wide_dp4", "wide_cp4", 4)):
+        dp = results[base]["critical_s"]["vision"]
+        work = np.asarray(results[new]["model"]["vision"]["work"])
+        coef = np.array([PER_FLOP, PER_BYTE, PER_CALL, CP_CALL[cp]])
         floor = float(np.median(work.mean(1) @ coef))
         row = rows[what]
         assert row["bound"] == pytest.approx(dp / floor)
