@@ -205,12 +205,12 @@ def _kv_rank(payload) -> None:
     dist.destroy_process_group()
 
 
-def measure_kv(root: str, vision, cp: int = 4, images=(8, 64), reps: int = 3) -> float:
-    """Seconds per K/V byte a rank receives under encoder CP, measured here: the CPU time (median
-    of `reps`) of one block's CP attention (the K/V all-gather, the attention over the gathered
-    keys and the backward's reduce-scatter) of the ViT `vision` on `cp` forked gloo ranks, at
-    two image counts; the slope over the bytes each rank receives (`encoder_work`'s column; the
-    intercept, a per-call cost, is the profile's `cp_call_seconds`)."""
+def measure_kv(root: str, vision, cp: int = 4, images=(8, 64), reps: int = 3) -> tuple[float, float]:
+    """(seconds per K/V byte a rank receives, seconds per call) of encoder CP, measured here: the
+    CPU time (median of `reps`) of one block's CP attention (the K/V all-gather, the attention
+    over the gathered keys and the backward's reduce-scatter) of the ViT `vision` on `cp` forked
+    gloo ranks at two image counts: the slope over the bytes each rank receives (`encoder_work`'s
+    column) and the intercept."""
     from hcp.launch.launch import start_local_ranks
     from hcp.parallel import encoder_cp
 
@@ -218,16 +218,45 @@ def measure_kv(root: str, vision, cp: int = 4, images=(8, 64), reps: int = 3) ->
     start_local_ranks(_kv_rank, cp, (vision, list(images), reps, path), "fork")
     t = json.load(open(path))
     k = encoder_cp.chunk((vision.image_size // vision.patch_size) ** 2 + encoder_cp.LEAD, cp)
-    return (t[1] - t[0]) / (2 * (cp - 1) * k * 2 * vision.hidden_size * 4 * (images[1] - images[0]))
+    per_image = 2 * (cp - 1) * k * 2 * vision.hidden_size * 4
+    per_byte = (t[1] - t[0]) / (per_image * (images[1] - images[0]))
+    return per_byte, max(0.0, t[0] - per_byte * per_image * images[0])
 
 
-def encoder_times(work, coef: np.ndarray) -> tuple[float, float]:
+def measure_encoder(cfg, images=(2, 16), reps: int = 3) -> tuple[float, float]:
+    """(seconds per FLOP, seconds per layer call) of the ViT of `cfg` alone in this process on
+    one thread, no collective, no schedule: the CPU time (median of `reps`) of its forward +
+    backward at two image counts; the slope over `encoder_flops` (which also counts the
+    projector, not run: the rate errs high) and the intercept over its blocks + 2 layer calls."""
+    import torch
+
+    from hcp.model.encoder_types import build_encoder
+    from hcp.model.flops import encoder_flops
+
+    v, threads = cfg.vision, torch.get_num_threads()
+    torch.set_num_threads(1)
+    enc, times = build_encoder(v), []
+    for i in images:
+        x = torch.randn(i, v.num_channels, v.image_size, v.image_size)
+        runs = []
+        for k in range(reps + 1):
+            t0 = time.process_time()
+            enc(x).sum().backward()
+            runs.append(time.process_time() - t0)
+        times.append(float(np.median(runs[1:])))
+    torch.set_num_threads(threads)
+    per_flop = (times[1] - times[0]) / (encoder_flops(v, cfg.llm.hidden_size, images[1] - images[0]))
+    calls = v.num_layers + v.select_layer + 3
+    return per_flop, max(0.0, times[0] - per_flop * encoder_flops(v, cfg.llm.hidden_size, images[0])) / calls
+
+
+def encoder_times(work, coef: np.ndarray, floor: np.ndarray) -> tuple[float, float]:
     """(modelled, bound) seconds of the vision island, medians over the steps of `work`
-    ([steps, ranks, 4], `encoder_work`): modelled, the step's most loaded rank in each column
-    (its ranks meet at every micro-batch), bound, the columns' means over its ranks (module
-    docstring: a lower bound of any rank's maximum)."""
+    ([steps, ranks, 4], `encoder_work`): modelled, the step's most loaded rank in each column at
+    the model's unit costs `coef` (its ranks meet at every micro-batch); bound, the columns'
+    means over its ranks at the measured floor unit costs `floor` (module docstring)."""
     w = np.asarray(work)
-    return float(np.median(w.max(1) @ coef)), float(np.median(w.mean(1) @ coef))
+    return float(np.median(w.max(1) @ coef)), float(np.median(w.mean(1) @ floor))
 
 
 def modelled(cfg, layouts, planner, batches) -> dict:
@@ -276,8 +305,9 @@ def layout_model(cfg, layouts, args) -> dict:
     return modelled(cfg, layouts, planner, [sampler.batch(k) for k in range(args.warmup, args.warmup + args.steps)])
 
 
-def run_layout(name, data, args, root) -> dict:
-    """Run layout `name` on 8 forked ranks; its measurements and model inputs."""
+def run_layout(name, data, args, root, units: dict) -> dict:
+    """Run layout `name` on 8 forked ranks; its measurements and model inputs. `units`: ViT
+    width -> `measure_encoder` (measured here before the first layout of that width)."""
     import multiprocessing as mp
 
     from omegaconf import OmegaConf
@@ -287,6 +317,8 @@ def run_layout(name, data, args, root) -> dict:
     run_dir = os.path.join(root, name)
     os.makedirs(run_dir)
     cfg, layouts = layout_config(name, data, args, run_dir)
+    if cfg.vision.hidden_size not in units:
+        units[cfg.vision.hidden_size] = measure_encoder(cfg)
     launcher = mp.get_context("fork").Process(target=start_local_ranks, args=(
         _rank, 8, (OmegaConf.to_container(cfg, resolve=True), run_dir, args.warmup, args.steps), "fork"))
     launcher.start()
@@ -298,23 +330,31 @@ def run_layout(name, data, args, root) -> dict:
                 for isl in ("llm", "vision")}
     loss = next(r["losses"] for r in ranks if r["head"] == "llm")
     vision = [r["busy"] for r in ranks if r["head"] != "llm"]
-    return {"critical_s": critical, "model": layout_model(cfg, layouts, args), "losses": loss,
+    model = layout_model(cfg, layouts, args)
+    model["vision"]["floor_units"] = units[cfg.vision.hidden_size]
+    return {"critical_s": critical, "model": model, "losses": loss,
             "busy_s": [r["busy"] for r in ranks], "vision_steps_s": np.max(vision, 0).tolist()}
 
 
-def report(results: dict, per_byte: float) -> dict:
-    """Calibrate the encoder model on `results` (`run_layout` per layout; `per_byte`: seconds per
-    K/V byte, `measure_kv`), set each layout's vision "modelled_s" and "bound_s", print the
-    comparisons; returns them by name."""
+def report(results: dict, kv: tuple[float, float]) -> dict:
+    """Calibrate the encoder model on `results` (`run_layout` per layout; `kv`: `measure_kv`),
+    set each layout's vision "modelled_s" and "bound_s", print the comparisons; returns them by
+    name."""
     per_flop, per_call = calibrate(results)
+    per_byte, kv_call = kv
     for r in results.values():
         v = r["model"]["vision"]
         coef = np.array([per_flop, per_byte, per_call, v["cp_call_s"]])
-        v["modelled_s"], v["bound_s"] = encoder_times(v["work"], coef)
+        floor = np.array([v["floor_units"][0], per_byte, v["floor_units"][1], kv_call])
+        v["modelled_s"], v["bound_s"] = encoder_times(v["work"], coef, floor)
     print(f"encoder model: {1e-9 / max(per_flop, 1e-30):.0f} GFLOP/s and {1e3 * per_call:.1f} ms per layer "
           f"call (fitted to the {' and '.join(DP_ONLY)} vision islands), K/V at "
           f"{1e-6 / per_byte:.0f} MB/s (CP attention, measured) and "
           f"{1e3 * results['encoder_cp4']['model']['vision']['cp_call_s']:.1f} ms per CP-4 attention call (profile)")
+    floors = {tuple(r["model"]["vision"]["floor_units"]) for r in results.values()}
+    print("encoder floor: " + ", ".join(f"{1e-9 / f:.0f} GFLOP/s and {1e3 * c:.1f} ms per layer call" for f, c in
+                                        sorted(floors)) + f" (each ViT alone), {1e3 * kv_call:.1f} ms per "
+          "CP attention call (measured)")
     rows = {}
     print(f"{'comparison':<42} {'measured':>8} {'modelled':>8} {'bound':>6} {'measured/bound':>14}")
     for what, (base, new, isl) in COMPARE.items():
@@ -329,9 +369,9 @@ def report(results: dict, per_byte: float) -> dict:
         rows[what] = {"measured": measured, "modelled": model, "bound": bound, "measured_over_bound": measured / bound}
         print(f"{what:<42} {measured:8.2f} {model:8.2f} {bound:6.2f} {measured / bound:14.2f}")
     print("bound, LLM: the static plan's modelled time over the provable lower bound of any plan. Encoder:\n"
-          "the DP-4 island's measured time over the new layout's floor, its FLOPs, K/V bytes and layer calls\n"
-          "spread evenly over its ranks at the measured rates (its slowest rank does at least the mean);\n"
-          "bound < 1: that layout cannot beat DP on this machine")
+          "the DP-4 island's measured time over the new layout's floor: its FLOPs, K/V bytes and calls spread\n"
+          "evenly over its ranks (its slowest rank does at least the mean) at the unit costs measured alone\n"
+          "(no waiting, no schedule); bound < 1: that layout cannot beat DP on this machine")
     return rows
 
 
@@ -348,16 +388,17 @@ def main(argv=None) -> dict:
     root = tempfile.mkdtemp(prefix="dcp_islands_")  # kept: forked ranks must not delete it
     os.makedirs(os.path.join(root, "data"))
     data = make_records(os.path.join(root, "data"), 4 * args.samples * (args.warmup + args.steps))
-    per_byte = measure_kv(root, layout_config("dynamic", data, args, os.path.join(root, "kv"))[0].vision)
-    results = {name: run_layout(name, data, args, root) for name in LAYOUTS}
+    kv = measure_kv(root, layout_config("dynamic", data, args, os.path.join(root, "kv"))[0].vision)
+    units = {}
+    results = {name: run_layout(name, data, args, root, units) for name in LAYOUTS}
     print(f"{'layout':<11} {'LLM island s':>12} {'vision island s':>15} {'losses'}")
     for name, r in results.items():
         print(f"{name:<11} {r['critical_s']['llm']:12.3f} {r['critical_s']['vision']:15.3f} "
               + " ".join(f"{x:.5f}" for x in r["losses"]))
-    rows = report(results, per_byte)
+    rows = report(results, kv)
     wall = time.perf_counter() - t0
     print(f"wall time {wall:.0f} s ({args.warmup} warm-up + {args.steps} timed steps per layout, 8 ranks)")
-    out = {"layouts": results, "comparisons": rows, "kv_s_per_byte": per_byte, "wall_s": wall}
+    out = {"layouts": results, "comparisons": rows, "kv_s_per_byte_and_call": kv, "wall_s": wall}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
