@@ -25,12 +25,15 @@ median over the timed steps; 8 ranks share the machine's cores, so wall time hid
 profile (`hcp.dcp.solver.simulate_plan`); bound, the static plan's modelled time over the
 provable lower bound of any plan of the batch's lengths on the pool (`hcp.dcp.lower_bound`).
 Encoder island (`encoder_work`, per rank: FLOPs, K/V bytes, layer calls, CP attention calls):
-seconds per FLOP and per layer call fitted to the DP-only islands' steps in this run
-(`calibrate`), seconds per K/V byte of CP attention measured first on 4 gloo ranks (`measure_kv`), seconds per
-CP attention call from the gloo profile (`cp_call_seconds`); modelled, each column's most loaded rank; bound, the DP-4 island's
-measured time over the new layout's floor, its columns spread evenly over its ranks (no layout
-can move fewer bytes or make fewer calls than it must, and its slowest rank does at least the
-mean): the most that layout could gain here (< 1: it cannot beat DP). Reported: measured ratio
+modelled, each column's most loaded rank at unit costs measured in this run: seconds per FLOP
+and per layer call fitted to the DP-only islands' steps (`calibrate`), per K/V byte of CP
+attention measured on 4 gloo ranks (`measure_kv`), per CP attention call from the gloo profile
+(`cp_call_seconds`). Bound: the DP-4 island's measured time over the new layout's floor, its
+columns spread evenly over its ranks (its slowest rank does at least the mean; no rank moves
+fewer bytes or makes fewer calls than its layout needs) at the unit costs measured alone (the
+ViT forward + backward in this process, `measure_encoder`; the CP attention, `measure_kv`): no
+waiting, no schedule, so a lower bound of the island's critical path, and the most that layout
+could gain here (< 1: it cannot beat DP). Reported: measured ratio
 (baseline / new), modelled ratio, bound and measured / bound.
 """
 from __future__ import annotations
@@ -198,7 +201,7 @@ def _kv_rank(payload) -> None:
             cp_attention(*qkv, plan).sum().backward()
             if k:
                 runs.append(time.process_time() - t0)
-        times.append(float(np.median(runs)))
+        times.append(min(runs))
     if dist.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(times, f)
@@ -207,7 +210,7 @@ def _kv_rank(payload) -> None:
 
 def measure_kv(root: str, vision, cp: int = 4, images=(8, 64), reps: int = 3) -> tuple[float, float]:
     """(seconds per K/V byte a rank receives, seconds per call) of encoder CP, measured here: the
-    CPU time (median of `reps`) of one block's CP attention (the K/V all-gather, the attention
+    CPU time (least of `reps`: a floor) of one block's CP attention (the K/V all-gather, the attention
     over the gathered keys and the backward's reduce-scatter) of the ViT `vision` on `cp` forked
     gloo ranks at two image counts: the slope over the bytes each rank receives (`encoder_work`'s
     column) and the intercept."""
@@ -223,9 +226,9 @@ def measure_kv(root: str, vision, cp: int = 4, images=(8, 64), reps: int = 3) ->
     return per_byte, max(0.0, t[0] - per_byte * per_image * images[0])
 
 
-def measure_encoder(cfg, images=(2, 16), reps: int = 3) -> tuple[float, float]:
+def measure_encoder(cfg, images=(1, 8), reps: int = 4) -> tuple[float, float]:
     """(seconds per FLOP, seconds per layer call) of the ViT of `cfg` alone in this process on
-    one thread, no collective, no schedule: the CPU time (median of `reps`) of its forward +
+    one thread, no collective, no schedule: the CPU time (least of `reps`: a floor) of its forward +
     backward at two image counts; the slope over `encoder_flops` (which also counts the
     projector, not run: the rate errs high) and the intercept over its blocks + 2 layer calls."""
     import torch
@@ -243,7 +246,7 @@ def measure_encoder(cfg, images=(2, 16), reps: int = 3) -> tuple[float, float]:
             t0 = time.process_time()
             enc(x).sum().backward()
             runs.append(time.process_time() - t0)
-        times.append(float(np.median(runs[1:])))
+        times.append(min(runs[1:]))
     torch.set_num_threads(threads)
     per_flop = (times[1] - times[0]) / (encoder_flops(v, cfg.llm.hidden_size, images[1] - images[0]))
     calls = v.num_layers + v.select_layer + 3
