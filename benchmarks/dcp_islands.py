@@ -127,7 +127,7 @@ def encoder_work(cfg, vis, plan) -> np.ndarray:
     """float [vision ranks, 4] of one step plan: per rank of the vision island (layout `vis`),
     its training FLOPs (its lane's images, each rank computing its k = ceil(S / cp) positions of
     every image: `encoder_flops` x k / S), the K/V bytes it receives (the all-gather of K and V
-    per block forward, the reduce-scatter of their gradients backward: 2 x (cp - 1) x k x 2D
+    per block forward, the reduce-scatter of their gradients backward: 2 x (cp - 1) x k x 2D fp32
     elements per image and block), its layer calls (blocks + patch embedding + projector per
     micro-batch with images) and its CP attention calls (one per block and such micro-batch)."""
     from hcp.model.flops import encoder_flops

@@ -1,6 +1,6 @@
 """benchmarks/dcp_islands.py's encoder model and bound, on recorded facts (no ranks): the
 calibration recovers the per-FLOP and per-layer-call seconds that made the DP islands' step
-times, and each encoder row's bound is the DP island's modelled time over the new layout's
+times, and each encoder row's bound is the DP island's measured time over the new layout's
 floor (its FLOPs, K/V bytes and calls spread evenly), so a layout measured at its model never
 beats its bound; `encoder_work` charges a CP rank its padded chunk and the gathered K/V."""
 import argparse
