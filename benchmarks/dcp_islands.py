@@ -1,32 +1,40 @@
 """Dynamic CP on the LLM island and encoder CP on the vision island, measured side by side on 8
 forked gloo ranks through the trainer (issue 25 section 3).
 
-    python benchmarks/dcp_islands.py                 # 1 warm-up + 2 timed steps per layout
-    python benchmarks/dcp_islands.py --steps 3 --json out.json
+    python benchmarks/dcp_islands.py                 # 1 warm-up + 3 timed steps per layout
+    python benchmarks/dcp_islands.py --steps 5 --json out.json
 
 Data: LLaVA-JSON records written to a temporary folder, each with 1 to 6 images (tiles: a
 long tail, mostly 1-2, some 5-6) and a long-tail text answer (lognormal bytes, 2-250), so the
 merged length per sample (text + 36 rows per image) varies widely. Placement=non_colocated on
-8 ranks: the vision island on ranks 0-3 (a ViT of 4 blocks, width 256: `ENCODER`), the LLM
+8 ranks: the vision island on ranks 0-3 (a ViT of 4 blocks, width 384: `ENCODER`), the LLM
 island (the tiny LLaVA's LLM, llama_tiny's size) on ranks 4-7. Dynamic CP plans with the cost
 profile fitted on this kind of machine (`hcp/dcp/profiles/gloo_llama_tiny.yaml`). Layouts:
 - `static`: vision dp4, LLM cp2 x dp2 with `first_fit` (static CP: every micro-batch at cp 2);
 - `dynamic`: the same islands, the LLM's pool of 4 with `packing=dynamic_cp`;
-- `encoder_cp`: as `dynamic`, the vision island at cp4 (every image's tokens split over 4 ranks)
-  instead of dp4 (each lane encodes its block of samples, whatever their image counts).
-Every layout runs the same global batches, weights and seed (the losses must agree).
+- `encoder_cp2`, `encoder_cp4`: as `dynamic`, the vision island at cp2 x dp2 / cp4 (every
+  image's tokens split over its CP ranks) instead of dp4 (each lane encodes its block of
+  samples, whatever their image counts);
+- `wide_dp4`, `wide_cp4`: `dynamic` and `encoder_cp4` with a wider ViT (`WIDE`).
+Every layout runs the same global batches, weights and seed (the LLM's losses must agree).
 
 Measured per rank and step: the process CPU time of `Trainer.forward_backward` (gloo runs
-collectives on its own threads; a rank waiting for a peer sleeps): an island's critical path is
-the max over its ranks (mean over the timed steps); 8 ranks share the machine's cores, so wall
-time hides imbalance (docs/design.md 8). Modelled and bound, LLM island: the step plans'
-iteration times under the fitted profile (`hcp.dcp.solver.simulate_plan`) and the provable
-lower bound of any plan of the batch's lengths on the pool (`hcp.dcp.lower_bound`); encoder
-island: training FLOPs (`hcp.model.flops.encoder_flops`) of the most loaded rank (its lane's
-images, split over its CP group), bound: the island's FLOPs spread evenly (CP's K/V exchange
-not counted). The bound ratio is the baseline's modelled time over the bound: the most any
-layout could gain. Reported: measured ratio (baseline / new), modelled ratio, bound ratio and
-measured / bound.
+collectives on its own threads); an island's critical path is the max over its ranks, the
+median over the timed steps; 8 ranks share the machine's cores, so wall time hides imbalance
+(docs/design.md 8). LLM island: modelled, the step plans' iteration times under the fitted
+profile (`hcp.dcp.solver.simulate_plan`); bound, the static plan's modelled time over the
+provable lower bound of any plan of the batch's lengths on the pool (`hcp.dcp.lower_bound`).
+Encoder island (`encoder_work`, per rank: FLOPs, K/V bytes, layer calls, CP attention calls):
+modelled, each column's most loaded rank at unit costs measured in this run: seconds per FLOP
+and per layer call fitted to the DP-only islands' steps (`calibrate`), per K/V byte of CP
+attention measured on 4 gloo ranks (`measure_kv`), per CP attention call from the gloo profile
+(`cp_call_seconds`). Bound: the DP-4 island's measured time over the new layout's floor, its
+columns spread evenly over its ranks (its slowest rank does at least the mean; no rank moves
+fewer bytes or makes fewer calls than its layout needs) at the unit costs measured alone (the
+ViT forward + backward in this process, `measure_encoder`; the CP attention, `measure_kv`): no
+waiting, no schedule, so a lower bound of the island's critical path, and the most that layout
+could gain here (< 1: it cannot beat DP). Reported: measured ratio
+(baseline / new), modelled ratio, bound and measured / bound.
 """
 from __future__ import annotations
 
@@ -50,15 +58,23 @@ ENCODER = ["vision.image_size=12", "vision.patch_size=2", "vision.hidden_size=38
            "vision.num_heads=6", "vision.ffn_hidden_size=1536"]
 """A ViT with about the LLM's FLOPs per sample (36 patches + CLS per image), so the encoder
 island's balance matters."""
+WIDE = ["vision.hidden_size=1024", "vision.num_heads=16", "vision.ffn_hidden_size=4096"]
+"""A ViT of 7x the FLOPs per image (the same rows into the LLM): FLOPs, not per-call costs,
+dominate the encoder island, the regime where encoder CP can beat DP."""
 LAYOUTS = {
     "static": ["llm.layout.cp=2", "packing=first_fit"],
     "dynamic": ["llm.layout.cp=2", "packing=dynamic_cp"],
     "encoder_cp2": ["llm.layout.cp=2", "packing=dynamic_cp", "vision.layout.cp=2"],
     "encoder_cp4": ["llm.layout.cp=2", "packing=dynamic_cp", "vision.layout.cp=4"],
+    "wide_dp4": ["llm.layout.cp=2", "packing=dynamic_cp", *WIDE],
+    "wide_cp4": ["llm.layout.cp=2", "packing=dynamic_cp", "vision.layout.cp=4", *WIDE],
 }
+DP_ONLY = ("static", "dynamic", "wide_dp4")
+"""The layouts whose vision island is DP only: the encoder model's calibration (`calibrate`)."""
 COMPARE = {"dynamic CP vs static CP (LLM island)": ("static", "dynamic", "llm"),
            "encoder CP 2 x DP 2 vs DP 4 (vision island)": ("dynamic", "encoder_cp2", "vision"),
-           "encoder CP 4 vs DP 4 (vision island)": ("dynamic", "encoder_cp4", "vision")}
+           "encoder CP 4 vs DP 4 (vision island)": ("dynamic", "encoder_cp4", "vision"),
+           "wide ViT: encoder CP 4 vs DP 4 (vision)": ("wide_dp4", "wide_cp4", "vision")}
 
 
 def make_records(root: str, n: int, seed: int = 0) -> list[str]:
@@ -107,73 +123,266 @@ def _rank(payload) -> None:
         json.dump({"busy": busy, "losses": losses, "head": tr.head}, f)
 
 
-def modelled(cfg, layouts, planner, batches) -> dict[str, dict]:
-    """Per island: {"critical", "bound"} (seconds under the profile for the LLM, FLOPs for the
-    encoder), summed over `batches` (module docstring)."""
+def encoder_work(cfg, vis, plan) -> np.ndarray:
+    """float [vision ranks, 4] of one step plan: per rank of the vision island (layout `vis`),
+    its training FLOPs (its lane's images, each rank computing its k = ceil(S / cp) positions of
+    every image: `encoder_flops` x k / S), the K/V bytes it receives (the all-gather of K and V
+    per block forward, the reduce-scatter of their gradients backward: 2 x (cp - 1) x k x 2D fp32
+    elements per image and block), its layer calls (blocks + patch embedding + projector per
+    micro-batch with images) and its CP attention calls (one per block and such micro-batch)."""
+    from hcp.model.flops import encoder_flops
+    from hcp.parallel import encoder_cp
+
+    v = cfg.vision
+    blocks = v.num_layers + v.select_layer + 1
+    tokens = (v.image_size // v.patch_size) ** 2 + encoder_cp.LEAD
+    k = encoder_cp.chunk(tokens, vis.cp)
+    per_image = encoder_flops(v, cfg.llm.hidden_size, 1.0) * k / tokens
+    kv_bytes = 2 * (vis.cp - 1) * k * 2 * v.hidden_size * 4 * blocks
+    out = []
+    for r in vis.ranks:
+        images = np.asarray(plan.rank(r).encoder_inputs["vision"], dtype=np.float64)
+        busy = float((images > 0).sum())
+        out.append([images.sum() * per_image, images.sum() * kv_bytes, busy * (blocks + 2),
+                    busy * blocks * (vis.cp > 1)])
+    return np.array(out)
+
+
+def calibrate(results: dict) -> tuple[float, float]:
+    """(seconds per FLOP, seconds per layer call) of the encoder on this machine: fitted (non-
+    negative least squares) to the DP-only vision islands' step critical paths (`DP_ONLY`, whose
+    CP columns are 0) as the step's most FLOPs x a + its most layer calls x b."""
+    from scipy.optimize import nnls
+
+    x, y = [], []
+    for name in DP_ONLY:
+        for work, busy in zip(results[name]["model"]["vision"]["work"], results[name]["vision_steps_s"]):
+            w = np.asarray(work)
+            x.append([w[:, 0].max(), w[:, 2].max()])
+            y.append(busy)
+    (per_flop, per_call), _ = nnls(np.array(x), np.array(y))
+    return float(per_flop), float(per_call)
+
+
+def cp_call_seconds(cfg) -> float:
+    """Seconds per CP attention call (one block, one micro-batch) of the vision layout of `cfg`,
+    from the run's gloo profile (`packing_profile`, fitted on this kind of machine): its
+    `cp_overhead` + `cp_latency` ring steps per layer, forward plus twice that backward, as
+    `hcp.dcp.cost_model.CostModel` charges an LLM layer."""
+    from hcp.dcp.cost_model import CostModel, load_profile
+
+    cost = CostModel(cfg.llm, load_profile(cfg.packing_profile))
+    return float(cost.latency(cfg.vision.layout.cp)[0] / cost.cp_layers[0]) * (1 + cost.bwd_factor)
+
+
+def _kv_rank(payload) -> None:
+    """One rank of `measure_kv`: CPU seconds of the ViT's CP attention forward + backward."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from hcp.model.cp_attention import cp_attention
+    from hcp.model.vit import ViTEncoder
+
+    vision, images, reps, path = payload
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    enc = ViTEncoder(OmegaConf.merge(vision, {"num_layers": 1}), cp_group=dist.group.WORLD)
+    heads = vision.num_heads
+    times = []
+    for i in images:
+        plan = enc.cp_plan(i, torch.device("cpu"))
+        qkv = [torch.randn(i * enc.local_tokens, heads, vision.hidden_size // heads, requires_grad=True)
+               for _ in range(3)]
+        runs = []
+        for k in range(reps + 1):
+            dist.barrier()
+            t0 = time.process_time()
+            cp_attention(*qkv, plan).sum().backward()
+            if k:
+                runs.append(time.process_time() - t0)
+        times.append(min(runs))
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def measure_kv(root: str, vision, cp: int = 4, images=(8, 64), reps: int = 3) -> tuple[float, float]:
+    """(seconds per K/V byte a rank receives, seconds per call) of encoder CP, measured here: the
+    CPU time (least of `reps`: a floor) of one block's CP attention (the K/V all-gather, the attention
+    over the gathered keys and the backward's reduce-scatter) of the ViT `vision` on `cp` forked
+    gloo ranks at two image counts: the slope over the bytes each rank receives (`encoder_work`'s
+    column) and the intercept."""
+    from hcp.launch.launch import start_local_ranks
+    from hcp.parallel import encoder_cp
+
+    path = os.path.join(root, "kv.json")
+    start_local_ranks(_kv_rank, cp, (vision, list(images), reps, path), "fork")
+    t = json.load(open(path))
+    k = encoder_cp.chunk((vision.image_size // vision.patch_size) ** 2 + encoder_cp.LEAD, cp)
+    per_image = 2 * (cp - 1) * k * 2 * vision.hidden_size * 4
+    per_byte = (t[1] - t[0]) / (per_image * (images[1] - images[0]))
+    return per_byte, max(0.0, t[0] - per_byte * per_image * images[0])
+
+
+def measure_encoder(cfg, images=(1, 8), reps: int = 4) -> tuple[float, float]:
+    """(seconds per FLOP, seconds per layer call) of the ViT of `cfg` alone in this process on
+    one thread, no collective, no schedule: the CPU time (least of `reps`: a floor) of its forward +
+    backward at two image counts; the slope over `encoder_flops` (which also counts the
+    projector, not run: the rate errs high) and the intercept over its blocks + 2 layer calls."""
+    import torch
+
+    from hcp.model.encoder_types import build_encoder
+    from hcp.model.flops import encoder_flops
+
+    v, threads = cfg.vision, torch.get_num_threads()
+    torch.set_num_threads(1)
+    enc, times = build_encoder(v), []
+    for i in images:
+        x = torch.randn(i, v.num_channels, v.image_size, v.image_size)
+        runs = []
+        for k in range(reps + 1):
+            t0 = time.process_time()
+            enc(x).sum().backward()
+            runs.append(time.process_time() - t0)
+        times.append(min(runs[1:]))
+    torch.set_num_threads(threads)
+    per_flop = (times[1] - times[0]) / (encoder_flops(v, cfg.llm.hidden_size, images[1] - images[0]))
+    calls = v.num_layers + v.select_layer + 3
+    return per_flop, max(0.0, times[0] - per_flop * encoder_flops(v, cfg.llm.hidden_size, images[0])) / calls
+
+
+def encoder_times(work, coef: np.ndarray, floor: np.ndarray) -> tuple[float, float]:
+    """(modelled, bound) seconds of the vision island, medians over the steps of `work`
+    ([steps, ranks, 4], `encoder_work`): modelled, the step's most loaded rank in each column at
+    the model's unit costs `coef` (its ranks meet at every micro-batch); bound, the columns'
+    means over its ranks at the measured floor unit costs `floor` (module docstring)."""
+    w = np.asarray(work)
+    return float(np.median(w.max(1) @ coef)), float(np.median(w.mean(1) @ floor))
+
+
+def modelled(cfg, layouts, planner, batches) -> dict:
+    """LLM island: {"critical", "bound"} seconds under the profile, summed over `batches`;
+    vision island: "work", `encoder_work` of each batch (module docstring)."""
     from hcp.dcp.cost_model import CostModel, load_profile
     from hcp.dcp.lower_bound import lower_bound
     from hcp.dcp.solver import simulate_plan
-    from hcp.model.flops import encoder_flops
 
-    llm, vis = layouts["llm"], layouts["vision"]
+    llm = layouts["llm"]
     cost = CostModel(cfg.llm, load_profile(cfg.packing_profile))
     cap = cfg.trainer.micro_batch_tokens
-    out = {"llm": [0.0, 0.0], "vision": [0.0, 0.0]}
-    per_image = encoder_flops(cfg.vision, cfg.llm.hidden_size, 1.0)
+    out = {"llm": {"critical": 0.0, "bound": 0.0}, "vision": {"work": []}}
     for indices in batches:
         plan = planner(indices)
-        out["llm"][0] += simulate_plan(plan.packing, plan.sizes.tokens, cost).iteration_time
-        out["llm"][1] += lower_bound(plan.sizes.tokens, cost, llm.dp * llm.cp, cap, several_per_round=True)
-        images = plan.sizes.images.astype(float)
-        lanes = images.reshape(vis.dp, -1).sum(1)   # lane l encodes block l; its CP ranks split each image
-        out["vision"][0] += lanes.max() * per_image / vis.cp
-        out["vision"][1] += images.sum() * per_image / vis.num_ranks
-    return {k: {"critical": a, "bound": b} for k, (a, b) in out.items()}
+        out["llm"]["critical"] += simulate_plan(plan.packing, plan.sizes.tokens, cost).iteration_time
+        out["llm"]["bound"] += lower_bound(plan.sizes.tokens, cost, llm.dp * llm.cp, cap, several_per_round=True)
+        out["vision"]["work"].append(encoder_work(cfg, layouts["vision"], plan).tolist())
+    out["vision"]["cp_call_s"] = cp_call_seconds(cfg)
+    return out
 
 
-def run_layout(name, data, args, root) -> dict:
+def layout_config(name, data, args, run_dir):
+    """(cfg, resolved layouts) of layout `name` on the records `data`."""
     from hcp.config.compose import compose_config
     from hcp.config.validate import validate
-    from hcp.train import encoders as sides
-    from hcp.launch.launch import start_local_ranks
-    from hcp.train.planner import StepPlanner
-    from omegaconf import OmegaConf
 
-    run_dir = os.path.join(root, name)
-    os.makedirs(run_dir)
-    overrides = [*ISLANDS, *ENCODER, *data, *LAYOUTS[name], f"trainer.global_batch_size={args.samples}",
+    own = {o.split("=")[0] for o in LAYOUTS[name]}
+    encoder = [o for o in ENCODER if o.split("=")[0] not in own]
+    overrides = [*ISLANDS, *encoder, *data, *LAYOUTS[name], f"trainer.global_batch_size={args.samples}",
                  f"trainer.micro_batch_tokens={args.micro_batch_tokens}", *args.overrides]
     cfg = compose_config(overrides, run_dir=run_dir)
-    layouts = validate(cfg, 8)
-    container = OmegaConf.to_container(cfg, resolve=True)
-    import multiprocessing as mp
+    return cfg, validate(cfg, 8)
 
-    launcher = mp.get_context("fork").Process(target=start_local_ranks, args=(
-        _rank, 8, (container, run_dir, args.warmup, args.steps), "fork"))
-    launcher.start()
-    launcher.join()
-    if launcher.exitcode:
-        raise RuntimeError(f"layout {name}: the ranks failed (exit code {launcher.exitcode})")
-    ranks = [json.load(open(os.path.join(run_dir, f"rank{r}.json"))) for r in range(8)]
+
+def layout_model(cfg, layouts, args) -> dict:
+    """`modelled` over the timed steps' global batches of the run `cfg`."""
     from hcp.config.specs import resolve_modules
     from hcp.data.build import build_datasets
     from hcp.data.loader import GlobalBatchSampler
+    from hcp.train import encoders as sides
+    from hcp.train.planner import StepPlanner
 
     specs = resolve_modules(cfg)
     tok, train, _ = build_datasets(cfg, specs)
     planner = StepPlanner(cfg, layouts, sides.LengthIndexes(specs, train, tok), tuple(map(tuple, cfg.graph.edges)))
     sampler = GlobalBatchSampler(len(train), args.samples, cfg.seed)
-    batches = [sampler.batch(k) for k in range(args.warmup, args.warmup + args.steps)]
-    model = modelled(cfg, layouts, planner, batches)
-    critical = {isl: float(np.mean(np.max([r["busy"] for r in ranks if (r["head"] == "llm") == (isl == "llm")], 0)))
+    return modelled(cfg, layouts, planner, [sampler.batch(k) for k in range(args.warmup, args.warmup + args.steps)])
+
+
+def run_layout(name, data, args, root, units: dict) -> dict:
+    """Run layout `name` on 8 forked ranks; its measurements and model inputs. `units`: ViT
+    width -> `measure_encoder` (measured here before the first layout of that width)."""
+    import multiprocessing as mp
+
+    from omegaconf import OmegaConf
+
+    from hcp.launch.launch import start_local_ranks
+
+    run_dir = os.path.join(root, name)
+    os.makedirs(run_dir)
+    cfg, layouts = layout_config(name, data, args, run_dir)
+    if cfg.vision.hidden_size not in units:
+        units[cfg.vision.hidden_size] = measure_encoder(cfg)
+    launcher = mp.get_context("fork").Process(target=start_local_ranks, args=(
+        _rank, 8, (OmegaConf.to_container(cfg, resolve=True), run_dir, args.warmup, args.steps), "fork"))
+    launcher.start()
+    launcher.join()
+    if launcher.exitcode:
+        raise RuntimeError(f"layout {name}: the ranks failed (exit code {launcher.exitcode})")
+    ranks = [json.load(open(os.path.join(run_dir, f"rank{r}.json"))) for r in range(8)]
+    critical = {isl: float(np.median(np.max([r["busy"] for r in ranks if (r["head"] == "llm") == (isl == "llm")], 0)))
                 for isl in ("llm", "vision")}
     loss = next(r["losses"] for r in ranks if r["head"] == "llm")
-    return {"critical_s": critical, "modelled_flops": model, "losses": loss}
+    vision = [r["busy"] for r in ranks if r["head"] != "llm"]
+    model = layout_model(cfg, layouts, args)
+    model["vision"]["floor_units"] = units[cfg.vision.hidden_size]
+    return {"critical_s": critical, "model": model, "losses": loss,
+            "busy_s": [r["busy"] for r in ranks], "vision_steps_s": np.max(vision, 0).tolist()}
+
+
+def report(results: dict, kv: tuple[float, float]) -> dict:
+    """Calibrate the encoder model on `results` (`run_layout` per layout; `kv`: `measure_kv`),
+    set each layout's vision "modelled_s" and "bound_s", print the comparisons; returns them by
+    name."""
+    per_flop, per_call = calibrate(results)
+    per_byte, kv_call = kv
+    for r in results.values():
+        v = r["model"]["vision"]
+        coef = np.array([per_flop, per_byte, per_call, v["cp_call_s"]])
+        floor = np.array([v["floor_units"][0], per_byte, v["floor_units"][1], kv_call])
+        v["modelled_s"], v["bound_s"] = encoder_times(v["work"], coef, floor)
+    print(f"encoder model: {1e-9 / max(per_flop, 1e-30):.0f} GFLOP/s and {1e3 * per_call:.1f} ms per layer "
+          f"call (fitted to the {' and '.join(DP_ONLY)} vision islands), K/V at "
+          f"{1e-6 / per_byte:.0f} MB/s (CP attention, measured) and "
+          f"{1e3 * results['encoder_cp4']['model']['vision']['cp_call_s']:.1f} ms per CP-4 attention call (profile)")
+    floors = {tuple(r["model"]["vision"]["floor_units"]) for r in results.values()}
+    print("encoder floor: " + ", ".join(f"{1e-9 / f:.0f} GFLOP/s and {1e3 * c:.1f} ms per layer call" for f, c in
+                                        sorted(floors)) + f" (each ViT alone), {1e3 * kv_call:.1f} ms per "
+          "CP attention call (measured)")
+    rows = {}
+    print(f"{'comparison':<42} {'measured':>8} {'modelled':>8} {'bound':>6} {'measured/bound':>14}")
+    for what, (base, new, isl) in COMPARE.items():
+        b, n = results[base], results[new]
+        measured = b["critical_s"][isl] / n["critical_s"][isl]
+        if isl == "llm":
+            model = b["model"]["llm"]["critical"] / n["model"]["llm"]["critical"]
+            bound = b["model"]["llm"]["critical"] / b["model"]["llm"]["bound"]
+        else:
+            model = b["model"]["vision"]["modelled_s"] / n["model"]["vision"]["modelled_s"]
+            bound = b["critical_s"][isl] / n["model"]["vision"]["bound_s"]
+        rows[what] = {"measured": measured, "modelled": model, "bound": bound, "measured_over_bound": measured / bound}
+        print(f"{what:<42} {measured:8.2f} {model:8.2f} {bound:6.2f} {measured / bound:14.2f}")
+    print("bound, LLM: the static plan's modelled time over the provable lower bound of any plan. Encoder:\n"
+          "the DP-4 island's measured time over the new layout's floor: its FLOPs, K/V bytes and calls spread\n"
+          "evenly over its ranks (its slowest rank does at least the mean) at the unit costs measured alone\n"
+          "(no waiting, no schedule); bound < 1: that layout cannot beat DP on this machine")
+    return rows
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per layout")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout (medians over them)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--samples", type=int, default=16, help="global batch (a multiple of 4)")
     ap.add_argument("--micro-batch-tokens", type=int, default=256, help="THD tokens per rank and micro-batch")
@@ -184,23 +393,17 @@ def main(argv=None) -> dict:
     root = tempfile.mkdtemp(prefix="dcp_islands_")  # kept: forked ranks must not delete it
     os.makedirs(os.path.join(root, "data"))
     data = make_records(os.path.join(root, "data"), 4 * args.samples * (args.warmup + args.steps))
-    results = {name: run_layout(name, data, args, root) for name in LAYOUTS}
+    kv = measure_kv(root, layout_config("dynamic", data, args, os.path.join(root, "kv"))[0].vision)
+    units = {}
+    results = {name: run_layout(name, data, args, root, units) for name in LAYOUTS}
     print(f"{'layout':<11} {'LLM island s':>12} {'vision island s':>15} {'losses'}")
     for name, r in results.items():
         print(f"{name:<11} {r['critical_s']['llm']:12.3f} {r['critical_s']['vision']:15.3f} "
               + " ".join(f"{x:.5f}" for x in r["losses"]))
-    rows = {}
-    print(f"{'comparison':<42} {'measured':>8} {'modelled':>8} {'bound':>6} {'measured/bound':>14}")
-    for what, (base, new, isl) in COMPARE.items():
-        b, n = results[base], results[new]
-        measured = b["critical_s"][isl] / n["critical_s"][isl]
-        model = b["modelled_flops"][isl]["critical"] / n["modelled_flops"][isl]["critical"]
-        bound = b["modelled_flops"][isl]["critical"] / b["modelled_flops"][isl]["bound"]
-        rows[what] = {"measured": measured, "modelled": model, "bound": bound, "measured_over_bound": measured / bound}
-        print(f"{what:<42} {measured:8.2f} {model:8.2f} {bound:6.2f} {measured / bound:14.2f}")
+    rows = report(results, kv)
     wall = time.perf_counter() - t0
     print(f"wall time {wall:.0f} s ({args.warmup} warm-up + {args.steps} timed steps per layout, 8 ranks)")
-    out = {"layouts": results, "comparisons": rows, "wall_s": wall}
+    out = {"layouts": results, "comparisons": rows, "kv_s_per_byte_and_call": kv, "wall_s": wall}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -1,0 +1,98 @@
+"""benchmarks/dcp_islands.py's encoder model and bound, on recorded facts (no ranks): the
+calibration recovers the per-FLOP and per-layer-call seconds that made the DP islands' step
+times, and each encoder row's bound is the DP island's measured time over the new layout's
+floor (its FLOPs, K/V bytes and calls spread evenly), so a layout measured at its model never
+beats its bound; `encoder_work` charges a CP rank its padded chunk and the gathered K/V."""
+import argparse
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hcp.model.flops import encoder_flops
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("dcp_islands", ROOT / "benchmarks/dcp_islands.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+PER_FLOP, PER_CALL = 1 / 1.5e11, 0.02          # the "machine" that made the DP step times
+FLOOR_UNITS = [0.8 * PER_FLOP, 0.8 * PER_CALL]   # measured alone: cheaper than in the island
+PER_BYTE, CP_CALL = 1 / 3e8, {1: 0.0, 2: 0.007, 4: 0.007}   # s per K/V byte, s per CP attention call
+
+
+def _work(flops_per_lane, cp: int, calls: int):
+    """[steps, 4 ranks, 4] encoder_work columns of a layout with lanes of these FLOPs."""
+    steps = []
+    for lanes in flops_per_lane:
+        rows = []
+        for f in lanes:   # each lane's cp ranks split its FLOPs and gather K/V
+            rows += [[f / cp, 1e6 * f / 1e10 * (cp - 1), calls, calls * 4 / 6 * (cp > 1)]] * cp
+        steps.append(rows)
+    return np.array(steps)
+
+
+def _results(dp_lanes):
+    """Facts of the six layouts: DP step times made by PER_FLOP and PER_CALL, the CP layouts
+    measured exactly at their model, the floor's unit costs measured at the model's."""
+    out = {}
+    for name, cp, wide in (("static", 1, 1), ("dynamic", 1, 1), ("encoder_cp2", 2, 1), ("encoder_cp4", 4, 1),
+                           ("wide_dp4", 1, 7), ("wide_cp4", 4, 7)):
+        lanes = [[wide * sum(l)] if cp == 4 else [l[0] + l[1], l[2] + l[3]] if cp == 2 else
+                 [wide * f for f in l] for l in dp_lanes]
+        work = _work(lanes, cp, 18)
+        coef = np.array([PER_FLOP, PER_BYTE, PER_CALL, CP_CALL[cp]])
+        steps = (work.max(1) @ coef).tolist()
+        out[name] = {"critical_s": {"llm": 1.0, "vision": float(np.median(steps))}, "vision_steps_s": steps,
+                     "model": {"llm": {"critical": 1.0, "bound": 0.8},
+                               "vision": {"work": work.tolist(), "cp_call_s": CP_CALL[cp],
+                                          "floor_units": FLOOR_UNITS}}}
+    return out
+
+
+@pytest.mark.parametrize("dp_lanes, cp_wins", [
+    ([[1e10, 1.2e10, 0.9e10, 1.1e10], [2e10, 1e10, 1.5e10, 1e10], [1e10, 1e10, 1.3e10, 1.2e10]], False),
+    ([[1e11, 1e10, 1e10, 1e10], [1.2e11, 2e10, 1e10, 1e10], [9e10, 1e10, 2e10, 1e10]], True)])
+def test_encoder_bound_is_the_dp_time_over_the_layouts_floor(dp_lanes, cp_wins, capsys):
+    results = _results(dp_lanes)
+    assert np.allclose(bench.calibrate(results), (PER_FLOP, PER_CALL), rtol=1e-6)
+    rows = bench.report(results, (PER_BYTE, CP_CALL[4]))
+    assert "bound, LLM" in capsys.readouterr().out
+    for what, base, new, cp in (("encoder CP 2 x DP 2 vs DP 4 (vision island)", "dynamic", "encoder_cp2", 2),
+                                ("encoder CP 4 vs DP 4 (vision island)", "dynamic", "encoder_cp4", 4),
+                                ("wide ViT: encoder CP 4 vs DP 4 (vision)", "wide_dp4", "wide_cp4", 4)):
+        dp = results[base]["critical_s"]["vision"]
+        work = np.asarray(results[new]["model"]["vision"]["work"])
+        unit = np.array([FLOOR_UNITS[0], PER_BYTE, FLOOR_UNITS[1], CP_CALL[4]])
+        floor = float(np.median(work.mean(1) @ unit))
+        row = rows[what]
+        assert row["bound"] == pytest.approx(dp / floor)
+        assert row["modelled"] == pytest.approx(row["measured"])   # measured at the model
+        assert row["measured"] <= row["bound"] * (1 + 1e-9)        # never beats its floor
+        assert row["measured_over_bound"] < 1
+    cp4 = rows["encoder CP 4 vs DP 4 (vision island)"]   # one lane: measured / bound = floor / model
+    work = np.asarray(results["encoder_cp4"]["model"]["vision"]["work"])
+    model = np.array([PER_FLOP, PER_BYTE, PER_CALL, CP_CALL[4]])
+    assert cp4["measured_over_bound"] == pytest.approx(
+        np.median(work.mean(1) @ unit) / np.median(work.max(1) @ model))
+    assert (cp4["bound"] > 1) == cp_wins
+
+
+@pytest.mark.timeout(120)
+def test_encoder_work_charges_each_cp_rank_its_chunk_and_the_gathered_kv(tmp_path):
+    data = bench.make_records(str(tmp_path), 32)
+    args = argparse.Namespace(samples=16, micro_batch_tokens=256, overrides=[], warmup=0, steps=1)
+    works = {}
+    for name in ("dynamic", "encoder_cp4"):
+        cfg, layouts = bench.layout_config(name, data, args, str(tmp_path / name))
+        works[name] = np.asarray(bench.layout_model(cfg, layouts, args)["vision"]["work"][0])
+    dp, cp = works["dynamic"], works["encoder_cp4"]
+    assert (dp[:, 1] == 0).all() and (dp[:, 3] == 0).all()
+    # 37 tokens per image: CP 4 ranks hold k = 10 positions each, 40 / 37 of the FLOPs in all
+    assert cp[:, 0].sum() == pytest.approx(dp[:, 0].sum() * 40 / 37)
+    assert np.ptp(cp, axis=0).max() == 0          # one lane: every rank the same work
+    images = dp[:, 0].sum() / encoder_flops(cfg.vision, cfg.llm.hidden_size, 1.0)
+    v = cfg.vision   # per image and block: K and V gathered from 3 peers, their gradients back
+    assert cp[0, 1] == pytest.approx(images * 4 * 2 * 3 * 10 * 2 * v.hidden_size * 4)
+    assert cp[0, 2] == cp[0, 3] * 6 / 4 >= dp[:, 2].max()   # every micro-batch on every rank
