@@ -46,6 +46,9 @@ from hcp.model.flops import (head_flops_per_token, kv_dim, layer_attention_flops
                              layer_matmul_flops_per_token, model_flops)
 
 PROFILES = Path(__file__).parent / "profiles"
+ATTENTION_BACKWARD = 2.5
+"""Backward FLOPs of fused (flash) attention per forward FLOP: it recomputes the scores, five
+matmuls of the forward's size against the forward's two (Dao 2023)."""
 
 
 def _positive(v) -> bool:
@@ -325,12 +328,17 @@ class CostModel:
         out.pp = 1
         return out
 
-    def micro_batch_flops(self, tokens: float, sq: float, c: int) -> np.ndarray:
-        """FLOPs `[pp]` one rank of each stage computes for a micro-batch of `tokens` tokens
-        whose documents' squared lengths sum to `sq`, on a CP group of `c` ranks: what `fwd`
-        times (matmuls and causal attention, / tp / c) for the forward, `bwd_factor` times it
-        for the backward (full recompute: one more forward)."""
-        return (1.0 + self.bwd_factor) * (self.mm_flops * tokens + self.attn_flops * sq) / self.tp / c
+    def micro_batch_flops(self, local_tokens: float, pairs: float) -> np.ndarray:
+        """FLOPs `[pp]` one rank of each stage computes for a micro-batch as the code runs it:
+        `local_tokens` the rows of its CP shard (padding included, `rank_tokens`), `pairs` the
+        query-key pairs its attention calls score (`hcp.model.cp_attention.scored_pairs`),
+        split over tp. Matmuls forward and twice that backward, attention forward and
+        `ATTENTION_BACKWARD` times that backward, full recompute one more forward. Not the
+        time model's FLOPs (`bwd_factor`: its efficiencies were fitted with backward = 2 x)."""
+        mm = self.mm_flops * local_tokens / self.tp
+        attn = self.attn_flops * 2.0 * pairs / self.tp  # attn_flops: per token^2, causal (2 pairs)
+        rec = float(self.recompute)
+        return (3.0 + rec) * mm + (1.0 + ATTENTION_BACKWARD + rec) * attn
 
     def model_flops(self, lengths) -> float:
         """Model FLOPs of one training step on these sequences (hcp/model/flops.py)."""

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+from hcp.dcp.packing import rank_tokens
+from hcp.model.cp_attention import scored_pairs
+from hcp.model.cp_kernels import fused_kernel
 from hcp.preflight.rehearse.checks import (Mismatch, check_collectives, check_creations,
                                        check_rendezvous)
 
@@ -27,12 +30,15 @@ def find_mismatches(results: dict, world: int, device_gib: float) -> list[Mismat
     return out
 
 
-def micro_batch_flops(results: dict, stages: dict[int, int | None], cost) -> dict[int, list[tuple]]:
+def micro_batch_flops(results: dict, stages: dict[int, int | None], cost, comm: str) -> dict[int, list[tuple]]:
     """rank -> [(FLOPs counted, FLOPs by the cost model)] of each LLM micro-batch of its last
     step; `stages`: rank -> its LLM PP stage (None: no LLM stage); `cost`: the LLM's
-    `hcp.dcp.cost_model.CostModel` (`CostModel.micro_batch_flops`)."""
-    return {r: [(counted, float(cost.micro_batch_flops(tokens, sq, c)[stages[r]]))
-                for counted, tokens, sq, c in res.micro_batches if tokens]
+    `hcp.dcp.cost_model.CostModel` (`CostModel.micro_batch_flops` of the rank's CP shard and of
+    the pairs its CP attention calls score under `comm` on the CPU kernels the ranks run)."""
+    masked = fused_kernel("cpu").masks
+    return {r: [(counted, float(cost.micro_batch_flops(
+                    float(rank_tokens(lengths, c).sum()), scored_pairs(lengths, c, cp_rank, comm, masked))[stages[r]]))
+                for counted, lengths, c, cp_rank in res.micro_batches if sum(lengths)]
             for r, res in results.items() if stages.get(r) is not None}
 
 

@@ -34,8 +34,7 @@ class RankResult:
     """One rank's rehearsal: its ops (`hcp.preflight.rehearse.record.Op`, issue order), group
     creations, its trained parameters' bytes, peak bytes tracked by `MemTracker`, FLOPs
     counted in the last step, the plan's global (tokens, sum of squared document lengths) of each
-    step, the last step's LLM micro-batches as `(FLOPs counted, tokens, sum of squared document
-    lengths, CP size)` (`hcp.preflight.rehearse.count`), the bytes of each `MemTracker` category (parameters, gradients, optimizer states,
+    step, the last step's LLM micro-batches as `(FLOPs counted, document lengths, CP size, CP rank)` (`hcp.preflight.rehearse.count`), the bytes of each `MemTracker` category (parameters, gradients, optimizer states,
     activations, temporaries) at the peak, and the traceback if the rank raised (then the rest
     may be partial)."""
 
@@ -144,10 +143,9 @@ def _host_metadata():
         DeviceMesh.from_group, init.compute_local_shape_and_global_offset = staticmethod(mesh), offset
 
 
-def _sizes(mb) -> tuple[int, float, int]:
-    """(tokens, sum of squared document lengths, CP size) of a `MicroBatchPlan`."""
-    lengths = [int(b - a) for a, b in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])]
-    return sum(lengths), float(sum(n * n for n in lengths)), mb.cp_size
+def _sizes(mb) -> tuple[list[int], int, int]:
+    """(document lengths, CP size, CP rank) of a `MicroBatchPlan`."""
+    return [int(b - a) for a, b in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])], mb.cp_size, mb.cp_rank
 
 
 def _local(p):
