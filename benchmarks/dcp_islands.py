@@ -110,7 +110,8 @@ def _rank(payload) -> None:
 def modelled(cfg, layouts, planner, batches) -> dict[str, dict]:
     """Per island: {"critical", "bound"} (seconds under the profile for the LLM, FLOPs for the
     encoder), summed over `batches` (module docstring)."""
-    from hcp.dcp.cost_model import CostModel, load_profile
+    from hcp.dcp.cost_model import CostModel
+    from hcp.dcp.hardware import load_profile
     from hcp.dcp.lower_bound import lower_bound
     from hcp.dcp.solver import simulate_plan
     from hcp.model.flops import encoder_flops

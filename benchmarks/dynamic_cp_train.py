@@ -57,7 +57,8 @@ from types import SimpleNamespace as NS
 import numpy as np
 
 from hcp.config.compose import compose_config
-from hcp.dcp.cost_model import CostModel, load_profile
+from hcp.dcp.cost_model import CostModel
+from hcp.dcp.hardware import load_profile
 from hcp.dcp.lower_bound import lower_bound
 from hcp.dcp.policy import dynamic_cp_policy
 from hcp.dcp.solver import simulate_plan

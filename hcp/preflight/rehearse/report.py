@@ -30,14 +30,16 @@ def find_mismatches(results: dict, world: int, device_gib: float) -> list[Mismat
     return out
 
 
-def micro_batch_flops(results: dict, stages: dict[int, int | None], cost, comm: str) -> dict[int, list[tuple]]:
+def micro_batch_flops(results: dict, stages: dict[int, int | None], cost, layout) -> dict[int, list[tuple]]:
     """rank -> [(FLOPs counted, FLOPs by the cost model)] of each LLM micro-batch of its last
     step; `stages`: rank -> its LLM PP stage (None: no LLM stage); `cost`: the LLM's
     `hcp.dcp.cost_model.CostModel` (`CostModel.micro_batch_flops` of the rank's CP shard and of
-    the pairs its CP attention calls score under `comm` on the CPU kernels the ranks run)."""
+    the pairs its CP attention calls score on the CPU kernels the ranks run); `layout`: the
+    LLM's resolved layout (its cp_comm and recompute)."""
     masked = fused_kernel("cpu").masks
     return {r: [(counted, float(cost.micro_batch_flops(
-                    float(rank_tokens(lengths, c).sum()), scored_pairs(lengths, c, cp_rank, comm, masked))[stages[r]]))
+                    float(rank_tokens(lengths, c).sum()), scored_pairs(lengths, c, cp_rank, layout.cp_comm, masked),
+                    layout.recompute)[stages[r]]))
                 for counted, lengths, c, cp_rank in res.micro_batches if sum(lengths)]
             for r, res in results.items() if stages.get(r) is not None}
 
