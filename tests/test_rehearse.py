@@ -116,8 +116,9 @@ def test_one_rank_runs_under_fake_tensors_with_its_whole_training_state(tmp_path
     process under `FakeTensorMode`: no host read of a device value stops it, and the peak
     tracked holds the fp32 weights, their gradients and both Adam moments (16 B per trained
     parameter) besides activations; each LLM micro-batch's FLOPs counted (attention included)
-    are the cost model's within 5% (padded CP shard, the masked short-document call that doubles
-    this CP rank-0 shard's scores, the flash backward's recomputed scores)."""
+    are the cost model's within 5%: its padded CP shard, the masked short-document call that
+    doubles a CP rank 0's scores, the flash backward's recomputed scores, and full recompute
+    (which skips each layer's last matmul)."""
     import torch.distributed as dist
 
     from hcp.config.validate import validate
@@ -125,7 +126,7 @@ def test_one_rank_runs_under_fake_tensors_with_its_whole_training_state(tmp_path
     from hcp.preflight.rehearse.runner import rehearsal_config, rehearse_rank
 
     cfg = compose_cfg(["mode=rehearse", "logger=none", *HETERO, "llm.layout.tp=2", "llm.layout.pp=2",
-                       "trainer.global_batch_size=8"], run_dir=str(tmp_path))
+                       "llm.layout.recompute=full", "trainer.global_batch_size=8"], run_dir=str(tmp_path))
     validate(cfg, 8)
     list(prepare_data(cfg))
     res = rehearse_rank(rehearsal_config(cfg), str(tmp_path), 0, 8, 1)
@@ -140,7 +141,7 @@ def test_one_rank_runs_under_fake_tensors_with_its_whole_training_state(tmp_path
     layouts = resolve_layouts(cfg, 8)
     cost, stage = cost_model(cfg, layouts["llm"], hardware(cfg)), role_of(layouts, 0).stage("llm")
     assert res.micro_batches and sum(c for c, *_ in res.micro_batches) <= res.flops
-    assert {(c, r) for _, _, c, r in res.micro_batches} == {(2, 0)}  # CP rank 0 of 2: short documents
+    assert {(c, r) for _, _, c, r, _ in res.micro_batches} == {(2, 0)}  # CP rank 0 of 2: short documents
     pairs = micro_batch_flops({0: res}, {0: stage}, cost, layouts["llm"])[0]
     assert pairs and all(abs(counted / modelled - 1) < 0.05 for counted, modelled in pairs), pairs
 

@@ -92,7 +92,8 @@ class CostModel:
         self.llm, self.hw, self.pp, self.tp, self.recompute = llm, hw, pp, tp, bool(recompute)
         head = np.zeros(pp)
         head[-1] = 1.0
-        self.mm_flops = n * layer_matmul_flops_per_token(llm) + head * head_flops_per_token(llm)  # / token
+        self.head_flops = head * head_flops_per_token(llm)  # / token
+        self.mm_flops = n * layer_matmul_flops_per_token(llm) + self.head_flops  # / token
         self.attn_flops = n * layer_attention_flops_per_sq_token(llm)  # / token^2
         self.recompute_mm_flops = n * layer_recompute_matmul_flops_per_token(llm)  # / token
         self.mm_coef = self.mm_flops / tp / (hw.peak_flops * hw.matmul_efficiency)  # s / token
@@ -175,17 +176,20 @@ class CostModel:
         out.pp = 1
         return out
 
-    def micro_batch_flops(self, local_tokens: float, pairs: float, recompute: str | None = None) -> np.ndarray:
+    def micro_batch_flops(self, local_tokens: float, pairs: float, recompute: str | None = None,
+                          head_rows: float | None = None) -> np.ndarray:
         """FLOPs `[pp]` one rank of each stage computes for a micro-batch as the code runs it:
         `local_tokens` the rows of its CP shard (padding included, `rank_tokens`), `pairs` the
         query-key pairs its attention calls score (`hcp.model.cp_attention.scored_pairs`),
-        split over tp. Matmuls forward and twice that backward, attention forward and
-        `ATTENTION_BACKWARD` times that backward; `recompute` (`none`, `selective`, `full`;
-        None: this model's) re-runs the attention forward and, when `full`, the layers'
-        matmuls but the last (`layer_recompute_matmul_flops_per_token`). Not the time model's
-        FLOPs (`bwd_factor`: its efficiencies were fitted with backward = 2 x)."""
+        `head_rows` the rows the last stage's LM head scores (the loss tokens when the loss
+        picks them; None: every local row), split over tp. Matmuls forward and twice that
+        backward, attention forward and `ATTENTION_BACKWARD` times that backward; `recompute`
+        (`none`, `selective`, `full`; None: this model's) re-runs the attention forward and,
+        when `full`, the layers' matmuls but the last (`layer_recompute_matmul_flops_per_token`).
+        Not the time model's FLOPs (`bwd_factor`: its efficiencies were fitted with backward = 2 x)."""
         recompute = recompute or ("full" if self.recompute else "none")
-        mm = self.mm_flops * local_tokens / self.tp
+        rows = local_tokens if head_rows is None else head_rows
+        mm = ((self.mm_flops - self.head_flops) * local_tokens + self.head_flops * rows) / self.tp
         attn = self.attn_flops * 2.0 * pairs / self.tp  # attn_flops: per token^2, causal (2 pairs)
         redo = self.recompute_mm_flops * local_tokens / self.tp if recompute == "full" else 0.0
         return 3.0 * mm + redo + (1.0 + ATTENTION_BACKWARD + (recompute != "none")) * attn

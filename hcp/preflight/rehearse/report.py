@@ -34,13 +34,17 @@ def micro_batch_flops(results: dict, stages: dict[int, int | None], cost, layout
     """rank -> [(FLOPs counted, FLOPs by the cost model)] of each LLM micro-batch of its last
     step; `stages`: rank -> its LLM PP stage (None: no LLM stage); `cost`: the LLM's
     `hcp.dcp.cost_model.CostModel` (`CostModel.micro_batch_flops` of the rank's CP shard and of
-    the pairs its CP attention calls score on the CPU kernels the ranks run); `layout`: the
-    LLM's resolved layout (its cp_comm and recompute)."""
+    the pairs its CP attention calls score on the CPU kernels the ranks run, of the rows its LM
+    head scores); `layout`: the LLM's resolved layout (its cp_comm and recompute)."""
     masked = fused_kernel("cpu").masks
-    return {r: [(counted, float(cost.micro_batch_flops(
-                    float(rank_tokens(lengths, c).sum()), scored_pairs(lengths, c, cp_rank, layout.cp_comm, masked),
-                    layout.recompute)[stages[r]]))
-                for counted, lengths, c, cp_rank in res.micro_batches if sum(lengths)]
+
+    def modelled(stage, lengths, c, cp_rank, loss_tokens):
+        pairs = scored_pairs(lengths, c, cp_rank, layout.cp_comm, masked)
+        head_rows = loss_tokens if c == 1 else None  # under CP the loss scores every row (llava.loss)
+        return float(cost.micro_batch_flops(float(rank_tokens(lengths, c).sum()), pairs, layout.recompute,
+                                            head_rows)[stage])
+
+    return {r: [(counted, modelled(stages[r], *sizes)) for counted, *sizes in res.micro_batches if sum(sizes[0])]
             for r, res in results.items() if stages.get(r) is not None}
 
 
