@@ -179,7 +179,7 @@ def calibrate(args) -> None:
     import yaml
     from scipy.optimize import nnls
 
-    from hcp.dcp.cost_model import read_profile
+    from hcp.dcp.hardware import read_profile
     from hcp.preflight.auto_cost import Scorer
     from hcp.preflight.auto_layout import apply_layout, search
     from hcp.preflight.auto_space import pinned_fields

@@ -169,7 +169,8 @@ def cp_call_seconds(cfg) -> float:
     from the run's gloo profile (`packing_profile`, fitted on this kind of machine): its
     `cp_overhead` + `cp_latency` ring steps per layer, forward plus twice that backward, as
     `hcp.dcp.cost_model.CostModel` charges an LLM layer."""
-    from hcp.dcp.cost_model import CostModel, load_profile
+    from hcp.dcp.cost_model import CostModel
+    from hcp.dcp.hardware import load_profile
 
     cost = CostModel(cfg.llm, load_profile(cfg.packing_profile))
     return float(cost.latency(cfg.vision.layout.cp)[0] / cost.cp_layers[0]) * (1 + cost.bwd_factor)
@@ -265,7 +266,8 @@ def encoder_times(work, coef: np.ndarray, floor: np.ndarray) -> tuple[float, flo
 def modelled(cfg, layouts, planner, batches) -> dict:
     """LLM island: {"critical", "bound"} seconds under the profile, summed over `batches`;
     vision island: "work", `encoder_work` of each batch (module docstring)."""
-    from hcp.dcp.cost_model import CostModel, load_profile
+    from hcp.dcp.cost_model import CostModel
+    from hcp.dcp.hardware import load_profile
     from hcp.dcp.lower_bound import lower_bound
     from hcp.dcp.solver import simulate_plan
 

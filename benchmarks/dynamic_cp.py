@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # dynamic_cp_report, h
 from dynamic_cp_report import METHODS, draw_timeline, print_summary, summarize  # noqa: E402
 from harness import HelpFormatter  # noqa: E402
 from hcp.dcp.baselines import greedy, packing_only  # noqa: E402
-from hcp.dcp.cost_model import CostModel, load_profile, recipe_llm  # noqa: E402
+from hcp.dcp.cost_model import CostModel, recipe_llm  # noqa: E402
+from hcp.dcp.hardware import load_profile  # noqa: E402
 from hcp.dcp.exact import solve_exact  # noqa: E402
 from hcp.dcp.lower_bound import lower_bound  # noqa: E402
 from hcp.dcp.megatron_peer import megatron_plan  # noqa: E402

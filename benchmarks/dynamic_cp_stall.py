@@ -39,7 +39,8 @@ _COST = None
 def plan(lens):
     """The solver's plan of one global batch (lengths `[B]`), as the policy computes it."""
     global _COST
-    from hcp.dcp.cost_model import CostModel, load_profile, recipe_llm
+    from hcp.dcp.cost_model import CostModel, recipe_llm
+    from hcp.dcp.hardware import load_profile
     from hcp.dcp.solver import solve
 
     if _COST is None:

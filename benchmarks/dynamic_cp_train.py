@@ -63,7 +63,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # lengths.py beside this file
 
 from hcp.config.compose import compose_config  # noqa: E402
-from hcp.dcp.cost_model import CostModel, load_profile  # noqa: E402
+from hcp.dcp.cost_model import CostModel  # noqa: E402
+from hcp.dcp.hardware import load_profile  # noqa: E402
 from hcp.dcp.lower_bound import lower_bound  # noqa: E402
 from hcp.dcp.policy import dynamic_cp_policy  # noqa: E402
 from hcp.dcp.solver import simulate_plan  # noqa: E402

@@ -53,7 +53,7 @@ def plan_case(recipe: str, overrides) -> dict:
     from hcp.config.compose import compose_config
     from hcp.config.errors import ConfigError
     from hcp.config.layouts import check_layouts, world_size_of
-    from hcp.dcp.cost_model import load_profile
+    from hcp.dcp.hardware import load_profile
     from hcp.parallel.roles import role_table
     from hcp.preflight.estimate import estimate_step
     from hcp.preflight.plan_mode import memory_per_rank, stage_memory

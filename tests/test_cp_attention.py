@@ -20,7 +20,7 @@ import hcp.model.cp_kernels as cp_kernels
 from hcp.config.schema import LLMConfig
 from hcp.model import LlavaModel
 from hcp.model.cp_attention import (CPAttentionPlan, Partial, _FusedAttention, build_cp_plan,
-                                    cp_attention, cp_calls)
+                                    cp_attention, cp_calls, scored_pairs)
 from hcp.model.cp_kernels import KERNELS, MATH
 from hcp.parallel.cp_sharding import cp_shard
 
@@ -219,6 +219,24 @@ def test_calls_cover_exactly_the_causal_pairs_and_balance_ranks(comm, masked):
             assert long_only < 0.6 * (2 * 25) * (8 * 25)   # vs. every local query x every key
         work.append(long_only)
     assert len(set(work)) == 1, work
+
+
+@pytest.mark.parametrize("comm, masked", [("allgather", False), ("allgather", True), ("p2p", True)])
+def test_scored_pairs_are_the_calls_blocks(comm, masked):
+    """`scored_pairs` (the rehearsal's modelled attention FLOPs) is what the rank's calls score
+    (a causal block half); unmasked, the ranks together score each padded document's causal
+    half, L_pad^2 / 2; a short document's masked call on CP rank 0 of 4 scores twice that share."""
+    c, lengths = 4, [200, 7, 3, 40, 41]
+    got = [scored_pairs(lengths, c, r, comm, masked) for r in range(c)]
+    for r in range(c):
+        calls = [call for source in cp_calls(lengths, c, r, comm, masked=masked) for call in source]
+        assert got[r] == sum(x.q.n * x.q.length * x.k.length * (0.5 if x.causal else 1) for x in calls)
+    padded = -(-np.array(lengths) // (2 * c)) * 2 * c
+    if not (masked and comm == "allgather"):
+        assert sum(got) == (padded ** 2).sum() / 2
+    else:
+        assert scored_pairs([7], c, 0) == 2 * scored_pairs([7], c, 0, masked=False) == 2 * 8 ** 2 / 2 / c
+    assert scored_pairs(lengths, 1, 0) == sum(n * n for n in lengths) / 2
 
 
 def test_plan_refuses_device_lengths_and_unknown_comm():

@@ -12,7 +12,8 @@ from dist_utils import run_ranks
 from hcp.config.compose import compose_config
 import hcp.preflight.calibrate as calibrate
 from hcp.preflight.calibrate import fit, grid
-from hcp.dcp.cost_model import CostModel, HardwareProfile, load_profile
+from hcp.dcp.cost_model import CostModel
+from hcp.dcp.hardware import HardwareProfile, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 LLM = compose_config(["+recipe=llama_tiny"]).llm

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from hcp.dcp.cost_model import CostModel, HardwareProfile, load_cost, load_profile, recipe_llm
+from hcp.dcp.cost_model import CostModel, load_cost, recipe_llm
+from hcp.dcp.hardware import HardwareProfile, load_profile
 from hcp.dcp.packing import Group, Round, Packing
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from hcp.config.errors import ConfigError
-from hcp.dcp.cost_model import PROFILES, HardwareProfile, load_cost, load_profile, recipe_llm
+from hcp.dcp.cost_model import load_cost, recipe_llm
+from hcp.dcp.hardware import PROFILES, HardwareProfile, load_profile
 from hcp.dcp.lower_bound import lower_bound
 from hcp.dcp.packing import Group, Round, Packing, prepare_lengths, validate_plan
 from hcp.schedule.simulator import simulate_1f1b

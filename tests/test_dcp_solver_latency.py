@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hcp.dcp.cost_model import CostModel, HardwareProfile, recipe_llm
+from hcp.dcp.cost_model import CostModel, recipe_llm
+from hcp.dcp.hardware import HardwareProfile
 from hcp.dcp.lower_bound import lower_bound
 from hcp.dcp.packing import validate_plan
 from hcp.dcp.rank_pack import rank_time_plan

@@ -52,6 +52,7 @@ def test_full_size_recipe_rehearses(monkeypatch, tmp_path, capsys, recipe):
     report = json.load(open(tmp_path / "rehearsal.json"))
     assert report["passed"] and all(r["error"] is None and r["ops"] > 0 for r in report["ranks"].values())
     print(capsys.readouterr().out)
+    assert all(abs(c / m - 1) < 0.05 for r in report["ranks"].values() for c, m in r["micro_batch_flops"]), report["ranks"]
     if recipe not in MEMORY_GAP:  # plan mode's estimate within 20% of the tracked peak, per role
         assert all(abs(row["plan_gib"] / row["peak_gib"] - 1) <= 0.2 for row in report["roles"]), report["roles"]
 
@@ -72,3 +73,4 @@ def test_internvit6b_llama70b_communication_rehearses(monkeypatch, tmp_path, cap
     report = json.load(open(tmp_path / "rehearsal.json"))
     assert all(r["error"] is None and r["ops"] > 0 for r in report["ranks"].values())
     print(capsys.readouterr().out)
+    assert all(abs(c / m - 1) < 0.05 for r in report["ranks"].values() for c, m in r["micro_batch_flops"]), report["ranks"]

@@ -44,7 +44,8 @@ from __future__ import annotations
 import numpy as np
 
 from hcp.config.errors import ConfigError
-from hcp.dcp.cost_model import CostModel, load_profile
+from hcp.dcp.cost_model import CostModel
+from hcp.dcp.hardware import load_profile
 from hcp.dcp.packing import Group, Packing, Round, check_pool, prepare_lengths
 from hcp.dcp.solver import solve
 from hcp.parallel.grid import DYNAMIC_CP  # not groups.py: the planner imports no torch

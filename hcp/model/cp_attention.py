@@ -149,6 +149,26 @@ def cp_calls(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
              for parts in grouped[s].values()] for s in sources]
 
 
+def scored_pairs(lengths, cp_size: int, cp_rank: int, comm: str = "allgather", masked: bool = True) -> float:
+    """Query-key pairs CP rank `cp_rank` of `cp_size` scores for documents of `lengths` (host
+    ints [N]): the blocks of its `cp_calls` (a causal block counts half: its kernel skips the
+    masked half; a masked call counts in full: its kernel scores every pair), summed over key
+    sources. At cp_size 1: `sum L^2 / 2` (`hcp.model.attention`). FLOPs: 4 * Hq * D per pair
+    forward. Raises ValueError as `cp_calls`."""
+    lens = np.asarray(lengths, dtype=np.int64)
+    if cp_size == 1:
+        return float((lens.astype(np.float64) ** 2).sum() / 2)
+    if comm not in CP_COMMS:
+        raise ValueError(f"cp_comm={comm!r} is unknown: use one of {CP_COMMS}")
+    chunk = (lens + 2 * cp_size - 1) // (2 * cp_size)
+    pairs = 0.0
+    for k in np.unique(chunk[chunk > 0]).tolist():
+        blocks = sum(len(q) * len(kv) * (0.5 if causal else 1.0) for calls in
+                     _doc_calls(cp_size, cp_rank, k, 0, comm, masked).values() for q, kv, causal, _ in calls)
+        pairs += blocks * int((chunk == k).sum())
+    return pairs
+
+
 def build_cp_plan(cu_seqlens, group, comm: str = "allgather", device="cpu") -> CPAttentionPlan:
     """Plan for this rank of `group` (the micro-batch's CP group; None = size 1) from the whole
     micro-batch's host cu_seqlens (int [N + 1]: `hcp.parallel.cp_sharding.host_cu`); indices

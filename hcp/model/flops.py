@@ -27,6 +27,14 @@ def layer_matmul_flops_per_token(llm) -> float:
     return 2.0 * (2 * h * h + 2 * h * kv_dim(llm) + 3 * h * llm.ffn_hidden_size)
 
 
+def layer_recompute_matmul_flops_per_token(llm) -> float:
+    """Matmul FLOPs per token that full recompute re-runs in one layer's backward: the layer's
+    forward but its last matmul, the MLP down projection `2 h f` (torch's non-reentrant
+    checkpoint stops re-running once the tensors the backward saved are back, and no backward
+    needs that projection's output)."""
+    return layer_matmul_flops_per_token(llm) - 2.0 * llm.hidden_size * llm.ffn_hidden_size
+
+
 def layer_attention_flops_per_sq_token(llm) -> float:
     """Forward causal-attention FLOPs of one layer per unit of `sum_i L_i^2`: `2 * h`."""
     return 2.0 * llm.hidden_size

@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 
 from hcp.config.errors import ConfigError
 from hcp.config.specs import resolve_modules
-from hcp.dcp.cost_model import read_profile
+from hcp.dcp.hardware import read_profile
 from hcp.model.flops import encoder_flops, model_flops
 from hcp.schedule.simulator import simulate_1f1b
 from hcp.preflight.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times, ring_s

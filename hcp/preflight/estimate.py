@@ -34,7 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hcp.dcp.cost_model import CostModel, HardwareProfile, load_profile
+from hcp.dcp.cost_model import CostModel
+from hcp.dcp.hardware import HardwareProfile, load_profile
 from hcp.dcp.packing import Packing, Round
 from hcp.plan.policies import first_fit_policy
 from hcp.schedule.simulator import simulate_1f1b
@@ -109,7 +110,7 @@ def grad_sync_s(lay, stage_params: list[int], hw: HardwareProfile) -> float:
 def estimate_step(cfg, lay, world: int, stage_params: list[int], profile: str = "h100") -> dict:
     """Estimated step of the LLM layout `lay` (a `ResolvedLayout`) in a world of `world` ranks;
     `stage_params` are the parameters one rank of each PP stage holds (after TP); `profile`:
-    the hardware profile (`hcp.dcp.cost_model.load_profile`).
+    the hardware profile (`hcp.dcp.hardware.load_profile`).
 
     Returns {step_time_s, tflops_per_gpu, bubble_fraction, micro_batches, grad_sync_s}
     (seconds, TFLOP/s per GPU, a fraction in [0, 1)); see the module doc for the assumptions."""

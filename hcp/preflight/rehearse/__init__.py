@@ -68,7 +68,8 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     results = rehearse_ranks(cfg, run_dir, ranks, world, cfg.rehearse.steps, jobs, progress=said)
     wall = time.perf_counter() - t0
     mismatches = find_mismatches(results, world, cfg.cluster.device_memory_gib)
-    micro = micro_batch_flops(results, stages, cost_model(cfg, running["llm"], hardware(cfg)))
+    micro = micro_batch_flops(results, stages, cost_model(cfg, running["llm"], hardware(cfg)),
+                             running["llm"])
     rows = role_rows(results, roles, plan_gib, micro)
     print(format_report(rows, mismatches, wall), flush=True)
     write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall)

@@ -3,9 +3,10 @@
 `flop_counter()` is torch's `FlopCounterMode` with formulas for the CPU flash-attention kernels
 the fake-tensor ranks run (`hcp.model.cp_kernels`; torch registers only the CUDA ones, so
 attention would count 0): torch's own SDPA counts, halved for a call with the causal mask
-(its masked half of the score blocks is skipped; the cost model's attention term is causal
-too). The backward counts what the flash backward computes: 2.5 x its forward (the scores
-are recomputed), where the cost model charges 2 x. A call with an explicit mask counts in full.
+(its masked half of the score blocks is skipped). The backward counts what the flash backward
+computes: 2.5 x its forward (the scores are recomputed). A call with an explicit mask counts in
+full (its kernel scores every pair). `CostModel.micro_batch_flops` models the same
+(`hcp.model.cp_attention.scored_pairs`, `hcp.dcp.cost_model.ATTENTION_BACKWARD`).
 
 `per_micro_batch(counter)` attributes the counter's growth to the micro-batch whose forward
 or backward ran it (every `hcp.schedule.executor.Executor`: the LLM's stages and, on an

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+from hcp.dcp.packing import rank_tokens
+from hcp.model.cp_attention import scored_pairs
+from hcp.model.cp_kernels import fused_kernel
 from hcp.preflight.rehearse.checks import (Mismatch, check_collectives, check_creations,
                                        check_rendezvous)
 
@@ -27,12 +30,21 @@ def find_mismatches(results: dict, world: int, device_gib: float) -> list[Mismat
     return out
 
 
-def micro_batch_flops(results: dict, stages: dict[int, int | None], cost) -> dict[int, list[tuple]]:
+def micro_batch_flops(results: dict, stages: dict[int, int | None], cost, layout) -> dict[int, list[tuple]]:
     """rank -> [(FLOPs counted, FLOPs by the cost model)] of each LLM micro-batch of its last
     step; `stages`: rank -> its LLM PP stage (None: no LLM stage); `cost`: the LLM's
-    `hcp.dcp.cost_model.CostModel` (`CostModel.micro_batch_flops`)."""
-    return {r: [(counted, float(cost.micro_batch_flops(tokens, sq, c)[stages[r]]))
-                for counted, tokens, sq, c in res.micro_batches if tokens]
+    `hcp.dcp.cost_model.CostModel` (`CostModel.micro_batch_flops` of the rank's CP shard and of
+    the pairs its CP attention calls score on the CPU kernels the ranks run, of the rows its LM
+    head scores); `layout`: the LLM's resolved layout (its cp_comm and recompute)."""
+    masked = fused_kernel("cpu").masks
+
+    def modelled(stage, lengths, c, cp_rank, loss_tokens):
+        pairs = scored_pairs(lengths, c, cp_rank, layout.cp_comm, masked)
+        head_rows = loss_tokens if c == 1 else None  # under CP the loss scores every row (llava.loss)
+        return float(cost.micro_batch_flops(float(rank_tokens(lengths, c).sum()), pairs, layout.recompute,
+                                            head_rows)[stage])
+
+    return {r: [(counted, modelled(stages[r], *sizes)) for counted, *sizes in res.micro_batches if sum(sizes[0])]
             for r, res in results.items() if stages.get(r) is not None}
 
 

@@ -34,8 +34,8 @@ class RankResult:
     """One rank's rehearsal: its ops (`hcp.preflight.rehearse.record.Op`, issue order), group
     creations, its trained parameters' bytes, peak bytes tracked by `MemTracker`, FLOPs
     counted in the last step, the plan's global (tokens, sum of squared document lengths) of each
-    step, the last step's LLM micro-batches as `(FLOPs counted, tokens, sum of squared document
-    lengths, CP size)` (`hcp.preflight.rehearse.count`), the bytes of each `MemTracker` category (parameters, gradients, optimizer states,
+    step, the last step's LLM micro-batches as `(FLOPs counted, document lengths, CP size, CP rank,
+    loss tokens known on the host or None)` (`hcp.preflight.rehearse.count`), the bytes of each `MemTracker` category (parameters, gradients, optimizer states,
     activations, temporaries) at the peak, and the traceback if the rank raised (then the rest
     may be partial)."""
 
@@ -81,12 +81,13 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
                 trainer = Trainer(cfg, run_dir)
             result.param_bytes = sum(_local(p).numel() * p.element_size()
                                      for p in trainer.modules.parameters() if p.requires_grad)
-            fb, planned = trainer.forward_backward, []
+            fb, planned, metas = trainer.forward_backward, [], []
 
             def forward_backward(global_batch, prepared=None):
                 mine = prepared[0]
                 result.step_counts.append((mine.counts.tokens, mine.counts.sum_sq_lengths))
                 planned[:] = [mb for mb in mine.micro_batches if mine.keep_empty or not mb.empty]
+                metas[:] = prepared[3] or [None] * len(planned)  # the LLM's (None: no LLM stage)
                 return fb(global_batch, prepared)
 
             trainer.forward_backward = forward_backward
@@ -101,7 +102,8 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
                 with rec, counter, per_micro_batch(counter) as micro_flops:
                     trainer.train_step()
                 result.flops = counter.get_total_flops()
-                result.micro_batches = [(micro_flops.get(i, 0), *_sizes(mb)) for i, mb in enumerate(planned)]
+                result.micro_batches = [(micro_flops.get(i, 0), *_sizes(mb), getattr(meta, "loss_tokens", None))
+                                        for i, (mb, meta) in enumerate(zip(planned, metas))]
         for snap in tracker.get_tracker_snapshot("peak").values():
             for key, nbytes in snap.items():
                 name = getattr(key, "value", str(key))
@@ -144,10 +146,9 @@ def _host_metadata():
         DeviceMesh.from_group, init.compute_local_shape_and_global_offset = staticmethod(mesh), offset
 
 
-def _sizes(mb) -> tuple[int, float, int]:
-    """(tokens, sum of squared document lengths, CP size) of a `MicroBatchPlan`."""
-    lengths = [int(b - a) for a, b in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])]
-    return sum(lengths), float(sum(n * n for n in lengths)), mb.cp_size
+def _sizes(mb) -> tuple[list[int], int, int]:
+    """(document lengths, CP size, CP rank) of a `MicroBatchPlan`."""
+    return [int(b - a) for a, b in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])], mb.cp_size, mb.cp_rank
 
 
 def _local(p):
