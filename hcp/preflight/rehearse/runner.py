@@ -97,7 +97,7 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
                     rec.step = step
                     with rec:
                         trainer.train_step()
-                rec.step, counter = steps, flop_counter()  # FLOPs: the last step only
+                rec.step, counter = steps, _totals_only(flop_counter())  # FLOPs: the last step only
                 with rec, counter, per_micro_batch(counter) as micro_flops:
                     trainer.train_step()
                 result.flops = counter.get_total_flops()
@@ -168,6 +168,29 @@ def _peak_tracker():
         _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
 
     return RankPeakTracker()
+
+
+class _GlobalOnly:
+    """A stand-in for `FlopCounterMode`'s module tracker that attributes every op to `Global`."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        pass
+
+
+def _totals_only(counter):
+    """`counter` without its per-module tracking (the rehearsal reads totals only). torch's
+    `ModuleTracker` hooks every module call's inputs and outputs with `register_multi_grad_hook`
+    until the counter exits, also inside activation recompute's re-run forward, whose graph is never
+    backwarded: the hook's closure holds the node it hangs on, a cycle through C++, so every
+    recomputed layer's saved tensors (the all-gathered CP K/V among them) would stay alive
+    through the optimizer step and inflate the tracked peak. A real run has no such hook."""
+    counter.mod_tracker = _GlobalOnly()
+    return counter
 
 
 def _child(cfg, run_dir, rank, world, steps, out):
