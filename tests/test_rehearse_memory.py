@@ -51,3 +51,23 @@ def test_flop_counter_keeps_no_recomputed_graph_alive():
                 assert recomputed[0]() is None
         totals.append(counter.get_total_flops())
     assert totals[0] == totals[1] > 0  # the FLOPs counted are the same
+
+
+def test_one_step_rehearsal_holds_the_optimizer_state_under_its_activations(tmp_path):
+    """Adam allocates its moments in the first step; a real run holds them through every later
+    step's forward and backward. A one-step rehearsal allocates them beforehand, so its peak
+    (here during the backward: activations and temporaries alive) counts the moments, 8 B per
+    trained fp32 parameter, at the peak (one rank, in-process: seconds)."""
+    from hcp.config.layouts import world_size_of
+    from hcp.data.build import prepare_data
+    from hcp.preflight.rehearse.runner import rehearsal_config, rehearse_rank
+    from tests.cfg_utils import compose_cfg
+
+    cfg = compose_cfg(["mode=rehearse", "logger=none", "+recipe=llama_tiny", "trainer.global_batch_size=8",
+                       "trainer.micro_batch_tokens=4096"], run_dir=str(tmp_path))
+    list(prepare_data(cfg))
+    res = rehearse_rank(rehearsal_config(cfg), str(tmp_path), 0, world_size_of(cfg, 1), 1)
+    assert res.error is None, res.error
+    cats = res.peak_categories
+    assert cats["Activation"] + cats["Temp"] > res.param_bytes  # the peak is in the backward
+    assert cats["Optstate"] >= 2 * res.param_bytes  # with both Adam moments
