@@ -4,7 +4,8 @@ Each rank runs in its own forked process (`rehearse.jobs` at a time): torch's fa
 group (`FakeStore`, backend `"fake"`: every collective returns at once, its output untouched)
 at rank r of the full world W, the `Trainer` built exactly as training builds it, then
 `rehearse.steps` `train_step()`s under the `Recorder` (every c10d op and group creation),
-torch's `MemTracker` (peak bytes of the steps, parameters included) and `FlopCounterMode` (the
+torch's `MemTracker` (peak bytes of the steps, parameters and the optimizer's state included,
+allocated before the first step as a steady-state step holds it) and `FlopCounterMode` (the
 last step, per micro-batch: `hcp.preflight.rehearse.count`). Everything runs under torch's `FakeTensorMode`: every tensor has its shape, dtype
 and device but no storage, so a 70B recipe's rank costs what its number of ops costs, not its
 FLOPs or bytes. The step plan and the rank's data are real host values (the plan-ahead thread
@@ -91,6 +92,7 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
                 return fb(global_batch, prepared)
 
             trainer.forward_backward = forward_backward
+            _allocate_optimizer_state(trainer.optimizer)
             tracker = _peak_tracker()  # entered inside the fake mode: it tracks the fake tensors
             tracker.track_external(trainer.modules, trainer.optimizer)
             with tracker:
@@ -98,7 +100,7 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
                     rec.step = step
                     with rec:
                         trainer.train_step()
-                rec.step, counter = steps, flop_counter()  # FLOPs: the last step only
+                rec.step, counter = steps, _totals_only(flop_counter())  # FLOPs: the last step only
                 with rec, counter, per_micro_batch(counter) as micro_flops:
                     trainer.train_step()
                 result.flops = counter.get_total_flops()
@@ -169,6 +171,43 @@ def _peak_tracker():
         _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
 
     return RankPeakTracker()
+
+
+def _allocate_optimizer_state(optimizer) -> None:
+    """Allocate the optimizer's state as its first step does (Adam's moments are created
+    lazily), so the rehearsed steps hold it through their forward and backward as every step
+    after the first of a real run does: without it, a one-step rehearsal's peak misses the
+    moments under the activations. A step on zero gradients (fake tensors: values unused)."""
+    import torch
+
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+class _GlobalOnly:
+    """A stand-in for `FlopCounterMode`'s module tracker that attributes every op to `Global`."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args):
+        pass
+
+
+def _totals_only(counter):
+    """`counter` without its per-module tracking (the rehearsal reads totals only). torch's
+    `ModuleTracker` hooks every module call's inputs and outputs with `register_multi_grad_hook`
+    until the counter exits, also inside activation recompute's re-run forward, whose graph is never
+    backwarded: the hook's closure holds the node it hangs on, a cycle through C++, so every
+    recomputed layer's saved tensors (the all-gathered CP K/V among them) would stay alive
+    through the optimizer step and inflate the tracked peak. A real run has no such hook."""
+    counter.mod_tracker = _GlobalOnly()
+    return counter
 
 
 def _child(cfg, run_dir, rank, world, steps, out):
