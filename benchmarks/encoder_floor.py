@@ -1,0 +1,135 @@
+"""The encoder island's cost model and floor of benchmarks/dcp_islands.py (issue 25 section 3):
+per rank of a vision island, the work of one step plan (`encoder_work`) and the unit costs
+measured on this machine (`measure_kv`, `measure_encoder`; `cp_call_seconds` from the gloo
+profile), combined into a modelled time and a floor (`encoder_times`)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+
+
+def encoder_work(cfg, vis, plan) -> np.ndarray:
+    """float [vision ranks, 4] of one step plan: per rank of the vision island (layout `vis`),
+    its training FLOPs (its lane's images, each rank computing its k = ceil(S / cp) positions of
+    every image: `encoder_flops` x k / S), the K/V bytes it receives (the all-gather of K and V
+    per block forward, the reduce-scatter of their gradients backward: 2 x (cp - 1) x k x 2D fp32
+    elements per image and block), its layer calls (blocks + patch embedding + projector per
+    micro-batch with images) and its CP attention calls (one per block and such micro-batch)."""
+    from hcp.model.flops import encoder_flops
+    from hcp.parallel import encoder_cp
+
+    v = cfg.vision
+    blocks = v.num_layers + v.select_layer + 1
+    tokens = (v.image_size // v.patch_size) ** 2 + encoder_cp.LEAD
+    k = encoder_cp.chunk(tokens, vis.cp)
+    per_image = encoder_flops(v, cfg.llm.hidden_size, 1.0) * k / tokens
+    kv_bytes = 2 * (vis.cp - 1) * k * 2 * v.hidden_size * 4 * blocks
+    out = []
+    for r in vis.ranks:
+        images = np.asarray(plan.rank(r).encoder_inputs["vision"], dtype=np.float64)
+        busy = float((images > 0).sum())
+        out.append([images.sum() * per_image, images.sum() * kv_bytes, busy * (blocks + 2),
+                    busy * blocks * (vis.cp > 1)])
+    return np.array(out)
+
+
+def cp_call_seconds(cfg) -> float:
+    """Seconds per CP attention call (one block, one micro-batch) of the vision layout of `cfg`,
+    from the run's gloo profile (`packing_profile`, fitted on this kind of machine): its
+    `cp_overhead` + `cp_latency` ring steps per layer, forward plus twice that backward, as
+    `hcp.dcp.cost_model.CostModel` charges an LLM layer."""
+    from hcp.dcp.cost_model import CostModel
+    from hcp.dcp.hardware import load_profile
+
+    cost = CostModel(cfg.llm, load_profile(cfg.packing_profile))
+    return float(cost.latency(cfg.vision.layout.cp)[0] / cost.cp_layers[0]) * (1 + cost.bwd_factor)
+
+
+def _kv_rank(payload) -> None:
+    """One rank of `measure_kv`: CPU seconds of the ViT's CP attention forward + backward."""
+    import torch
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from hcp.model.cp_attention import cp_attention
+    from hcp.model.vit import ViTEncoder
+
+    vision, images, reps, path = payload
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    enc = ViTEncoder(OmegaConf.merge(vision, {"num_layers": 1}), cp_group=dist.group.WORLD)
+    heads = vision.num_heads
+    times = []
+    for i in images:
+        plan = enc.cp_plan(i, torch.device("cpu"))
+        qkv = [torch.randn(i * enc.local_tokens, heads, vision.hidden_size // heads, requires_grad=True)
+               for _ in range(3)]
+        runs = []
+        for k in range(reps + 1):
+            dist.barrier()
+            t0 = time.process_time()
+            cp_attention(*qkv, plan).sum().backward()
+            if k:
+                runs.append(time.process_time() - t0)
+        times.append(min(runs))
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def measure_kv(root: str, vision, cp: int = 4, images=(8, 64), reps: int = 3) -> tuple[float, float]:
+    """(seconds per K/V byte a rank receives, seconds per call) of encoder CP, measured here: the
+    CPU time (least of `reps`: a floor) of one block's CP attention (the K/V all-gather, the attention
+    over the gathered keys and the backward's reduce-scatter) of the ViT `vision` on `cp` forked
+    gloo ranks at two image counts: the slope over the bytes each rank receives (`encoder_work`'s
+    column) and the intercept."""
+    from hcp.launch.launch import start_local_ranks
+    from hcp.parallel import encoder_cp
+
+    path = os.path.join(root, "kv.json")
+    start_local_ranks(_kv_rank, cp, (vision, list(images), reps, path), "fork")
+    t = json.load(open(path))
+    k = encoder_cp.chunk((vision.image_size // vision.patch_size) ** 2 + encoder_cp.LEAD, cp)
+    per_image = 2 * (cp - 1) * k * 2 * vision.hidden_size * 4
+    per_byte = (t[1] - t[0]) / (per_image * (images[1] - images[0]))
+    return per_byte, max(0.0, t[0] - per_byte * per_image * images[0])
+
+
+def measure_encoder(cfg, images=(1, 8), reps: int = 4) -> tuple[float, float]:
+    """(seconds per FLOP, seconds per layer call) of the ViT of `cfg` alone in this process on
+    one thread, no collective, no schedule: the CPU time (least of `reps`: a floor) of its forward +
+    backward at two image counts; the slope over `encoder_flops` (which also counts the
+    projector, not run: the rate errs high) and the intercept over its blocks + 2 layer calls."""
+    import torch
+
+    from hcp.model.encoder_types import build_encoder
+    from hcp.model.flops import encoder_flops
+
+    v, threads = cfg.vision, torch.get_num_threads()
+    torch.set_num_threads(1)
+    enc, times = build_encoder(v), []
+    for i in images:
+        x = torch.randn(i, v.num_channels, v.image_size, v.image_size)
+        runs = []
+        for k in range(reps + 1):
+            t0 = time.process_time()
+            enc(x).sum().backward()
+            runs.append(time.process_time() - t0)
+        times.append(min(runs[1:]))
+    torch.set_num_threads(threads)
+    per_flop = (times[1] - times[0]) / (encoder_flops(v, cfg.llm.hidden_size, images[1] - images[0]))
+    calls = v.num_layers + v.select_layer + 3
+    return per_flop, max(0.0, times[0] - per_flop * encoder_flops(v, cfg.llm.hidden_size, images[0])) / calls
+
+
+def encoder_times(work, coef: np.ndarray, floor: np.ndarray) -> tuple[float, float]:
+    """(modelled, bound) seconds of the vision island, medians over the steps of `work`
+    ([steps, ranks, 4], `encoder_work`): modelled, the step's most loaded rank in each column at
+    the model's unit costs `coef` (its ranks meet at every micro-batch); bound, the columns'
+    means over its ranks at the measured floor unit costs `floor` (module docstring)."""
+    w = np.asarray(work)
+    return float(np.median(w.max(1) @ coef)), float(np.median(w.mean(1) @ floor))
