@@ -2,7 +2,7 @@
 rank starts."""
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+from omegaconf.errors import ValidationError
 
 from cfg_utils import compose_cfg
 from hcp.config.errors import ConfigError

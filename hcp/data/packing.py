@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import numpy as np
 import torch
 
 from hcp.data.host import first_fit  # noqa: F401 - packing's static policy, torch-free there
