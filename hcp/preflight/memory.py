@@ -59,7 +59,6 @@ import math
 import re
 from dataclasses import dataclass
 
-from hcp.config.modules import kind, module_cfg
 from hcp.config.precision import Precision
 from hcp.parallel import encoder_cp
 
@@ -119,21 +118,14 @@ def layer_bytes(h: int, h_kv: int, f: int, gated: bool, layout, precision: Preci
     return {"none": none, "selective": none - (h + f) * rest / t, "full": h * stream / (t if sp else 1)}
 
 
-def _encoder_source(cfg, module: str) -> str:
-    """The encoder whose images an encoder-side module runs on (the projector: its source)."""
-    if kind(cfg, module) == "projector":
-        return next(s for s, d in cfg.graph.edges if d == module)
-    return module
-
-
-def encoder_activation_tokens(cfg, layout, stage: int, layouts: dict) -> tuple[float, int]:
+def encoder_activation_tokens(cfg, specs, layout, stage: int, layouts: dict) -> tuple[float, int]:
     """(tokens per rank whose activations an encoder-side module's `stage` keeps per micro-batch,
-    micro-batches in flight), module docstring."""
-    enc = module_cfg(cfg, _encoder_source(cfg, layout.module))
+    micro-batches in flight), module docstring; `specs`: the run's `ModuleSpecs`."""
+    spec = specs[layout.module]
+    enc = specs[spec.source].arch if spec.kind == "projector" else spec.arch
     patches = (enc.image_size // enc.patch_size) ** 2
-    if kind(cfg, layout.module) == "projector":  # one row per (pooled) patch
-        pool = int(module_cfg(cfg, layout.module).get("pool", 1) or 1)
-        per_image = -(-(enc.image_size // enc.patch_size // pool) ** 2 // layout.cp)
+    if spec.kind == "projector":  # one row per (pooled) patch
+        per_image = -(-(enc.image_size // enc.patch_size // spec.pool) ** 2 // layout.cp)
     else:
         per_image = encoder_cp.chunk(patches + encoder_cp.LEAD, layout.cp)  # + CLS, this CP rank's
     images = cfg.trainer.global_batch_size / layout.dp * float(cfg.data.images_per_sample)
@@ -144,18 +136,17 @@ def encoder_activation_tokens(cfg, layout, stage: int, layouts: dict) -> tuple[f
     return per_micro * per_image, min(math.ceil(images / per_micro), layout.pp - stage + llm.pp)
 
 
-def _activations(cfg, layout, stage: int, layouts=None) -> float:
+def _activations(cfg, specs, layout, stage: int, layouts=None) -> float:
     """Activation bytes of one rank of `stage`."""
     tokens, precision = cfg.trainer.micro_batch_tokens, Precision.of(cfg.precision)
     m = layout.module
     in_flight = layout.pp - stage
     if m != "llm" and layouts is not None:
-        tokens, in_flight = encoder_activation_tokens(cfg, layout, stage, layouts)
-    if kind(cfg, m) == "projector":  # fed by its one encoder (hcp.config.modules)
-        src = next(s for s, d in cfg.graph.edges if d == m)
-        return (in_flight * tokens * (module_cfg(cfg, src).hidden_size + 2 * cfg.llm.hidden_size / layout.tp)
+        tokens, in_flight = encoder_activation_tokens(cfg, specs, layout, stage, layouts)
+    if specs[m].kind == "projector":  # fed by its one encoder (hcp.config.modules)
+        return (in_flight * tokens * (specs[specs[m].source].hidden_size + 2 * specs.llm.hidden_size / layout.tp)
                 * precision.act_bytes)
-    c = module_cfg(cfg, m)
+    c = specs[m].arch
     h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if m == "llm" else c.hidden_size
     per_token = layer_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, m == "llm", layout, precision)
     if m != "llm" and layout.cp > 1:  # encoder CP: the all-gathered K/V of whole images
@@ -209,25 +200,26 @@ def rank_activations(parts) -> int:
     return max(held, sum(p.activations for p in parts if not p.held))
 
 
-def _needs_grad(cfg, module: str) -> bool:
+def _needs_grad(specs, module: str) -> bool:
     """Whether gradients flow through `module`: it or a module upstream of it trains."""
-    if not module_cfg(cfg, module).freeze:
+    if not specs[module].freeze:
         return True
-    return any(_needs_grad(cfg, src) for src, dst in cfg.graph.edges if dst == module)
+    return any(_needs_grad(specs, src) for src, dst in specs.edges if dst == module)
 
 
-def module_memory(cfg, layout, named_shapes, layouts=None, params=None) -> list[StageMemory]:
-    """Memory of one rank of each PP stage of a module. `layouts` (all resolved layouts) gives
+def module_memory(cfg, specs, layout, named_shapes, layouts=None, params=None) -> list[StageMemory]:
+    """Memory of one rank of each PP stage of a module (`specs`: the run's `ModuleSpecs`, whose
+    arch, freeze and edges it reads; its layouts are not used). `layouts` (all resolved layouts) gives
     encoder-side modules their image tokens (`encoder_activation_tokens`); without it they are
     charged `trainer.micro_batch_tokens` like the LLM (the estimate before issue 14). `params`:
     `stage_params`' result when known (a layout search computes it once per tp and split)."""
     vocab = cfg.llm.vocab_size if layout.module == "llm" else None
     state = Precision.of(cfg.precision).state_bytes
     shard = layout.dp * layout.cp if layout.dp_shard else 1
-    trained = not module_cfg(cfg, layout.module).freeze
+    trained = not specs[layout.module].freeze
     stages = []
     for s, params in enumerate(params if params is not None else stage_params(named_shapes, layout, vocab)):
-        acts = _activations(cfg, layout, s, layouts) if _needs_grad(cfg, layout.module) else 0
+        acts = _activations(cfg, specs, layout, s, layouts) if _needs_grad(specs, layout.module) else 0
         stages.append(StageMemory(params, params * state["weights"] // shard,
                                   params * state["grads"] // shard if trained else 0,
                                   params * state["optimizer"] // shard if trained else 0, int(acts),

@@ -118,13 +118,14 @@ def running_layouts(cfg, layouts) -> dict:
     return out
 
 
-def stage_memory(cfg, layouts, shapes=None) -> dict:
+def stage_memory(cfg, layouts, specs=None, shapes=None) -> dict:
     """{module: [StageMemory of one rank of each PP stage]} (`hcp.preflight.memory.module_memory`)
-    under the layouts the modules run with (`running_layouts`); `shapes`: `named_shapes`' result
-    if known."""
-    shapes = shapes or named_shapes(resolve_modules(cfg, layouts))
+    under the layouts the modules run with (`running_layouts`); `specs` (`resolve_modules`') and
+    `shapes` (`named_shapes`') are resolved here when not given."""
+    specs = specs or resolve_modules(cfg, layouts)
+    shapes = shapes or named_shapes(specs)
     running = running_layouts(cfg, layouts)
-    return {m: module_memory(cfg, lay, shapes[m], running) for m, lay in running.items()}
+    return {m: module_memory(cfg, specs, lay, shapes[m], running) for m, lay in running.items()}
 
 
 def memory_per_rank(cfg, layouts, world: int, stage_mem=None) -> list[dict]:
@@ -237,7 +238,7 @@ def run_plan(cfg, out_dir) -> dict:
     layouts = check_layouts(cfg, world)
     specs = resolve_modules(cfg, layouts)  # once: the plan's modules
     shapes = named_shapes(specs)
-    stage_mem = stage_memory(cfg, layouts, shapes)
+    stage_mem = stage_memory(cfg, layouts, specs, shapes)
     roles = role_table(running_layouts(cfg, layouts), world)
     per_rank = memory_per_rank(cfg, layouts, world, stage_mem)
     notes = cp_notes(cfg, layouts)
