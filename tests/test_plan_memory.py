@@ -4,7 +4,7 @@ from cfg_utils import compose_cfg
 from hcp.config.layouts import resolve_layouts
 from hcp.config.precision import Precision
 from hcp.config.specs import resolve_modules
-from hcp.preflight.memory import GIB, _activations, cp_attention_bytes, layer_bytes
+from hcp.preflight.memory import GIB, _activations, cp_attention_bytes, layer_bytes, weight_copy_bytes
 
 
 def test_cp_attention_backward_buffers_at_the_pools_largest_cp_size():
@@ -20,7 +20,8 @@ def test_cp_attention_backward_buffers_at_the_pools_largest_cp_size():
     ring = lay.__class__(**{**lay.__dict__, "cp_comm": "p2p"})
     assert cp_attention_bytes(5120, 8192, 8, ring, bf16) / GIB == 6.25 / 4
     per_token = layer_bytes(5120, 5120, 13824, True, lay, bf16)
-    recompute = 8 * 5 * 8192 * per_token["full"] + 8192 * per_token["none"]
+    copies = weight_copy_bytes(5120, 5120, 13824, lay, bf16)  # the recomputed layer's bf16 weights
+    recompute = 8 * 5 * 8192 * per_token["full"] + 8192 * per_token["none"] + copies
     assert _activations(cfg, resolve_modules(cfg), lay, 0) == recompute + 6.25 * GIB
     # dynamic CP: a micro-batch may span the whole pool dp*cp = 8 whatever the layout's cp
     cfg = compose_cfg(["+recipe=llama13b_dynamic_cp", "llm.layout.cp=4", "llm.layout.dp=2"])
