@@ -19,14 +19,19 @@ CP-sharded), per layer and token, for hidden h, KV width h_kv, FFN f, TP t (flas
 attention: no T^2 score matrix is stored). Elements computed under autocast take the compute
 dtype's bytes (`Precision.act_bytes`: 2 B in bf16, 4 B in fp32); the residual stream stays in
 the parameter dtype under autocast (`Precision.residual_bytes`: 4 B), so the norm inputs and a
-recomputed layer's input are charged 4 B in bf16 too:
-- `none`: 4h replicated (two norm inputs of the residual stream, two linear inputs; divided by
-  t under sequence parallelism) + (2h + 2h_kv + 3f)/t (q/k/v, attention output, gate/up/product
-  of SwiGLU; a GELU MLP stores 2f instead of 3f);
-- `selective`: recompute core attention and the MLP activation: drops the attention output h and
-  one f;
+recomputed layer's input are charged 4 B in bf16 too. What a layer saves for its backward, as
+`hcp.model.llama.DecoderLayer` runs (tests/test_plan_memory.py measures it):
+- LLM `none` = `selective` (the recomputed attention core keeps nothing beyond its output):
+  4h at the stream's bytes (each RMSNorm's fp32 input and normalized output; divided by t
+  under sequence parallelism) + 5h (q/k/v/gate/up each keep their own compute-dtype cast of
+  their full input; 2h, the two norm outputs, without autocast or sequence parallelism) +
+  (2h + 2h_kv + 4f)/t (q, k, v, attention output; SwiGLU's gate, up, silu and product);
+  under autocast also every matrix's compute-dtype copy per micro-batch in flight
+  (`weight_copy_bytes`; the output layer's on the last stage);
+- ViT `none`: 4h (two LayerNorm inputs, two linear inputs; divided by t under sequence
+  parallelism) + (2h + 2h_kv + 2f)/t; `selective` drops the attention output h and one f;
 - `full`: only the layer input, h (divided by t under sequence parallelism), plus one layer's
-  `none` activations while it is recomputed.
+  `none` activations (and weight copies) while it is recomputed.
 Under 1F1B, stage s holds pp - s micro-batches in flight (fewer when a step has fewer: a
 rehearsal's small batch, `module_memory`'s `micro_batches`). The LLM's last stage adds fp32 logits
 (T x vocab/t x 4 B). An LLM under CP c > 1 adds the buffers of one layer's CP attention backward
