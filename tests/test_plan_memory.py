@@ -66,9 +66,9 @@ def test_layer_bytes_are_what_a_bf16_decoder_layer_saves_for_backward():
 
 
 def test_in_flight_micro_batches_are_capped_by_the_steps_count():
-    """1F1B's warm-up holds pp - s micro-batches on stage s only when the step has that many: a
-    rehearsal's GBS-8 batch of llama13b_dynamic_cp packs 3 per lane, so stage 0 of PP 8 holds 3
-    (the estimate charged 8, 31% over the tracked peak)."""
+    """1F1B's warm-up holds pp - s micro-batches on stage s only when the step fills that many:
+    llama13b_dynamic_cp's stage 0 of PP 8 in a step of 3 micro-batches' worth of tokens (a
+    rehearsal's small batch) holds 3, not 8."""
     cfg = compose_cfg(["+recipe=llama13b_dynamic_cp"])
     lay, specs = resolve_layouts(cfg, 64)["llm"], resolve_modules(cfg)
     full = _activations(cfg, specs, lay, 0)

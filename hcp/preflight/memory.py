@@ -229,14 +229,15 @@ def _needs_grad(specs, module: str) -> bool:
 
 
 def module_memory(cfg, specs, layout, named_shapes, layouts=None, params=None,
-                  micro_batches: int | None = None) -> list[StageMemory]:
+                  micro_batches: float | None = None) -> list[StageMemory]:
     """Memory of one rank of each PP stage of a module (`specs`: the run's `ModuleSpecs`, whose
     arch, freeze and edges it reads; its layouts are not used). `layouts` (all resolved layouts) gives
     encoder-side modules their image tokens (`encoder_activation_tokens`); without it they are
     charged `trainer.micro_batch_tokens` like the LLM (the estimate before issue 14). `params`:
     `stage_params`' result when known (a layout search computes it once per tp and split).
-    `micro_batches`: the LLM micro-batches a step gives each lane when known (a rehearsal's small
-    batch may pack fewer than the pp - s that 1F1B's warm-up holds at full size); None: enough."""
+    `micro_batches`: the LLM micro-batches' worth of tokens a step gives each lane when known (a
+    rehearsal's small batch may fill fewer than the pp - s that 1F1B's warm-up holds at full
+    size, its last one partly; fractional); None: enough."""
     vocab = cfg.llm.vocab_size if layout.module == "llm" else None
     state = Precision.of(cfg.precision).state_bytes
     shard = layout.dp * layout.cp if layout.dp_shard else 1
