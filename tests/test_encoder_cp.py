@@ -170,18 +170,20 @@ def test_plan_memory_charges_a_cp_rank_its_chunk_and_the_gathered_kv():
     from cfg_utils import compose_cfg
     from hcp.config.layouts import check_layouts
     from hcp.config.precision import Precision
+    from hcp.config.specs import resolve_modules
     from hcp.preflight.memory import _activations, encoder_activation_tokens, layer_bytes
 
     cfg = compose_cfg(["+recipe=internvl_tiles_cp", "vision.layout.recompute=none"], resolve=False)
     layouts = check_layouts(cfg, 128)
+    specs = resolve_modules(cfg, layouts)
     vision = layouts["vision"]
     assert (vision.cp, vision.dp) == (4, 32)
-    tokens, in_flight = encoder_activation_tokens(cfg, vision, 0, layouts)
+    tokens, in_flight = encoder_activation_tokens(cfg, specs, vision, 0, layouts)
     assert (tokens, in_flight) == (32 / 32 * 7 * 257, 1)
-    assert encoder_activation_tokens(cfg, layouts["projector"], 0, layouts)[0] == 7 * 256
+    assert encoder_activation_tokens(cfg, specs, layouts["projector"], 0, layouts)[0] == 7 * 256
     h, prec = cfg.vision.hidden_size, Precision.of(cfg.precision)
     per_token = layer_bytes(h, h, cfg.vision.ffn_hidden_size, False, vision, prec)["none"]
-    assert _activations(cfg, vision, 0, layouts) == pytest.approx(
+    assert _activations(cfg, specs, vision, 0, layouts) == pytest.approx(
         45 * tokens * (per_token + 3 * 2 * h * prec.act_bytes))
 
 

@@ -99,8 +99,6 @@ def test_no_import_cycles():
 
 
 MODULE_LOOKUP = re.compile(r"\bmodule_cfg\b|\bcfg\.(encoders|projectors)\b|[\"'](encoders|projectors)[\"']")
-NOT_YET = {"preflight/memory.py"}
-"""Still reads module blocks from cfg: edited in parallel (h-mem); its calls move to specs next."""
 
 
 def test_module_blocks_are_read_in_config_only():
@@ -108,7 +106,6 @@ def test_module_blocks_are_read_in_config_only():
     `encoders` / `projectors` groups of cfg): the layers take `hcp.config.specs.ModuleSpecs`,
     resolved once from the validated config."""
     found = sorted(f"{path.relative_to(PKG)}:{n}" for path in PKG.rglob("*.py")
-                   if path.relative_to(PKG).parts[0] != "config" and str(path.relative_to(PKG)) not in NOT_YET
+                   if path.relative_to(PKG).parts[0] != "config"
                    for n, line in enumerate(path.read_text().splitlines(), 1) if MODULE_LOOKUP.search(line))
     assert not found, found
-    assert all(MODULE_LOOKUP.search((PKG / f).read_text()) for f in NOT_YET), "drop converted files from NOT_YET"

@@ -35,8 +35,9 @@ def test_llava_hetero_memory_per_island():
     enc = [m["total"] for m, r in zip(nc, roles) if r.modules == ("vision", "projector")]
     llm = [m["total"] for m, r in zip(nc, roles) if r.modules == ("llm",)]
     assert len(enc) == 16 and len(llm) == 48
-    # an LLM island rank holds no encoder state and a smaller LLM share's activations: less memory
-    assert max(llm) < min(m["total"] for m in co)
+    # an LLM island rank holds no encoder state: less memory than the colocated peak (its stage 0
+    # holds 2 micro-batches of 20 layers in flight, the island's 3 of 13)
+    assert max(llm) < max(m["total"] for m in co)
     assert max(enc) < min(llm)
     state = sum(getattr(nc_stage[m][0], k) for m in ("vision", "projector") for k in ("weights", "grads", "optimizer"))
     assert enc[0] * GIB == pytest.approx(state + nc_stage["vision"][0].activations + nc_stage["projector"][0].activations)

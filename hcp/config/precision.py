@@ -83,9 +83,9 @@ class Precision:
 
     @property
     def state_bytes(self) -> dict[str, int]:
-        """Bytes per trained parameter: `weights` (the copy compute reads), `grads` (parameter
-        dtype), `optimizer` (the parameter-dtype master copy when compute is narrower, plus
-        Adam's two moments). fp32: 4 + 4 + 8 = 16 B; bf16: 2 + 4 + 12 = 18 B."""
-        master = self.params.itemsize if self.mixed else 0
-        return {"weights": self.compute.itemsize, "grads": self.params.itemsize,
-                "optimizer": master + 2 * self.params.itemsize}
+        """Bytes per trained parameter, all in the parameter dtype: `weights`, `grads` and
+        `optimizer` (Adam's two moments): 4 + 4 + 8 = 16 B under either policy. The parameters
+        are the master copy; autocast's compute-dtype casts are per op, not kept (a frozen
+        module holds `weights` only)."""
+        size = self.params.itemsize
+        return {"weights": size, "grads": size, "optimizer": 2 * size}

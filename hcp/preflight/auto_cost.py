@@ -129,9 +129,9 @@ class Scorer:
 
     def __init__(self, cfg, world: int, profile: str = "h100", lengths=None):
         self.world = world
-        specs = resolve_modules(cfg)  # the modules of every candidate (layouts are the candidates')
-        self.shapes = named_shapes(specs)
-        self.lens, self.lengths_from = data_lengths(cfg, specs) if lengths is None else (lengths, "given")
+        self.specs = resolve_modules(cfg)  # the modules of every candidate (layouts are the candidates')
+        self.shapes = named_shapes(self.specs)
+        self.lens, self.lengths_from = data_lengths(cfg, self.specs) if lengths is None else (lengths, "given")
         cfg = self.cfg = plain(OmegaConf.to_container(cfg, resolve=True))
         self.hw = hardware(cfg, profile)
         self.host = host_model(profile)
@@ -168,7 +168,7 @@ class Scorer:
             key = (cand.placement, vis.recompute if vis else None, _key(lay),
                    (llm.cp, llm.pp) if m != "llm" and cand.placement == "non_colocated" else None)
             if key not in self._memory:
-                self._memory[key] = module_memory(cfg, lay, self.shapes[m], running, self._stage_params(lay))
+                self._memory[key] = module_memory(cfg, self.specs, lay, self.shapes[m], running, self._stage_params(lay))
             stages[m] = self._memory[key]
 
         def total(parts):

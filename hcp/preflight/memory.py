@@ -2,12 +2,10 @@
 
 Bytes come from the run's precision policy (`hcp.config.precision.Precision`), the one the
 schedules, routes and links run. Model state per trained parameter (Adam, no distributed
-optimizer; `Precision.state_bytes`):
-- `bf16`: bf16 weights 2 B + fp32 gradients 4 B + fp32 master weights 4 B + two fp32 Adam
-  moments 8 B = 18 B;
-- `fp32`: weights 4 B + gradients 4 B + two Adam moments 8 B = 16 B.
-A frozen module keeps its weights only (2 B or 4 B). `layout.dp_shard` (FSDP2) divides a module's
-state by dp*cp.
+optimizer; `Precision.state_bytes`): fp32 weights 4 B (the master copy: parameters stay fp32,
+autocast casts per op) + fp32 gradients 4 B + two fp32 Adam moments 8 B = 16 B, under `bf16`
+and `fp32` alike. A frozen module keeps its weights only (4 B). `layout.dp_shard` (FSDP2)
+divides a module's state by dp*cp.
 
 Where parameters sit: a module's numbered layers (`layers.{i}` / `blocks.{i}`) go to their PP
 stage per `pp_layers`; parameters registered before the first layer (token embedding, patch and
@@ -21,15 +19,21 @@ CP-sharded), per layer and token, for hidden h, KV width h_kv, FFN f, TP t (flas
 attention: no T^2 score matrix is stored). Elements computed under autocast take the compute
 dtype's bytes (`Precision.act_bytes`: 2 B in bf16, 4 B in fp32); the residual stream stays in
 the parameter dtype under autocast (`Precision.residual_bytes`: 4 B), so the norm inputs and a
-recomputed layer's input are charged 4 B in bf16 too:
-- `none`: 4h replicated (two norm inputs of the residual stream, two linear inputs; divided by
-  t under sequence parallelism) + (2h + 2h_kv + 3f)/t (q/k/v, attention output, gate/up/product
-  of SwiGLU; a GELU MLP stores 2f instead of 3f);
-- `selective`: recompute core attention and the MLP activation: drops the attention output h and
-  one f;
+recomputed layer's input are charged 4 B in bf16 too. What a layer saves for its backward, as
+`hcp.model.llama.DecoderLayer` runs (tests/test_plan_memory.py measures it):
+- LLM `none` = `selective` (the recomputed attention core keeps nothing beyond its output):
+  4h at the stream's bytes (each RMSNorm's fp32 input and normalized output; divided by t
+  under sequence parallelism) + 5h (q/k/v/gate/up each keep their own compute-dtype cast of
+  their full input; 2h, the two norm outputs, without autocast or sequence parallelism) +
+  (2h + 2h_kv + 4f)/t (q, k, v, attention output; SwiGLU's gate, up, silu and product);
+  under autocast also every matrix's compute-dtype copy per micro-batch in flight
+  (`weight_copy_bytes`; the output layer's on the last stage);
+- ViT `none`: 4h (two LayerNorm inputs, two linear inputs; divided by t under sequence
+  parallelism) + (2h + 2h_kv + 2f)/t; `selective` drops the attention output h and one f;
 - `full`: only the layer input, h (divided by t under sequence parallelism), plus one layer's
-  `none` activations while it is recomputed.
-Under 1F1B, stage s holds pp - s micro-batches in flight. The LLM's last stage adds fp32 logits
+  `none` activations (and weight copies) while it is recomputed.
+Under 1F1B, stage s holds pp - s micro-batches in flight (fewer when a step has fewer: a
+rehearsal's small batch, `module_memory`'s `micro_batches`). The LLM's last stage adds fp32 logits
 (T x vocab/t x 4 B). An LLM under CP c > 1 adds the buffers of one layer's CP attention backward
 (`cp_attention_bytes`, `hcp.model.cp_attention`), c the largest CP size a micro-batch may take
 (under `packing=dynamic_cp` the largest power of two dividing the pool dp*cp). The projector stores (its input width + 2h/t) per token.
@@ -59,7 +63,6 @@ import math
 import re
 from dataclasses import dataclass
 
-from hcp.config.modules import kind, module_cfg
 from hcp.config.precision import Precision
 from hcp.parallel import encoder_cp
 
@@ -109,31 +112,37 @@ def stage_params(named_shapes: list[tuple[str, tuple[int, ...]]], layout, vocab_
 
 
 def layer_bytes(h: int, h_kv: int, f: int, gated: bool, layout, precision: Precision) -> dict[str, float]:
-    """Activation bytes per token and layer under each recompute mode (see module doc): the
-    residual stream's elements at `precision.residual_bytes`, the rest at `precision.act_bytes`."""
+    """Activation bytes per token and layer under each recompute mode (module docstring): a
+    LLaMA decoder layer (`gated`) or a ViT block; the residual stream's elements at
+    `precision.residual_bytes`, the rest at `precision.act_bytes`."""
     t, sp = layout.tp, layout.sequence_parallel
     rest, stream = precision.act_bytes, precision.residual_bytes
-    replicated = 2 * h * (stream + rest) / (t if sp else 1)
-    mlp = (3 if gated else 2) * f
-    none = replicated + (2 * h + 2 * h_kv + mlp) * rest / t
-    return {"none": none, "selective": none - (h + f) * rest / t, "full": h * stream / (t if sp else 1)}
+    full = h * stream / (t if sp else 1)
+    if gated:
+        copies = 5 if precision.mixed or sp else 2
+        none = (4 * h * stream / (t if sp else 1) + copies * h * rest
+                + (2 * h + 2 * h_kv + 4 * f) * rest / t)
+        return {"none": none, "selective": none, "full": full}
+    none = 2 * h * (stream + rest) / (t if sp else 1) + (2 * h + 2 * h_kv + 2 * f) * rest / t
+    return {"none": none, "selective": none - (h + f) * rest / t, "full": full}
 
 
-def _encoder_source(cfg, module: str) -> str:
-    """The encoder whose images an encoder-side module runs on (the projector: its source)."""
-    if kind(cfg, module) == "projector":
-        return next(s for s, d in cfg.graph.edges if d == module)
-    return module
+def weight_copy_bytes(h: int, h_kv: int, f: int, layout, precision: Precision) -> float:
+    """Bytes of one LLaMA layer's compute-dtype weight copies on a rank (autocast casts each
+    matrix once per forward and the matmul keeps its copy for the backward): 0 without autocast."""
+    if not precision.mixed:
+        return 0.0
+    return (2 * h * h + 2 * h * h_kv + 3 * h * f) / layout.tp * precision.act_bytes
 
 
-def encoder_activation_tokens(cfg, layout, stage: int, layouts: dict) -> tuple[float, int]:
+def encoder_activation_tokens(cfg, specs, layout, stage: int, layouts: dict) -> tuple[float, int]:
     """(tokens per rank whose activations an encoder-side module's `stage` keeps per micro-batch,
-    micro-batches in flight), module docstring."""
-    enc = module_cfg(cfg, _encoder_source(cfg, layout.module))
+    micro-batches in flight), module docstring; `specs`: the run's `ModuleSpecs`."""
+    spec = specs[layout.module]
+    enc = specs[spec.source].arch if spec.kind == "projector" else spec.arch
     patches = (enc.image_size // enc.patch_size) ** 2
-    if kind(cfg, layout.module) == "projector":  # one row per (pooled) patch
-        pool = int(module_cfg(cfg, layout.module).get("pool", 1) or 1)
-        per_image = -(-(enc.image_size // enc.patch_size // pool) ** 2 // layout.cp)
+    if spec.kind == "projector":  # one row per (pooled) patch
+        per_image = -(-(enc.image_size // enc.patch_size // spec.pool) ** 2 // layout.cp)
     else:
         per_image = encoder_cp.chunk(patches + encoder_cp.LEAD, layout.cp)  # + CLS, this CP rank's
     images = cfg.trainer.global_batch_size / layout.dp * float(cfg.data.images_per_sample)
@@ -144,18 +153,17 @@ def encoder_activation_tokens(cfg, layout, stage: int, layouts: dict) -> tuple[f
     return per_micro * per_image, min(math.ceil(images / per_micro), layout.pp - stage + llm.pp)
 
 
-def _activations(cfg, layout, stage: int, layouts=None) -> float:
-    """Activation bytes of one rank of `stage`."""
+def _activations(cfg, specs, layout, stage: int, layouts=None, micro_batches=None) -> float:
+    """Activation bytes of one rank of `stage` (`micro_batches`: `module_memory`'s)."""
     tokens, precision = cfg.trainer.micro_batch_tokens, Precision.of(cfg.precision)
     m = layout.module
-    in_flight = layout.pp - stage
+    in_flight = layout.pp - stage if micro_batches is None else min(layout.pp - stage, micro_batches)
     if m != "llm" and layouts is not None:
-        tokens, in_flight = encoder_activation_tokens(cfg, layout, stage, layouts)
-    if kind(cfg, m) == "projector":  # fed by its one encoder (hcp.config.modules)
-        src = next(s for s, d in cfg.graph.edges if d == m)
-        return (in_flight * tokens * (module_cfg(cfg, src).hidden_size + 2 * cfg.llm.hidden_size / layout.tp)
+        tokens, in_flight = encoder_activation_tokens(cfg, specs, layout, stage, layouts)
+    if specs[m].kind == "projector":  # fed by its one encoder (hcp.config.modules)
+        return (in_flight * tokens * (specs[specs[m].source].hidden_size + 2 * specs.llm.hidden_size / layout.tp)
                 * precision.act_bytes)
-    c = module_cfg(cfg, m)
+    c = specs[m].arch
     h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if m == "llm" else c.hidden_size
     per_token = layer_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, m == "llm", layout, precision)
     if m != "llm" and layout.cp > 1:  # encoder CP: the all-gathered K/V of whole images
@@ -163,13 +171,17 @@ def _activations(cfg, layout, stage: int, layouts=None) -> float:
         per_token = {k: v + (gathered if k != "full" else 0) for k, v in per_token.items()}
     if _phase3_recompute(cfg, layout, layouts):
         return layout.pp_layers[stage] * tokens * per_token["none"]
-    total = in_flight * layout.pp_layers[stage] * tokens * per_token[layout.recompute]
+    layers = layout.pp_layers[stage]
+    total = in_flight * layers * tokens * per_token[layout.recompute]
     if layout.recompute == "full":
         total += tokens * per_token["none"]
-    if m == "llm" and stage == layout.pp - 1:
-        total += tokens * c.vocab_size / layout.tp * 4
     if m == "llm":
+        copies = weight_copy_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, layout, precision)
+        total += copies * (1 if layout.recompute == "full" else in_flight * layers)
         total += cp_attention_bytes(h_kv, tokens, _largest_cp(cfg, layout), layout, precision)
+        if stage == layout.pp - 1:  # fp32 logits and the output layer's copy
+            total += tokens * c.vocab_size / layout.tp * 4 + (c.vocab_size * c.hidden_size / layout.tp
+                                                              * precision.act_bytes * precision.mixed)
     return total
 
 
@@ -209,25 +221,30 @@ def rank_activations(parts) -> int:
     return max(held, sum(p.activations for p in parts if not p.held))
 
 
-def _needs_grad(cfg, module: str) -> bool:
+def _needs_grad(specs, module: str) -> bool:
     """Whether gradients flow through `module`: it or a module upstream of it trains."""
-    if not module_cfg(cfg, module).freeze:
+    if not specs[module].freeze:
         return True
-    return any(_needs_grad(cfg, src) for src, dst in cfg.graph.edges if dst == module)
+    return any(_needs_grad(specs, src) for src, dst in specs.edges if dst == module)
 
 
-def module_memory(cfg, layout, named_shapes, layouts=None, params=None) -> list[StageMemory]:
-    """Memory of one rank of each PP stage of a module. `layouts` (all resolved layouts) gives
+def module_memory(cfg, specs, layout, named_shapes, layouts=None, params=None,
+                  micro_batches: float | None = None) -> list[StageMemory]:
+    """Memory of one rank of each PP stage of a module (`specs`: the run's `ModuleSpecs`, whose
+    arch, freeze and edges it reads; its layouts are not used). `layouts` (all resolved layouts) gives
     encoder-side modules their image tokens (`encoder_activation_tokens`); without it they are
     charged `trainer.micro_batch_tokens` like the LLM (the estimate before issue 14). `params`:
-    `stage_params`' result when known (a layout search computes it once per tp and split)."""
+    `stage_params`' result when known (a layout search computes it once per tp and split).
+    `micro_batches`: the LLM micro-batches' worth of tokens a step gives each lane when known (a
+    rehearsal's small batch may fill fewer than the pp - s that 1F1B's warm-up holds at full
+    size, its last one partly; fractional); None: enough."""
     vocab = cfg.llm.vocab_size if layout.module == "llm" else None
     state = Precision.of(cfg.precision).state_bytes
     shard = layout.dp * layout.cp if layout.dp_shard else 1
-    trained = not module_cfg(cfg, layout.module).freeze
+    trained = not specs[layout.module].freeze
     stages = []
     for s, params in enumerate(params if params is not None else stage_params(named_shapes, layout, vocab)):
-        acts = _activations(cfg, layout, s, layouts) if _needs_grad(cfg, layout.module) else 0
+        acts = _activations(cfg, specs, layout, s, layouts, micro_batches) if _needs_grad(specs, layout.module) else 0
         stages.append(StageMemory(params, params * state["weights"] // shard,
                                   params * state["grads"] // shard if trained else 0,
                                   params * state["optimizer"] // shard if trained else 0, int(acts),

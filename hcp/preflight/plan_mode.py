@@ -118,21 +118,24 @@ def running_layouts(cfg, layouts) -> dict:
     return out
 
 
-def stage_memory(cfg, layouts, shapes=None) -> dict:
-    """{module: [StageMemory of one rank of each PP stage]} (`hcp.preflight.memory.module_memory`)
-    under the layouts the modules run with (`running_layouts`); `shapes`: `named_shapes`' result
-    if known."""
-    shapes = shapes or named_shapes(resolve_modules(cfg, layouts))
+def stage_memory(cfg, layouts, specs=None, shapes=None, micro_batches=None) -> dict:
+    """{module: [StageMemory of one rank of each PP stage]} (`hcp.preflight.memory.module_memory`,
+    `micro_batches` its) under the layouts the modules run with (`running_layouts`); `specs`
+    (`resolve_modules`') and `shapes` (`named_shapes`') are resolved here when not given."""
+    specs = specs or resolve_modules(cfg, layouts)
+    shapes = shapes or named_shapes(specs)
     running = running_layouts(cfg, layouts)
-    return {m: module_memory(cfg, lay, shapes[m], running) for m, lay in running.items()}
+    return {m: module_memory(cfg, specs, lay, shapes[m], running, micro_batches=micro_batches)
+            for m, lay in running.items()}
 
 
-def memory_per_rank(cfg, layouts, world: int, stage_mem=None) -> list[dict]:
+def memory_per_rank(cfg, layouts, world: int, stage_mem=None, micro_batches=None) -> list[dict]:
     """Each rank's estimated memory in GiB, `[{rank, weights, grads, optimizer, activations,
     total}]` (`hcp.preflight.memory`): the modules and PP stages of the rank's role only (under
-    `non_colocated` its island's); `stage_mem` (`stage_memory`'s result) if known."""
+    `non_colocated` its island's); `stage_mem` (`stage_memory`'s result) if known, else computed
+    with `micro_batches` (`hcp.preflight.memory.module_memory`'s)."""
     if stage_mem is None:
-        stage_mem = stage_memory(cfg, layouts)
+        stage_mem = stage_memory(cfg, layouts, micro_batches=micro_batches)
     per_rank = []
     for role in role_table(running_layouts(cfg, layouts), world):
         parts = [stage_mem[m][role.stage(m)] for m in role.modules]
@@ -237,7 +240,7 @@ def run_plan(cfg, out_dir) -> dict:
     layouts = check_layouts(cfg, world)
     specs = resolve_modules(cfg, layouts)  # once: the plan's modules
     shapes = named_shapes(specs)
-    stage_mem = stage_memory(cfg, layouts, shapes)
+    stage_mem = stage_memory(cfg, layouts, specs, shapes)
     roles = role_table(running_layouts(cfg, layouts), world)
     per_rank = memory_per_rank(cfg, layouts, world, stage_mem)
     notes = cp_notes(cfg, layouts)
