@@ -61,11 +61,11 @@ def test_one_step_rehearsal_holds_the_optimizer_state_under_its_activations(tmp_
     from hcp.config.layouts import world_size_of
     from hcp.data.build import prepare_data
     from hcp.preflight.rehearse.runner import rehearsal_config, rehearse_rank
-    from tests.cfg_utils import compose_cfg
+    from tests.cfg_utils import compose_cfg, with_specs
 
     cfg = compose_cfg(["mode=rehearse", "logger=none", "+recipe=llama_tiny", "trainer.global_batch_size=8",
                        "trainer.micro_batch_tokens=4096"], run_dir=str(tmp_path))
-    list(prepare_data(cfg))
+    list(prepare_data(*with_specs(cfg)))
     res = rehearse_rank(rehearsal_config(cfg), str(tmp_path), 0, world_size_of(cfg, 1), 1)
     assert res.error is None, res.error
     cats = res.peak_categories
