@@ -95,6 +95,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 sys.path.insert(0, "tests")
 from cfg_utils import compose_container
 from hcp.config.layouts import resolve_layouts
+from hcp.config.specs import resolve_modules
 from hcp.model.stage import StageSpec
 from hcp.train.trainer import Trainer
 
@@ -102,8 +103,9 @@ cfg = OmegaConf.create(compose_container(["+recipe=llama13b_dynamic_cp", "llm.la
                                           "llm.layout.cp=1", "llm.layout.pp=8"], "/tmp/hcp-mem"))
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=64)
 tp = dist.new_group(list(range(8)))
-lay = resolve_layouts(cfg, 64)["llm"]
-rank = type("Rank", (), {"cfg": cfg, "tp_group": tp, "cp_group": None, "device": torch.device("cpu"), "islands": None,
+layouts = resolve_layouts(cfg, 64)
+lay = layouts["llm"]
+rank = type("Rank", (), {"cfg": cfg, "specs": resolve_modules(cfg, layouts), "tp_group": tp, "cp_group": None, "device": torch.device("cpu"), "islands": None,
                          "stage": StageSpec.of(lay.pp_layers, 0),
                          "attention_backend": lambda self: "torch"})()
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
