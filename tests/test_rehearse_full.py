@@ -51,11 +51,11 @@ def test_internvit6b_llama70b_communication_rehearses(monkeypatch, tmp_path, cap
     stage (TP 8 x PP 4 x DP 5, stage s on ranks 40s..40s+39): rank 0 is stage 0, rank 120 the
     last (the middle ones run the same layers without embedding or head); GBS 160, one image
     per encoder rank (~450 s of CPU for the two ranks). Every collective, send and group creation
-    agrees; memory is printed, not asserted (with the LLM's full recompute both ranks track
-    51 GiB; plan mode says 44 and 38)."""
+    agrees and every rank fits the device (with the LLM's full recompute both ranks track 51 GiB
+    of 80); plan mode's estimate is printed, not asserted (44 and 38 GiB: rank 120 26% under)."""
     found = rehearse(monkeypatch, tmp_path, ("+recipe=internvit6b_llama70b", "trainer.global_batch_size=160",
                                              "rehearse.ranks=[0,120]"))
-    assert [m for m in found if m.what != "memory"] == []
+    assert found == []   # a rank over cluster.device_memory_gib is a "memory" mismatch
     report = json.load(open(tmp_path / "rehearsal.json"))
     assert all(r["error"] is None and r["ops"] > 0 for r in report["ranks"].values())
     print(capsys.readouterr().out)
