@@ -306,8 +306,9 @@ def format_plan(plan: dict) -> str:
                  f"grads {worst['grads']:.2f}, optimizer {worst['optimizer']:.2f}, activations "
                  f"{worst['activations']:.2f}) of {plan['device_memory_gib']} GiB")
     if len(plan.get("memory_by_role", [])) > 1:
-        lines.append("  memory by role: " + "; ".join(f"{r['role']} ({r['ranks']} ranks) {r['max_gib']:.2f}"
-                                                       for r in plan["memory_by_role"]) + " GiB")
+        lines.append("  memory by role: " + "; ".join(
+            f"{r['role']} ({r['ranks']} rank{'s' * (r['ranks'] != 1)}) {r['max_gib']:.2f}"
+            for r in plan["memory_by_role"]) + " GiB")
     est = plan["estimate"]
     lines.append(f"  estimate: step {est['step_time_s']:.3g} s, {est['tflops_per_gpu']:.0f} TFLOPS/GPU, "
                  f"bubble {est['bubble_fraction']:.1%}, {est['micro_batches']} micro-batches per pool, "
