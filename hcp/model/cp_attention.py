@@ -25,7 +25,7 @@ import torch.distributed as dist
 from hcp.config.layouts import CP_COMMS
 from hcp.model.collectives import gather_seq, group_rank, group_size
 from hcp.model.cp_kernels import Kernel, acc_dtype, fused_kernel
-from hcp.parallel.cp_sharding import host_cu
+from hcp.parallel.cp_sharding import head_tail_chunks, host_cu
 
 SHORT_CHUNK = 32
 """Chunk size up to which an allgather document is one masked call (kernels with masks)."""
@@ -132,7 +132,7 @@ def cp_calls(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
     if comm not in CP_COMMS:
         raise ValueError(f"cp_comm={comm!r} is unknown: use one of {CP_COMMS}")
     c, r = cp_size, cp_rank
-    chunk = (np.asarray(lengths, dtype=np.int64) + 2 * c - 1) // (2 * c)
+    chunk = head_tail_chunks(lengths, c)
     starts = np.cumsum(2 * chunk) - 2 * chunk
     t_loc = int(2 * chunk.sum())
     sources = range(c) if comm == "p2p" else range(1)
@@ -160,7 +160,7 @@ def scored_pairs(lengths, cp_size: int, cp_rank: int, comm: str = "allgather", m
         return float((lens.astype(np.float64) ** 2).sum() / 2)
     if comm not in CP_COMMS:
         raise ValueError(f"cp_comm={comm!r} is unknown: use one of {CP_COMMS}")
-    chunk = (lens + 2 * cp_size - 1) // (2 * cp_size)
+    chunk = head_tail_chunks(lens, cp_size)
     pairs = 0.0
     for k in np.unique(chunk[chunk > 0]).tolist():
         blocks = sum(len(q) * len(kv) * (0.5 if causal else 1.0) for calls in

@@ -74,6 +74,12 @@ def host_cu(cu_seqlens) -> np.ndarray:
     return np.asarray(cu_seqlens, dtype=np.int64)
 
 
+def head_tail_chunks(lengths, cp_size: int) -> np.ndarray:
+    """int64 [N]: k = ceil(L / 2c), the tokens of each head (and each tail) chunk a CP rank of
+    `cp_size` holds of documents of `lengths` (host ints [N]); the rank holds 2k per document."""
+    return (np.asarray(lengths, dtype=np.int64) + 2 * cp_size - 1) // (2 * cp_size)
+
+
 def cp_shard(cu_seqlens, cp_size: int, cp_rank: int, device=None) -> CPShard:
     """Return rank `cp_rank`'s head-tail shard of the documents in `cu_seqlens` (host int
     [N + 1]: numpy, list or CPU tensor), its tensors on `device` (default CPU).
@@ -86,7 +92,7 @@ def cp_shard(cu_seqlens, cp_size: int, cp_rank: int, device=None) -> CPShard:
     cu = host_cu(cu_seqlens)
     lengths = np.diff(cu)
     two_c = 2 * cp_size
-    chunk = (lengths + two_c - 1) // two_c                                 # [N]
+    chunk = head_tail_chunks(lengths, cp_size)                            # [N]
     local_cu = np.concatenate([[0], np.cumsum(2 * chunk)])
     doc = np.repeat(np.arange(len(lengths)), 2 * chunk)
     slot = np.arange(local_cu[-1]) - local_cu[doc]
