@@ -49,6 +49,10 @@ class Rows:
             return cls(int(rows.flat[0]), n, length)
         return cls(0, n, length, torch.as_tensor(rows, dtype=torch.long).to(device, non_blocking=True))
 
+    def covers(self, x: torch.Tensor) -> bool:
+        """Whether these rows are all of x's, in order (then `take` is a view of the whole)."""
+        return self.index is None and self.start == 0 and self.n * self.length == x.shape[0]
+
     def take(self, x: torch.Tensor) -> torch.Tensor:
         if self.index is None:
             return x[self.start:self.start + self.n * self.length].view(self.n, self.length, *x.shape[1:])
@@ -267,11 +271,20 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kv, plan):
-        state = Partial.empty(q)
-        state.fold(q, kv, plan.calls[0], plan.kernel)
-        out = state.result(q.dtype)
+        calls = plan.calls[0]
+        if len(calls) == 1 and calls[0].q.covers(q):  # one call over every query row: no merge
+            call = calls[0]
+            kv_rows = call.k.take(kv)
+            with torch.autocast(q.device.type, enabled=False):
+                out, lse = plan.kernel.forward(call.q.take(q), kv_rows[:, :, 0], kv_rows[:, :, 1], call.causal,
+                                               call.mask)
+            out, lse = out.flatten(0, 1).contiguous(), lse.flatten(0, 1).contiguous()
+        else:
+            state = Partial.empty(q)
+            state.fold(q, kv, calls, plan.kernel)
+            out, lse = state.result(q.dtype), state.lse
         ctx.plan = plan
-        ctx.save_for_backward(q, kv, out, state.lse)
+        ctx.save_for_backward(q, kv, out, lse)
         return out
 
     @staticmethod
