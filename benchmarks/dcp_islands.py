@@ -28,13 +28,16 @@ Encoder island (`encoder_work`, per rank: FLOPs, K/V bytes, layer calls, CP atte
 modelled, each column's most loaded rank at unit costs measured in this run: seconds per FLOP
 and per layer call fitted to the DP-only islands' steps (`calibrate`), per K/V byte of CP
 attention measured on 4 gloo ranks (`measure_kv`), per CP attention call from the gloo profile
-(`cp_call_seconds`). Bound: the DP-4 island's measured time over the new layout's floor, its
-columns spread evenly over its ranks (its slowest rank does at least the mean; no rank moves
-fewer bytes or makes fewer calls than its layout needs) at the unit costs measured alone (the
-ViT forward + backward in this process, `measure_encoder`; the CP attention, `measure_kv`): no
-waiting, no schedule, so a lower bound of the island's critical path, and the most that layout
-could gain here (< 1: it cannot beat DP). Reported: measured ratio
-(baseline / new), modelled ratio, bound and measured / bound.
+(`cp_call_seconds`), plus the step's gradient sum over the island (`measure_sync`). Bound: the
+DP-4 island's measured time over the new layout's floor, its columns spread evenly over its
+ranks (its slowest rank does at least the mean; no rank moves fewer bytes or makes fewer calls
+than its layout needs) at unit costs measured apart from the runs (the ViT forward + backward
+on 8 processes at once, one thread each, as the 8 ranks share this machine's cores,
+`measure_encoder`; the CP attention on 4 gloo ranks, `measure_kv`), plus the gradient sum every
+layout of the island pays (one all-reduce of its gradients over its 4 ranks, `measure_sync`):
+no waiting, no schedule, no route, so a lower bound of the island's critical path, and the most
+that layout could gain here (< 1: it cannot beat DP). Reported: measured ratio (baseline /
+new), modelled ratio, bound and measured / bound.
 """
 from __future__ import annotations
 
@@ -51,7 +54,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)  # encoder_floor.py beside this file
 
-from encoder_floor import cp_call_seconds, encoder_times, encoder_work, measure_encoder, measure_kv  # noqa: E402
+from encoder_floor import (cp_call_seconds, encoder_times, encoder_work, measure_encoder, measure_kv,  # noqa: E402
+                           measure_sync)
 
 ISLANDS = ["placement=non_colocated", "vision.layout.num_ranks=4", "vision.layout.tp=1", "llm.layout.tp=1",
            "launcher.nproc_per_node=8", "logger=none", "trainer.progress_bar=false", "trainer.eval_every=0",
@@ -129,15 +133,17 @@ def _rank(payload) -> None:
 def calibrate(results: dict) -> tuple[float, float]:
     """(seconds per FLOP, seconds per layer call) of the encoder on this machine: fitted (non-
     negative least squares) to the DP-only vision islands' step critical paths (`DP_ONLY`, whose
-    CP columns are 0) as the step's most FLOPs x a + its most layer calls x b."""
+    CP columns are 0) less their measured gradient sum (`measure_sync`) as the step's most
+    FLOPs x a + its most layer calls x b."""
     from scipy.optimize import nnls
 
     x, y = [], []
     for name in DP_ONLY:
-        for work, busy in zip(results[name]["model"]["vision"]["work"], results[name]["vision_steps_s"]):
+        v = results[name]["model"]["vision"]
+        for work, busy in zip(v["work"], results[name]["vision_steps_s"]):
             w = np.asarray(work)
             x.append([w[:, 0].max(), w[:, 2].max()])
-            y.append(busy)
+            y.append(busy - v["sync_s"])
     (per_flop, per_call), _ = nnls(np.array(x), np.array(y))
     return float(per_flop), float(per_call)
 
@@ -193,7 +199,7 @@ def layout_model(cfg, layouts, args) -> dict:
 
 def run_layout(name, data, args, root, units: dict) -> dict:
     """Run layout `name` on 8 forked ranks; its measurements and model inputs. `units`: ViT
-    width -> `measure_encoder` (measured here before the first layout of that width)."""
+    width -> (`measure_encoder`, `measure_sync`), measured before any layout runs."""
     import multiprocessing as mp
 
     from omegaconf import OmegaConf
@@ -203,8 +209,6 @@ def run_layout(name, data, args, root, units: dict) -> dict:
     run_dir = os.path.join(root, name)
     os.makedirs(run_dir)
     cfg, layouts = layout_config(name, data, args, run_dir)
-    if cfg.vision.hidden_size not in units:
-        units[cfg.vision.hidden_size] = measure_encoder(cfg)
     launcher = mp.get_context("fork").Process(target=start_local_ranks, args=(
         _rank, 8, (OmegaConf.to_container(cfg, resolve=True), run_dir, args.warmup, args.steps), "fork"))
     launcher.start()
@@ -217,7 +221,8 @@ def run_layout(name, data, args, root, units: dict) -> dict:
     loss = next(r["losses"] for r in ranks if r["head"] == "llm")
     vision = [r["busy"] for r in ranks if r["head"] != "llm"]
     model = layout_model(cfg, layouts, args)
-    model["vision"]["floor_units"] = units[cfg.vision.hidden_size]
+    model["vision"]["floor_units"], model["vision"]["sync_s"] = units[cfg.vision.hidden_size]
+    model["vision"]["width"] = cfg.vision.hidden_size
     return {"critical_s": critical, "model": model, "losses": loss,
             "busy_s": [r["busy"] for r in ranks], "vision_steps_s": np.max(vision, 0).tolist()}
 
@@ -232,14 +237,16 @@ def report(results: dict, kv: tuple[float, float]) -> dict:
         v = r["model"]["vision"]
         coef = np.array([per_flop, per_byte, per_call, v["cp_call_s"]])
         floor = np.array([v["floor_units"][0], per_byte, v["floor_units"][1], kv_call])
-        v["modelled_s"], v["bound_s"] = encoder_times(v["work"], coef, floor)
+        v["modelled_s"], v["bound_s"] = encoder_times(v["work"], coef, floor, v["sync_s"])
     print(f"encoder model: {1e-9 / max(per_flop, 1e-30):.0f} GFLOP/s and {1e3 * per_call:.1f} ms per layer "
           f"call (fitted to the {' and '.join(DP_ONLY)} vision islands), K/V at "
           f"{1e-6 / per_byte:.0f} MB/s (CP attention, measured) and "
           f"{1e3 * results['encoder_cp4']['model']['vision']['cp_call_s']:.1f} ms per CP-4 attention call (profile)")
-    floors = {tuple(r["model"]["vision"]["floor_units"]) for r in results.values()}
-    print("encoder floor: " + ", ".join(f"{1e-9 / f:.0f} GFLOP/s and {1e3 * c:.1f} ms per layer call" for f, c in
-                                        sorted(floors)) + f" (each ViT alone), {1e3 * kv_call:.1f} ms per "
+    floors = {r["model"]["vision"]["width"]: (*r["model"]["vision"]["floor_units"], r["model"]["vision"]["sync_s"])
+              for r in results.values()}
+    print("encoder floor: " + "; ".join(f"width {w}: {1e-9 / f:.0f} GFLOP/s, {1e3 * c:.1f} ms per layer call, "
+                                        f"{1e3 * s:.0f} ms per gradient sum" for w, (f, c, s) in sorted(floors.items()))
+          + f" (each ViT on 8 processes at once, its gradients over 4 gloo ranks); {1e3 * kv_call:.1f} ms per "
           "CP attention call (measured)")
     rows = {}
     print(f"{'comparison':<42} {'measured':>8} {'modelled':>8} {'bound':>6} {'measured/bound':>14}")
@@ -256,8 +263,10 @@ def report(results: dict, kv: tuple[float, float]) -> dict:
         print(f"{what:<42} {measured:8.2f} {model:8.2f} {bound:6.2f} {measured / bound:14.2f}")
     print("bound, LLM: the static plan's modelled time over the provable lower bound of any plan. Encoder:\n"
           "the DP-4 island's measured time over the new layout's floor: its FLOPs, K/V bytes and calls spread\n"
-          "evenly over its ranks (its slowest rank does at least the mean) at the unit costs measured alone\n"
-          "(no waiting, no schedule); bound < 1: that layout cannot beat DP on this machine")
+          "evenly over its ranks (its slowest rank does at least the mean) at unit costs measured apart (the ViT\n"
+          "on 8 processes sharing the cores as the 8 ranks do, CP attention on 4 gloo ranks), plus the step's\n"
+          "gradient sum over the island (measured apart); no waiting, no schedule, no route. bound < 1: that\n"
+          "layout cannot beat DP on this machine")
     return rows
 
 
@@ -274,8 +283,9 @@ def main(argv=None) -> dict:
     root = tempfile.mkdtemp(prefix="dcp_islands_")  # kept: forked ranks must not delete it
     os.makedirs(os.path.join(root, "data"))
     data = make_records(os.path.join(root, "data"), 4 * args.samples * (args.warmup + args.steps))
-    kv = measure_kv(root, layout_config("dynamic", data, args, os.path.join(root, "kv"))[0].vision)
-    units = {}
+    cfgs = [layout_config(n, data, args, os.path.join(root, "units", n))[0] for n in ("dynamic", "wide_dp4")]
+    kv = measure_kv(root, cfgs[0].vision)
+    units = {c.vision.hidden_size: (measure_encoder(root, c), s) for c, s in zip(cfgs, measure_sync(root, cfgs))}
     results = {name: run_layout(name, data, args, root, units) for name in LAYOUTS}
     print(f"{'layout':<11} {'LLM island s':>12} {'vision island s':>15} {'losses'}")
     for name, r in results.items():

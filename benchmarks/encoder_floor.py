@@ -1,7 +1,13 @@
 """The encoder island's cost model and floor of benchmarks/dcp_islands.py (issue 25 section 3):
 per rank of a vision island, the work of one step plan (`encoder_work`) and the unit costs
-measured on this machine (`measure_kv`, `measure_encoder`; `cp_call_seconds` from the gloo
-profile), combined into a modelled time and a floor (`encoder_times`)."""
+measured on this machine (`measure_kv`, `measure_encoder`, `measure_sync`; `cp_call_seconds`
+from the gloo profile), combined into a modelled time and a floor (`encoder_times`).
+
+The floor's unit costs are measured apart from the runs they judge, under the physical costs
+every layout of the benchmark pays on this machine: the ViT's FLOPs and layer calls on 8
+processes at once sharing the cores (as the benchmark's 8 ranks do: a rank's CPU time per FLOP
+is higher than alone), and the island's gradient sum (one all-reduce of the encoder's gradients
+over its 4 ranks per step, which DP and CP layouts alike pay)."""
 from __future__ import annotations
 
 import json
@@ -99,17 +105,14 @@ def measure_kv(root: str, vision, cp: int = 4, images=(8, 64), reps: int = 3) ->
     return per_byte, max(0.0, t[0] - per_byte * per_image * images[0])
 
 
-def measure_encoder(cfg, images=(1, 8), reps: int = 4) -> tuple[float, float]:
-    """(seconds per FLOP, seconds per layer call) of the ViT of `cfg` alone in this process on
-    one thread, no collective, no schedule: the CPU time (least of `reps`: a floor) of its forward +
-    backward at two image counts; the slope over `encoder_flops` (which also counts the
-    projector, not run: the rate errs high) and the intercept over its blocks + 2 layer calls."""
+def _encoder_rank(payload) -> None:
+    """One process of `measure_encoder`: the least CPU time of `reps` forward + backward passes
+    of the ViT at each image count, on one thread."""
     import torch
 
     from hcp.model.encoder_types import build_encoder
-    from hcp.model.flops import encoder_flops
 
-    v, threads = cfg.vision, torch.get_num_threads()
+    v, images, reps, path = payload
     torch.set_num_threads(1)
     enc, times = build_encoder(v), []
     for i in images:
@@ -120,16 +123,82 @@ def measure_encoder(cfg, images=(1, 8), reps: int = 4) -> tuple[float, float]:
             enc(x).sum().backward()
             runs.append(time.process_time() - t0)
         times.append(min(runs[1:]))
-    torch.set_num_threads(threads)
+    with open(f"{path}.{os.environ['RANK']}", "w") as f:
+        json.dump(times, f)
+
+
+def measure_encoder(root: str, cfg, images=(1, 8), reps: int = 4, procs: int = 8) -> tuple[float, float]:
+    """(seconds per FLOP, seconds per layer call) of the ViT of `cfg`, no collective, no
+    schedule, on `procs` forked processes at once (one thread each: the benchmark's 8 ranks on
+    this machine's cores): each process's least CPU time of `reps` forward + backward passes
+    at two image counts, the median over the processes; the slope over `encoder_flops` (which
+    also counts the projector, not run: the rate errs high) and the intercept over its blocks +
+    2 layer calls."""
+    from hcp.launch.launch import start_local_ranks
+    from hcp.model.flops import encoder_flops
+
+    v, path = cfg.vision, os.path.join(root, f"encoder_{cfg.vision.hidden_size}.json")
+    start_local_ranks(_encoder_rank, procs, (v, list(images), reps, path), "fork")
+    times = np.median([json.load(open(f"{path}.{r}")) for r in range(procs)], 0)
     per_flop = (times[1] - times[0]) / (encoder_flops(v, cfg.llm.hidden_size, images[1] - images[0]))
     calls = v.num_layers + v.select_layer + 3
     return per_flop, max(0.0, times[0] - per_flop * encoder_flops(v, cfg.llm.hidden_size, images[0])) / calls
 
 
-def encoder_times(work, coef: np.ndarray, floor: np.ndarray) -> tuple[float, float]:
+def _sync_rank(payload) -> None:
+    """One rank of `measure_sync`: the least CPU time of `reps` gradient sums of each shape list."""
+    import torch
+    import torch.distributed as dist
+
+    from hcp.train.modules import sync_grads
+
+    shape_lists, reps, path = payload
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    times = []
+    for shapes in shape_lists:
+        params = [torch.zeros(s, requires_grad=True) for s in shapes]
+        for p in params:
+            p.grad = torch.randn(p.shape)
+        runs = []
+        for k in range(reps + 1):
+            dist.barrier()
+            t0 = time.process_time()
+            sync_grads(params, dist.group.WORLD)
+            runs.append(time.process_time() - t0)
+        times.append(min(runs[1:]))
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def island_grad_shapes(cfg) -> list[tuple[int, ...]]:
+    """Shapes of the vision island's trainable parameters (its ViT and projector): what its
+    gradient sum (`hcp.train.modules.sync_grads`) moves each step."""
+    from hcp.model.encoder_types import build_encoder
+    from hcp.model.projector import Projector
+
+    modules = (build_encoder(cfg.vision), Projector(cfg.projector, cfg.vision.hidden_size, cfg.llm.hidden_size))
+    return [tuple(p.shape) for m in modules for p in m.parameters()]
+
+
+def measure_sync(root: str, cfgs, ranks: int = 4, reps: int = 3) -> list[float]:
+    """Seconds (CPU, least of `reps`) of one step's gradient sum of the vision island of each
+    config in `cfgs` over `ranks` forked gloo ranks: `hcp.train.modules.sync_grads` (one flat
+    all-reduce) on gradients of the island's shapes (`island_grad_shapes`)."""
+    from hcp.launch.launch import start_local_ranks
+
+    path = os.path.join(root, "sync.json")
+    start_local_ranks(_sync_rank, ranks, ([island_grad_shapes(c) for c in cfgs], reps, path), "fork")
+    return json.load(open(path))
+
+
+def encoder_times(work, coef: np.ndarray, floor: np.ndarray, sync_s: float) -> tuple[float, float]:
     """(modelled, bound) seconds of the vision island, medians over the steps of `work`
-    ([steps, ranks, 4], `encoder_work`): modelled, the step's most loaded rank in each column at
-    the model's unit costs `coef` (its ranks meet at every micro-batch); bound, the columns'
-    means over its ranks at the measured floor unit costs `floor` (module docstring)."""
+    ([steps, ranks, 4], `encoder_work`), each plus the step's gradient sum `sync_s`
+    (`measure_sync`): modelled, the step's most loaded rank in each column at the model's unit
+    costs `coef` (its ranks meet at every micro-batch); bound, the columns' means over its ranks
+    at the measured floor unit costs `floor` (module docstring)."""
     w = np.asarray(work)
-    return float(np.median(w.max(1) @ coef)), float(np.median(w.mean(1) @ floor))
+    return float(np.median(w.max(1) @ coef)) + sync_s, float(np.median(w.mean(1) @ floor)) + sync_s
