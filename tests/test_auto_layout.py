@@ -17,7 +17,8 @@ from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
 from hcp.preflight.auto_cost import Scorer, combine_bounds, host_model
 from hcp.preflight.auto_layout import apply_layout, choose_layout, search
-from hcp.preflight.auto_space import (combine, island_sizes, module_options, pinned_fields, placements)
+from hcp.preflight.auto_space import (combine, encoder_options, island_sizes, module_options, pinned_fields,
+                                      placements)
 from hcp.preflight.plan_mode import memory_per_rank
 from hcp.train.support import check_trainable
 from hcp.config.specs import resolve_modules
@@ -39,8 +40,9 @@ def _brute_force(cfg, world, pinned):
     node = min(int(cfg.cluster.gpus_per_node), world)
     out = []
     for placement in placements(cfg, pinned):
-        for split in ([0] if placement == "colocated" else island_sizes(cfg, world, node, pinned)):
-            for v in module_options(scorer.cfg, "vision", split or world, 0, placement, pinned, node):
+        for islands in ([()] if placement == "colocated" else island_sizes(cfg, world, node, pinned)):
+            split = sum(islands)
+            for v in encoder_options(scorer.cfg, placement, islands, pinned, node, world):
                 for x in module_options(scorer.cfg, "llm", world - split, split, placement, pinned, node):
                     cand = combine(scorer.cfg, placement, v, x)
                     if cand is None or max(scorer.memory(cand).values()) > scorer.cap:
@@ -200,11 +202,11 @@ def test_a_bad_host_entry_names_the_profile(tmp_path):
         Scorer(_cfg([*TINY8, f"packing_profile={bad}"]), 8, str(bad))
 
 
-def test_projector_pins_hold_the_encoders_tp_and_others_are_refused():
-    over = ["+recipe=llava_tiny_hetero", "mode=plan", "projector.layout.tp=2"]
+def test_projector_pins_hold_the_encoders_fields_and_others_are_refused():
+    over = ["+recipe=llava_tiny_hetero", "mode=plan", "projector.layout.tp=2", "projector.layout.cp=2"]
     cfg = _cfg(over)
     result = search(cfg, 4, pinned_fields(cfg, over))
-    assert result.ranked and all(c.by_module["vision"].tp == 2 and c.by_module["projector"].tp == 2
-                                 for c, _ in result.ranked)
-    with pytest.raises(ConfigError, match="projector.layout.cp.*runs with its encoder"):
-        search(cfg, 4, {"projector.layout.cp": 2})
+    assert result.ranked and all((c.by_module[m].tp, c.by_module[m].cp) == (2, 2)
+                                 for c, _ in result.ranked for m in ("vision", "projector"))
+    with pytest.raises(ConfigError, match="projector.layout.pp.*runs with its encoder"):
+        search(cfg, 4, {"projector.layout.pp": 2})
