@@ -2,20 +2,26 @@
 mode's models: the per-rank memory of `hcp.preflight.memory` (under `hcp.preflight.plan_mode.running_layouts`)
 and the LLM's cost model and 1F1B simulator of `hcp.preflight.estimate`. Pure: no process group.
 
-The encoder side (the ViT + projector, `hcp.model.flops.encoder_flops`) runs at the profile's
-peak x matmul efficiency per rank, divided by its tp, plus TP's two ring all-reduces of the
+Each encoder (`vision`, every `encoders.<name>`, with its projectors; `hcp.model.flops.
+encoder_flops`) runs at the profile's peak x matmul efficiency per rank, divided by its tp;
+under encoder CP c each rank computes its k = ceil(tokens / c) positions of every input (a k /
+tokens share of its FLOPs) and receives K and V of the other (c - 1) x k positions per block
+(the all-gather forward, the reduce-scatter of their gradients backward, not overlapped; the
+profile's `cp_latency` per ring step), plus TP's two ring all-reduces of its positions'
 activations per block forward (two more backward, two more under full recompute, which also
-adds one forward); its route carries one row per patch of `llm.hidden_size` elements forward
-and the same gradient backward.
-- colocated (three phases one after the other): step = encoder forward + backward of one
-  encoder lane's images + both routes (each rank's share of the rows at the node's or the
-  network's bandwidth) + the LLM's simulated 1F1B + the gradient syncs;
-- non_colocated (graph-aware 1F1B: the encoder's stages before the LLM's): the LLM's slowest
+adds one forward); its route carries, per input, its streams' rows of `llm.hidden_size`
+elements forward and the same gradient backward.
+- colocated (three phases one after the other): step = each encoder's forward + backward of
+  one of its lanes' inputs, one encoder after the other, + both routes (each rank's share of
+  the rows at the node's or the network's bandwidth) + the LLM's simulated 1F1B + the
+  gradient syncs;
+- non_colocated (graph-aware 1F1B: the encoders' stages before the LLM's): the LLM's slowest
   lane's micro-batches through the stacked stages (`hcp.schedule.simulator.simulate_1f1b`):
-  an encoder stage's share of a micro-batch's images (`data.images_per_sample` per sample) is
+  an encoder stage's share of a micro-batch's inputs (`data.images_per_sample` per sample) is
   divided over the dp_e / dp_llm encoder lanes that feed one LLM lane, and the route of the
-  micro-batch's rows is charged to the encoder's last stage; step = that + the slower
-  island's gradient sync.
+  micro-batch's rows is charged to the encoder's last stage; islands of several encoders run
+  side by side, their stages aligned on the last (the LLM waits for the slowest island at
+  each); step = that + the slowest island's gradient sync.
 Gradient sync: `hcp.preflight.estimate.grad_sync_s`; `dp_shard` (FSDP) adds half of it again (the
 weights' all-gathers). The batch priced: `data_lengths` (the run's first global batch of its own
 data). CPU ranks sharing a host's cores (a profile's `host:` entry, `Host`): each layer call
@@ -129,8 +135,9 @@ def _key(lay) -> tuple:
 class Encoder:
     """What the estimate reads of one encoder (`Scorer.encoders`): training FLOPs of one input
     (the ViT and one projector, `encoder_flops`), tokens per input (patches + CLS), blocks run,
-    layer calls per pass (blocks + patch embedding + projector), width, and the rows its
-    streams route into the LLM per input (`ModuleSpecs.rows`, summed over its projectors)."""
+    layer calls per pass (the blocks and the projector, as `cpu_profile.yaml`'s host model was
+    fitted), width, and the rows its streams route into the LLM per input (`ModuleSpecs.rows`,
+    summed over its projectors)."""
 
     flops: float
     tokens: int
@@ -164,7 +171,7 @@ class Scorer:
             blocks = a.num_layers + a.select_layer + 1
             rows = sum(self.specs.rows(s) for s in self.specs.streams if s.encoder == side.encoder)
             self.encoders[side.encoder] = Encoder(encoder_flops(a, cfg.llm.hidden_size, 1), patches(a) + LEAD,
-                                                  blocks, blocks + 2, a.hidden_size, rows)
+                                                  blocks, blocks + 1, a.hidden_size, rows)
 
     def _cfg(self, placement: str, side_recompute: str | None):
         """The config with this placement and encoder recompute (what the memory model reads:

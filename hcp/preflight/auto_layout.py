@@ -3,11 +3,13 @@ estimated step that fits, before any process group starts. Pure: no process grou
 
     python train.py +recipe=llava_hetero mode=plan layout=auto
     python train.py +recipe=llava_hetero mode=plan layout=auto llm.layout.tp=8   # tp pinned
+    python train.py +recipe=llava_tiny_two_encoders mode=plan layout=auto encoders.vision2.layout.tp=2
 
 The space and the pins: `hcp.preflight.auto_space` (a field given on the command line stays fixed);
 the estimate: `hcp.preflight.auto_cost` under `packing_profile`'s hardware (`h100`, or a profile
-of `mode=calibrate`). Branch and bound: the (placement, island size) groups and, inside each,
-the (encoder, LLM) pairs are visited in order of a cheap lower bound on their step; LLM layouts
+of `mode=calibrate`). Branch and bound: the (placement, island sizes) groups and, inside each,
+the (encoder layouts, LLM layout) pairs are visited in order of a cheap lower bound on their
+step; LLM layouts
 whose own stages exceed `cluster.device_memory_gib` are dropped first, a pair is checked for
 memory before it is simulated, and the search stops where the bound reaches the `top`-th best
 step found. Each layout that enters the ranking passes the full validation and training's
