@@ -17,7 +17,8 @@ What is enumerated, for a world of W ranks on nodes of N ranks, over every modul
   recompute: the encoder side's when several encoders are colocated, else none): a pin of its
   tp, cp or dp_shard holds the encoder's; other projector pins may only restate those values.
 Each module's layout must pass the layout rules on resolved layouts (`hcp.config.layouts.
-check_resolved`); whole candidates pass them again, and the winner the full validation.
+check_resolved`; the LLM's, `hcp.config.validate.check_longest_sample` too: its CP group or pool
+holds the longest sample); whole candidates pass them again, and the winner the full validation.
 
 Pinning (`pinned_fields`): a field given on the command line (`llm.layout.tp=8`, `placement=
 non_colocated`, `vision.layout.num_ranks=16`, `encoders.vision2.layout.tp=2`) keeps its value;
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import RECOMPUTES, ResolvedLayout, check_resolved, num_layers
 from hcp.config.modules import encoder_names, module_cfg, module_key, patches, projector_names
+from hcp.config.validate import check_longest_sample
 from hcp.parallel.encoder_cp import LEAD
 
 FIELDS = ("tp", "cp", "pp", "dp", "dp_shard", "recompute", "num_ranks", "pp_layers")
@@ -185,6 +187,8 @@ def module_options(cfg, module: str, ranks: int, offset: int, placement: str, pi
                                  recompute, shard)
             try:
                 check_resolved(cfg, {module: lay})
+                if not encoder:
+                    check_longest_sample(cfg, lay)
             except ConfigError:
                 continue
             out.append(lay)
