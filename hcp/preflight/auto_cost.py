@@ -41,6 +41,7 @@ from omegaconf import OmegaConf
 from hcp.config.errors import ConfigError
 from hcp.config.specs import resolve_modules
 from hcp.dcp.hardware import read_profile
+from hcp.dcp.policy import several_per_round
 from hcp.config.modules import patches
 from hcp.model.flops import encoder_flops, model_flops
 from hcp.parallel.encoder_cp import LEAD, chunk
@@ -160,7 +161,7 @@ class Scorer:
         self.hw = hardware(cfg, profile)
         self.host = host_model(profile)
         self.cap = float(cfg.cluster.device_memory_gib)
-        self._cfgs, self._memory, self._llm, self._params = {}, {}, {}, {}
+        self._cfgs, self._memory, self._llm, self._params, self._plans = {}, {}, {}, {}, {}
         lens = self.lens.astype(np.float64)
         self.llm_flops = model_flops(cfg.llm, float(lens.sum()), float((lens ** 2).sum()))
         self.images = float(cfg.trainer.global_batch_size) * float(cfg.data.images_per_sample)
@@ -217,16 +218,26 @@ class Scorer:
     def _llm_lane(self, llm):
         """(iteration seconds, fwd, bwd, plan) of the LLM layout's slowest lane (`[pp, R]` s),
         and the busy seconds of all its ranks (the `Host`'s layer calls included)."""
-        key = _key(llm)[1:6] + (llm.recompute == "full",)
+        key = self._lane_key(llm)
         if key not in self._llm:
-            cost = cost_model(self.cfg, llm, self.hw)
             calls = self._calls(np.asarray(llm.pp_layers, dtype=np.float64)[:, None], llm.cp > 1)
-            lanes = [(f + calls[0], b + calls[1], plan)
-                     for plan, f, b in lane_stage_times(self.cfg, llm, cost, self.lens)]
+            lanes = [(f + calls[0], b + calls[1], plan) for plan, f, b in self._lane_times(llm)]
             runs = [(simulate_1f1b(f, b, record=False).iteration_time, f, b, plan) for f, b, plan in lanes]
             work = sum(float((f + b).sum()) for f, b, _ in lanes) * llm.tp * llm.cp
             self._llm[key] = (*max(runs, key=lambda r: r[0]), work)  # lanes wait for the slowest
         return self._llm[key]
+
+    def _lane_times(self, llm) -> list:
+        """`lane_stage_times` of the LLM layout, computed once per plan: under `packing=
+        dynamic_cp` the planner (`hcp.dcp.policy`) sees the pool dp * cp, not its split."""
+        key = (llm.tp, llm.pp, llm.pp_layers, llm.recompute == "full")
+        if self.cfg.packing == "dynamic_cp":
+            key += (llm.dp * llm.cp, several_per_round(llm))
+        else:
+            key += (llm.cp, llm.dp)
+        if key not in self._plans:
+            self._plans[key] = lane_stage_times(self.cfg, llm, cost_model(self.cfg, llm, self.hw), self.lens)
+        return self._plans[key]
 
     def _calls(self, layers, cp: bool = False) -> tuple:
         """(forward, backward) CPU seconds of calling `layers` layers once on a `Host` (0
@@ -251,7 +262,13 @@ class Scorer:
 
     def has_lane(self, llm) -> bool:
         """Whether `llm_part` of this LLM layout is known without simulating."""
-        return _key(llm)[1:6] + (llm.recompute == "full",) in self._llm
+        return self._lane_key(llm) in self._llm
+
+    @staticmethod
+    def _lane_key(llm) -> tuple:
+        """What `_llm_lane` depends on: the layout less its dp_shard beyond the planner's
+        `several_per_round`, and its recompute beyond full or not."""
+        return _key(llm)[1:6] + (llm.recompute == "full", several_per_round(llm))
 
     def sync(self, lay) -> float:
         """Gradient sync seconds of a module's layout (module docstring)."""
