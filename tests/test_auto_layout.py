@@ -96,10 +96,12 @@ def test_search_respects_pins_and_returns_only_feasible_layouts():
 
 def test_layouts_training_refuses_are_never_ranked():
     # llm pp 2 is a valid layout, but tied embeddings across LLM stages do not train
-    # (hcp.train.support): the search returns none of them and names the refusing field
+    # (hcp.train.support): the search returns none of them and names the refusing field (every
+    # candidate is checked: the encoder pinned small)
     cfg = _cfg(["+recipe=llava_tiny_hetero", "mode=plan", "llm.tie_embeddings=true"])
     with pytest.raises(ConfigError, match="llm.tie_embeddings=True"):
-        search(cfg, 4, {"llm.layout.recompute": "none", "llm.layout.pp": 2})
+        search(cfg, 4, {"llm.layout.recompute": "none", "llm.layout.pp": 2, "vision.layout.tp": 1,
+                        "vision.layout.cp": 1, "vision.layout.recompute": "none"})
 
 
 def test_no_layout_fits_names_the_field():
