@@ -49,7 +49,7 @@ def _brute_force(cfg, world, pinned):
                         continue
                     score = scorer.score(cand)
                     bound = combine_bounds(placement, scorer.encoder_part(v, placement),
-                                           min(scorer.llm_bound(x), scorer.llm_part(x, placement)))
+                                           min(scorer.llm_bound(x), scorer.llm_part(x)))
                     assert bound <= score.step_time_s * (1 + 1e-9), (cand, bound, score)
                     out.append((cand, score))
     return out

@@ -318,11 +318,12 @@ class Scorer:
         eff = max(self.hw.matmul_efficiency, self.hw.attention_efficiency)
         return self.llm_flops * factor / (llm.num_ranks * self.hw.peak_flops * eff) + self.sync(llm)
 
-    def llm_part(self, llm, placement: str) -> float:
-        """The LLM's share of a step bound: colocated its 1F1B iteration, non_colocated its
-        busiest stage, plus its gradient sync (`combine_bounds`)."""
-        iteration, f, b, _, _ = self._llm_lane(llm)
-        return (iteration if placement == "colocated" else float((f + b).sum(axis=1).max())) + self.sync(llm)
+    def llm_part(self, llm) -> float:
+        """The LLM's share of a step bound (`combine_bounds`): its own 1F1B iteration plus its
+        gradient sync, under either placement: stacking encoder stages before the LLM's keeps
+        each LLM stage's 1F1B order (its warm-up counts only the stages after it) and only adds
+        dependencies, so no LLM event of the graph pipeline comes earlier."""
+        return self._llm_lane(llm)[0] + self.sync(llm)
 
     def _colocated_encoder_s(self, enc) -> float:
         """Seconds of the colocated phases of one encoder: its lane's inputs forward and backward."""

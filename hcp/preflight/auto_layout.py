@@ -159,14 +159,14 @@ def _rank(cfg, world: int, groups, scorer: Scorer, top: int, prune: bool, inline
         enc = np.array([scorer.encoder_part(e, placement) for e in encoders])
         order = np.argsort(enc, kind="stable")
         exact = [scorer.has_lane(x) for x in llm]
-        part = [scorer.llm_part(x, placement) if e else scorer.llm_bound(x) for x, e in zip(llm, exact)]
+        part = [scorer.llm_part(x) if e else scorer.llm_bound(x) for x, e in zip(llm, exact)]
         nxt = [0] * len(llm)
         heap = [(float(combine_bounds(placement, enc[order[0]], part[j])), j) for j in range(len(llm))]
         heapq.heapify(heap)
         while heap and heap[0][0] < threshold():
             _, j = heapq.heappop(heap)
             if not exact[j]:  # refine the LLM's bound by simulating it, then look again
-                part[j], exact[j] = scorer.llm_part(llm[j], placement), True
+                part[j], exact[j] = scorer.llm_part(llm[j]), True
                 counts["llm_simulated"] += 1
                 heapq.heappush(heap, (float(combine_bounds(placement, enc[order[nxt[j]]], part[j])), j))
                 continue
