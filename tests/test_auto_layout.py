@@ -16,8 +16,9 @@ from cfg_utils import REPO, compose_cfg
 from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
 from hcp.preflight.auto_cost import Scorer, combine_bounds, host_model
-from hcp.preflight.auto_layout import apply_layout, choose_layout, search
-from hcp.preflight.auto_space import (combine, island_sizes, module_options, pinned_fields, placements)
+from hcp.preflight.auto_layout import apply_layout, check_candidate, choose_layout, search
+from hcp.preflight.auto_space import (combine, encoder_options, island_sizes, module_options, pinned_fields,
+                                      placements)
 from hcp.preflight.plan_mode import memory_per_rank
 from hcp.train.support import check_trainable
 from hcp.config.specs import resolve_modules
@@ -39,15 +40,16 @@ def _brute_force(cfg, world, pinned):
     node = min(int(cfg.cluster.gpus_per_node), world)
     out = []
     for placement in placements(cfg, pinned):
-        for split in ([0] if placement == "colocated" else island_sizes(cfg, world, node, pinned)):
-            for v in module_options(scorer.cfg, "vision", split or world, 0, placement, pinned, node):
+        for islands in ([()] if placement == "colocated" else island_sizes(cfg, world, node, pinned)):
+            split = sum(islands)
+            for v in encoder_options(scorer.cfg, placement, islands, pinned, node, world):
                 for x in module_options(scorer.cfg, "llm", world - split, split, placement, pinned, node):
                     cand = combine(scorer.cfg, placement, v, x)
                     if cand is None or max(scorer.memory(cand).values()) > scorer.cap:
                         continue
                     score = scorer.score(cand)
                     bound = combine_bounds(placement, scorer.encoder_part(v, placement),
-                                           min(scorer.llm_bound(x), scorer.llm_part(x, placement)))
+                                           min(scorer.llm_bound(x), scorer.llm_part(x)))
                     assert bound <= score.step_time_s * (1 + 1e-9), (cand, bound, score)
                     out.append((cand, score))
     return out
@@ -94,10 +96,12 @@ def test_search_respects_pins_and_returns_only_feasible_layouts():
 
 def test_layouts_training_refuses_are_never_ranked():
     # llm pp 2 is a valid layout, but tied embeddings across LLM stages do not train
-    # (hcp.train.support): the search returns none of them and names the refusing field
+    # (hcp.train.support): the search returns none of them and names the refusing field (every
+    # candidate is checked: the encoder pinned small)
     cfg = _cfg(["+recipe=llava_tiny_hetero", "mode=plan", "llm.tie_embeddings=true"])
     with pytest.raises(ConfigError, match="llm.tie_embeddings=True"):
-        search(cfg, 4, {"llm.layout.recompute": "none", "llm.layout.pp": 2})
+        search(cfg, 4, {"llm.layout.recompute": "none", "llm.layout.pp": 2, "vision.layout.tp": 1,
+                        "vision.layout.cp": 1, "vision.layout.recompute": "none"})
 
 
 def test_no_layout_fits_names_the_field():
@@ -200,11 +204,65 @@ def test_a_bad_host_entry_names_the_profile(tmp_path):
         Scorer(_cfg([*TINY8, f"packing_profile={bad}"]), 8, str(bad))
 
 
-def test_projector_pins_hold_the_encoders_tp_and_others_are_refused():
-    over = ["+recipe=llava_tiny_hetero", "mode=plan", "projector.layout.tp=2"]
+def test_projector_pins_hold_the_encoders_fields_and_others_are_refused():
+    over = ["+recipe=llava_tiny_hetero", "mode=plan", "projector.layout.tp=2", "projector.layout.cp=2"]
     cfg = _cfg(over)
     result = search(cfg, 4, pinned_fields(cfg, over))
-    assert result.ranked and all(c.by_module["vision"].tp == 2 and c.by_module["projector"].tp == 2
-                                 for c, _ in result.ranked)
-    with pytest.raises(ConfigError, match="projector.layout.cp.*runs with its encoder"):
-        search(cfg, 4, {"projector.layout.cp": 2})
+    assert result.ranked and all((c.by_module[m].tp, c.by_module[m].cp) == (2, 2)
+                                 for c, _ in result.ranked for m in ("vision", "projector"))
+    with pytest.raises(ConfigError, match="projector.layout.pp.*runs with its encoder"):
+        search(cfg, 4, {"projector.layout.pp": 2})
+
+
+def _passes(cfg, cand, world) -> bool:
+    try:
+        check_candidate(cfg, cand, world)
+        return True
+    except ConfigError:
+        return False
+
+
+def _assert_trains(cfg, cand, score, world):
+    """`cand` passes every rule as training runs them, and plan mode's memory is the score's."""
+    trial = copy.deepcopy(cfg)
+    apply_layout(trial, cand)
+    layouts = validate(trial, world)
+    check_trainable(trial, resolve_modules(trial, layouts))
+    assert layouts == cand.by_module
+    plan_mem = max(r["total"] for r in memory_per_rank(trial, layouts, world))
+    assert plan_mem == pytest.approx(max(score.memory_gib.values()), rel=1e-9) and plan_mem <= cfg.cluster.device_memory_gib
+
+
+def test_named_encoders_are_searched_with_their_pins_held():
+    # two encoders, each with its projector: both placements, each encoder's tp/cp/recompute
+    # searched, vision2's tp pinned; the pruned search finds the brute-force optimum
+    over = ["+recipe=llava_tiny_two_encoders", "mode=plan", "encoders.vision2.layout.tp=2"]
+    cfg = _cfg(over)
+    pins = pinned_fields(cfg, over)
+    assert pins == {"encoders.vision2.layout.tp": 2}
+    every = _brute_force(cfg, 4, pins)
+    assert {c.placement for c, _ in every} == {"colocated", "non_colocated"}
+    assert {c.by_module["vision"].cp for c, _ in every} == {1, 2, 4}
+    result = search(cfg, 4, pins)
+    assert result.ranked[0][1].step_time_s == pytest.approx(min(s.step_time_s for _, s in every), rel=1e-12)
+    for cand, score in result.ranked:
+        lays = cand.by_module
+        assert lays["vision2"].tp == lays["projector2"].tp == 2 and lays["projector2"].cp == lays["vision2"].cp
+        _assert_trains(cfg, cand, score, 4)
+
+
+def test_encoder_cp_is_searched_and_wins_where_the_batch_leaves_no_dp():
+    # InternViT (25 heads: tp 1) on 8 ranks with 8 images per step: encoder DP alone leaves ranks
+    # idle, encoder CP splits every image; the pruned search finds the brute-force optimum
+    over = ["+recipe=internvl_tiles_cp", "mode=plan", "launcher.nnodes=1", "cluster.num_nodes=1",
+            "trainer.global_batch_size=4", "data.images_per_sample=2"]
+    cfg = _cfg(over)
+    every = sorted(_brute_force(cfg, 8, {}), key=lambda item: item[1].step_time_s)
+    best = next(s for c, s in every if _passes(cfg, c, 8))
+    result = search(cfg, 8, {})
+    assert result.ranked[0][1].step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
+    assert result.ranked[0][0].by_module["vision"].cp > 1
+    no_cp = next(s for c, s in every if c.by_module["vision"].cp == 1 and _passes(cfg, c, 8))
+    assert no_cp.step_time_s > 1.05 * best.step_time_s
+    for cand, score in result.ranked:
+        _assert_trains(cfg, cand, score, 8)

@@ -112,10 +112,10 @@ def check_trainer(cfg, layouts) -> None:
         raise ConfigError("data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)",
                           "use e.g. data.eval_fraction=0.15")
     _check_optim(cfg)
-    _check_longest_sample(cfg, layouts["llm"])
+    check_longest_sample(cfg, layouts["llm"])
 
 
-def _check_longest_sample(cfg, llm) -> None:
+def check_longest_sample(cfg, llm) -> None:
     """`trainer.micro_batch_tokens` is a per-rank capacity: the longest sample (`data.max_seq_len`)
     may span the LLM's CP group, under `packing=dynamic_cp` the whole CP pool (dp * cp ranks),
     and on c > 1 ranks it is padded to a multiple of 2c (head-tail sharding), so it must fit

@@ -3,11 +3,13 @@ estimated step that fits, before any process group starts. Pure: no process grou
 
     python train.py +recipe=llava_hetero mode=plan layout=auto
     python train.py +recipe=llava_hetero mode=plan layout=auto llm.layout.tp=8   # tp pinned
+    python train.py +recipe=llava_tiny_two_encoders mode=plan layout=auto encoders.vision2.layout.tp=2
 
 The space and the pins: `hcp.preflight.auto_space` (a field given on the command line stays fixed);
 the estimate: `hcp.preflight.auto_cost` under `packing_profile`'s hardware (`h100`, or a profile
-of `mode=calibrate`). Branch and bound: the (placement, island size) groups and, inside each,
-the (encoder, LLM) pairs are visited in order of a cheap lower bound on their step; LLM layouts
+of `mode=calibrate`). Branch and bound: the (placement, island sizes) groups and, inside each,
+the (encoder layouts, LLM layout) pairs are visited in order of a cheap lower bound on their
+step; LLM layouts
 whose own stages exceed `cluster.device_memory_gib` are dropped first, a pair is checked for
 memory before it is simulated, and the search stops where the bound reaches the `top`-th best
 step found. Each layout that enters the ranking passes the full validation and training's
@@ -17,6 +19,7 @@ search never returns a layout that training refuses. `prune=False` scores every 
 from __future__ import annotations
 
 import copy
+import heapq
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,10 +30,11 @@ from omegaconf import open_dict
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts
+from hcp.config.modules import module_cfg, projector_names
 from hcp.config.specs import resolve_modules
 from hcp.preflight.auto_cost import Score, Scorer, combine_bounds
-from hcp.preflight.auto_space import (Candidate, check_searchable, combine, island_sizes, module_options,
-                                  pinned_fields, placements)
+from hcp.preflight.auto_space import (Candidate, check_searchable, combine, encoder_options, island_sizes,
+                                      module_options, pinned_fields, placements)
 
 TOP = 10
 """Rows of the ranked table."""
@@ -44,6 +48,8 @@ class SearchResult:
     ranked: list[tuple[Candidate, Score]]
     counts: dict = field(default_factory=dict)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    """Wall and CPU (this process's) seconds of the search."""
     lengths: np.ndarray | None = None
     lengths_from: str = ""
     """The priced global batch's lengths and where they come from (`auto_cost.data_lengths`)."""
@@ -51,16 +57,17 @@ class SearchResult:
 
 def apply_layout(cfg, cand: Candidate) -> None:
     """Write `cand` into `cfg` (in place): placement and every module's layout fields; under
-    non_colocated the encoder's island size (`vision.layout.num_ranks`), the LLM the rest."""
+    non_colocated each encoder's island size (`<encoder>.layout.num_ranks`), the LLM the rest."""
     with open_dict(cfg):
         cfg.placement = cand.placement
         for m, lay in cand.layouts:
-            node = cfg[m].layout
+            node = module_cfg(cfg, m).layout
             for k in _FIELDS:
                 node[k] = list(lay.pp_layers) if k == "pp_layers" else getattr(lay, k)
             node.rank_offset = None
-            node.num_ranks = lay.num_ranks if cand.placement == "non_colocated" and m == "vision" else None
-            if m == "projector":
+            island = cand.placement == "non_colocated" and m != "llm" and m not in cand.projectors
+            node.num_ranks = lay.num_ranks if island else None
+            if m in cand.projectors:
                 node.dp = -1  # an explicit dp would head an island of its own (hcp.config.spans)
 
 
@@ -81,20 +88,18 @@ def check_candidate(cfg, cand: Candidate, world: int) -> None:
 
 
 def _groups(cfg, world: int, pinned: dict, scorer: Scorer, node: int):
-    """[(placement, encoder layouts, LLM layouts)] of each placement and island size; LLM layouts
-    whose stages alone exceed the device memory dropped (counted in `dropped`)."""
+    """[(placement, encoder layout combinations, LLM layouts)] of each placement and island
+    sizes; LLM layouts whose stages alone exceed the device memory dropped (counted in `dropped`)."""
     out, dropped = [], 0
-    has_vision = cfg.get("vision") is not None
     for placement in placements(cfg, pinned):
-        for split in ([0] if placement == "colocated" else island_sizes(cfg, world, node, pinned)):
-            n_llm = world - split
-            vis = (module_options(scorer.cfg, "vision", split or world, 0, placement, pinned, node)
-                   if has_vision else [None])
-            llm = module_options(scorer.cfg, "llm", n_llm, split, placement, pinned, node)
+        for islands in ([()] if placement == "colocated" else island_sizes(scorer.cfg, world, node, pinned)):
+            split = sum(islands)
+            encoders = encoder_options(scorer.cfg, placement, islands, pinned, node, world)
+            llm = module_options(scorer.cfg, "llm", world - split, split, placement, pinned, node)
             fits = [lay for lay in llm if scorer.llm_memory(lay) <= scorer.cap]
-            dropped += len(vis) * (len(llm) - len(fits))
-            if vis and fits:
-                out.append((placement, vis, fits))
+            dropped += len(encoders) * (len(llm) - len(fits))
+            if encoders and fits:
+                out.append((placement, encoders, fits))
     return out, dropped
 
 
@@ -102,14 +107,14 @@ def search(cfg, world: int, pinned: dict, top: int = TOP, prune: bool = True,
            profile: str | None = None) -> SearchResult:
     """The `top` fastest candidates that fit and pass every rule (module docstring), best first
     (ties: `_order`). Raises ConfigError when none does."""
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     check_searchable(cfg, pinned)
     scorer = Scorer(cfg, world, profile or cfg.packing_profile)
     node = min(int(cfg.cluster.gpus_per_node), world)
     groups, dropped = _groups(cfg, world, pinned, scorer, node)
-    groups.sort(key=lambda g: combine_bounds(g[0], min(scorer.encoder_part(v, g[0]) for v in g[1]),
+    groups.sort(key=lambda g: combine_bounds(g[0], min(scorer.encoder_part(e, g[0]) for e in g[1]),
                                              min(scorer.llm_bound(x) for x in g[2])))
-    space = int(sum(len(v) * len(x) for _, v, x in groups)) + dropped
+    space = int(sum(len(e) * len(x) for _, e, x in groups)) + dropped
     ranked, counts, error = _rank(cfg, world, groups, scorer, top, prune, inline=False)
     if error is not None:  # a ranked layout failed the full rules: rank again, checking each as it enters
         ranked, counts, error = _rank(cfg, world, groups, scorer, top, prune, inline=True)
@@ -121,14 +126,18 @@ def search(cfg, world: int, pinned: dict, top: int = TOP, prune: bool = True,
                           f"candidates on {world} ranks) fits cluster.device_memory_gib="
                           f"{cfg.cluster.device_memory_gib} and passes the layout rules",
                           "unpin fields, add ranks (launcher.*) or lower trainer.micro_batch_tokens")
-    return SearchResult(ranked, counts, time.perf_counter() - start, scorer.lens, scorer.lengths_from)
+    return SearchResult(ranked, counts, time.perf_counter() - start, time.process_time() - cpu,
+                        scorer.lens, scorer.lengths_from)
 
 
 def _rank(cfg, world: int, groups, scorer: Scorer, top: int, prune: bool, inline: bool):
     """(the `top` best candidates, counts, the first full-rule error or None): branch and bound
-    over `groups` (module docstring). The full rules (`check_candidate`) run on the final
-    ranking, or (`inline`) on each candidate as it enters it, so that the pruning threshold
-    then comes from layouts that pass them."""
+    over `groups` (module docstring). Inside a group, each LLM layout walks the encoder
+    combinations in order of their bound (a heap of one entry per LLM layout: the bounds
+    combine monotonically), its own bound refined by simulation the first time it leads.
+    The full rules (`check_candidate`) run on the final ranking, or (`inline`) on each
+    candidate as it enters it, so that the pruning threshold then comes from layouts that
+    pass them."""
     counts = {"memory_rejected": 0, "rule_rejected": 0, "scored": 0, "llm_simulated": 0}
     ranked: list[tuple[Candidate, Score]] = []
     error = None
@@ -146,23 +155,26 @@ def _rank(cfg, world: int, groups, scorer: Scorer, top: int, prune: bool, inline
             error = error or e
             return False
 
-    for placement, vis, llm in groups:
-        enc = np.array([scorer.encoder_part(v, placement) for v in vis])[:, None]
-        exact = np.array([scorer.has_lane(x) for x in llm])
-        part = np.array([scorer.llm_part(x, placement) if e else scorer.llm_bound(x) for x, e in zip(llm, exact)])
-        done = np.zeros((len(vis), len(llm)), dtype=bool)
-        while True:
-            bound = np.where(done, np.inf, combine_bounds(placement, enc, part[None, :]))
-            flat = int(np.argmin(bound))
-            if not bound.flat[flat] < threshold():
-                break
-            i, j = divmod(flat, len(llm))
+    for placement, encoders, llm in groups:
+        enc = np.array([scorer.encoder_part(e, placement) for e in encoders])
+        order = np.argsort(enc, kind="stable")
+        exact = [scorer.has_lane(x) for x in llm]
+        part = [scorer.llm_part(x) if e else scorer.llm_bound(x) for x, e in zip(llm, exact)]
+        nxt = [0] * len(llm)
+        heap = [(float(combine_bounds(placement, enc[order[0]], part[j])), j) for j in range(len(llm))]
+        heapq.heapify(heap)
+        while heap and heap[0][0] < threshold():
+            _, j = heapq.heappop(heap)
             if not exact[j]:  # refine the LLM's bound by simulating it, then look again
-                part[j], exact[j] = scorer.llm_part(llm[j], placement), True
+                part[j], exact[j] = scorer.llm_part(llm[j]), True
                 counts["llm_simulated"] += 1
+                heapq.heappush(heap, (float(combine_bounds(placement, enc[order[nxt[j]]], part[j])), j))
                 continue
-            done[i, j] = True
-            cand = combine(scorer.cfg, placement, vis[i], llm[j])
+            i = order[nxt[j]]
+            nxt[j] += 1
+            if nxt[j] < len(order):
+                heapq.heappush(heap, (float(combine_bounds(placement, enc[order[nxt[j]]], part[j])), j))
+            cand = combine(scorer.cfg, placement, encoders[i], llm[j])
             if cand is None:
                 counts["rule_rejected"] += 1
                 continue
@@ -193,15 +205,24 @@ def _order(item) -> tuple:
 
 
 def describe(cand: Candidate) -> dict[str, str]:
-    """{module: short layout text}, e.g. `tp8 cp2 pp2 dp2 sel` / `r0-15 tp1 pp2 dp8 fsdp full`."""
+    """{module: short layout text} of the encoders and the LLM (projectors run with their
+    encoders), e.g. `tp8 cp2 pp2 dp2 sel` / `r0-15 tp1 pp2 dp8 fsdp full`."""
     out = {}
     for m, lay in cand.layouts:
-        if m == "projector":
+        if m in cand.projectors:
             continue
         where = f"r{lay.rank_offset}-{lay.rank_offset + lay.num_ranks - 1} " if cand.placement == "non_colocated" else ""
         extra = (" fsdp" if lay.dp_shard else "") + ("" if lay.recompute == "none" else f" {lay.recompute[:4]}")
         out[m] = f"{where}tp{lay.tp} cp{lay.cp} pp{lay.pp} dp{lay.dp}{extra}"
     return out
+
+
+def _encoders_text(d: dict) -> str:
+    """The encoders' layouts of a `describe` result in one cell (`name: layout` when several)."""
+    named = [(m, t) for m, t in d.items() if m != "llm"]
+    if len(named) == 1:
+        return named[0][1]
+    return " | ".join(f"{m}: {t}" for m, t in named) or "-"
 
 
 def _row(cand: Candidate, score: Score) -> dict:
@@ -212,10 +233,13 @@ def _row(cand: Candidate, score: Score) -> dict:
 
 
 def format_table(rows: list[dict], given: dict | None) -> str:
-    """The ranked table: rank, placement, layouts, step, TFLOPS/GPU, memory per role, bubble,
-    route bytes (MB); the given layout last."""
-    head = (f"  {'#':>5} {'placement':<13} {'vision':<30} {'llm':<30} {'step s':>8} {'TFLOPS':>7} "
-            f"{'memory GiB by role':<22} {'bubble':>6} {'route MB':>9}")
+    """The ranked table: rank, placement, layouts (the encoders', the LLM's), step, TFLOPS/GPU,
+    memory per role, bubble, route bytes (MB); the given layout last."""
+    every = rows + ([given] if given is not None and "describe" in given else [])
+    width = max([30] + [len(_encoders_text(r["describe"])) for r in every])
+    mem_width = max([22] + [len(" ".join(f"{k} {v:.1f}" for k, v in r["memory_gib"].items())) + 4 for r in every])
+    head = (f"  {'#':>5} {'placement':<13} {'encoders':<{width}} {'llm':<30} {'step s':>8} {'TFLOPS':>7} "
+            f"{'memory GiB by role':<{mem_width}} {'bubble':>6} {'route MB':>9}")
     lines = [head]
 
     def line(tag, r):
@@ -223,8 +247,8 @@ def format_table(rows: list[dict], given: dict | None) -> str:
             return f"  {tag:>5} {r['error']}"
         mem = " ".join(f"{k} {v:.1f}" for k, v in r["memory_gib"].items()) + ("" if r["fits"] else " (!)")
         d = r["describe"]
-        return (f"  {tag:>5} {r['placement']:<13} {d.get('vision', '-'):<30} {d['llm']:<30} "
-                f"{r['step_time_s']:>8.4g} {r['tflops_per_gpu']:>7.1f} {mem:<22} "
+        return (f"  {tag:>5} {r['placement']:<13} {_encoders_text(d):<{width}} {d['llm']:<30} "
+                f"{r['step_time_s']:>8.4g} {r['tflops_per_gpu']:>7.1f} {mem:<{mem_width}} "
                 f"{r['bubble_fraction']:>6.1%} {r['route_bytes'] / 1e6:>9.1f}")
 
     lines += [line(str(k + 1), r) for k, r in enumerate(rows)]
@@ -239,7 +263,7 @@ def score_given(cfg, world: int, scorer: Scorer) -> dict:
         layouts = check_layouts(cfg, world)
     except ConfigError as e:
         return {"error": f"given layout: {e}"}
-    cand = Candidate(cfg.placement, tuple(layouts.items()))
+    cand = Candidate(cfg.placement, tuple(layouts.items()), projector_names(cfg))
     return _row(cand, scorer.score(cand))
 
 
@@ -258,12 +282,13 @@ def choose_layout(cfg, overrides, world: int, run_dir=None, verbose: bool = True
     if "step_time_s" in given:
         why += f"; {given['step_time_s'] / best['step_time_s']:.2f}x the given layout's speed"
     report = {"world_size": world, "pinned": pinned, "counts": result.counts, "lengths_from": result.lengths_from,
-              "search_seconds": result.seconds, "ranked": rows, "given": given, "why": why}
+              "search_seconds": result.seconds,
+              "search_cpu_seconds": result.cpu_seconds, "ranked": rows, "given": given, "why": why}
     c = result.counts
     say = print if verbose else (lambda *a, **k: None)
     say(f"hcp: layout=auto on {world} ranks: {c['space']} candidates ({c['llm_memory_dropped']} dropped "
           f"by LLM memory, {c['memory_rejected']} by rank memory, {c['rule_rejected']} by layout rules, "
-          f"{c['scored']} simulated, the rest pruned by bound) in {result.seconds:.1f} s; pinned: "
+          f"{c['scored']} simulated, the rest pruned by bound) in {result.seconds:.1f} s ({result.cpu_seconds:.1f} CPU s); pinned: "
           f"{pinned or 'none'}; the batch priced: {len(result.lengths)} samples of {result.lengths_from}, "
           f"mean {result.lengths.mean():.0f} tokens")
     say(format_table(rows, given))
