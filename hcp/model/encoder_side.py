@@ -40,7 +40,7 @@ def llava_kwargs(specs, block=lambda arch: arch) -> dict:
 def add_encoder_modules(parent: nn.Module, encoders: Mapping, projectors: Mapping, streams,
                         llm_hidden: int, tp_groups: Mapping | None = None,
                         cp_groups: Mapping | None = None) -> None:
-    """Register on `parent` one encoder (`build_encoder`) per entry of `encoders` (name -> VisionConfig) and
+    """Register on `parent` one encoder (`build_encoder`) per entry of `encoders` (name -> EncoderArch) and
     one `Projector` per stream (from its encoder's width to `llm_hidden`), under their names.
     `tp_groups` / `cp_groups`: encoder name -> its TP / CP group (None: size 1); a projector
     uses its encoder's TP group.
@@ -74,8 +74,8 @@ class EncoderSide(nn.Module):
     own TP/DP layout and routes each stream's rows to the LLM's shards, `hcp.schedule.colocated`).
 
     Args:
-        encoders: name -> VisionConfig of every encoder (`vision` first for LLaVA).
-        projectors: name -> ProjectorConfig of every projector.
+        encoders: name -> EncoderArch of every encoder (`vision` first for LLaVA).
+        projectors: name -> ProjectorArch of every projector.
         streams: the streams into the LLM (`hcp.config.modules.streams`), in edge order.
         llm_hidden: the LLM's hidden size H.
         tp_groups: encoder name -> TP group (its projectors share it); None: TP size 1.
