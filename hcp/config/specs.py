@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Iterator
 
+from omegaconf import DictConfig, OmegaConf
+
 from hcp.config.layouts import ResolvedLayout
 from hcp.config.modules import Stream, kind, module_cfg, module_key, module_names, streams
 
@@ -64,9 +66,12 @@ ARCHS = {"encoder": EncoderArch, "projector": ProjectorArch, "llm": LLMArch}
 
 
 def arch_of(kind_: str, block):
-    """The typed architecture of one module's config block (validated: `hcp.config.validate`)."""
-    cls = ARCHS[kind_]
-    return cls(**{f.name: block.get(f.name) for f in fields(cls)})
+    """The typed architecture of one module's config block (validated: `hcp.config.validate`);
+    its layout block becomes a plain object too (`hcp.config.schema.LayoutConfig`)."""
+    values = {f.name: block.get(f.name) for f in fields(ARCHS[kind_])}
+    if isinstance(values["layout"], DictConfig):
+        values["layout"] = OmegaConf.to_object(values["layout"])
+    return ARCHS[kind_](**values)
 
 
 @dataclass(frozen=True)

@@ -25,15 +25,14 @@ DEFAULT_STREAMS = (Stream("projector", "vision"),)
 """LLaVA's graph: vision -> projector -> llm."""
 
 
-def llava_kwargs(specs, block=lambda arch: arch) -> dict:
+def llava_kwargs(specs) -> dict:
     """`LlavaModel` keyword arguments of a run's modules (`hcp.config.specs.ModuleSpecs`): the
-    `vision`, `projector` and `llm` blocks, the named encoders and projectors, the streams into
-    the LLM. `LlavaModel(**llava_kwargs(specs))` is the whole single-process model; `block`
-    maps each config block (e.g. to a plain object)."""
+    `vision`, `projector` and `llm` architectures, the named encoders and projectors, the
+    streams into the LLM. `LlavaModel(**llava_kwargs(specs))` is the whole single-process model."""
     def of(kind: str, built_in: bool) -> dict:
-        return {m.name: block(m.arch) for m in specs.of_kind(kind) if (m.name in BUILT_IN) == built_in}
+        return {m.name: m.arch for m in specs.of_kind(kind) if (m.name in BUILT_IN) == built_in}
     return dict(vision_cfg=of("encoder", True).get("vision"), projector_cfg=of("projector", True).get("projector"),
-                llm_cfg=block(specs.llm.arch), encoders=of("encoder", False),
+                llm_cfg=specs.llm.arch, encoders=of("encoder", False),
                 projectors=of("projector", False), streams=specs.streams)
 
 
