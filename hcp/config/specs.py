@@ -13,6 +13,7 @@ from typing import Any, Iterator
 from omegaconf import DictConfig, OmegaConf
 
 from hcp.config.layouts import ResolvedLayout
+from hcp.config.schema import LayoutConfig
 from hcp.config.modules import Stream, kind, module_cfg, module_key, module_names, streams
 
 
@@ -69,8 +70,9 @@ def arch_of(kind_: str, block):
     """The typed architecture of one module's config block (validated: `hcp.config.validate`);
     its layout block becomes a plain object too (`hcp.config.schema.LayoutConfig`)."""
     values = {f.name: block.get(f.name) for f in fields(ARCHS[kind_])}
-    if isinstance(values["layout"], DictConfig):
-        values["layout"] = OmegaConf.to_object(values["layout"])
+    if isinstance(values["layout"], DictConfig):  # structured or not (a rank's plain container)
+        layout = OmegaConf.to_container(values["layout"], resolve=True)
+        values["layout"] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LayoutConfig), layout))
     return ARCHS[kind_](**values)
 
 
