@@ -1,7 +1,7 @@
 """One rank's part of `benchmarks/hetero.py`: runs timed training steps of one layout on a forked
 gloo rank and returns what it measured.
 
-Every layout runs the same model, global batch (`make_data`: a LLaVA-JSON data set written once,
+Every layout runs the same model, global batch (`data_config`: a LLaVA-JSON data set written once,
 read by the trainer's own data path), step plan, weights and seed. What runs the step:
 - `heterogeneous` (colocated, docs/design.md 4.4) and `non_colocated` (islands): the trainer's
   own step, `hcp.train.trainer.Trainer.forward_backward` (its plan, data, the plan's action list
@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from harness import report  # beside this file (benchmarks/hetero.py puts it on the path)
 from hcp.model.flops import encoder_flops  # noqa: F401  (hetero.py and hetero_plan.py import it from here)
+from hcp.train.trainer import Trainer  # imported once here, before the ranks fork (seconds each)
 
 PHASES = ("encoder_forward", "route_forward", "llm", "route_backward", "encoder_backward")
 
@@ -81,21 +82,25 @@ def _write_data(cfg, num_samples: int, text_tokens: int) -> str:
     return out
 
 
-def make_data(cfg, num_samples: int, text_tokens: int):
-    """(the config reading the benchmark's global batch (`_write_data`) with a global batch of
-    all of it, its `SampleSizes` in order)."""
+def data_config(cfg, num_samples: int, text_tokens: int):
+    """The config reading the benchmark's global batch (`_write_data`), all of it one global batch."""
     from omegaconf import OmegaConf
 
+    folder = _write_data(cfg, num_samples, text_tokens)
+    return OmegaConf.merge(cfg, {"data": {"name": "llava_json", "path": os.path.join(folder, "train.json"),
+                                          "image_folder": folder, "eval_path": None, "system_prompt": "",
+                                          "max_seq_len": 1 << 16},
+                                 "trainer": {"global_batch_size": num_samples}})
+
+
+def make_data(cfg, num_samples: int, text_tokens: int):
+    """(`data_config(cfg, ...)`, the global batch's `SampleSizes` in order)."""
     from hcp.config.layouts import resolve_layouts
     from hcp.config.specs import resolve_modules
     from hcp.data.build import build_datasets
     from hcp.train.encoders import LengthIndexes
 
-    folder = _write_data(cfg, num_samples, text_tokens)
-    cfg = OmegaConf.merge(cfg, {"data": {"name": "llava_json", "path": os.path.join(folder, "train.json"),
-                                         "image_folder": folder, "eval_path": None, "system_prompt": "",
-                                         "max_seq_len": 1 << 16},
-                                "trainer": {"global_batch_size": num_samples}})
+    cfg = data_config(cfg, num_samples, text_tokens)
     specs = resolve_modules(cfg, resolve_layouts(cfg, int(cfg.launcher.nproc_per_node)))
     tok, train, _ = build_datasets(cfg, specs)
     sizes, _ = LengthIndexes(specs, train, tok).take(list(range(num_samples)))
@@ -263,13 +268,12 @@ def _homogeneous(trainer):
 
 def _measure(rank, world, port, name, composed, args) -> dict:
     from hcp.config.layouts import resolve_layouts
-    from hcp.train.trainer import Trainer
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    cfg, sizes = make_data(composed[0], args.samples, args.text_tokens)
+    cfg = data_config(composed[0], args.samples, args.text_tokens)
     run_dir = tempfile.mkdtemp(prefix="hcp-hetero-run-")
     cfg.checkpoint.dir = os.path.join(run_dir, "checkpoints")
     trainer = Trainer(cfg, run_dir)
@@ -277,7 +281,7 @@ def _measure(rank, world, port, name, composed, args) -> dict:
     ds, image_id = trainer.train_set, trainer.tok.image_token_id
     indices = list(range(args.samples))
     plan = trainer.plan(indices)
-    num_micro = plan.num_micro_batches
+    num_micro, sizes = plan.num_micro_batches, plan.sizes
     if name.endswith("interleaved"):
         plan = InterleavedPlan(plan, layouts, ds, image_id)
     graph = schedule_graph(cfg, layouts)
