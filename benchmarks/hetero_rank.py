@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 
@@ -334,6 +335,7 @@ def _measure(rank, world, port, name, composed, args) -> dict:
         here = np.concatenate([dst_keys(mb, ds, image_id, offset) for mb in mine.micro_batches])
     vis = layouts["vision"]
     dist.destroy_process_group()
+    shutil.rmtree(run_dir, ignore_errors=True)  # the trainer's run directory: nothing kept
     return dict(records=records, per_micro=per_micro, phases=phases, stage=stage_id,
                 last_llm=llm_rank and trainer.stage.last, images=images,
                 route=(counter.forward, counter.backward) if counter is not None else (0, 0),
