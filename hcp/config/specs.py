@@ -7,19 +7,81 @@ take the `ModuleSpecs` it returns instead of looking up module blocks of `cfg` b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Iterator
 
+from omegaconf import DictConfig, OmegaConf
+
 from hcp.config.layouts import ResolvedLayout
+from hcp.config.schema import LayoutConfig
 from hcp.config.modules import Stream, kind, module_cfg, module_key, module_names, streams
+
+
+@dataclass(frozen=True)
+class EncoderArch:
+    """An encoder's architecture (`vision`, `encoders.<name>`): what its builder reads.
+    `layout` is its layout block as configured (recompute, cp_comm, ...); the resolved one is
+    `ModuleSpec.layout`."""
+
+    arch: str
+    image_size: int
+    patch_size: int
+    num_channels: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    ffn_hidden_size: int
+    select_layer: int
+    norm_eps: float
+    layout: Any
+
+
+@dataclass(frozen=True)
+class ProjectorArch:
+    """A projector's architecture (`projector`, `projectors.<name>`); `layout` as in `EncoderArch`."""
+
+    type: str
+    pool: int
+    layout: Any
+
+
+@dataclass(frozen=True)
+class LLMArch:
+    """The LLM's architecture (`llm`); `layout` as in `EncoderArch`."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    rope_theta: float
+    norm_eps: float
+    tie_embeddings: bool
+    attention_backend: str
+    layout: Any
+
+
+ARCHS = {"encoder": EncoderArch, "projector": ProjectorArch, "llm": LLMArch}
+"""Module kind -> the dataclass of its architecture (`ModuleSpec.arch`)."""
+
+
+def arch_of(kind_: str, block):
+    """The typed architecture of one module's config block (validated: `hcp.config.validate`);
+    its layout block becomes a plain object too (`hcp.config.schema.LayoutConfig`)."""
+    values = {f.name: block.get(f.name) for f in fields(ARCHS[kind_])}
+    if isinstance(values["layout"], DictConfig):  # structured or not (a rank's plain container)
+        layout = OmegaConf.to_container(values["layout"], resolve=True)
+        values["layout"] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LayoutConfig), layout))
+    return ARCHS[kind_](**values)
 
 
 @dataclass(frozen=True)
 class ModuleSpec:
     """One module (`vision`, `encoders.<name>`, `projector`, `projectors.<name>`, `llm`).
 
-    `arch` is the module's config block, which the model builders read the architecture from
-    (hidden_size, num_layers, ...); `layout` is None when resolved without layouts (data
+    `arch` is its architecture, which the model builders read (`EncoderArch`, `ProjectorArch`
+    or `LLMArch`, by kind); `layout` is None when resolved without layouts (data
     preparation). `pool` and `source` (the encoder feeding it) are a projector's (1 and None
     elsewhere)."""
 
@@ -28,7 +90,7 @@ class ModuleSpec:
     """`encoder`, `projector` or `llm`."""
     key: str
     """The config path of its block, for error messages: `vision`, `encoders.vision2`."""
-    arch: Any
+    arch: EncoderArch | ProjectorArch | LLMArch
     layout: ResolvedLayout | None
     freeze: bool
     init_from: str | None
@@ -98,7 +160,7 @@ def _spec(cfg, name: str, layouts, edges) -> ModuleSpec:
     block, k = module_cfg(cfg, name), kind(cfg, name)
     own = block.get("optim") or {}
     return ModuleSpec(
-        name=name, kind=k, key=module_key(cfg, name), arch=block,
+        name=name, kind=k, key=module_key(cfg, name), arch=arch_of(k, block),
         layout=layouts[name] if layouts is not None else None, freeze=bool(block.get("freeze", False)),
         init_from=block.get("init_from"), hidden_size=int(block.get("hidden_size") or 0),
         optim={f: float(own[f]) for f in ("lr", "weight_decay") if own.get(f) is not None},

@@ -50,11 +50,9 @@ pipeline_bound.py's best M (next to) nothing: min over the cover <= that R, so p
 raise the bound (by more than NO_GAIN).
 
 Cost: the positions of one interval are solved one after another by HiGHS's dual simplex from
-the previous basis (highspy; ~2 ms each at ~50 rows, ~40 ms at ~250 under load). Measured on
-the seed-sized benchmark's held-out batches (2 shared cores): 1,750-2,750 LPs and 6-24 s
-(31-92 s under heavy load) on the 6 batches that search, 3-4 s (the unpinned LPs) on the 4
-that skip it; the bound rose 1.004-1.057x over pipeline_bound.py's on those 6. For benchmarks (`benchmarks/dynamic_cp.py
---lp-bound`), not for the solver.
+the previous basis (highspy): thousands of LPs per batch (its time and gain over
+pipeline_bound.py's bound: `benchmarks/dynamic_cp.py --lp-bound`), so it is for benchmarks, not
+for the solver.
 """
 from __future__ import annotations
 

@@ -52,9 +52,8 @@ above carries over. It keeps the loop that makes 1F1B pay: the first stage runs 
 after its backward of j - p, which waits for the last stage.
 
 Cost: one HiGHS LP (scipy.optimize.linprog) per M, ~4M start times (all stages: ~2pM) and
-~6M rows (stages with equal coefficients share their x): ~35 ms at M ~ 100, p = 8 (all
-stages: 0.5 s), about 100 of them for a seed-sized batch; this bound is for benchmarks
-(`benchmarks/dynamic_cp.py --lp-bound`), not for the solver.
+~6M rows (stages with equal coefficients share their x), about 100 LPs for a seed-sized batch:
+for benchmarks (`benchmarks/dynamic_cp.py --lp-bound`), not for the solver.
 """
 from __future__ import annotations
 

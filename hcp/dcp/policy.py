@@ -7,19 +7,11 @@ above hcp/dcp). It runs the solver (hcp/dcp/solver.py) on the global batch with 
 of the run's own `llm.*` config and layout (tp strides the CP pool, pp, recompute) under the
 hardware profile `packing_profile` (`h100` or a `mode=calibrate` YAML). Every rank computes
 the same plan from the same lengths (the solver is deterministic: move and node budgets, no
-clock), so no rank has to broadcast it; on a background thread (hcp/plan/ahead.py) a broadcast
-would need a collective off the main thread, which could cross the step's collectives.
-Measured (benchmarks/dynamic_cp_broadcast.py, 8 forked gloo ranks on a loaded 2-core CPU,
-seed 100, H100 profile, LLaMA-13B): planning costs 10-36% of the simulated step it plans in
-thread CPU time (pool 8 at PP 8: 872 ms against 7.6 s; pool 64: 558 ms against 1.55 s at PP 8,
-197 ms against 2.0 s at PP 1), hidden on the plan-ahead thread; broadcasting rank 0's pickled
-plan (9-25 KB) costs 0.2-0.6% of the step, but exposed on the main thread of every rank (or a
-collective off it), and the planning rank must still hide its own plan time. So every rank
-plans. In the CLI (llama_tiny, 8 ranks, pool 8) prepare takes 0.35 s per step against 1.67 s
-of step time, fully hidden from step 2 on (`plan_s`, `plan_hidden_s` in metrics.jsonl). With
-`trainer.plan_process` (default: on CUDA ranks) the plan is computed in the plan-ahead worker
-process instead (hcp/train/planner.py), where its pure Python holds no GIL of the training
-process.
+clock), so nothing is broadcast: a broadcast would be a collective off the main thread (the plan
+is computed on the plan-ahead thread, hcp/plan/ahead.py), and measured it saves less than it
+exposes (benchmarks/dynamic_cp_broadcast.py). With `trainer.plan_process` (default: on CUDA
+ranks) the plan is computed in the plan-ahead worker process (hcp/train/planner.py), off the
+training process's GIL.
 
 Runtime (hcp/train/trainer.py `_cp_groups`, `micro_batch_group`): the pool of a TP index and pipeline
 stage is the dp * cp ranks that share them (ranks strided by tp), so every TP rank of a pool

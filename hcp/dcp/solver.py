@@ -1,65 +1,33 @@
 """Dynamic-CP solver: a global batch of lengths -> a plan of micro-batches with minimum
-simulated iteration time under the per-rank token cap.
+simulated iteration time under the per-rank token cap. Deterministic (numpy, heaps, HiGHS LPs);
+planning time and its stall: benchmarks/dynamic_cp.py and dynamic_cp_stall.py.
 
-Method (deterministic, numpy + heaps + HiGHS LPs; planning time grows with the micro-batch
-count, and with pp > 1 mostly goes to the HiGHS LPs of steps 4b-4c, skipped when step 4 is
-already near the bound; plan CPU time over the simulated step per distribution: benchmarks/dynamic_cp.py,
-its stall on the training thread: benchmarks/dynamic_cp_stall.py):
-1. Rank-time of a sequence at CP size c: `c * h(L, c)`, with `h` the forward seconds summed over
-   stages (the backward is proportional), the CP latency of its micro-batch (paid once per
-   micro-batch, `cost_model.latency`) counted by its token share (`_heights`). `W` = total
-   rank-time at the smallest feasible c.
-2. For a micro-batch count M at or near the memory minimum `ceil(sum L / (N m))` (the ramps of
-   step 4 add light rows on top), the target height is `tau = W / (N M)`. Each sequence takes
-   the smallest feasible c whose height `h(L, c) <= tau` (long sequences spread over more ranks
-   rather than stall their micro-batch), or if none, the c where it is fastest (not the
-   largest: above a node InfiniBand can make a larger group slower).
-3. Level packing over M rows of N ranks (steps 2-3: hcp/dcp/rows.py, `level_plan`): sequences
-   with c > 1, largest c first, join the fullest group of their size that stays under `tau` and
-   the cap, else open an aligned block in the row with the fewest free ranks, else join the
-   least loaded group with room, else open a new row; then sequences with c = 1, longest first,
-   go to the least loaded free rank with token room (LPT), opening a new row only when every
-   rank is full.
-4. With p > 1, light rows (a geometric opening ramp and a long linear closing one, a few closing
-   lengths, see `ramps`) open and close the pipeline; rows are ordered as built, smallest at
-   both ends or unimodal (see `_orderings`). Two passes (`_search_pipeline`): every closing
-   length at the memory minimum M, then the best one at a few M around it. With a row slower
-   than the level (a sequence too long for it even on the whole pool), M near the minimum also
-   tries p - 1 fuller "escort" rows per such row (hcp/dcp/rows.py, `ESCORT_LIFT`). Every
-   candidate, plus one without ramps and the packing-only baseline's plan (guards for degenerate
-   batches), is replayed through the pipeline simulator; the fastest wins.
-   4b. Also with p > 1: rows shaped like the optimal micro-batch sizes of the pipeline linear
-   program (hcp/dcp/pipeline_bound.py, first and last stage kept) at `LP_ROW_FACTORS` x the
-   memory minimum: a geometric rise to a peak, then a long steady fall (`shaped_plan`), in
-   `_orderings`' orders.
-   4c. Also with p > 1, when the longest sequence outweighs those rows (it stalls 1F1B): rows
-   shaped like the same LP with that sequence's row pinned to its own time (`_pinned_sizes`,
-   hcp/dcp/pinned_bound.py) at `PIN_ROW_FACTORS` x the memory minimum.
-   Steps 4b-4c are skipped when step 4's best plan is within `EARLY_EXIT_GAP` of the staged
-   lower bound (hcp/dcp/pipeline_bound.py `staged_bound`; many micro-batches, where the ramps
-   of step 4 already get close); a row count of 4b is skipped when its staged bound times the
-   least ratio so far of a shaped plan's time to its LP's value reaches the best time.
-5. With one stage (`pp = 1`, time = sum over micro-batches) and at most
-   `LOCAL_SEARCH_MAX_SEQS` sequences, every candidate (the baselines' plans included) is first
-   improved by local search (hcp/dcp/local_search.py: move, swap, resize and split groups,
-   mixing CP sizes inside a micro-batch and emptying micro-batches; `LOCAL_SEARCH_EVALS` move
-   evaluations in all). Then a truncated dive of the exact branch and bound (hcp/dcp/exact.py:
-   sequences placed one by one where its lower bound grows least, `DIVE_NODES_PER_SEQ` nodes
-   per sequence), locally improved, competes.
-6. With `several_per_round` (pp = 1 without dp_shard), the best plan, greedy's and the two
-   fastest other candidates are also turned into rounds of several micro-batches per group
-   (hcp/dcp/rounds.py: merge rounds of the same grouping, re-balance, fill slack across
-   rounds), and a plan packed for rounds from the start competes (hcp/dcp/rank_pack.py: least
-   added rank-time per sequence, which keeps short sequences off wide groups under a
-   latency-bearing profile; ~5 ms); the fastest of all wins.
-7. With p > 1 and at most `PIPELINE_SEARCH_MAX_SEQS` sequences, the one-stage search (steps 1-5)
-   on two one-stage surrogates of the pipeline (`CostModel.one_stage`: stages summed, a
-   micro-batch's whole critical path; or each coefficient's slowest stage, the steady state)
-   adds its plans to the baselines of step 4.
-8. With p > 1 and at most `PIPELINE_SEARCH_MAX_SEQS` sequences, the best plan and each baseline
-   are improved by a local search whose every move is timed by the 1F1B simulator
-   (hcp/dcp/pipeline_search.py: wide fast micro-batches at the pipeline's ends, splits, merges,
-   order swaps; tiny batches are mostly fill and drain, which rank-time packing misses).
+1. Rank-time of a sequence at CP size c: `c * h(L, c)` (`h`: forward seconds summed over stages,
+   plus its token share of the micro-batch's CP latency, `_heights`); `W` = total rank-time at
+   the smallest feasible c.
+2. For M micro-batches near the memory minimum `ceil(sum L / (N m))`, target height
+   `tau = W / (N M)`: each sequence takes the smallest feasible c with `h(L, c) <= tau`, else the
+   c where it is fastest (not the largest: across nodes a larger group can be slower).
+3. Level packing over M rows of N ranks (hcp/dcp/rows.py `level_plan`): c > 1 first, largest c
+   first, into the fullest group of its size under `tau` and the cap, else a new aligned block;
+   then c = 1, longest first, onto the least loaded rank with room (LPT).
+4. p > 1: light opening and closing rows (`ramps`) in the orders of `_orderings`, at several
+   closing lengths and M (`_search_pipeline`), with "escort" rows for a sequence slower than the
+   level (rows.py `ESCORT_LIFT`); 4b. rows shaped like the pipeline LP's optimal micro-batch
+   sizes (hcp/dcp/pipeline_bound.py, `shaped_plan`, `LP_ROW_FACTORS`); 4c. the same LP with the
+   longest sequence's row pinned (hcp/dcp/pinned_bound.py, `PIN_ROW_FACTORS`). 4b-4c are skipped
+   within `EARLY_EXIT_GAP` of the staged lower bound. Every candidate, one without ramps and the
+   packing-only baseline go through the pipeline simulator; the fastest wins.
+5. pp = 1, at most `LOCAL_SEARCH_MAX_SEQS` sequences: local search (hcp/dcp/local_search.py:
+   move, swap, resize, split; `LOCAL_SEARCH_EVALS`) on every candidate, and a truncated dive of
+   the exact branch and bound (hcp/dcp/exact.py, `DIVE_NODES_PER_SEQ`).
+6. `several_per_round` (pp = 1 without dp_shard): the best plans become rounds of several
+   micro-batches per group (hcp/dcp/rounds.py), beside a plan packed for rounds from the start
+   (hcp/dcp/rank_pack.py).
+7. p > 1, at most `PIPELINE_SEARCH_MAX_SEQS` sequences: steps 1-5 on two one-stage surrogates
+   (`CostModel.one_stage`: stages summed, or each coefficient's slowest stage) add candidates.
+8. Same bound: a local search timed by the 1F1B simulator (hcp/dcp/pipeline_search.py) improves
+   the best plan and each baseline.
 """
 from __future__ import annotations
 

@@ -25,22 +25,21 @@ DEFAULT_STREAMS = (Stream("projector", "vision"),)
 """LLaVA's graph: vision -> projector -> llm."""
 
 
-def llava_kwargs(specs, block=lambda arch: arch) -> dict:
+def llava_kwargs(specs) -> dict:
     """`LlavaModel` keyword arguments of a run's modules (`hcp.config.specs.ModuleSpecs`): the
-    `vision`, `projector` and `llm` blocks, the named encoders and projectors, the streams into
-    the LLM. `LlavaModel(**llava_kwargs(specs))` is the whole single-process model; `block`
-    maps each config block (e.g. to a plain object)."""
+    `vision`, `projector` and `llm` architectures, the named encoders and projectors, the
+    streams into the LLM. `LlavaModel(**llava_kwargs(specs))` is the whole single-process model."""
     def of(kind: str, built_in: bool) -> dict:
-        return {m.name: block(m.arch) for m in specs.of_kind(kind) if (m.name in BUILT_IN) == built_in}
+        return {m.name: m.arch for m in specs.of_kind(kind) if (m.name in BUILT_IN) == built_in}
     return dict(vision_cfg=of("encoder", True).get("vision"), projector_cfg=of("projector", True).get("projector"),
-                llm_cfg=block(specs.llm.arch), encoders=of("encoder", False),
+                llm_cfg=specs.llm.arch, encoders=of("encoder", False),
                 projectors=of("projector", False), streams=specs.streams)
 
 
 def add_encoder_modules(parent: nn.Module, encoders: Mapping, projectors: Mapping, streams,
                         llm_hidden: int, tp_groups: Mapping | None = None,
                         cp_groups: Mapping | None = None) -> None:
-    """Register on `parent` one encoder (`build_encoder`) per entry of `encoders` (name -> VisionConfig) and
+    """Register on `parent` one encoder (`build_encoder`) per entry of `encoders` (name -> EncoderArch) and
     one `Projector` per stream (from its encoder's width to `llm_hidden`), under their names.
     `tp_groups` / `cp_groups`: encoder name -> its TP / CP group (None: size 1); a projector
     uses its encoder's TP group.
@@ -74,8 +73,8 @@ class EncoderSide(nn.Module):
     own TP/DP layout and routes each stream's rows to the LLM's shards, `hcp.schedule.colocated`).
 
     Args:
-        encoders: name -> VisionConfig of every encoder (`vision` first for LLaVA).
-        projectors: name -> ProjectorConfig of every projector.
+        encoders: name -> EncoderArch of every encoder (`vision` first for LLaVA).
+        projectors: name -> ProjectorArch of every projector.
         streams: the streams into the LLM (`hcp.config.modules.streams`), in edge order.
         llm_hidden: the LLM's hidden size H.
         tp_groups: encoder name -> TP group (its projectors share it); None: TP size 1.

@@ -26,7 +26,7 @@ from hcp.model.stage import StageSpec
 
 class EncoderStage(nn.Module):
     """Stage `stage` of the encoder `name` (its config `enc_cfg`) and, on the last stage, the
-    projectors it feeds on its island (`projectors`: name -> ProjectorConfig, in stream order;
+    projectors it feeds on its island (`projectors`: name -> ProjectorArch, in stream order;
     {}: the encoder's output is the row). Several projectors are a branch: the tower runs once
     per micro-batch, each projector reads its features, and the tower's gradient is the sum of
     theirs (autograd inside the stage).

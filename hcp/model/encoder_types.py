@@ -26,7 +26,7 @@ if set(ENCODERS) != set(ENCODER_ARCHS):
 
 
 def build_encoder(cfg, tp_group=None, stage=None, recompute: bool = False, cp_group=None) -> nn.Module:
-    """The encoder of `cfg.arch` (a `VisionConfig`); see `ViTEncoder` for the other arguments.
+    """The encoder of `cfg.arch` (a `EncoderArch`); see `ViTEncoder` for the other arguments.
     Raises ValueError for an unknown arch (validation rejects it first, naming the field)."""
     if cfg.arch not in ENCODERS:
         raise ValueError(f"arch={cfg.arch!r} is not an encoder type: use one of {sorted(ENCODERS)}")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hcp.config.schema import LLMConfig
+from hcp.config.specs import LLMArch
 from hcp.model.attention import host_seqlens
 from hcp.model.backends import attention_fn, resolve_backend
 from hcp.model.collectives import copy_to_group, gather_from_group, group_size, split_seq
@@ -36,7 +36,7 @@ _DECODER_GROUP = object()
 class Attention(nn.Module):
     """Grouped-query self-attention with RoPE. x: [T, H] -> [T, H] (SP: [T / tp, H])."""
 
-    def __init__(self, cfg: LLMConfig, tp_group=None, sequence_parallel: bool = False,
+    def __init__(self, cfg: LLMArch, tp_group=None, sequence_parallel: bool = False,
                  recompute_core: bool = False):
         super().__init__()
         self.recompute_core = recompute_core
@@ -72,7 +72,7 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`. `recompute`: see the
     module docstring."""
 
-    def __init__(self, cfg: LLMConfig, tp_group=None, sequence_parallel: bool = False,
+    def __init__(self, cfg: LLMArch, tp_group=None, sequence_parallel: bool = False,
                  recompute: str = "none"):
         super().__init__()
         if recompute not in ("none", "selective", "full"):
@@ -120,7 +120,7 @@ class LlamaDecoder(nn.Module):
     stages (the table would live on two stages), and for a GPU backend with `cp_group`.
     """
 
-    def __init__(self, cfg: LLMConfig, tp_group=None, cp_group=None, cp_comm: str | None = None,
+    def __init__(self, cfg: LLMArch, tp_group=None, cp_group=None, cp_comm: str | None = None,
                  sequence_parallel: bool | None = None, stage: StageSpec | None = None,
                  recompute: str | None = None, attention_backend: str | None = None):
         super().__init__()

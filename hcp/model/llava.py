@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hcp.config.schema import LLMConfig, ProjectorConfig, VisionConfig
+from hcp.config.specs import EncoderArch, LLMArch, ProjectorArch
 from hcp.model.collectives import (copy_to_group, gather_from_group, gather_seq, group_rank,
                                    group_size)
 from hcp.model.encoder_side import DEFAULT_STREAMS, add_encoder_modules, encode_streams
@@ -66,7 +66,7 @@ class LlavaEncoder(nn.Module):
     placement).
     """
 
-    def __init__(self, vision_cfg: VisionConfig, projector_cfg: ProjectorConfig, llm_hidden: int,
+    def __init__(self, vision_cfg: EncoderArch, projector_cfg: ProjectorArch, llm_hidden: int,
                  tp_group=None, cp_group=None):
         super().__init__()
         for name, layout in (("vision", vision_cfg.layout), ("projector", projector_cfg.layout)):
@@ -87,14 +87,14 @@ class LlavaEncoder(nn.Module):
 
 
 class LlavaModel(nn.Module):
-    def __init__(self, vision_cfg: VisionConfig | None, projector_cfg: ProjectorConfig | None,
-                 llm_cfg: LLMConfig, tp_group=None, cp_group=None, cp_comm: str | None = None,
+    def __init__(self, vision_cfg: EncoderArch | None, projector_cfg: ProjectorArch | None,
+                 llm_cfg: LLMArch, tp_group=None, cp_group=None, cp_comm: str | None = None,
                  sequence_parallel: bool | None = None, stage: StageSpec | None = None,
                  recompute: str | None = None, encoder: bool = True, encoders: dict | None = None,
                  projectors: dict | None = None, streams=None, attention_backend: str | None = None):
         """`encoder=False`: build no vision encoder and projector; image embeddings come routed
         in `batch.image_rows` (module docstring). `encoders` / `projectors`: named modules
-        besides vision and projector (name -> VisionConfig / ProjectorConfig); `streams`: the
+        besides vision and projector (name -> EncoderArch / ProjectorArch); `streams`: the
         streams into the LLM (`hcp.config.modules.streams`; default: vision -> projector).
         `attention_backend`: the run's concrete backend (`hcp.model.llama.LlamaDecoder`).
 

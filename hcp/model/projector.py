@@ -16,13 +16,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hcp.config.schema import ProjectorConfig
+from hcp.config.specs import ProjectorArch
 from hcp.model.collectives import gather_from_group
 from hcp.model.tp import ColumnParallelLinear, RowParallelLinear
 
 
 class Projector(nn.Module):
-    def __init__(self, cfg: ProjectorConfig, in_size: int, out_size: int, tp_group=None):
+    def __init__(self, cfg: ProjectorArch, in_size: int, out_size: int, tp_group=None):
         """Raises ValueError for an unknown `cfg.type` or an out_size the TP size does not split."""
         super().__init__()
         self.type, self.tp_group = cfg.type, tp_group

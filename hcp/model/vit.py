@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hcp.config.schema import VisionConfig
+from hcp.config.specs import EncoderArch
 from hcp.model.collectives import group_rank, group_size
 from hcp.model.cp_attention import CPAttentionPlan, Call, Rows, cp_attention
 from hcp.model.cp_kernels import fused_kernel
@@ -41,7 +41,7 @@ class VisionBlock(nn.Module):
     Raises ValueError when hidden_size does not split into num_heads, or num_heads or
     ffn_hidden_size does not split over the TP size."""
 
-    def __init__(self, cfg: VisionConfig, tp_group=None, act=F.gelu):
+    def __init__(self, cfg: EncoderArch, tp_group=None, act=F.gelu):
         super().__init__()
         d, tp = cfg.hidden_size, group_size(tp_group)
         if d % cfg.num_heads:
@@ -89,7 +89,7 @@ class ViTEncoder(nn.Module):
     under CP the output is this rank's rows of each input [I, n_r, D] (`local_tokens` = k).
     `act`: the MLP's activation (the `arch`'s, chosen by `hcp.model.encoder_types.build_encoder`)."""
 
-    def __init__(self, cfg: VisionConfig, tp_group=None, stage=None, recompute: bool = False,
+    def __init__(self, cfg: EncoderArch, tp_group=None, stage=None, recompute: bool = False,
                  cp_group=None, act=F.gelu):
         super().__init__()
         self.recompute, self.cp_group = recompute, cp_group

@@ -6,14 +6,13 @@ lengths L, documents per micro-batch d and CP sizes c (powers of two up to the l
 `CALIBRATE_MAX_CP`; on CPU gloo ranks, each with one thread). The grid covers what plans run
 under the per-rank cap m = `trainer.micro_batch_tokens` (`grid`): at each c, lengths from m / 4
 to the longest a group of c holds (c m), each as one document and packed to the group's
-capacity, so that no point lies outside the region the solver plans in (a fit over 4,096-token
-micro-batches at c = 1, 8x a 512-token cap, bent the fit where the plans are). Then it fits
+capacity, so that no point lies outside the region the solver plans in. Then it fits
 (`robust_nnls`: non-negative, Huber loss of the relative errors, so that every point weighs the
 same and one disturbed timing cannot bend the fit) the per-rank model of hcp/dcp/cost_model.py
 at pp = 1, with one attention coefficient b_c per CP size (the fused SDPA of c = 1 and CP
 attention at c > 1 run different kernels) and one fixed cost e_c per micro-batch at each CP
-size c > 1 (CP attention's calls and the collectives' set-up: single 128-256-token documents at
-c = 2 and 4 measured ~20% above a fit with a ring latency l (c - 1) instead):
+size c > 1 (CP attention's calls and the collectives' set-up; a ring latency l (c - 1) fitted
+short documents worse):
     time(T, S, c) = (1 + k) (a T / c + b_c S / c + g T (c - 1) / c + e_c) + o
 with T = d L tokens, S = d L^2, k = 2 + recompute, and writes `profile.yaml` in the run
 directory: a HardwareProfile (so `packing_profile=PATH` and `benchmarks/dynamic_cp.py --cost
@@ -62,14 +61,9 @@ def busy_time() -> float:
     (`time.process_time`), so that gloo's communication counts: torch's gloo backend runs each
     collective on its own worker and transport threads while the calling thread sleeps in
     `wait()`, so the caller's thread CPU time (`time.thread_time`) leaves the CP all-gather,
-    reduce-scatter and ring send/recv out. Waiting for a slow peer does not count: a gloo rank
-    blocked on a peer sleeps, it does not poll (measured here: 2 s of waiting in all_reduce,
-    all_gather, barrier or recv cost its process 3-9 ms of CPU at 2 and 8 ranks; 100 all_gathers
-    each waiting 2 ms or 20 ms for a late peer cost the same CPU per call as without waiting).
-    So this is the time the rank would keep its own core busy on a machine where every rank
-    had one: compute plus the CPU work of moving its data (on one host gloo's TCP transfers
-    are CPU work). It still counts the kernel's work of switching between the ranks that share
-    a core; pinning 2 or 4 ranks to one core did not raise it (measured)."""
+    reduce-scatter and ring send/recv out. Waiting for a slow peer does not count (a blocked
+    gloo rank sleeps, it does not poll): this is the time the rank would keep its own core busy,
+    compute plus the CPU work of moving its data."""
     return time.process_time()
 
 

@@ -22,7 +22,6 @@ import math
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts, world_size_of
@@ -44,7 +43,7 @@ def named_shapes(specs) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
     """Parameter names (relative to each module) and shapes of the model of `specs`
     (`hcp.config.specs.ModuleSpecs`) built on the meta device."""
     with torch.device("meta"):  # named encoders and projectors too (h-encoders)
-        model = LlavaModel(**llava_kwargs(specs, OmegaConf.to_object))
+        model = LlavaModel(**llava_kwargs(specs))
     return {m: [(n, tuple(p.shape)) for n, p in sub.named_parameters()]
             for m, sub in model.named_children() if sub is not None}
 
