@@ -165,6 +165,14 @@ def check_graph(cfg) -> None:
                               f"add an edge [{e}, PROJECTOR] (and [PROJECTOR, llm])")
 
 
+def set_layout(cfg, module: str, values: dict) -> None:
+    """Write `values` ({field: value}) into `module`'s layout block of `cfg` (in place, as CLI
+    overrides would; `cfg` open for new keys). Raises KeyError for a module `cfg` does not have."""
+    node = module_cfg(cfg, module).layout
+    for k, v in values.items():
+        node[k] = v
+
+
 def module_key(cfg, module: str) -> str:
     """The config path of `module`'s block, for error messages: `vision`, `encoders.vision2`."""
     if module in BUILT_IN:

@@ -30,7 +30,7 @@ from omegaconf import open_dict
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts
-from hcp.config.modules import module_cfg, projector_names
+from hcp.config.modules import projector_names, set_layout
 from hcp.config.specs import resolve_modules
 from hcp.preflight.auto_cost import Score, Scorer, combine_bounds
 from hcp.preflight.auto_space import (Candidate, check_searchable, combine, encoder_options, island_sizes,
@@ -61,14 +61,12 @@ def apply_layout(cfg, cand: Candidate) -> None:
     with open_dict(cfg):
         cfg.placement = cand.placement
         for m, lay in cand.layouts:
-            node = module_cfg(cfg, m).layout
-            for k in _FIELDS:
-                node[k] = list(lay.pp_layers) if k == "pp_layers" else getattr(lay, k)
-            node.rank_offset = None
+            values = {k: list(lay.pp_layers) if k == "pp_layers" else getattr(lay, k) for k in _FIELDS}
             island = cand.placement == "non_colocated" and m != "llm" and m not in cand.projectors
-            node.num_ranks = lay.num_ranks if island else None
+            values.update(rank_offset=None, num_ranks=lay.num_ranks if island else None)
             if m in cand.projectors:
-                node.dp = -1  # an explicit dp would head an island of its own (hcp.config.spans)
+                values["dp"] = -1  # an explicit dp would head an island of its own (hcp.config.spans)
+            set_layout(cfg, m, values)
 
 
 def check_candidate(cfg, cand: Candidate, world: int) -> None:
@@ -238,7 +236,7 @@ def format_table(rows: list[dict], given: dict | None) -> str:
     every = rows + ([given] if given is not None and "describe" in given else [])
     width = max([30] + [len(_encoders_text(r["describe"])) for r in every])
     mem_width = max([22] + [len(" ".join(f"{k} {v:.1f}" for k, v in r["memory_gib"].items())) + 4 for r in every])
-    head = (f"  {'#':>5} {'placement':<13} {'encoders':<{width}} {'llm':<30} {'step s':>8} {'TFLOPS':>7} "
+    head = (f"  {'#':>5} {'placement':<13} {'encoder layouts':<{width}} {'llm':<30} {'step s':>8} {'TFLOPS':>7} "
             f"{'memory GiB by role':<{mem_width}} {'bubble':>6} {'route MB':>9}")
     lines = [head]
 

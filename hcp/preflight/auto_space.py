@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import RECOMPUTES, ResolvedLayout, check_resolved, num_layers
-from hcp.config.modules import encoder_names, module_cfg, module_key, patches, projector_names
+from hcp.config.modules import encoder_names, module_key, patches, projector_names
+from hcp.config.specs import resolve_modules
 from hcp.config.validate import check_longest_sample
 from hcp.parallel.encoder_cp import LEAD
 
@@ -141,9 +142,9 @@ def _encoder_choices(cfg, side: Side, ranks: int, pinned: dict, node: int, tie: 
     """{field: values} of an encoder's tp, cp, recompute and dp_shard (module docstring): its
     own pins, and its projectors' pins of the fields that follow it."""
     p = f"{module_key(cfg, side.encoder)}.layout."
-    block = module_cfg(cfg, side.encoder)
-    pools = [int(module_cfg(cfg, q).get("pool", 1) or 1) for q in side.projectors]
-    tokens = patches(block) + LEAD
+    specs = resolve_modules(cfg)
+    pools = [specs[q].pool for q in side.projectors]
+    tokens = patches(specs[side.encoder].arch) + LEAD
     out = {"tp": _divisors(node, node), "cp": [1] if max(pools, default=1) > 1 else _powers(min(ranks, tokens)),
            "recompute": list(ENCODER_RECOMPUTES),
            "dp_shard": [False] if tie and p + "dp_shard" not in pinned else [False, True]}
