@@ -171,7 +171,7 @@ def test_plan_memory_charges_a_cp_rank_its_chunk_and_the_gathered_kv():
     from hcp.config.layouts import check_layouts
     from hcp.config.precision import Precision
     from hcp.config.specs import resolve_modules
-    from hcp.preflight.memory import _activations, encoder_activation_tokens, layer_bytes
+    from hcp.preflight.memory import _activations, encoder_activation_tokens, layer_bytes, weight_copy_bytes
 
     cfg = compose_cfg(["+recipe=internvl_tiles_cp", "vision.layout.recompute=none"], resolve=False)
     layouts = check_layouts(cfg, 128)
@@ -183,8 +183,9 @@ def test_plan_memory_charges_a_cp_rank_its_chunk_and_the_gathered_kv():
     assert encoder_activation_tokens(cfg, specs, layouts["projector"], 0, layouts)[0] == 7 * 256
     h, prec = cfg.vision.hidden_size, Precision.of(cfg.precision)
     per_token = layer_bytes(h, h, cfg.vision.ffn_hidden_size, False, vision, prec)["none"]
+    copies = weight_copy_bytes(h, h, cfg.vision.ffn_hidden_size, vision, prec, gated=False)
     assert _activations(cfg, specs, vision, 0, layouts) == pytest.approx(
-        45 * tokens * (per_token + 3 * 2 * h * prec.act_bytes))
+        45 * (tokens * (per_token + 3 * 2 * h * prec.act_bytes) + copies))
 
 
 def test_digits_tiles_gives_each_scan_a_thumbnail_and_its_tiles(tmp_path):

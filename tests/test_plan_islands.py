@@ -25,7 +25,8 @@ def _plan(recipe, *overrides):
 
 def _vit_layer_bytes(tokens):
     h, f = 1024, 4096                    # CLIP ViT-L: no recompute, GELU MLP, tp1, bf16
-    return tokens * (2 * h * 4 + (2 * h + 2 * h + 2 * h + 2 * f) * 2)  # fp32 residual stream
+    copies = (4 * h * h + 2 * h * f) * 2  # the bf16 copy of each matrix
+    return tokens * (2 * h * 4 + 4 * h * 2 + (2 * h + 2 * h + 2 * f) * 2) + copies  # fp32 residual stream
 
 
 def test_llava_hetero_memory_per_island():

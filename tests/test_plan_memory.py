@@ -65,6 +65,40 @@ def test_layer_bytes_are_what_a_bf16_decoder_layer_saves_for_backward():
     assert estimate == pytest.approx(measured, rel=0.02)
 
 
+@pytest.mark.parametrize("arch", ["vit", "clip"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_layer_bytes_are_what_a_vit_block_saves_for_backward(arch, precision):
+    """`layer_bytes` + `weight_copy_bytes` against the tensors one real ViT block (t=1, 128
+    tokens) saves for its backward: its input and the second LayerNorm's (fp32), under autocast
+    q/k/v/fc1's own bf16 cast of their input (without: the two norm outputs), q, k, v, the
+    attention output, fc1's output, the activation's output (quick-GELU also its sigmoid), and
+    every matrix's bf16 copy. Left out: the norms' mean and rstd, the attention's logsumexp."""
+    import torch
+
+    from hcp.config.schema import VisionConfig
+    from hcp.model.encoder_types import ENCODERS
+
+    h, f, tokens = 256, 1024, 128
+    vit = ENCODERS[arch](VisionConfig(image_size=16, patch_size=8, hidden_size=h, num_layers=1, num_heads=4,
+                                      ffn_hidden_size=f))
+    x = torch.randn(1, tokens, h, requires_grad=True)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    prec = Precision.of(precision)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), prec.autocast("cpu"):
+        vit.blocks[0](x)
+    params = {p.untyped_storage().data_ptr() for p in vit.parameters()}
+    measured = sum(n for ptr, n in saved.items() if ptr not in params)
+    lay = resolve_layouts(compose_cfg(["+recipe=llava_tiny"]), 1)["vision"]
+    estimate = (tokens * layer_bytes(h, h, f, False, lay, prec, quick_gelu=arch == "clip")["none"]
+                + weight_copy_bytes(h, h, f, lay, prec, gated=False))
+    assert estimate == pytest.approx(measured, rel=0.02)
+
+
 def test_in_flight_micro_batches_are_capped_by_the_steps_count():
     """1F1B's warm-up holds pp - s micro-batches on stage s only when the step fills that many:
     llama13b_dynamic_cp's stage 0 of PP 8 in a step of 3 micro-batches' worth of tokens (a

@@ -2,6 +2,7 @@
 real run holds, not what its own instruments keep alive."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 
@@ -53,21 +54,46 @@ def test_flop_counter_keeps_no_recomputed_graph_alive():
     assert totals[0] == totals[1] > 0  # the FLOPs counted are the same
 
 
-def test_one_step_rehearsal_holds_the_optimizer_state_under_its_activations(tmp_path):
-    """Adam allocates its moments in the first step; a real run holds them through every later
-    step's forward and backward. A one-step rehearsal allocates them beforehand, so its peak
-    (here during the backward: activations and temporaries alive) counts the moments, 8 B per
-    trained fp32 parameter, at the peak (one rank, in-process: seconds)."""
-    from hcp.config.layouts import world_size_of
+def test_flop_counter_runs_the_ops_training_runs():
+    """SwiGLU's backward under the rehearsal's FLOP counter allocates what it allocates without
+    it: `FlopCounterMode` would run `silu_backward` as its decomposition, whose temporaries
+    raise the tracked peak (`hcp.preflight.rehearse.count.UNDECOMPOSED`)."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    x = torch.randn(256, 512, requires_grad=True)
+    peaks = []
+    for counter in (None, flop_counter()):
+        with MemTracker() as tracker, counter if counter is not None else contextlib.nullcontext():
+            (torch.nn.functional.silu(x) * x).sum().backward()
+        peaks.append(sum(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values()))
+        x.grad = None
+    assert peaks[0] == peaks[1] > 0
+
+
+def test_rehearsal_tracks_the_steady_state_that_plan_mode_estimates(tmp_path):
+    """Two steps of one rank (llama_tiny at width 1024, in-process: seconds). Adam allocates its
+    moments in the first step and a real run holds them through every later step; the
+    rehearsal allocates them beforehand, so its first step's peak is already the steady state's:
+    step 2's peak (where the FLOP counter runs) equals step 1's, here during the backward
+    (activations and temporaries alive) with both moments, 8 B per trained fp32 parameter, held.
+    Plan mode's estimate of the step is within 20% of step 2's peak."""
+    from hcp.config.layouts import resolve_layouts, world_size_of
     from hcp.data.build import prepare_data
+    from hcp.preflight.memory import GIB
+    from hcp.preflight.plan_mode import memory_per_rank
     from hcp.preflight.rehearse.runner import rehearsal_config, rehearse_rank
     from tests.cfg_utils import compose_cfg, with_specs
 
     cfg = compose_cfg(["mode=rehearse", "logger=none", "+recipe=llama_tiny", "trainer.global_batch_size=8",
-                       "trainer.micro_batch_tokens=4096"], run_dir=str(tmp_path))
+                       "trainer.micro_batch_tokens=4096", "llm.hidden_size=1024", "llm.ffn_hidden_size=2816",
+                       "llm.num_heads=8", "llm.num_kv_heads=8"], run_dir=str(tmp_path))
     list(prepare_data(*with_specs(cfg)))
-    res = rehearse_rank(rehearsal_config(cfg), str(tmp_path), 0, world_size_of(cfg, 1), 1)
+    world = world_size_of(cfg, 1)
+    res = rehearse_rank(rehearsal_config(cfg), str(tmp_path), 0, world, 2)
     assert res.error is None, res.error
+    assert len(res.step_peaks) == 2 and res.step_peaks[1] == res.step_peaks[0] == res.peak_bytes
     cats = res.peak_categories
     assert cats["Activation"] + cats["Temp"] > res.param_bytes  # the peak is in the backward
     assert cats["Optstate"] >= 2 * res.param_bytes  # with both Adam moments
+    plan = memory_per_rank(cfg, resolve_layouts(cfg, world), world, micro_batches=max(res.step_worth))
+    assert abs(plan[0]["total"] * GIB / res.step_peaks[1] - 1) <= 0.2, (plan[0], res.step_peaks)

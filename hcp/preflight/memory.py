@@ -28,8 +28,12 @@ recomputed layer's input are charged 4 B in bf16 too. What a layer saves for its
   (2h + 2h_kv + 4f)/t (q, k, v, attention output; SwiGLU's gate, up, silu and product);
   under autocast also every matrix's compute-dtype copy per micro-batch in flight
   (`weight_copy_bytes`; the output layer's on the last stage);
-- ViT `none`: 4h (two LayerNorm inputs, two linear inputs; divided by t under sequence
-  parallelism) + (2h + 2h_kv + 2f)/t; `selective` drops the attention output h and one f;
+- ViT `none`: 2h at the stream's bytes (the two LayerNorm inputs; divided by t under sequence
+  parallelism) + 4h (q/k/v/fc1 each keep their own compute-dtype cast of their full input; 2h,
+  the two norm outputs, without autocast or sequence parallelism) + (2h + 2h_kv + 2f)/t (q, k,
+  v, attention output, fc1's output and the GELU's; quick-GELU (`arch: clip`) keeps its
+  sigmoid too, one more f); `selective` drops the attention output h and one f; under autocast
+  also every matrix's compute-dtype copy, as the LLM's;
 - `full`: only the layer input, h (divided by t under sequence parallelism), plus one layer's
   `none` activations (and weight copies) while it is recomputed.
 Under 1F1B, stage s holds pp - s micro-batches in flight (fewer when a step has fewer: a
@@ -45,8 +49,9 @@ images per step, each of (image_size / patch_size)^2 patches (+ 1 CLS token in t
 - `colocated` (the three-phase schedule, `hcp.schedule.colocated`): phase 1 encodes all I images
   at once and their activations stay alive through the LLM's phase 2 until phase 3. Under
   `vision.layout.recompute=full` phase 1 keeps nothing and phase 3 recomputes the whole encoder
-  over the I images: the same `none` activations, but only while the LLM's are freed, so a rank
-  holds max(LLM + other activations, these) (`StageMemory.held` False);
+  over the I images: the same `none` activations and every layer's weight copies, but only while
+  the LLM's are freed, so a rank holds max(LLM + other activations, these) (`StageMemory.held`
+  False);
 - `non_colocated` (graph-aware 1F1B): per micro-batch a lane encodes its images of that
   micro-batch, at most n = min(I, llm micro_batch_tokens * cp // patches), the images whose
   tokens fill one LLM micro-batch (reached under the step plan's block lanes, where one encoder
@@ -111,9 +116,11 @@ def stage_params(named_shapes: list[tuple[str, tuple[int, ...]]], layout, vocab_
     return counts
 
 
-def layer_bytes(h: int, h_kv: int, f: int, gated: bool, layout, precision: Precision) -> dict[str, float]:
+def layer_bytes(h: int, h_kv: int, f: int, gated: bool, layout, precision: Precision,
+                quick_gelu: bool = False) -> dict[str, float]:
     """Activation bytes per token and layer under each recompute mode (module docstring): a
-    LLaMA decoder layer (`gated`) or a ViT block; the residual stream's elements at
+    LLaMA decoder layer (`gated`) or a ViT block (`quick_gelu`: its MLP's activation is
+    quick-GELU, which keeps one more f); the residual stream's elements at
     `precision.residual_bytes`, the rest at `precision.act_bytes`."""
     t, sp = layout.tp, layout.sequence_parallel
     rest, stream = precision.act_bytes, precision.residual_bytes
@@ -123,16 +130,19 @@ def layer_bytes(h: int, h_kv: int, f: int, gated: bool, layout, precision: Preci
         none = (4 * h * stream / (t if sp else 1) + copies * h * rest
                 + (2 * h + 2 * h_kv + 4 * f) * rest / t)
         return {"none": none, "selective": none, "full": full}
-    none = 2 * h * (stream + rest) / (t if sp else 1) + (2 * h + 2 * h_kv + 2 * f) * rest / t
+    copies = 4 if precision.mixed or sp else 2
+    none = (2 * h * stream / (t if sp else 1) + copies * h * rest
+            + (2 * h + 2 * h_kv + (3 if quick_gelu else 2) * f) * rest / t)
     return {"none": none, "selective": none - (h + f) * rest / t, "full": full}
 
 
-def weight_copy_bytes(h: int, h_kv: int, f: int, layout, precision: Precision) -> float:
-    """Bytes of one LLaMA layer's compute-dtype weight copies on a rank (autocast casts each
-    matrix once per forward and the matmul keeps its copy for the backward): 0 without autocast."""
+def weight_copy_bytes(h: int, h_kv: int, f: int, layout, precision: Precision, gated: bool = True) -> float:
+    """Bytes of one layer's compute-dtype weight copies on a rank, a LLaMA decoder layer
+    (`gated`: three FFN matrices) or a ViT block (two): autocast casts each matrix once per
+    forward and the matmul keeps its copy for the backward. 0 without autocast."""
     if not precision.mixed:
         return 0.0
-    return (2 * h * h + 2 * h * h_kv + 3 * h * f) / layout.tp * precision.act_bytes
+    return (2 * h * h + 2 * h * h_kv + (3 if gated else 2) * h * f) / layout.tp * precision.act_bytes
 
 
 def encoder_activation_tokens(cfg, specs, layout, stage: int, layouts: dict) -> tuple[float, int]:
@@ -163,21 +173,22 @@ def _activations(cfg, specs, layout, stage: int, layouts=None, micro_batches=Non
     if specs[m].kind == "projector":  # fed by its one encoder (hcp.config.modules)
         return (in_flight * tokens * (specs[specs[m].source].hidden_size + 2 * specs.llm.hidden_size / layout.tp)
                 * precision.act_bytes)
-    c = specs[m].arch
-    h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if m == "llm" else c.hidden_size
-    per_token = layer_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, m == "llm", layout, precision)
-    if m != "llm" and layout.cp > 1:  # encoder CP: the all-gathered K/V of whole images
+    c, llm = specs[m].arch, m == "llm"
+    h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if llm else c.hidden_size
+    per_token = layer_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, llm, layout, precision,
+                            quick_gelu=not llm and c.arch == "clip")
+    copies = weight_copy_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, layout, precision, gated=llm)
+    if not llm and layout.cp > 1:  # encoder CP: the all-gathered K/V of whole images
         gathered = (layout.cp - 1) * 2 * h_kv * precision.act_bytes / layout.tp
         per_token = {k: v + (gathered if k != "full" else 0) for k, v in per_token.items()}
-    if _phase3_recompute(cfg, layout, layouts):
-        return layout.pp_layers[stage] * tokens * per_token["none"]
     layers = layout.pp_layers[stage]
+    if _phase3_recompute(cfg, layout, layouts):  # the whole encoder side at once, its copies too
+        return layers * (tokens * per_token["none"] + copies)
     total = in_flight * layers * tokens * per_token[layout.recompute]
     if layout.recompute == "full":
         total += tokens * per_token["none"]
-    if m == "llm":
-        copies = weight_copy_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, layout, precision)
-        total += copies * (1 if layout.recompute == "full" else in_flight * layers)
+    total += copies * (1 if layout.recompute == "full" else in_flight * layers)
+    if llm:
         total += cp_attention_bytes(h_kv, tokens, _largest_cp(cfg, layout), layout, precision)
         if stage == layout.pp - 1:  # fp32 logits and the output layer's copy
             total += tokens * c.vocab_size / layout.tp * 4 + (c.vocab_size * c.hidden_size / layout.tp

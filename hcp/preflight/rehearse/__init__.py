@@ -67,12 +67,11 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     results = rehearse_ranks(cfg, run_dir, ranks, world, cfg.rehearse.steps, jobs, progress=said)
     wall = time.perf_counter() - t0
     mismatches = find_mismatches(results, world, cfg.cluster.device_memory_gib)
-    # plan mode's estimate of this step: its LLM micro-batches' worth of tokens (a small batch
-    # fills fewer than the 1F1B warm-up holds at full size, its last one partly)
-    worth = [sum(sum(lengths) / (c * cfg.trainer.micro_batch_tokens) for _, lengths, c, *_ in res.micro_batches)
-             for res in results.values()]
+    # plan mode's estimate of the heaviest step: its LLM micro-batches' worth of tokens (a small
+    # batch fills fewer than the 1F1B warm-up holds at full size, its last one partly)
+    worth = max((w for res in results.values() for w in res.step_worth), default=0)
     plan_gib = {row["rank"]: row["total"] for row in
-                memory_per_rank(plan_cfg, layouts, world, micro_batches=max(worth) or None)}
+                memory_per_rank(plan_cfg, layouts, world, micro_batches=worth or None)}
     micro = micro_batch_flops(results, stages, cost_model(cfg, running["llm"], hardware(cfg)),
                              running["llm"])
     rows = role_rows(results, roles, plan_gib, micro)

@@ -106,13 +106,14 @@ def format_report(rows: list[dict], mismatches: list[Mismatch], wall_s: float) -
 
 
 def write_json(path: str, rows, mismatches, micro: dict, results, wall_s: float) -> None:
-    """`rehearsal.json`: the table, every mismatch, and each rank's op count, peak, FLOPs
-    (per LLM micro-batch: counted, modelled) and error (traceback)."""
+    """`rehearsal.json`: the table, every mismatch, and each rank's op count, peak (and each
+    step's), FLOPs (per LLM micro-batch: counted, modelled) and error (traceback)."""
     data = {"passed": not mismatches, "wall_s": wall_s, "roles": rows,
             "mismatches": [m.__dict__ | {"sides": {str(k): v for k, v in m.sides.items()}}
                            for m in mismatches],
             "ranks": {str(r): {"ops": len(res.ops), "groups_created": len(res.creations),
-                               "peak_gib": res.peak_bytes / GIB, "flops": res.flops,
+                               "peak_gib": res.peak_bytes / GIB,
+                               "step_peaks_gib": [b / GIB for b in res.step_peaks], "flops": res.flops,
                                "micro_batch_flops": micro.get(r, []), "error": res.error}
                       for r, res in sorted(results.items())}}
     with open(path, "w") as f:

@@ -33,9 +33,11 @@ REHEARSAL_OVERRIDES = {"logger.name": "none", "trainer.eval_every": 0,
 @dataclass
 class RankResult:
     """One rank's rehearsal: its ops (`hcp.preflight.rehearse.record.Op`, issue order), group
-    creations, its trained parameters' bytes, peak bytes tracked by `MemTracker`, FLOPs
-    counted in the last step, the plan's global (tokens, sum of squared document lengths) of each
-    step, the last step's LLM micro-batches as `(FLOPs counted, document lengths, CP size, CP rank,
+    creations, its trained parameters' bytes, peak bytes tracked by `MemTracker` (the largest of
+    each step's, `step_peaks`), FLOPs counted in the last step, the plan's global (tokens, sum of
+    squared document lengths) of each step, its LLM micro-batches' worth of tokens (in
+    `trainer.micro_batch_tokens` of its CP size each, `step_worth`: what plan mode's estimate of
+    the step takes), the last step's LLM micro-batches as `(FLOPs counted, document lengths, CP size, CP rank,
     loss tokens known on the host or None)` (`hcp.preflight.rehearse.count`), the bytes of each `MemTracker` category (parameters, gradients, optimizer states,
     activations, temporaries) at the peak, and the traceback if the rank raised (then the rest
     may be partial)."""
@@ -47,6 +49,8 @@ class RankResult:
     flops: int = 0
     param_bytes: int = 0
     step_counts: list = field(default_factory=list)
+    step_peaks: list = field(default_factory=list)
+    step_worth: list = field(default_factory=list)
     peak_categories: dict = field(default_factory=dict)
     micro_batches: list = field(default_factory=list)
     error: str | None = None
@@ -88,6 +92,8 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
                 mine = prepared[0]
                 result.step_counts.append((mine.counts.tokens, mine.counts.sum_sq_lengths))
                 planned[:] = [mb for mb in mine.micro_batches if mine.keep_empty or not mb.empty]
+                result.step_worth.append(sum(sum(lengths) / (c * cfg.trainer.micro_batch_tokens)
+                                             for lengths, c, _ in map(_sizes, planned)))
                 metas[:] = prepared[3] or [None] * len(planned)  # the LLM's (None: no LLM stage)
                 return fb(global_batch, prepared)
 
@@ -95,22 +101,23 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
             _allocate_optimizer_state(trainer.optimizer)
             tracker = _peak_tracker()  # entered inside the fake mode: it tracks the fake tensors
             tracker.track_external(trainer.modules, trainer.optimizer)
+            peaks = []
             with tracker:
                 for step in range(1, steps):
                     rec.step = step
                     with rec:
                         trainer.train_step()
+                    peaks.append(tracker.step_peak())
                 rec.step, counter = steps, _totals_only(flop_counter())  # FLOPs: the last step only
                 with rec, counter, per_micro_batch(counter) as micro_flops:
                     trainer.train_step()
+                peaks.append(tracker.step_peak())
                 result.flops = counter.get_total_flops()
                 result.micro_batches = [(micro_flops.get(i, 0), *_sizes(mb), getattr(meta, "loss_tokens", None))
                                         for i, (mb, meta) in enumerate(zip(planned, metas))]
-        for snap in tracker.get_tracker_snapshot("peak").values():
-            for key, nbytes in snap.items():
-                name = getattr(key, "value", str(key))
-                result.peak_categories[name] = result.peak_categories.get(name, 0) + nbytes
-        result.peak_bytes = result.peak_categories.pop("Total", 0)
+        result.step_peaks = [peak.pop("Total", 0) for peak in peaks]
+        result.peak_bytes = max(result.step_peaks)
+        result.peak_categories = peaks[result.step_peaks.index(result.peak_bytes)]
     except Exception:  # noqa: BLE001 - a rank that raises is a finding, reported with its traceback
         result.error = traceback.format_exc()
     finally:
@@ -159,16 +166,29 @@ def _local(p):
 
 
 def _peak_tracker():
-    """torch's `MemTracker` for one figure, the rank's peak bytes: its per-module statistics
-    are off (they raise when a root module runs once per micro-batch, and cost a snapshot per
-    module call)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    """torch's `MemTracker` for one figure per step, the rank's peak bytes (`step_peak`): its
+    per-module statistics are off (they raise when a root module runs once per micro-batch,
+    and cost a snapshot per module call)."""
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     class RankPeakTracker(MemTracker):
         def _pre_fw_hook(self, *args):
             pass
 
         _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
+
+        def step_peak(self) -> dict[str, int]:
+            """Bytes of each `MemTracker` category (and "Total") at the peak since the last
+            call (or entering), summed over devices; the next peak starts from the bytes held
+            now, as entering starts it."""
+            out: dict[str, int] = {}
+            for snap in self.get_tracker_snapshot("peak").values():
+                for key, nbytes in snap.items():
+                    name = getattr(key, "value", str(key))
+                    out[name] = out.get(name, 0) + nbytes
+            self._peak_mem_snap = self.get_tracker_snapshot()
+            self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._peak_mem_snap.items()}
+            return out
 
     return RankPeakTracker()
 
