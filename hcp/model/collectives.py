@@ -11,6 +11,9 @@ identity, so a module written once runs with or without parallelism.
 | gather_seq          | all-gather along dim 0           | reduce-scatter along dim 0        |
 | reduce_scatter_seq  | reduce-scatter along dim 0       | all-gather along dim 0            |
 | split_seq           | keep this rank's slice of dim 0  | all-gather along dim 0            |
+
+`all_gather_rows` and `reduce_scatter_rows` are gather_seq's two collectives without autograd,
+for a custom autograd Function that owns its gradient buffer (CP attention).
 """
 from __future__ import annotations
 
@@ -30,8 +33,8 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    x = x.contiguous().clone()
+def _all_reduce(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
+    x = x if inplace and x.is_contiguous() else x.contiguous().clone()
     dist.all_reduce(x, group=group)
     return x
 
@@ -46,13 +49,13 @@ def _all_gather(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def _reduce_scatter0(x: torch.Tensor, group) -> torch.Tensor:
+def _reduce_scatter0(x: torch.Tensor, group, inplace: bool = False) -> torch.Tensor:
     """Sum `x` [n * S, ...] over the group and keep this rank's [S, ...] slice of dim 0. On gloo
     with more than 2 ranks as an all-reduce and a slice (gloo's reduce_scatter is the slower
-    one there)."""
+    one there), `inplace`: into x's memory (a buffer the caller owns), the slice a view."""
     n = group_size(group)
     if n > 2 and dist.get_backend(group) == "gloo":
-        return _slice(_all_reduce(x, group), group, 0)
+        return _slice(_all_reduce(x, group, inplace), group, 0)
     parts = [p.contiguous() for p in x.chunk(n, dim=0)]
     out = torch.empty_like(parts[0])
     dist.reduce_scatter(out, parts, group=group)
@@ -105,6 +108,18 @@ def reduce_from_group(x: torch.Tensor, group) -> torch.Tensor:
 
 def gather_from_group(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return x if group_size(group) == 1 else _GatherFromGroup.apply(x, group, dim)
+
+
+def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """`gather_seq` without autograd, for a custom autograd Function that reduces its own
+    gradient buffer with `reduce_scatter_rows`."""
+    return x if group_size(group) == 1 else _all_gather(x, group, 0)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum x [n * S, ...] (a buffer the caller owns and no longer reads) over the group and
+    return this rank's [S, ...] rows, in x's memory where the collective allows."""
+    return x if group_size(group) == 1 else _reduce_scatter0(x, group, inplace=True)
 
 
 def gather_seq(x: torch.Tensor, group) -> torch.Tensor:
