@@ -200,9 +200,10 @@ def visible_pairs(cu, c, r, comm, masked):
 @pytest.mark.parametrize("comm, masked", [("allgather", False), ("allgather", True), ("p2p", True)])
 def test_calls_cover_exactly_the_causal_pairs_and_balance_ranks(comm, masked):
     """Every (query, key) pair of the same document with pos_k <= pos_q is computed once per
-    rank's calls, no other pair is, and the long document's work is the same on every rank
-    (the head-tail split balances the skipped chunks); `masked`: short documents (here all of
-    them under allgather) as one masked call."""
+    rank's calls, no other pair is, the long document's work is the same on every rank (the
+    head-tail split balances the skipped chunks), and the first calls write every local row
+    once before the others merge; `masked`: short documents (here all of them under
+    allgather) as one masked call."""
     c, lengths = 4, [200, 7, 3, 40]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     work = []
@@ -214,6 +215,17 @@ def test_calls_cover_exactly_the_causal_pairs_and_balance_ranks(comm, masked):
                     for p in range(int(shard.position_ids[row]) + 1)}
         pairs, elements = visible_pairs(cu, c, r, comm, masked)
         assert pairs == expected
+        # the first calls write every local row once (Partial and dq start uninitialised), before
+        # any other call of that row merges into it (p2p: in ring order, this rank's source first)
+        sources = cp_calls(lengths, c, r, comm, masked=masked)
+        calls = [call for step in range(len(sources)) for call in sources[(r - step) % len(sources)]]
+        written = torch.cat([_rows(call.q).flatten() for call in calls if call.first])
+        assert sorted(written.tolist()) == list(range(len(shard.valid)))
+        seen = set()
+        for call in calls:
+            rows = set(_rows(call.q).flatten().tolist())
+            assert rows <= seen if not call.first else not rows & seen
+            seen |= rows
         long_only = visible_pairs(cu[:2], c, r, comm, masked)[1]
         if not (masked and comm == "allgather"):     # the masked call counts its visible pairs
             assert long_only < 0.6 * (2 * 25) * (8 * 25)   # vs. every local query x every key

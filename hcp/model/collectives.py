@@ -11,6 +11,9 @@ identity, so a module written once runs with or without parallelism.
 | gather_seq          | all-gather along dim 0           | reduce-scatter along dim 0        |
 | reduce_scatter_seq  | reduce-scatter along dim 0       | all-gather along dim 0            |
 | split_seq           | keep this rank's slice of dim 0  | all-gather along dim 0            |
+
+`all_gather_rows` and `reduce_scatter_rows` are gather_seq's two collectives without autograd,
+for a custom autograd Function that owns its gradient buffer (CP attention).
 """
 from __future__ import annotations
 
@@ -109,6 +112,18 @@ def reduce_from_group(x: torch.Tensor, group) -> torch.Tensor:
 
 def gather_from_group(x: torch.Tensor, group, dim: int = -1) -> torch.Tensor:
     return x if group_size(group) == 1 else _GatherFromGroup.apply(x, group, dim)
+
+
+def all_gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """`gather_seq` without autograd, for a custom autograd Function that reduces its own
+    gradient buffer with `reduce_scatter_rows`."""
+    return x if group_size(group) == 1 else _all_gather(x, group, 0)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum x [n * S, ...] (a buffer the caller owns and no longer reads) over the group and
+    return this rank's [S, ...] rows, in x's memory where the collective allows."""
+    return x if group_size(group) == 1 else _reduce_scatter0(x, group)
 
 
 def gather_seq(x: torch.Tensor, group) -> torch.Tensor:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hcp.config.layouts import CP_COMMS
-from hcp.model.collectives import gather_seq, group_rank, group_size
+from hcp.model.collectives import all_gather_rows, group_rank, group_size, reduce_scatter_rows
 from hcp.model.cp_kernels import Kernel, acc_dtype, fused_kernel
 from hcp.parallel.cp_sharding import head_tail_chunks, host_cu
 
@@ -48,10 +48,6 @@ class Rows:
         if n * length and np.array_equal(rows.ravel(), rows.flat[0] + np.arange(n * length)):
             return cls(int(rows.flat[0]), n, length)
         return cls(0, n, length, torch.as_tensor(rows, dtype=torch.long).to(device, non_blocking=True))
-
-    def covers(self, x: torch.Tensor) -> bool:
-        """Whether these rows are all of x's, in order (then `take` is a view of the whole)."""
-        return self.index is None and self.start == 0 and self.n * self.length == x.shape[0]
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         if self.index is None:
@@ -79,6 +75,9 @@ class Call:
     q: Rows
     k: Rows
     causal: bool
+    first: bool
+    """The first call of its query rows: its result and dq are written, not merged or added
+    (a plan's first calls cover every local row once, before any other call of that row)."""
     mask: torch.Tensor | None = None
     """bool [Lq, Lk] shared by the n blocks (True = attend), or None."""
 
@@ -103,8 +102,8 @@ def _chunk_rows(i: int, c: int, k: int, t_loc: int, allgather: bool) -> np.ndarr
 
 
 def _doc_calls(c: int, r: int, k: int, t_loc: int, comm: str, masked: bool) -> dict:
-    """{source: [(q offsets [Lq], k offsets [Lk], causal, mask or None)]} of one document of
-    chunk size k (`masked`: the kernel takes masks)."""
+    """{source: [(q offsets [Lq], k offsets [Lk], causal, mask or None, first)]} of one
+    document of chunk size k (`masked`: the kernel takes masks)."""
     head, tail = np.arange(k), k + np.arange(k)
     local = np.arange(2 * k)
     if comm == "allgather":
@@ -113,16 +112,16 @@ def _doc_calls(c: int, r: int, k: int, t_loc: int, comm: str, masked: bool) -> d
         if masked and k <= SHORT_CHUNK:
             q_pos = np.concatenate([r * k + head, (2 * c - 1 - r) * k + head])
             mask = np.arange((2 * c - r) * k)[None, :] <= q_pos[:, None]
-            return {0: [(local, rows(range(2 * c - r)), False, mask)]}
-        calls = [(local, r * t_loc + local, True, None)]
+            return {0: [(local, rows(range(2 * c - r)), False, mask, True)]}
+        calls = [(local, r * t_loc + local, True, None, True)]
         if r:
-            calls.append((head, rows(range(r)), False, None))
+            calls.append((head, rows(range(r)), False, None, False))
         rest = [i for i in range(2 * c - 1 - r) if i != r]
         if rest:
-            calls.append((tail, rows(rest), False, None))
+            calls.append((tail, rows(rest), False, None, False))
         return {0: calls}
-    return {s: [(local, local, True, None)] if s == r else [(local, head, False, None)] if s < r
-            else [(tail, local, False, None)] for s in range(c)}
+    return {s: [(local, local, True, None, True)] if s == r else [(local, head, False, None, False)]
+            if s < r else [(tail, local, False, None, False)] for s in range(c)}
 
 
 def cp_calls(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
@@ -142,13 +141,12 @@ def cp_calls(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
     sources = range(c) if comm == "p2p" else range(1)
     grouped: dict = {s: defaultdict(list) for s in sources}       # (shape key) -> q, k rows
     for k in np.unique(chunk[chunk > 0]).tolist():
-        first = starts[chunk == k]                                 # [n] documents of chunk k
+        doc_start = starts[chunk == k]                             # [n] documents of chunk k
         for s, calls in _doc_calls(c, r, k, t_loc, comm, masked).items():
-            for i, (q_off, k_off, causal, mask) in enumerate(calls):
-                grouped[s][(k, i)].append((first[:, None] + q_off, first[:, None] + k_off, causal,
-                                           mask))
+            for i, (q_off, k_off, *shape) in enumerate(calls):
+                grouped[s][(k, i)].append((doc_start[:, None] + q_off, doc_start[:, None] + k_off, *shape))
     return [[Call(Rows.of(np.concatenate([p[0] for p in parts]), device),
-                  Rows.of(np.concatenate([p[1] for p in parts]), device), parts[0][2],
+                  Rows.of(np.concatenate([p[1] for p in parts]), device), parts[0][2], parts[0][4],
                   None if parts[0][3] is None else torch.as_tensor(parts[0][3]).to(device))
              for parts in grouped[s].values()] for s in sources]
 
@@ -168,7 +166,7 @@ def scored_pairs(lengths, cp_size: int, cp_rank: int, comm: str = "allgather", m
     pairs = 0.0
     for k in np.unique(chunk[chunk > 0]).tolist():
         blocks = sum(len(q) * len(kv) * (0.5 if causal else 1.0) for calls in
-                     _doc_calls(cp_size, cp_rank, k, 0, comm, masked).values() for q, kv, causal, _ in calls)
+                     _doc_calls(cp_size, cp_rank, k, 0, comm, masked).values() for q, kv, causal, *_ in calls)
         pairs += blocks * int((chunk == k).sum())
     return pairs
 
@@ -206,15 +204,14 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Local queries q [T_loc, Hq, D] attend to the keys/values k, v [T_loc, Hkv, D] of every
     CP rank of `plan.group`. Returns [T_loc, Hq, D] in q's dtype."""
     if plan.comm == "allgather":
-        kv = gather_seq(torch.stack([k, v], dim=1), plan.group)           # [c * T_loc, 2, Hkv, D]
-        return _FusedAttention.apply(q, kv, plan)
+        return _FusedAttention.apply(q, torch.stack([k, v], dim=1), plan)
     return _RingAttention.apply(q, k, v, plan)
 
 
 @dataclass
 class Partial:
     """Merged attention of the calls folded so far, per query row: out [T, Hq, D] and lse
-    [T, Hq] in `acc_dtype` (-inf: no key yet)."""
+    [T, Hq] in `acc_dtype` (uninitialised until a row's first call writes it)."""
 
     out: torch.Tensor
     lse: torch.Tensor
@@ -222,17 +219,21 @@ class Partial:
     @classmethod
     def empty(cls, q: torch.Tensor) -> "Partial":
         acc = acc_dtype(q.dtype)
-        return cls(torch.zeros(q.shape, dtype=acc, device=q.device),
-                   torch.full(q.shape[:2], float("-inf"), dtype=acc, device=q.device))
+        return cls(torch.empty(q.shape, dtype=acc, device=q.device),
+                   torch.empty(q.shape[:2], dtype=acc, device=q.device))
 
     def fold(self, q, kv, calls: list[Call], kernel: Kernel) -> None:
         """Merge the calls' attention of q over kv `[T_k, 2, Hkv, D]` (K and V stacked: one
-        row gather per call) in place, fp32."""
+        row gather per call) in place, fp32; a first call writes its rows."""
         with torch.autocast(q.device.type, enabled=False):
             for call in calls:
                 kv_rows = call.k.take(kv)
                 out, lse = kernel.forward(call.q.take(q), kv_rows[:, :, 0], kv_rows[:, :, 1],
                                           call.causal, call.mask)
+                if call.first:
+                    call.q.put(self.out, out.to(self.out.dtype))
+                    call.q.put(self.lse, lse.to(self.lse.dtype))
+                    continue
                 old_out, old_lse = call.q.take(self.out), call.q.take(self.lse)
                 new = torch.logaddexp(old_lse, lse)
                 merged = old_out.mul_(torch.exp_(old_lse.sub_(new))[..., None])
@@ -248,16 +249,16 @@ class Partial:
 
 
 def grads(q, kv, dout, out, lse, calls: list[Call], kernel: Kernel, dq, dkv) -> None:
-    """Add the calls' gradients to the fp32 accumulators dq [Tq, Hq, D] and dkv [Tk, 2, Hkv, D]
-    (of kv, K and V stacked); out, lse: the merged attention of every call of the query rows
-    (`Partial`)."""
+    """Add the calls' gradients to the fp32 accumulators dq [Tq, Hq, D] (a first call writes
+    its rows) and dkv [Tk, 2, Hkv, D] (of kv, K and V stacked); out, lse: the merged attention
+    of every call of the query rows (`Partial`)."""
     with torch.autocast(q.device.type, enabled=False):
         for call in calls:
             rows = call.q.take
             kv_rows = call.k.take(kv)
             dq_c, dk_c, dv_c = kernel.backward(rows(dout), rows(q), kv_rows[:, :, 0], kv_rows[:, :, 1],
                                                rows(out), rows(lse), call.causal, call.mask)
-            call.q.add(dq, dq_c.to(dq.dtype))
+            (call.q.put if call.first else call.q.add)(dq, dq_c.to(dq.dtype))
             if call.k.index is None:                                # views: added in place
                 call.k.add(dkv[:, 0], dk_c.to(dkv.dtype))
                 call.k.add(dkv[:, 1], dv_c.to(dkv.dtype))
@@ -266,33 +267,27 @@ def grads(q, kv, dout, out, lse, calls: list[Call], kernel: Kernel, dq, dkv) -> 
 
 
 class _FusedAttention(torch.autograd.Function):
-    """q [T_loc, Hq, D] against one key source kv [T_k, 2, Hkv, D] (K and V stacked) through
-    `plan.calls[0]`."""
+    """q [T_loc, Hq, D] against the K/V of every rank of `plan.group` through `plan.calls[0]`:
+    kv [T_loc, 2, Hkv, D] (K and V stacked) is all-gathered here and its gradient, summed in
+    one fp32 buffer, reduce-scattered in that buffer (no copy for the collective)."""
 
     @staticmethod
     def forward(ctx, q, kv, plan):
-        calls = plan.calls[0]
-        if len(calls) == 1 and calls[0].q.covers(q):  # one call over every query row: no merge
-            call = calls[0]
-            kv_rows = call.k.take(kv)
-            with torch.autocast(q.device.type, enabled=False):
-                out, lse = plan.kernel.forward(call.q.take(q), kv_rows[:, :, 0], kv_rows[:, :, 1], call.causal,
-                                               call.mask)
-            out, lse = out.flatten(0, 1).contiguous(), lse.flatten(0, 1).contiguous()
-        else:
-            state = Partial.empty(q)
-            state.fold(q, kv, calls, plan.kernel)
-            out, lse = state.result(q.dtype), state.lse
+        kv = all_gather_rows(kv, plan.group)                               # [c * T_loc, 2, Hkv, D]
+        state = Partial.empty(q)
+        state.fold(q, kv, plan.calls[0], plan.kernel)
+        out = state.result(q.dtype)
         ctx.plan = plan
-        ctx.save_for_backward(q, kv, out, lse)
+        ctx.save_for_backward(q, kv, out, state.lse)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
-        dq, dkv = (torch.zeros(x.shape, dtype=acc_dtype(x.dtype), device=x.device) for x in (q, kv))
+        dq = torch.empty(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+        dkv = torch.zeros(kv.shape, dtype=acc_dtype(kv.dtype), device=kv.device)
         grads(q, kv, dout, out, lse, ctx.plan.calls[0], ctx.plan.kernel, dq, dkv)
-        return dq.to(q.dtype), dkv.to(kv.dtype), None
+        return dq.to(q.dtype), reduce_scatter_rows(dkv, ctx.plan.group).to(kv.dtype), None
 
 
 def _ring_shift(x: torch.Tensor, group, tag: int):
@@ -340,7 +335,7 @@ class _RingAttention(torch.autograd.Function):
         group = plan.group
         size, rank = group_size(group), group_rank(group)
         acc = acc_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq = torch.empty(q.shape, dtype=acc, device=q.device)
         kv = torch.stack([k, v], dim=1)
         for step in range(size):
             if step < size - 1:

@@ -160,7 +160,7 @@ class ViTEncoder(nn.Module):
         t = np.arange(tokens)
         keys = (t // k)[None] * images * k + np.arange(images)[:, None] * k + (t % k)[None]
         queries = np.arange(images * k).reshape(images, k)
-        call = Call(Rows.of(queries, device), Rows.of(keys, device), causal=False)
+        call = Call(Rows.of(queries, device), Rows.of(keys, device), causal=False, first=True)
         return CPAttentionPlan(self.cp_group, "allgather", [[call]], fused_kernel(device))
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
