@@ -128,6 +128,8 @@ def test_wrong_type_fails():
     (["llm.attention_backend=te", "llm.layout.cp=2"], "llm.attention_backend"),
     (["llm.attention_backend=flash", "llm.layout.cp=2"], "llm.attention_backend"),
     (["data.eval_fraction=1.5"], "data.eval_fraction"),
+    (["data.max_seq_len=0"], "data.max_seq_len"),
+    (["trainer.save_every=-2"], "trainer.save_every"),
 ])
 def test_validation_names_field_value_and_fix(overrides, field):
     with pytest.raises(ConfigError) as e:

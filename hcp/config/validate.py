@@ -104,6 +104,13 @@ def check_trainer(cfg, layouts) -> None:
     for key in ("max_steps", "global_batch_size", "micro_batch_tokens", "log_every"):
         if t[key] < 1:
             raise ConfigError(f"trainer.{key}", t[key], "must be >= 1", "use a positive value")
+    for key in ("eval_every", "save_every", "eval_samples"):
+        if t[key] < 0:
+            raise ConfigError(f"trainer.{key}", t[key], "must be >= 0", "use 0 (only at the end; "
+                              "eval_samples: the whole held-out split) or a positive value")
+    if cfg.data.max_seq_len < 1:
+        raise ConfigError("data.max_seq_len", cfg.data.max_seq_len, "must be >= 1 (the longest "
+                          "sample in tokens)", "use a positive value, e.g. data.max_seq_len=512")
     cap = t.get("eval_max_new_tokens")
     if cap is not None and cap < 1:
         raise ConfigError("trainer.eval_max_new_tokens", cap, "greedy evaluation must decode at least "
