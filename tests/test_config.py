@@ -223,6 +223,8 @@ def test_launch_inputs_are_checked_before_ranks_start(tmp_path):
         check_resume(*with_specs(compose_cfg([f"resume={tmp_path}/nope"])))
     with pytest.raises(ConfigError, match="data.path"):
         prepare_data(*with_specs(compose_cfg(["data=llava_json"])))
+    with pytest.raises(ConfigError, match=r"data.path='/nope.json': no such file\. Fix"):
+        prepare_data(*with_specs(compose_cfg(["data=llava_json", "data.path=/nope.json"])))
     with pytest.raises(ConfigError, match="exceeds the 1527 training samples"):
         prepare_data(*with_specs(compose_cfg(["trainer.global_batch_size=2000"])))
 
