@@ -130,6 +130,8 @@ def test_wrong_type_fails():
     (["data.eval_fraction=1.5"], "data.eval_fraction"),
     (["data.max_seq_len=0"], "data.max_seq_len"),
     (["trainer.save_every=-2"], "trainer.save_every"),
+    (["optim.warmup_ratio=2"], "optim.warmup_ratio"),
+    (["trainer.grad_clip=-1"], "trainer.grad_clip"),
 ])
 def test_validation_names_field_value_and_fix(overrides, field):
     with pytest.raises(ConfigError) as e:
