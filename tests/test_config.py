@@ -132,6 +132,7 @@ def test_wrong_type_fails():
     (["trainer.save_every=-2"], "trainer.save_every"),
     (["optim.warmup_ratio=2"], "optim.warmup_ratio"),
     (["trainer.grad_clip=-1"], "trainer.grad_clip"),
+    (["data.images_per_sample=-1"], "data.images_per_sample"),
 ])
 def test_validation_names_field_value_and_fix(overrides, field):
     with pytest.raises(ConfigError) as e:

@@ -108,7 +108,8 @@ def check_trainer(cfg, layouts) -> None:
                              ("trainer.save_every", t.save_every, "only at the end"),
                              ("trainer.eval_samples", t.eval_samples, "the whole held-out split"),
                              ("trainer.grad_clip", t.grad_clip, "no clipping"),
-                             ("checkpoint.keep", cfg.checkpoint.keep, "keep every checkpoint")):
+                             ("checkpoint.keep", cfg.checkpoint.keep, "keep every checkpoint"),
+                             ("data.images_per_sample", cfg.data.images_per_sample, "text only")):
         if value < 0:
             raise ConfigError(key, value, f"must be >= 0 (0: {zero})", "use 0 or a positive value")
     for key, example in (("warmup_ratio", 0.03), ("min_lr_ratio", 0.0)):
