@@ -128,6 +128,11 @@ def test_wrong_type_fails():
     (["llm.attention_backend=te", "llm.layout.cp=2"], "llm.attention_backend"),
     (["llm.attention_backend=flash", "llm.layout.cp=2"], "llm.attention_backend"),
     (["data.eval_fraction=1.5"], "data.eval_fraction"),
+    (["data.max_seq_len=0"], "data.max_seq_len"),
+    (["trainer.save_every=-2"], "trainer.save_every"),
+    (["optim.warmup_ratio=2"], "optim.warmup_ratio"),
+    (["trainer.grad_clip=-1"], "trainer.grad_clip"),
+    (["data.images_per_sample=-1"], "data.images_per_sample"),
 ])
 def test_validation_names_field_value_and_fix(overrides, field):
     with pytest.raises(ConfigError) as e:
@@ -221,6 +226,8 @@ def test_launch_inputs_are_checked_before_ranks_start(tmp_path):
         check_resume(*with_specs(compose_cfg([f"resume={tmp_path}/nope"])))
     with pytest.raises(ConfigError, match="data.path"):
         prepare_data(*with_specs(compose_cfg(["data=llava_json"])))
+    with pytest.raises(ConfigError, match=r"data.path='/nope.json': no such file\. Fix"):
+        prepare_data(*with_specs(compose_cfg(["data=llava_json", "data.path=/nope.json"])))
     with pytest.raises(ConfigError, match="exceeds the 1527 training samples"):
         prepare_data(*with_specs(compose_cfg(["trainer.global_batch_size=2000"])))
 

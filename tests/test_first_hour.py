@@ -121,3 +121,6 @@ def test_a_named_module_the_config_lacks_names_the_modules_there_are():
         check_module_names(["+recipe=llava_tiny", "encoders.vision2.layout.tp=1"])
     assert "+encoder@encoders.vision2=vit_tiny" in str(e.value) and "encoders: none" in str(e.value)
     check_module_names(["+recipe=llava_tiny", "+encoder@encoders.vision2=vit_tiny", "encoders.vision2.layout.tp=1"])
+    with pytest.raises(ConfigError) as e:  # Hydra's own: an AssertionError traceback
+        check_module_names(["+recipe=llama_tiny", "vision.layout.cp=2"])
+    assert e.value.field == "vision.layout.cp" and "no `vision` (it is null" in str(e.value)

@@ -207,7 +207,8 @@ def test_layers_divisible_by_pp():
 
 def test_pp_layers_must_sum_to_layers_with_one_entry_per_stage():
     fails("llm.layout.pp_layers", 8, "llm.layout.pp=2", "llm.layout.pp_layers=[1,2]", match="summing to 2")
-    fails("llm.layout.pp_layers", 8, "llm.layout.pp=2", "llm.num_layers=3", "llm.layout.pp_layers=[3]")
+    fails("llm.layout.pp_layers", 8, "llm.layout.pp=2", "llm.num_layers=3", "llm.layout.pp_layers=[3]",
+          match="or set llm.layout.pp=1")
     fails("llm.layout.pp_layers", 8, "llm.layout.pp=2", "llm.layout.pp_layers=[2,0]")
 
 

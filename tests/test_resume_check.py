@@ -22,3 +22,10 @@ def test_resume_into_a_config_without_a_module_says_absent_not_frozen(tmp_path):
     gone = [n for n in saved if n.split(".")[0] in ("vision2", "projector2")]
     assert gone and f"trained there, absent now ({len(gone)}): {gone[0]}" in msg
     assert "frozen now" not in msg and f"use init_from_checkpoint={tmp_path}" in msg
+
+
+def test_resume_past_max_steps_is_refused_and_a_finished_run_is_not(tmp_path):
+    (tmp_path / "trainer.json").write_text(json.dumps({"step": 400}))
+    with pytest.raises(ConfigError, match=r"trainer.max_steps=2: .* already at step 400.*max_steps > 400"):
+        check_resume(*with_specs(compose_cfg([f"resume={tmp_path}", "trainer.max_steps=2"])))
+    check_resume(*with_specs(compose_cfg([f"resume={tmp_path}", "trainer.max_steps=400"])))

@@ -135,6 +135,13 @@ def test_blending_gives_the_requested_proportions_over_many_batches(tmp_path):
     assert any("big.jsonl" in l and "split into pieces (data.long_docs=split)" in l for l in lines), lines
 
 
+def test_a_missing_source_is_one_config_error_naming_its_entry(tmp_path):
+    cfg = compose_cfg(["+recipe=llama_tiny", "data=tokens", "data.max_seq_len=64",
+                       f"data.sources=[{{path: {tmp_path / 'nope'}, weight: 1}}]"])
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].path=.*nope.idx does not exist.*Fix"):
+        build_datasets(*with_specs(cfg))
+
+
 def test_truncate_keeps_one_sample_per_document_its_first_piece(tmp_path):
     with open(tmp_path / "d.jsonl", "w") as f:
         for n in (5, 70, 200):

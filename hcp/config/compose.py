@@ -45,36 +45,53 @@ def compose_config(overrides=(), run_dir: str = "/tmp/hcp-run", resolve: bool = 
 
 _NAMED = {"encoders": "+encoder@encoders.{name}=vit_tiny", "projectors": "'+projectors={{{name}:{{}}}}'"}
 """Named-module sections and how a command line adds a module to each (README, several encoders)."""
+_NULLABLE = ("vision", "projector")
+"""Module sections a recipe or model may set to null (`model=llama_tiny`: a text-only LM)."""
 
 
 def check_module_names(overrides: list[str]) -> None:
     """Raise ConfigError when an override sets a key of a named module (`encoders.NAME.*`,
     `projectors.NAME.*`) that the composed config does not have (a typo, or a module the
-    command line never adds). Hydra's own message says to add it with `+`, which then fails on
-    the type; this one names the modules there are and how to add one. The names come from
-    composing the command line without those overrides; a composition that fails is left to
+    command line never adds), or a key of `vision` / `projector` where the chosen recipe or
+    model sets it to null (a text-only LM: Hydra's own error was an AssertionError traceback).
+    Hydra's own message for a named module says to add it with `+`, which then fails on the
+    type; this one names the modules there are and how to add one. The names come from
+    composing the command line without those overrides (only when a recipe or model is chosen
+    for `vision` / `projector`: the base config has both); a composition that fails is left to
     Hydra's run.
 
     Raises:
-        ConfigError: the field is the override's key; the fix names the closest module or the
-            override that adds one.
+        ConfigError: the field is the override's key; the fix names the closest module, the
+            override that adds one, or a model that has the module.
     """
     import difflib
 
     from hcp.config.errors import ConfigError
 
-    def section(raw):
-        key = raw.lstrip("~+").partition("=")[0].strip()
-        parts = key.split(".")
-        return (parts[0], parts[1], key, raw.partition("=")[2]) if len(parts) > 2 and parts[0] in _NAMED else None
+    def key_of(raw):
+        return raw.lstrip("~+").partition("=")[0].strip()
 
+    def section(raw):
+        parts = key_of(raw).split(".")
+        return (parts[0], parts[1], key_of(raw), raw.partition("=")[2]) if len(parts) > 2 and parts[0] in _NAMED else None
+
+    chosen = any(key_of(o) in ("recipe", "model") for o in overrides)
+    nullable = [raw for raw in overrides if chosen and not raw.startswith("+")
+                and key_of(raw).split(".")[0] in _NULLABLE and "." in key_of(raw)]
     named = [(raw, section(raw)) for raw in overrides if not raw.startswith("+") and section(raw)]
-    if not named:
+    if not named and not nullable:
         return
     try:
-        cfg = compose_config([o for o in overrides if (o, section(o)) not in named], resolve=False)
+        cfg = compose_config([o for o in overrides if (o, section(o)) not in named and o not in nullable],
+                             resolve=False)
     except Exception:  # noqa: BLE001 - Hydra's run reports what fails to compose
         return
+    for raw in nullable:
+        if cfg[key_of(raw).split(".")[0]] is None:
+            raise ConfigError(key_of(raw), raw.partition("=")[2], f"this config has no "
+                              f"`{key_of(raw).split('.')[0]}` (it is null: a text-only LM)",
+                              "drop the override, or choose a model with an encoder (e.g. "
+                              "+recipe=llava_tiny)")
     for raw, (group, name, key, value) in named:
         there = sorted(cfg[group] or {})
         if name in there:

@@ -150,9 +150,11 @@ def _resolve_one(cfg, m: str, offset: int, count: int) -> ResolvedLayout:
     if lay.pp_layers is not None:
         split = tuple(int(n) for n in lay.pp_layers)
         if len(split) != lay.pp or sum(split) != layers or min(split) < 1:
+            other_pp = len(split) != lay.pp and sum(split) == layers and min(split) >= 1
             raise ConfigError(f"{m}.layout.pp_layers", list(split),
-                              f"needs {lay.pp} stages of >= 1 layer summing to {layers} layers",
-                              f"give {lay.pp} positive counts with sum {layers}")
+                              f"{m}.layout.pp={lay.pp} needs one count per stage, each >= 1, summing "
+                              f"to {layers} ({m}'s layers)", f"give {lay.pp} count(s) >= 1 with sum {layers}"
+                              + (f", or set {m}.layout.pp={len(split)}" if other_pp else ""))
     elif layers % lay.pp:
         raise ConfigError(f"{m}.layout.pp", lay.pp, f"{m} has {layers} layers, not divisible by it",
                           f"use {m}.layout.pp in {{values}} or give {m}.layout.pp_layers", _divisors(layers))

@@ -280,7 +280,7 @@ class LauncherConfig:
 class CheckpointConfig:
     dir: str = "${hydra:runtime.output_dir}/checkpoints"
     keep: int = 2
-    """Checkpoints kept; older ones are pruned."""
+    """Checkpoints kept; older ones are pruned (0: keep every one)."""
 
 
 @dataclass

@@ -104,6 +104,21 @@ def check_trainer(cfg, layouts) -> None:
     for key in ("max_steps", "global_batch_size", "micro_batch_tokens", "log_every"):
         if t[key] < 1:
             raise ConfigError(f"trainer.{key}", t[key], "must be >= 1", "use a positive value")
+    for key, value, zero in (("trainer.eval_every", t.eval_every, "only at the end"),
+                             ("trainer.save_every", t.save_every, "only at the end"),
+                             ("trainer.eval_samples", t.eval_samples, "the whole held-out split"),
+                             ("trainer.grad_clip", t.grad_clip, "no clipping"),
+                             ("checkpoint.keep", cfg.checkpoint.keep, "keep every checkpoint"),
+                             ("data.images_per_sample", cfg.data.images_per_sample, "text only")):
+        if value < 0:
+            raise ConfigError(key, value, f"must be >= 0 (0: {zero})", "use 0 or a positive value")
+    for key, example in (("warmup_ratio", 0.03), ("min_lr_ratio", 0.0)):
+        if not 0 <= cfg.optim[key] <= 1:
+            raise ConfigError(f"optim.{key}", cfg.optim[key], "must be in [0, 1] (a fraction)",
+                              f"use e.g. optim.{key}={example}")
+    if cfg.data.max_seq_len < 1:
+        raise ConfigError("data.max_seq_len", cfg.data.max_seq_len, "must be >= 1 (the longest "
+                          "sample in tokens)", "use a positive value, e.g. data.max_seq_len=512")
     cap = t.get("eval_max_new_tokens")
     if cap is not None and cap < 1:
         raise ConfigError("trainer.eval_max_new_tokens", cap, "greedy evaluation must decode at least "

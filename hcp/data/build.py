@@ -89,7 +89,7 @@ def build_datasets(cfg, specs):
     `specs` (`hcp.config.specs.ModuleSpecs`).
 
     Raises:
-        ConfigError: unknown `data.name`, a missing `data.path`, images without an encoder.
+        ConfigError: unknown `data.name`, a missing `data.path` (or a path that is not there), images without an encoder.
         hcp.data.llava.DataError: a bad record under `data.on_error=error`.
     """
     d, v = cfg.data, specs["vision"].arch if "vision" in specs else None
@@ -111,6 +111,13 @@ def build_datasets(cfg, specs):
         if not d.path:
             raise ConfigError("data.path", d.path, "data=llava_json needs the JSON file",
                               "add data.path=FILE.json (and data.image_folder=DIR)")
+        for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
+            if path and not os.path.isfile(path):
+                raise ConfigError(key, path, "no such file", "give the path of a LLaVA-1.5 "
+                                  "conversation JSON file")
+        if d.image_folder and not os.path.isdir(d.image_folder):
+            raise ConfigError("data.image_folder", d.image_folder, "no such folder", "give the folder "
+                              "the records' image paths are relative to (default: data.path's folder)")
         train_path, eval_path, folder = d.path, d.eval_path, d.image_folder
     else:
         raise ConfigError("data.name", d.name, "unknown data set", "use digits_vqa, digits_pair, digits_tiles, "

@@ -49,7 +49,7 @@ class HFTokenizer:
     def __init__(self, path: str):
         if not os.path.isfile(path):
             raise ConfigError("data.tokenizer", path, "no such tokenizer.json file",
-                              "give the path of a local Hugging Face tokenizer.json, or null for bytes")
+                              "give the path of a local Hugging Face tokenizer.json, or data.tokenizer=byte (the default)")
         try:
             from tokenizers import Tokenizer
         except ImportError as e:  # pragma: no cover - depends on the environment

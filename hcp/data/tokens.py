@@ -162,8 +162,8 @@ def build_tokens(d, tokenizer, vocab_size: int) -> BlendedTokens:
     """`data=tokens` from its config block `d`.
 
     Raises:
-        ConfigError: no sources, an entry without a path or with a weight <= 0.
-        FileNotFoundError / hcp.data.llava.DataError: a missing, corrupt or bad source file.
+        ConfigError: no sources, an entry without a path or with a weight <= 0, a missing file.
+        hcp.data.llava.DataError: a corrupt or bad source file.
     """
     if not d.get("sources"):
         raise ConfigError("data.sources", d.get("sources"), "data=tokens needs at least one source",
@@ -174,8 +174,12 @@ def build_tokens(d, tokenizer, vocab_size: int) -> BlendedTokens:
         if not path or weight <= 0:
             raise ConfigError(f"data.sources[{i}]", dict(src), "needs a path and a weight > 0",
                               "write {path: PREFIX_OR_FILE.jsonl, weight: 0.5}")
-        parts.append(TokenSamples(open_source(path, tokenizer, d.text_key), d.max_seq_len,
-                                  d.long_docs, vocab_size))
+        try:
+            docs = open_source(path, tokenizer, d.text_key)
+        except FileNotFoundError as e:  # a user error: one line before any rank starts
+            raise ConfigError(f"data.sources[{i}].path", path, str(e).removeprefix("data.sources: "),
+                              "give a .jsonl file or the PREFIX of PREFIX.bin + PREFIX.idx") from None
+        parts.append(TokenSamples(docs, d.max_seq_len, d.long_docs, vocab_size))
         weights.append(weight)
         names.append(path)
     return BlendedTokens(parts, weights, names)

@@ -267,7 +267,8 @@ def check_resume(cfg, specs) -> None:
     the config's `hcp.config.specs.ModuleSpecs`.
 
     Raises:
-        ConfigError: a folder that is not a complete checkpoint; trainable parameters that differ
+        ConfigError: a folder that is not a complete checkpoint; a checkpoint past
+            `trainer.max_steps`; trainable parameters that differ
             (names the parameters on each side: frozen now, absent now (modules this config
             lacks) or trained now, and the key to use instead).
     """
@@ -276,7 +277,14 @@ def check_resume(cfg, specs) -> None:
     path = latest(cfg.checkpoint.dir) if cfg.resume == "auto" else cfg.resume
     if path is None or cfg.mode == "export":  # export reads the weights, whatever trained them
         return
-    saved = _trainer_json(path).get("trainable")
+    state = _trainer_json(path)
+    step = state.get("step", 0)
+    if step > cfg.trainer.max_steps:  # equal: a finished run requeued, nothing left to do
+        raise ConfigError("trainer.max_steps", cfg.trainer.max_steps, f"{path} is already at step "
+                          f"{step}, past the last step", f"to continue it, use trainer.max_steps > "
+                          f"{step}; to start a new stage from its weights, use "
+                          f"init_from_checkpoint={path} instead of resume")
+    saved = state.get("trainable")
     if saved is None:
         return
     now, present = expected_trainable(specs), set(specs.names)
