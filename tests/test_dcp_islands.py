@@ -85,20 +85,21 @@ def test_dynamic_cp_on_islands_passes_the_launch_checks(name):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_six_cli_steps_on_islands_log_the_colocated_first_fit_losses(tmp_path):
+def test_ten_cli_steps_on_islands_log_the_colocated_first_fit_losses(tmp_path):
     """`+recipe=internvl_tiles_tiny` (tiles, encoder CP 2) colocated with first_fit, against the
     same recipe on islands: vision cp2 on ranks 0-1, the LLM pool of 4 with dynamic CP on ranks
-    2-5 (CP 1 and 2 chosen per micro-batch). Losses of 6 steps and the final held-out
-    evaluation within 1e-4 (two CLI runs of 6 steps of 8 samples)."""
+    2-5 (CP 1 and 2 chosen per micro-batch). Losses of 10 steps and the final held-out
+    evaluation within 1e-4. Two CLI runs of 10 steps of 8 samples (about 150 s together on the
+    loaded machine)."""
     from cfg_utils import cli_metrics, run_summary
 
-    small = ["trainer.global_batch_size=8", "trainer.check_plan=true", "trainer.max_steps=6"]
+    small = ["trainer.global_batch_size=8", "trainer.check_plan=true"]
     ref = cli_metrics(tmp_path / "colocated", "internvl_tiles_tiny", small)
     got = cli_metrics(tmp_path / "islands", "internvl_tiles_tiny", [
         *small, "placement=non_colocated", "vision.layout.num_ranks=2", "llm.layout.tp=1",
         "packing=dynamic_cp", "trainer.micro_batch_tokens=128", "launcher.nproc_per_node=6"])
     a, b = [r["loss"] for r in ref], [r["loss"] for r in got]
-    assert len(a) == 6 and a[-1] < a[0]
+    assert len(a) == 10 and a[-1] < a[0]
     assert b == pytest.approx(a, abs=1e-4)
     assert [r["loss_tokens"] for r in got] == [r["loss_tokens"] for r in ref]
     sizes = {int(k.removeprefix("micro_batches_cp")) for r in got for k in r if k.startswith("micro_batches_cp")}
