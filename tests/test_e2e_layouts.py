@@ -8,7 +8,7 @@ import pytest
 
 from cfg_utils import REPO
 
-STEPS = 10
+STEPS = 20
 RUN = ["+recipe=llama_tiny", f"trainer.max_steps={STEPS}", "logger=none", "trainer.log_every=1",
        "trainer.eval_every=0", "trainer.eval_samples=16", "trainer.progress_bar=false",
        "trainer.global_batch_size=8", "data.max_seq_len=256", "trainer.micro_batch_tokens=512",
