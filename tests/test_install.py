@@ -2,6 +2,7 @@
 command from another directory runs the main job with the configs shipped in the package."""
 import json
 import os
+import site
 import subprocess
 import sys
 import venv
@@ -14,10 +15,16 @@ from cfg_utils import REPO
 @pytest.fixture(scope="session")
 def installed(tmp_path_factory):
     """A venv that sees this interpreter's packages (torch and the other dependencies: nothing is
-    downloaded) with hcp installed from a wheel of this tree; built once per test session."""
+    downloaded) with hcp installed from a wheel of this tree; built once per test session. When
+    the suite itself runs in a virtual environment, "system" site-packages are the base
+    interpreter's, so a .pth file adds this interpreter's own (setuptools, wheel, torch)."""
     root = tmp_path_factory.mktemp("install")
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(root / "venv")
     py = str(root / "venv" / "bin" / "python")
+    own = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(own, "suite_interpreter.pth"), "w") as f:
+        f.write("\n".join(p for p in site.getsitepackages() if p != own) + "\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "--quiet", "--no-index",
                     "--no-build-isolation", REPO], check=True, env=env, timeout=120, cwd=root)
