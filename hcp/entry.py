@@ -76,8 +76,9 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     if cfg.mode == "plan":
         from hcp.preflight.plan_mode import run_plan
 
-        validate(cfg, world_size_of(cfg, resolve_nproc("auto")), unresolved)
+        layouts = validate(cfg, world_size_of(cfg, resolve_nproc("auto")), unresolved)
         check_profile(cfg)  # an error here too: a missing profile is not a layout to plan
+        check_resume(cfg, resolve_modules(cfg, layouts))  # the run it plans would refuse it
         print(f"hcp: run directory {run_dir}")
         plan = run_plan(cfg, run_dir)
         print(f"hcp: plan written to {run_dir}")

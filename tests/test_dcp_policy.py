@@ -67,8 +67,9 @@ def test_fewer_samples_than_pool_ranks_leave_ranks_with_empty_micro_batches():
 
 def test_clear_errors_before_ranks_start():
     bad = compose_config(["+recipe=llama_tiny", "packing_profile=/nonexistent.yaml"])
-    with pytest.raises(ConfigError, match="packing_profile='/nonexistent.yaml'"):
+    with pytest.raises(ConfigError, match="packing_profile='/nonexistent.yaml'") as e:
         check_dynamic_cp(bad)
+    assert str(e.value).count("nonexistent.yaml") == 1, e.value  # the value named once
     import subprocess  # mode=plan: an error (exit 2), not a "training refuses this layout" warning
     import sys
 
@@ -76,6 +77,10 @@ def test_clear_errors_before_ranks_start():
                            "packing_profile=/nonexistent.yaml", "mode=plan", "hydra.run.dir=/tmp/hcp-plan-profile"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "hcp: error: packing_profile='/nonexistent.yaml'" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, "train.py", "+recipe=llama_tiny", "resume=/nonexistent",
+                           "mode=plan", "hydra.run.dir=/tmp/hcp-plan-resume"],  # the run it plans refuses it
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "hcp: error: resume='/nonexistent'" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("pool", [1, 2, 4, 8, 16])

@@ -102,6 +102,7 @@ def check_dynamic_cp(cfg) -> None:
         load_profile(cfg.packing_profile)
     except ValueError as err:
         problem, _, fix = str(err).partition(". Fix: ")  # a fix of its own stays the only one
+        problem = problem.removeprefix(f"cost profile {cfg.packing_profile!r}: ")  # named once
         raise ConfigError("packing_profile", cfg.packing_profile, problem,
                           fix or "use h100 or the profile.yaml of mode=calibrate") from None
 

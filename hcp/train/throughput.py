@@ -1,4 +1,4 @@
-"""Per-step throughput metrics: model FLOPs, TFLOPS/GPU, peak memory, pipeline bubble.
+"""Per-step throughput metrics: model FLOPs, TFLOPS/GPU, peak memory, idle (bubble) fraction.
 
 Model FLOPs: hcp/model/flops.py (the one implementation; docs/design.md section 5): the REAL
 tokens of the global batch through the LLM decoder and its LM head, 3 x forward, ragged causal
@@ -24,8 +24,10 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def step_metrics(llm_cfg, counts: list[float], step_s: float, times, device, preempt=None) -> dict:
-    """TFLOPS/GPU, max peak memory over ranks (GiB) and the pipeline bubble fraction (mean over
-    ranks of 1 - busy / wall of the 1F1B schedule, from each stage's measured compute time).
+    """TFLOPS/GPU, max peak memory over ranks (GiB) and `bubble_fraction`: the mean over ranks of
+    1 - busy / wall, busy being the rank's measured forward/backward compute. It counts the
+    pipeline bubble and every wait (collectives, data, cores shared with other ranks), so it is
+    above zero at pp 1 too.
 
     counts: [global loss tokens, global tokens, global sum of squared document lengths];
     times: this rank's `StageTimes`; preempt: this rank's `hcp.launch.preempt.Preemption` (or
