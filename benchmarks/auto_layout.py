@@ -1,7 +1,7 @@
 """Does `layout=auto` pick a fast layout? Real 8-rank training of every layout its search
 considers, against its predictions (issue 27 section 2).
 
-    python benchmarks/auto_layout.py --json auto.json     # 7 layouts x 4 variants x 2 rounds (~25 min)
+    python benchmarks/auto_layout.py --json auto.json     # 7 layouts x 4 variants x 2 rounds (~40 min)
     python benchmarks/auto_layout.py --reuse              # the figures again from earlier measurements
     python benchmarks/auto_layout.py --calibrate --reuse  # fit cpu_profile.yaml's host model
 
@@ -268,7 +268,7 @@ def main(argv=None) -> None:
         out.append(run_variant(name, overrides, args))
     print(f"\nauto_layout benchmark: {args.world} ranks, {args.rounds} rounds of {args.warmup} warm-up + "
           f"{args.steps} timed steps (wall: the fastest step; CPU: medians), profile {args.profile}, {time.perf_counter() - start:.0f} s wall, "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"load average now {os.getloadavg()[0]:.1f}")
     print(f"  {'variant':<20} {'auto/best':>9} {'rank corr':>9} {'CPU auto/best':>13} {'CPU corr':>8} "
           f"{'measured':>8}  (wall; CPU: all ranks' CPU seconds) target <= 1.10, >= 0.8")
     for v in out:
