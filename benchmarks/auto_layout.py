@@ -1,7 +1,7 @@
 """Does `layout=auto` pick a fast layout? Real 8-rank training of every layout its search
 considers, against its predictions (issue 27 section 2).
 
-    python benchmarks/auto_layout.py --json auto.json     # 7 layouts x 4 variants (~20 min)
+    python benchmarks/auto_layout.py --json auto.json     # 7 layouts x 4 variants x 2 rounds (~40 min)
     python benchmarks/auto_layout.py --reuse              # the figures again from earlier measurements
     python benchmarks/auto_layout.py --calibrate --reuse  # fit cpu_profile.yaml's host model
 
@@ -13,9 +13,10 @@ what is left is the placement, the island size and the LLM's cp) under `--profil
 (`benchmarks/cpu_profile.yaml`: the CPU profile with its `host:` model, fitted on the recipe's
 variant and `CALIBRATION`'s, never on the others). Every ranked layout is trained: the real
 trainer on freshly forked ranks (the same data, seed and batch), `--warmup` steps, then
-`--steps` timed ones; measured: the mean wall `step_time_s` of the timed steps (metrics.jsonl)
-and the CPU seconds of all ranks together over them (load-robust: other users of the machine
-stretch wall time, not CPU time). Reported per variant, on both: the auto choice's measured step
+`--steps` timed ones, in `--rounds` interleaved rounds; measured (`measure_all`): the fastest
+wall `step_time_s` (metrics.jsonl) of the timed steps, and the median CPU seconds of all ranks
+together per timed step (load-robust: other users of the machine stretch wall time, not CPU
+time). Reported per variant, on both: the auto choice's measured step
 over the best measured one (target <= 1.10) and the Spearman rank correlation of predicted and
 measured steps (target >= 0.8).
 """
@@ -26,6 +27,8 @@ import json
 import os
 import sys
 import time
+
+import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -75,9 +78,8 @@ def _rank(payload) -> None:
             json.dump(marks, f)
 
 
-def measure(cfg, world: int, run_dir: str, steps: int) -> tuple[float, float]:
-    """(mean wall seconds, mean CPU seconds of all ranks together) of the timed (last `steps`)
-    steps of `cfg` trained on `world` forked local ranks."""
+def train(cfg, world: int, run_dir: str) -> None:
+    """Train `cfg` on `world` forked local ranks into `run_dir` (`_rank`)."""
     from omegaconf import OmegaConf
 
     from hcp.config.specs import resolve_modules
@@ -88,35 +90,58 @@ def measure(cfg, world: int, run_dir: str, steps: int) -> tuple[float, float]:
     prepare_data(cfg, resolve_modules(cfg))
     container = OmegaConf.to_container(cfg, resolve=True)
     start_local_ranks(_rank, world, (container, run_dir), "fork")
+
+
+def timed_steps(run_dir: str, world: int, steps: int) -> dict:
+    """{"wall_s": [steps], "cpu_s": [steps]} of the last `steps` steps a run left in `run_dir`:
+    each step's wall `step_time_s` (metrics.jsonl) and the CPU seconds of all ranks over it."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         times = [json.loads(line)["step_time_s"] for line in f if "step_time_s" in line]
-    cpu = 0.0
+    cpu = np.zeros(steps)
     for r in range(world):
         with open(os.path.join(run_dir, "cpu", f"{r}.json")) as f:
-            marks = json.load(f)
-        cpu += marks[-1] - marks[-1 - steps]
-    return sum(times[-steps:]) / steps, cpu / steps
+            cpu += np.diff(json.load(f)[-1 - steps:])
+    return {"wall_s": times[-steps:], "cpu_s": cpu.tolist()}
 
 
-def _measured(trial, name: str, cand, args) -> dict:
-    """{"wall_s", "cpu_s"} of the candidate applied in `trial` (`measure`); with `--reuse`, the
-    figures an earlier run of the same variant, layout and step counts left in its folder."""
+def _measured(trial, name: str, cand, args, round_: int) -> dict:
+    """`timed_steps` of the candidate applied in `trial`, trained in round `round_`; with
+    `--reuse`, those of an earlier run of the same variant, layout, round and step counts."""
     from hcp.preflight.auto_layout import describe
 
     tag = "-".join([cand.placement] + [f"{m}_{d}" for m, d in describe(cand).items()]).replace(" ", "_")
-    run_dir = os.path.join(args.out, name, tag)
+    run_dir = os.path.join(args.out, name, tag, f"round{round_}")
     key = {"layout": tag, "warmup": args.warmup, "steps": args.steps, "world": args.world}
     saved = os.path.join(run_dir, "measured.json")
     if args.reuse and os.path.exists(saved):
         with open(saved) as f:
-            found = json.load(f)
-        if found["key"] == key:
-            return found["measured"]
+            if json.load(f)["key"] == key:
+                return timed_steps(run_dir, args.world, args.steps)
     trial.checkpoint.dir = os.path.join(run_dir, "checkpoints")
-    wall, cpu = measure(trial, args.world, run_dir, args.steps)
+    train(trial, args.world, run_dir)
     with open(saved, "w") as f:
-        json.dump({"key": key, "measured": {"wall_s": wall, "cpu_s": cpu}}, f)
-    return {"wall_s": wall, "cpu_s": cpu}
+        json.dump({"key": key}, f)
+    return timed_steps(run_dir, args.world, args.steps)
+
+
+def measure_all(cfg, name: str, cands, args) -> list[dict]:
+    """{"wall_s", "cpu_s"} of each candidate over `--rounds` rounds, each training every
+    candidate once in turn (interleaved: the machine's load drifting over a variant's minutes
+    stretches every layout alike): wall, the fastest timed step of any round (other jobs of
+    the machine only ever stretch a step: the least stretched, as timeit's repeats); CPU, the
+    median over the rounds of each round's median step (other jobs barely move CPU seconds)."""
+    import copy
+
+    from hcp.preflight.auto_layout import apply_layout
+
+    rounds = [[] for _ in cands]
+    for r in range(args.rounds):
+        for k, cand in enumerate(cands):
+            trial = copy.deepcopy(cfg)
+            apply_layout(trial, cand)
+            rounds[k].append(_measured(trial, name, cand, args, r))
+    return [{"wall_s": float(min(min(m["wall_s"]) for m in ms)),
+             "cpu_s": float(np.median([np.median(m["cpu_s"]) for m in ms]))} for ms in rounds]
 
 
 def variant_config(name: str, overrides: list[str], args):
@@ -134,11 +159,9 @@ def variant_config(name: str, overrides: list[str], args):
 
 def run_variant(name: str, overrides: list[str], args) -> dict:
     """One variant's measurements and figures (module docstring)."""
-    import copy
-
     from scipy.stats import spearmanr
 
-    from hcp.preflight.auto_layout import apply_layout, describe, search
+    from hcp.preflight.auto_layout import describe, search
     from hcp.preflight.auto_space import pinned_fields
 
     cfg = variant_config(name, overrides, args)
@@ -146,14 +169,14 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
     result = search(cfg, args.world, pinned_fields(cfg, PINS), top=10**6, prune=False)
     search_s = time.perf_counter() - t0
     rows = []
-    for k, (cand, score) in enumerate(result.ranked):
-        trial = copy.deepcopy(cfg)
-        apply_layout(trial, cand)
-        m = _measured(trial, name, cand, args)
+    measured = measure_all(cfg, name, [cand for cand, _ in result.ranked], args)
+    for k, ((cand, score), m) in enumerate(zip(result.ranked, measured)):
         rows.append({"predicted_rank": k + 1, "placement": cand.placement, "layout": describe(cand),
-                     "predicted_s": score.step_time_s, "measured_s": m["wall_s"], "cpu_s": m["cpu_s"]})
-        print(f"  {name}: #{k + 1} {cand.placement} {describe(cand)} predicted {score.step_time_s:.4g} s, "
-              f"measured {m['wall_s']:.4g} s wall, {m['cpu_s']:.4g} s CPU of all ranks", flush=True)
+                     "predicted_s": score.step_time_s, "predicted_work_s": score.work_s,
+                     "measured_s": m["wall_s"], "cpu_s": m["cpu_s"]})
+        print(f"  {name}: #{k + 1} {cand.placement} {describe(cand)} predicted {score.step_time_s:.4g} s "
+              f"({score.work_s:.4g} CPU s), measured {m['wall_s']:.4g} s wall, {m['cpu_s']:.4g} s CPU of "
+              f"all ranks", flush=True)
     pred = [r["predicted_s"] for r in rows]
 
     def rho(key):
@@ -167,22 +190,20 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
 
 
 def calibrate(args) -> None:
-    """Fit `--profile`'s `peak_flops`, `cp_latency` and host model (`hcp.preflight.auto_cost.Host`)
+    """Fit `--profile`'s `peak_flops`, `cp_latency` and host model (`hcp.preflight.auto_host.Host`)
     on the measured CPU seconds of the recipe's variant and the `CALIBRATION` ones (measured
     now, or `--reuse`d): the predicted work of all ranks is linear in 1 / peak_flops, layer_s,
     cp_layer_s, cp_latency and module_step_s, so non-negative least squares over them; `cores`:
     the measured CPU seconds over the wall seconds (the share of the cores the ranks got).
     Prints the fitted values to paste into the profile."""
-    import copy
     import tempfile
 
-    import numpy as np
     import yaml
     from scipy.optimize import nnls
 
     from hcp.dcp.hardware import read_profile
     from hcp.preflight.auto_cost import Scorer
-    from hcp.preflight.auto_layout import apply_layout, search
+    from hcp.preflight.auto_layout import search
     from hcp.preflight.auto_space import pinned_fields
 
     base = dict(read_profile(args.profile))
@@ -193,10 +214,8 @@ def calibrate(args) -> None:
     for name, overrides in {"llava_tiny_hetero": [], **CALIBRATION}.items():
         cfg = variant_config(name, overrides, args)
         result = search(cfg, args.world, pinned_fields(cfg, PINS), top=10**6, prune=False)
-        for cand, _ in result.ranked:
-            trial = copy.deepcopy(cfg)
-            apply_layout(trial, cand)
-            m = _measured(trial, name, cand, args)
+        cands = [cand for cand, _ in result.ranked]
+        for cand, m in zip(cands, measure_all(cfg, name, cands, args)):
             rows.append((cfg, cand, result.lengths))
             cpu.append(m["cpu_s"])
             wall.append(m["wall_s"])
@@ -225,8 +244,9 @@ def calibrate(args) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=8, help="local gloo ranks")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per layout")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per layout")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per layout")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per layout")
+    p.add_argument("--rounds", type=int, default=2, help="times every layout is trained, interleaved")
     p.add_argument("--profile", default=os.path.join(HERE, "cpu_profile.yaml"),
                    help="packing_profile of the predictions (h100: the analytic H100 defaults)")
     p.add_argument("--variants", nargs="*", default=None, help="names to run (default: all)")
@@ -246,8 +266,9 @@ def main(argv=None) -> None:
         if args.variants and name not in args.variants:
             continue
         out.append(run_variant(name, overrides, args))
-    print(f"\nauto_layout benchmark: {args.world} ranks, {args.warmup} warm-up + {args.steps} timed steps, "
-          f"profile {args.profile}, {time.perf_counter() - start:.0f} s wall")
+    print(f"\nauto_layout benchmark: {args.world} ranks, {args.rounds} rounds of {args.warmup} warm-up + "
+          f"{args.steps} timed steps (wall: the fastest step; CPU: medians), profile {args.profile}, {time.perf_counter() - start:.0f} s wall, "
+          f"load average now {os.getloadavg()[0]:.1f}")
     print(f"  {'variant':<20} {'auto/best':>9} {'rank corr':>9} {'CPU auto/best':>13} {'CPU corr':>8} "
           f"{'measured':>8}  (wall; CPU: all ranks' CPU seconds) target <= 1.10, >= 0.8")
     for v in out:

@@ -15,8 +15,9 @@ from omegaconf import OmegaConf
 from cfg_utils import REPO, compose_cfg
 from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
-from hcp.preflight.auto_cost import Scorer, combine_bounds, host_model
-from hcp.preflight.auto_layout import apply_layout, check_candidate, choose_layout, search
+from hcp.preflight.auto_cost import Scorer, combine_bounds
+from hcp.preflight.auto_host import host_model
+from hcp.preflight.auto_layout import apply_layout, check_candidate, choose_layout, search, tie_key
 from hcp.preflight.auto_space import (combine, encoder_options, island_sizes, module_options, pinned_fields,
                                       placements)
 from hcp.preflight.plan_mode import memory_per_rank
@@ -72,7 +73,10 @@ def test_search_finds_the_brute_force_optimum_and_its_bounds_hold():
     assert result.counts["scored"] < len(every)  # it pruned
     steps = [s.step_time_s for _, s in result.ranked]
     assert steps == sorted(steps) and len(steps) == 10
-    assert steps == pytest.approx(sorted(s.step_time_s for _, s in every)[:10], rel=1e-12)
+    distinct = {tie_key(c, s): s.step_time_s for c, s in every}  # LLM selective = none: one row
+    assert len(distinct) < len(every) and len({tie_key(*r) for r in result.ranked}) == 10
+    assert all(c.by_module["llm"].recompute != "selective" for c, _ in result.ranked)
+    assert steps == pytest.approx(sorted(distinct.values())[:10], rel=1e-12)
 
 
 def test_search_respects_pins_and_returns_only_feasible_layouts():

@@ -126,7 +126,7 @@ class HardwareProfile:
         (a `fit:` entry, the calibration's report, and a `host:` entry are ignored)."""
         data = dict(read_profile(path))
         data.pop("fit", None)
-        data.pop("host", None)  # CPU ranks sharing cores: hcp.preflight.auto_cost.Host
+        data.pop("host", None)  # CPU ranks sharing cores: hcp.preflight.auto_host.Host
         return _from_mapping(cls, data, path)
 
 

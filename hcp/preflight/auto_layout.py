@@ -22,7 +22,7 @@ import copy
 import heapq
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -104,7 +104,7 @@ def _groups(cfg, world: int, pinned: dict, scorer: Scorer, node: int):
 def search(cfg, world: int, pinned: dict, top: int = TOP, prune: bool = True,
            profile: str | None = None) -> SearchResult:
     """The `top` fastest candidates that fit and pass every rule (module docstring), best first
-    (ties: `_order`). Raises ConfigError when none does."""
+    (ties: `_order`; one row of a `tie_key`). Raises ConfigError when none does."""
     start, cpu = time.perf_counter(), time.process_time()
     check_searchable(cfg, pinned)
     scorer = Scorer(cfg, world, profile or cfg.packing_profile)
@@ -183,14 +183,29 @@ def _rank(cfg, world: int, groups, scorer: Scorer, top: int, prune: bool, inline
             counts["scored"] += 1
             if len(ranked) >= top and _order((cand, score)) >= _order(ranked[-1]):
                 continue
+            twin = next((k for k, item in enumerate(ranked) if tie_key(*item) == tie_key(cand, score)), None)
+            if twin is not None and _order((cand, score)) >= _order(ranked[twin]):
+                continue
             if inline and not passes(cand):
                 continue
+            if twin is not None:
+                del ranked[twin]
             ranked.append((cand, score))
             ranked.sort(key=_order)
             del ranked[top:]
     if not inline:
         ranked = [item for item in ranked if passes(item[0])]
     return ranked, counts, error
+
+
+def tie_key(cand: Candidate, score: Score) -> tuple:
+    """What a ranked row shows, the LLM's `selective` recompute read as `none`: the models price
+    the two alike (`hcp.preflight.memory`: the recomputed attention core keeps nothing beyond
+    its output; the cost model times full recompute only), so the ranking keeps one row of
+    such a tie, the simpler (`_order`), and the table shows distinct layouts."""
+    lays = tuple((m, replace(lay, recompute="none") if m == "llm" and lay.recompute == "selective" else lay)
+                 for m, lay in cand.layouts)
+    return cand.placement, lays, score.step_time_s, tuple(sorted(score.memory_gib.items()))
 
 
 def _order(item) -> tuple:
