@@ -270,3 +270,27 @@ def test_encoder_cp_is_searched_and_wins_where_the_batch_leaves_no_dp():
     assert no_cp.step_time_s > 1.05 * best.step_time_s
     for cand, score in result.ranked:
         _assert_trains(cfg, cand, score, 8)
+
+
+def test_a_rehearsal_report_corrects_every_memory_estimate(tmp_path):
+    """`rehearse.report`: each estimate times the report's largest tracked / plan ratio (never
+    below 1), and the search prunes on the corrected figure; a missing report names the key."""
+    report = tmp_path / "rehearsal.json"
+    report.write_text(json.dumps({"roles": [{"peak_gib": 30.0, "plan_gib": 25.0},
+                                            {"peak_gib": 10.0, "plan_gib": 20.0}]}))
+    plain = Scorer(_cfg(SMALL), 8, "h100")
+    corrected = Scorer(_cfg([*SMALL, f"rehearse.report={report}"]), 8, "h100")
+    ranked = [c for c, _ in search(_cfg(SMALL), 8, {}).ranked]
+    for cand in ranked:
+        assert corrected.memory(cand) == pytest.approx({k: 1.2 * v for k, v in plain.memory(cand).items()})
+    peaks = sorted(max(plain.memory(c).values()) for c in ranked)
+    cap = (peaks[0] + peaks[-1]) / 2 * 1.2  # between the corrected peaks: some ranked layouts no longer fit
+    assert peaks[0] < peaks[-1]
+    fits = search(_cfg([*SMALL, f"cluster.device_memory_gib={cap}", f"rehearse.report={report}"]), 8, {})
+    assert fits.counts["memory_correction"] == pytest.approx(1.2)
+    assert all(max(corrected.memory(c).values()) <= cap for c, _ in fits.ranked)
+    assert any(max(corrected.memory(c).values()) > cap for c in ranked)
+    report.write_text(json.dumps({"roles": [{"peak_gib": 10.0, "plan_gib": 20.0}]}))
+    assert Scorer(_cfg([*SMALL, f"rehearse.report={report}"]), 8, "h100").correction == 1.0
+    with pytest.raises(ConfigError, match="rehearse.report=.*no such file"):
+        Scorer(_cfg([*SMALL, f"rehearse.report={tmp_path}/none.json"]), 8, "h100")

@@ -38,6 +38,7 @@ from hcp.model.flops import model_flops
 from hcp.schedule.simulator import simulate_1f1b
 from hcp.preflight.auto_encoders import EncoderTerms, encoder_terms
 from hcp.preflight.auto_host import host_model, layer_calls, plain
+from hcp.preflight.rehearse.report import memory_correction
 from hcp.preflight.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times
 from hcp.preflight.auto_space import Candidate, sides
 from hcp.preflight.memory import GIB, module_memory, rank_activations, stage_params
@@ -101,6 +102,7 @@ class Scorer(EncoderTerms):
         self.hw = hardware(cfg, profile)
         self.host = host_model(profile)
         self.cap = float(cfg.cluster.device_memory_gib)
+        self.correction = memory_correction(cfg.rehearse.report) if cfg.rehearse.get("report") else 1.0
         self._cfgs, self._memory, self._llm, self._params, self._plans = {}, {}, {}, {}, {}
         lens = self.lens.astype(np.float64)
         self.llm_flops = model_flops(cfg.llm, float(lens.sum()), float((lens ** 2).sum()))
@@ -121,7 +123,12 @@ class Scorer(EncoderTerms):
         return self._cfgs[key]
 
     def memory(self, cand) -> dict:
-        """{role: GiB} of the candidate's largest rank per role (module docstring)."""
+        """{role: GiB} of the candidate's largest rank per role (module docstring), times the
+        rehearsal's correction (`rehearse.report`, 1 without one)."""
+        return {role: gib * self.correction for role, gib in self._estimate(cand).items()}
+
+    def _estimate(self, cand) -> dict:
+        """{role: GiB}: plan mode's memory model of the candidate's largest rank per role."""
         lays = cand.by_module
         vis = lays.get("vision")
         cfg = self._cfg(cand.placement, vis.recompute if vis else None)

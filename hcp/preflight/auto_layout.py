@@ -116,7 +116,7 @@ def search(cfg, world: int, pinned: dict, top: int = TOP, prune: bool = True,
     ranked, counts, error = _rank(cfg, world, groups, scorer, top, prune, inline=False)
     if error is not None:  # a ranked layout failed the full rules: rank again, checking each as it enters
         ranked, counts, error = _rank(cfg, world, groups, scorer, top, prune, inline=True)
-    counts = {"space": space, "llm_memory_dropped": dropped, **counts}
+    counts = {"space": space, "llm_memory_dropped": dropped, **counts, "memory_correction": scorer.correction}
     if not ranked and error is not None:
         raise error  # a rule outside the layouts (the model, the trainer) fails them all
     if not ranked:
@@ -303,7 +303,8 @@ def choose_layout(cfg, overrides, world: int, run_dir=None, verbose: bool = True
           f"by LLM memory, {c['memory_rejected']} by rank memory, {c['rule_rejected']} by layout rules, "
           f"{c['scored']} simulated, the rest pruned by bound) in {result.seconds:.1f} s ({result.cpu_seconds:.1f} CPU s); pinned: "
           f"{pinned or 'none'}; the batch priced: {len(result.lengths)} samples of {result.lengths_from}, "
-          f"mean {result.lengths.mean():.0f} tokens")
+          f"mean {result.lengths.mean():.0f} tokens"
+          + (f"; memory estimates x{c['memory_correction']:.3f} (rehearse.report)" if c["memory_correction"] != 1 else ""))
     say(format_table(rows, given))
     say(f"hcp: layout=auto chose {best['placement']}: "
           + "; ".join(f"{m} {d}" for m, d in best["describe"].items()) + f" ({why})")

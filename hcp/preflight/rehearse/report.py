@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 
+from hcp.config.errors import ConfigError
 from hcp.dcp.packing import rank_tokens
 from hcp.model.cp_attention import scored_pairs
 from hcp.model.cp_kernels import fused_kernel
@@ -118,3 +120,24 @@ def write_json(path: str, rows, mismatches, micro: dict, results, wall_s: float)
                       for r, res in sorted(results.items())}}
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
+
+
+def memory_correction(path: str) -> float:
+    """The factor (>= 1) by which `layout=auto` scales plan mode's memory estimates, from a
+    `rehearsal.json` (`rehearse.report`): the largest tracked / plan peak ratio over its roles,
+    1 when plan mode already covers every tracked peak.
+
+    Raises:
+        ConfigError: naming `rehearse.report` when the file is missing or holds no role with
+            both figures.
+    """
+    if not os.path.isfile(path):
+        raise ConfigError("rehearse.report", path, "no such file",
+                          "give the rehearsal.json that mode=rehearse wrote into its run directory")
+    with open(path) as f:
+        roles = json.load(f).get("roles", [])
+    ratios = [r["peak_gib"] / r["plan_gib"] for r in roles if r.get("peak_gib") and r.get("plan_gib")]
+    if not ratios:
+        raise ConfigError("rehearse.report", path, "no role with a tracked peak and a plan estimate",
+                          "give a rehearsal.json of a finished mode=rehearse run")
+    return max(1.0, max(ratios))
