@@ -1,13 +1,14 @@
 """The encoder island's cost model and floor of benchmarks/dcp_islands.py (issue 25 section 3):
 per rank of a vision island, the work of one step plan (`encoder_work`) and the unit costs
-measured on this machine (`measure_kv`, `measure_encoder`, `measure_sync`; `cp_call_seconds`
-from the gloo profile), combined into a modelled time and a floor (`encoder_times`).
+measured on this machine (`measure_kv`, `measure_encoder`, `measure_sync`), combined into a
+modelled time and a floor (`encoder_times`).
 
 The floor's unit costs are measured apart from the runs they judge, under the physical costs
-every layout of the benchmark pays on this machine: the ViT's FLOPs and layer calls on 8
-processes at once sharing the cores (as the benchmark's 8 ranks do: a rank's CPU time per FLOP
-is higher than alone), and the island's gradient sum (one all-reduce of the encoder's gradients
-over its 4 ranks per step, which DP and CP layouts alike pay)."""
+every layout of the benchmark pays on this machine: 8 processes at once sharing the cores (as
+the benchmark's 8 ranks do: a rank's CPU time per FLOP or per call is higher than alone), each
+running the ViT (its FLOPs and layer calls) or, in groups of the CP size, its CP attention;
+and the island's gradient sum (one all-reduce of the encoder's gradients over its 4 ranks per
+step, which DP and CP layouts alike pay)."""
 from __future__ import annotations
 
 import json
@@ -42,20 +43,9 @@ def encoder_work(cfg, vis, plan) -> np.ndarray:
     return np.array(out)
 
 
-def cp_call_seconds(cfg) -> float:
-    """Seconds per CP attention call (one block, one micro-batch) of the vision layout of `cfg`,
-    from the run's gloo profile (`packing_profile`, fitted on this kind of machine): its
-    `cp_overhead` + `cp_latency` ring steps per layer, forward plus twice that backward, as
-    `hcp.dcp.cost_model.CostModel` charges an LLM layer."""
-    from hcp.dcp.cost_model import CostModel
-    from hcp.dcp.hardware import load_profile
-
-    cost = CostModel(cfg.llm, load_profile(cfg.packing_profile))
-    return float(cost.latency(cfg.vision.layout.cp)[0] / cost.cp_layers[0]) * (1 + cost.bwd_factor)
-
-
 def _kv_rank(payload) -> None:
-    """One rank of `measure_kv`: CPU seconds of the ViT's CP attention forward + backward."""
+    """One rank of `measure_kv`: CPU seconds of the ViT's CP attention forward + backward in its
+    group of `cp` consecutive ranks."""
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -63,10 +53,12 @@ def _kv_rank(payload) -> None:
     from hcp.model.cp_attention import cp_attention
     from hcp.model.vit import ViTEncoder
 
-    vision, images, reps, path = payload
+    vision, cp, images, reps, path = payload
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    enc = ViTEncoder(OmegaConf.merge(vision, {"num_layers": 1}), cp_group=dist.group.WORLD)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)]  # all, in one order
+    enc = ViTEncoder(OmegaConf.merge(vision, {"num_layers": 1}), cp_group=groups[rank // cp])
     heads = vision.num_heads
     times = []
     for i in images:
@@ -81,24 +73,24 @@ def _kv_rank(payload) -> None:
             if k:
                 runs.append(time.process_time() - t0)
         times.append(min(runs))
-    if dist.get_rank() == 0:
-        with open(path, "w") as f:
-            json.dump(times, f)
+    with open(f"{path}.{rank}", "w") as f:
+        json.dump(times, f)
     dist.destroy_process_group()
 
 
-def measure_kv(root: str, vision, cp: int = 4, images=(8, 64), reps: int = 3) -> tuple[float, float]:
-    """(seconds per K/V byte a rank receives, seconds per call) of encoder CP, measured here: the
-    CPU time (least of `reps`: a floor) of one block's CP attention (the K/V all-gather, the attention
-    over the gathered keys and the backward's reduce-scatter) of the ViT `vision` on `cp` forked
-    gloo ranks at two image counts: the slope over the bytes each rank receives (`encoder_work`'s
-    column) and the intercept."""
+def measure_kv(root: str, vision, cp: int, images=(8, 64), reps: int = 3, procs: int = 8) -> tuple[float, float]:
+    """(seconds per K/V byte a rank receives, seconds per call) of encoder CP size `cp`, measured
+    here: the CPU time (least of `reps`: a floor) of one block's CP attention (the K/V
+    all-gather, the attention over the gathered keys and the backward's reduce-scatter) of the
+    ViT `vision` on `procs` forked gloo ranks at once (the benchmark's 8 ranks), in CP groups of
+    `cp`, at two image counts, the median over the ranks: the slope over the bytes each rank
+    receives (`encoder_work`'s column) and the intercept."""
     from hcp.launch.launch import start_local_ranks
     from hcp.parallel import encoder_cp
 
-    path = os.path.join(root, "kv.json")
-    start_local_ranks(_kv_rank, cp, (vision, list(images), reps, path), "fork")
-    t = json.load(open(path))
+    path = os.path.join(root, f"kv_{cp}.json")
+    start_local_ranks(_kv_rank, procs, (vision, cp, list(images), reps, path), "fork")
+    t = np.median([json.load(open(f"{path}.{r}")) for r in range(procs)], 0)
     k = encoder_cp.chunk((vision.image_size // vision.patch_size) ** 2 + encoder_cp.LEAD, cp)
     per_image = 2 * (cp - 1) * k * 2 * vision.hidden_size * 4
     per_byte = (t[1] - t[0]) / (per_image * (images[1] - images[0]))
@@ -197,8 +189,8 @@ def measure_sync(root: str, cfgs, ranks: int = 4, reps: int = 3) -> list[float]:
 def encoder_times(work, coef: np.ndarray, floor: np.ndarray, sync_s: float) -> tuple[float, float]:
     """(modelled, bound) seconds of the vision island, medians over the steps of `work`
     ([steps, ranks, 4], `encoder_work`), each plus the step's gradient sum `sync_s`
-    (`measure_sync`): modelled, the step's most loaded rank in each column at the model's unit
-    costs `coef` (its ranks meet at every micro-batch); bound, the columns' means over its ranks
-    at the measured floor unit costs `floor` (module docstring)."""
+    (`measure_sync`): modelled, the step's most loaded rank at the model's unit costs `coef`;
+    bound, the columns' means over its ranks at the measured floor unit costs `floor` (module
+    docstring)."""
     w = np.asarray(work)
-    return float(np.median(w.max(1) @ coef)) + sync_s, float(np.median(w.mean(1) @ floor)) + sync_s
+    return float(np.median((w @ coef).max(1))) + sync_s, float(np.median(w.mean(1) @ floor)) + sync_s
