@@ -293,7 +293,8 @@ def main(argv=None) -> dict:
     rows = report(results, kv)
     wall = time.perf_counter() - t0
     print(f"wall time {wall:.0f} s ({args.warmup} warm-up + {args.steps} timed steps per layout, 8 ranks)")
-    out = {"layouts": results, "comparisons": rows, "kv_s_per_byte_and_call": {str(c): k for c, k in kv.items()}, "wall_s": wall}
+    out = {"layouts": results, "comparisons": rows, "kv_s_per_byte_and_call": {str(c): k for c, k in kv.items()},
+           "wall_s": wall}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

@@ -20,20 +20,20 @@ import numpy as np
 
 def encoder_work(cfg, vis, plan) -> np.ndarray:
     """float [vision ranks, 4] of one step plan: per rank of the vision island (layout `vis`),
-    its training FLOPs (its lane's images, each rank computing its k = ceil(S / cp) positions of
-    every image: `encoder_flops` x k / S), the K/V bytes it receives (the all-gather of K and V
-    per block forward, the reduce-scatter of their gradients backward: 2 x (cp - 1) x k x 2D fp32
-    elements per image and block), its layer calls (blocks + patch embedding + projector per
-    micro-batch with images) and its CP attention calls (one per block and such micro-batch)."""
+    its training FLOPs and the K/V bytes it receives forward and backward (its lane's images,
+    each at hcp's terms, `hcp.preflight.auto_cost.encoder_cp_share`, fp32), its layer calls
+    (blocks + patch embedding + projector per micro-batch with images) and its CP attention
+    calls (one per block and such micro-batch)."""
     from hcp.model.flops import encoder_flops
     from hcp.parallel import encoder_cp
+    from hcp.preflight.auto_cost import encoder_cp_share
 
     v = cfg.vision
     blocks = v.num_layers + v.select_layer + 1
     tokens = (v.image_size // v.patch_size) ** 2 + encoder_cp.LEAD
-    k = encoder_cp.chunk(tokens, vis.cp)
-    per_image = encoder_flops(v, cfg.llm.hidden_size, 1.0) * k / tokens
-    kv_bytes = 2 * (vis.cp - 1) * k * 2 * v.hidden_size * 4 * blocks
+    per_image, kv_pass = encoder_cp_share(encoder_flops(v, cfg.llm.hidden_size, 1.0), tokens, blocks,
+                                          v.hidden_size, vis.cp)
+    kv_bytes = 2 * kv_pass
     out = []
     for r in vis.ranks:
         images = np.asarray(plan.rank(r).encoder_inputs["vision"], dtype=np.float64)
@@ -87,12 +87,13 @@ def measure_kv(root: str, vision, cp: int, images=(8, 64), reps: int = 3, procs:
     receives (`encoder_work`'s column) and the intercept."""
     from hcp.launch.launch import start_local_ranks
     from hcp.parallel import encoder_cp
+    from hcp.preflight.auto_cost import encoder_cp_share
 
     path = os.path.join(root, f"kv_{cp}.json")
     start_local_ranks(_kv_rank, procs, (vision, cp, list(images), reps, path), "fork")
     t = np.median([json.load(open(f"{path}.{r}")) for r in range(procs)], 0)
-    k = encoder_cp.chunk((vision.image_size // vision.patch_size) ** 2 + encoder_cp.LEAD, cp)
-    per_image = 2 * (cp - 1) * k * 2 * vision.hidden_size * 4
+    tokens = (vision.image_size // vision.patch_size) ** 2 + encoder_cp.LEAD
+    per_image = 2 * encoder_cp_share(0.0, tokens, 1, vision.hidden_size, cp)[1]   # one block, both passes
     per_byte = (t[1] - t[0]) / (per_image * (images[1] - images[0]))
     return per_byte, max(0.0, t[0] - per_byte * per_image * images[0])
 
