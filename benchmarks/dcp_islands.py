@@ -25,15 +25,16 @@ median over the timed steps; 8 ranks share the machine's cores, so wall time hid
 profile (`hcp.dcp.solver.simulate_plan`); bound, the static plan's modelled time over the
 provable lower bound of any plan of the batch's lengths on the pool (`hcp.dcp.lower_bound`).
 Encoder island (`encoder_work`, per rank: FLOPs, K/V bytes, layer calls, CP attention calls):
-modelled, each column's most loaded rank at unit costs measured in this run: seconds per FLOP
-and per layer call fitted to the DP-only islands' steps (`calibrate`), per K/V byte of CP
-attention measured on 4 gloo ranks (`measure_kv`), per CP attention call from the gloo profile
-(`cp_call_seconds`), plus the step's gradient sum over the island (`measure_sync`). Bound: the
+modelled, the most loaded rank at unit costs measured in this run: seconds per FLOP and per
+layer call fitted per ViT width to each rank of the DP-only islands (`calibrate`), per K/V byte
+and per call of CP attention measured at its CP size (`measure_kv`), plus the step's gradient
+sum over the island (`measure_sync`). Bound: the
 DP-4 island's measured time over the new layout's floor, its columns spread evenly over its
 ranks (its slowest rank does at least the mean; no rank moves fewer bytes or makes fewer calls
 than its layout needs) at unit costs measured apart from the runs (the ViT forward + backward
 on 8 processes at once, one thread each, as the 8 ranks share this machine's cores,
-`measure_encoder`; the CP attention on 4 gloo ranks, `measure_kv`), plus the gradient sum every
+`measure_encoder`; the CP attention on 8 gloo ranks at once in groups of its CP size,
+`measure_kv`), plus the gradient sum every
 layout of the island pays (one all-reduce of its gradients over its 4 ranks, `measure_sync`):
 no waiting, no schedule, no route, so a lower bound of the island's critical path, and the most
 that layout could gain here (< 1: it cannot beat DP). Reported: measured ratio (baseline /
@@ -54,8 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)  # encoder_floor.py beside this file
 
-from encoder_floor import (cp_call_seconds, encoder_times, encoder_work, measure_encoder, measure_kv,  # noqa: E402
-                           measure_sync)
+from encoder_floor import encoder_times, encoder_work, measure_encoder, measure_kv, measure_sync  # noqa: E402
 
 ISLANDS = ["placement=non_colocated", "vision.layout.num_ranks=4", "vision.layout.tp=1", "llm.layout.tp=1",
            "launcher.nproc_per_node=8", "logger=none", "trainer.progress_bar=false", "trainer.eval_every=0",
@@ -130,22 +130,22 @@ def _rank(payload) -> None:
         json.dump({"busy": busy, "losses": losses, "head": tr.head}, f)
 
 
-def calibrate(results: dict) -> tuple[float, float]:
-    """(seconds per FLOP, seconds per layer call) of the encoder on this machine: fitted (non-
-    negative least squares) to the DP-only vision islands' step critical paths (`DP_ONLY`, whose
-    CP columns are 0) less their measured gradient sum (`measure_sync`) as the step's most
-    FLOPs x a + its most layer calls x b."""
+def calibrate(results: dict) -> dict[int, tuple[float, float]]:
+    """ViT width -> (seconds per FLOP, seconds per layer call) of the encoder on this machine:
+    fitted (non-negative least squares) to every rank and step of the DP-only vision islands of
+    that width (`DP_ONLY`, whose CP columns are 0): its CPU seconds less the measured gradient
+    sum (`measure_sync`) as its FLOPs x a + its layer calls x b. Per rank, as the lanes differ
+    in both; per width, as a layer call of the wider ViT costs more (its element-wise work)."""
     from scipy.optimize import nnls
 
-    x, y = [], []
+    points = {}
     for name in DP_ONLY:
         v = results[name]["model"]["vision"]
-        for work, busy in zip(v["work"], results[name]["vision_steps_s"]):
-            w = np.asarray(work)
-            x.append([w[:, 0].max(), w[:, 2].max()])
-            y.append(busy - v["sync_s"])
-    (per_flop, per_call), _ = nnls(np.array(x), np.array(y))
-    return float(per_flop), float(per_call)
+        x, y = points.setdefault(v["width"], ([], []))
+        for work, busy in zip(v["work"], np.transpose(results[name]["vision_busy_s"])):
+            x += [[w[0], w[2]] for w in work]
+            y += [b - v["sync_s"] for b in busy]
+    return {width: tuple(float(c) for c in nnls(np.array(x), np.array(y))[0]) for width, (x, y) in points.items()}
 
 
 def modelled(cfg, layouts, planner, batches) -> dict:
@@ -165,7 +165,7 @@ def modelled(cfg, layouts, planner, batches) -> dict:
         out["llm"]["critical"] += simulate_plan(plan.packing, plan.sizes.tokens, cost).iteration_time
         out["llm"]["bound"] += lower_bound(plan.sizes.tokens, cost, llm.dp * llm.cp, cap, several_per_round=True)
         out["vision"]["work"].append(encoder_work(cfg, layouts["vision"], plan).tolist())
-    out["vision"]["cp_call_s"] = cp_call_seconds(cfg)
+    out["vision"]["cp"] = layouts["vision"].cp
     return out
 
 
@@ -219,35 +219,34 @@ def run_layout(name, data, args, root, units: dict) -> dict:
     critical = {isl: float(np.median(np.max([r["busy"] for r in ranks if (r["head"] == "llm") == (isl == "llm")], 0)))
                 for isl in ("llm", "vision")}
     loss = next(r["losses"] for r in ranks if r["head"] == "llm")
-    vision = [r["busy"] for r in ranks if r["head"] != "llm"]
     model = layout_model(cfg, layouts, args)
     model["vision"]["floor_units"], model["vision"]["sync_s"] = units[cfg.vision.hidden_size]
     model["vision"]["width"] = cfg.vision.hidden_size
-    return {"critical_s": critical, "model": model, "losses": loss,
-            "busy_s": [r["busy"] for r in ranks], "vision_steps_s": np.max(vision, 0).tolist()}
+    return {"critical_s": critical, "model": model, "losses": loss, "busy_s": [r["busy"] for r in ranks],
+            "vision_busy_s": [r["busy"] for r in ranks if r["head"] != "llm"]}
 
 
-def report(results: dict, kv: tuple[float, float]) -> dict:
-    """Calibrate the encoder model on `results` (`run_layout` per layout; `kv`: `measure_kv`),
-    set each layout's vision "modelled_s" and "bound_s", print the comparisons; returns them by
-    name."""
-    per_flop, per_call = calibrate(results)
-    per_byte, kv_call = kv
+def report(results: dict, kv: dict[int, tuple[float, float]]) -> dict:
+    """Calibrate the encoder model on `results` (`run_layout` per layout; `kv`: CP size ->
+    `measure_kv`), set each layout's vision "modelled_s" and "bound_s", print the comparisons;
+    returns them by name."""
+    fits = calibrate(results)
     for r in results.values():
         v = r["model"]["vision"]
-        coef = np.array([per_flop, per_byte, per_call, v["cp_call_s"]])
+        (per_flop, per_call), (per_byte, kv_call) = fits[v["width"]], kv.get(v["cp"], (0.0, 0.0))
+        coef = np.array([per_flop, per_byte, per_call, kv_call])
         floor = np.array([v["floor_units"][0], per_byte, v["floor_units"][1], kv_call])
         v["modelled_s"], v["bound_s"] = encoder_times(v["work"], coef, floor, v["sync_s"])
-    print(f"encoder model: {1e-9 / max(per_flop, 1e-30):.0f} GFLOP/s and {1e3 * per_call:.1f} ms per layer "
-          f"call (fitted to the {' and '.join(DP_ONLY)} vision islands), K/V at "
-          f"{1e-6 / per_byte:.0f} MB/s (CP attention, measured) and "
-          f"{1e3 * results['encoder_cp4']['model']['vision']['cp_call_s']:.1f} ms per CP-4 attention call (profile)")
+    print("encoder model: " + "; ".join(f"width {w}: {1e-9 / max(f, 1e-30):.0f} GFLOP/s, {1e3 * c:.1f} ms per layer "
+                                        f"call" for w, (f, c) in sorted(fits.items()))
+          + f" (fitted to each rank of the {', '.join(DP_ONLY)} vision islands); CP attention (measured, model "
+          "and floor): " + "; ".join(f"CP {c}: K/V at {1e-6 / b:.0f} MB/s, {1e3 * k:.1f} ms per call"
+                                     for c, (b, k) in sorted(kv.items())))
     floors = {r["model"]["vision"]["width"]: (*r["model"]["vision"]["floor_units"], r["model"]["vision"]["sync_s"])
               for r in results.values()}
     print("encoder floor: " + "; ".join(f"width {w}: {1e-9 / f:.0f} GFLOP/s, {1e3 * c:.1f} ms per layer call, "
                                         f"{1e3 * s:.0f} ms per gradient sum" for w, (f, c, s) in sorted(floors.items()))
-          + f" (each ViT on 8 processes at once, its gradients over 4 gloo ranks); {1e3 * kv_call:.1f} ms per "
-          "CP attention call (measured)")
+          + " (each ViT on 8 processes at once, its gradients over 4 gloo ranks)")
     rows = {}
     print(f"{'comparison':<42} {'measured':>8} {'modelled':>8} {'bound':>6} {'measured/bound':>14}")
     for what, (base, new, isl) in COMPARE.items():
@@ -264,7 +263,7 @@ def report(results: dict, kv: tuple[float, float]) -> dict:
     print("bound, LLM: the static plan's modelled time over the provable lower bound of any plan. Encoder:\n"
           "the DP-4 island's measured time over the new layout's floor: its FLOPs, K/V bytes and calls spread\n"
           "evenly over its ranks (its slowest rank does at least the mean) at unit costs measured apart (the ViT\n"
-          "on 8 processes sharing the cores as the 8 ranks do, CP attention on 4 gloo ranks), plus the step's\n"
+          "and CP attention on 8 processes sharing the cores as the 8 ranks do), plus the step's\n"
           "gradient sum over the island (measured apart); no waiting, no schedule, no route. bound < 1: that\n"
           "layout cannot beat DP on this machine")
     return rows
@@ -284,7 +283,7 @@ def main(argv=None) -> dict:
     os.makedirs(os.path.join(root, "data"))
     data = make_records(os.path.join(root, "data"), 4 * args.samples * (args.warmup + args.steps))
     cfgs = [layout_config(n, data, args, os.path.join(root, "units", n))[0] for n in ("dynamic", "wide_dp4")]
-    kv = measure_kv(root, cfgs[0].vision)
+    kv = {cp: measure_kv(root, cfgs[0].vision, cp) for cp in (2, 4)}
     units = {c.vision.hidden_size: (measure_encoder(root, c), s) for c, s in zip(cfgs, measure_sync(root, cfgs))}
     results = {name: run_layout(name, data, args, root, units) for name in LAYOUTS}
     print(f"{'layout':<11} {'LLM island s':>12} {'vision island s':>15} {'losses'}")
@@ -294,7 +293,8 @@ def main(argv=None) -> dict:
     rows = report(results, kv)
     wall = time.perf_counter() - t0
     print(f"wall time {wall:.0f} s ({args.warmup} warm-up + {args.steps} timed steps per layout, 8 ranks)")
-    out = {"layouts": results, "comparisons": rows, "kv_s_per_byte_and_call": kv, "wall_s": wall}
+    out = {"layouts": results, "comparisons": rows, "kv_s_per_byte_and_call": {str(c): k for c, k in kv.items()},
+           "wall_s": wall}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

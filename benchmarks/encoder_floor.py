@@ -1,13 +1,14 @@
 """The encoder island's cost model and floor of benchmarks/dcp_islands.py (issue 25 section 3):
 per rank of a vision island, the work of one step plan (`encoder_work`) and the unit costs
-measured on this machine (`measure_kv`, `measure_encoder`, `measure_sync`; `cp_call_seconds`
-from the gloo profile), combined into a modelled time and a floor (`encoder_times`).
+measured on this machine (`measure_kv`, `measure_encoder`, `measure_sync`), combined into a
+modelled time and a floor (`encoder_times`).
 
 The floor's unit costs are measured apart from the runs they judge, under the physical costs
-every layout of the benchmark pays on this machine: the ViT's FLOPs and layer calls on 8
-processes at once sharing the cores (as the benchmark's 8 ranks do: a rank's CPU time per FLOP
-is higher than alone), and the island's gradient sum (one all-reduce of the encoder's gradients
-over its 4 ranks per step, which DP and CP layouts alike pay)."""
+every layout of the benchmark pays on this machine: 8 processes at once sharing the cores (as
+the benchmark's 8 ranks do: a rank's CPU time per FLOP or per call is higher than alone), each
+running the ViT (its FLOPs and layer calls) or, in groups of the CP size, its CP attention;
+and the island's gradient sum (one all-reduce of the encoder's gradients over its 4 ranks per
+step, which DP and CP layouts alike pay)."""
 from __future__ import annotations
 
 import json
@@ -19,20 +20,20 @@ import numpy as np
 
 def encoder_work(cfg, vis, plan) -> np.ndarray:
     """float [vision ranks, 4] of one step plan: per rank of the vision island (layout `vis`),
-    its training FLOPs (its lane's images, each rank computing its k = ceil(S / cp) positions of
-    every image: `encoder_flops` x k / S), the K/V bytes it receives (the all-gather of K and V
-    per block forward, the reduce-scatter of their gradients backward: 2 x (cp - 1) x k x 2D fp32
-    elements per image and block), its layer calls (blocks + patch embedding + projector per
-    micro-batch with images) and its CP attention calls (one per block and such micro-batch)."""
+    its training FLOPs and the K/V bytes it receives forward and backward (its lane's images,
+    each at hcp's terms, `hcp.preflight.auto_encoders.encoder_cp_share`, fp32), its layer calls
+    (blocks + patch embedding + projector per micro-batch with images) and its CP attention
+    calls (one per block and such micro-batch)."""
     from hcp.model.flops import encoder_flops
     from hcp.parallel import encoder_cp
+    from hcp.preflight.auto_encoders import encoder_cp_share
 
     v = cfg.vision
     blocks = v.num_layers + v.select_layer + 1
     tokens = (v.image_size // v.patch_size) ** 2 + encoder_cp.LEAD
-    k = encoder_cp.chunk(tokens, vis.cp)
-    per_image = encoder_flops(v, cfg.llm.hidden_size, 1.0) * k / tokens
-    kv_bytes = 2 * (vis.cp - 1) * k * 2 * v.hidden_size * 4 * blocks
+    per_image, kv_pass = encoder_cp_share(encoder_flops(v, cfg.llm.hidden_size, 1.0), tokens, blocks,
+                                          v.hidden_size, vis.cp)
+    kv_bytes = 2 * kv_pass
     out = []
     for r in vis.ranks:
         images = np.asarray(plan.rank(r).encoder_inputs["vision"], dtype=np.float64)
@@ -42,20 +43,9 @@ def encoder_work(cfg, vis, plan) -> np.ndarray:
     return np.array(out)
 
 
-def cp_call_seconds(cfg) -> float:
-    """Seconds per CP attention call (one block, one micro-batch) of the vision layout of `cfg`,
-    from the run's gloo profile (`packing_profile`, fitted on this kind of machine): its
-    `cp_overhead` + `cp_latency` ring steps per layer, forward plus twice that backward, as
-    `hcp.dcp.cost_model.CostModel` charges an LLM layer."""
-    from hcp.dcp.cost_model import CostModel
-    from hcp.dcp.hardware import load_profile
-
-    cost = CostModel(cfg.llm, load_profile(cfg.packing_profile))
-    return float(cost.latency(cfg.vision.layout.cp)[0] / cost.cp_layers[0]) * (1 + cost.bwd_factor)
-
-
 def _kv_rank(payload) -> None:
-    """One rank of `measure_kv`: CPU seconds of the ViT's CP attention forward + backward."""
+    """One rank of `measure_kv`: CPU seconds of the ViT's CP attention forward + backward in its
+    group of `cp` consecutive ranks."""
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -63,10 +53,12 @@ def _kv_rank(payload) -> None:
     from hcp.model.cp_attention import cp_attention
     from hcp.model.vit import ViTEncoder
 
-    vision, images, reps, path = payload
+    vision, cp, images, reps, path = payload
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    enc = ViTEncoder(OmegaConf.merge(vision, {"num_layers": 1}), cp_group=dist.group.WORLD)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)]  # all, in one order
+    enc = ViTEncoder(OmegaConf.merge(vision, {"num_layers": 1}), cp_group=groups[rank // cp])
     heads = vision.num_heads
     times = []
     for i in images:
@@ -81,26 +73,27 @@ def _kv_rank(payload) -> None:
             if k:
                 runs.append(time.process_time() - t0)
         times.append(min(runs))
-    if dist.get_rank() == 0:
-        with open(path, "w") as f:
-            json.dump(times, f)
+    with open(f"{path}.{rank}", "w") as f:
+        json.dump(times, f)
     dist.destroy_process_group()
 
 
-def measure_kv(root: str, vision, cp: int = 4, images=(8, 64), reps: int = 3) -> tuple[float, float]:
-    """(seconds per K/V byte a rank receives, seconds per call) of encoder CP, measured here: the
-    CPU time (least of `reps`: a floor) of one block's CP attention (the K/V all-gather, the attention
-    over the gathered keys and the backward's reduce-scatter) of the ViT `vision` on `cp` forked
-    gloo ranks at two image counts: the slope over the bytes each rank receives (`encoder_work`'s
-    column) and the intercept."""
+def measure_kv(root: str, vision, cp: int, images=(8, 64), reps: int = 3, procs: int = 8) -> tuple[float, float]:
+    """(seconds per K/V byte a rank receives, seconds per call) of encoder CP size `cp`, measured
+    here: the CPU time (least of `reps`: a floor) of one block's CP attention (the K/V
+    all-gather, the attention over the gathered keys and the backward's reduce-scatter) of the
+    ViT `vision` on `procs` forked gloo ranks at once (the benchmark's 8 ranks), in CP groups of
+    `cp`, at two image counts, the median over the ranks: the slope over the bytes each rank
+    receives (`encoder_work`'s column) and the intercept."""
     from hcp.launch.launch import start_local_ranks
     from hcp.parallel import encoder_cp
+    from hcp.preflight.auto_encoders import encoder_cp_share
 
-    path = os.path.join(root, "kv.json")
-    start_local_ranks(_kv_rank, cp, (vision, list(images), reps, path), "fork")
-    t = json.load(open(path))
-    k = encoder_cp.chunk((vision.image_size // vision.patch_size) ** 2 + encoder_cp.LEAD, cp)
-    per_image = 2 * (cp - 1) * k * 2 * vision.hidden_size * 4
+    path = os.path.join(root, f"kv_{cp}.json")
+    start_local_ranks(_kv_rank, procs, (vision, cp, list(images), reps, path), "fork")
+    t = np.median([json.load(open(f"{path}.{r}")) for r in range(procs)], 0)
+    tokens = (vision.image_size // vision.patch_size) ** 2 + encoder_cp.LEAD
+    per_image = 2 * encoder_cp_share(0.0, tokens, 1, vision.hidden_size, cp)[1]   # one block, both passes
     per_byte = (t[1] - t[0]) / (per_image * (images[1] - images[0]))
     return per_byte, max(0.0, t[0] - per_byte * per_image * images[0])
 
@@ -197,8 +190,8 @@ def measure_sync(root: str, cfgs, ranks: int = 4, reps: int = 3) -> list[float]:
 def encoder_times(work, coef: np.ndarray, floor: np.ndarray, sync_s: float) -> tuple[float, float]:
     """(modelled, bound) seconds of the vision island, medians over the steps of `work`
     ([steps, ranks, 4], `encoder_work`), each plus the step's gradient sum `sync_s`
-    (`measure_sync`): modelled, the step's most loaded rank in each column at the model's unit
-    costs `coef` (its ranks meet at every micro-batch); bound, the columns' means over its ranks
-    at the measured floor unit costs `floor` (module docstring)."""
+    (`measure_sync`): modelled, the step's most loaded rank at the model's unit costs `coef`;
+    bound, the columns' means over its ranks at the measured floor unit costs `floor` (module
+    docstring)."""
     w = np.asarray(work)
-    return float(np.median(w.max(1) @ coef)) + sync_s, float(np.median(w.mean(1) @ floor)) + sync_s
+    return float(np.median((w @ coef).max(1))) + sync_s, float(np.median(w.mean(1) @ floor)) + sync_s

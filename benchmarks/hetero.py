@@ -16,11 +16,12 @@ stated in the output); trailing Hydra overrides change it. On 8 ranks (`LAYOUTS[
   three-phase schedule;
 - non_colocated: the encoder at dp4 on an island of ranks 0-3 (`--encoder-ranks`), the LLM at
   cp2 x pp2 on ranks 4-7, one graph-aware 1F1B over encoder stage -> LLM stage 0 -> stage 1, the
-  encoder lanes holding blocks of the batch as the step plan gives them (a fan-in edge 4 -> 1:
-  the LLM consumes lane 0's block first, then lane 1's, ..., so the lanes take turns);
+  encoder lanes as the step plan gives them (`hcp.plan.island_routes.balanced_lanes`: each
+  micro-batch's samples shared over the lanes by inputs, in the LLM's consumption order; before
+  it, blocks of the batch that the lanes encoded in turns);
 - non_colocated_interleaved: the same, but every micro-batch's samples are dealt over the
-  encoder lanes (`hetero_rank.interleaved_lanes`), so the lanes encode parts of every
-  micro-batch (at most as many lanes work at once as an LLM micro-batch holds samples).
+  encoder lanes by image rows per micro-batch first (`hetero_rank.interleaved_lanes`, the
+  variant that preceded the plan's), so the lanes encode parts of every micro-batch.
 The encoder is deepened on 8 ranks (`MODEL_8`) so that it carries about as many FLOPs as the
 LLM: the regime where the island split matters. All layouts run the same global batch, packing,
 weights and seed on freshly forked gloo ranks (`benchmarks/hetero_rank.py`), and must report the

@@ -8,7 +8,7 @@ read by the trainer's own data path), step plan, weights and seed. What runs the
   on the one executor, each module's gradient sum) on a `Trainer` built from the config;
 - `non_colocated_interleaved`: the same trainer step, with each rank's `RankPlan` rewritten so
   that every micro-batch's samples are dealt over the encoder lanes (`interleaved_lanes`; routes
-  from `build_routes` over the same edge group) instead of the step plan's blocks;
+  from `build_routes` over the same edge group) instead of the step plan's lanes;
 - `homogeneous` (before issue 12, deliberately not hcp's path: a baseline): the vision encoder
   and projector inside the LLM's first PP stage (`LlavaModel(encoder=True)`), so every rank of a
   first-stage TP x CP group encodes every image of its micro-batches; run by the trainer's
@@ -133,8 +133,8 @@ def interleaved_lanes(plan, dp: int) -> dict[int, list[list[int]]]:
     """{lane: [micro-batch][samples]} of an encoder island's `dp` lanes when every micro-batch's
     samples (in the LLM's consumption order) are dealt over the lanes, each to the lane with the
     fewest image rows in that micro-batch (then in the step), so every lane encodes part of every
-    micro-batch. The step plan's block lanes (lane e encodes block e of the batch) serialize a
-    fan-in edge's lanes instead, since the LLM consumes the blocks one after another."""
+    micro-batch (the step plan's own `balanced_lanes` balances the inputs over every prefix of
+    micro-batches instead)."""
     consumed = [[s for g in r.groups for s in g.seq_indices] for r in plan.packing.rounds]
     lanes = {e: [[] for _ in consumed] for e in range(dp)}
     rows = plan.sizes.image_rows

@@ -1,6 +1,6 @@
 """benchmarks/dcp_islands.py's encoder model and bound, on recorded facts (no ranks): the
-calibration recovers the per-FLOP and per-layer-call seconds that made the DP islands' step
-times, and each encoder row's bound is the DP island's measured time over the new layout's
+calibration recovers, per ViT width, the per-FLOP and per-layer-call seconds that made the DP
+islands' rank times, and each encoder row's bound is the DP island's measured time over the new layout's
 floor (its FLOPs, K/V bytes and calls spread evenly, plus the gradient sum), so a layout
 measured at its model never beats its bound; `encoder_work` charges a CP rank its padded chunk and the gathered K/V."""
 import argparse
@@ -17,9 +17,10 @@ spec = importlib.util.spec_from_file_location("dcp_islands", ROOT / "benchmarks/
 bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bench)
 
-PER_FLOP, PER_CALL = 1 / 1.5e11, 0.02          # the "machine" that made the DP step times
+PER_FLOP, PER_CALL = 1 / 1.5e11, 0.02          # the "machine" that made the DP rank times (narrow ViT)
+WIDE_CALL = 0.05                                 # a wide ViT's layer call costs more
 FLOOR_UNITS = [0.8 * PER_FLOP, 0.8 * PER_CALL]   # measured alone: cheaper than in the island
-PER_BYTE, CP_CALL = 1 / 3e8, {1: 0.0, 2: 0.007, 4: 0.007}   # s per K/V byte, s per CP attention call
+PER_BYTE, CP_CALL = 1 / 3e8, {1: 0.0, 2: 0.005, 4: 0.007}   # s per K/V byte, s per CP attention call (by CP size)
 SYNC = {1: 0.05, 7: 0.3}                          # s per step's gradient sum, by ViT width
 
 
@@ -35,19 +36,21 @@ def _work(flops_per_lane, cp: int, calls: int):
 
 
 def _results(dp_lanes):
-    """Facts of the six layouts: DP step times made by PER_FLOP and PER_CALL, the CP layouts
-    measured exactly at their model, the floor's unit costs measured at the model's."""
+    """Facts of the six layouts: every rank's time made by PER_FLOP and PER_CALL (WIDE_CALL for
+    the wide ViT), the CP layouts measured exactly at their model, the floor's unit costs
+    measured at the model's."""
     out = {}
     for name, cp, wide in (("static", 1, 1), ("dynamic", 1, 1), ("encoder_cp2", 2, 1), ("encoder_cp4", 4, 1),
                            ("wide_dp4", 1, 7), ("wide_cp4", 4, 7)):
         lanes = [[wide * sum(l)] if cp == 4 else [l[0] + l[1], l[2] + l[3]] if cp == 2 else
                  [wide * f for f in l] for l in dp_lanes]
         work = _work(lanes, cp, 18)
-        coef = np.array([PER_FLOP, PER_BYTE, PER_CALL, CP_CALL[cp]])
-        steps = (work.max(1) @ coef + SYNC[wide]).tolist()
-        out[name] = {"critical_s": {"llm": 1.0, "vision": float(np.median(steps))}, "vision_steps_s": steps,
+        coef = np.array([PER_FLOP, PER_BYTE, PER_CALL if wide == 1 else WIDE_CALL, CP_CALL[cp]])
+        busy = work @ coef + SYNC[wide]                                # [steps, ranks]
+        out[name] = {"critical_s": {"llm": 1.0, "vision": float(np.median(busy.max(1)))},
+                     "vision_busy_s": busy.T.tolist(),
                      "model": {"llm": {"critical": 1.0, "bound": 0.8},
-                               "vision": {"work": work.tolist(), "cp_call_s": CP_CALL[cp],
+                               "vision": {"work": work.tolist(), "cp": cp,
                                           "floor_units": FLOOR_UNITS, "sync_s": SYNC[wide],
                                           "width": 384 * wide}}}
     return out
@@ -58,15 +61,16 @@ def _results(dp_lanes):
     ([[1e11, 1e10, 1e10, 1e10], [1.2e11, 2e10, 1e10, 1e10], [9e10, 1e10, 2e10, 1e10]], True)])
 def test_encoder_bound_is_the_dp_time_over_the_layouts_floor(dp_lanes, cp_wins, capsys):
     results = _results(dp_lanes)
-    assert np.allclose(bench.calibrate(results), (PER_FLOP, PER_CALL), rtol=1e-6)
-    rows = bench.report(results, (PER_BYTE, CP_CALL[4]))
+    fits = bench.calibrate(results)
+    assert np.allclose([fits[384], fits[7 * 384]], [(PER_FLOP, PER_CALL), (PER_FLOP, WIDE_CALL)], rtol=1e-6)
+    rows = bench.report(results, {c: (PER_BYTE, CP_CALL[c]) for c in (2, 4)})
     assert "bound, LLM" in capsys.readouterr().out
     for what, base, new, cp in (("encoder CP 2 x DP 2 vs DP 4 (vision island)", "dynamic", "encoder_cp2", 2),
                                 ("encoder CP 4 vs DP 4 (vision island)", "dynamic", "encoder_cp4", 4),
                                 ("wide ViT: encoder CP 4 vs DP 4 (vision)", "wide_dp4", "wide_cp4", 4)):
         dp = results[base]["critical_s"]["vision"]
         work = np.asarray(results[new]["model"]["vision"]["work"])
-        unit = np.array([FLOOR_UNITS[0], PER_BYTE, FLOOR_UNITS[1], CP_CALL[4]])
+        unit = np.array([FLOOR_UNITS[0], PER_BYTE, FLOOR_UNITS[1], CP_CALL[cp]])
         floor = float(np.median(work.mean(1) @ unit)) + results[new]["model"]["vision"]["sync_s"]
         row = rows[what]
         assert row["bound"] == pytest.approx(dp / floor)
@@ -77,7 +81,7 @@ def test_encoder_bound_is_the_dp_time_over_the_layouts_floor(dp_lanes, cp_wins, 
     work = np.asarray(results["encoder_cp4"]["model"]["vision"]["work"])
     model = np.array([PER_FLOP, PER_BYTE, PER_CALL, CP_CALL[4]])
     assert cp4["measured_over_bound"] == pytest.approx(
-        (np.median(work.mean(1) @ unit) + SYNC[1]) / (np.median(work.max(1) @ model) + SYNC[1]))
+        (np.median(work.mean(1) @ unit) + SYNC[1]) / (np.median((work @ model).max(1)) + SYNC[1]))
     assert (cp4["bound"] > 1) == cp_wins
 
 

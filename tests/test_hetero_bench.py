@@ -38,10 +38,13 @@ def test_hetero_benchmark_three_layouts_on_8_ranks(tmp_path):
     assert homo["route_bytes"] == 0
     for r in (het, nc, inter):
         assert r["route_bytes"] == r["route_min_bytes"] > 0
-    # 16 samples, 24 images: homogeneous stage-0 ranks (tp2 x cp2) each encode all of them,
-    # colocated dp8 lanes 3 each, the dp4 island 6 each (block lanes) or 24 in all (interleaved)
+    # 16 samples of 1 or 2 images, 24 in all: homogeneous stage-0 ranks (tp2 x cp2) each encode
+    # all of them, colocated dp8 lanes (blocks) 3 each, the dp4 island's lanes 24 in all, the
+    # plan's within one sample's images of each other (`balanced_lanes`)
     assert homo["images_per_rank"] == [24] * 4 + [0] * 4 and het["images_per_rank"] == [3] * 8
-    assert nc["images_per_rank"] == [6] * 4 + [0] * 4 and sum(inter["images_per_rank"][:4]) == 24
+    lanes = nc["images_per_rank"][:4]
+    assert sum(lanes) == 24 and max(lanes) - min(lanes) <= 2 and nc["images_per_rank"][4:] == [0] * 4
+    assert sum(inter["images_per_rank"][:4]) == 24
     assert max(het["encoder_flops_per_rank"]) * 8 == pytest.approx(max(homo["encoder_flops_per_rank"]))
     assert set(nc["bubble"]) == {"vision", "llm"} and len(nc["bubble"]["llm"]) == 2
     assert set(het["bubble"]) == {"llm"} and all(0 <= b < 1 for b in het["bubble"]["llm"])

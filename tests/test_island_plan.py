@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from hcp.parallel.cp_sharding import cp_shard
 from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
+from hcp.plan.island_routes import balanced_lanes
 from hcp.plan.step import plan_step
 from route_utils import build_routes
 from test_step_plan import EDGE, EDGES, encoder_cp_holder, random_sizes, row_ids
@@ -46,7 +47,7 @@ def check_island_plan(sizes, lays, mbt, variant="leader"):
             if mb.cp_rank == 0:
                 consumed[j] += list(mb.samples)
     assert sorted(s for c in consumed for s in c) == list(range(B))            # consumed once
-    # every encoder rank of a lane (all stages, TP replicas) encodes the lane's block, as one
+    # every encoder rank of a lane (all stages, TP replicas) encodes the lane's samples, as one
     # micro-batch per LLM micro-batch, in the order micro-batch j consumes them
     lanes = {}
     for r in range(enc.size):
@@ -60,6 +61,10 @@ def check_island_plan(sizes, lays, mbt, variant="leader"):
     for j in range(J):
         got = sorted((s for lane in lanes.values() for s in lane[j]), key=consumed[j].index)
         assert got == consumed[j]
+    # the lanes share the inputs: after every micro-batch their images so far differ by at most
+    # one sample's (`balanced_lanes`)
+    done = np.cumsum([[sizes.images[list(mb)].sum() for mb in lanes[d]] for d in sorted(lanes)], 1)
+    assert (np.ptp(done, 0) <= sizes.images.max(initial=0)).all()
     assert sorted(s for lane in lanes.values() for mb in lane for s in mb) == list(range(B))
     # per micro-batch: move row ids by the routes, compare with the CP shards' image rows
     ranks = edge_ranks(enc, llm)
@@ -134,6 +139,20 @@ def test_island_plans_encode_in_consumption_order_and_route_rows_to_their_cp_sha
     enc, llm, batch, seed, variant = case
     sizes = random_sizes(np.random.default_rng(seed), batch)
     check_island_plan(sizes, island_layouts(enc, llm), mbt=48, variant=variant)
+
+
+def test_balanced_lanes_share_a_skewed_batch_where_blocks_would_not():
+    """Four samples of 6 images then four without (one micro-batch): blocks of 4 would give
+    lane 0 all 24 inputs; the greedy gives each of 2 lanes 12 (most inputs first, ties to the
+    lane with fewer samples, then the lower lane), the same on every call."""
+    inputs = np.array([6, 6, 6, 6, 0, 0, 0, 0])
+    mb, consume = np.zeros(8, np.int64), np.arange(8)
+    lane = balanced_lanes(inputs, mb, consume, 2)
+    assert lane.tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert np.bincount(lane, weights=inputs).tolist() == [12, 12]
+    # two micro-batches (5, 1 then 3, 3): the second tops up lane 1, behind by 4 after the first
+    args = np.array([5, 1, 3, 3]), np.array([0, 0, 1, 1]), np.arange(4), 2
+    assert balanced_lanes(*args).tolist() == [0, 1, 1, 1] == balanced_lanes(*args).tolist()
 
 
 def test_island_sources_are_the_encoder_last_stage_and_the_leader_takes_the_rows():

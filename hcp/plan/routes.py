@@ -57,16 +57,17 @@ def rank_within(key: np.ndarray, part: np.ndarray, parts: int) -> np.ndarray:
     return out
 
 
-def route_into_llm(src_lay, mb_base, J, sizes, llm, s_group, doc_start, size, off, mb_of_group):
+def route_into_llm(src_lay, lane_of, mb_base, J, sizes, llm, s_group, doc_start, size, off, mb_of_group):
     """The RowTable of a colocated edge from an encoder-side module into the LLM, and the image
-    rows per (pool position, micro-batch) [pool, J]."""
+    rows per (pool position, micro-batch) [pool, J]. `lane_of` [B]: the source lane of each
+    sample (colocated: lane l encodes block l of the batch)."""
     pool = llm.dp * llm.cp
     sample, shard, mb, local = image_rows(sizes, llm, s_group, doc_start, size, off, mb_of_group)
     R = len(sample)
-    # source: lane block; the encoder CP rank holding the row (its chunk of the image), whose
-    # rows keep sample order; TP replica floor(p * tp / R) sends its row p (contiguous, balanced)
-    n, cp, tp = len(sizes) // src_lay.dp, src_lay.cp, src_lay.tp
-    lane = sample // n
+    # source: the sample's lane; the encoder CP rank holding the row (its chunk of the image),
+    # whose rows keep sample order; TP replica floor(p * tp / R) sends its row p (contiguous, balanced)
+    cp, tp = src_lay.cp, src_lay.tp
+    lane = lane_of[sample]
     src_cp = source_cp(sizes, cp)
     part = lane * cp + src_cp
     src_row = rank_within(np.arange(R), part, src_lay.dp * cp)

@@ -10,9 +10,11 @@ and shard, image-row offsets), the routing of every edge into the LLM
 The packing policy (`hcp.plan.policies`: `first_fit`, or `dynamic_cp` once registered) packs
 the LLM's micro-batches; each edge into the LLM is routed by `hcp.plan.routes` (colocated: one
 table per step) or `hcp.plan.island_routes` (non-colocated: one per micro-batch). Encoder-side
-modules use static lanes (lane l encodes block l of the batch; encoder CP: `hcp.parallel.
-encoder_cp`); encoder PP under colocated placement raises ValueError. Several streams are each
-routed from their own sizes (`stream_sizes`). Row conventions: `hcp.parallel.routing`."""
+modules' DP lanes: colocated, lane l encodes block l of the batch (the route's lanes map in
+blocks); on an island, the lanes share the inputs evenly (`island_routes.balanced_lanes`).
+Encoder CP: `hcp.parallel.encoder_cp`; encoder PP under colocated placement raises ValueError.
+Several streams are each routed from their own sizes (`stream_sizes`). Row conventions:
+`hcp.parallel.routing`."""
 from __future__ import annotations
 
 import hashlib
@@ -26,7 +28,7 @@ from hcp.parallel.grid import Grid
 from hcp.parallel.islands import edge_ranks
 from hcp.parallel.routing import RowTable
 from hcp.plan.actions import rank_actions
-from hcp.plan.island_routes import island_head, route_from_island, same_span
+from hcp.plan.island_routes import balanced_lanes, island_head, route_from_island, same_span
 from hcp.plan.lengths import SampleSizes
 from hcp.plan.policies import Policy, first_fit_policy, policy, register_policy
 from hcp.plan.rank_plan import Counts, MicroBatchPlan, RankPlan
@@ -46,7 +48,7 @@ class StepPlan:
     """LLM micro-batches over the CP pool (policy output)."""
     counts: Counts
     encoder_lanes: dict[str, int]
-    """Encoder-side module -> its dp (lane l encodes block l of the batch)."""
+    """Encoder-side module -> its dp (its lanes' samples: `lane_of`)."""
     tables: dict[tuple[str, str], RowTable]
     """Edge into the LLM -> its rows."""
     group_at: np.ndarray
@@ -87,6 +89,9 @@ class StepPlan:
     it would cross that group's CP collectives (gloo fails, NCCL would hang)."""
     edges: tuple = ()
     """The module graph's edges `(src, dst)` (each rank's action list follows them)."""
+    lane_of: dict = field(default_factory=dict)
+    """Encoder-side module -> [B] the DP lane that encodes each sample (module docstring; a
+    module on an encoder's island shares its head's)."""
 
     @property
     def num_micro_batches(self) -> int:
@@ -115,6 +120,7 @@ class StepPlan:
             feed(t.src, t.src_row, t.shard, t.dst_row, t.shard_ranks)
         for ranks in self.island_ranks.values():
             feed(list(ranks))
+        feed(*self.lane_of.values())
         c = self.counts
         h.update(repr((c.loss_tokens, c.tokens, float(c.sum_sq_lengths), c.image_rows)).encode())
         return int.from_bytes(h.digest(), "little") & (2**63 - 1)
@@ -124,13 +130,11 @@ class StepPlan:
         `checksum()` when asked (`trainer.check_plan`, on by default)."""
         enc, enc_mbs, inputs, rows_out = {}, {}, {}, {}
         into = {src for src, _ in self.island_tables}
-        for m, dp in self.encoder_lanes.items():
+        for m in self.encoder_lanes:
             grid = self.encoder_grids.get(m) or Grid.of(self.layouts[m])
             if grid.contains(rank):
-                n = len(self.sizes) // dp
                 at = grid.coords(rank)
-                lane = at["dp"]
-                enc[m] = tuple(range(lane * n, (lane + 1) * n))
+                enc[m] = tuple(np.flatnonzero(self.lane_of[m] == at["dp"]).tolist())
                 if self.island_tables:
                     enc_mbs[m] = self._encoder_micro_batches(enc[m])
                     sz = self.module_sizes.get(m, self.sizes)
@@ -250,7 +254,11 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
     mb_base = np.cumsum(local_tokens[group_at], axis=0) - local_tokens[group_at]
 
     source = {m: island_head(layouts, edges, m) for m in layouts if m != "llm"}
-    encoder_lanes, grids, tables = {}, {}, {}
+    into = [src for src, dst in edges if dst == "llm"]
+    fed = {m: next((b for a, b in edges if a == m and b in into), None) for m in source}
+    stream_sizes = stream_sizes or {}
+    module_sizes = {m: stream_sizes.get(m if m in into else fed[m], sizes) for m in source}
+    encoder_lanes, grids, tables, lane_of = {}, {}, {}, {}
     for m, head in source.items():
         lay = layouts[head]
         if lay.pp > 1 and same_span(lay, llm):
@@ -262,8 +270,11 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
         if B % lay.dp:
             raise ValueError(f"trainer.global_batch_size={B} is not divisible by {m}'s dp={lay.dp}")
         encoder_lanes[m], grids[m] = lay.dp, Grid.of(lay)
+        if head not in lane_of:
+            lane_of[head] = (np.arange(B) // (B // lay.dp) if same_span(lay, llm) else
+                             balanced_lanes(module_sizes[head].images, mb_of_group[s_group], consume, lay.dp))
+        lane_of[m] = lane_of[head]
     island_tables, island_ranks = {}, {}
-    stream_sizes = stream_sizes or {}
     offsets, stream_rows = {}, {}
     for src, dst in edges:
         if dst != "llm":
@@ -275,9 +286,10 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
         args = (rows, llm, s_group, doc_start, size, off, mb_of_group)
         head = layouts[source[src]]
         if same_span(head, llm):
-            tables[(src, dst)], row_counts = route_into_llm(layouts[src], mb_base, J, *args)
+            tables[(src, dst)], row_counts = route_into_llm(layouts[src], lane_of[src], mb_base, J, *args)
         else:
-            island_tables[(src, dst)], row_counts = route_from_island(head, consume, island_route, J, *args)
+            island_tables[(src, dst)], row_counts = route_from_island(head, lane_of[src], consume, island_route,
+                                                                      J, *args)
             island_ranks[(src, dst)] = edge_ranks(Grid.of(head), Grid.of(llm))
         offsets[src] = np.concatenate([np.zeros((pool, 1), np.int64), np.cumsum(row_counts, 1)], 1)
         stream_rows[src] = int(rows.image_rows_each.sum())
@@ -287,13 +299,10 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
     counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()), float((tok.astype(np.float64) ** 2).sum()),
                     sum(stream_rows.values()) if stream_rows else int(sizes.image_rows_each.sum()),
                     stream_rows)
-    into = [src for src, dst in edges if dst == "llm"]
-    fed = {m: next((b for a, b in edges if a == m and b in into), None) for m in source}
-    module_sizes = {m: stream_sizes.get(m if m in into else fed[m], sizes) for m in source}
     dynamic = packing == "dynamic_cp"
     return StepPlan(sizes, layouts, plan, counts, encoder_lanes, tables, group_at, groups,
                     local_tokens, image_row_offsets, grids, island_tables, island_ranks, consume,
                     mb_of_group[s_group], offsets, module_sizes=module_sizes,
                     keep_empty=bool(island_tables or llm.dp_shard or (dynamic and llm.pp > 1)),
                     overlap_grad_sync=not (dynamic and several_per_round(llm)),
-                    edges=tuple(tuple(e) for e in edges))
+                    edges=tuple(tuple(e) for e in edges), lane_of=lane_of)

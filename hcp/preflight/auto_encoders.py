@@ -26,6 +26,18 @@ from hcp.preflight.auto_space import projector_for
 from hcp.preflight.estimate import ring_s
 
 
+def encoder_cp_share(flops: float, tokens: int, blocks: int, hidden: int, cp: int, tp: int = 1,
+                     bytes_per_element: float = 4) -> tuple[float, float]:
+    """(training FLOPs, K/V bytes received per pass) of one encoder input on one rank under
+    encoder CP size `cp` and TP size `tp` (`hcp.parallel.encoder_cp`): its k = ceil(tokens / cp)
+    positions' share of the input's `flops`, over tp; per block, the K and V of the other
+    (cp - 1) x k positions (2 x hidden / tp elements each) that the forward all-gathers, and as
+    many bytes of their gradients that the backward reduce-scatters back. The one source of
+    these terms for the estimate (`Scorer`) and benchmarks/encoder_floor.py."""
+    k = chunk(tokens, cp)
+    return flops * k / tokens / tp, blocks * (cp - 1) * k * 2 * hidden / tp * bytes_per_element
+
+
 @dataclass(frozen=True)
 class Encoder:
     """What the estimate reads of one encoder (`encoder_terms`): training FLOPs of one input
@@ -88,14 +100,15 @@ class EncoderTerms:
         the reduce-scatter of their gradients backward; full recompute repeats the forward's."""
         hw, e = self.hw, self.encoders[enc.module]
         k = chunk(e.tokens, enc.cp)
-        fwd = e.flops / 3 * k / e.tokens / (hw.peak_flops * hw.matmul_efficiency * enc.tp)
+        flops, kv_bytes = encoder_cp_share(e.flops, e.tokens, e.blocks, e.hidden, enc.cp, enc.tp, hw.bytes_per_element)
+        fwd = flops / 3 / (hw.peak_flops * hw.matmul_efficiency)
         bwd = 2 * fwd + (fwd if enc.recompute == "full" else 0.0)
         comm = 0.0
         if enc.tp > 1:
             comm += 2 * e.blocks * float(ring_s(k * e.hidden * hw.bytes_per_element, enc.tp, enc.tp, hw))
         if enc.cp > 1:
             bw = hw.nvlink_bandwidth if enc.tp * enc.cp <= hw.ranks_per_node else hw.ib_bandwidth
-            comm += e.blocks * (enc.cp - 1) * k * 2 * e.hidden / enc.tp * hw.bytes_per_element / bw
+            comm += kv_bytes / bw
         return fwd + comm, bwd + comm * (2 if enc.recompute == "full" else 1)
 
     def _route_s(self, images, rows: int) -> float:
