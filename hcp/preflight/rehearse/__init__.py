@@ -44,7 +44,7 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     layouts must already be validated and the data prepared."""
     from hcp.config.layouts import resolve_layouts
     from hcp.parallel.roles import role_table
-    from hcp.preflight.plan_mode import memory_per_rank, running_layouts
+    from hcp.preflight.plan_mode import running_layouts
     from hcp.preflight.estimate import cost_model, hardware
     from hcp.preflight.rehearse.report import (find_mismatches, format_report, micro_batch_flops, role_rows,
                                            write_json)
@@ -67,14 +67,31 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     results = rehearse_ranks(cfg, run_dir, ranks, world, cfg.rehearse.steps, jobs, progress=said)
     wall = time.perf_counter() - t0
     mismatches = find_mismatches(results, world, cfg.cluster.device_memory_gib)
-    # plan mode's estimate of the heaviest step: its LLM micro-batches' worth of tokens (a small
-    # batch fills fewer than the 1F1B warm-up holds at full size, its last one partly)
-    worth = max((w for res in results.values() for w in res.step_worth), default=0)
-    plan_gib = {row["rank"]: row["total"] for row in
-                memory_per_rank(plan_cfg, layouts, world, micro_batches=worth or None)}
+    plan_gib = plan_per_rank(plan_cfg, layouts, world, results)
     micro = micro_batch_flops(results, stages, cost_model(cfg, running["llm"], hardware(cfg)),
                              running["llm"])
     rows = role_rows(results, roles, plan_gib, micro)
     print(format_report(rows, mismatches, wall), flush=True)
     write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall)
     return mismatches
+
+
+def plan_per_rank(cfg, layouts, world: int, results: dict) -> dict[int, float]:
+    """Plan mode's memory estimate in GiB of each rehearsed rank (`results`: rank ->
+    `RankResult`) for its own heaviest step: the LLM micro-batches' worth of tokens its lane's
+    step plan gave it (`RankResult.step_worth`; a small batch fills fewer than 1F1B's warm-up
+    holds at full size, its last one partly; none: the whole warm-up). Each rank's own, not the
+    largest of the ranks rehearsed with it, so a subset (`rehearse.ranks`) and the whole world
+    give a rank the same figure."""
+    from hcp.config.specs import resolve_modules
+    from hcp.preflight.plan_mode import memory_per_rank, named_shapes, stage_memory
+
+    specs = resolve_modules(cfg, layouts)
+    shapes, by_worth, out = named_shapes(specs), {}, {}
+    for r, res in sorted(results.items()):
+        worth = max(res.step_worth, default=0) or None
+        if worth not in by_worth:
+            mem = stage_memory(cfg, layouts, specs, shapes, micro_batches=worth)
+            by_worth[worth] = {row["rank"]: row["total"] for row in memory_per_rank(cfg, layouts, world, mem)}
+        out[r] = by_worth[worth][r]
+    return out
