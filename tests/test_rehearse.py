@@ -117,7 +117,7 @@ def test_each_rank_is_charged_its_own_step_whatever_else_is_rehearsed(monkeypatc
         monkeypatch.setattr(runner, "rehearse_ranks", lambda *a, **k: {
             r: runner.RankResult(r, step_worth=[worth[r]]) for r in ranks})
         run_rehearsal(cfg, str(tmp_path), 8, progress=False)
-        plans.append({row["ranks"][0]: row["plan_gib"] for row in json.load(open(tmp_path / "rehearsal.json"))["roles"]})
+        plans.append({int(r): rank["plan_gib"] for r, rank in json.load(open(tmp_path / "rehearsal.json"))["ranks"].items()})
     assert plans[0][first] == plans[1][first] > 0
     monkeypatch.setattr(runner, "rehearse_ranks", lambda *a, **k: {first: runner.RankResult(first, step_worth=[2.0])})
     run_rehearsal(cfg, str(tmp_path), 8, progress=False)

@@ -72,7 +72,7 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
                              running["llm"])
     rows = role_rows(results, roles, plan_gib, micro)
     print(format_report(rows, mismatches, wall), flush=True)
-    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall)
+    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall, plan_gib)
     return mismatches
 
 
