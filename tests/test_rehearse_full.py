@@ -1,8 +1,12 @@
 """Issue 23 section 4: the full-size recipes rehearse at their own world size under torch's
-`FakeTensorMode` (hcp.preflight.rehearse.runner): a few ranks of one pipeline (below), one step of
-a small global batch (the CI budget), every collective, send and receive of those ranks checked
-against each other, peak memory and FLOPs per role reported next to plan mode's and the cost
-model's. Marked `full_size` (`-m full_size` selects them); they run in the default suite."""
+`FakeTensorMode` (hcp.preflight.rehearse.runner), within the CI budget: one step (the
+issue allows fewer steps; `tests/test_rehearse_memory.py` shows a first rehearsed step's peak
+is the steady state's) of a small global batch, a few ranks of one pipeline (below). Every
+collective, send and receive of those ranks is checked against each other's, peak memory and
+FLOPs per role reported next to plan mode's and the cost model's. Not a proof for the ranks
+left out (hcp.preflight.rehearse: the other CP pool positions, encoder lanes and middle
+stages are classes of their own); the 8-rank tests of tests/test_rehearse.py rehearse every
+rank. Marked `full_size` (`-m full_size` selects them); they run in the default suite."""
 from __future__ import annotations
 
 import json

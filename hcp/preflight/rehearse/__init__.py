@@ -4,13 +4,17 @@ collectives, sends/receives and group creations are recorded and checked against
 rank's (`checks`), its peak memory is tracked and its FLOPs counted (`runner`), and the verdict
 is printed and written to `rehearsal.json` (`report`).
 
-`rehearse.ranks` restricts it to a subset, which is a proof for the whole world when it holds
-one rank of each class: ranks of one role and pipeline stage (their TP/CP/DP coordinates
-differ) run the same code on identically shaped data (every rank computes the same global step
-plan), so a rank issues its class's ops, its groups and peers named by the grid axes they span
-instead of by ranks (tests/test_rehearse.py checks two ranks of one class op by op). A
-data-dependent branch could still split a class; NCCL discipline forbids one, and a rehearsal
-of all ranks checks it."""
+`rehearse.ranks` restricts it to a subset. A class is the ranks of one role and pipeline stage
+whose step plan gives them identically shaped work (their TP/CP/DP coordinates differ): they
+run the same code, so a rank issues its class's ops, its groups and peers named by the grid axes
+they span instead of by ranks (tests/test_rehearse.py checks two ranks of one class op by op).
+A subset holding one rank of every class would stand for the world, but the step plan splits
+a stage into several classes where work differs by position (under `packing=dynamic_cp` each
+position of the CP pool runs its own sequence of CP groups and micro-batches; an encoder lane
+its own number of images), and sends and receives are matched only between rehearsed ranks. A
+subset that misses classes (the CI's full-size rehearsals: stages of one pipeline) proves its
+own ranks' ops, their agreement, peaks and FLOPs; only a rehearsal of all ranks checks the
+rest."""
 from __future__ import annotations
 
 import os
