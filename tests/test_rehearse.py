@@ -97,6 +97,30 @@ def test_creations_must_match_on_every_rank():
     assert bad.what == "group creation" and bad.ranks == [0, 2] and bad.position == 0
 
 
+def test_each_rank_is_charged_its_own_step_whatever_else_is_rehearsed(monkeypatch, tmp_path):
+    """Plan mode's estimate of a rank is of its own step's micro-batches (its lane's plan): a
+    stage-0 rank whose step fills half a micro-batch gets the same figure rehearsed alone and
+    beside a stage-0 rank of another lane whose step fills two (which is charged two in flight),
+    not the larger step's: a subset and the whole world agree on a rank. The ranks' results are
+    stand-ins (no rank runs)."""
+    import hcp.preflight.rehearse.runner as runner
+    from hcp.config.layouts import resolve_layouts
+    from hcp.parallel.roles import role_of
+    from hcp.preflight.rehearse import run_rehearsal
+
+    cfg = compose_cfg(["mode=rehearse", "logger=none", "+recipe=llama_tiny", *WORLD, "llm.layout.pp=2",
+                       "llm.layout.recompute=none"], run_dir=str(tmp_path))
+    layouts = resolve_layouts(cfg, 8)
+    first, other = [r for r in range(8) if role_of(layouts, r).stage("llm") == 0][:2]
+    worth, plans = {first: 0.5, other: 2.0}, []
+    for ranks in ([first], [first, other]):
+        monkeypatch.setattr(runner, "rehearse_ranks", lambda *a, **k: {
+            r: runner.RankResult(r, step_worth=[worth[r]]) for r in ranks})
+        run_rehearsal(cfg, str(tmp_path), 8, progress=False)
+        plans.append({int(r): rank["plan_gib"] for r, rank in json.load(open(tmp_path / "rehearsal.json"))["ranks"].items()})
+    assert 0 < plans[0][first] == plans[1][first] < plans[1][other]
+
+
 @pytest.mark.parametrize("override, field", [("rehearse.steps=0", "rehearse.steps"),
                                              ("rehearse.jobs=0", "rehearse.jobs"),
                                              ("rehearse.ranks=[]", "rehearse.ranks"),

@@ -1,8 +1,12 @@
 """Issue 23 section 4: the full-size recipes rehearse at their own world size under torch's
-`FakeTensorMode` (hcp.preflight.rehearse.runner): a few ranks of one pipeline (below), one step of
-a small global batch (the CI budget), every collective, send and receive of those ranks checked
-against each other, peak memory and FLOPs per role reported next to plan mode's and the cost
-model's. Marked `full_size` (`-m full_size` selects them); they run in the default suite."""
+`FakeTensorMode` (hcp.preflight.rehearse.runner), within the CI budget: one step (the
+issue allows fewer steps; `tests/test_rehearse_memory.py` shows a first rehearsed step's peak
+is the steady state's) of a small global batch, a few ranks of one pipeline (below). Every
+collective, send and receive of those ranks is checked against each other's, peak memory and
+FLOPs per role reported next to plan mode's and the cost model's. Not a proof for the ranks
+left out (hcp.preflight.rehearse: the other CP pool positions, encoder lanes and middle
+stages are classes of their own); the 8-rank tests of tests/test_rehearse.py rehearse every
+rank. Marked `full_size` (`-m full_size` selects them); they run in the default suite."""
 from __future__ import annotations
 
 import json
@@ -12,8 +16,8 @@ import pytest
 from tests.rehearse_utils import rehearse
 
 FULL = {
-    # text-only, PP 8 x CP pool 8: ranks 8s..8s+7 are stage s; its first and last stage (the
-    # middle ones run the same layers as theirs without embedding or head)
+    # text-only, PP 8 x CP pool 8: ranks 8s..8s+7 are stage s; its first and last stage of pool
+    # position 0 (stages 1-6 and the other pool positions are not rehearsed)
     "llama13b_dynamic_cp": ("+recipe=llama13b_dynamic_cp", "trainer.global_batch_size=8",
                             "rehearse.ranks=[0,56]"),
     # colocated: every rank runs the whole encoder side (dp 64) and one LLM stage (TP 8 x CP 2
@@ -54,7 +58,7 @@ def test_full_size_recipe_rehearses(monkeypatch, tmp_path, capsys, recipe):
 def test_internvit6b_llama70b_rehearses(monkeypatch, tmp_path, capsys):
     """160 ranks colocated: every rank runs the FSDP-sharded encoder side (dp 160) and one LLM
     stage (TP 8 x PP 4 x DP 5, stage s on ranks 40s..40s+39): rank 0 is stage 0, rank 120 the
-    last (the middle ones run the same layers without embedding or head); GBS 160, one image
+    last (stages 1 and 2 and the other lanes are not rehearsed); GBS 160, one image
     per encoder rank (~450 s of CPU for the two ranks). Every collective, send and group creation
     agrees and every rank fits the device (with the LLM's full recompute both ranks track 51 GiB
     of 80, set in phase 3, where the encoder side is recomputed under the LLM's state), and plan

@@ -4,13 +4,17 @@ collectives, sends/receives and group creations are recorded and checked against
 rank's (`checks`), its peak memory is tracked and its FLOPs counted (`runner`), and the verdict
 is printed and written to `rehearsal.json` (`report`).
 
-`rehearse.ranks` restricts it to a subset, which is a proof for the whole world when it holds
-one rank of each class: ranks of one role and pipeline stage (their TP/CP/DP coordinates
-differ) run the same code on identically shaped data (every rank computes the same global step
-plan), so a rank issues its class's ops, its groups and peers named by the grid axes they span
-instead of by ranks (tests/test_rehearse.py checks two ranks of one class op by op). A
-data-dependent branch could still split a class; NCCL discipline forbids one, and a rehearsal
-of all ranks checks it."""
+`rehearse.ranks` restricts it to a subset. A class is the ranks of one role and pipeline stage
+whose step plan gives them identically shaped work (their TP/CP/DP coordinates differ): they
+run the same code, so a rank issues its class's ops, its groups and peers named by the grid axes
+they span instead of by ranks (tests/test_rehearse.py checks two ranks of one class op by op).
+A subset holding one rank of every class would stand for the world, but the step plan splits
+a stage into several classes where work differs by position (under `packing=dynamic_cp` each
+position of the CP pool runs its own sequence of CP groups and micro-batches; an encoder lane
+its own number of images), and sends and receives are matched only between rehearsed ranks. A
+subset that misses classes (the CI's full-size rehearsals: stages of one pipeline) proves its
+own ranks' ops, their agreement, peaks and FLOPs; only a rehearsal of all ranks checks the
+rest."""
 from __future__ import annotations
 
 import os
@@ -44,7 +48,7 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     layouts must already be validated and the data prepared."""
     from hcp.config.layouts import resolve_layouts
     from hcp.parallel.roles import role_table
-    from hcp.preflight.plan_mode import memory_per_rank, running_layouts
+    from hcp.preflight.plan_mode import running_layouts
     from hcp.preflight.estimate import cost_model, hardware
     from hcp.preflight.rehearse.report import (find_mismatches, format_report, micro_batch_flops, role_rows,
                                            write_json)
@@ -67,14 +71,31 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     results = rehearse_ranks(cfg, run_dir, ranks, world, cfg.rehearse.steps, jobs, progress=said)
     wall = time.perf_counter() - t0
     mismatches = find_mismatches(results, world, cfg.cluster.device_memory_gib)
-    # plan mode's estimate of the heaviest step: its LLM micro-batches' worth of tokens (a small
-    # batch fills fewer than the 1F1B warm-up holds at full size, its last one partly)
-    worth = max((w for res in results.values() for w in res.step_worth), default=0)
-    plan_gib = {row["rank"]: row["total"] for row in
-                memory_per_rank(plan_cfg, layouts, world, micro_batches=worth or None)}
+    plan_gib = plan_per_rank(plan_cfg, layouts, world, results)
     micro = micro_batch_flops(results, stages, cost_model(cfg, running["llm"], hardware(cfg)),
                              running["llm"])
     rows = role_rows(results, roles, plan_gib, micro)
     print(format_report(rows, mismatches, wall), flush=True)
-    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall)
+    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall, plan_gib)
     return mismatches
+
+
+def plan_per_rank(cfg, layouts, world: int, results: dict) -> dict[int, float]:
+    """Plan mode's memory estimate in GiB of each rehearsed rank (`results`: rank ->
+    `RankResult`) for its own heaviest step: the LLM micro-batches' worth of tokens its lane's
+    step plan gave it (`RankResult.step_worth`; a small batch fills fewer than 1F1B's warm-up
+    holds at full size, its last one partly; none: the whole warm-up). Each rank's own, not the
+    largest of the ranks rehearsed with it, so a subset (`rehearse.ranks`) and the whole world
+    give a rank the same figure."""
+    from hcp.config.specs import resolve_modules
+    from hcp.preflight.plan_mode import memory_per_rank, named_shapes, stage_memory
+
+    specs = resolve_modules(cfg, layouts)
+    shapes, by_worth, out = named_shapes(specs), {}, {}
+    for r, res in sorted(results.items()):
+        worth = max(res.step_worth, default=0) or None
+        if worth not in by_worth:
+            mem = stage_memory(cfg, layouts, specs, shapes, micro_batches=worth)
+            by_worth[worth] = {row["rank"]: row["total"] for row in memory_per_rank(cfg, layouts, world, mem)}
+        out[r] = by_worth[worth][r]
+    return out

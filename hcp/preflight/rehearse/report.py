@@ -107,15 +107,20 @@ def format_report(rows: list[dict], mismatches: list[Mismatch], wall_s: float) -
     return "\n".join(lines)
 
 
-def write_json(path: str, rows, mismatches, micro: dict, results, wall_s: float) -> None:
+def write_json(path: str, rows, mismatches, micro: dict, results, wall_s: float,
+               plan_gib: dict[int, float]) -> None:
     """`rehearsal.json`: the table, every mismatch, and each rank's op count, peak (and each
-    step's), FLOPs (per LLM micro-batch: counted, modelled) and error (traceback)."""
+    step's, with its LLM micro-batches' worth of tokens), plan mode's estimate (`plan_gib`:
+    rank -> GiB), peak categories, FLOPs (per LLM micro-batch: counted, modelled) and error
+    (traceback)."""
     data = {"passed": not mismatches, "wall_s": wall_s, "roles": rows,
             "mismatches": [m.__dict__ | {"sides": {str(k): v for k, v in m.sides.items()}}
                            for m in mismatches],
             "ranks": {str(r): {"ops": len(res.ops), "groups_created": len(res.creations),
                                "peak_gib": res.peak_bytes / GIB,
-                               "step_peaks_gib": [b / GIB for b in res.step_peaks], "flops": res.flops,
+                               "step_peaks_gib": [b / GIB for b in res.step_peaks], "step_worth": res.step_worth,
+                               "plan_gib": plan_gib.get(r), "peak_categories_gib":
+                               {k: v / GIB for k, v in res.peak_categories.items()}, "flops": res.flops,
                                "micro_batch_flops": micro.get(r, []), "error": res.error}
                       for r, res in sorted(results.items())}}
     with open(path, "w") as f:
