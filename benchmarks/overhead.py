@@ -139,10 +139,10 @@ def _rank(rank, world, port, overrides, blocks, block, warmup, profile, queue):
     table = None
     if profile and rank == 0:
         table = _profile(hcp, plain, profile)
-    elif profile:
-        for _ in range(profile):
-            hcp.fit_step()
-            plain.train_step()
+    elif profile:  # the same steps in the same order as rank 0's
+        for fn in (hcp.fit_step, plain.train_step):
+            for _ in range(profile):
+                fn()
     dist.barrier()
     totals = {k: v.total for k, v in sections.items()}
     totals["hcp"]["plan-ahead thread"] = (prefetch.cpu, 0.0)
