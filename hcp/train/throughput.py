@@ -23,10 +23,11 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
-def step_metrics(llm_cfg, counts: list[float], step_s: float, times, device, preempt=None) -> dict:
+def step_metrics(llm, counts: list[float], step_s: float, times, device, preempt=None) -> dict:
     """TFLOPS/GPU, max peak memory over ranks (GiB) and the pipeline bubble fraction (mean over
     ranks of 1 - busy / wall of the 1F1B schedule, from each stage's measured compute time).
 
+    llm: the LLM's architecture (`hcp.config.specs.LLMArch`, for its FLOPs);
     counts: [global loss tokens, global tokens, global sum of squared document lengths];
     times: this rank's `StageTimes`; preempt: this rank's `hcp.launch.preempt.Preemption` (or
     None): its signal flag rides in the same collective and every rank gets the largest
@@ -40,7 +41,7 @@ def step_metrics(llm_cfg, counts: list[float], step_s: float, times, device, pre
     dist.all_gather(every, mine)  # one collective for all three
     every = torch.stack(every)
     peak, bubble, flag = every[:, 0].max(), every[:, 1].sum(), every[:, 2].max()
-    flops = model_flops(llm_cfg, counts[1], counts[2])
+    flops = model_flops(llm, counts[1], counts[2])
     read = host_values(torch.stack([peak, bubble, flag]))  # fake tensors: no value
     peak, bubble, flag = read if read is not None else (float("nan"), float("nan"), 0.0)
     if preempt is not None:
