@@ -22,7 +22,8 @@ Evaluation and checkpoints are off on both sides (`trainer.eval_every=0`,
 
 Prints, for each of `--reps` repetitions of `--steps` steps and their median: tokens/s of each
 (global tokens / summed slowest-rank block wall time), the ratio hcp / plain, the critical path
-(largest per-rank process CPU seconds per block, per step) of each and its ratio plain / hcp.
+(largest per-rank process CPU seconds per block, per step) of each and its ratio plain / hcp;
+the median tokens/s ratio of adjacent block pairs (robust to load that changes between blocks).
 Then the largest difference of their per-step losses (identical up to fp32 summation order:
 checked against `--loss-rtol`) and whether both ran the same global tokens and micro-batches
 per step (checked), main-thread CPU and wall time per step in the sections of a step (data,
@@ -233,6 +234,11 @@ def main(argv=None) -> dict:
         print(f"{k + 1:<6} {h['tokens_per_s']:9.0f} {p['tokens_per_s']:11.0f} {reps[-1][0]:6.3f} "
               f"{h['critical_cpu_s']:9.4f} {p['critical_cpu_s']:11.4f} {reps[-1][1]:9.3f}")
     ratio, cpu_ratio = (statistics.median(r[i] for r in reps) for i in range(2))
+    pairs = [loop("hcp", b, b + 1)["tokens_per_s"] / loop("plain", b, b + 1)["tokens_per_s"]
+             for b in range(args.reps * per_rep)]  # hcp block b and plain block b ran next to each other
+    print(f"median over the {len(pairs)} adjacent (hcp, plain) block pairs of their tokens/s ratio: "
+          f"{statistics.median(pairs):.3f}x (quartiles {' / '.join(f'{q:.3f}' for q in statistics.quantiles(pairs, n=4))})"
+          if len(pairs) > 1 else "")
     out = {n: loop(n, 0, args.reps * per_rep) for n in ("hcp", "plain")}
     h, p = out["hcp"], out["plain"]
     diff = max(abs(a - b) / abs(b) for a, b in zip(h["losses"], p["losses"]))
@@ -253,7 +259,7 @@ def main(argv=None) -> dict:
                                if i == 0 else ""))
     if results[0][2]:
         print(results[0][2])
-    out.update(ratio=ratio, cpu_ratio=cpu_ratio, reps=reps, loss_rel_diff=diff)
+    out.update(ratio=ratio, cpu_ratio=cpu_ratio, reps=reps, pairs=pairs, loss_rel_diff=diff)
     if diff > args.loss_rtol or not same:
         raise SystemExit(f"the loops differ: losses by {diff:.2e} (--loss-rtol {args.loss_rtol:g}), "
                          f"tokens or micro-batches per step {'equal' if same else 'not equal'}")
