@@ -186,8 +186,9 @@ class PlainLoop:
                 cu_seqlens=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)))
         return out
 
-    def train_step(self) -> tuple[float, int]:
-        """One step on global batch `self.step`: (global mean loss, global tokens)."""
+    def train_step(self) -> tuple[float, int, int]:
+        """One step on global batch `self.step`: (global mean loss, global tokens, this rank's
+        micro-batches)."""
         import torch
         import torch.distributed as dist
 
@@ -216,4 +217,4 @@ class PlainLoop:
         self.scheduler.step()
         self.step += 1
         sec.mark("optimizer")
-        return (loss_total / counts[0]).item(), int(counts[1])
+        return (loss_total / counts[0]).item(), int(counts[1]), len(batches)

@@ -27,7 +27,7 @@ def _two_ways(rank, world, container):
     batch = tr.sampler.batch(0)
     StepRunner._counts = refuse
     planned = tr.forward_backward(batch)
-    tr.cfg.trainer.check_counts = True
+    tr.settings.check_counts = True
     StepRunner._counts = count
     checked = tr.forward_backward(batch)
     return planned, checked, counted

@@ -114,6 +114,7 @@ def test_auto_backend_resolves_once_at_build_from_the_runs_compute_dtype(monkeyp
     import hcp.model.llama as llama
     from cfg_utils import compose_cfg
     from hcp.config.precision import Precision
+    from hcp.config.specs import resolve_modules
     from hcp.config.validate import validate
     from hcp.model.attention import thd_attention
     from hcp.train.trainer import Trainer
@@ -130,7 +131,7 @@ def test_auto_backend_resolves_once_at_build_from_the_runs_compute_dtype(monkeyp
 
     cfg = compose_cfg(["+recipe=llama_tiny", "precision=bf16"])
     run = SimpleNamespace(cfg=cfg, device=torch.device("cuda"), precision=Precision.of("bf16"),
-                          layouts=validate(cfg, 1), dynamic_cp=False)
+                          layouts=validate(cfg, 1), dynamic_cp=False, specs=resolve_modules(cfg))
     assert Trainer.attention_backend(run) == "flash"
     assert Trainer.attention_backend(SimpleNamespace(**{**vars(run), "precision": Precision.of("fp32")})) == "torch"
     for lay in (dict(cp=2), dict(dp=4)):  # a static CP group; a dynamic-CP pool of 4 at cp 1

@@ -66,13 +66,19 @@ ARCHS = {"encoder": EncoderArch, "projector": ProjectorArch, "llm": LLMArch}
 """Module kind -> the dataclass of its architecture (`ModuleSpec.arch`)."""
 
 
+def typed(block, schema: type):
+    """A config block (structured or not: a rank's plain container) as an instance of its
+    schema dataclass (`hcp.config.schema`), the schema's defaults for keys it lacks."""
+    values = OmegaConf.to_container(block, resolve=True) if isinstance(block, DictConfig) else block
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), values))
+
+
 def arch_of(kind_: str, block):
     """The typed architecture of one module's config block (validated: `hcp.config.validate`);
     its layout block becomes a plain object too (`hcp.config.schema.LayoutConfig`)."""
     values = {f.name: block.get(f.name) for f in fields(ARCHS[kind_])}
-    if isinstance(values["layout"], DictConfig):  # structured or not (a rank's plain container)
-        layout = OmegaConf.to_container(values["layout"], resolve=True)
-        values["layout"] = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(LayoutConfig), layout))
+    if isinstance(values["layout"], DictConfig):
+        values["layout"] = typed(values["layout"], LayoutConfig)
     return ARCHS[kind_](**values)
 
 

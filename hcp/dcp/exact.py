@@ -265,7 +265,7 @@ def exhaustive(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int) ->
     partition into micro-batches, every way to run each (its groups and their CP sizes, only
     those no other way beats on every stage: a micro-batch's stage times grow with its groups'
     forwards), every order of the micro-batches through the 1F1B simulator. Seconds; a
-    deterministic reference for the solver on tiny instances (0.4 s of CPU at 6 sequences, pp 2)."""
+    deterministic reference for the solver on tiny instances."""
     lens = np.asarray(lengths, dtype=np.int64)
     k, hw = cost.bwd_factor, cost.hw
     o_f, o_b = hw.micro_batch_overhead_fwd, hw.micro_batch_overhead_bwd

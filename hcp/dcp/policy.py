@@ -8,8 +8,8 @@ of the run's own `llm.*` config and layout (tp strides the CP pool, pp, recomput
 hardware profile `packing_profile` (`h100` or a `mode=calibrate` YAML). Every rank computes
 the same plan from the same lengths (the solver is deterministic: move and node budgets, no
 clock), so nothing is broadcast: a broadcast would be a collective off the main thread (the plan
-is computed on the plan-ahead thread, hcp/plan/ahead.py), and measured it saves less than it
-exposes (benchmarks/dynamic_cp_broadcast.py). With `trainer.plan_process` (default: on CUDA
+is computed on the plan-ahead thread, hcp/plan/ahead.py; benchmarks/dynamic_cp_broadcast.py
+weighs it). With `trainer.plan_process` (default: on CUDA
 ranks) the plan is computed in the plan-ahead worker process (hcp/train/planner.py), off the
 training process's GIL.
 

@@ -112,8 +112,7 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
     pp = 1: each micro-batch `(1 + k) f + o_f + o_b`); a moved sequence joins the group's
     micro-batch with the most room that holds it (padding counted), else a new micro-batch.
     Best move per pass, at most `max_moves` moves and `max_evals` costed placements (a
-    deterministic budget: ~1.5 s at a pool of 64 with 512 sequences, 2 loaded cores); the result is
-    never slower."""
+    deterministic budget, no clock); the result is never slower."""
     from hcp.dcp.local_search import GroupTime
 
     if cost.pp != 1:

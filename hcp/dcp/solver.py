@@ -206,9 +206,7 @@ def _pinned_sizes(rows: int, cost: CostModel, work, smallest, floor) -> np.ndarr
 def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int, m_min: int,
                      baselines: list[tuple[Packing, str]]) -> Solution:
     """Step 4 (p > 1), in two passes: each closing span at the memory minimum M, then the best
-    span at `M_min + TARGET_OFFSETS` (fewer body rows raise the level `tau`; measured on the
-    seed-sized benchmark, seeds 0 and 1: 1.096 / 1.099 at the minimum alone, 1.094 / 1.097
-    with these offsets, 1.094 / 1.097 also with -4 and -3)."""
+    span at `M_min + TARGET_OFFSETS` (fewer body rows raise the level `tau`)."""
     best = min((Solution(*_best_order(plan, lens, cost), src) for plan, src in baselines),
                key=lambda sol: sol.time)
 

@@ -22,6 +22,35 @@ class ScheduleDeadlock(RuntimeError):
     """Some stages wait forever; the message names each stuck stage and its pending action."""
 
 
+class Mailboxes:
+    """Batched point-to-point rendezvous of `n` ranks (NCCL's model, module docstring): a rank
+    posts a batch of sends and receives at once; on each channel the k-th send matches the k-th
+    receive, and the batch is done when every op in it has its counterpart."""
+
+    def __init__(self, n: int):
+        self.sends: dict = defaultdict(list)  # channel -> send ops in issue order
+        self.recvs: dict = defaultdict(list)  # channel -> receive ops in issue order
+        self.slots: list[list] = [[] for _ in range(n)]  # per rank: (channel, index, is_send)
+        self.posted = [False] * n
+
+    def done(self, r: int, ops, check) -> bool:
+        """Whether rank `r`'s batch is done; the first call posts it (`ops`: (channel, op,
+        is_send) each, iterated only then). `check(channel, k, send, recv)` raises on a
+        mismatched pair. A done batch closes: the rank's next call posts its next one."""
+        if not self.posted[r]:
+            for chan, op, is_send in ops:
+                table = self.sends if is_send else self.recvs
+                self.slots[r].append((chan, len(table[chan]), is_send))
+                table[chan].append(op)
+            self.posted[r] = True
+        for chan, k, is_send in self.slots[r]:
+            if len((self.recvs if is_send else self.sends)[chan]) <= k:
+                return False
+            check(chan, k, self.sends[chan][k], self.recvs[chan][k])
+        self.posted[r], self.slots[r] = False, []
+        return True
+
+
 class Collectives:
     """The `Route`s of `n` lists as collectives: the k-th `Route` of every list is one."""
 
@@ -58,10 +87,7 @@ def run_rendezvous(programs: list[list]) -> list[tuple[int, object]]:
     """
     n = len(programs)
     pc = [0] * n
-    posted = [False] * n
-    sends: dict = defaultdict(list)   # (src, dst) -> send ops in issue order
-    recvs: dict = defaultdict(list)   # (src, dst) -> receive ops posted by dst, in issue order
-    slots: list[list] = [[] for _ in range(n)]  # per stage: (channel, index, is_send) of its batch
+    boxes = Mailboxes(n)  # channel (src, dst)
     done: list[set] = [set() for _ in range(n)]  # ("F"|"B"|"RECV_F"|"RECV_B", micro) finished
     receives = [{(op.kind, op.micro) for a in prog if isinstance(a, Exchange) for op in a.ops
                  if not op.is_send} for prog in programs]
@@ -71,25 +97,17 @@ def run_rendezvous(programs: list[list]) -> list[tuple[int, object]]:
     def fail(s, action, why):
         raise ValueError(f"stage {s}, {action}: {why}")
 
-    def post(s, ex: Exchange):
+    def ops(s, ex: Exchange):
         for op in ex.ops:
             if not 0 <= op.peer < n or op.peer == s:
                 fail(s, op, f"peer {op.peer} is not another of the {n} stages")
             if op.is_send and (_PRODUCER[op.kind], op.micro) not in done[s]:
                 fail(s, op, f"sends a tensor before its {_PRODUCER[op.kind]}{op.micro} ran")
-            chan, table = ((s, op.peer), sends) if op.is_send else ((op.peer, s), recvs)
-            slots[s].append((chan, len(table[chan]), op.is_send))
-            table[chan].append(op)
+            yield ((s, op.peer) if op.is_send else (op.peer, s)), op, op.is_send
 
-    def matched(s) -> bool:
-        for chan, k, is_send in slots[s]:
-            other = recvs if is_send else sends
-            if len(other[chan]) <= k:
-                return False
-            send, recv = sends[chan][k], recvs[chan][k]
-            if _PAIR[send.kind] != recv.kind or send.micro != recv.micro:
-                raise ValueError(f"stages {chan[0]} -> {chan[1]}: {send} is received as {recv}")
-        return True
+    def check(chan, k, send, recv):
+        if _PAIR[send.kind] != recv.kind or send.micro != recv.micro:
+            raise ValueError(f"stages {chan[0]} -> {chan[1]}: {send} is received as {recv}")
 
     def step(s) -> bool:
         action = programs[s][pc[s]]
@@ -107,13 +125,9 @@ def run_rendezvous(programs: list[list]) -> list[tuple[int, object]]:
                 fail(s, action, "runs twice")
             done[s].add((action.kind, action.micro))
         else:
-            if not posted[s]:
-                post(s, action)
-                posted[s] = True
-            if not matched(s):
+            if not boxes.done(s, ops(s, action), check):
                 return False
             done[s].update((op.kind, op.micro) for op in action.ops if not op.is_send)
-            posted[s], slots[s] = False, []
         log.append((s, action))
         pc[s] += 1
         return True

@@ -23,12 +23,13 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
-def step_metrics(llm_cfg, counts: list[float], step_s: float, times, device, preempt=None) -> dict:
+def step_metrics(llm, counts: list[float], step_s: float, times, device, preempt=None) -> dict:
     """TFLOPS/GPU, max peak memory over ranks (GiB) and `bubble_fraction`: the mean over ranks of
     1 - busy / wall, busy being the rank's measured forward/backward compute. It counts the
     pipeline bubble and every wait (collectives, data, cores shared with other ranks), so it is
     above zero at pp 1 too.
 
+    llm: the LLM's architecture (`hcp.config.specs.LLMArch`, for its FLOPs);
     counts: [global loss tokens, global tokens, global sum of squared document lengths];
     times: this rank's `StageTimes`; preempt: this rank's `hcp.launch.preempt.Preemption` (or
     None): its signal flag rides in the same collective and every rank gets the largest
@@ -42,7 +43,7 @@ def step_metrics(llm_cfg, counts: list[float], step_s: float, times, device, pre
     dist.all_gather(every, mine)  # one collective for all three
     every = torch.stack(every)
     peak, bubble, flag = every[:, 0].max(), every[:, 1].sum(), every[:, 2].max()
-    flops = model_flops(llm_cfg, counts[1], counts[2])
+    flops = model_flops(llm, counts[1], counts[2])
     read = host_values(torch.stack([peak, bubble, flag]))  # fake tensors: no value
     peak, bubble, flag = read if read is not None else (float("nan"), float("nan"), 0.0)
     if preempt is not None:

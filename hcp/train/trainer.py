@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from hcp.config.layouts import resolve_layouts
 from hcp.config.precision import Precision
-from hcp.config.specs import resolve_modules
+from hcp.config.schema import TrainerConfig
+from hcp.config.specs import resolve_modules, typed
 from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
 from hcp.dcp.policy import cp_histogram
@@ -64,6 +65,7 @@ class Trainer:
 
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.run_dir = cfg, run_dir
+        self.settings: TrainerConfig = typed(cfg.trainer, TrainerConfig)  # read per step: resolved once
         self.device = init_distributed(cfg.launcher)
         self.preempt = Preemption(cfg.launcher.slurm, self.device)  # signal -> flag (hcp.launch.preempt)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -103,9 +105,9 @@ class Trainer:
                                         precision=self.precision, device_type=self.device.type)
                           if self.encoder is not None and cfg.placement == "colocated" else None)
         self.optimizer = build_optimizer(self.modules, cfg.optim, module_overrides(self.specs))  # groups per module
-        self.guard = NonFiniteGuard(cfg.trainer.on_nonfinite, self.modules, cfg.checkpoint.dir)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.trainer.max_steps)
-        self.sampler = GlobalBatchSampler(len(self.train_set), cfg.trainer.global_batch_size, cfg.seed)
+        self.guard = NonFiniteGuard(self.settings.on_nonfinite, self.modules, cfg.checkpoint.dir)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.settings.max_steps)
+        self.sampler = GlobalBatchSampler(len(self.train_set), self.settings.global_batch_size, cfg.seed)
         self.index = sides.LengthIndexes(self.specs, self.train_set, self.tok)  # one per stream into the LLM
         self.record_encoder_grad_sq, self.encoder_grad_sq = False, None
         """Set `record_encoder_grad_sq` (tests) to keep in `encoder_grad_sq` the sum of squares
@@ -114,12 +116,12 @@ class Trainer:
         self.step, self.resume_note = checkpoint.resume(cfg, self.modules, self.optimizer, self.scheduler,
                                                         self.sampler, self._tp_groups())
         self.planner = StepPlanner(cfg, self.layouts, self.index, self.edges)
-        in_process = self.dynamic_cp and use_worker(cfg.trainer.get("plan_process"),
+        in_process = self.dynamic_cp and use_worker(self.settings.plan_process,
                                                     self.device.type)  # hcp.train.planner
         self.ahead = PlanAhead(self.sampler, self.prepare, self.planner if in_process else None)
         if self.is_logging_rank:
             continue_wandb_run(cfg, run_dir, resumed=self.step > 0)
-        self.log = (RunLogger(run_dir, cfg, cfg.trainer.max_steps, self.step)
+        self.log = (RunLogger(run_dir, cfg, self.settings.max_steps, self.step)
                     if self.is_logging_rank else None)
         if self.log and self.resume_note:
             self.log.write(self.resume_note)
@@ -160,7 +162,7 @@ class Trainer:
         precision policy's, not the residual stream's fp32) and its largest CP group (the CP
         pool under dynamic CP)."""
         llm = self.layouts["llm"]
-        return resolve_backend(self.cfg.llm.attention_backend, self.device, self.precision.compute,
+        return resolve_backend(self.specs.llm.arch.attention_backend, self.device, self.precision.compute,
                                llm.cp_pool if self.dynamic_cp else llm.cp, self.dynamic_cp)
 
     def _rank_modules(self) -> RankModules:
@@ -193,7 +195,7 @@ class Trainer:
         images only for its encoder samples, text by `hcp.train.rank_data.llm_inputs`.
         `step`: the plan when the plan-ahead worker process computed it."""
         step = self.plan(indices) if step is None else step
-        mine = step.rank(self.rank, bool(self.cfg.trainer.get("check_plan")))
+        mine = step.rank(self.rank, self.settings.check_plan)
         ds, device = self.train_set, self.device
         if self.islands is not None and self.model is None:  # an encoder island's rank
             return mine, self.islands.encoder_inputs(mine, indices, ds), None, None, {}
@@ -207,10 +209,10 @@ class Trainer:
         """One optimizer step over the next global batch; returns this step's metrics."""
         t0 = time.perf_counter()
         indices, prepared, plan_stats = self.ahead.next()
-        if self.cfg.trainer.get("check_plan"):
+        if self.settings.check_plan:
             self._check_plan(prepared[0].checksum)
         loss, counts, n_micro = self.forward_backward(indices, prepared)
-        norm = self.clip(self.cfg.trainer.grad_clip)
+        norm = self.clip(self.settings.grad_clip)
         read = host_values(torch.stack([loss.double(), norm.double()]))  # the step's one read, after its collectives
         loss, grad_norm = read if read is not None else (float("nan"), float("nan"))  # fake tensors: no value
         update = read is None or self.guard.update_ok(self.step + 1, loss, grad_norm)  # NaN/Inf: stop or skip
@@ -223,7 +225,7 @@ class Trainer:
         self.step += 1
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
                 "micro_batches": n_micro, **plan_stats, **prepared[4],
-                **whole_step_metrics(self.cfg.llm, counts, t0, self.stage_times, self.device, self.preempt)}
+                **whole_step_metrics(self.specs.llm.arch, counts, t0, self.stage_times, self.device, self.preempt)}
 
     def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[torch.Tensor, list[float], int]:
         """Gradients of the token-level loss of `global_batch` (sample indices), summed over each
@@ -240,7 +242,7 @@ class Trainer:
             return loss, counts, n_micro
 
         c = mine.counts  # the plan's global counts (no collective); trainer.check_counts counts too
-        check = self.cfg.trainer.get("check_counts") and not self.dynamic_cp
+        check = self.settings.check_counts and not self.dynamic_cp
         planned = None if check else [c.loss_tokens, c.tokens, c.sum_sq_lengths, c.image_rows]
         phases = (sides.colocated_phases(self.colocated, self.encoder, pixels, mine, batches)
                   if self.colocated is not None else None)  # the encoder and route actions
@@ -286,8 +288,8 @@ class Trainer:
         if self.eval_set is None:
             return {}
         n = len(self.eval_set)
-        if self.cfg.trainer.eval_samples:
-            n = min(n, self.cfg.trainer.eval_samples)
+        if self.settings.eval_samples:
+            n = min(n, self.settings.eval_samples)
         whole = self._whole_encoder()  # a collective under non_colocated: before leaving
         if self.model is None:           # an encoder island's rank: the LLM island evaluates
             return {}
@@ -299,7 +301,7 @@ class Trainer:
         try:
             return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok, indices,
                             eval_capacity(self.cfg, self.layouts['llm'], self.dynamic_cp), self.device, self.grad_group, self.dp_group,
-                            self.cfg.trainer.get("eval_max_new_tokens"))
+                            self.settings.eval_max_new_tokens)
         finally:
             for name in lent:
                 setattr(self.model, name, None)
@@ -322,7 +324,7 @@ class Trainer:
     def fit_step(self) -> dict:
         """One step of `fit`: `train_step`, then evaluation, logging, checkpoint and the
         preemption check as configured; returns the step's metrics (with any evaluation's)."""
-        tc = self.cfg.trainer
+        tc = self.settings
         metrics, evals = self.train_step(), {}
         record_step(self.step)
         if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
@@ -342,7 +344,7 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
-        tc = self.cfg.trainer
+        tc = self.settings
         t_start, history, metrics, evals = time.perf_counter(), [], {}, {}
         record_step(self.step)  # the launcher names the step of a rank that dies (hcp.launch.supervise)
         while self.step < tc.max_steps:

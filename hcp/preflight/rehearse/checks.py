@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from hcp.schedule.rendezvous import ScheduleDeadlock, drive
+from hcp.schedule.rendezvous import Mailboxes, ScheduleDeadlock, drive
 
 
 @dataclass
@@ -168,31 +168,22 @@ def check_rendezvous(traces: dict[int, list], world: int) -> list[Mismatch]:
     receive of another shape or dtype, or a rank that can never go on, is a mismatch."""
     programs = programs_of(traces, world)
     pc = [0] * world
-    posted = [False] * world
-    channel: dict[tuple, dict[str, list]] = defaultdict(lambda: {"send": [], "recv": []})
-    slots: list[list] = [[] for _ in range(world)]
+    boxes = Mailboxes(world)  # channel (group name, src, dst)
     reached: dict[tuple, dict[int, int]] = defaultdict(dict)  # key -> rank -> collectives reached
     faults: list[Mismatch] = []
 
-    def post(rank, batch):
+    def ops(rank, batch):
         for op in batch.ops:
             src, dst = (rank, op.peer) if op.kind == "send" else (op.peer, rank)
-            chan = channel[op.group_name, src, dst]
-            slots[rank].append((chan, op.kind, len(chan[op.kind]), src, dst))
-            chan[op.kind].append(op)
+            yield (op.group_name, src, dst), op, op.kind == "send"
 
-    def matched(rank) -> bool:
-        for chan, kind, k, src, dst in slots[rank]:
-            other = "recv" if kind == "send" else "send"
-            if len(chan[other]) <= k:
-                return False
-            send, recv = chan["send"][k], chan["recv"][k]
-            if (send.shapes, send.dtype) != (recv.shapes, recv.dtype):
-                raise _Fault(Mismatch("send/recv", [src, dst], send.step, k,
-                                      {src: f"send {send}", dst: f"recv {recv}"},
-                                      f"message {k} from rank {src} to rank {dst} is received "
-                                      "with another shape or dtype"))
-        return True
+    def check(chan, k, send, recv):
+        if (send.shapes, send.dtype) != (recv.shapes, recv.dtype):
+            _, src, dst = chan
+            raise _Fault(Mismatch("send/recv", [src, dst], send.step, k,
+                                  {src: f"send {send}", dst: f"recv {recv}"},
+                                  f"message {k} from rank {src} to rank {dst} is received "
+                                  "with another shape or dtype"))
 
     def step(rank) -> bool:
         item = programs[rank][pc[rank]]
@@ -201,13 +192,8 @@ def check_rendezvous(traces: dict[int, list], world: int) -> list[Mismatch]:
             members = [r for r in item.key[1] if r in traces]
             if any(reached[item.key].get(r, 0) < item.index + 1 for r in members):
                 return False
-        else:
-            if not posted[rank]:
-                post(rank, item)
-                posted[rank] = True
-            if not matched(rank):
-                return False
-            posted[rank], slots[rank] = False, []
+        elif not boxes.done(rank, ops(rank, item), check):
+            return False
         pc[rank] += 1
         return True
 
