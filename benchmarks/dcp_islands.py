@@ -197,9 +197,12 @@ def layout_model(cfg, layouts, args) -> dict:
     return modelled(cfg, layouts, planner, [sampler.batch(k) for k in range(args.warmup, args.warmup + args.steps)])
 
 
-def run_layout(name, data, args, root, units: dict) -> dict:
-    """Run layout `name` on 8 forked ranks; its measurements and model inputs. `units`: ViT
-    width -> (`measure_encoder`, `measure_sync`), measured before any layout runs."""
+def launch_layout(name, data, args, root, rank_fn) -> tuple:
+    """(cfg, layouts, each of the 8 ranks' rank{r}.json) of layout `name` run on 8 forked ranks by
+    `rank_fn((cfg as a container, run_dir, warmup, steps))`, which writes run_dir/rank{r}.json.
+
+    Raises:
+        RuntimeError: the ranks failed (names the layout and the exit code)."""
     import multiprocessing as mp
 
     from omegaconf import OmegaConf
@@ -210,12 +213,18 @@ def run_layout(name, data, args, root, units: dict) -> dict:
     os.makedirs(run_dir)
     cfg, layouts = layout_config(name, data, args, run_dir)
     launcher = mp.get_context("fork").Process(target=start_local_ranks, args=(
-        _rank, 8, (OmegaConf.to_container(cfg, resolve=True), run_dir, args.warmup, args.steps), "fork"))
+        rank_fn, 8, (OmegaConf.to_container(cfg, resolve=True), run_dir, args.warmup, args.steps), "fork"))
     launcher.start()
     launcher.join()
     if launcher.exitcode:
         raise RuntimeError(f"layout {name}: the ranks failed (exit code {launcher.exitcode})")
-    ranks = [json.load(open(os.path.join(run_dir, f"rank{r}.json"))) for r in range(8)]
+    return cfg, layouts, [json.load(open(os.path.join(run_dir, f"rank{r}.json"))) for r in range(8)]
+
+
+def run_layout(name, data, args, root, units: dict) -> dict:
+    """Run layout `name` on 8 forked ranks; its measurements and model inputs. `units`: ViT
+    width -> (`measure_encoder`, `measure_sync`), measured before any layout runs."""
+    cfg, layouts, ranks = launch_layout(name, data, args, root, _rank)
     critical = {isl: float(np.median(np.max([r["busy"] for r in ranks if (r["head"] == "llm") == (isl == "llm")], 0)))
                 for isl in ("llm", "vision")}
     loss = next(r["losses"] for r in ranks if r["head"] == "llm")
@@ -279,9 +288,7 @@ def main(argv=None) -> dict:
     ap.add_argument("overrides", nargs="*", help="config overrides, as for train.py (every layout)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    root = tempfile.mkdtemp(prefix="dcp_islands_")  # kept: forked ranks must not delete it
-    os.makedirs(os.path.join(root, "data"))
-    data = make_records(os.path.join(root, "data"), 4 * args.samples * (args.warmup + args.steps))
+    root, data = workspace("dcp_islands_", args)
     cfgs = [layout_config(n, data, args, os.path.join(root, "units", n))[0] for n in ("dynamic", "wide_dp4")]
     kv = {cp: measure_kv(root, cfgs[0].vision, cp) for cp in (2, 4)}
     units = {c.vision.hidden_size: (measure_encoder(root, c), s) for c, s in zip(cfgs, measure_sync(root, cfgs))}
@@ -295,10 +302,23 @@ def main(argv=None) -> dict:
     print(f"wall time {wall:.0f} s ({args.warmup} warm-up + {args.steps} timed steps per layout, 8 ranks)")
     out = {"layouts": results, "comparisons": rows, "kv_s_per_byte_and_call": {str(c): k for c, k in kv.items()},
            "wall_s": wall}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    write_json(args.json, out)
     return out
+
+
+def workspace(prefix: str, args) -> tuple[str, str]:
+    """(a new temporary root, kept: forked ranks must not delete it; the records of every step of
+    every layout under root/data) for `args.samples` x (`warmup` + `steps`) steps."""
+    root = tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(os.path.join(root, "data"))
+    return root, make_records(os.path.join(root, "data"), 4 * args.samples * (args.warmup + args.steps))
+
+
+def write_json(path: str | None, out: dict) -> None:
+    """`out` as indented JSON at `path` (the `--json` option), if given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from collections import defaultdict
 
@@ -107,22 +106,7 @@ def _rank(payload) -> None:
 
 def run(name: str, data, args, root: str) -> list[dict]:
     """The vision ranks' phase timers of layout `name` (`dcp_islands.LAYOUTS`)."""
-    import multiprocessing as mp
-
-    from omegaconf import OmegaConf
-
-    from hcp.launch.launch import start_local_ranks
-
-    run_dir = os.path.join(root, name)
-    os.makedirs(run_dir)
-    cfg, _ = dcp_islands.layout_config(name, data, args, run_dir)
-    launcher = mp.get_context("fork").Process(target=start_local_ranks, args=(
-        _rank, 8, (OmegaConf.to_container(cfg, resolve=True), run_dir, args.warmup, args.steps), "fork"))
-    launcher.start()
-    launcher.join()
-    if launcher.exitcode:
-        raise RuntimeError(f"layout {name}: the ranks failed (exit code {launcher.exitcode})")
-    ranks = [json.load(open(os.path.join(run_dir, f"rank{r}.json"))) for r in range(8)]
+    _, _, ranks = dcp_islands.launch_layout(name, data, args, root, _rank)
     return [r for r in ranks if r["head"] != "llm"]
 
 
@@ -145,16 +129,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("overrides", nargs="*", help="config overrides, as for train.py (every layout)")
     args = ap.parse_args(argv)
-    root = tempfile.mkdtemp(prefix="encoder_phases_")
-    os.makedirs(os.path.join(root, "data"))
-    data = dcp_islands.make_records(os.path.join(root, "data"), 4 * args.samples * (args.warmup + args.steps))
+    root, data = dcp_islands.workspace("encoder_phases_", args)
     out = {}
     for name in args.layouts:
         out[name] = run(name, data, args, root)
         print_table(name, out[name])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    dcp_islands.write_json(args.json, out)
     return out
 
 
