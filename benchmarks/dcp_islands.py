@@ -278,15 +278,21 @@ def report(results: dict, kv: dict[int, tuple[float, float]]) -> dict:
     return rows
 
 
-def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout (medians over them)")
+def arg_parser(doc: str, over_steps: str) -> argparse.ArgumentParser:
+    """The options every 8-rank islands benchmark takes (steps, warm-up, global batch, tokens per
+    micro-batch, --json, config overrides); `over_steps`: how it sums the timed steps."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help=f"timed steps per layout ({over_steps} over them)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--samples", type=int, default=16, help="global batch (a multiple of 4)")
     ap.add_argument("--micro-batch-tokens", type=int, default=256, help="THD tokens per rank and micro-batch")
     ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("overrides", nargs="*", help="config overrides, as for train.py (every layout)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> dict:
+    args = arg_parser(__doc__, "medians").parse_args(argv)
     t0 = time.perf_counter()
     root, data = workspace("dcp_islands_", args)
     cfgs = [layout_config(n, data, args, os.path.join(root, "units", n))[0] for n in ("dynamic", "wide_dp4")]

@@ -14,7 +14,6 @@ timed steps); wall - CPU is waiting plus time the rank was runnable but not runn
 the machine's cores)."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -120,14 +119,8 @@ def print_table(name: str, ranks: list[dict]) -> None:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = dcp_islands.arg_parser(__doc__, "means")
     ap.add_argument("--layouts", nargs="+", default=["dynamic", "encoder_cp4"], choices=list(dcp_islands.LAYOUTS))
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per layout (means over them)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    ap.add_argument("--samples", type=int, default=16, help="global batch (a multiple of 4)")
-    ap.add_argument("--micro-batch-tokens", type=int, default=256, help="THD tokens per rank and micro-batch")
-    ap.add_argument("--json", metavar="PATH", help="write the results here")
-    ap.add_argument("overrides", nargs="*", help="config overrides, as for train.py (every layout)")
     args = ap.parse_args(argv)
     root, data = dcp_islands.workspace("encoder_phases_", args)
     out = {}
