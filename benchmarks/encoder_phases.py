@@ -120,7 +120,8 @@ def print_table(name: str, ranks: list[dict]) -> None:
 
 def main(argv=None) -> dict:
     ap = dcp_islands.arg_parser(__doc__, "means")
-    ap.add_argument("--layouts", nargs="+", default=["dynamic", "encoder_cp4"], choices=list(dcp_islands.LAYOUTS))
+    ap.add_argument("--layouts", nargs="+", default=["dynamic", "encoder_cp4"], choices=list(dcp_islands.LAYOUTS),
+                    help="layouts of benchmarks/dcp_islands.py to time (default: dynamic encoder_cp4)")
     args = ap.parse_args(argv)
     root, data = dcp_islands.workspace("encoder_phases_", args)
     out = {}

@@ -294,3 +294,9 @@ def test_a_rehearsal_report_corrects_every_memory_estimate(tmp_path):
     assert Scorer(_cfg([*SMALL, f"rehearse.report={report}"]), 8, "h100").correction == 1.0
     with pytest.raises(ConfigError, match="rehearse.report=.*no such file"):
         Scorer(_cfg([*SMALL, f"rehearse.report={tmp_path}/none.json"]), 8, "h100")
+    for text, why in (("not json", "not JSON"), ("[1, 2]", "no role with")):
+        report.write_text(text)
+        with pytest.raises(ConfigError, match=f"rehearse.report=.*{why}"):
+            Scorer(_cfg([*SMALL, f"rehearse.report={report}"]), 8, "h100")
+    with pytest.raises(ConfigError, match="rehearse.report=.*not a file"):
+        Scorer(_cfg([*SMALL, f"rehearse.report={tmp_path}"]), 8, "h100")

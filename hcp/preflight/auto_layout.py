@@ -304,7 +304,7 @@ def choose_layout(cfg, overrides, world: int, run_dir=None, verbose: bool = True
           f"{c['scored']} simulated, the rest pruned by bound) in {result.seconds:.1f} s ({result.cpu_seconds:.1f} CPU s); pinned: "
           f"{pinned or 'none'}; the batch priced: {len(result.lengths)} samples of {result.lengths_from}, "
           f"mean {result.lengths.mean():.0f} tokens"
-          + (f"; memory estimates x{c['memory_correction']:.3f} (rehearse.report)" if c["memory_correction"] != 1 else ""))
+          + (f"; memory estimates x{c['memory_correction']:.3f} (rehearse.report)" if cfg.rehearse.report else ""))
     say(format_table(rows, given))
     say(f"hcp: layout=auto chose {best['placement']}: "
           + "; ".join(f"{m} {d}" for m, d in best["describe"].items()) + f" ({why})")

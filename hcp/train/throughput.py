@@ -25,9 +25,10 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def step_metrics(llm, counts: list[float], step_s: float, times, device, preempt=None) -> dict:
     """TFLOPS/GPU, max peak memory over ranks (GiB) and `bubble_fraction`: the mean over ranks of
-    1 - busy / wall, busy being the rank's measured forward/backward compute. It counts the
-    pipeline bubble and every wait (collectives, data, cores shared with other ranks), so it is
-    above zero at pp 1 too.
+    1 - busy / wall of the step's schedule (`times`: busy, the rank's forward/backward compute;
+    wall, the whole action list, not data loading or the optimizer step). It counts the pipeline
+    bubble and the waits inside the schedule (sends, receives, collectives), so it can be above
+    zero at pp 1.
 
     llm: the LLM's architecture (`hcp.config.specs.LLMArch`, for its FLOPs);
     counts: [global loss tokens, global tokens, global sum of squared document lengths];

@@ -133,15 +133,20 @@ def memory_correction(path: str) -> float:
     1 when plan mode already covers every tracked peak.
 
     Raises:
-        ConfigError: naming `rehearse.report` when the file is missing or holds no role with
-            both figures.
+        ConfigError: naming `rehearse.report` when the path is not a file, the file is not
+            JSON, or it holds no role with both figures.
     """
+    fix = "give the rehearsal.json that mode=rehearse wrote into its run directory"
     if not os.path.isfile(path):
-        raise ConfigError("rehearse.report", path, "no such file",
-                          "give the rehearsal.json that mode=rehearse wrote into its run directory")
-    with open(path) as f:
-        roles = json.load(f).get("roles", [])
-    ratios = [r["peak_gib"] / r["plan_gib"] for r in roles if r.get("peak_gib") and r.get("plan_gib")]
+        raise ConfigError("rehearse.report", path, "not a file" if os.path.exists(path) else "no such file", fix)
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError("rehearse.report", path, f"not JSON ({err})", fix) from None
+    roles = report.get("roles", []) if isinstance(report, dict) else []
+    ratios = [r["peak_gib"] / r["plan_gib"] for r in roles
+              if isinstance(r, dict) and r.get("peak_gib") and r.get("plan_gib")]
     if not ratios:
         raise ConfigError("rehearse.report", path, "no role with a tracked peak and a plan estimate",
                           "give a rehearsal.json of a finished mode=rehearse run")
