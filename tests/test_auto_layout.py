@@ -112,6 +112,8 @@ def test_no_layout_fits_names_the_field():
     cfg = _cfg([*SMALL, "cluster.device_memory_gib=1"])
     with pytest.raises(ConfigError, match="layout='auto'.*cluster.device_memory_gib=1"):
         search(cfg, 8, {})
+    with pytest.raises(ConfigError, match=r"layout='auto': the pinned fields \{'llm.layout.tp': 3\} leave no candidate"):
+        search(_cfg([*SMALL, "llm.layout.tp=3"]), 8, {"llm.layout.tp": 3})
 
 
 def test_choose_layout_writes_the_winner_and_the_report(tmp_path):

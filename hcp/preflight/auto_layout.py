@@ -119,6 +119,11 @@ def search(cfg, world: int, pinned: dict, top: int = TOP, prune: bool = True,
     counts = {"space": space, "llm_memory_dropped": dropped, **counts, "memory_correction": scorer.correction}
     if not ranked and error is not None:
         raise error  # a rule outside the layouts (the model, the trainer) fails them all
+    if not ranked and space == 0 and pinned:  # the pins, not memory, empty the space
+        raise ConfigError("layout", "auto", f"the pinned fields {pinned} leave no candidate on {world} ranks "
+                          f"(every searched layout keeps tp within a node of {node} and dividing the heads, "
+                          "pp dividing the layers, dp x cp x tp x pp equal to the module's ranks)",
+                          "change or drop a pin (layout=manual checks and names each field)")
     if not ranked:
         raise ConfigError("layout", "auto", f"no layout of the searched space ({counts['space']} "
                           f"candidates on {world} ranks) fits cluster.device_memory_gib="
