@@ -60,16 +60,17 @@ def _rank(payload) -> None:
     from omegaconf import OmegaConf
 
     from hcp.train import trainer
+    from hcp.train.throughput import WorldStats
 
     container, run_dir = payload
-    marks, inner = [], trainer.whole_step_metrics
+    marks, inner = [], WorldStats.issue
 
     def timed(*args, **kwargs):
         out = inner(*args, **kwargs)
         marks.append(time.process_time())
         return out
 
-    trainer.whole_step_metrics = timed
+    WorldStats.issue = timed
     try:
         trainer.run_rank(OmegaConf.create(container), run_dir)
     finally:

@@ -55,14 +55,12 @@ def instrument(trainer) -> Sections:
     """Sections of hcp's `Trainer.fit_step` (data, forward/backward with gradient sync, clipping,
     optimizer, metrics with the preemption flag's agreement, then logging and the preemption
     check), by wrapping the calls it makes."""
-    import hcp.train.trainer as trainer_module
-
     sec = Sections()
     sec.wrap(trainer.ahead, "next", "data", start=True)
     sec.wrap(trainer.runner, "forward_backward", "forward_backward")
     sec.wrap(trainer, "clip", "clip")
     sec.wrap(trainer.scheduler, "step", "optimizer")
-    sec.wrap(trainer_module, "whole_step_metrics", "metrics")
+    sec.wrap(trainer.stats, "issue", "metrics")  # lands the previous step's figures, sends this one's
     sec.wrap(trainer, "fit_step", "logging")  # logging and the preemption check: to fit_step's end
     return sec
 

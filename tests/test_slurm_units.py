@@ -99,33 +99,37 @@ def test_sbatch_rejects_bad_inputs_without_submitting(capsys):
 
 
 def _agree(rank, world, flag_rank: int):
-    """Two step boundaries; the flag rides in each step's metrics collective (no collective of
-    its own: `dist.all_reduce` is never called)."""
+    """Three step boundaries of `WorldStats`: rank r's peak memory at step k is (r + 1) k GiB and
+    its bubble (r + k) / 10; `flag_rank` gets the signal during step 2. The flag rides in each
+    step's metrics collective (no collective of its own: `dist.all_reduce` is never called)."""
     import torch.distributed as dist
 
-    from hcp.train.throughput import step_metrics
+    import hcp.train.throughput as throughput
 
     dist.all_reduce = None  # calling it fails the test
     p = Preemption(types.SimpleNamespace(signal="USR2"), torch.device("cpu"), env={})
-    times, llm = types.SimpleNamespace(busy_s=1.0, wall_s=2.0), compose().llm
+    stats, steps, stopping = throughput.WorldStats(torch.device("cpu"), p), [], []
+    for k in (1, 2, 3):
+        if k == 2 and rank == flag_rank:
+            os.kill(os.getpid(), signal.SIGUSR2)  # the handler only sets the flag
+        throughput.peak_memory_bytes = lambda device, k=k: (rank + 1) * k * 2**30
+        steps.append({})
+        stats.issue(steps[-1], types.SimpleNamespace(busy_s=10.0 - rank - k, wall_s=10.0))
+        assert "bubble_fraction" not in steps[-1]  # it lands at the next boundary
+        stopping.append(p.stopping)
+    stats.settle()
+    return steps, stopping, p.received
 
-    def boundary():
-        m = step_metrics(llm, [1.0, 10.0, 100.0], 1.0, times, torch.device("cpu"), p)
-        assert m["bubble_fraction"] == 0.5
-        return p.stopping
 
-    before = boundary()
-    if rank == flag_rank:
-        os.kill(os.getpid(), signal.SIGUSR2)  # the handler only sets the flag
-    return before, p.received, boundary(), p.received
-
-
-def test_a_signal_on_one_rank_stops_every_rank_at_the_same_boundary():
-    results = run_ranks(_agree, 3, 2)
-    assert [r[0] for r in results] == [False] * 3
-    assert [r[1] for r in results] == [0, 0, signal.SIGUSR2]  # flagged before the agreement
-    assert [r[2] for r in results] == [True] * 3
-    assert [r[3] for r in results] == [signal.SIGUSR2] * 3  # every rank exits under that signal
+def test_step_figures_land_one_boundary_late_and_a_signal_stops_every_rank_together():
+    """Each step's figures are its own (max peak, mean bubble over ranks), and a signal on one
+    rank during step 2 stops every rank at the same boundary: step 3's, where step 2's collective
+    is read."""
+    for steps, stopping, received in run_ranks(_agree, 3, 2):
+        assert [s["peak_memory_gib"] for s in steps] == [3.0, 6.0, 9.0]
+        assert [s["bubble_fraction"] for s in steps] == pytest.approx([0.2, 0.3, 0.4])
+        assert stopping == [False, False, True]
+        assert received == signal.SIGUSR2  # every rank exits under that signal
 
 
 def _requeue(rank, world, env, path):

@@ -1,7 +1,8 @@
 """Preemption and time limits: a signal becomes a joint checkpoint, a requeue and an exit.
 
 1. The signal handler only sets a flag (no I/O, no collective);
-2. at the next step boundary the flag rides in the step's one metrics collective and every rank
+2. at the next step boundary the flag rides in the step's one metrics collective, read at the
+   boundary after (`hcp.train.throughput.WorldStats`: off the critical path), and every rank
    takes the largest (`Preemption.agree`), so all ranks stop at the same step;
 3. they save a checkpoint together (`Trainer.save`);
 4. rank 0 requeues the job (`scontrol requeue $SLURM_JOB_ID`) and every rank exits with

@@ -9,25 +9,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import warnings
 
 from tqdm import tqdm
-
-from hcp.train.throughput import step_metrics
-
-
-def whole_step_metrics(llm, counts: list[float], t0: float, times, device, preempt=None) -> dict:
-    """`tokens_per_s`, `step_time_s` and `hcp.train.throughput.step_metrics` of a step that
-    started at `time.perf_counter() == t0`, timed AFTER the metrics' own collectives (peak
-    memory, bubble, and the preemption flag of `preempt`), so the figures cover the whole step.
-    A collective over the world.
-
-    counts: [global loss tokens, global tokens, global sum of squared document lengths]."""
-    per_second = step_metrics(llm, counts, 1.0, times, device, preempt)  # TFLOP per GPU over 1 s
-    dt = time.perf_counter() - t0
-    return {**per_second, "tokens_per_s": counts[1] / dt, "step_time_s": dt,
-            "tflops_per_gpu": per_second["tflops_per_gpu"] / dt}
 
 
 CONSOLE = (("loss", "loss", "{:.4f}"), ("lr", "lr", "{:.3e}"), ("grad_norm", "grad_norm", "{:.3f}"),

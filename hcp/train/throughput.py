@@ -23,31 +23,54 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
-def step_metrics(llm, counts: list[float], step_s: float, times, device, preempt=None) -> dict:
-    """TFLOPS/GPU, max peak memory over ranks (GiB) and `bubble_fraction`: the mean over ranks of
-    1 - busy / wall of the step's schedule (`times`: busy, the rank's forward/backward compute;
-    wall, the whole action list, not data loading or the optimizer step). It counts the pipeline
-    bubble and the waits inside the schedule (sends, receives, collectives), so it can be above
-    zero at pp 1.
+def rate_metrics(llm, counts: list[float], step_s: float, world: int) -> dict:
+    """`tokens_per_s`, `step_time_s` and TFLOPS/GPU of a step of `step_s` seconds (no collective).
 
     llm: the LLM's architecture (`hcp.config.specs.LLMArch`, for its FLOPs);
-    counts: [global loss tokens, global tokens, global sum of squared document lengths];
-    times: this rank's `StageTimes`; preempt: this rank's `hcp.launch.preempt.Preemption` (or
-    None): its signal flag rides in the same collective and every rank gets the largest
-    (`Preemption.agree`), so the step has one collective and one host read for both.
-    A collective over the world (every rank calls it)."""
-    world = dist.get_world_size()
-    flag = float(preempt.received) if preempt is not None else 0.0
-    mine = torch.tensor([peak_memory_bytes(device), 1.0 - times.busy_s / max(times.wall_s, 1e-12), flag],
-                        dtype=torch.float64, device=device)
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine)  # one collective for all three
-    every = torch.stack(every)
-    peak, bubble, flag = every[:, 0].max(), every[:, 1].sum(), every[:, 2].max()
-    flops = model_flops(llm, counts[1], counts[2])
-    read = host_values(torch.stack([peak, bubble, flag]))  # fake tensors: no value
-    peak, bubble, flag = read if read is not None else (float("nan"), float("nan"), 0.0)
-    if preempt is not None:
-        preempt.agree(int(flag))
-    return {"tflops_per_gpu": flops / step_s / world / 1e12, "peak_memory_gib": peak / 2**30,
-            "bubble_fraction": bubble / world}
+    counts: [global loss tokens, global tokens, global sum of squared document lengths]."""
+    return {"tokens_per_s": counts[1] / step_s, "step_time_s": step_s,
+            "tflops_per_gpu": model_flops(llm, counts[1], counts[2]) / step_s / world / 1e12}
+
+
+class WorldStats:
+    """Each step's world-wide figures: max peak memory over ranks (`peak_memory_gib`), the mean
+    `bubble_fraction` over ranks (1 - busy / wall of the step's schedule: `times` is the rank's
+    `StageTimes`; busy, its forward/backward compute; wall, the whole action list, not data
+    loading or the optimizer step; it counts the pipeline bubble and the waits inside the
+    schedule, so it can be above zero at pp 1), and the preemption flag of `preempt` (a
+    `hcp.launch.preempt.Preemption`, or None; every rank gets the largest: `Preemption.agree`).
+
+    One world all-gather per step, issued without waiting (`async_op`) at the end of step s and
+    read at the end of step s+1 (or by `settle`), so it is no sync point on the step's critical
+    path: step s's metrics dict gets its two figures one step late, and the ranks agree to stop
+    one step after the signal. Every rank issues and settles at the same steps whatever its data.
+    """
+
+    def __init__(self, device: torch.device, preempt=None):
+        self.device, self.preempt = device, preempt
+        self.pending = None  # (metrics dict, gathered rows, own row, async work) of the last issued step
+
+    def issue(self, metrics: dict, times) -> None:
+        """Settle the previous step's figures, then gather this step's (into `metrics` later)."""
+        self.settle()
+        flag = float(self.preempt.received) if self.preempt is not None else 0.0
+        mine = torch.tensor([peak_memory_bytes(self.device),
+                             1.0 - times.busy_s / max(times.wall_s, 1e-12), flag],
+                            dtype=torch.float64, device=self.device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        self.pending = (metrics, every, mine, dist.all_gather(every, mine, async_op=True))
+
+    def settle(self) -> None:
+        """Wait for the step in flight (if any): fill its metrics dict with `peak_memory_gib` and
+        `bubble_fraction` (NaN under fake tensors) and let every rank agree on the preemption flag."""
+        if self.pending is None:
+            return
+        metrics, every, _, work = self.pending
+        self.pending = None
+        work.wait()
+        every = torch.stack(every)
+        read = host_values(torch.stack([every[:, 0].max(), every[:, 1].mean(), every[:, 2].max()]))
+        peak, bubble, flag = read if read is not None else (float("nan"), float("nan"), 0.0)
+        if self.preempt is not None:
+            self.preempt.agree(int(flag))
+        metrics.update(peak_memory_gib=peak / 2**30, bubble_fraction=bubble)

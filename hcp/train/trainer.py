@@ -42,7 +42,8 @@ from hcp.train.failures import NonFiniteGuard
 from hcp.train.fake import host_values
 from hcp.train.islands import Islands
 from hcp.train.fsdp import shard_encoder, shard_model
-from hcp.train.metrics_log import RunLogger, whole_step_metrics
+from hcp.train.metrics_log import RunLogger
+from hcp.train.throughput import WorldStats, rate_metrics
 from hcp.train.modules import RankModules, clip_, local_grad_sq, module_sq_norm
 from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
 from hcp.train.plan_check import check_plans_agree
@@ -68,6 +69,8 @@ class Trainer:
         self.settings: TrainerConfig = typed(cfg.trainer, TrainerConfig)  # read per step: resolved once
         self.device = init_distributed(cfg.launcher)
         self.preempt = Preemption(cfg.launcher.slurm, self.device)  # signal -> flag (hcp.launch.preempt)
+        self.stats = WorldStats(self.device, self.preempt)  # peak memory, bubble, flag: one step late
+        self.unlogged = None  # (step, metrics) to log once the step's world figures land
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.precision = Precision.of(cfg.precision)  # one policy: schedules, routes, links, backend
         self.layouts = resolve_layouts(cfg, self.world)
@@ -206,7 +209,9 @@ class Trainer:
         return mine, pixels, batches, metas, cp_histogram(step.packing) if self.dynamic_cp else {}
 
     def train_step(self) -> dict:
-        """One optimizer step over the next global batch; returns this step's metrics."""
+        """One optimizer step over the next global batch; returns this step's metrics (its
+        `peak_memory_gib` and `bubble_fraction` land in the dict at the next step or at
+        `stats.settle()`: `hcp.train.throughput.WorldStats`)."""
         t0 = time.perf_counter()
         indices, prepared, plan_stats = self.ahead.next()
         if self.settings.check_plan:
@@ -223,9 +228,11 @@ class Trainer:
         if update:
             self.scheduler.step()
         self.step += 1
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
-                "micro_batches": n_micro, **plan_stats, **prepared[4],
-                **whole_step_metrics(self.specs.llm.arch, counts, t0, self.stage_times, self.device, self.preempt)}
+        metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
+                   "micro_batches": n_micro, **plan_stats, **prepared[4],
+                   **rate_metrics(self.specs.llm.arch, counts, time.perf_counter() - t0, self.world)}
+        self.stats.issue(metrics, self.stage_times)  # the previous step's figures land; this one's leave
+        return metrics
 
     def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[torch.Tensor, list[float], int]:
         """Gradients of the token-level loss of `global_batch` (sample indices), summed over each
@@ -323,24 +330,40 @@ class Trainer:
 
     def fit_step(self) -> dict:
         """One step of `fit`: `train_step`, then evaluation, logging, checkpoint and the
-        preemption check as configured; returns the step's metrics (with any evaluation's)."""
+        preemption check as configured; returns the step's metrics (with any evaluation's).
+        A step's record is logged at the next step, once its world figures have landed
+        (`WorldStats`); a preemption flag is agreed there too, so every rank stops at the step
+        boundary after the one the signal reached."""
         tc = self.settings
-        metrics, evals = self.train_step(), {}
+        metrics, evals = self.train_step(), {}  # the previous step's figures and flag have landed
         record_step(self.step)
         if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
             evals = self.evaluate()
             metrics.update(evals)
+        self._log_landed()
         if self.log:
-            if self.step % tc.log_every == 0 or self.step == tc.max_steps or evals:
-                self.log.log(self.step, metrics)
+            due = self.step % tc.log_every == 0 or self.step == tc.max_steps or bool(evals)
+            self.unlogged = (self.step, metrics) if due else None
             self.log.advance()
         if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.max_steps:
             self.save()
-        if self.step < tc.max_steps and self.preempt.stopping:  # agreed in the step's metrics
+        if self.step < tc.max_steps and self.preempt.stopping:  # agreed in train_step
+            self.land_stats()
             self.save()
             self.ahead.close()
             self.preempt.requeue_and_exit(self.step, self.cfg.checkpoint.dir)
         return metrics
+
+    def land_stats(self) -> None:
+        """Wait for the last step's world figures (every rank) and log its record if due."""
+        self.stats.settle()
+        self._log_landed()
+
+    def _log_landed(self) -> None:
+        """Log the record kept by `fit_step`, whose world figures have landed by now."""
+        if self.unlogged is not None:
+            self.log.log(*self.unlogged)
+            self.unlogged = None
 
     def fit(self) -> dict:
         """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
@@ -350,6 +373,7 @@ class Trainer:
         while self.step < tc.max_steps:
             metrics = self.fit_step()
             history.append(metrics)
+        self.land_stats()
         evals = self.evaluate()
         self.save()
         self.ahead.close()
