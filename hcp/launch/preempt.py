@@ -44,9 +44,10 @@ class Preemption:
         self.received = self.received or signum
 
     def agree(self, flag: int) -> None:
-        """Take `flag`, the largest of every rank's `received` gathered at this step boundary
-        (every rank passes the same): when set, every rank stops now (`stopping`) under that
-        signal. A local flag is never cleared here (it counts at the next boundary)."""
+        """Take `flag`, the largest of every rank's `received` gathered at the previous step
+        boundary and read at this one (`hcp.train.throughput.WorldStats`; every rank passes the
+        same): when set, every rank stops now (`stopping`) under that signal. A local flag is
+        never cleared here (it counts at the next boundary)."""
         if flag:
             self.received, self.stopping = int(flag), True
 
