@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from hcp.config.layouts import resolve_layouts
 from hcp.config.precision import Precision
+from hcp.config.settings import PackingSpec
 from hcp.config.schema import TrainerConfig
 from hcp.config.specs import resolve_modules, typed
 from hcp.data.build import build_datasets
@@ -72,7 +73,8 @@ class Trainer:
         self.precision = Precision.of(cfg.precision)  # one policy: schedules, routes, links, backend
         self.layouts = resolve_layouts(cfg, self.world)
         self.specs = resolve_modules(cfg, self.layouts)  # once: the modules the layers build from
-        self.dynamic_cp = cfg.packing == "dynamic_cp"  # hcp.dcp.policy: per-micro-batch CP groups
+        self.packing = PackingSpec.of(cfg)
+        self.dynamic_cp = self.packing.dynamic_cp  # hcp.dcp.policy: per-micro-batch CP groups
         self.groups = ProcessGroupRegistry(self.layouts, ("llm",) if self.dynamic_cp else ())
         llm = self.layouts["llm"]
         self.dp, self.cp, self.lane, self.stage = llm.dp, llm.cp, None, None
@@ -86,7 +88,6 @@ class Trainer:
             self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg, self.specs)
-        self.edges = tuple(tuple(e) for e in cfg.graph.edges)
         self.islands = (Islands(self.specs, self.groups, self.rank, self.device, self.precision)
                         if cfg.placement == "non_colocated" else None)
         self.encoder = self._build_encoder()  # both on the meta device: nothing allocated yet
@@ -115,7 +116,7 @@ class Trainer:
         tensor, so never on by default."""
         self.step, self.resume_note = checkpoint.resume(cfg, self.modules, self.optimizer, self.scheduler,
                                                         self.sampler, self._tp_groups())
-        self.planner = StepPlanner(cfg, self.layouts, self.index, self.edges)
+        self.planner = StepPlanner(self.packing, self.specs, self.index)
         in_process = self.dynamic_cp and use_worker(self.settings.plan_process,
                                                     self.device.type)  # hcp.train.planner
         self.ahead = PlanAhead(self.sampler, self.prepare, self.planner if in_process else None)
@@ -300,7 +301,7 @@ class Trainer:
             setattr(self.model, name, module)
         try:
             return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok, indices,
-                            eval_capacity(self.cfg, self.layouts['llm'], self.dynamic_cp), self.device, self.grad_group, self.dp_group,
+                            eval_capacity(self.packing, self.cp), self.device, self.grad_group, self.dp_group,
                             self.settings.eval_max_new_tokens)
         finally:
             for name in lent:
