@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from hcp.config.errors import ConfigError
+from hcp.config.settings import CheckpointSpec
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -272,9 +273,10 @@ def check_resume(cfg, specs) -> None:
             (names the parameters on each side: frozen now, absent now (modules this config
             lacks) or trained now, and the key to use instead).
     """
-    _check_folder("resume", cfg.resume)
-    _check_folder("init_from_checkpoint", cfg.get("init_from_checkpoint"))
-    path = latest(cfg.checkpoint.dir) if cfg.resume == "auto" else cfg.resume
+    ck = CheckpointSpec.of(cfg)
+    _check_folder("resume", ck.resume)
+    _check_folder("init_from_checkpoint", ck.init_from_checkpoint)
+    path = start_path(ck)
     if path is None or cfg.mode == "export":  # export reads the weights, whatever trained them
         return
     state = _trainer_json(path)
@@ -296,7 +298,7 @@ def check_resume(cfg, specs) -> None:
                          for label, v in (("trained there, frozen now", frozen),
                                           ("trained there, absent now", absent),
                                           ("frozen there, trained now", new)) if v)
-        raise ConfigError("resume", cfg.resume, f"{path} trained other parameters than this config "
+        raise ConfigError("resume", ck.resume, f"{path} trained other parameters than this config "
                           f"does ({what}), so it is not the same run", f"to start a new stage from "
                           f"its weights (fresh optimizer and schedule), use init_from_checkpoint={path} "
                           "instead of resume")
@@ -358,19 +360,25 @@ def derived_seed(seed: int, step: int, rank: int) -> int:
     return zlib.crc32(f"{seed}:{step}:{rank}".encode())
 
 
-def resume(cfg, modules, optimizer, scheduler, sampler, tp_groups) -> tuple[int, str | None]:
-    """Start of a run as `cfg.resume` / `cfg.init_from_checkpoint` say: load the latest (or
+def start_path(ck: CheckpointSpec) -> str | None:
+    """The checkpoint folder a run of `ck` continues: the latest in `ck.dir` under `resume=auto`
+    (None when there is none yet), else `ck.resume` (None: a fresh run)."""
+    return latest(ck.dir) if ck.resume == "auto" else ck.resume
+
+
+def resume(ck: CheckpointSpec, modules, optimizer, scheduler, sampler, tp_groups) -> tuple[int, str | None]:
+    """Start of a run as `ck.resume` / `ck.init_from_checkpoint` say: load the latest (or
     the named) checkpoint into `modules`, `optimizer`, `scheduler` and `sampler`, or only the
     weights of `init_from_checkpoint` (a new stage). Returns (the step to start at, a note for
     the log or None). Every rank calls it (a collective load)."""
-    path = latest(cfg.checkpoint.dir) if cfg.resume == "auto" else cfg.resume
-    if path is None and cfg.init_from_checkpoint:  # a new stage: weights only
-        loaded = load_weights(cfg.init_from_checkpoint, modules, tp_groups)
+    path = start_path(ck)
+    if path is None and ck.init_from_checkpoint:  # a new stage: weights only
+        loaded = load_weights(ck.init_from_checkpoint, modules, tp_groups)
         return 0, f"init_from_checkpoint: {loaded}; optimizer, schedule and data start fresh at step 0"
-    if not cfg.resume:
+    if not ck.resume:
         return 0, None
     if path is None:  # resume=auto with no checkpoint yet: a fresh start, said so
-        return 0, f"resume=auto: no checkpoint in checkpoint.dir={cfg.checkpoint.dir}; starting at step 0"
+        return 0, f"resume=auto: no checkpoint in checkpoint.dir={ck.dir}; starting at step 0"
     state = load(path, modules, optimizer, tp_groups)
     scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])
