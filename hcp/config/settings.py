@@ -2,9 +2,11 @@
 
 `hcp.config.specs` types the modules; this module the choices that join keys of several
 blocks: how samples are packed (`PackingSpec`) and what a run saves and starts from
-(`CheckpointSpec`). The trainer, plan mode and the launching process's checks build them once
-from the validated `cfg`; the layers below config receive them instead of `cfg`. Defaults come
-from `hcp.config.schema` only (merged when the config is composed).
+(`CheckpointSpec`). A training or export rank builds them once from the validated `cfg`
+(`hcp.train.trainer.Trainer`, `hcp.train.export.run_export_rank`); the layers below receive them
+instead of `cfg`. Defaults come from `hcp.config.schema` only (merged when the config is
+composed). Blocks that the schema types as a whole (`trainer`, `optim`, `logger`, `export`)
+need no class here: `hcp.config.specs.typed` makes them instances of their schema dataclass.
 """
 from __future__ import annotations
 
