@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 
 from hcp.config.layouts import resolve_layouts
 from hcp.config.precision import Precision
-from hcp.config.settings import CheckpointSpec, PackingSpec
 from hcp.config.schema import LoggerConfig, OptimConfig, TrainerConfig
+from hcp.config.settings import CheckpointSpec, PackingSpec
 from hcp.config.specs import resolve_modules, typed
 from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
@@ -116,8 +116,8 @@ class Trainer:
         """Set `record_encoder_grad_sq` (tests) to keep in `encoder_grad_sq` the sum of squares
         of this rank's own encoder gradients before their DP sum: one host read per parameter
         tensor, so never on by default."""
-        self.step, self.resume_note = checkpoint.resume(self.checkpointing, self.modules, self.optimizer, self.scheduler,
-                                                        self.sampler, self._tp_groups())
+        self.step, self.resume_note = checkpoint.resume(self.checkpointing, self.modules, self.optimizer,
+                                                        self.scheduler, self.sampler, self._tp_groups())
         self.planner = StepPlanner(self.packing, self.specs, self.index)
         in_process = self.dynamic_cp and use_worker(self.settings.plan_process,
                                                     self.device.type)  # hcp.train.planner
