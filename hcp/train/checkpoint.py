@@ -261,11 +261,13 @@ def expected_trainable(specs) -> set[str]:
             if n.split(".")[0] in specs and not specs[n.split(".")[0]].freeze}
 
 
-def check_resume(cfg, specs) -> None:
-    """Before ranks start: `resume` and `init_from_checkpoint` must be None, (`auto`,) or complete
-    checkpoint folders, and the checkpoint `resume` continues must have trained the same
-    parameters this config trains (else it is a new stage: `init_from_checkpoint`). `specs`:
-    the config's `hcp.config.specs.ModuleSpecs`.
+def check_resume(ck: CheckpointSpec, specs, max_steps: int, weights_only: bool = False) -> None:
+    """Before ranks start: `ck.resume` and `ck.init_from_checkpoint` must be None, (`auto`,) or
+    complete checkpoint folders, and the checkpoint `resume` continues must have trained the same
+    parameters this config trains (else it is a new stage: `init_from_checkpoint`) and be at most
+    at `max_steps` (`trainer.max_steps`). `specs`: the config's `hcp.config.specs.ModuleSpecs`;
+    `weights_only` (mode=export) checks the folders only: an export reads the weights, whatever
+    trained them.
 
     Raises:
         ConfigError: a folder that is not a complete checkpoint; a checkpoint past
@@ -273,16 +275,15 @@ def check_resume(cfg, specs) -> None:
             (names the parameters on each side: frozen now, absent now (modules this config
             lacks) or trained now, and the key to use instead).
     """
-    ck = CheckpointSpec.of(cfg)
     _check_folder("resume", ck.resume)
     _check_folder("init_from_checkpoint", ck.init_from_checkpoint)
     path = start_path(ck)
-    if path is None or cfg.mode == "export":  # export reads the weights, whatever trained them
+    if path is None or weights_only:
         return
     state = _trainer_json(path)
     step = state.get("step", 0)
-    if step > cfg.trainer.max_steps:  # equal: a finished run requeued, nothing left to do
-        raise ConfigError("trainer.max_steps", cfg.trainer.max_steps, f"{path} is already at step "
+    if step > max_steps:  # equal: a finished run requeued, nothing left to do
+        raise ConfigError("trainer.max_steps", max_steps, f"{path} is already at step "
                           f"{step}, past the last step", f"to continue it, use trainer.max_steps > "
                           f"{step}; to start a new stage from its weights, use "
                           f"init_from_checkpoint={path} instead of resume")
