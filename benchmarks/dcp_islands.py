@@ -184,15 +184,16 @@ def layout_config(name, data, args, run_dir):
 
 def layout_model(cfg, layouts, args) -> dict:
     """`modelled` over the timed steps' global batches of the run `cfg`."""
+    from hcp.config.settings import PackingSpec
     from hcp.config.specs import resolve_modules
     from hcp.data.build import build_datasets
     from hcp.data.loader import GlobalBatchSampler
     from hcp.train import encoders as sides
     from hcp.train.planner import StepPlanner
 
-    specs = resolve_modules(cfg)
+    specs = resolve_modules(cfg, layouts)
     tok, train, _ = build_datasets(cfg, specs)
-    planner = StepPlanner(cfg, layouts, sides.LengthIndexes(specs, train, tok), tuple(map(tuple, cfg.graph.edges)))
+    planner = StepPlanner(PackingSpec.of(cfg), specs, sides.LengthIndexes(specs, train, tok))
     sampler = GlobalBatchSampler(len(train), args.samples, cfg.seed)
     return modelled(cfg, layouts, planner, [sampler.batch(k) for k in range(args.warmup, args.warmup + args.steps)])
 

@@ -52,6 +52,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     `overrides` are the command line's (for the commands error messages suggest)."""
     from hydra.core.hydra_config import HydraConfig
 
+    from hcp.config.settings import CheckpointSpec
     from hcp.config.specs import resolve_modules
     from hcp.config.validate import validate
     from hcp.data.build import prepare_data
@@ -78,7 +79,8 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
 
         layouts = validate(cfg, world_size_of(cfg, resolve_nproc("auto")), unresolved)
         check_profile(cfg)  # an error here too: a missing profile is not a layout to plan
-        check_resume(cfg, resolve_modules(cfg, layouts))  # the run it plans would refuse it
+        # the run it plans would refuse it:
+        check_resume(CheckpointSpec.of(cfg), resolve_modules(cfg, layouts), cfg.trainer.max_steps)
         print(f"hcp: run directory {run_dir}")
         plan = run_plan(cfg, run_dir)
         print(f"hcp: plan written to {run_dir}")
@@ -109,7 +111,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     check_trainable(cfg, specs)
     check_slurm(cfg)
     resume_after_requeue(cfg)
-    check_resume(cfg, specs)
+    check_resume(CheckpointSpec.of(cfg), specs, cfg.trainer.max_steps, weights_only=cfg.mode == "export")
     for line in check_hf_weights(cfg):
         print(f"hcp: {line}")
     if cfg.mode == "export":

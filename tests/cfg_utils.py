@@ -111,7 +111,16 @@ def cli_metrics(run_dir, recipe: str, extra=(), timeout: float = 400) -> list[di
 
 def with_specs(cfg):
     """(cfg, its `hcp.config.specs.ModuleSpecs` without layouts): the arguments of
-    `prepare_data`, `build_datasets` and `check_resume`."""
+    `prepare_data` and `build_datasets`."""
     from hcp.config.specs import resolve_modules
 
     return cfg, resolve_modules(cfg)
+
+
+def resume_check(cfg) -> None:
+    """`hcp.train.checkpoint.check_resume` of a composed training `cfg`, as `hcp.entry.run`
+    calls it before ranks start."""
+    from hcp.config.settings import CheckpointSpec
+    from hcp.train.checkpoint import check_resume
+
+    check_resume(CheckpointSpec.of(cfg), with_specs(cfg)[1], cfg.trainer.max_steps)

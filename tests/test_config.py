@@ -8,7 +8,7 @@ from cfg_utils import compose_cfg
 from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
 from hcp.config.specs import resolve_modules
-from cfg_utils import with_specs
+from cfg_utils import resume_check, with_specs
 
 
 def test_base_config_is_the_tiny_llava_on_digits_and_validates():
@@ -214,7 +214,6 @@ def test_every_module_frozen_is_rejected():
 
 def test_launch_inputs_are_checked_before_ranks_start(tmp_path):
     from hcp.data.build import prepare_data
-    from hcp.train.checkpoint import check_resume
     from hcp.launch.launch import local_world_size, resolve_nproc
 
     with pytest.raises(ConfigError, match="launcher.nnodes=2"):
@@ -223,7 +222,7 @@ def test_launch_inputs_are_checked_before_ranks_start(tmp_path):
     with pytest.raises(ConfigError, match="launcher.nproc_per_node='abc'"):
         resolve_nproc("abc")
     with pytest.raises(ConfigError, match="resume="):
-        check_resume(*with_specs(compose_cfg([f"resume={tmp_path}/nope"])))
+        resume_check(compose_cfg([f"resume={tmp_path}/nope"]))
     with pytest.raises(ConfigError, match="data.path"):
         prepare_data(*with_specs(compose_cfg(["data=llava_json"])))
     with pytest.raises(ConfigError, match=r"data.path='/nope.json': no such file\. Fix"):

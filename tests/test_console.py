@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from cfg_utils import compose_cfg
+from hcp.config.schema import LoggerConfig, TrainerConfig
 from hcp.train.metrics_log import RunLogger
 
 STEP = {"loss": 2.34567, "lr": 5e-4, "grad_norm": 1.25, "tokens_per_s": 12345.6, "step_time_s": 0.125,
@@ -13,7 +13,7 @@ STEP = {"loss": 2.34567, "lr": 5e-4, "grad_norm": 1.25, "tokens_per_s": 12345.6,
 
 
 def test_plain_step_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
-    log = RunLogger(str(tmp_path), compose_cfg(["trainer.max_steps=300"]), 300)
+    log = RunLogger(str(tmp_path), LoggerConfig(name="none"), TrainerConfig(max_steps=300))
     log.log(10, STEP)
     log.log(300, {"eval/answer_accuracy": 0.95})
     out = capsys.readouterr().out.splitlines()
@@ -25,7 +25,7 @@ def test_plain_step_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
 
 def test_a_terminal_gets_the_bar_instead(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
-    log = RunLogger(str(tmp_path), compose_cfg(), 300)
+    log = RunLogger(str(tmp_path), LoggerConfig(name="none"), TrainerConfig(max_steps=300))
     log.log(10, STEP)
     assert not log.plain and "step 10/300 |" not in capsys.readouterr().out
 
@@ -33,7 +33,8 @@ def test_a_terminal_gets_the_bar_instead(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 def test_offline_wandb_says_so_and_prints_the_sync_command(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    log = RunLogger(str(tmp_path), compose_cfg(["logger=wandb", "logger.mode=offline"]), 2)
+    log = RunLogger(str(tmp_path), LoggerConfig(name="wandb", mode="offline"), TrainerConfig(max_steps=2),
+                    config={"trainer": {"max_steps": 2}})
     log.log(1, STEP)
     log.finish({"steps": 1})
     out = capsys.readouterr().out

@@ -159,12 +159,13 @@ def test_planning_in_a_worker_process_does_not_stall_a_busy_main_thread():
 
 
 def test_dynamic_cp_step_planner_plans_the_same_in_a_worker_process(tmp_path):
-    """The trainer's planner (`hcp.train.planner.StepPlanner`) pickles with the run's config,
-    layouts and length index, registers the dynamic-CP policy in the fresh worker, and plans
+    """The trainer's planner (`hcp.train.planner.StepPlanner`) pickles with the run's packing,
+    module specs and length index, registers the dynamic-CP policy in the fresh worker, and plans
     there what it plans in this process (the plan's checksum), without importing torch there
     (issue 24: the worker's start)."""
     from cfg_utils import compose_cfg, long_tail_corpus
     from hcp.config.layouts import resolve_layouts
+    from hcp.config.settings import PackingSpec
     from hcp.data.build import build_datasets
     from hcp.train.encoders import LengthIndexes
     from hcp.train.planner import StepPlanner
@@ -173,8 +174,8 @@ def test_dynamic_cp_step_planner_plans_the_same_in_a_worker_process(tmp_path):
                        "data.max_seq_len=512", "trainer.micro_batch_tokens=128",
                        "launcher.nproc_per_node=4", f"data.path={long_tail_corpus(tmp_path)}"])
     tok, train, _ = build_datasets(*with_specs(cfg))
-    planner = StepPlanner(cfg, resolve_layouts(cfg, 4), LengthIndexes(resolve_modules(cfg), train, tok),
-                          tuple(tuple(e) for e in cfg.graph.edges))
+    specs = resolve_modules(cfg, resolve_layouts(cfg, 4))
+    planner = StepPlanner(PackingSpec.of(cfg), specs, LengthIndexes(specs, train, tok))
     sampler = GlobalBatchSampler(len(train), 16, seed=0)
     ahead = PlanAhead(sampler, lambda indices, plan: plan, ImportsPlanner(planner))
     try:

@@ -5,6 +5,7 @@ from cfg_utils import REPO
 
 from hcp.config.compose import compose_config
 from hcp.config.layouts import resolve_layouts, world_size_of
+from hcp.config.settings import PackingSpec
 from hcp.config.specs import resolve_modules
 from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
@@ -25,10 +26,9 @@ def readme_example() -> list[str]:
 def test_the_readme_dynamic_cp_example_runs_three_cp_sizes(tmp_path):
     cfg = compose_config(readme_example(), run_dir=str(tmp_path))
     layouts = resolve_layouts(cfg, world_size_of(cfg))  # what `python train.py` starts on CPU
-    specs = resolve_modules(cfg)
+    specs = resolve_modules(cfg, layouts)
     tok, train_set, _ = build_datasets(cfg, specs)
-    planner = StepPlanner(cfg, layouts, sides.LengthIndexes(specs, train_set, tok),
-                          tuple(tuple(e) for e in cfg.graph.edges))
+    planner = StepPlanner(PackingSpec.of(cfg), specs, sides.LengthIndexes(specs, train_set, tok))
     sampler = GlobalBatchSampler(len(train_set), cfg.trainer.global_batch_size, cfg.seed)
     sizes = set()
     for step in range(cfg.trainer.max_steps):

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from cfg_utils import compose_cfg as compose
 from dist_utils import run_ranks
 from hcp.config.errors import ConfigError
+from hcp.config.schema import LoggerConfig
 from hcp.train.failures import NonFiniteError, NonFiniteGuard
 from hcp.launch.launch import launched_rank_env
 from hcp.launch.preempt import Preemption, continue_wandb_run, resume_after_requeue
@@ -179,7 +180,7 @@ def test_nonfinite_guard_stops_or_skips_naming_the_step(tmp_path, monkeypatch):
 
 
 def test_wandb_run_id_is_kept_across_a_resume_and_new_for_a_fresh_run(tmp_path, monkeypatch):
-    cfg = OmegaConf.create({"logger": {"name": "wandb"}})
+    cfg = LoggerConfig(name="wandb")
     monkeypatch.delenv("WANDB_RUN_ID", raising=False)
     continue_wandb_run(cfg, str(tmp_path), resumed=False)
     first = os.environ["WANDB_RUN_ID"]

@@ -12,8 +12,7 @@ from cfg_utils import compose_cfg
 from dist_utils import run_ranks
 
 from hcp.config.errors import ConfigError
-from hcp.train.checkpoint import check_resume
-from cfg_utils import with_specs
+from cfg_utils import resume_check
 
 SMALL = ["trainer.micro_batch_tokens=150", "trainer.global_batch_size=8", "trainer.progress_bar=false",
          "trainer.log_every=1", "trainer.eval_every=0", "trainer.eval_samples=8", "trainer.max_steps=2"]
@@ -46,7 +45,7 @@ def test_stage1_then_stage2_from_its_weights_with_a_fresh_optimizer(tmp_path):
 
     s2 = _cfg(tmp_path / "s2", "+stage=finetune", "llm.layout.tp=2", "vision.layout.tp=1",
               f"init_from_checkpoint={ckpt}")  # the encoder side stays whole (pure DP)
-    check_resume(*with_specs(s2))
+    resume_check(s2)
     (start2, end2, info), _ = run_ranks(_run, 2, OmegaConf.to_container(s2), str(tmp_path / "s2"))
     assert info["step"] == 0 and info["optim_state"] == 0  # fresh optimizer and schedule
     assert info["lr"] == pytest.approx(2e-5) and "model weights of step 2" in info["note"]
@@ -60,13 +59,13 @@ def test_stage1_then_stage2_from_its_weights_with_a_fresh_optimizer(tmp_path):
     assert saved["layout"] == "llm tp2 | projector dp2 | vision dp2" and "llm.embed_tokens.weight" in saved["trainable"]
 
     with pytest.raises(ConfigError) as e:  # continuing "the same run" with other trainables
-        check_resume(*with_specs(_cfg(tmp_path / "s2b", "+stage=finetune", f"resume={ckpt}")))
+        resume_check(_cfg(tmp_path / "s2b", "+stage=finetune", f"resume={ckpt}"))
     msg = str(e.value)
     assert "frozen there, trained now" in msg and "llm.embed_tokens.weight" in msg
     assert f"use init_from_checkpoint={ckpt}" in msg
-    check_resume(*with_specs(_cfg(tmp_path / "s1b", "+stage=pretrain", f"resume={ckpt}")))  # same run: fine
+    resume_check(_cfg(tmp_path / "s1b", "+stage=pretrain", f"resume={ckpt}"))  # same run: fine
     with pytest.raises(ConfigError, match="init_from_checkpoint="):
-        check_resume(*with_specs(_cfg(tmp_path / "x", f"init_from_checkpoint={tmp_path}")))
+        resume_check(_cfg(tmp_path / "x", f"init_from_checkpoint={tmp_path}"))
     assert os.path.isdir(ckpt)
 
 

@@ -10,6 +10,7 @@ which ranks each module spans: `hcp.config.spans`.
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -176,15 +177,20 @@ def _named_keys(cfg, error: ConfigError) -> ConfigError:
                        error.candidates)
 
 
+def _spelled(layouts_of):
+    """`layouts_of(cfg, world_size)` whose ConfigError spells named modules' fields as typed
+    (`encoders.NAME...`, `_named_keys`)."""
+    @functools.wraps(layouts_of)
+    def spelled(cfg, world_size: int) -> dict[str, ResolvedLayout]:
+        try:
+            return layouts_of(cfg, world_size)
+        except ConfigError as e:
+            raise _named_keys(cfg, e) from None
+    return spelled
+
+
+@_spelled
 def resolve_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
-    """`_resolve_layouts` with named modules' fields spelled as typed (`encoders.NAME...`)."""
-    try:
-        return _resolve_layouts(cfg, world_size)
-    except ConfigError as e:
-        raise _named_keys(cfg, e) from None
-
-
-def _resolve_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
     """Resolve every present module's layout over `world_size` ranks, in graph order.
 
     Raises ConfigError: unknown placement; an edge naming an absent module; colocated modules not
@@ -303,15 +309,8 @@ def _check_launcher(cfg, world_size: int) -> None:
                           "match launcher.nnodes to the job's nodes")
 
 
+@_spelled
 def check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
-    """`_check_layouts` with named modules' fields spelled as typed (`encoders.NAME...`)."""
-    try:
-        return _check_layouts(cfg, world_size)
-    except ConfigError as e:
-        raise _named_keys(cfg, e) from None
-
-
-def _check_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
     """Check every layout rule for `world_size` ranks; return the resolved layouts.
 
     Raises ConfigError (field, value, problem, fix) for the rules of `resolve_layouts` and: unknown

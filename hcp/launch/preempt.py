@@ -99,11 +99,12 @@ def resume_after_requeue(cfg, env=os.environ) -> None:
         cfg.resume = "auto"
 
 
-def continue_wandb_run(cfg, run_dir: str, resumed: bool) -> None:
+def continue_wandb_run(logger, run_dir: str, resumed: bool) -> None:
     """Make the logging rank's wandb run continue across requeues: the run id is kept in
     `run_dir/wandb_run_id` (a requeued job keeps its run directory); a resumed run reuses it, a
-    fresh run writes a new one. Sets WANDB_RUN_ID and WANDB_RESUME=allow, which `wandb.init` reads."""
-    if cfg.logger.name != "wandb":
+    fresh run writes a new one. Sets WANDB_RUN_ID and WANDB_RESUME=allow, which `wandb.init` reads.
+    `logger`: the `logger` block (`hcp.config.schema.LoggerConfig`); nothing to do unless wandb."""
+    if logger.name != "wandb":
         return
     path = os.path.join(run_dir, "wandb_run_id")
     run_id = None

@@ -13,34 +13,37 @@ simulators replay the same lists. Names follow torch.distributed.pipelining's `_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import ClassVar, Union
 
 P2P_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 
 
 @dataclass(frozen=True)
-class Compute:
-    """Forward ("F") or backward ("B") of micro-batch `micro` on this stage."""
+class _Kinded:
+    """An action with a `kind` checked at construction against the class's `KINDS`."""
 
+    KINDS: ClassVar[tuple[str, ...]] = ("F", "B")
     kind: str
-    micro: int
 
     def __post_init__(self):
-        if self.kind not in ("F", "B"):
-            raise ValueError(f"Compute kind {self.kind!r}: use 'F' or 'B'")
+        if self.kind not in self.KINDS:
+            raise ValueError(f"{type(self).__name__} kind {self.kind!r}: use one of {self.KINDS}")
 
 
 @dataclass(frozen=True)
-class P2P:
+class Compute(_Kinded):
+    """Forward ("F") or backward ("B") of micro-batch `micro` on this stage."""
+
+    micro: int
+
+
+@dataclass(frozen=True)
+class P2P(_Kinded):
     """One point-to-point op of micro-batch `micro` with stage `peer` (kind: `P2P_KINDS`)."""
 
-    kind: str
+    KINDS: ClassVar[tuple[str, ...]] = P2P_KINDS
     micro: int
     peer: int
-
-    def __post_init__(self):
-        if self.kind not in P2P_KINDS:
-            raise ValueError(f"P2P kind {self.kind!r}: use one of {P2P_KINDS}")
 
     @property
     def is_send(self) -> bool:
@@ -61,28 +64,17 @@ class SyncGrads:
 
 
 @dataclass(frozen=True)
-class EncoderCompute:
+class EncoderCompute(_Kinded):
     """Forward ("F") or backward ("B") of this rank's whole encoder side over all of its
     encoder inputs of the step (colocated: one batch per step, not one per micro-batch)."""
 
-    kind: str
-
-    def __post_init__(self):
-        if self.kind not in ("F", "B"):
-            raise ValueError(f"EncoderCompute kind {self.kind!r}: use 'F' or 'B'")
-
 
 @dataclass(frozen=True)
-class Route:
+class Route(_Kinded):
     """A collective over the route group: stream `stream`'s rows ("F", encoder -> LLM CP
     shards) or their gradients ("B", back). Every rank of the group runs it, 0 rows or not."""
 
-    kind: str
     stream: str
-
-    def __post_init__(self):
-        if self.kind not in ("F", "B"):
-            raise ValueError(f"Route kind {self.kind!r}: use 'F' or 'B'")
 
 
 Action = Union[Compute, Exchange, SyncGrads, EncoderCompute, Route]

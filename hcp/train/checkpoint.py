@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from hcp.config.errors import ConfigError
+from hcp.config.settings import CheckpointSpec
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -260,11 +261,13 @@ def expected_trainable(specs) -> set[str]:
             if n.split(".")[0] in specs and not specs[n.split(".")[0]].freeze}
 
 
-def check_resume(cfg, specs) -> None:
-    """Before ranks start: `resume` and `init_from_checkpoint` must be None, (`auto`,) or complete
-    checkpoint folders, and the checkpoint `resume` continues must have trained the same
-    parameters this config trains (else it is a new stage: `init_from_checkpoint`). `specs`:
-    the config's `hcp.config.specs.ModuleSpecs`.
+def check_resume(ck: CheckpointSpec, specs, max_steps: int, weights_only: bool = False) -> None:
+    """Before ranks start: `ck.resume` and `ck.init_from_checkpoint` must be None, (`auto`,) or
+    complete checkpoint folders, and the checkpoint `resume` continues must have trained the same
+    parameters this config trains (else it is a new stage: `init_from_checkpoint`) and be at most
+    at `max_steps` (`trainer.max_steps`). `specs`: the config's `hcp.config.specs.ModuleSpecs`;
+    `weights_only` (mode=export) checks the folders only: an export reads the weights, whatever
+    trained them.
 
     Raises:
         ConfigError: a folder that is not a complete checkpoint; a checkpoint past
@@ -272,15 +275,15 @@ def check_resume(cfg, specs) -> None:
             (names the parameters on each side: frozen now, absent now (modules this config
             lacks) or trained now, and the key to use instead).
     """
-    _check_folder("resume", cfg.resume)
-    _check_folder("init_from_checkpoint", cfg.get("init_from_checkpoint"))
-    path = latest(cfg.checkpoint.dir) if cfg.resume == "auto" else cfg.resume
-    if path is None or cfg.mode == "export":  # export reads the weights, whatever trained them
+    _check_folder("resume", ck.resume)
+    _check_folder("init_from_checkpoint", ck.init_from_checkpoint)
+    path = start_path(ck)
+    if path is None or weights_only:
         return
     state = _trainer_json(path)
     step = state.get("step", 0)
-    if step > cfg.trainer.max_steps:  # equal: a finished run requeued, nothing left to do
-        raise ConfigError("trainer.max_steps", cfg.trainer.max_steps, f"{path} is already at step "
+    if step > max_steps:  # equal: a finished run requeued, nothing left to do
+        raise ConfigError("trainer.max_steps", max_steps, f"{path} is already at step "
                           f"{step}, past the last step", f"to continue it, use trainer.max_steps > "
                           f"{step}; to start a new stage from its weights, use "
                           f"init_from_checkpoint={path} instead of resume")
@@ -296,7 +299,7 @@ def check_resume(cfg, specs) -> None:
                          for label, v in (("trained there, frozen now", frozen),
                                           ("trained there, absent now", absent),
                                           ("frozen there, trained now", new)) if v)
-        raise ConfigError("resume", cfg.resume, f"{path} trained other parameters than this config "
+        raise ConfigError("resume", ck.resume, f"{path} trained other parameters than this config "
                           f"does ({what}), so it is not the same run", f"to start a new stage from "
                           f"its weights (fresh optimizer and schedule), use init_from_checkpoint={path} "
                           "instead of resume")
@@ -358,19 +361,25 @@ def derived_seed(seed: int, step: int, rank: int) -> int:
     return zlib.crc32(f"{seed}:{step}:{rank}".encode())
 
 
-def resume(cfg, modules, optimizer, scheduler, sampler, tp_groups) -> tuple[int, str | None]:
-    """Start of a run as `cfg.resume` / `cfg.init_from_checkpoint` say: load the latest (or
+def start_path(ck: CheckpointSpec) -> str | None:
+    """The checkpoint folder a run of `ck` continues: the latest in `ck.dir` under `resume=auto`
+    (None when there is none yet), else `ck.resume` (None: a fresh run)."""
+    return latest(ck.dir) if ck.resume == "auto" else ck.resume
+
+
+def resume(ck: CheckpointSpec, modules, optimizer, scheduler, sampler, tp_groups) -> tuple[int, str | None]:
+    """Start of a run as `ck.resume` / `ck.init_from_checkpoint` say: load the latest (or
     the named) checkpoint into `modules`, `optimizer`, `scheduler` and `sampler`, or only the
     weights of `init_from_checkpoint` (a new stage). Returns (the step to start at, a note for
     the log or None). Every rank calls it (a collective load)."""
-    path = latest(cfg.checkpoint.dir) if cfg.resume == "auto" else cfg.resume
-    if path is None and cfg.init_from_checkpoint:  # a new stage: weights only
-        loaded = load_weights(cfg.init_from_checkpoint, modules, tp_groups)
+    path = start_path(ck)
+    if path is None and ck.init_from_checkpoint:  # a new stage: weights only
+        loaded = load_weights(ck.init_from_checkpoint, modules, tp_groups)
         return 0, f"init_from_checkpoint: {loaded}; optimizer, schedule and data start fresh at step 0"
-    if not cfg.resume:
+    if not ck.resume:
         return 0, None
     if path is None:  # resume=auto with no checkpoint yet: a fresh start, said so
-        return 0, f"resume=auto: no checkpoint in checkpoint.dir={cfg.checkpoint.dir}; starting at step 0"
+        return 0, f"resume=auto: no checkpoint in checkpoint.dir={ck.dir}; starting at step 0"
     state = load(path, modules, optimizer, tp_groups)
     scheduler.load_state_dict(state["scheduler"])
     sampler.load_state_dict(state["sampler"])

@@ -31,17 +31,17 @@ def answer_tokens(sample, eos_id: int) -> int:
     return (answer.index(eos_id) if eos_id in answer else len(answer)) + 1
 
 
+def eval_capacity(packing, llm_cp: int) -> int:
+    """Tokens per evaluation micro-batch: training's, `packing.micro_batch_tokens` per rank
+    times the LLM's CP size `llm_cp` (`packing`: `hcp.config.settings.PackingSpec`). Evaluation
+    keeps the static layout; under dynamic CP a sample that training spreads over a larger CP
+    group is evaluated whole on its DP lane, forward only (no activations kept for a backward
+    pass), so the capacity is raised to `packing.max_seq_len` there."""
+    cap = packing.micro_batch_tokens * llm_cp
+    return max(cap, packing.max_seq_len) if packing.dynamic_cp else cap
+
+
 @torch.no_grad()
-def eval_capacity(cfg, llm_layout, dynamic_cp: bool) -> int:
-    """Tokens per evaluation micro-batch: training's, trainer.micro_batch_tokens per rank
-    times the LLM's CP size. Evaluation keeps the static layout; under dynamic CP a sample
-    that training spreads over a larger CP group is evaluated whole on its DP lane, forward
-    only (no activations kept for a backward pass), so the capacity is raised to
-    data.max_seq_len there."""
-    cap = cfg.trainer.micro_batch_tokens * llm_layout.cp
-    return max(cap, cfg.data.max_seq_len) if dynamic_cp else cap
-
-
 def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, loss_group=None,
              lane_group=None, max_new_tokens: int | None = None) -> dict:
     """Evaluate this rank's lane's share `indices` of the held-out set with `run` (see the

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hcp.config.schema import ExportConfig
+from hcp.config.specs import ModuleSpec, ModuleSpecs
 from hcp.model import hf_clip, hf_llama
 from hcp.model.hf_io import DTYPES, INDEX, HFCheckpoint, Source, write_folder
 
@@ -43,27 +45,28 @@ def _whole(param, tp_group) -> torch.Tensor:
     return torch.cat(parts, dim=spec.dim)
 
 
-def _dtype(cfg, m: str) -> torch.dtype:
-    name = cfg.export.dtype
+def _dtype(export_cfg: ExportConfig, spec: ModuleSpec) -> torch.dtype:
+    """The dtype `spec`'s tensors are written in (`export.dtype`; `auto`: its `init_from`'s)."""
+    name = export_cfg.dtype
     if name == "auto":
-        name = HFCheckpoint(cfg[m].init_from).dtype() if cfg[m].get("init_from") else "float32"
+        name = HFCheckpoint(spec.init_from).dtype() if spec.init_from else "float32"
     return DTYPES[name]
 
 
-def module_tensors(model, cfg, m: str) -> dict[str, torch.Tensor]:
-    """This stage's whole tensors of module `m` under their transformers names, in the export
-    dtype (a collective over the module's TP and DP x CP groups)."""
-    module = getattr(model, m, None)
+def module_tensors(model, spec: ModuleSpec, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """This stage's whole tensors of module `spec` (`llm` or `vision`) under their transformers
+    names, in `dtype` (a collective over the module's TP and DP x CP groups)."""
+    module = getattr(model, spec.name, None)
     if module is None:
         return {}
-    names = hf_llama.hf_names(cfg.llm) if m == "llm" else hf_clip.hf_names(cfg.vision)
+    arch = spec.arch
+    names = hf_llama.hf_names(arch) if spec.kind == "llm" else hf_clip.hf_names(arch)
     tp_group = getattr(module, "tp_group", None)
-    dtype = _dtype(cfg, m)
     out = {}
     for name, p in module.named_parameters():
         t = _whole(p, tp_group).to("cpu", dtype)
-        out[names[name]] = t.reshape(t.shape[0], cfg.vision.num_channels, cfg.vision.patch_size,
-                                     cfg.vision.patch_size) if name == "patch_embed.weight" else t
+        out[names[name]] = t.reshape(t.shape[0], arch.num_channels, arch.patch_size,
+                                     arch.patch_size) if name == "patch_embed.weight" else t
     return out
 
 
@@ -75,34 +78,36 @@ def projector_tensors(model) -> dict[str, torch.Tensor]:
             for n, p in model.projector.named_parameters()}
 
 
-def _vision_passthrough(cfg) -> tuple[dict[str, torch.Tensor], int]:
+def _vision_passthrough(vision: ModuleSpec) -> tuple[dict[str, torch.Tensor], int]:
     """Tensors of `vision.init_from` the model does not hold (after select_layer), and the
     checkpoint's block count; ({}, built blocks) without init_from."""
-    if not cfg.vision.get("init_from"):
-        return {}, hf_clip.used_blocks(cfg.vision)
-    ckpt = HFCheckpoint(cfg.vision.init_from)
+    if not vision.init_from:
+        return {}, hf_clip.used_blocks(vision.arch)
+    ckpt = HFCheckpoint(vision.init_from)
     p = hf_clip.prefix_of(ckpt.files)
-    keep = [k for k, why in hf_clip.ignored(cfg.vision, ckpt.keys()).items() if why == "after select_layer"]
-    return ({hf_clip.PREFIX + k[len(p):]: ckpt.read(Source(k)) for k in keep}, cfg.vision.num_layers)
+    keep = [k for k, why in hf_clip.ignored(vision.arch, ckpt.keys()).items() if why == "after select_layer"]
+    return ({hf_clip.PREFIX + k[len(p):]: ckpt.read(Source(k)) for k in keep}, vision.arch.num_layers)
 
 
-def export(model, cfg, out: str, stage, writer: bool) -> list[str]:
-    """Write `out` (see the module docstring) from every rank's part of `model`. `stage` is this
-    rank's `StageSpec`; `writer` is True on one rank per pipeline stage. Returns the files written
-    (on rank 0: all of them)."""
-    llm = module_tensors(model, cfg, "llm")
-    vision = module_tensors(model, cfg, "vision") if cfg.get("vision") is not None else {}
+def export(model, specs: ModuleSpecs, export_cfg: ExportConfig, stage, writer: bool) -> list[str]:
+    """Write `export_cfg.dir` (see the module docstring) from every rank's part of `model`, a run
+    of `specs` (vision -> projector -> llm). `stage` is this rank's `StageSpec`; `writer` is True
+    on one rank per pipeline stage. Returns the files written (on rank 0: all of them)."""
+    out = export_cfg.dir
+    dtypes = {m.name: _dtype(export_cfg, m) for m in specs if m.name in ("llm", "vision")}
+    llm = module_tensors(model, specs.llm, dtypes["llm"])
+    vision = module_tensors(model, specs["vision"], dtypes["vision"]) if "vision" in specs else {}
     name = (f"model-{stage.index + 1:05d}-of-{stage.num_stages:05d}.safetensors"
             if stage.num_stages > 1 else "model.safetensors")
     if writer:
-        write_folder(os.path.join(out, "llm"), name, llm, hf_llama.hf_config(cfg.llm, str(
-            _dtype(cfg, "llm")).removeprefix("torch.")))
+        write_folder(os.path.join(out, "llm"), name, llm, hf_llama.hf_config(specs.llm.arch, str(
+            dtypes["llm"]).removeprefix("torch.")))
         if stage.first and vision:
-            extra, layers = _vision_passthrough(cfg)
-            vcfg = hf_clip.hf_config(cfg.vision, str(_dtype(cfg, "vision")).removeprefix("torch."))
+            extra, layers = _vision_passthrough(specs["vision"])
+            vcfg = hf_clip.hf_config(specs["vision"].arch, str(dtypes["vision"]).removeprefix("torch."))
             vcfg["num_hidden_layers"] = layers
             write_folder(os.path.join(out, "vision"), "model.safetensors", {
-                **vision, **{k: t.to(_dtype(cfg, "vision")) for k, t in extra.items()}}, vcfg)
+                **vision, **{k: t.to(dtypes["vision"]) for k, t in extra.items()}}, vcfg)
         if stage.first and getattr(model, "projector", None) is not None:
             torch.save(projector_tensors(model), os.path.join(out, "mm_projector.bin"))
     shards = [None] * dist.get_world_size()
@@ -160,7 +165,10 @@ def run_export_rank(cfg, run_dir: str) -> None:
     it (init, `init_from`, then the weights of `init_from_checkpoint` or of the checkpoint
     `resume` names), then `export`."""
     from hcp.config.layouts import resolve_layouts
+    from hcp.config.settings import CheckpointSpec
+    from hcp.config.specs import resolve_modules, typed
     from hcp.model import LlavaModel, init_parameters
+    from hcp.model.encoder_side import llava_kwargs
     from hcp.model.hf_load import load_pretrained
     from hcp.model.stage import StageSpec
     from hcp.parallel.groups import ProcessGroupRegistry
@@ -170,25 +178,26 @@ def run_export_rank(cfg, run_dir: str) -> None:
     device = init_distributed(cfg.launcher)
     try:
         rank = dist.get_rank()
-        llm = resolve_layouts(cfg, dist.get_world_size())["llm"]
-        groups = ProcessGroupRegistry(resolve_layouts(cfg, dist.get_world_size()))
+        layouts = resolve_layouts(cfg, dist.get_world_size())
+        specs, export_cfg = resolve_modules(cfg, layouts), typed(cfg.export, ExportConfig)
+        llm, groups = layouts["llm"], ProcessGroupRegistry(layouts)
         coords = groups.grids["llm"].coords(rank)
         stage = StageSpec.of(llm.pp_layers, coords["pp"])
         tp_group = groups.group("llm", "tp") if llm.tp > 1 else None
-        model = LlavaModel(cfg.vision, cfg.projector, cfg.llm, tp_group=tp_group, stage=stage,
+        model = LlavaModel(**llava_kwargs(specs), tp_group=tp_group, stage=stage,
                            cp_group=groups.group("llm", "cp") if llm.cp > 1 else None)
         init_parameters(model, cfg.seed)
         load_pretrained(model, cfg)
         model.to(device)
-        path = checkpoint.latest(cfg.checkpoint.dir) if cfg.resume == "auto" else cfg.resume
-        path = path or cfg.get("init_from_checkpoint")
+        ck = CheckpointSpec.of(cfg)
+        path = checkpoint.start_path(ck) or ck.init_from_checkpoint
         source = (checkpoint.load_weights(path, model, tp_group) if path else
                   "the model as initialised" + "".join(f" + {m}.init_from" for m in ("llm", "vision")
-                                                        if cfg.get(m) is not None and cfg[m].get("init_from")))
+                                                        if m in specs and specs[m].init_from))
         writer = coords["tp"] == coords["cp"] == coords["dp"] == 0
-        written = export(model, cfg, cfg.export.dir, stage, writer)
+        written = export(model, specs, export_cfg, stage, writer)
         if rank == 0:
-            print(f"hcp: exported ({source}) to {cfg.export.dir}: {len(written)} LLM shard(s)"
-                  + (", vision/, mm_projector.bin" if cfg.get("vision") is not None else ""))
+            print(f"hcp: exported ({source}) to {export_cfg.dir}: {len(written)} LLM shard(s)"
+                  + (", vision/, mm_projector.bin" if "vision" in specs else ""))
     finally:
         dist.destroy_process_group()

@@ -13,6 +13,7 @@ import warnings
 
 from tqdm import tqdm
 
+from hcp.config.schema import LoggerConfig, TrainerConfig
 
 CONSOLE = (("loss", "loss", "{:.4f}"), ("lr", "lr", "{:.3e}"), ("grad_norm", "grad_norm", "{:.3f}"),
            ("tokens_per_s", "tokens/s", "{:,.0f}"), ("step_time_s", "step_time", "{:.3f}s"),
@@ -37,34 +38,38 @@ class RunLogger:
     (a SLURM `.out` file, a pipe) one plain line per logged step (`step_line`), every
     `trainer.log_every` steps. An offline wandb run says so at the start, and `finish` prints
     its `wandb sync` command.
+
+    Args:
+        logger: the `logger` block (`hcp.config.schema.LoggerConfig`).
+        trainer: the `trainer` block (`hcp.config.schema.TrainerConfig`: max_steps, progress_bar).
+        start_step: the step the run starts at (a resumed run continues its metrics.jsonl).
+        config: the run's resolved config as a dict, recorded as the wandb run's config.
     """
 
-    def __init__(self, run_dir: str, cfg, max_steps: int, start_step: int = 0):
-        self.run_dir, self.max_steps = run_dir, max_steps
+    def __init__(self, run_dir: str, logger: LoggerConfig, trainer: TrainerConfig, start_step: int = 0,
+                 config: dict | None = None):
+        self.run_dir, self.max_steps = run_dir, trainer.max_steps
         os.makedirs(run_dir, exist_ok=True)
         # A resumed run continues its metrics.jsonl; a fresh run in the same folder replaces it.
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a" if start_step else "w")
-        self.plain = not (cfg.trainer.progress_bar and sys.stdout.isatty())
-        self._bar = tqdm(total=max_steps, initial=start_step, desc="train", dynamic_ncols=True,
+        self.plain = not (trainer.progress_bar and sys.stdout.isatty())
+        self._bar = tqdm(total=self.max_steps, initial=start_step, desc="train", dynamic_ncols=True,
                          disable=self.plain, file=sys.stdout, mininterval=0.1)
-        self._wandb = self._init_wandb(cfg) if cfg.logger.name == "wandb" else None
+        self._wandb = self._init_wandb(logger, config) if logger.name == "wandb" else None
         self.sync_dir = None
-        if self._wandb is not None and (cfg.logger.mode == "offline"
+        if self._wandb is not None and (logger.mode == "offline"
                                         or getattr(self._wandb.settings, "_offline", False)):
             self.sync_dir = (getattr(self._wandb.settings, "sync_dir", None)  # wandb/offline-run-*
                              or os.path.dirname(self._wandb.dir.rstrip(os.sep)))
             self.write(f"wandb: offline (logger.mode=offline; WANDB_MODE=online to stream); "
                        f"the run is stored in {self.sync_dir}")
 
-    def _init_wandb(self, cfg):
+    def _init_wandb(self, logger: LoggerConfig, config: dict | None):
         try:
             import wandb
 
-            from omegaconf import OmegaConf
-
-            return wandb.init(project=cfg.logger.project, entity=cfg.logger.entity,
-                              mode=cfg.logger.mode, dir=self.run_dir,
-                              config=OmegaConf.to_container(cfg, resolve=True),
+            return wandb.init(project=logger.project, entity=logger.entity, mode=logger.mode,
+                              dir=self.run_dir, config=config,
                               settings=wandb.Settings(init_timeout=60, silent=True))
         except Exception as e:  # noqa: BLE001 - logging must never stop training
             warnings.warn(f"wandb disabled: {type(e).__name__}: {e} (logger=none silences this)")

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hcp.config.choices import OPTIMIZERS
+from hcp.config.schema import OptimConfig
 
 
 def decays(module: nn.Module, name: str, param: torch.Tensor) -> bool:
@@ -60,10 +61,12 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
     return list(groups.values())
 
 
-def build_optimizer(model: nn.Module, cfg, overrides: dict[str, dict] | None = None) -> torch.optim.AdamW:
-    """AdamW with `optim.lr`, `optim.betas`, `optim.eps` over `model`'s trainable parameters in
-    per-module groups (`param_groups`), `optim.weight_decay` on weight matrices only
-    (`decays`); `overrides` (`module_overrides(specs)`) sets a module's own lr / weight decay.
+def build_optimizer(model: nn.Module, optim: OptimConfig,
+                    overrides: dict[str, dict] | None = None) -> torch.optim.AdamW:
+    """AdamW with `optim.lr`, `optim.betas`, `optim.eps` (`optim`: the run's `optim` block) over
+    `model`'s trainable parameters in per-module groups (`param_groups`), `optim.weight_decay`
+    on weight matrices only (`decays`); `overrides` (`module_overrides(specs)`) sets a module's
+    own lr / weight decay.
     Parameter groups differ between ranks (a pipeline stage holds some modules only); the
     checkpoint keys their settings by parameter FQN (`hcp.train.checkpoint`), so any layout
     resumes them.
@@ -72,12 +75,12 @@ def build_optimizer(model: nn.Module, cfg, overrides: dict[str, dict] | None = N
         ValueError: no trainable parameter (every module frozen) or an unknown `optim.name`
             (validation rejects both earlier, naming the field).
     """
-    groups = param_groups(model, cfg.weight_decay, cfg.lr, overrides)
+    groups = param_groups(model, optim.weight_decay, optim.lr, overrides)
     if not groups:
         raise ValueError("every module is frozen (vision/projector/llm .freeze=true): nothing to train")
-    if cfg.name not in OPTIMIZERS:
-        raise ValueError(f"optim.name={cfg.name!r}: use one of {OPTIMIZERS}")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if optim.name not in OPTIMIZERS:
+        raise ValueError(f"optim.name={optim.name!r}: use one of {OPTIMIZERS}")
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps)
 
 
 def cosine_with_warmup(step: int, max_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
@@ -99,7 +102,7 @@ class CosineWithWarmup(torch.optim.lr_scheduler.LambdaLR):
     run's (loading the optimizer's checkpoint brought the saved ones), and `change_note` says
     what changed. `lr` is the schedule's current value of `optim.lr` (what the log reports)."""
 
-    def __init__(self, optimizer, optim_cfg, max_steps: int):
+    def __init__(self, optimizer, optim_cfg: OptimConfig, max_steps: int):
         self.schedule = {"max_steps": int(max_steps), "lr": float(optim_cfg.lr),
                          "warmup_ratio": float(optim_cfg.warmup_ratio),
                          "min_lr_ratio": float(optim_cfg.min_lr_ratio)}
@@ -154,5 +157,5 @@ class CosineWithWarmup(torch.optim.lr_scheduler.LambdaLR):
                                 f"{before:.4g}); every resumed step follows the new one")
 
 
-def build_scheduler(optimizer, optim_cfg, max_steps: int) -> CosineWithWarmup:
+def build_scheduler(optimizer, optim_cfg: OptimConfig, max_steps: int) -> CosineWithWarmup:
     return CosineWithWarmup(optimizer, optim_cfg, max_steps)

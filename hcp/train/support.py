@@ -28,7 +28,7 @@ def check_trainable(cfg, specs) -> None:
     _check_encoder_cp_trainable(specs)
     if cfg.placement == "non_colocated":
         _check_islands_trainable(cfg, specs)
-    if llm.pp > 1 and cfg.llm.tie_embeddings:
+    if llm.pp > 1 and specs.llm.arch.tie_embeddings:
         raise ConfigError("llm.tie_embeddings", True, f"the embedding (first of {llm.pp} pipeline "
                           "stages) and the LM head (last stage) cannot share one table",
                           "set llm.tie_embeddings=false, or llm.layout.pp=1")

@@ -15,10 +15,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from hcp.config.layouts import resolve_layouts
 from hcp.config.precision import Precision
-from hcp.config.schema import TrainerConfig
+from hcp.config.schema import LoggerConfig, OptimConfig, TrainerConfig
+from hcp.config.settings import CheckpointSpec, PackingSpec
 from hcp.config.specs import resolve_modules, typed
 from hcp.data.build import build_datasets
 from hcp.data.loader import GlobalBatchSampler
@@ -75,7 +77,8 @@ class Trainer:
         self.precision = Precision.of(cfg.precision)  # one policy: schedules, routes, links, backend
         self.layouts = resolve_layouts(cfg, self.world)
         self.specs = resolve_modules(cfg, self.layouts)  # once: the modules the layers build from
-        self.dynamic_cp = cfg.packing == "dynamic_cp"  # hcp.dcp.policy: per-micro-batch CP groups
+        self.packing, self.checkpointing = PackingSpec.of(cfg), CheckpointSpec.of(cfg)
+        self.dynamic_cp = self.packing.dynamic_cp  # hcp.dcp.policy: per-micro-batch CP groups
         self.groups = ProcessGroupRegistry(self.layouts, ("llm",) if self.dynamic_cp else ())
         llm = self.layouts["llm"]
         self.dp, self.cp, self.lane, self.stage = llm.dp, llm.cp, None, None
@@ -89,7 +92,6 @@ class Trainer:
             self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg, self.specs)
-        self.edges = tuple(tuple(e) for e in cfg.graph.edges)
         self.islands = (Islands(self.specs, self.groups, self.rank, self.device, self.precision)
                         if cfg.placement == "non_colocated" else None)
         self.encoder = self._build_encoder()  # both on the meta device: nothing allocated yet
@@ -107,25 +109,28 @@ class Trainer:
         self.colocated = (ColocatedStep(self.encoder, None, self.layouts["vision"].recompute == "full",
                                         precision=self.precision, device_type=self.device.type)
                           if self.encoder is not None and cfg.placement == "colocated" else None)
-        self.optimizer = build_optimizer(self.modules, cfg.optim, module_overrides(self.specs))  # groups per module
-        self.guard = NonFiniteGuard(self.settings.on_nonfinite, self.modules, cfg.checkpoint.dir)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.settings.max_steps)
+        optim = typed(cfg.optim, OptimConfig)
+        self.optimizer = build_optimizer(self.modules, optim, module_overrides(self.specs))  # groups per module
+        self.guard = NonFiniteGuard(self.settings.on_nonfinite, self.modules, self.checkpointing.dir)
+        self.scheduler = build_scheduler(self.optimizer, optim, self.settings.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), self.settings.global_batch_size, cfg.seed)
         self.index = sides.LengthIndexes(self.specs, self.train_set, self.tok)  # one per stream into the LLM
         self.record_encoder_grad_sq, self.encoder_grad_sq = False, None
         """Set `record_encoder_grad_sq` (tests) to keep in `encoder_grad_sq` the sum of squares
         of this rank's own encoder gradients before their DP sum: one host read per parameter
         tensor, so never on by default."""
-        self.step, self.resume_note = checkpoint.resume(cfg, self.modules, self.optimizer, self.scheduler,
-                                                        self.sampler, self._tp_groups())
-        self.planner = StepPlanner(cfg, self.layouts, self.index, self.edges)
+        self.step, self.resume_note = checkpoint.resume(self.checkpointing, self.modules, self.optimizer,
+                                                        self.scheduler, self.sampler, self._tp_groups())
+        self.planner = StepPlanner(self.packing, self.specs, self.index)
         in_process = self.dynamic_cp and use_worker(self.settings.plan_process,
                                                     self.device.type)  # hcp.train.planner
         self.ahead = PlanAhead(self.sampler, self.prepare, self.planner if in_process else None)
+        self.log = None
         if self.is_logging_rank:
-            continue_wandb_run(cfg, run_dir, resumed=self.step > 0)
-        self.log = (RunLogger(run_dir, cfg, self.settings.max_steps, self.step)
-                    if self.is_logging_rank else None)
+            logger = typed(cfg.logger, LoggerConfig)
+            continue_wandb_run(logger, run_dir, resumed=self.step > 0)
+            self.log = RunLogger(run_dir, logger, self.settings, self.step,
+                                 OmegaConf.to_container(cfg, resolve=True))
         if self.log and self.resume_note:
             self.log.write(self.resume_note)
         if self.islands is not None:  # every rank, last: the islands' P2P group
@@ -307,7 +312,7 @@ class Trainer:
             setattr(self.model, name, module)
         try:
             return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok, indices,
-                            eval_capacity(self.cfg, self.layouts['llm'], self.dynamic_cp), self.device, self.grad_group, self.dp_group,
+                            eval_capacity(self.packing, self.cp), self.device, self.grad_group, self.dp_group,
                             self.settings.eval_max_new_tokens)
         finally:
             for name in lent:
@@ -323,8 +328,8 @@ class Trainer:
     def save(self) -> None:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "sampler": self.sampler.state_dict()}
-        path = checkpoint.save(self.cfg.checkpoint.dir, self.step, self.modules, self.optimizer, state,
-                               self.cfg.checkpoint.keep, self._tp_groups())
+        path = checkpoint.save(self.checkpointing.dir, self.step, self.modules, self.optimizer, state,
+                               self.checkpointing.keep, self._tp_groups())
         if self.log:
             self.log.write(f"checkpoint step {self.step}: {path}")
 
@@ -351,7 +356,7 @@ class Trainer:
             self.land_stats()
             self.save()
             self.ahead.close()
-            self.preempt.requeue_and_exit(self.step, self.cfg.checkpoint.dir)
+            self.preempt.requeue_and_exit(self.step, self.checkpointing.dir)
         return metrics
 
     def land_stats(self) -> None:
