@@ -161,22 +161,32 @@ class Scorer(EncoderTerms):
 
     def _llm_lane(self, llm):
         """(iteration seconds, fwd, bwd, plan) of the LLM layout's slowest lane (`[pp, R]` s),
-        the busy seconds of all its ranks (the `Host`'s layer calls included) and those of them
-        in long stretches (`stacked_seconds`: a stage's micro-batch forward or backward is one
-        stretch, one per layer call under TP or CP, whose collectives block in every layer)."""
+        the busy seconds of all its ranks (the `Host`'s layer calls included) and {placement:
+        those of them in long stretches} (`_stacked`)."""
         key = self._lane_key(llm)
         if key not in self._llm:
             layers = np.asarray(llm.pp_layers, dtype=np.float64)[:, None]
             calls = layer_calls(self.host, layers, llm.cp > 1)
             lanes = [(f + calls[0], b + calls[1], plan) for plan, f, b in self._lane_times(llm)]
             runs = [(simulate_1f1b(f, b, record=False).iteration_time, f, b, plan) for f, b, plan in lanes]
-            ranks = llm.tp * llm.cp
-            work = sum(float((f + b).sum()) for f, b, _ in lanes) * ranks
-            n = layers if ranks > 1 else np.ones_like(layers)  # stretches per stage micro-batch
-            stacked = sum(stacked_seconds(self.host, x / n, np.broadcast_to(n, x.shape))
-                          for f, b, _ in lanes for x in (f, b)) * ranks
+            work = sum(float((f + b).sum()) for f, b, _ in lanes) * llm.tp * llm.cp
+            stacked = {p: self._stacked(llm, layers, lanes, p) for p in ("colocated", "non_colocated")}
             self._llm[key] = (*max(runs, key=lambda r: r[0]), work, stacked)  # lanes wait for the slowest
         return self._llm[key]
+
+    def _stacked(self, llm, layers, lanes, placement: str) -> float:
+        """`stacked_seconds` of all LLM ranks' compute, cut into the stretches between two
+        blocking calls of the runtime: each layer call under TP or CP (their collectives); else
+        each stage's micro-batch forward and backward under PP (its p2p receives); else, at
+        pp 1, each micro-batch's forward + backward when islands send its encoder rows, and
+        the lane's whole LLM phase when colocated (nothing blocks between its micro-batches)."""
+        ranks = llm.tp * llm.cp
+        if ranks > 1 or llm.pp > 1:
+            n = layers if ranks > 1 else np.ones_like(layers)
+            return ranks * sum(stacked_seconds(self.host, x / n, np.broadcast_to(n, x.shape))
+                               for f, b, _ in lanes for x in (f, b))
+        each = [(f + b)[0] for f, b, _ in lanes]  # [R] per lane: forward + backward of each micro-batch
+        return sum(stacked_seconds(self.host, x if placement == "non_colocated" else x.sum()) for x in each)
 
     def _lane_times(self, llm) -> list:
         """`lane_stage_times` of the LLM layout, computed once per plan: under `packing=
@@ -236,6 +246,7 @@ class Scorer(EncoderTerms):
         llm = lays["llm"]
         encoders = [lays[s.encoder] for s in self.sides]
         iteration, f, b, plan, llm_work, stacked = self._llm_lane(llm)
+        stacked = stacked[cand.placement]
         llm_sync = self.sync(llm)
         mem = self.memory(cand)
         busy = (f + b).sum(axis=1)  # each stage's seconds of compute
