@@ -49,9 +49,12 @@ VARIANTS = {
 }
 HELD_OUT = {"wide_llm": ["llm.hidden_size=256", "llm.ffn_hidden_size=768", "llm.num_layers=4"]}
 """Not looked at while tuning the search or this benchmark."""
-CALIBRATION = {"small_micro_batches": ["trainer.micro_batch_tokens=256"]}
+CALIBRATION = {"small_micro_batches": ["trainer.micro_batch_tokens=256"],
+               "large_batch": ["trainer.global_batch_size=128"]}
 """Measured only to fit `cpu_profile.yaml`'s host model (`--calibrate`), with the recipe's
-variant: more, smaller micro-batches tell per-call costs from per-module ones."""
+variant: more, smaller micro-batches tell per-call costs from per-module ones; a 4x larger
+batch (longer micro-batches, the same model and lengths) prices the ranks' long stretches of
+compute without a collective (`hcp.preflight.auto_host.Host.stacked_cores`)."""
 
 
 def _rank(payload) -> None:
@@ -190,13 +193,19 @@ def run_variant(name: str, overrides: list[str], args) -> dict:
             "search_s": search_s, "rows": rows}
 
 
+SPREADS = (0.0, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+"""`spread_s` values `calibrate` tries (CPU seconds of a stretch half run stacked)."""
+
+
 def calibrate(args) -> None:
     """Fit `--profile`'s `peak_flops`, `cp_latency` and host model (`hcp.preflight.auto_host.Host`)
-    on the measured CPU seconds of the recipe's variant and the `CALIBRATION` ones (measured
-    now, or `--reuse`d): the predicted work of all ranks is linear in 1 / peak_flops, layer_s,
-    cp_layer_s, cp_latency and module_step_s, so non-negative least squares over them; `cores`:
-    the measured CPU seconds over the wall seconds (the share of the cores the ranks got).
-    Prints the fitted values to paste into the profile."""
+    on the recipe's variant and the `CALIBRATION` ones (measured now, or `--reuse`d). CPU: the
+    predicted work of all ranks is linear in 1 / peak_flops, layer_s, cp_layer_s, cp_latency
+    and module_step_s, so non-negative least squares over them on the measured CPU seconds.
+    Wall: under that work, the host's seconds are linear in 1 / cores and 1 / stacked_cores
+    for a given spread_s, so least squares over them on the measured wall seconds (relative
+    errors) for each of `SPREADS`, keeping the best. Prints the fitted values to paste into
+    the profile."""
     import tempfile
 
     import yaml
@@ -209,8 +218,6 @@ def calibrate(args) -> None:
 
     base = dict(read_profile(args.profile))
     names = ("layer_s", "cp_layer_s", "cp_latency", "module_step_s")
-    zero = dict.fromkeys(names, 0.0)
-    basis = [(zero, 1.0), (zero, 2.0)] + [({**zero, n: 1.0}, 1.0) for n in names]  # (values, peak x)
     rows, cpu, wall = [], [], []
     for name, overrides in {"llava_tiny_hetero": [], **CALIBRATION}.items():
         cfg = variant_config(name, overrides, args)
@@ -220,26 +227,43 @@ def calibrate(args) -> None:
             rows.append((cfg, cand, result.lengths))
             cpu.append(m["cpu_s"])
             wall.append(m["wall_s"])
-    work = np.zeros((len(rows), len(basis)))
+    cpu, wall = np.array(cpu), np.array(wall)
+
+    def scores(tmp, tag, peak_flops, cp_latency, host):
+        path = os.path.join(tmp, f"{tag}.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump({**base, "peak_flops": peak_flops, "cp_latency": cp_latency, "host": host}, f)
+        return [Scorer(cfg, args.world, path, lengths).score(cand) for cfg, cand, lengths in rows]
+
+    zero = dict.fromkeys(names, 0.0)
+    basis = [(zero, 1.0), (zero, 2.0)] + [({**zero, n: 1.0}, 1.0) for n in names]  # (values, peak x)
     with tempfile.TemporaryDirectory() as tmp:
-        for j, (values, peak) in enumerate(basis):
-            prof = {**base, "peak_flops": base["peak_flops"] * peak, "cp_latency": values["cp_latency"],
-                    "host": {**base["host"], **{n: values[n] for n in names if n != "cp_latency"}}}
-            path = os.path.join(tmp, f"basis{j}.yaml")
-            with open(path, "w") as f:
-                yaml.safe_dump(prof, f)
-            for i, (cfg, cand, lengths) in enumerate(rows):
-                work[i, j] = Scorer(cfg, args.world, path, lengths).score(cand).work_s
-    flops = 2 * (work[:, 0] - work[:, 1])  # the FLOPs' seconds at the profile's peak
-    rest = work[:, 0] - flops  # the syncs and routes (bandwidths)
-    theta, resid = nnls(np.column_stack([flops, work[:, 2:] - work[:, :1]]), np.array(cpu) - rest)
-    fitted = dict(zip(names, (float(f"{t:.3g}") for t in theta[1:])))
+        work = np.column_stack([
+            [s.work_s for s in scores(tmp, f"basis{j}", base["peak_flops"] * peak, values["cp_latency"],
+                                      {"cores": 1.0, **{n: values[n] for n in names if n != "cp_latency"}})]
+            for j, (values, peak) in enumerate(basis)])
+        flops = 2 * (work[:, 0] - work[:, 1])  # the FLOPs' seconds at the profile's peak
+        rest = work[:, 0] - flops  # the syncs and routes (bandwidths)
+        theta, resid = nnls(np.column_stack([flops, work[:, 2:] - work[:, :1]]), cpu - rest)
+        fitted = dict(zip(names, (float(f"{t:.3g}") for t in theta[1:])))
+        peak_flops = float(f"{base['peak_flops'] / theta[0]:.3g}") if theta[0] else base["peak_flops"]
+        host = {n: fitted[n] for n in names if n != "cp_latency"}
+        fits = []
+        for spread in SPREADS:
+            got = scores(tmp, f"spread{spread}", peak_flops, fitted["cp_latency"],
+                         {"cores": 1.0, "stacked_cores": 1.0, "spread_s": spread, **host})
+            terms = np.array([[s.work_s - s.stacked_s, s.stacked_s] for s in got]) / wall[:, None]
+            inv, err = nnls(terms, np.ones(len(wall)))  # relative errors: each row over its wall
+            fits.append((err, spread, inv))
+    err, spread, inv = min(fits, key=lambda f: f[0])
+    cores = float(f"{1 / inv[0]:.3g}") if inv[0] else float(f"{cpu.sum() / wall.sum():.3g}")
     print(f"calibrated on {len(rows)} layouts of llava_tiny_hetero, {', '.join(CALIBRATION)} "
-          f"(residual {resid:.3g} CPU s):")
-    print(yaml.safe_dump({"peak_flops": float(f"{base['peak_flops'] / theta[0]:.3g}") if theta[0] else None,
-                          "cp_latency": fitted["cp_latency"],
-                          "host": {"cores": float(f"{sum(cpu) / sum(wall):.3g}"),
-                                   **{n: fitted[n] for n in names if n != "cp_latency"}}}))
+          f"(CPU residual {resid:.3g} s; wall: relative residual {err:.3g}, "
+          f"{', '.join(f'{f[1]:g} s: {f[0]:.3g}' for f in fits)} by spread_s):")
+    print(yaml.safe_dump({"peak_flops": peak_flops, "cp_latency": fitted["cp_latency"],
+                          "host": {"cores": cores, **host,
+                                   "stacked_cores": float(f"{1 / inv[1]:.3g}") if inv[1] else None,
+                                   "spread_s": spread}}))
 
 
 def main(argv=None) -> None:

@@ -16,7 +16,6 @@ from cfg_utils import REPO, compose_cfg
 from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
 from hcp.preflight.auto_cost import Scorer, combine_bounds
-from hcp.preflight.auto_host import host_model
 from hcp.preflight.auto_layout import apply_layout, check_candidate, choose_layout, search, tie_key
 from hcp.preflight.auto_space import (combine, encoder_options, island_sizes, module_options, pinned_fields,
                                       placements)
@@ -178,21 +177,43 @@ def test_data_missing_here_falls_back_to_the_built_in_sample():
     assert scorer.lengths_from.startswith("the built-in length sample") and len(scorer.lens) == 32
 
 
-def test_ranks_sharing_few_cores_are_priced_by_their_total_work():
-    # 8 CPU ranks on a host of under one core (benchmarks/cpu_profile.yaml): the step is all ranks'
-    # CPU work over the cores, so islands (each module on 4 ranks: half the per-rank layer calls)
-    # beat colocated, and CP's collectives cost work too
-    cfg = _cfg([*TINY8, f"packing_profile={CPU_PROFILE}"])
+def test_ranks_sharing_few_cores_are_priced_by_their_total_work(tmp_path):
+    # 8 CPU ranks on a host of half a core: the step is all ranks' CPU work over the cores, so
+    # islands (each module on 4 ranks: half the per-rank layer calls) beat colocated, and CP's
+    # collectives cost work too
+    text = re.sub(r"\n  (stacked_cores|spread_s): .*", "", open(CPU_PROFILE).read())
+    flat = tmp_path / "flat.yaml"
+    flat.write_text(re.sub(r"cores: .*", "cores: 0.5", text))
+    cfg = _cfg([*TINY8, f"packing_profile={flat}"])
     pins = {"vision.layout.tp": 1, "vision.layout.pp": 1, "llm.layout.tp": 1, "llm.layout.pp": 1,
             "llm.layout.recompute": "none"}
     result = search(cfg, 8, pins, top=100)
-    cores = host_model(CPU_PROFILE).cores
-    assert cores < 1
     assert {c.placement for c, _ in result.ranked} == {"colocated", "non_colocated"}
     for _, s in result.ranked:
-        assert s.step_time_s == pytest.approx(s.work_s / cores, rel=1e-12) and s.critical == "host"
+        assert s.stacked_s == 0 and s.critical == "host"
+        assert s.step_time_s == pytest.approx(s.work_s / 0.5, rel=1e-12)
     best = result.ranked[0][0].by_module
     assert result.ranked[0][0].placement == "non_colocated" and best["llm"].cp == 1
+    # stacked cores: a rank's micro-batch at cp 1 is one long stretch, under CP one per layer
+    # call (its collectives block in every layer), so CP runs far less of its work stacked
+    stacked = tmp_path / "stacked.yaml"
+    stacked.write_text(re.sub(r"cores: .*", "cores: 0.5\n  stacked_cores: 0.1\n  spread_s: 0.05", text))
+    scorer = Scorer(cfg, 8, str(stacked), result.lengths)
+    by_key = {}  # (placement, encoder layout, LLM dp x cp) -> {cp: (candidate, score)}
+    for cand, flat_score in result.ranked:
+        llm = cand.by_module["llm"]
+        by_key.setdefault((cand.placement, cand.by_module["vision"], llm.dp * llm.cp), {})[llm.cp] = (cand, flat_score)
+    pairs = []
+    for by_cp in [v for v in by_key.values() if {1, 2} <= set(v)][:4]:
+        share = {}
+        for cp in (1, 2):
+            cand, flat_score = by_cp[cp]
+            s = scorer.score(cand)
+            assert s.work_s == pytest.approx(flat_score.work_s, rel=1e-12) and 0 < s.stacked_s < s.work_s
+            assert s.step_time_s == pytest.approx((s.work_s - s.stacked_s) / 0.5 + s.stacked_s / 0.1, rel=1e-12)
+            share[cp] = s.stacked_s / s.work_s
+        pairs.append((share[1], share[2]))
+    assert pairs and all(cp2 < cp1 for cp1, cp2 in pairs)
 
 
 def test_the_search_on_a_host_finds_the_brute_force_optimum():

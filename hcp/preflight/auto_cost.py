@@ -19,7 +19,8 @@ Gradient sync: `hcp.preflight.estimate.grad_sync_s`; `dp_shard` (FSDP) adds half
 weights' all-gathers). The batch priced: `data_lengths` (the run's first global batch of its own
 data). CPU ranks sharing a host's cores (a profile's `host:` entry, `hcp.preflight.auto_host.
 Host`): each layer call costs the host's dispatch seconds more, and the step is the larger of
-the critical path and all ranks' CPU seconds (`Score.work_s`) over the cores. For the search's pruning,
+the critical path and all ranks' CPU seconds (`Score.work_s`) over the cores (the LLM's long
+stretches without a collective, `Score.stacked_s`, over the host's stacked cores). For the search's pruning,
 `combine_bounds` of `encoder_part` and `llm_part` (or the cheaper `llm_bound`) is at most
 `score`'s step (equal under colocated without a host).
 """
@@ -37,7 +38,7 @@ from hcp.dcp.policy import several_per_round
 from hcp.model.flops import model_flops
 from hcp.schedule.simulator import simulate_1f1b
 from hcp.preflight.auto_encoders import EncoderTerms, encoder_terms
-from hcp.preflight.auto_host import host_model, layer_calls, plain
+from hcp.preflight.auto_host import host_model, host_seconds, layer_calls, plain, stacked_seconds
 from hcp.preflight.rehearse.report import memory_correction
 from hcp.preflight.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times
 from hcp.preflight.auto_space import Candidate, sides
@@ -52,7 +53,8 @@ FSDP_SYNC = 1.5
 class Score:
     """A candidate's estimate: seconds, TFLOP/s per GPU, GiB per role (`vision`, `llm`;
     colocated: `all`), bytes of both routes per step, the critical module and why; `work_s`
-    the busy seconds of all ranks together (on a `Host`, CPU seconds)."""
+    the busy seconds of all ranks together (on a `Host`, CPU seconds), `stacked_s` those of
+    them the host runs stacked (`hcp.preflight.auto_host.stacked_seconds`; 0 without)."""
 
     step_time_s: float
     tflops_per_gpu: float
@@ -66,6 +68,7 @@ class Score:
     critical: str
     why: str
     work_s: float = 0.0
+    stacked_s: float = 0.0
 
 
 def data_lengths(cfg, specs) -> tuple[np.ndarray, str]:
@@ -158,15 +161,32 @@ class Scorer(EncoderTerms):
 
     def _llm_lane(self, llm):
         """(iteration seconds, fwd, bwd, plan) of the LLM layout's slowest lane (`[pp, R]` s),
-        and the busy seconds of all its ranks (the `Host`'s layer calls included)."""
+        the busy seconds of all its ranks (the `Host`'s layer calls included) and {placement:
+        those of them in long stretches} (`_stacked`)."""
         key = self._lane_key(llm)
         if key not in self._llm:
-            calls = layer_calls(self.host, np.asarray(llm.pp_layers, dtype=np.float64)[:, None], llm.cp > 1)
+            layers = np.asarray(llm.pp_layers, dtype=np.float64)[:, None]
+            calls = layer_calls(self.host, layers, llm.cp > 1)
             lanes = [(f + calls[0], b + calls[1], plan) for plan, f, b in self._lane_times(llm)]
             runs = [(simulate_1f1b(f, b, record=False).iteration_time, f, b, plan) for f, b, plan in lanes]
             work = sum(float((f + b).sum()) for f, b, _ in lanes) * llm.tp * llm.cp
-            self._llm[key] = (*max(runs, key=lambda r: r[0]), work)  # lanes wait for the slowest
+            stacked = {p: self._stacked(llm, layers, lanes, p) for p in ("colocated", "non_colocated")}
+            self._llm[key] = (*max(runs, key=lambda r: r[0]), work, stacked)  # lanes wait for the slowest
         return self._llm[key]
+
+    def _stacked(self, llm, layers, lanes, placement: str) -> float:
+        """`stacked_seconds` of all LLM ranks' compute, cut into the stretches between two
+        blocking calls of the runtime: each layer call under TP or CP (their collectives); else
+        each stage's micro-batch forward and backward under PP (its p2p receives); else, at
+        pp 1, each micro-batch's forward + backward when islands send its encoder rows, and
+        the lane's whole LLM phase when colocated (nothing blocks between its micro-batches)."""
+        ranks = llm.tp * llm.cp
+        if ranks > 1 or llm.pp > 1:
+            n = layers if ranks > 1 else np.ones_like(layers)
+            return ranks * sum(stacked_seconds(self.host, x / n, np.broadcast_to(n, x.shape))
+                               for f, b, _ in lanes for x in (f, b))
+        each = [(f + b)[0] for f, b, _ in lanes]  # [R] per lane: forward + backward of each micro-batch
+        return sum(stacked_seconds(self.host, x if placement == "non_colocated" else x.sum()) for x in each)
 
     def _lane_times(self, llm) -> list:
         """`lane_stage_times` of the LLM layout, computed once per plan: under `packing=
@@ -225,7 +245,8 @@ class Scorer(EncoderTerms):
         lays = cand.by_module
         llm = lays["llm"]
         encoders = [lays[s.encoder] for s in self.sides]
-        iteration, f, b, plan, llm_work = self._llm_lane(llm)
+        iteration, f, b, plan, llm_work, stacked = self._llm_lane(llm)
+        stacked = stacked[cand.placement]
         llm_sync = self.sync(llm)
         mem = self.memory(cand)
         busy = (f + b).sum(axis=1)  # each stage's seconds of compute
@@ -277,14 +298,15 @@ class Scorer(EncoderTerms):
                     + sum((1 + len(s.projectors)) * lays[s.encoder].num_ranks for s in self.sides))
             work += held * self.host.module_step_s
             step /= min(1.0, self.host.cores)  # a rank runs on at most one core
-            if work / self.host.cores > step:
-                step, critical = work / self.host.cores, "host"
-                why = (f"{self.world} ranks share {self.host.cores:g} cores: {work:.3g} CPU s of work / "
-                       f"{self.host.cores:g} cores exceeds the critical path ({why})")
+            shared = host_seconds(self.host, work, stacked)
+            if shared > step:
+                step, critical = shared, "host"
+                why = (f"{self.world} ranks share {self.host.cores:g} cores: {work:.3g} CPU s of work "
+                       f"({stacked:.3g} of it stacked) take longer than the critical path ({why})")
         flops = self.llm_flops + self.images * sum(e.flops for e in self.encoders.values())
         return Score(float(step), flops / step / self.world / 1e12, float(bubble), mem,
                      max(mem.values()) <= self.cap, float(route), float(enc_s),
-                     float(iteration), float(sync), critical, why, float(work))
+                     float(iteration), float(sync), critical, why, float(work), float(stacked))
 
 
 def combine_bounds(placement: str, encoder, llm):
