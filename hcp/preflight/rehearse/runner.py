@@ -81,7 +81,7 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
     trainer = None
     fake = FakeTensorMode(allow_non_fake_inputs=True)  # the host data it meets become fake
     try:
-        with fake, _host_metadata():
+        with fake, _host_metadata(), _no_values():
             with rec:
                 trainer = Trainer(cfg, run_dir)
             result.param_bytes = sum(_local(p).numel() * p.element_size()
@@ -153,6 +153,23 @@ def _host_metadata():
         yield
     finally:
         DeviceMesh.from_group, init.compute_local_shape_and_global_offset = staticmethod(mesh), offset
+
+
+@contextlib.contextmanager
+def _no_values():
+    """Parameter initialization draws no values: `hcp.model.init._normal_rows` draws a whole
+    tensor's rows block by block so that a shard's values equal the whole tensor's, which a fake
+    tensor (no values) does not need and which costs a rank's set-up most of its time. One
+    `normal_` on the shard stands for it: the same tensor, no collective, and before the tracked
+    steps (the blocks are temporaries freed at once)."""
+    import hcp.model.init as init
+
+    draw = init._normal_rows
+    init._normal_rows = lambda out, whole, offset, generator, std: out.normal_(0.0, std)
+    try:
+        yield
+    finally:
+        init._normal_rows = draw
 
 
 def _sizes(mb) -> tuple[list[int], int, int]:
