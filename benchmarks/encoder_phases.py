@@ -6,8 +6,8 @@
 
 Each layout runs on 8 forked gloo ranks through the trainer, with timers around the phases of
 `Trainer.forward_backward` on the vision ranks: `forward` and `backward` (the executor's compute
-spans), inside them the K/V all-gather of CP attention and its backward reduce-scatter, and the
-CP attention's kernels; `route` (the batched P2P exchanges with the LLM island), `grad sync`
+spans) and, inside them, CP attention's fused calls with their K/V all-gather and its backward
+reduce-scatter (`cp kernels`); `route` (the batched P2P exchanges with the LLM island), `grad sync`
 (the encoder's DP x CP gradient sum) and `other` (the rest of the step). Per phase: process CPU
 seconds (every thread of the rank, gloo's included) and wall seconds per step (means over the
 timed steps); wall - CPU is waiting plus time the rank was runnable but not running (8 ranks on
@@ -26,8 +26,7 @@ sys.path.insert(0, HERE)
 
 import dcp_islands  # noqa: E402
 
-PHASES = ("forward", "backward", "kv all-gather", "kv reduce-scatter", "cp kernels", "route",
-          "grad sync", "other", "total")
+PHASES = ("forward", "backward", "cp kernels", "route", "grad sync", "other", "total")
 
 
 class Timers:
@@ -53,7 +52,7 @@ class Timers:
 
 def install(timers: Timers) -> None:
     """Wrap the phases (module docstring) of this process's hcp in `timers`."""
-    from hcp.model import collectives, cp_attention
+    from hcp.model import cp_attention
     from hcp.schedule import executor
     from hcp.train import islands
 
@@ -65,9 +64,6 @@ def install(timers: Timers) -> None:
     executor.BusyClock.span = clock_span
     executor.Executor._exchange = timers.wrap("route", executor.Executor._exchange)
     islands.sync_grads = timers.wrap("grad sync", islands.sync_grads)
-    gather = collectives._GatherSeq
-    gather.forward = staticmethod(timers.wrap("kv all-gather", gather.forward))
-    gather.backward = staticmethod(timers.wrap("kv reduce-scatter", gather.backward))
     fused = cp_attention._FusedAttention
     fused.forward = staticmethod(timers.wrap("cp kernels", fused.forward))
     fused.backward = staticmethod(timers.wrap("cp kernels", fused.backward))
@@ -115,7 +111,7 @@ def print_table(name: str, ranks: list[dict]) -> None:
     for p in PHASES:
         cells = " ".join(f"{1e3 * r['cpu'][p]:7.0f} ({1e3 * r['wall'][p]:5.0f})" for r in ranks)
         calls = ranks[0]["calls"][p]
-        print(f"  {p:<18} {cells}" + (f"   {calls:.0f} calls" if p in ("kv all-gather", "route") else ""))
+        print(f"  {p:<18} {cells}" + (f"   {calls:.0f} calls" if p in ("cp kernels", "route") else ""))
 
 
 def main(argv=None) -> dict:
