@@ -16,9 +16,10 @@ from cfg_utils import REPO, compose_cfg
 from hcp.config.errors import ConfigError
 from hcp.config.validate import validate
 from hcp.preflight.auto_cost import Scorer, combine_bounds
-from hcp.preflight.auto_layout import apply_layout, check_candidate, choose_layout, search, tie_key
+from hcp.preflight.auto_layout import apply_layout, check_candidate, choose_layout, dominates, search
 from hcp.preflight.auto_space import (combine, encoder_options, island_sizes, module_options, pinned_fields,
                                       placements)
+from hcp.preflight.estimate import cost_model, lane_stage_times
 from hcp.preflight.plan_mode import memory_per_rank
 from hcp.train.support import check_trainable
 from hcp.config.specs import resolve_modules
@@ -72,10 +73,31 @@ def test_search_finds_the_brute_force_optimum_and_its_bounds_hold():
     assert result.counts["scored"] < len(every)  # it pruned
     steps = [s.step_time_s for _, s in result.ranked]
     assert steps == sorted(steps) and len(steps) == 10
-    distinct = {tie_key(c, s): s.step_time_s for c, s in every}  # LLM selective = none: one row
-    assert len(distinct) < len(every) and len({tie_key(*r) for r in result.ranked}) == 10
+    kept = [a for a in every if not any(dominates(b, a) for b in every)]  # LLM selective: none's memory, slower
+    assert len(kept) < len(every) and not any(dominates(a, b) for a in result.ranked for b in result.ranked)
     assert all(c.by_module["llm"].recompute != "selective" for c, _ in result.ranked)
-    assert steps == pytest.approx(sorted(distinct.values())[:10], rel=1e-12)
+    assert steps == pytest.approx(sorted(s.step_time_s for _, s in kept)[:10], rel=1e-12)
+
+
+def test_selective_recompute_costs_the_attention_cores_forward_and_saves_no_memory():
+    # the 13B LLM on one lane (tp 8, pp 1): selective's step is none's plus each micro-batch's
+    # attention forward (at cp 1 the core is its scores), at none's memory, so `dominates` drops it
+    scorer = Scorer(_cfg(SMALL), 8, "h100")
+    enc = encoder_options(scorer.cfg, "colocated", (), {}, 8, 8)[0]
+    pins = {"llm.layout.tp": 8, "llm.layout.pp": 1, "llm.layout.dp_shard": False}
+    llm = {lay.recompute: lay for lay in module_options(scorer.cfg, "llm", 8, 0, "colocated", pins, 8)}
+    cands = {r: combine(scorer.cfg, "colocated", enc, llm[r]) for r in ("none", "selective")}
+    none, sel = ((cands[r], scorer.score(cands[r])) for r in ("none", "selective"))
+    cost = cost_model(scorer.cfg, llm["none"], scorer.hw)
+    (plan, _, _), = lane_stage_times(scorer.cfg, llm["none"], cost, scorer.lens)  # one lane
+    attention = 0.0
+    for mb in (mb for r in plan.rounds for g in r.groups for mb in g.micro_batches):
+        x = scorer.lens[list(mb)].astype(float)
+        attention += float(cost.fwd(x.sum(), (x ** 2).sum(), 1)[0] - cost.fwd(x.sum(), 0.0, 1)[0])
+    assert attention > 0 and sel[1].memory_gib == none[1].memory_gib
+    assert sel[1].llm_s - none[1].llm_s == pytest.approx(attention, rel=1e-9)
+    assert sel[1].step_time_s - none[1].step_time_s == pytest.approx(attention, rel=1e-9)
+    assert dominates(none, sel) and not dominates(sel, none)
 
 
 def test_search_respects_pins_and_returns_only_feasible_layouts():

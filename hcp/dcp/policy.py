@@ -67,7 +67,7 @@ def dynamic_cp_policy(llm_cfg, profile: str = "h100"):
         if key not in costs:
             layers = list(llm.pp_layers) if sum(llm.pp_layers) == llm_cfg.num_layers else None
             costs[key] = CostModel(llm_cfg, hw, pp=llm.pp, tp=llm.tp,
-                                   recompute=llm.recompute == "full", pp_layers=layers)
+                                   recompute=llm.recompute, pp_layers=layers)
         lens, _ = prepare_lengths(tokens, pool, micro_batch_tokens)
         return rows(solve(lens, costs[key], pool, micro_batch_tokens,
                           several_per_round=several_per_round(llm)).plan)

@@ -191,7 +191,7 @@ class Scorer(EncoderTerms):
     def _lane_times(self, llm) -> list:
         """`lane_stage_times` of the LLM layout, computed once per plan: under `packing=
         dynamic_cp` the planner (`hcp.dcp.policy`) sees the pool dp * cp, not its split."""
-        key = (llm.tp, llm.pp, llm.pp_layers, llm.recompute == "full")
+        key = (llm.tp, llm.pp, llm.pp_layers, llm.recompute)
         if self.cfg.packing == "dynamic_cp":
             key += (llm.dp * llm.cp, several_per_round(llm))
         else:
@@ -207,8 +207,8 @@ class Scorer(EncoderTerms):
     @staticmethod
     def _lane_key(llm) -> tuple:
         """What `_llm_lane` depends on: the layout less its dp_shard beyond the planner's
-        `several_per_round`, and its recompute beyond full or not."""
-        return _key(llm)[1:6] + (llm.recompute == "full", several_per_round(llm))
+        `several_per_round`."""
+        return _key(llm)[1:7] + (several_per_round(llm),)
 
     def sync(self, lay) -> float:
         """Gradient sync seconds of a module's layout (module docstring)."""

@@ -11,7 +11,8 @@ What it assumes (printed with the estimate):
   matmul/attention efficiencies, NVLink/InfiniBand bandwidths), with `cluster.gpus_per_node`
   ranks per node;
 - the LLM only (the cost model of the run's `llm`, its tp, pp and `pp_layers`): the encoder and
-  projector are not timed; full recompute when `llm.layout.recompute=full`, none otherwise;
+  projector are not timed; `llm.layout.recompute` as the cost model prices it (full: one more
+  forward in backward; selective: the attention core's forward again);
 - packing: the policy training runs (`hcp.plan.policies`): `first_fit` packs each DP lane's
   samples into micro-batches of `micro_batch_tokens * cp` tokens, each on the layout's CP group;
   `dynamic_cp` runs the solver over the whole CP pool (dp * cp ranks, `hcp.dcp.policy` under
@@ -67,8 +68,8 @@ def hardware(cfg, profile: str = "h100") -> HardwareProfile:
 
 
 def cost_model(cfg, lay, hw: HardwareProfile) -> CostModel:
-    """The LLM's cost model under the layout `lay` (its tp, pp, pp_layers, full recompute)."""
-    return CostModel(cfg.llm, hw, pp=lay.pp, tp=lay.tp, recompute=lay.recompute == "full",
+    """The LLM's cost model under the layout `lay` (its tp, pp, pp_layers, recompute)."""
+    return CostModel(cfg.llm, hw, pp=lay.pp, tp=lay.tp, recompute=lay.recompute,
                      pp_layers=list(lay.pp_layers))
 
 
@@ -142,7 +143,7 @@ def _stage_times(cfg, lay, cost: CostModel, plan: Packing, lens: np.ndarray):
         layers = np.asarray(lay.pp_layers, dtype=np.float64)
         act = _tokens_per_rank(plan, lens) * cfg.llm.hidden_size * hw.bytes_per_element  # [R] bytes
         comm = 2 * layers[:, None] * ring_s(act, t, t, hw)[None, :]
-        recompute = 1.0 if cost.recompute else 0.0
+        recompute = 1.0 if cost.recompute == "full" else 0.0  # the core has no TP collective
         fwd = fwd + comm
         bwd = bwd + (1 + recompute) * comm
     return fwd, bwd
