@@ -21,6 +21,7 @@ from hcp.preflight.auto_space import (combine, encoder_options, island_sizes, mo
                                       placements)
 from hcp.preflight.estimate import cost_model, lane_stage_times
 from hcp.preflight.plan_mode import memory_per_rank
+from hcp.preflight.rehearse.report import job_facts
 from hcp.train.support import check_trainable
 from hcp.config.specs import resolve_modules
 
@@ -317,12 +318,17 @@ def test_encoder_cp_is_searched_and_wins_where_the_batch_leaves_no_dp():
         _assert_trains(cfg, cand, score, 8)
 
 
+def _report(path, roles, facts, **job):
+    path.write_text(json.dumps({"job": {**facts, "placement": "colocated", "layouts": {}, "ranks": [0], **job},
+                                "roles": roles, "ranks": {"0": {"error": None}}}))
+
+
 def test_a_rehearsal_report_corrects_every_memory_estimate(tmp_path):
     """`rehearse.report`: each estimate times the report's largest tracked / plan ratio (never
     below 1), and the search prunes on the corrected figure; a missing report names the key."""
     report = tmp_path / "rehearsal.json"
-    report.write_text(json.dumps({"roles": [{"peak_gib": 30.0, "plan_gib": 25.0},
-                                            {"peak_gib": 10.0, "plan_gib": 20.0}]}))
+    facts = job_facts(_cfg(SMALL), resolve_modules(_cfg(SMALL)), 8)
+    _report(report, [{"peak_gib": 30.0, "plan_gib": 25.0}, {"peak_gib": 10.0, "plan_gib": 20.0}], facts)
     plain = Scorer(_cfg(SMALL), 8, "h100")
     corrected = Scorer(_cfg([*SMALL, f"rehearse.report={report}"]), 8, "h100")
     ranked = [c for c, _ in search(_cfg(SMALL), 8, {}).ranked]
@@ -335,13 +341,47 @@ def test_a_rehearsal_report_corrects_every_memory_estimate(tmp_path):
     assert fits.counts["memory_correction"] == pytest.approx(1.2)
     assert all(max(corrected.memory(c).values()) <= cap for c, _ in fits.ranked)
     assert any(max(corrected.memory(c).values()) > cap for c in ranked)
-    report.write_text(json.dumps({"roles": [{"peak_gib": 10.0, "plan_gib": 20.0}]}))
+    _report(report, [{"peak_gib": 10.0, "plan_gib": 20.0}], facts)
     assert Scorer(_cfg([*SMALL, f"rehearse.report={report}"]), 8, "h100").correction == 1.0
     with pytest.raises(ConfigError, match="rehearse.report=.*no such file"):
         Scorer(_cfg([*SMALL, f"rehearse.report={tmp_path}/none.json"]), 8, "h100")
-    for text, why in (("not json", "not JSON"), ("[1, 2]", "no role with")):
+    for text, why in (("not json", "not JSON"), ("[1, 2]", "records no job")):
         report.write_text(text)
         with pytest.raises(ConfigError, match=f"rehearse.report=.*{why}"):
             Scorer(_cfg([*SMALL, f"rehearse.report={report}"]), 8, "h100")
+    _report(report, [], facts)
+    with pytest.raises(ConfigError, match="rehearse.report=.*no role with"):
+        Scorer(_cfg([*SMALL, f"rehearse.report={report}"]), 8, "h100")
     with pytest.raises(ConfigError, match="rehearse.report=.*not a file"):
         Scorer(_cfg([*SMALL, f"rehearse.report={tmp_path}"]), 8, "h100")
+
+
+@pytest.mark.parametrize("job, said", [
+    ({"world_size": 64}, "it rehearsed world_size=64, this run has world_size=8"),
+    ({"llm.hidden_size": 4096}, "it rehearsed llm.hidden_size=4096, this run has llm.hidden_size=5120"),
+    ({"precision": "fp32"}, "it rehearsed precision='fp32', this run has precision='bf16'"),
+    ({"encoders.vision2.hidden_size": 64}, "it rehearsed encoders.vision2.hidden_size=64, this run has "
+                                           "encoders.vision2.hidden_size='absent'"),
+    ({"vision.freeze": True}, "it rehearsed vision.freeze=True, this run has vision.freeze=False")])
+def test_another_jobs_rehearsal_report_is_refused_naming_what_differs(tmp_path, job, said):
+    cfg = _cfg([*SMALL, f"rehearse.report={tmp_path / 'r.json'}"])
+    facts = job_facts(cfg, resolve_modules(cfg), 8)
+    _report(tmp_path / "r.json", [{"peak_gib": 30.0, "plan_gib": 25.0}], facts)
+    assert Scorer(cfg, 8, "h100").correction == pytest.approx(1.2)  # its own report is taken
+    _report(tmp_path / "r.json", [{"peak_gib": 30.0, "plan_gib": 25.0}], facts, **job)
+    with pytest.raises(ConfigError, match=re.escape(f"another job's rehearsal: {said}. Fix: rehearse this run")):
+        Scorer(cfg, 8, "h100")
+
+
+def test_a_rehearsal_report_with_a_raised_rank_or_without_layout_auto_is_refused(tmp_path):
+    cfg = _cfg([*SMALL, f"rehearse.report={tmp_path / 'r.json'}"])
+    facts = job_facts(cfg, resolve_modules(cfg), 8)
+    (tmp_path / "r.json").write_text(json.dumps({"job": facts, "roles": [{"peak_gib": 3.0, "plan_gib": 2.0}],
+                                                 "ranks": {"0": {"error": None}, "5": {"error": "Traceback"}}}))
+    with pytest.raises(ConfigError, match="rank 5 raised in that rehearsal"):
+        Scorer(cfg, 8, "h100")
+    # layout=manual would ignore it: refused before anything runs; layout=auto validates
+    given = [*TINY8, f"rehearse.report={tmp_path / 'r.json'}"]
+    with pytest.raises(ConfigError, match=r"rehearse.report=.*only layout=auto reads it.*Fix: add layout=auto"):
+        validate(_cfg(given), 8)
+    validate(_cfg([*given, "layout=auto"]), 8)

@@ -39,7 +39,7 @@ from hcp.model.flops import model_flops
 from hcp.schedule.simulator import simulate_1f1b
 from hcp.preflight.auto_encoders import EncoderTerms, encoder_terms
 from hcp.preflight.auto_host import host_model, host_seconds, layer_calls, plain, stacked_seconds
-from hcp.preflight.rehearse.report import memory_correction
+from hcp.preflight.rehearse.report import job_facts, memory_correction
 from hcp.preflight.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times
 from hcp.preflight.auto_space import Candidate, sides
 from hcp.preflight.memory import GIB, module_memory, rank_activations, stage_params
@@ -105,7 +105,8 @@ class Scorer(EncoderTerms):
         self.hw = hardware(cfg, profile)
         self.host = host_model(profile)
         self.cap = float(cfg.cluster.device_memory_gib)
-        self.correction = memory_correction(cfg.rehearse.report) if cfg.rehearse.get("report") else 1.0
+        self.correction = (memory_correction(cfg.rehearse.report, job_facts(cfg, self.specs, world))
+                           if cfg.rehearse.get("report") else 1.0)
         self._cfgs, self._memory, self._llm, self._params, self._plans = {}, {}, {}, {}, {}
         lens = self.lens.astype(np.float64)
         self.llm_flops = model_flops(cfg.llm, float(lens.sum()), float((lens ** 2).sum()))
