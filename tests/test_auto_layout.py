@@ -337,7 +337,7 @@ def test_a_rehearsal_report_corrects_every_memory_estimate(tmp_path):
     peaks = sorted(max(plain.memory(c).values()) for c in ranked)
     cap = (peaks[0] + peaks[-1]) / 2 * 1.2  # between the corrected peaks: some ranked layouts no longer fit
     assert peaks[0] < peaks[-1]
-    fits = search(_cfg([*SMALL, f"cluster.device_memory_gib={cap}", f"rehearse.report={report}"]), 8, {})
+    fits = search(_cfg([*SMALL, "layout=auto", f"cluster.device_memory_gib={cap}", f"rehearse.report={report}"]), 8, {})
     assert fits.counts["memory_correction"] == pytest.approx(1.2)
     assert all(max(corrected.memory(c).values()) <= cap for c, _ in fits.ranked)
     assert any(max(corrected.memory(c).values()) > cap for c in ranked)
