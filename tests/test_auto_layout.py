@@ -361,7 +361,7 @@ def test_a_rehearsal_report_corrects_every_memory_estimate(tmp_path):
     ({"llm.hidden_size": 4096}, "it rehearsed llm.hidden_size=4096, this run has llm.hidden_size=5120"),
     ({"precision": "fp32"}, "it rehearsed precision='fp32', this run has precision='bf16'"),
     ({"encoders.vision2.hidden_size": 64}, "it rehearsed encoders.vision2.hidden_size=64, this run has "
-                                           "encoders.vision2.hidden_size='absent'"),
+                                           "no encoders.vision2.hidden_size"),
     ({"vision.freeze": True}, "it rehearsed vision.freeze=True, this run has vision.freeze=False")])
 def test_another_jobs_rehearsal_report_is_refused_naming_what_differs(tmp_path, job, said):
     cfg = _cfg([*SMALL, f"rehearse.report={tmp_path / 'r.json'}"])

@@ -169,14 +169,18 @@ def memory_correction(path: str, facts: dict) -> float:
              "the rehearsal.json it writes, or drop rehearse.report")
     job = report.get("job")
     if not isinstance(job, dict):
-        raise ConfigError("rehearse.report", path, "it records no job to check against this run (written "
-                          "before rehearsal.json held one, or not a rehearsal)", again)
+        raise ConfigError("rehearse.report", path, "it records no job to check against this run (a "
+                          "rehearsal.json of an older hcp, or not a rehearsal)", again)
+
+    def said(values: dict, key: str) -> str:
+        return f"{key}={values[key]!r}" if key in values else f"no {key}"
+
     for key in sorted(facts.keys() | job.keys() - JOB_RECORD, key=lambda k: (k not in facts, "." in k, k)):
-        theirs, ours = job.get(key, "absent"), facts.get(key, "absent")
-        if theirs != ours:
-            raise ConfigError("rehearse.report", path, f"another job's rehearsal: it rehearsed {key}={theirs!r}, "
-                              f"this run has {key}={ours!r}", again)
-    raised = sorted((int(r) for r, res in report.get("ranks", {}).items() if isinstance(res, dict) and res.get("error")))
+        if key not in job or key not in facts or job[key] != facts[key]:
+            raise ConfigError("rehearse.report", path, f"another job's rehearsal: it rehearsed {said(job, key)}, "
+                              f"this run has {said(facts, key)}", again)
+    raised = sorted(int(r) for r, res in report.get("ranks", {}).items()
+                    if isinstance(res, dict) and res.get("error"))
     if raised:
         raise ConfigError("rehearse.report", path, f"rank {raised[0]} raised in that rehearsal, so its peak is "
                           "not a whole step's", "fix what it raised (its traceback is in the file) and rehearse again")
