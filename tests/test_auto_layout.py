@@ -385,3 +385,29 @@ def test_a_rehearsal_report_with_a_raised_rank_or_without_layout_auto_is_refused
     with pytest.raises(ConfigError, match=r"rehearse.report=.*only layout=auto reads it.*Fix: add layout=auto"):
         validate(_cfg(given), 8)
     validate(_cfg([*given, "layout=auto"]), 8)
+
+
+def test_the_benchmark_defaults_to_the_readme_tables_rounds_and_calibrates_on_the_fits_own(monkeypatch):
+    # benchmarks/auto_layout.py: the README's table is --rounds 4; --calibrate --reuse reads back
+    # the 2 rounds cpu_profile.yaml was fitted on (more would train the missing rounds anew)
+    import importlib.util
+
+    path = os.path.join(REPO, "benchmarks", "auto_layout.py")
+    spec = importlib.util.spec_from_file_location("auto_layout_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rounds = []
+
+    def stop(*args):
+        rounds.append(args[-1].rounds)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "calibrate", stop)
+    monkeypatch.setattr(bench, "run_variant", stop)
+    for argv in ([], ["--calibrate", "--reuse"], ["--rounds", "3"]):
+        with pytest.raises(KeyboardInterrupt):
+            bench.main(argv)
+    assert rounds == [4, 2, 3]
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert "The table is the default 4 rounds (`--rounds 4`" in readme and "x 4 rounds on 8 CPU ranks" in readme
+    assert "(2 rounds of 2 warm-up" in open(os.path.join(REPO, "benchmarks", "cpu_profile.yaml")).read()
