@@ -1,7 +1,8 @@
 """`layout=auto` (hcp.preflight.auto_layout): pins respected, only feasible layouts returned, the
-pruned search finds the brute-force optimum, the report is written, and the CLI runs it.
-Cost: about 2-3 minutes in all on 2 loaded cores (the two CLI runs are most of it; the data-
-and host-model tests ~40 s)."""
+pruned search finds the brute-force optimum, selective recompute priced, a rehearsal report
+taken only from this job, the report is written, and the CLI runs it.
+Cost: about 5-6 minutes in all on 2 cores at load 7-11 (the brute-force and CLI runs are most
+of it)."""
 import copy
 import json
 import os
