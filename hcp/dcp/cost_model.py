@@ -27,7 +27,8 @@ at c > 1 are not the fused SDPA of c = 1; `CostModel.attn_scale`).
 Backward is twice the forward (compute and K/V plus dK/dV traffic), full recompute adds one
 forward: `bwd = (2 + recompute) * fwd` (`bwd_factor`); selective recompute adds the attention
 core's forward (`core_fwd`: its scores, exposed K/V traffic and CP latency, what
-`hcp.model.llama.Attention` checkpoints; `stage_times` prices it, the planners leave it out).
+`hcp.model.llama.Attention` checkpoints; `stage_times` prices it, the dynamic-CP policy plans
+without it: `hcp.dcp.policy.planned_recompute`).
 Each micro-batch also pays a fixed overhead per stage.
 
 All times are seconds, FLOPs are floating-point operations, bytes are bytes, tokens are tokens.
@@ -108,8 +109,8 @@ class CostModel:
         self.latency_coef = n * hw.cp_latency  # s per ring step (c - 1) and micro-batch
         self.cp_layers = n  # layers per stage: they pay `hw.cp_overhead` per micro-batch
         self.bwd_factor = 2.0 + float(recompute == "full")
-        """Backward / forward seconds as the planners (`hcp.dcp.solver`) take it: 3 under full
-        recompute, else 2 (selective's core forward: `stage_times` only)."""
+        """Backward / forward seconds as the planners' bounds (`hcp.dcp.solver`) take it: 3
+        under full recompute, else 2 (selective's core forward: `stage_times` only)."""
 
     def bandwidth(self, c):
         """Bytes/s of a CP group of c ranks: NVLink while its c * tp GPUs fit in one node."""

@@ -73,10 +73,11 @@ def cost_model(cfg, lay, hw: HardwareProfile) -> CostModel:
                      pp_layers=list(lay.pp_layers))
 
 
-def _plans(cfg, lay, lens=None) -> list[tuple[Packing, np.ndarray]]:
+def pool_plans(cfg, lay, lens=None) -> list[tuple[Packing, np.ndarray]]:
     """The plans of the CP pools (one per DP lane under first_fit, one pool under dynamic_cp),
     each with its lengths, from the packing policy training runs; one micro-batch per round.
-    `lens`: the global batch's lengths (default `batch_lengths`)."""
+    `lens`: the global batch's lengths (default `batch_lengths`). The layout's recompute enters
+    only as the planner prices it (`hcp.dcp.policy.planned_recompute`)."""
     lens = batch_lengths(cfg) if lens is None else lens
     m = int(cfg.trainer.micro_batch_tokens)
     if cfg.packing == "dynamic_cp":
@@ -128,11 +129,13 @@ def estimate_step(cfg, lay, world: int, stage_params: list[int], profile: str = 
             "micro_batches": plan.num_rounds, "grad_sync_s": grad_sync}
 
 
-def lane_stage_times(cfg, lay, cost: CostModel, lens=None) -> list[tuple[Packing, np.ndarray, np.ndarray]]:
+def lane_stage_times(cfg, lay, cost: CostModel, lens=None, pools=None) -> list[tuple[Packing, np.ndarray, np.ndarray]]:
     """[(plan, fwd, bwd)] of each CP pool (one per DP lane under first_fit): its micro-batches
     and their forward / backward seconds per PP stage, `[pp, R]`, TP's all-reduces included.
-    `lens`: the global batch's lengths (default `batch_lengths`)."""
-    return [(plan, *_stage_times(cfg, lay, cost, plan, lens)) for plan, lens in _plans(cfg, lay, lens)]
+    `lens`: the global batch's lengths (default `batch_lengths`); `pools`: `pool_plans`' result
+    for them (default: planned here)."""
+    pools = pool_plans(cfg, lay, lens) if pools is None else pools
+    return [(plan, *_stage_times(cfg, lay, cost, plan, lens)) for plan, lens in pools]
 
 
 def _stage_times(cfg, lay, cost: CostModel, plan: Packing, lens: np.ndarray):
