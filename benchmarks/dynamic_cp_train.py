@@ -291,7 +291,7 @@ def main(argv=None) -> dict:
         policy = dynamic_cp_policy(cfg.llm, profile)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    cost = CostModel(cfg.llm, hw, pp=1, tp=1, recompute=False)
+    cost = CostModel(cfg.llm, hw, pp=1, tp=1, recompute="none")
     lays = {"static": layout(1, args.ranks, cfg.llm.num_layers),
             "dynamic": layout(args.ranks, 1, cfg.llm.num_layers)}
     for run in runs:

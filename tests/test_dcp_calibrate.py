@@ -62,7 +62,7 @@ def test_fit_recovers_per_cp_size_coefficients_and_the_profile_reproduces_the_ti
     assert sorted(prof["cp_attention_efficiency"]) == [2, 4, 8]
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump({**prof, "fit": got}))
-    cost = CostModel(LLM, load_profile(path), pp=1, tp=1, recompute=False)
+    cost = CostModel(LLM, load_profile(path), pp=1, tp=1, recompute="none")
     o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
     for L, d, c, y in synthetic(2e-6, B_CP, 5e-7, 4e-3, e=E_CP):
         t = 3.0 * cost.fwd(d * L, d * L * L, c)[0] + o
@@ -76,11 +76,11 @@ def test_old_profiles_load_with_one_attention_efficiency_and_new_ones_per_cp_siz
     old = load_profile("h100")
     assert old.cp_attention_efficiency is None
     L = np.array([4096.0])
-    base = CostModel(LLM, old, pp=1, tp=1, recompute=False)
+    base = CostModel(LLM, old, pp=1, tp=1, recompute="none")
     new_path = tmp_path / "new.yaml"
     text = (ROOT / "hcp/dcp/profiles/h100.yaml").read_text()
     new_path.write_text(text + "cp_attention_efficiency: {4: 0.3, 2: 0.15}\n")
-    new = CostModel(LLM, load_profile(new_path), pp=1, tp=1, recompute=False)
+    new = CostModel(LLM, load_profile(new_path), pp=1, tp=1, recompute="none")
     for c, scale in ((1, 1.0), (2, 3.0), (4, 1.5), (8, 1.5)):
         _, attn_old, _ = base._parts(L, L * L, c)
         _, attn_new, _ = new._parts(L, L * L, c)

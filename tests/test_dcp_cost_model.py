@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from hcp.config.errors import ConfigError
 from hcp.dcp.cost_model import CostModel, load_cost, recipe_llm
 from hcp.dcp.hardware import HardwareProfile, load_profile
 from hcp.dcp.packing import Group, Round, Packing
@@ -61,13 +62,35 @@ def test_floor_is_additive_lower_envelope_of_group_time():
 
 
 def test_stage_times_take_slowest_group_plus_overhead():
-    cost = CostModel(recipe_llm(), load_profile("h100"), pp=1, recompute=False)
+    cost = CostModel(recipe_llm(), load_profile("h100"), pp=1, recompute="none")
     lens = [4000, 100, 100]
     plan = Packing([Round([Group([0], 2, 0), Group([1, 2], 2, 2)])])
     fwd, bwd = cost.stage_times(plan, lens)
     slow = cost.fwd(4000, 4000**2, 2)[0]
     assert fwd[0, 0] == pytest.approx(slow + cost.hw.micro_batch_overhead_fwd)
     assert bwd[0, 0] == pytest.approx(2 * slow + cost.hw.micro_batch_overhead_bwd)
+
+
+def test_selective_recompute_runs_the_attention_cores_forward_again_in_backward():
+    """`recompute=selective` adds each micro-batch's attention core forward (scores; under CP
+    its exposed K/V traffic and latency) to the backward, full adds the whole forward, none
+    nothing; the forward is the same for all three, and an unknown mode names the field."""
+    hw = load_profile("h100")
+    lens = [16000, 3000, 500, 500]
+    plan = Packing([Round([Group([0], 4, 0)]), Round([Group([1, 2, 3], 1, 0)])])
+    runs = {r: CostModel(recipe_llm(), hw, pp=2, recompute=r) for r in ("none", "selective", "full")}
+    times = {r: cost.stage_times(plan, lens) for r, cost in runs.items()}
+    none, sel, full = (times[r] for r in ("none", "selective", "full"))
+    assert np.array_equal(none[0], sel[0]) and np.array_equal(none[0], full[0])
+    cost = runs["none"]
+    attention = cost.fwd(16000, 16000**2, 1) - cost.fwd(16000, 0, 1)  # at c = 1 the core is its scores
+    assert cost.core_fwd(16000, 16000**2, 1) == pytest.approx(attention, rel=1e-12)
+    assert (cost.core_fwd(16000, 16000**2, 4) > cost.attn_coef * 16000**2 / 4).all()  # + K/V traffic
+    core = np.stack([cost.core_fwd(16000, 16000**2, 4), cost.core_fwd(3500, 3000**2 + 2 * 500**2, 1)], axis=1)
+    assert sel[1] - none[1] == pytest.approx(core, rel=1e-12) and (core > 0).all()
+    assert full[1] - none[1] == pytest.approx(none[0] - cost.hw.micro_batch_overhead_fwd, rel=1e-12)
+    with pytest.raises(ConfigError, match="recompute=True: unknown value"):
+        CostModel(recipe_llm(), hw, recompute=True)
 
 
 def test_cost_model_takes_the_run_config_layout():
@@ -116,7 +139,7 @@ def test_one_model_flops_implementation():
 
 def _with_latency(lat=2e-4, pp=1):
     hw = HardwareProfile(**{**load_profile("h100").__dict__, "cp_latency": lat})
-    return CostModel(recipe_llm(), hw, pp=pp, recompute=False)
+    return CostModel(recipe_llm(), hw, pp=pp, recompute="none")
 
 
 def test_cp_latency_is_paid_once_per_micro_batch_per_ring_step():
@@ -145,7 +168,7 @@ def test_cp_overhead_is_paid_once_per_micro_batch_at_its_cp_size(tmp_path):
 
     fixed = {2: 3e-4, 8: 1e-4}
     hw = HardwareProfile(**{**load_profile("h100").__dict__, "cp_latency": 2e-4, "cp_overhead": fixed})
-    cost, base = CostModel(recipe_llm(), hw, pp=1, recompute=False), _with_latency()
+    cost, base = CostModel(recipe_llm(), hw, pp=1, recompute="none"), _with_latency()
     lens = np.array([300, 5000, 12000], dtype=float)
     t, s = lens.sum(), (lens**2).sum()
     for c, e in ((1, 0.0), (2, 3e-4), (4, 3e-4), (8, 1e-4)):
@@ -153,7 +176,7 @@ def test_cp_overhead_is_paid_once_per_micro_batch_at_its_cp_size(tmp_path):
         assert cost.fwd(t, s, c)[0] >= cost.fwd_floor(lens, lens**2, c).sum() - 1e-15
         assert GroupTime(cost)(t, s, c) == pytest.approx(float(cost.fwd(t, s, c)[0]), rel=1e-12)
     assert (cost.fwd(0.0, 0.0, 8) == 0).all()
-    staged = CostModel(recipe_llm(), hw, pp=4, recompute=False)
+    staged = CostModel(recipe_llm(), hw, pp=4, recompute="none")
     assert staged.latency(2).sum() == pytest.approx(40 * (2e-4 + 3e-4))
     assert staged.one_stage("sum").latency(2)[0] == pytest.approx(40 * (2e-4 + 3e-4))
     text = (Path(__file__).resolve().parents[1] / "hcp/dcp/profiles/h100.yaml").read_text()

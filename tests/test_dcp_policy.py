@@ -49,6 +49,25 @@ def test_every_rank_gets_the_same_count_and_caps_hold(layout):
     assert max(sizes_used) >= 4  # the 1000-token sample needs a CP group of >= 4 ranks
 
 
+def test_selective_recompute_keeps_the_plan_of_none_and_only_its_estimate_grows():
+    # the planner prices full recompute only (planned_recompute: on the 13B model a planner that
+    # saw selective's attention-core forward would pack this batch otherwise); the step
+    # estimate times that forward on the plan of none
+    from hcp.preflight.estimate import cost_model, hardware, lane_stage_times
+
+    cfg = compose_config(["+recipe=llama13b_dynamic_cp"])
+    rng = np.random.default_rng(0)
+    tokens = np.minimum(rng.lognormal(7.5, 1.2, 64).astype(int) + 10, 32768)
+    base = dict(module="llm", tp=8, cp=1, pp=1, dp=8, rank_offset=0, num_ranks=64, pp_layers=(cfg.llm.num_layers,),
+                dp_shard=False, cp_comm="allgather", sequence_parallel=False)
+    by = {r: NS(**base, recompute=r) for r in ("none", "selective")}
+    key = lambda plan: [[(tuple(g.seq_indices), g.cp_size) for g in r.groups] for r in plan.rounds]  # noqa: E731
+    (plan0, f0, b0), = lane_stage_times(cfg, by["none"], cost_model(cfg, by["none"], hardware(cfg)), tokens)
+    (plan1, f1, b1), = lane_stage_times(cfg, by["selective"], cost_model(cfg, by["selective"], hardware(cfg)), tokens)
+    assert key(plan1) == key(plan0) and np.array_equal(f0, f1)
+    assert (b1 >= b0).all() and b1.sum() > b0.sum()
+
+
 def test_rows_lay_out_a_round_as_one_micro_batch_per_group():
     plan = Packing([Round([Group([0, 1, 2], 2, 0, [1, 2]), Group([3], 1, 2), Group([], 1, 3)])])
     out = rows(plan)

@@ -24,7 +24,7 @@ POOL, CAP = 8, 256
 
 
 def gloo_cost() -> CostModel:
-    return CostModel(recipe_llm("llama_tiny"), GLOO, pp=1, tp=1, recompute=False)
+    return CostModel(recipe_llm("llama_tiny"), GLOO, pp=1, tp=1, recompute="none")
 
 
 def test_latency_bearing_plan_near_the_bound():

@@ -19,7 +19,7 @@ WITHIN = 1.05  # issue 24: the solver within 1.05x of the optimum on tiny instan
 def _cost(profile: str, pp: int) -> tuple[CostModel, int]:
     """(cost model, cap in tokens per rank) of `profile` at `pp` stages."""
     if profile == "gloo":
-        return CostModel(recipe_llm("llama_tiny"), GLOO, pp=pp, tp=1, recompute=False), 256
+        return CostModel(recipe_llm("llama_tiny"), GLOO, pp=pp, tp=1, recompute="none"), 256
     return load_cost(recipe_llm(), pp=pp), 2048
 
 

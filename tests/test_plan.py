@@ -171,7 +171,7 @@ def test_dynamic_cp_estimate_times_the_plan_training_would_run():
     lens = estimate.batch_lengths(cfg).tolist()
     trained = plan_step(SampleSizes.from_lists(lens, [n - 1 for n in lens], [[] for _ in lens]),
                         {"llm": llm}, "dynamic_cp", 256).packing
-    [(planned, _)] = estimate._plans(cfg, llm)
+    [(planned, _)] = estimate.pool_plans(cfg, llm)
     key = lambda plan: [[(tuple(g.seq_indices), g.cp_size, g.rank_offset) for g in r.groups]  # noqa: E731
                         for r in plan.rounds]
     assert key(planned) == key(trained) and len({g.cp_size for r in trained.rounds for g in r.groups}) > 1

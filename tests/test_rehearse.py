@@ -11,6 +11,8 @@ import pytest
 import torch.distributed as dist
 
 from hcp.parallel.grid import AXES, Grid
+from hcp.preflight.auto_cost import Scorer
+from hcp.preflight.rehearse.report import JOB_RECORD, job_facts
 from hcp.preflight.rehearse.checks import check_collectives, check_creations, check_rendezvous
 from hcp.preflight.rehearse.record import Op
 from tests.cfg_utils import REPO, compose_cfg
@@ -345,7 +347,8 @@ def test_a_dynamic_cp_plan_that_differs_on_one_rank_is_caught(monkeypatch, tmp_p
 @pytest.mark.timeout(600)
 def test_cli_exit_status_report_and_bad_input(tmp_path):
     """The command line: a rank over the device memory fails the rehearsal (exit 1, named, in
-    rehearsal.json); a bad `rehearse.*` value is a one-line error before any rank starts."""
+    rehearsal.json, which records the job for `layout=auto`'s `rehearse.report`); a bad
+    `rehearse.*` value is a one-line error before any rank starts."""
     env = dict(os.environ, PYTHONPATH=REPO)
     base = [sys.executable, "train.py", "+recipe=llama_tiny", "mode=rehearse", "logger=none"]
     proc = subprocess.run([*base, "rehearse.ranks=[0]", "rehearse.steps=1", "cluster.device_memory_gib=0.0001",
@@ -355,6 +358,17 @@ def test_cli_exit_status_report_and_bad_input(tmp_path):
     assert "rehearsal failed" in proc.stdout and "memory: ranks [0]" in proc.stdout
     report = json.load(open(tmp_path / "rehearsal.json"))
     assert not report["passed"] and list(report["ranks"]) == ["0"]
+    # the job it rehearsed, which layout=auto checks a report against (tests/test_auto_layout.py)
+    cfg = compose_cfg(["+recipe=llama_tiny", "layout=auto", f"rehearse.report={tmp_path}/rehearsal.json"])
+    world = report["job"]["world_size"]
+    assert report["job"]["ranks"] == [0] and report["job"]["placement"] == cfg.placement
+    assert report["job"]["layouts"]["llm"]["tp"] == cfg.llm.layout.tp
+    assert {k: v for k, v in report["job"].items() if k not in JOB_RECORD} == job_facts(*with_specs(cfg), world)
+    assert Scorer(cfg, world, "h100").correction >= 1  # this run's report: taken
     bad = subprocess.run([*base, "rehearse.ranks=[9]", f"hydra.run.dir={tmp_path}/bad"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "rehearse.ranks=[9]" in bad.stderr and "Fix:" in bad.stderr
+    # `rehearse.report` is an input of layout=auto, not where a rehearsal writes: refused without it
+    bad = subprocess.run([*base, f"rehearse.report={tmp_path}/out.json", f"hydra.run.dir={tmp_path}/bad"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "only layout=auto reads it" in bad.stderr, bad.stderr[-2000:]

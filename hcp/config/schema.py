@@ -313,8 +313,10 @@ class RehearseConfig:
     jobs: Optional[int] = None
     """Ranks rehearsed at a time, one process each; None: one per CPU core."""
     report: Optional[str] = None
-    """A `rehearsal.json` of this job: `layout=auto` multiplies its memory estimates by the report's
-    largest tracked / plan ratio when above 1 (the estimate corrected by the real ops' peak)."""
+    """An input of `layout=auto` (refused without it): a `rehearsal.json` of this job (its world
+    size, precision, micro-batch tokens and model, which the file records), by whose largest
+    tracked / plan ratio, when above 1, it multiplies its memory estimates (the estimate
+    corrected by the real ops' peak). A rehearsal writes its own into its run directory."""
 
 
 @dataclass

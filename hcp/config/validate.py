@@ -43,6 +43,17 @@ def check_choices(cfg) -> None:
                           "many longer than any max_seq_len", "use data.long_docs=split or truncate")
 
 
+def check_rehearse_report(cfg) -> None:
+    """`rehearse.report` is read by `layout=auto` only (its memory estimates of the layouts it
+    searches): under `layout=manual` it would be ignored, so it is refused."""
+    if cfg.rehearse.get("report") is not None and cfg.layout != "auto":
+        raise ConfigError("rehearse.report", cfg.rehearse.report, "only layout=auto reads it (a rehearsal's "
+                          "tracked peaks correcting the memory estimates of the layouts it searches); a "
+                          "manual layout is rehearsed itself (mode=rehearse writes its own rehearsal.json into "
+                          "the run directory, its tracked peaks beside plan mode's estimates)",
+                          "add layout=auto, or drop rehearse.report")
+
+
 def check_backends(cfg, layouts) -> None:
     """An optional GPU backend asked for by name must run with the largest CP group of the run
     (`check_cp_backend`: under `packing=dynamic_cp` the LLM's CP pool) and be importable
@@ -211,6 +222,7 @@ def _validate(cfg, world_size: int) -> dict:
     """`validate`'s rules, in order, without narrowing a fix's values."""
     check_known_keys(cfg)
     check_choices(cfg)
+    check_rehearse_report(cfg)
     check_model(cfg)
     layouts = check_layouts(cfg, world_size)
     check_backends(cfg, layouts)

@@ -25,7 +25,11 @@ absorbs them).
 The attention coefficient may depend on c (`cp_attention_efficiency`: CP attention's kernels
 at c > 1 are not the fused SDPA of c = 1; `CostModel.attn_scale`).
 Backward is twice the forward (compute and K/V plus dK/dV traffic), full recompute adds one
-forward: `bwd = (2 + recompute) * fwd`. Each micro-batch also pays a fixed overhead per stage.
+forward: `bwd = (2 + recompute) * fwd` (`bwd_factor`); selective recompute adds the attention
+core's forward (`core_fwd`: its scores, exposed K/V traffic and CP latency, what
+`hcp.model.llama.Attention` checkpoints; `stage_times` prices it, the dynamic-CP policy plans
+without it: `hcp.dcp.policy.planned_recompute`).
+Each micro-batch also pays a fixed overhead per stage.
 
 All times are seconds, FLOPs are floating-point operations, bytes are bytes, tokens are tokens.
 Arrays broadcast: `tokens`, `sq` (sum of squared lengths, tokens^2) and `c` of one shape S give
@@ -40,7 +44,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hcp.config.errors import ConfigError
+from hcp.config.errors import ConfigError, check_choice
+from hcp.config.layouts import RECOMPUTES
 from hcp.dcp.hardware import HardwareProfile, at_cp_size, load_profile
 from hcp.dcp.packing import Packing
 from hcp.model.flops import (head_flops_per_token, kv_dim, layer_attention_flops_per_sq_token,
@@ -56,22 +61,23 @@ class CostModel:
     """Per-stage forward/backward time of packed groups for the LLM `llm` (an `LLMConfig`, or
     any object with its shape fields and a `layout` with tp, pp, pp_layers, recompute).
 
-    `pp`, `tp`, `recompute` (bool, full recompute) and `pp_layers` (layers per stage) default
-    to `llm.layout`'s; give them to model another layout of the same model. Layers are split
-    by `pp_layers`, else as evenly as possible (earlier stages take the remainder); the last
+    `pp`, `tp`, `recompute` (`none`, `selective` or `full`) and `pp_layers` (layers per stage)
+    default to `llm.layout`'s; give them to model another layout of the same model. Layers are
+    split by `pp_layers`, else as evenly as possible (earlier stages take the remainder); the last
     stage also runs the LM head.
 
     Raises:
-        ConfigError: pp outside [1, num_layers], tp < 1, or pp_layers not summing to num_layers.
+        ConfigError: pp outside [1, num_layers], tp < 1, pp_layers not summing to num_layers,
+            or an unknown recompute.
     """
 
     def __init__(self, llm, hw: HardwareProfile, pp: int | None = None, tp: int | None = None,
-                 recompute: bool | None = None, pp_layers: list[int] | None = None):
+                 recompute: str | None = None, pp_layers: list[int] | None = None):
         layout = getattr(llm, "layout", None)
         pp = int(pp if pp is not None else getattr(layout, "pp", 1))
         tp = int(tp if tp is not None else getattr(layout, "tp", 1))
-        if recompute is None:
-            recompute = getattr(layout, "recompute", "none") == "full"
+        recompute = recompute if recompute is not None else getattr(layout, "recompute", "none")
+        check_choice("recompute", recompute, RECOMPUTES)
         if pp_layers is None and layout is not None and getattr(layout, "pp", None) == pp:
             pp_layers = getattr(layout, "pp_layers", None)
         layers = llm.num_layers
@@ -89,7 +95,7 @@ class CostModel:
         else:
             n = np.full(pp, layers // pp, dtype=np.float64)
             n[: layers % pp] += 1
-        self.llm, self.hw, self.pp, self.tp, self.recompute = llm, hw, pp, tp, bool(recompute)
+        self.llm, self.hw, self.pp, self.tp, self.recompute = llm, hw, pp, tp, recompute
         head = np.zeros(pp)
         head[-1] = 1.0
         self.head_flops = head * head_flops_per_token(llm)  # / token
@@ -102,7 +108,9 @@ class CostModel:
         self.comm_coef = n * 2 * kv_dim(llm) / tp * hw.bytes_per_element  # bytes / token / GPU
         self.latency_coef = n * hw.cp_latency  # s per ring step (c - 1) and micro-batch
         self.cp_layers = n  # layers per stage: they pay `hw.cp_overhead` per micro-batch
-        self.bwd_factor = 2.0 + float(recompute)
+        self.bwd_factor = 2.0 + float(recompute == "full")
+        """Backward / forward seconds as the planners' bounds (`hcp.dcp.solver`) take it: 3
+        under full recompute, else 2 (selective's core forward: `stage_times` only)."""
 
     def bandwidth(self, c):
         """Bytes/s of a CP group of c ranks: NVLink while its c * tp GPUs fit in one node."""
@@ -143,6 +151,17 @@ class CostModel:
         """Forward seconds `[pp, *S]` of groups with `tokens`, `sq` on `c` ranks (no overhead):
         compute, exposed K/V traffic and the collectives' latency."""
         compute, attn, comm = self._parts(tokens, sq, c)
+        return self._with_comm(compute, attn, comm, tokens, c)
+
+    def core_fwd(self, tokens, sq, c) -> np.ndarray:
+        """Forward seconds `[pp, *S]` of the attention core alone (`fwd` less the matmuls: the
+        scores, the exposed K/V traffic and the collectives' latency), what selective
+        recompute runs again in backward."""
+        _, attn, comm = self._parts(tokens, sq, c)
+        return self._with_comm(attn, attn, comm, tokens, c)
+
+    def _with_comm(self, compute, attn, comm, tokens, c) -> np.ndarray:
+        """`compute` plus the K/V traffic not hidden behind `attn` and the latency."""
         exposed = np.maximum((1.0 - self.hw.comm_overlap) * comm, comm - attn)
         if not (self.hw.cp_latency or self.hw.cp_overhead):
             return compute + exposed
@@ -187,7 +206,7 @@ class CostModel:
         (`none`, `selective`, `full`; None: this model's) re-runs the attention forward and,
         when `full`, the layers' matmuls but the last (`layer_recompute_matmul_flops_per_token`).
         Not the time model's FLOPs (`bwd_factor`: its efficiencies were fitted with backward = 2 x)."""
-        recompute = recompute or ("full" if self.recompute else "none")
+        recompute = recompute or self.recompute
         rows = local_tokens if head_rows is None else head_rows
         mm = ((self.mm_flops - self.head_flops) * local_tokens + self.head_flops * rows) / self.tp
         attn = self.attn_flops * 2.0 * pairs / self.tp  # attn_flops: per token^2, causal (2 pairs)
@@ -202,12 +221,12 @@ class CostModel:
     def stage_times(self, plan: Packing, lengths) -> tuple[np.ndarray, np.ndarray]:
         """Forward and backward seconds `[pp, R]` of each round on each stage.
 
-        A group's time in a round is the sum over its micro-batches q of `(1 + k) f(q)` plus
-        the overheads `o_f + o_b` of each; the round lasts as long as its slowest group (the
-        pool synchronises between rounds). Forward: the largest `sum_q f(q) + o_f` of a group,
-        backward: the round's length minus that; with one micro-batch per group (PP,
-        dp_shard) these are the slowest group's forward and backward exactly, and at pp = 1
-        their sum is the round's length."""
+        A group's time in a round is the sum over its micro-batches q of `(1 + k) f(q)` (plus
+        `core_fwd(q)` under selective recompute) and the overheads `o_f + o_b` of each; the
+        round lasts as long as its slowest group (the pool synchronises between rounds).
+        Forward: the largest `sum_q f(q) + o_f` of a group, backward: the round's length minus
+        that; with one micro-batch per group (PP, dp_shard) these are the slowest group's
+        forward and backward exactly, and at pp = 1 their sum is the round's length."""
         arr = np.asarray(lengths, dtype=np.float64)
         members, cs, gids, rounds = [], [], [], []
         ngroups = 0
@@ -226,7 +245,8 @@ class CostModel:
         x = arr[seqs]
         tok = np.bincount(qid, weights=x, minlength=len(members))
         sq = np.bincount(qid, weights=x * x, minlength=len(members))
-        f = self.fwd(tok, sq, np.array(cs))  # [pp, Q]
+        cs = np.array(cs)
+        f = self.fwd(tok, sq, cs)  # [pp, Q]
         gid = np.array(gids)
         fsum = np.zeros((self.pp, ngroups))
         np.add.at(fsum, (slice(None), gid), f)
@@ -234,6 +254,8 @@ class CostModel:
         o_f, o_b = self.hw.micro_batch_overhead_fwd, self.hw.micro_batch_overhead_bwd
         g_fwd = fsum + nmb * o_f
         g_all = (1.0 + self.bwd_factor) * fsum + nmb * (o_f + o_b)
+        if self.recompute == "selective":  # backward runs the attention core's forward again
+            np.add.at(g_all, (slice(None), gid), self.core_fwd(tok, sq, cs))
         fwd = np.zeros((self.pp, plan.num_rounds))
         total = np.zeros((self.pp, plan.num_rounds))
         rid = np.array(rounds)

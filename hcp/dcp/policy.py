@@ -63,16 +63,24 @@ def dynamic_cp_policy(llm_cfg, profile: str = "h100"):
     def policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Packing:
         pool = llm.dp * llm.cp
         check_pool(pool, micro_batch_tokens)
-        key = (llm.tp, llm.pp, llm.recompute, tuple(llm.pp_layers))
+        recompute = planned_recompute(llm.recompute)
+        key = (llm.tp, llm.pp, recompute, tuple(llm.pp_layers))
         if key not in costs:
             layers = list(llm.pp_layers) if sum(llm.pp_layers) == llm_cfg.num_layers else None
-            costs[key] = CostModel(llm_cfg, hw, pp=llm.pp, tp=llm.tp,
-                                   recompute=llm.recompute == "full", pp_layers=layers)
+            costs[key] = CostModel(llm_cfg, hw, pp=llm.pp, tp=llm.tp, recompute=recompute, pp_layers=layers)
         lens, _ = prepare_lengths(tokens, pool, micro_batch_tokens)
         return rows(solve(lens, costs[key], pool, micro_batch_tokens,
                           several_per_round=several_per_round(llm)).plan)
 
     return policy
+
+
+def planned_recompute(recompute: str) -> str:
+    """The recompute the planner prices for a layout's `recompute`: `full` (a backward of three
+    forwards), else `none`: selective's attention-core forward only stretches each backward
+    (`CostModel.core_fwd`, priced by the step estimate, `hcp.preflight.estimate`), so the plan
+    of `none` stands."""
+    return "full" if recompute == "full" else "none"
 
 
 def several_per_round(llm) -> bool:

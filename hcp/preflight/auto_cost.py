@@ -34,13 +34,13 @@ from omegaconf import OmegaConf
 
 from hcp.config.errors import ConfigError
 from hcp.config.specs import resolve_modules
-from hcp.dcp.policy import several_per_round
+from hcp.dcp.policy import planned_recompute, several_per_round
 from hcp.model.flops import model_flops
 from hcp.schedule.simulator import simulate_1f1b
 from hcp.preflight.auto_encoders import EncoderTerms, encoder_terms
 from hcp.preflight.auto_host import host_model, host_seconds, layer_calls, plain, stacked_seconds
-from hcp.preflight.rehearse.report import memory_correction
-from hcp.preflight.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times
+from hcp.preflight.rehearse.report import job_facts, memory_correction
+from hcp.preflight.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times, pool_plans
 from hcp.preflight.auto_space import Candidate, sides
 from hcp.preflight.memory import GIB, module_memory, rank_activations, stage_params
 from hcp.preflight.plan_mode import named_shapes, running_layouts
@@ -105,8 +105,9 @@ class Scorer(EncoderTerms):
         self.hw = hardware(cfg, profile)
         self.host = host_model(profile)
         self.cap = float(cfg.cluster.device_memory_gib)
-        self.correction = memory_correction(cfg.rehearse.report) if cfg.rehearse.get("report") else 1.0
-        self._cfgs, self._memory, self._llm, self._params, self._plans = {}, {}, {}, {}, {}
+        self.correction = (memory_correction(cfg.rehearse.report, job_facts(cfg, self.specs, world))
+                           if cfg.rehearse.get("report") else 1.0)
+        self._cfgs, self._memory, self._llm, self._params, self._plans, self._times = {}, {}, {}, {}, {}, {}
         lens = self.lens.astype(np.float64)
         self.llm_flops = model_flops(cfg.llm, float(lens.sum()), float((lens ** 2).sum()))
         self.images = float(cfg.trainer.global_batch_size) * float(cfg.data.images_per_sample)
@@ -189,16 +190,21 @@ class Scorer(EncoderTerms):
         return sum(stacked_seconds(self.host, x if placement == "non_colocated" else x.sum()) for x in each)
 
     def _lane_times(self, llm) -> list:
-        """`lane_stage_times` of the LLM layout, computed once per plan: under `packing=
-        dynamic_cp` the planner (`hcp.dcp.policy`) sees the pool dp * cp, not its split."""
-        key = (llm.tp, llm.pp, llm.pp_layers, llm.recompute == "full")
+        """`lane_stage_times` of the LLM layout, each plan computed once: under `packing=
+        dynamic_cp` the planner (`hcp.dcp.policy`) sees the pool dp * cp, not its split, and
+        the recompute it prices (`planned_recompute`); each recompute times it."""
+        pool = (llm.tp, llm.pp, llm.pp_layers, planned_recompute(llm.recompute))
         if self.cfg.packing == "dynamic_cp":
-            key += (llm.dp * llm.cp, several_per_round(llm))
+            pool += (llm.dp * llm.cp, several_per_round(llm))
         else:
-            key += (llm.cp, llm.dp)
-        if key not in self._plans:
-            self._plans[key] = lane_stage_times(self.cfg, llm, cost_model(self.cfg, llm, self.hw), self.lens)
-        return self._plans[key]
+            pool += (llm.cp, llm.dp)
+        if pool not in self._plans:
+            self._plans[pool] = pool_plans(self.cfg, llm, self.lens)
+        key = pool + (llm.recompute,)
+        if key not in self._times:
+            cost = cost_model(self.cfg, llm, self.hw)
+            self._times[key] = lane_stage_times(self.cfg, llm, cost, self.lens, self._plans[pool])
+        return self._times[key]
 
     def has_lane(self, llm) -> bool:
         """Whether `llm_part` of this LLM layout is known without simulating."""
@@ -207,8 +213,8 @@ class Scorer(EncoderTerms):
     @staticmethod
     def _lane_key(llm) -> tuple:
         """What `_llm_lane` depends on: the layout less its dp_shard beyond the planner's
-        `several_per_round`, and its recompute beyond full or not."""
-        return _key(llm)[1:6] + (llm.recompute == "full", several_per_round(llm))
+        `several_per_round`."""
+        return _key(llm)[1:7] + (several_per_round(llm),)
 
     def sync(self, lay) -> float:
         """Gradient sync seconds of a module's layout (module docstring)."""

@@ -104,7 +104,7 @@ def _groups(cfg, world: int, pinned: dict, scorer: Scorer, node: int):
 def search(cfg, world: int, pinned: dict, top: int = TOP, prune: bool = True,
            profile: str | None = None) -> SearchResult:
     """The `top` fastest candidates that fit and pass every rule (module docstring), best first
-    (ties: `_order`; one row of a `tie_key`). Raises ConfigError when none does."""
+    (ties: `_order`; no row `dominates` another). Raises ConfigError when none does."""
     start, cpu = time.perf_counter(), time.process_time()
     check_searchable(cfg, pinned)
     scorer = Scorer(cfg, world, profile or cfg.packing_profile)
@@ -186,16 +186,15 @@ def _rank(cfg, world: int, groups, scorer: Scorer, top: int, prune: bool, inline
                 continue
             score = scorer.score(cand)
             counts["scored"] += 1
-            if len(ranked) >= top and _order((cand, score)) >= _order(ranked[-1]):
+            item = (cand, score)
+            if len(ranked) >= top and _order(item) >= _order(ranked[-1]):
                 continue
-            twin = next((k for k, item in enumerate(ranked) if tie_key(*item) == tie_key(cand, score)), None)
-            if twin is not None and _order((cand, score)) >= _order(ranked[twin]):
+            if any(dominates(other, item) for other in ranked):
                 continue
             if inline and not passes(cand):
                 continue
-            if twin is not None:
-                del ranked[twin]
-            ranked.append((cand, score))
+            ranked = [other for other in ranked if not dominates(item, other)]
+            ranked.append(item)
             ranked.sort(key=_order)
             del ranked[top:]
     if not inline:
@@ -203,14 +202,20 @@ def _rank(cfg, world: int, groups, scorer: Scorer, top: int, prune: bool, inline
     return ranked, counts, error
 
 
-def tie_key(cand: Candidate, score: Score) -> tuple:
-    """What a ranked row shows, the LLM's `selective` recompute read as `none`: the models price
-    the two alike (`hcp.preflight.memory`: the recomputed attention core keeps nothing beyond
-    its output; the cost model times full recompute only), so the ranking keeps one row of
-    such a tie, the simpler (`_order`), and the table shows distinct layouts."""
-    lays = tuple((m, replace(lay, recompute="none") if m == "llm" and lay.recompute == "selective" else lay)
-                 for m, lay in cand.layouts)
-    return cand.placement, lays, score.step_time_s, tuple(sorted(score.memory_gib.items()))
+def dominates(a: tuple[Candidate, Score], b: tuple[Candidate, Score]) -> bool:
+    """Whether the ranking drops `b` for `a` (both `(candidate, score)`): the same layouts but
+    for recompute, `a` at least as fast with at most `b`'s memory in every role and first in
+    `_order`. Recompute trades time for memory; one that buys no memory is no choice: the
+    LLM's `selective` under the models (`hcp.preflight.memory`: the recomputed attention core
+    keeps nothing beyond its output; `CostModel.core_fwd` runs again in backward)."""
+    (ca, sa), (cb, sb) = a, b
+    if ca == cb or _but_recompute(ca) != _but_recompute(cb) or sa.step_time_s > sb.step_time_s:
+        return False
+    return all(sa.memory_gib[k] <= v for k, v in sb.memory_gib.items()) and _order(a) < _order(b)
+
+
+def _but_recompute(cand: Candidate) -> tuple:
+    return cand.placement, tuple((m, replace(lay, recompute="none")) for m, lay in cand.layouts)
 
 
 def _order(item) -> tuple:

@@ -11,7 +11,8 @@ What it assumes (printed with the estimate):
   matmul/attention efficiencies, NVLink/InfiniBand bandwidths), with `cluster.gpus_per_node`
   ranks per node;
 - the LLM only (the cost model of the run's `llm`, its tp, pp and `pp_layers`): the encoder and
-  projector are not timed; full recompute when `llm.layout.recompute=full`, none otherwise;
+  projector are not timed; `llm.layout.recompute` as the cost model prices it (full: one more
+  forward in backward; selective: the attention core's forward again);
 - packing: the policy training runs (`hcp.plan.policies`): `first_fit` packs each DP lane's
   samples into micro-batches of `micro_batch_tokens * cp` tokens, each on the layout's CP group;
   `dynamic_cp` runs the solver over the whole CP pool (dp * cp ranks, `hcp.dcp.policy` under
@@ -67,15 +68,16 @@ def hardware(cfg, profile: str = "h100") -> HardwareProfile:
 
 
 def cost_model(cfg, lay, hw: HardwareProfile) -> CostModel:
-    """The LLM's cost model under the layout `lay` (its tp, pp, pp_layers, full recompute)."""
-    return CostModel(cfg.llm, hw, pp=lay.pp, tp=lay.tp, recompute=lay.recompute == "full",
+    """The LLM's cost model under the layout `lay` (its tp, pp, pp_layers, recompute)."""
+    return CostModel(cfg.llm, hw, pp=lay.pp, tp=lay.tp, recompute=lay.recompute,
                      pp_layers=list(lay.pp_layers))
 
 
-def _plans(cfg, lay, lens=None) -> list[tuple[Packing, np.ndarray]]:
+def pool_plans(cfg, lay, lens=None) -> list[tuple[Packing, np.ndarray]]:
     """The plans of the CP pools (one per DP lane under first_fit, one pool under dynamic_cp),
     each with its lengths, from the packing policy training runs; one micro-batch per round.
-    `lens`: the global batch's lengths (default `batch_lengths`)."""
+    `lens`: the global batch's lengths (default `batch_lengths`). The layout's recompute enters
+    only as the planner prices it (`hcp.dcp.policy.planned_recompute`)."""
     lens = batch_lengths(cfg) if lens is None else lens
     m = int(cfg.trainer.micro_batch_tokens)
     if cfg.packing == "dynamic_cp":
@@ -127,11 +129,13 @@ def estimate_step(cfg, lay, world: int, stage_params: list[int], profile: str = 
             "micro_batches": plan.num_rounds, "grad_sync_s": grad_sync}
 
 
-def lane_stage_times(cfg, lay, cost: CostModel, lens=None) -> list[tuple[Packing, np.ndarray, np.ndarray]]:
+def lane_stage_times(cfg, lay, cost: CostModel, lens=None, pools=None) -> list[tuple[Packing, np.ndarray, np.ndarray]]:
     """[(plan, fwd, bwd)] of each CP pool (one per DP lane under first_fit): its micro-batches
     and their forward / backward seconds per PP stage, `[pp, R]`, TP's all-reduces included.
-    `lens`: the global batch's lengths (default `batch_lengths`)."""
-    return [(plan, *_stage_times(cfg, lay, cost, plan, lens)) for plan, lens in _plans(cfg, lay, lens)]
+    `lens`: the global batch's lengths (default `batch_lengths`); `pools`: `pool_plans`' result
+    for them (default: planned here)."""
+    pools = pool_plans(cfg, lay, lens) if pools is None else pools
+    return [(plan, *_stage_times(cfg, lay, cost, plan, lens)) for plan, lens in pools]
 
 
 def _stage_times(cfg, lay, cost: CostModel, plan: Packing, lens: np.ndarray):
@@ -142,7 +146,7 @@ def _stage_times(cfg, lay, cost: CostModel, plan: Packing, lens: np.ndarray):
         layers = np.asarray(lay.pp_layers, dtype=np.float64)
         act = _tokens_per_rank(plan, lens) * cfg.llm.hidden_size * hw.bytes_per_element  # [R] bytes
         comm = 2 * layers[:, None] * ring_s(act, t, t, hw)[None, :]
-        recompute = 1.0 if cost.recompute else 0.0
+        recompute = 1.0 if cost.recompute == "full" else 0.0  # the core has no TP collective
         fwd = fwd + comm
         bwd = bwd + (1 + recompute) * comm
     return fwd, bwd

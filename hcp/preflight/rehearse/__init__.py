@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 
 from hcp.config.errors import ConfigError
 
@@ -47,11 +48,12 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     `run_dir`; return its mismatches (`hcp.preflight.rehearse.checks.Mismatch`; none: passed). The
     layouts must already be validated and the data prepared."""
     from hcp.config.layouts import resolve_layouts
+    from hcp.config.specs import resolve_modules
     from hcp.parallel.roles import role_table
     from hcp.preflight.plan_mode import running_layouts
     from hcp.preflight.estimate import cost_model, hardware
-    from hcp.preflight.rehearse.report import (find_mismatches, format_report, micro_batch_flops, role_rows,
-                                           write_json)
+    from hcp.preflight.rehearse.report import (find_mismatches, format_report, job_facts, micro_batch_flops,
+                                               role_rows, write_json)
     from hcp.preflight.rehearse.runner import default_jobs, rehearsal_config, rehearse_ranks
 
     ranks = check_rehearse(cfg, world)
@@ -76,7 +78,9 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
                              running["llm"])
     rows = role_rows(results, roles, plan_gib, micro)
     print(format_report(rows, mismatches, wall), flush=True)
-    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall, plan_gib)
+    job = {**job_facts(plan_cfg, resolve_modules(plan_cfg, layouts), world), "placement": plan_cfg.placement,
+           "layouts": {m: asdict(lay) for m, lay in layouts.items()}, "ranks": ranks}
+    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall, plan_gib, job)
     return mismatches
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import asdict
 
 from hcp.config.errors import ConfigError
 from hcp.dcp.packing import rank_tokens
@@ -13,6 +14,9 @@ from hcp.preflight.rehearse.checks import (Mismatch, check_collectives, check_cr
                                        check_rendezvous)
 
 GIB = 2 ** 30
+JOB_RECORD = frozenset({"placement", "layouts", "ranks"})
+"""Keys of a report's `job` that record what it rehearsed (`write_json`) without being checked:
+`layout=auto` applies one rehearsal's correction to every layout it searches."""
 
 
 def find_mismatches(results: dict, world: int, device_gib: float) -> list[Mismatch]:
@@ -108,12 +112,13 @@ def format_report(rows: list[dict], mismatches: list[Mismatch], wall_s: float) -
 
 
 def write_json(path: str, rows, mismatches, micro: dict, results, wall_s: float,
-               plan_gib: dict[int, float]) -> None:
-    """`rehearsal.json`: the table, every mismatch, and each rank's op count, peak (and each
-    step's, with its LLM micro-batches' worth of tokens), plan mode's estimate (`plan_gib`:
-    rank -> GiB), peak categories, FLOPs (per LLM micro-batch: counted, modelled) and error
-    (traceback)."""
-    data = {"passed": not mismatches, "wall_s": wall_s, "roles": rows,
+               plan_gib: dict[int, float], job: dict) -> None:
+    """`rehearsal.json`: the job (`job`: its `job_facts`, and the `JOB_RECORD`: placement,
+    layouts, ranks rehearsed), the table, every mismatch, and each rank's op count, peak (and
+    each step's, with its LLM micro-batches' worth of tokens), plan mode's estimate
+    (`plan_gib`: rank -> GiB), peak categories, FLOPs (per LLM micro-batch: counted,
+    modelled) and error (traceback)."""
+    data = {"passed": not mismatches, "wall_s": wall_s, "job": job, "roles": rows,
             "mismatches": [m.__dict__ | {"sides": {str(k): v for k, v in m.sides.items()}}
                            for m in mismatches],
             "ranks": {str(r): {"ops": len(res.ops), "groups_created": len(res.creations),
@@ -127,14 +132,29 @@ def write_json(path: str, rows, mismatches, micro: dict, results, wall_s: float,
         json.dump(data, f, indent=1)
 
 
-def memory_correction(path: str) -> float:
+def job_facts(cfg, specs, world: int) -> dict:
+    """What a `rehearsal.json` must share with the run that reads it (`memory_correction`), by
+    config key: `world_size`, `precision`, `trainer.micro_batch_tokens`, and each module's
+    architecture fields and `freeze` (`specs`: `hcp.config.specs.ModuleSpecs`; the layout and
+    the attention backend left out: `layout=auto` searches the one, the other is no shape)."""
+    facts = {"world_size": int(world), "precision": str(cfg.precision),
+             "trainer.micro_batch_tokens": int(cfg.trainer.micro_batch_tokens)}
+    for spec in specs.modules:
+        arch = {k: v for k, v in asdict(spec.arch).items() if k not in ("layout", "attention_backend")}
+        facts |= {f"{spec.key}.{k}": v for k, v in {**arch, "freeze": bool(spec.freeze)}.items()}
+    return facts
+
+
+def memory_correction(path: str, facts: dict) -> float:
     """The factor (>= 1) by which `layout=auto` scales plan mode's memory estimates, from a
-    `rehearsal.json` (`rehearse.report`): the largest tracked / plan peak ratio over its roles,
-    1 when plan mode already covers every tracked peak.
+    `rehearsal.json` (`rehearse.report`) of this run (`facts`: its `job_facts`, which the
+    report's `job` must hold, value for value): the largest tracked / plan peak ratio over its
+    roles, 1 when plan mode already covers every tracked peak.
 
     Raises:
         ConfigError: naming `rehearse.report` when the path is not a file, the file is not
-            JSON, or it holds no role with both figures.
+            JSON, it records no job or another job (the first differing key, both values), a
+            rank of it raised, or it holds no role with both figures.
     """
     fix = "give the rehearsal.json that mode=rehearse wrote into its run directory"
     if not os.path.isfile(path):
@@ -144,7 +164,27 @@ def memory_correction(path: str) -> float:
             report = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ConfigError("rehearse.report", path, f"not JSON ({err})", fix) from None
-    roles = report.get("roles", []) if isinstance(report, dict) else []
+    report = report if isinstance(report, dict) else {}
+    again = ("rehearse this run (its command with mode=rehearse, layout=auto picks the layout) and give "
+             "the rehearsal.json it writes, or drop rehearse.report")
+    job = report.get("job")
+    if not isinstance(job, dict):
+        raise ConfigError("rehearse.report", path, "it records no job to check against this run (a "
+                          "rehearsal.json of an older hcp, or not a rehearsal)", again)
+
+    def said(values: dict, key: str) -> str:
+        return f"{key}={values[key]!r}" if key in values else f"no {key}"
+
+    for key in sorted(facts.keys() | job.keys() - JOB_RECORD, key=lambda k: (k not in facts, "." in k, k)):
+        if key not in job or key not in facts or job[key] != facts[key]:
+            raise ConfigError("rehearse.report", path, f"another job's rehearsal: it rehearsed {said(job, key)}, "
+                              f"this run has {said(facts, key)}", again)
+    raised = sorted(int(r) for r, res in report.get("ranks", {}).items()
+                    if isinstance(res, dict) and res.get("error"))
+    if raised:
+        raise ConfigError("rehearse.report", path, f"rank {raised[0]} raised in that rehearsal, so its peak is "
+                          "not a whole step's", "fix what it raised (its traceback is in the file) and rehearse again")
+    roles = report.get("roles", [])
     ratios = [r["peak_gib"] / r["plan_gib"] for r in roles
               if isinstance(r, dict) and r.get("peak_gib") and r.get("plan_gib")]
     if not ratios:
