@@ -37,6 +37,7 @@ more steps of each on rank 0 (the operators where hcp spends more CPU time than 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import multiprocessing as mp
 import os
@@ -252,6 +253,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", type=int, default=0, help="profile this many more steps")
     ap.add_argument("--confidence", type=float, default=0.95, help="level of the printed intervals")
     ap.add_argument("--loss-rtol", type=float, default=1e-4)
+    ap.add_argument("--json", help="also write the per-step figures and the intervals to this file")
     ap.add_argument("overrides", nargs="*", help="extra hcp config overrides")
     args = ap.parse_args(argv)
     if min(args.steps, args.nproc, args.reps) < 1 or args.warmup < 0:
@@ -301,6 +303,9 @@ def main(argv=None) -> dict:
         print(results[0][2])
     out = dict(hcp=h, plain=p, sections=sections, pairs=wall, cpu_pairs=cpu, median=med, total=tot, cpu_median=cmed,
                loss_rel_diff=diff)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**out, "load": os.getloadavg(), "args": vars(args)}, f)
     if diff > args.loss_rtol or not same:
         raise SystemExit(f"the loops differ: losses by {diff:.2e} (--loss-rtol {args.loss_rtol:g}), "
                          f"tokens or micro-batches per step {'equal' if same else 'not equal'}")
