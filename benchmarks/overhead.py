@@ -3,6 +3,7 @@ the same model, samples, packing, token count and initial weights (issue 10 part
 
     python benchmarks/overhead.py --steps 20 --reps 3   # 4 gloo ranks, +recipe=llama_tiny
     python benchmarks/overhead.py --steps 4 --reps 1 --profile 10
+    python benchmarks/overhead.py --json a.json; ...; python benchmarks/overhead.py --pool a.json b.json
 
 On each of `--nproc` forked gloo ranks: hcp's real loop (`Trainer.fit_step`: the plan-ahead data
 wrapper with its plan and data reading, forward/backward, clipping, optimizer, step metrics,
@@ -33,6 +34,8 @@ against `--loss-rtol`) and whether both ran the same global tokens and micro-bat
 backward with gradient sync, clipping, optimizer, hcp's metrics and its logging + preemption
 check) and the CPU of hcp's plan-ahead thread. `--profile N` adds a torch.profiler table of N
 more steps of each on rank 0 (the operators where hcp spends more CPU time than the plain loop).
+Under a loaded machine one step pair's ratio varies by tens of percent; `--json` keeps a run's
+step pairs and `--pool` prints the intervals over several runs' pairs together.
 """
 from __future__ import annotations
 
@@ -210,6 +213,31 @@ def _profile(hcp, plain, steps: int) -> str:
     return "\n".join(lines)
 
 
+def print_intervals(hcp_wall, plain_wall, hcp_cpu, plain_cpu, confidence: float) -> dict:
+    """Print (and return) the hcp / plain tokens/s ratio over step pairs i (both loops' step i:
+    the same global batch, so the same tokens): the median of the pair ratios, the ratio of
+    total times, and the median critical-path CPU ratio, each with its `confidence` interval."""
+    wall = [b / a for a, b in zip(hcp_wall, plain_wall)]
+    cpu = [b / a for a, b in zip(hcp_cpu, plain_cpu)]
+    out = dict(median=median_ci(wall, confidence), total=ratio_ci(plain_wall, hcp_wall, confidence),
+               cpu_median=median_ci(cpu, confidence))
+    fmt = lambda m, lo, hi: f"{m:.3f}x [{lo:.3f}, {hi:.3f}]"  # noqa: E731
+    print(f"hcp / plain tokens/s over {len(wall)} step pairs, {confidence:.0%} interval: median of pairs "
+          f"{fmt(*out['median'])}; total tokens / total time {fmt(*out['total'])} (bootstrap); "
+          f"critical-path CPU (plain / hcp) median of pairs {fmt(*out['cpu_median'])}")
+    return dict(out, pairs=wall, cpu_pairs=cpu)
+
+
+def pool(paths: list[str], confidence: float) -> dict:
+    """The intervals over the step pairs of several runs' `--json` files together."""
+    runs = [json.load(open(path)) for path in paths]
+    for path, r in zip(paths, runs):
+        print(f"{path}: {len(r['pairs'])} pairs, load {' '.join(f'{x:.1f}' for x in r['load'])} at its end")
+    return print_intervals(*[[x for r in runs for x in r[loop][key]] for key, loop in
+                             (("wall", "hcp"), ("wall", "plain"), ("cpu", "hcp"), ("cpu", "plain"))],
+                           confidence)
+
+
 def run(args) -> list:
     """Every rank's report (rank, rows, profile table, section totals), by rank."""
     ctx = mp.get_context("fork")
@@ -254,18 +282,20 @@ def main(argv=None) -> dict:
     ap.add_argument("--confidence", type=float, default=0.95, help="level of the printed intervals")
     ap.add_argument("--loss-rtol", type=float, default=1e-4)
     ap.add_argument("--json", help="also write the per-step figures and the intervals to this file")
+    ap.add_argument("--pool", nargs="+", metavar="JSON", help="run nothing: the intervals over the step "
+                    "pairs of these earlier runs' --json files together")
     ap.add_argument("overrides", nargs="*", help="extra hcp config overrides")
     args = ap.parse_args(argv)
     if min(args.steps, args.nproc, args.reps) < 1 or args.warmup < 0:
         ap.error("--steps, --reps and --nproc must be >= 1, --warmup >= 0")
+    if args.pool:
+        return pool(args.pool, args.confidence)
     results = run(args)
     h, p = per_step(results, "hcp"), per_step(results, "plain")
     diff = max(abs(a - b) / abs(b) for a, b in zip(h["losses"], p["losses"]))
     same = h["tokens"] == p["tokens"] and h["micro"] == p["micro"]
     # pair i: both loops' step i, the same global batch (same tokens), run back to back
     wall = [b / a for a, b in zip(h["wall"], p["wall"])]
-    cpu = [b / a for a, b in zip(h["cpu"], p["cpu"])]
-    level = f"{args.confidence:.0%}"
     print(f"{args.nproc} gloo ranks, +recipe=llama_tiny {' '.join(args.overrides)}, {args.reps} x "
           f"{args.steps} steps of each (after {args.warmup} warm-up), alternating one step at a time "
           f"(hcp plain, plain hcp, ...)")
@@ -277,12 +307,7 @@ def main(argv=None) -> dict:
         hw, pw, hc, pc = (sum(x[s]) for x in (h["wall"], p["wall"], h["cpu"], p["cpu"]))
         print(f"{k + 1:<4} {tok / hw:9.0f} {tok / pw:11.0f} {pw / hw:6.3f} {statistics.median(wall[s]):11.3f} "
               f"{hc / args.steps:9.4f} {pc / args.steps:11.4f} {pc / hc:9.3f}")
-    fmt = lambda m, lo, hi: f"{m:.3f}x [{lo:.3f}, {hi:.3f}]"  # noqa: E731
-    med, tot, cmed = median_ci(wall, args.confidence), ratio_ci(p["wall"], h["wall"], args.confidence), \
-        median_ci(cpu, args.confidence)
-    print(f"hcp / plain tokens/s over {len(wall)} step pairs, {level} interval: median of pairs "
-          f"{fmt(*med)}; total tokens / total time {fmt(*tot)} (bootstrap); critical-path CPU "
-          f"(plain / hcp) median of pairs {fmt(*cmed)}")
+    intervals = print_intervals(h["wall"], p["wall"], h["cpu"], p["cpu"], args.confidence)
     print(f"wall ms per step (slowest rank), hcp / plain: median {statistics.median(h['wall']) * 1e3:.1f} / "
           f"{statistics.median(p['wall']) * 1e3:.1f}, mean {statistics.mean(h['wall']) * 1e3:.1f} / "
           f"{statistics.mean(p['wall']) * 1e3:.1f}; critical-path CPU ms per step, mean "
@@ -301,8 +326,7 @@ def main(argv=None) -> dict:
             + (f"; hcp's plan-ahead thread CPU {sections['hcp'][names[-1]][0] * 1e3:.1f}" if i == 0 else ""))
     if results[0][2]:
         print(results[0][2])
-    out = dict(hcp=h, plain=p, sections=sections, pairs=wall, cpu_pairs=cpu, median=med, total=tot, cpu_median=cmed,
-               loss_rel_diff=diff)
+    out = dict(hcp=h, plain=p, sections=sections, **intervals, loss_rel_diff=diff)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**out, "load": os.getloadavg(), "args": vars(args)}, f)
