@@ -280,7 +280,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured first steps of each loop")
     ap.add_argument("--profile", type=int, default=0, help="profile this many more steps")
     ap.add_argument("--confidence", type=float, default=0.95, help="level of the printed intervals")
-    ap.add_argument("--loss-rtol", type=float, default=1e-4)
+    ap.add_argument("--loss-rtol", type=float, default=1e-4,
+                    help="largest relative difference of the two loops' per-step losses (else exit 1)")
     ap.add_argument("--json", help="also write the per-step figures and the intervals to this file")
     ap.add_argument("--pool", nargs="+", metavar="JSON", help="run nothing: the intervals over the step "
                     "pairs of these earlier runs' --json files together")
