@@ -77,7 +77,7 @@ def collate(samples, pixel_values: list[torch.Tensor], image_token_id: int,
                  torch.cat(images) if images else None, input_ids == image_token_id,
                  [s.id for s in samples], masks,
                  {e: torch.cat(per) for e, per in (encoder_pixels or {}).items() if per},
-                 tuple(lengths), sum(t != -100 for s in samples for t in s.labels))
+                 tuple(lengths), int((labels != -100).sum()))
 
 
 def empty_batch(device=None) -> Batch:
