@@ -92,22 +92,6 @@ class CPAttentionPlan:
     """allgather: one list, k rows index the gathered K/V (rank-major, each rank's local rows);
     p2p: calls[s] index the K/V shard of rank s (its local rows)."""
     kernel: Kernel
-    grad_kv: torch.Tensor | None = None
-    """allgather, CP > 1: the fp32 dK/dV buffer [c * T_loc, 2, Hkv, D] every layer's backward
-    zeroes, fills and reduce-scatters before the next layer's starts: allocated at the first
-    backward of the micro-batch, not per layer (a fresh buffer of that size faults its pages in
-    again each time the allocator has returned them)."""
-
-    def zeroed_grad_kv(self, kv: torch.Tensor) -> torch.Tensor:
-        """A zeroed fp32 gradient buffer shaped like the gathered kv; the plan's own when the
-        reduce-scatter copies out of it (CP > 1), else a fresh one (at c = 1 it is returned)."""
-        acc = acc_dtype(kv.dtype)
-        if group_size(self.group) == 1:
-            return torch.zeros(kv.shape, dtype=acc, device=kv.device)
-        buf = self.grad_kv
-        if buf is None or buf.shape != kv.shape or buf.dtype != acc or buf.device != kv.device:
-            self.grad_kv = buf = torch.empty(kv.shape, dtype=acc, device=kv.device)
-        return buf.zero_()
 
 
 def _chunk_rows(i: int, c: int, k: int, t_loc: int, allgather: bool) -> np.ndarray:
@@ -301,7 +285,7 @@ class _FusedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
         dq = torch.empty(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
-        dkv = ctx.plan.zeroed_grad_kv(kv)
+        dkv = torch.zeros(kv.shape, dtype=acc_dtype(kv.dtype), device=kv.device)
         grads(q, kv, dout, out, lse, ctx.plan.calls[0], ctx.plan.kernel, dq, dkv)
         return dq.to(q.dtype), reduce_scatter_rows(dkv, ctx.plan.group).to(kv.dtype), None
 
