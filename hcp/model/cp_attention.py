@@ -7,9 +7,9 @@ ring attention (Liu et al. 2023; Transformer Engine's `p2p`): K/V shards rotate 
 
 CP size c cuts a document of L tokens into 2c chunks of k = ceil(L / 2c) positions, chunk i
 owned by rank min(i, 2c-1-i), stored as [head chunk, tail chunk]. Per document rank r computes
-its own 2k rows causally, then allgather: its head against chunks 0..r-1 and its tail against
-chunks 0..2c-2-r except r; p2p, source s: s < r both against s's head, s > r its tail against
-both. Documents of one chunk size share each `Call`; under allgather a short document
+its own 2k rows causally, then allgather: both chunks against chunks 0..r-1 (the heads of
+ranks 0..r-1) in one call, and its tail against chunks r+1..2c-2-r (the whole shards of ranks
+r+1..c-1); p2p, source s: s < r both against s's head, s > r its tail against both. Documents of one chunk size share each `Call`; under allgather a short document
 (k <= `SHORT_CHUNK`) on a masking kernel is one masked call. The plan comes from the host
 lengths (`host_cu_seqlens`: no device-to-host read); the CP group is per micro-batch."""
 from __future__ import annotations
@@ -114,11 +114,11 @@ def _doc_calls(c: int, r: int, k: int, t_loc: int, comm: str, masked: bool) -> d
             mask = np.arange((2 * c - r) * k)[None, :] <= q_pos[:, None]
             return {0: [(local, rows(range(2 * c - r)), False, mask, True)]}
         calls = [(local, r * t_loc + local, True, None, True)]
-        if r:
-            calls.append((head, rows(range(r)), False, None, False))
-        rest = [i for i in range(2 * c - 1 - r) if i != r]
-        if rest:
-            calls.append((tail, rows(rest), False, None, False))
+        if r:                                          # head and tail both see chunks 0..r-1
+            calls.append((local, rows(range(r)), False, None, False))
+        if r < c - 1:                  # the tail also sees chunks r+1..2c-2-r: ranks r+1..c-1
+            calls.append((tail, np.concatenate([j * t_loc + local for j in range(r + 1, c)]),
+                          False, None, False))
         return {0: calls}
     return {s: [(local, local, True, None, True)] if s == r else [(local, head, False, None, False)]
             if s < r else [(tail, local, False, None, False)] for s in range(c)}
