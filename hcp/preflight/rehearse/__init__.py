@@ -27,12 +27,16 @@ def check_rehearse(cfg, world: int) -> list[int]:
     """The ranks to rehearse (`rehearse.ranks`, default all of `world`).
 
     Raises:
-        ConfigError: `rehearse.steps` < 1, `rehearse.jobs` < 1 or a rank outside the world."""
+        ConfigError: `rehearse.steps` < 1, `rehearse.jobs` < 1, a rank outside the world, or
+            `rehearse.ranks` with `rehearse.by_class` (a class rehearsal covers the world)."""
     rc = cfg.rehearse
     if rc.steps < 1:
         raise ConfigError("rehearse.steps", rc.steps, "a rehearsal runs at least one step", "use rehearse.steps=1 or more")
     if rc.jobs is not None and rc.jobs < 1:
         raise ConfigError("rehearse.jobs", rc.jobs, "at least one process runs", "use rehearse.jobs=1 or more (null: one per core)")
+    if rc.get("by_class") and rc.ranks is not None:
+        raise ConfigError("rehearse.ranks", list(rc.ranks), "rehearse.by_class=true rehearses one rank per class "
+                          "of the whole world", "drop rehearse.ranks, or set rehearse.by_class=false")
     ranks = list(range(world)) if rc.ranks is None else sorted({int(r) for r in rc.ranks})
     bad = [r for r in ranks if not 0 <= r < world]
     if bad or not ranks:
@@ -68,16 +72,62 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
         if progress:
             print(f"hcp: rehearsed rank {rank} of {world}{' (raised)' if res.error else ''}", flush=True)
 
+    classes, faults = None, []
+    if cfg.rehearse.get("by_class"):
+        classes = world_classes(cfg, layouts, world, jobs)
+        ranks = [c.rep for c in classes]
+        if progress:
+            print(f"hcp: {len(classes)} rank classes of {world} ranks: rehearsing their representatives "
+                  f"{_ranks_list(ranks)}", flush=True)
     results = rehearse_ranks(cfg, run_dir, ranks, world, cfg.rehearse.steps, jobs, progress=said)
+    if classes is not None:
+        results, faults = derive_world(results, classes, layouts, world)
     wall = time.perf_counter() - t0
-    mismatches = find_mismatches(results, world, cfg.cluster.device_memory_gib)
+    mismatches = faults + find_mismatches(results, world, cfg.cluster.device_memory_gib)
     plan_gib = plan_per_rank(plan_cfg, layouts, world, results)
     micro = micro_batch_flops(results, stages, cost_model(cfg, running["llm"], hardware(cfg)),
                              running["llm"])
     rows = role_rows(results, roles, plan_gib, micro)
-    print(format_report(rows, mismatches, wall), flush=True)
-    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall, plan_gib)
+    print(format_report(rows, mismatches, wall, classes), flush=True)
+    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall, plan_gib, classes)
     return mismatches
+
+
+def world_classes(cfg, layouts, world: int, jobs: int) -> list:
+    """The world's rank classes (`hcp.preflight.rehearse.classes.rank_classes`) from every
+    rank's plan slices, each computed on its own rank (`runner.plan_slices`)."""
+    from hcp.config.settings import PackingSpec
+    from hcp.parallel.groups import creation_order
+    from hcp.preflight.rehearse.classes import rank_classes
+    from hcp.preflight.rehearse.runner import plan_slices
+
+    slices = plan_slices(cfg, world, cfg.rehearse.steps, jobs)
+    dynamic = ("llm",) if PackingSpec.of(cfg).dynamic_cp else ()
+    groups = {frozenset(ranks) for ranks, _ in creation_order(layouts, dynamic)} | {frozenset(range(world))}
+    return rank_classes(layouts, world, slices, groups)
+
+
+def derive_world(results: dict, classes: list, layouts, world: int) -> tuple[dict, list]:
+    """Every rank's result: the representatives' (`results`) and each other member's derived
+    (`hcp.preflight.rehearse.classes.derive`); and a `Mismatch` for a member whose renamed
+    trace names a group no rank creates."""
+    from hcp.preflight.rehearse.checks import Mismatch
+    from hcp.preflight.rehearse.classes import derive, permutation
+
+    out, faults = dict(results), []
+    for c in classes:
+        rep = results[c.rep]
+        for t in c.members[1:]:
+            try:
+                out[t] = derive(rep, t, permutation(layouts, world, c.rep, t), rep.group_names)
+            except ValueError as err:
+                faults.append(Mismatch("class", [c.rep, t], None, None, {t: str(err)},
+                                       "a class member's trace cannot be derived from its representative's"))
+    return dict(sorted(out.items())), faults
+
+
+def _ranks_list(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks))
 
 
 def plan_per_rank(cfg, layouts, world: int, results: dict) -> dict[int, float]:
