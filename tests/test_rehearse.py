@@ -124,13 +124,14 @@ def test_each_rank_is_charged_its_own_step_whatever_else_is_rehearsed(monkeypatc
 @pytest.mark.parametrize("override, field", [("rehearse.steps=0", "rehearse.steps"),
                                              ("rehearse.jobs=0", "rehearse.jobs"),
                                              ("rehearse.ranks=[]", "rehearse.ranks"),
-                                             ("rehearse.ranks=[0,4]", "rehearse.ranks")])
+                                             ("rehearse.ranks=[0,4]", "rehearse.ranks"),
+                                             ("rehearse.ranks=[0] rehearse.by_class=true", "rehearse.ranks")])
 def test_bad_rehearse_values_name_field_value_and_fix(override, field):
     from hcp.config.errors import ConfigError
     from hcp.preflight.rehearse import check_rehearse
 
     with pytest.raises(ConfigError) as err:
-        check_rehearse(compose_cfg([override]), 4)  # the base config's world: 4 ranks
+        check_rehearse(compose_cfg(override.split()), 4)  # the base config's world: 4 ranks
     assert str(err.value).startswith(f"{field}=") and "Fix:" in str(err.value)
     assert check_rehearse(compose_cfg(["rehearse.ranks=[3,1]"]), 4) == [1, 3]
 

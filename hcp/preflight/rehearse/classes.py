@@ -117,15 +117,16 @@ def is_automorphism(pi, groups: set[frozenset]) -> bool:
 
 def rank_classes(layouts: dict, world: int, slices: dict[int, list], groups: set[frozenset]) -> list[RankClass]:
     """The classes of the world's ranks (module docstring); `slices`: rank -> its `slice_of`
-    each rehearsed step, computed on that rank; `groups`: the rank sets of every group the world
-    creates. Ranks in order: each joins the first class whose representative maps onto it."""
+    each rehearsed step, computed on that rank (None: its planner raised, so it is its own class);
+    `groups`: the rank sets of every group the world creates. Ranks in order: each joins the
+    first class whose representative maps onto it."""
     reps: dict[tuple, list[int]] = {}
     members: dict[int, list[int]] = {}
     for t in range(world):
         candidates = reps.setdefault(role_key(layouts, t), [])
-        for rep in candidates:
+        for rep in candidates if slices[t] is not None else ():
             pi = permutation(layouts, world, rep, t)
-            if (pi is not None and is_automorphism(pi, groups)
+            if (pi is not None and slices[rep] is not None and is_automorphism(pi, groups)
                     and [rename_slice(s, pi) for s in slices[rep]] == slices[t]):
                 members[rep].append(t)
                 break
