@@ -101,6 +101,7 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
                 return fb(global_batch, prepared)
 
             trainer.forward_backward = forward_backward
+            _as_on_the_device(trainer.optimizer)
             _allocate_optimizer_state(trainer.optimizer)
             tracker = _peak_tracker()  # entered inside the fake mode: it tracks the fake tensors
             tracker.track_external(trainer.modules, trainer.optimizer)
@@ -211,6 +212,16 @@ def _peak_tracker():
             return out
 
     return RankPeakTracker()
+
+
+def _as_on_the_device(optimizer) -> None:
+    """The optimizer's multi-tensor (`foreach`) update, which torch picks by default for CUDA
+    parameters: the rehearsal's fake tensors are on the CPU device, where torch would take its
+    per-tensor loop (other temporaries; a dispatch per tensor, 15% of a LLaVA rank's time). A
+    group that sets `foreach` or `fused` itself keeps it."""
+    for group in optimizer.param_groups:
+        if group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = True
 
 
 def _allocate_optimizer_state(optimizer) -> None:
