@@ -4,17 +4,23 @@ collectives, sends/receives and group creations are recorded and checked against
 rank's (`checks`), its peak memory is tracked and its FLOPs counted (`runner`), and the verdict
 is printed and written to `rehearsal.json` (`report`).
 
-`rehearse.ranks` restricts it to a subset. A class is the ranks of one role and pipeline stage
-whose step plan gives them identically shaped work (their TP/CP/DP coordinates differ): they
-run the same code, so a rank issues its class's ops, its groups and peers named by the grid axes
-they span instead of by ranks (tests/test_rehearse.py checks two ranks of one class op by op).
-A subset holding one rank of every class would stand for the world, but the step plan splits
-a stage into several classes where work differs by position (under `packing=dynamic_cp` each
-position of the CP pool runs its own sequence of CP groups and micro-batches; an encoder lane
-its own number of images), and sends and receives are matched only between rehearsed ranks. A
-subset that misses classes (the CI's full-size rehearsals: stages of one pipeline) proves its
-own ranks' ops, their agreement, peaks and FLOPs; only a rehearsal of all ranks checks the
-rest."""
+`rehearse.ranks` restricts it to a subset (a quick look: sends and receives are matched only
+between rehearsed ranks, and the other ranks are not shown). `rehearse.by_class=true` covers the
+whole world with one rehearsed rank per class (`classes`): every rank's plan slice is computed
+first on that rank (its planner alone, in its own process), ranks r and t are one class when
+they run the same modules at the same stages and a permutation pi of the world's ranks that
+swaps their grid coordinates (tp, cp, dp) maps every process group onto a process group and
+r's plan slice of every step onto t's; t's trace is then r's with every group and peer renamed
+by pi, and every check (collectives per group, send/receive rendezvous, group creations, memory
+against the device) runs on all ranks. Why that is a proof, under one assumption: a rank's code
+depends on its rank only through its plan slice and its grid coordinates, and on the
+coordinates only through the process groups they put it in (their ranks and its place in
+them; no branch on a coordinate's value, no shard shaped by it). pi maps both of r's onto t's,
+so t runs r's code on renamed groups and peers and issues r's ops renamed, and its tensors
+have r's shapes (same memory and FLOPs). A rank whose plan differs (a lane with no image, a dynamic-CP pool position,
+a planner that misbehaves on one rank) fails the comparison and is rehearsed as its own class.
+The assumption is what tests/test_rehearse_classes.py checks on 8-rank worlds (derived traces
+equal an all-rank rehearsal's op by op)."""
 from __future__ import annotations
 
 import os
