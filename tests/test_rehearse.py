@@ -217,7 +217,7 @@ def _by_class(op, grid, rank) -> tuple:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ranks_of_one_class_issue_the_same_ops(tmp_path):
-    """Why a subset of ranks (`rehearse.ranks`) is a proof: ranks 0 and 3 of a TP 2 x PP 2 x DP 2
+    """The assumption a class rehearsal (`rehearse.by_class`) rests on: ranks 0 and 3 of a TP 2 x PP 2 x DP 2
     LLM (stage 0, other TP and DP coordinates, other data) issue the same ops, op by op, once
     groups are named by the axes they span; rank 4 (stage 1, another class) does not."""
     from hcp.config.layouts import resolve_layouts
