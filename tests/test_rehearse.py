@@ -126,13 +126,14 @@ def test_each_rank_is_charged_its_own_step_whatever_else_is_rehearsed(monkeypatc
 @pytest.mark.parametrize("override, field", [("rehearse.steps=0", "rehearse.steps"),
                                              ("rehearse.jobs=0", "rehearse.jobs"),
                                              ("rehearse.ranks=[]", "rehearse.ranks"),
-                                             ("rehearse.ranks=[0,4]", "rehearse.ranks")])
+                                             ("rehearse.ranks=[0,4]", "rehearse.ranks"),
+                                             ("rehearse.ranks=[0] rehearse.by_class=true", "rehearse.ranks")])
 def test_bad_rehearse_values_name_field_value_and_fix(override, field):
     from hcp.config.errors import ConfigError
     from hcp.preflight.rehearse import check_rehearse
 
     with pytest.raises(ConfigError) as err:
-        check_rehearse(compose_cfg([override]), 4)  # the base config's world: 4 ranks
+        check_rehearse(compose_cfg(override.split()), 4)  # the base config's world: 4 ranks
     assert str(err.value).startswith(f"{field}=") and "Fix:" in str(err.value)
     assert check_rehearse(compose_cfg(["rehearse.ranks=[3,1]"]), 4) == [1, 3]
 
@@ -218,7 +219,7 @@ def _by_class(op, grid, rank) -> tuple:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ranks_of_one_class_issue_the_same_ops(tmp_path):
-    """Why a subset of ranks (`rehearse.ranks`) is a proof: ranks 0 and 3 of a TP 2 x PP 2 x DP 2
+    """The assumption a class rehearsal (`rehearse.by_class`) rests on: ranks 0 and 3 of a TP 2 x PP 2 x DP 2
     LLM (stage 0, other TP and DP coordinates, other data) issue the same ops, op by op, once
     groups are named by the axes they span; rank 4 (stage 1, another class) does not."""
     from hcp.config.layouts import resolve_layouts

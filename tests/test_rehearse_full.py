@@ -1,12 +1,13 @@
 """Issue 23 section 4: the full-size recipes rehearse at their own world size under torch's
 `FakeTensorMode` (hcp.preflight.rehearse.runner), within the CI budget: one step (the
 issue allows fewer steps; `tests/test_rehearse_memory.py` shows a first rehearsed step's peak
-is the steady state's) of a small global batch, a few ranks of one pipeline (below). Every
-collective, send and receive of those ranks is checked against each other's, peak memory and
-FLOPs per role reported next to plan mode's and the cost model's. Not a proof for the ranks
-left out (hcp.preflight.rehearse: the other CP pool positions, encoder lanes and middle
-stages are classes of their own); the 8-rank tests of tests/test_rehearse.py rehearse every
-rank. Marked `full_size` (`-m full_size` selects them); they run in the default suite."""
+is the steady state's) of a small global batch. `llava_hetero` non-colocated is rehearsed whole,
+by class (12 representatives of 64 ranks, hcp.preflight.rehearse.classes); the others have too
+many classes for the budget (64, 34 and 40) and rehearse a few ranks of one pipeline (below):
+every collective, send and receive of those ranks is checked against each other's, peak memory
+and FLOPs per role reported next to plan mode's and the cost model's, but that is no proof for
+the ranks left out (the other CP pool positions, encoder lanes and middle stages are classes of
+their own). Marked `full_size` (`-m full_size` selects them); they run in the default suite."""
 from __future__ import annotations
 
 import json
@@ -25,12 +26,11 @@ FULL = {
     # (~200 s of CPU for the two ranks)
     "llava_hetero": ("+recipe=llava_hetero", "trainer.global_batch_size=64", "rehearse.ranks=[0,32]"),
     # islands: the encoder side on ranks 0-15 (dp 16), the LLM on 16-63 (TP 8 x CP 2 x PP 3,
-    # dp 1): rank 0 the encoder, 16, 32 and 48 the LLM's first, middle and last stage; GBS 16,
-    # one image per encoder rank (~150 s of CPU for the four ranks)
+    # dp 1); GBS 16, one image per encoder rank: all 64 ranks by class (12 rehearsed)
     "llava_hetero_non_colocated": ("+recipe=llava_hetero", "placement=non_colocated",
                                    "vision.layout.num_ranks=16", "llm.layout.pp=3",
                                    "llm.layout.pp_layers=[13,14,13]", "trainer.global_batch_size=16",
-                                   "rehearse.ranks=[0,16,32,48]"),
+                                   "rehearse.by_class=true"),
 }
 
 
@@ -47,6 +47,8 @@ def test_full_size_recipe_rehearses(monkeypatch, tmp_path, capsys, recipe):
     assert rehearse(monkeypatch, tmp_path, FULL[recipe]) == []
     report = json.load(open(tmp_path / "rehearsal.json"))
     assert report["passed"] and all(r["error"] is None and r["ops"] > 0 for r in report["ranks"].values())
+    if report["classes"] is not None:  # by class: every rank of the world is in the report
+        assert len(report["ranks"]) == 64 and len(report["classes"]) < 64
     print(capsys.readouterr().out)
     assert all(abs(c / m - 1) < 0.05 for r in report["ranks"].values() for c, m in r["micro_batch_flops"]), report["ranks"]
     _assert_plan_memory(report)
@@ -58,8 +60,9 @@ def test_full_size_recipe_rehearses(monkeypatch, tmp_path, capsys, recipe):
 def test_internvit6b_llama70b_rehearses(monkeypatch, tmp_path, capsys):
     """160 ranks colocated: every rank runs the FSDP-sharded encoder side (dp 160) and one LLM
     stage (TP 8 x PP 4 x DP 5, stage s on ranks 40s..40s+39): rank 0 is stage 0, rank 120 the
-    last (stages 1 and 2 and the other lanes are not rehearsed); GBS 160, one image
-    per encoder rank (~450 s of CPU for the two ranks). Every collective, send and group creation
+    last (stages 1 and 2 and the other lanes are not rehearsed; by class the world has 40
+    classes, ~45 min of CPU); GBS 160, one image per encoder rank (65 s of CPU for rank 0 on a
+    quiet machine). Every collective, send and group creation
     agrees and every rank fits the device (with the LLM's full recompute both ranks track 51 GiB
     of 80, set in phase 3, where the encoder side is recomputed under the LLM's state), and plan
     mode's estimate is within 20% of the tracked peak on each role."""

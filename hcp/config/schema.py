@@ -312,6 +312,9 @@ class RehearseConfig:
     """Ranks to rehearse, for a quick look; None: all of them (only that proves the job)."""
     jobs: Optional[int] = None
     """Ranks rehearsed at a time, one process each; None: one per CPU core."""
+    by_class: bool = False
+    """Rehearse one rank per class and derive the others' traces (hcp.preflight.rehearse.classes);
+    every check runs on the whole world."""
     report: Optional[str] = None
     """An input of `layout=auto` (refused without it): a `rehearsal.json` of this job (its world
     size, precision, micro-batch tokens and model, which the file records), by whose largest

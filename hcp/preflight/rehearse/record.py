@@ -109,13 +109,14 @@ def _reduce_op(args) -> str | None:
 
 class Recorder(TorchDispatchMode):
     """Records this rank's communication ops (`ops`, in issue order) while active, and its
-    group creations (`creations`: the ranks of every `new_group`, in call order) between
-    `install()` and `uninstall()`. Set `step` before each training step."""
+    group creations (`creations`: the ranks of every `new_group`, in call order; `names`: rank
+    set -> the name of the first group created over it) between `install()` and `uninstall()`. Set `step` before each training step."""
 
     def __init__(self):
         super().__init__()
         self.ops: list[Op] = []
         self.creations: list[tuple[int, ...]] = []
+        self.names: dict[frozenset, str] = {}
         self.step = 0
         self._batch, self._in_batch = 0, False
         self._saved: list = []
@@ -172,7 +173,11 @@ class Recorder(TorchDispatchMode):
             members = range(dist.get_world_size()) if ranks is None else ranks
             if kwargs.get("group_desc") != SELF_GROUP_DESC:  # a rank's own stand-in: no world step
                 self.creations.append(tuple(sorted(int(r) for r in members)))
-            return create_fn(ranks, *args, **kwargs)
+            count = c10d._world.group_count  # a group's name is the count (members or not)
+            group = create_fn(ranks, *args, **kwargs)
+            if c10d._world.group_count == count + 1:
+                self.names.setdefault(frozenset(int(r) for r in members), str(count))
+            return group
 
         self._saved = [(dist, "batch_isend_irecv", batch_fn), (c10d, "batch_isend_irecv", batch_fn),
                        (c10d, "_new_group_with_tag", create_fn)]

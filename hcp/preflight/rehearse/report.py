@@ -85,10 +85,11 @@ def _ranks_text(ranks: list[int]) -> str:
         else ",".join(map(str, ranks))
 
 
-def format_report(rows: list[dict], mismatches: list[Mismatch], wall_s: float) -> str:
+def format_report(rows: list[dict], mismatches: list[Mismatch], wall_s: float, classes=None) -> str:
     """The console report: the role table (memory tracked against plan mode's estimate, the
-    LLM micro-batches' FLOPs counted against the cost model's), then `rehearsal passed` or
-    every mismatch."""
+    LLM micro-batches' FLOPs counted against the cost model's), how many ranks were rehearsed
+    and how many derived from them (`classes`: `hcp.preflight.rehearse.classes.RankClass`es of
+    a class rehearsal), then `rehearsal passed` or every mismatch."""
     head = (f"{'role':<28} {'ranks':>9} {'collectives':>11} {'p2p sent MiB':>12} {'peak GiB':>9} "
             f"{'plan GiB':>9} {'GFLOP/step':>11} {'LLM GFLOP':>10} {'modelled':>10} {'worst mb':>8}")
     lines = ["hcp rehearsal: per rank (largest in each role)", head]
@@ -103,6 +104,10 @@ def format_report(rows: list[dict], mismatches: list[Mismatch], wall_s: float) -
                  "LLM micro-batches counted (recompute and the flash backward's recomputed scores "
                  "included) and by the cost model; worst mb: the largest difference of one micro-batch. "
                  f"Wall {wall_s:.1f} s")
+    if classes is not None:
+        derived = sum(len(c.members) - 1 for c in classes)
+        lines.append(f"by class: {len(classes)} classes; {len(classes)} ranks rehearsed, {derived} derived "
+                     "(every check above ran on all of them)")
     if not mismatches:
         lines.append("rehearsal passed")
     else:
@@ -112,13 +117,15 @@ def format_report(rows: list[dict], mismatches: list[Mismatch], wall_s: float) -
 
 
 def write_json(path: str, rows, mismatches, micro: dict, results, wall_s: float,
-               plan_gib: dict[int, float], job: dict) -> None:
+               plan_gib: dict[int, float], job: dict, classes=None) -> None:
     """`rehearsal.json`: the job (`job`: its `job_facts`, and the `JOB_RECORD`: placement,
     layouts, ranks rehearsed), the table, every mismatch, and each rank's op count, peak (and
     each step's, with its LLM micro-batches' worth of tokens), plan mode's estimate
     (`plan_gib`: rank -> GiB), peak categories, FLOPs (per LLM micro-batch: counted,
-    modelled) and error (traceback)."""
+    modelled) and error (traceback), the representative a derived rank's trace comes from, and
+    the classes (representative -> members) of a class rehearsal."""
     data = {"passed": not mismatches, "wall_s": wall_s, "job": job, "roles": rows,
+            "classes": None if classes is None else {str(c.rep): list(c.members) for c in classes},
             "mismatches": [m.__dict__ | {"sides": {str(k): v for k, v in m.sides.items()}}
                            for m in mismatches],
             "ranks": {str(r): {"ops": len(res.ops), "groups_created": len(res.creations),
@@ -126,7 +133,8 @@ def write_json(path: str, rows, mismatches, micro: dict, results, wall_s: float,
                                "step_peaks_gib": [b / GIB for b in res.step_peaks], "step_worth": res.step_worth,
                                "plan_gib": plan_gib.get(r), "peak_categories_gib":
                                {k: v / GIB for k, v in res.peak_categories.items()}, "flops": res.flops,
-                               "micro_batch_flops": micro.get(r, []), "error": res.error}
+                               "micro_batch_flops": micro.get(r, []), "derived_from": res.derived_from,
+                               "error": res.error}
                       for r, res in sorted(results.items())}}
     with open(path, "w") as f:
         json.dump(data, f, indent=1)

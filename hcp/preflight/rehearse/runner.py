@@ -39,8 +39,9 @@ class RankResult:
     `trainer.micro_batch_tokens` of its CP size each, `step_worth`: what plan mode's estimate of
     the step takes), the last step's LLM micro-batches as `(FLOPs counted, document lengths, CP size, CP rank,
     loss tokens known on the host or None)` (`hcp.preflight.rehearse.count`), the bytes of each `MemTracker` category (parameters, gradients, optimizer states,
-    activations, temporaries) at the peak, and the traceback if the rank raised (then the rest
-    may be partial)."""
+    activations, temporaries) at the peak, the name of every group created (rank set -> name),
+    the representative it was derived from (`hcp.preflight.rehearse.classes.derive`; None:
+    rehearsed) and the traceback if the rank raised (then the rest may be partial)."""
 
     rank: int
     ops: list = field(default_factory=list)
@@ -53,6 +54,8 @@ class RankResult:
     step_worth: list = field(default_factory=list)
     peak_categories: dict = field(default_factory=dict)
     micro_batches: list = field(default_factory=list)
+    group_names: dict = field(default_factory=dict)
+    derived_from: int | None = None
     error: str | None = None
 
 
@@ -98,6 +101,7 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
                 return fb(global_batch, prepared)
 
             trainer.forward_backward = forward_backward
+            _as_on_the_device(trainer.optimizer)
             _allocate_optimizer_state(trainer.optimizer)
             tracker = _peak_tracker()  # entered inside the fake mode: it tracks the fake tensors
             tracker.track_external(trainer.modules, trainer.optimizer)
@@ -124,7 +128,7 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
         if trainer is not None:
             trainer.ahead.close()
         rec.uninstall()
-        result.ops, result.creations = rec.ops, rec.creations
+        result.ops, result.creations, result.group_names = rec.ops, rec.creations, rec.names
         dist.destroy_process_group()
         torch.set_grad_enabled(True)
     return result
@@ -210,6 +214,16 @@ def _peak_tracker():
     return RankPeakTracker()
 
 
+def _as_on_the_device(optimizer) -> None:
+    """The optimizer's multi-tensor (`foreach`) update, which torch picks by default for CUDA
+    parameters: the rehearsal's fake tensors are on the CPU device, where torch would take its
+    per-tensor loop (other temporaries; a dispatch per tensor, 15% of a LLaVA rank's time). A
+    group that sets `foreach` or `fused` itself keeps it."""
+    for group in optimizer.param_groups:
+        if group.get("foreach") is None and not group.get("fused"):
+            group["foreach"] = True
+
+
 def _allocate_optimizer_state(optimizer) -> None:
     """Allocate the optimizer's state as its first step does (Adam's moments are created
     lazily), so the rehearsed steps hold it through their forward and backward as every step
@@ -247,36 +261,29 @@ def _totals_only(counter):
     return counter
 
 
-def _child(cfg, run_dir, rank, world, steps, out):
+def _child(work, rank, out):
     import torch
 
     torch.set_num_threads(1)
     try:  # the rank's own console lines (skipped non-finite steps) would only repeat W times
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            result = rehearse_rank(cfg, run_dir, rank, world, steps)
+            result = work(rank)
         out.put((rank, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - even a failure outside the trainer reaches the parent
         out.put((rank, pickle.dumps(RankResult(rank, error=traceback.format_exc()))))
 
 
-def rehearse_ranks(cfg, run_dir: str, ranks: list[int], world: int, steps: int, jobs: int,
-                   timeout_s: float = 3600.0, progress=None) -> dict[int, RankResult]:
-    """`rehearse_rank` of each of `ranks`, `jobs` forked processes at a time; rank -> result.
-    `progress(rank, result)` is called as each finishes."""
-    import torch._dynamo  # noqa: F401 - imported once here, not in every child (AdamW imports it: ~6 s)
-    import torch.distributed._tools.mem_tracker  # noqa: F401
-    import torch.utils.flop_counter  # noqa: F401
-
-    import hcp.train.trainer  # noqa: F401
-
+def _forked(work, ranks: list[int], jobs: int, timeout_s: float, progress=None) -> dict:
+    """`work(rank)` of each of `ranks` in its own forked process, `jobs` at a time; rank -> its
+    result (a `RankResult` with the traceback when `work` raised). `progress(rank, result)` is
+    called as each finishes."""
     ctx = mp.get_context("fork")
     out = ctx.Queue()
     todo, running, results = list(ranks), {}, {}
     while todo or running:
         while todo and len(running) < max(1, jobs):
             rank = todo.pop(0)
-            running[rank] = ctx.Process(target=_child, args=(cfg, run_dir, rank, world, steps, out),
-                                        daemon=True)
+            running[rank] = ctx.Process(target=_child, args=(work, rank, out), daemon=True)
             running[rank].start()
         try:
             rank, blob = out.get(timeout=timeout_s)
@@ -287,6 +294,58 @@ def rehearse_ranks(cfg, run_dir: str, ranks: list[int], world: int, steps: int, 
         if progress is not None:
             progress(rank, results[rank])
     return results
+
+
+def _preload() -> None:
+    """Import once in the parent what every forked child needs (AdamW imports dynamo: ~6 s)."""
+    import torch._dynamo  # noqa: F401
+    import torch.distributed._tools.mem_tracker  # noqa: F401
+    import torch.utils.flop_counter  # noqa: F401
+
+    import hcp.train.trainer  # noqa: F401
+
+
+def rehearse_ranks(cfg, run_dir: str, ranks: list[int], world: int, steps: int, jobs: int,
+                   timeout_s: float = 3600.0, progress=None) -> dict[int, RankResult]:
+    """`rehearse_rank` of each of `ranks`, `jobs` forked processes at a time; rank -> result.
+    `progress(rank, result)` is called as each finishes."""
+    _preload()
+    return _forked(lambda rank: rehearse_rank(cfg, run_dir, rank, world, steps), ranks, jobs, timeout_s, progress)
+
+
+def plan_slices(cfg, world: int, steps: int, jobs: int, timeout_s: float = 3600.0) -> dict[int, list | None]:
+    """Every rank's plan slice (`hcp.preflight.rehearse.classes.slice_of`) of each of the first
+    `steps` steps, computed as the rank computes its plan: in its own process, as rank r of the
+    fake process group, by the trainer's planner and sampler (the model is not built). None for
+    a rank whose planner raised (its rehearsal reports it)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hcp.config.layouts import resolve_layouts
+    from hcp.config.settings import PackingSpec
+    from hcp.config.specs import resolve_modules
+    from hcp.data.build import build_datasets
+    from hcp.data.loader import GlobalBatchSampler
+    from hcp.preflight.rehearse.classes import slice_of
+    from hcp.train import encoders as sides
+    from hcp.train.planner import StepPlanner
+
+    specs = resolve_modules(cfg, resolve_layouts(cfg, world))
+    tok, train_set, _ = build_datasets(cfg, specs)
+    index = sides.LengthIndexes(specs, train_set, tok)
+    batches = GlobalBatchSampler(len(train_set), cfg.trainer.global_batch_size, cfg.seed)
+    indices = [batches.batch(k) for k in range(steps)]
+
+    def plan(rank):
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        try:
+            planner = StepPlanner(PackingSpec.of(cfg), specs, index)
+            return [slice_of(planner(ix), rank) for ix in indices]
+        finally:
+            dist.destroy_process_group()
+
+    out = _forked(plan, list(range(world)), jobs, timeout_s)
+    return {r: None if isinstance(s, RankResult) else s for r, s in out.items()}
 
 
 def default_jobs() -> int:
