@@ -43,7 +43,7 @@ def test_fit_recovers_per_cp_size_coefficients_and_the_profile_reproduces_the_ti
     rows = synthetic(2e-6, B_CP, 5e-7, 4e-3, e=E_CP)
     if outlier:
         rows[5][3] *= 3.0
-    prof = fit(rows, LLM, recompute=False, bytes_per_element=4, max_cp=8)
+    prof = fit(rows, LLM, recompute="none", bytes_per_element=4, max_cp=8)
     got = prof.pop("fit")
     errors = [abs(p["rel_error"]) for i, p in enumerate(got["points"]) if not (outlier and i == 5)]
     tol = 2e-3 if outlier else 1e-6
@@ -51,7 +51,7 @@ def test_fit_recovers_per_cp_size_coefficients_and_the_profile_reproduces_the_ti
     if outlier:
         assert got["points"][5]["weight"] < 0.05 and got["points"][5]["rel_error"] < -0.6
         monkeypatch.setattr(calibrate, "HUBER", np.inf)   # plain least squares: bent by it
-        bent = fit(rows, LLM, recompute=False, bytes_per_element=4, max_cp=8)["fit"]["points"]
+        bent = fit(rows, LLM, recompute="none", bytes_per_element=4, max_cp=8)["fit"]["points"]
         assert max(abs(p["rel_error"]) for i, p in enumerate(bent) if i != 5) > 1e-2
     np.testing.assert_allclose([got["coefficients"][k] for k in "ago"], [2e-6, 5e-7, 4e-3],
                                rtol=tol * 10)
@@ -67,6 +67,35 @@ def test_fit_recovers_per_cp_size_coefficients_and_the_profile_reproduces_the_ti
     for L, d, c, y in synthetic(2e-6, B_CP, 5e-7, 4e-3, e=E_CP):
         t = 3.0 * cost.fwd(d * L, d * L * L, c)[0] + o
         assert t == pytest.approx(y, rel=max(tol, 1e-5))
+
+
+@pytest.mark.parametrize("recompute, k_mm, k_core", [("full", 4.0, 4.0), ("selective", 3.0, 4.0)])
+def test_fit_under_recompute_divides_each_term_by_the_passes_that_ran_it(tmp_path, recompute, k_mm,
+                                                                          k_core):
+    """Passes measured under full recompute ran every term 4 times, under selective the matmuls 3
+    and the attention core (scores, K/V traffic, per-call cost) 4 times: the fit recovers the
+    forward coefficients, and the profile under the same recompute reproduces the times
+    (`3 fwd + core_fwd` for selective, `4 fwd` for full: hcp/dcp/cost_model.py). Dividing the
+    core by 3 under selective (the old fit) would price attention 4/3 too dear."""
+    a, g, o = 2e-6, 5e-7, 4e-3
+    rows = [[L, d, c, k_mm * a * d * L / c + k_core * (B_CP[c] * d * L * L / c + g * d * L * (c - 1) / c
+                                                      + ({1: 0.0, **E_CP})[c]) + o]
+            for L, d in grid() for c in (1, 2, 4, 8)]
+    prof = fit(rows, LLM, recompute=recompute, bytes_per_element=4, max_cp=8)
+    got = prof.pop("fit")
+    np.testing.assert_allclose([got["coefficients"][k] for k in "ago"], [a, g, o], rtol=1e-5)
+    assert got["coefficients"]["b"] == pytest.approx(B_CP, rel=1e-5)
+    assert got["coefficients"]["e"] == pytest.approx(E_CP, rel=1e-5)
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({**prof, "fit": got}))
+    cost = CostModel(LLM, load_profile(path), pp=1, tp=1, recompute=recompute)
+    for L, d, c, y in rows:
+        t = (1.0 + cost.bwd_factor) * cost.fwd(d * L, d * L * L, c)[0] + o
+        if recompute == "selective":
+            t = t + cost.core_fwd(d * L, d * L * L, c)[0]
+        assert t == pytest.approx(y, rel=1e-5)
+    with pytest.raises(ValueError, match="recompute='sometimes'"):
+        fit(rows, LLM, recompute="sometimes", bytes_per_element=4, max_cp=8)
 
 
 def test_old_profiles_load_with_one_attention_efficiency_and_new_ones_per_cp_size(tmp_path):
@@ -94,7 +123,7 @@ def test_old_profiles_load_with_one_attention_efficiency_and_new_ones_per_cp_siz
 
 
 def test_a_coefficient_fitted_to_zero_is_a_negligible_cost():
-    prof = fit(synthetic(2e-6, 3e-9, 0.0, 4e-3), LLM, False, 4, 4)
+    prof = fit(synthetic(2e-6, 3e-9, 0.0, 4e-3), LLM, "none", 4, 4)
     prof.pop("fit")
     hw = HardwareProfile(**prof)  # valid: every field in range
     assert hw.nvlink_bandwidth >= 1e17 and hw.cp_latency == 0.0

@@ -13,8 +13,10 @@ at pp = 1, with one attention coefficient b_c per CP size (the fused SDPA of c =
 attention at c > 1 run different kernels) and one fixed cost e_c per micro-batch at each CP
 size c > 1 (CP attention's calls and the collectives' set-up; a ring latency l (c - 1) fitted
 short documents worse):
-    time(T, S, c) = (1 + k) (a T / c + b_c S / c + g T (c - 1) / c + e_c) + o
-with T = d L tokens, S = d L^2, k = 2 + recompute, and writes `profile.yaml` in the run
+    time(T, S, c) = (1 + k) a T / c + (1 + k') (b_c S / c + g T (c - 1) / c + e_c) + o
+with T = d L tokens, S = d L^2, k = 2 + [recompute is full] for the matmuls and k' = 2 +
+[recompute is full or selective] for the attention core (its scores, K/V traffic and calls:
+what selective recompute runs again, `CostModel.core_fwd`), and writes `profile.yaml` in the run
 directory: a HardwareProfile (so `packing_profile=PATH` and `benchmarks/dynamic_cp.py --cost
 PATH` load it) whose rates reproduce a, b_c, g, l, o for this model:
     matmul rate    = (layers * 2 P_layer + 2 h V) / a      FLOP/s
@@ -176,10 +178,14 @@ def robust_nnls(X: np.ndarray, y: np.ndarray, iters: int = 30) -> tuple[np.ndarr
     return x / scale, w ** 2
 
 
-def fit(rows, llm, recompute: bool, bytes_per_element: int, max_cp: int) -> dict:
+def fit(rows, llm, recompute: str, bytes_per_element: int, max_cp: int) -> dict:
     """Robust relative-error coefficients (`robust_nnls`) and the profile mapping (module
     docstring), with one attention coefficient b_c per CP size c of `rows` (`[L, d, c,
-    seconds]`). Returns the profile mapping plus its `fit:` report."""
+    seconds]`) measured under `recompute` (`none`, `selective` or `full`: the passes ran the
+    matmuls 3 or 4 times and the attention core 3 or 4 times). Returns the profile mapping plus
+    its `fit:` report. ValueError for another `recompute`."""
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute={recompute!r}: one of none, selective, full")
     arr = np.asarray(rows, dtype=np.float64)
     L, d, c, y = arr.T
     T, S = d * L, d * L * L
@@ -188,10 +194,11 @@ def fit(rows, llm, recompute: bool, bytes_per_element: int, max_cp: int) -> dict
     X = np.stack([T / c, *(S / c * (c == ci) for ci in sizes), T * (c - 1) / c,
                   *((c == ci).astype(np.float64) for ci in wide), np.ones_like(T)], axis=1)
     coef, weight = robust_nnls(X, y)
-    k1 = 3.0 + float(recompute)
-    a, g = coef[0] / k1, coef[len(sizes) + 1] / k1
-    b = {ci: float(bi / k1) for ci, bi in zip(sizes, coef[1:len(sizes) + 1])}
-    e = {ci: float(ei / k1) for ci, ei in zip(wide, coef[len(sizes) + 2:-1])}
+    k1 = 3.0 + float(recompute == "full")          # forward + backward passes of the matmuls
+    k_core = 3.0 + float(recompute != "none")      # ... and of the attention core
+    a, g = coef[0] / k1, coef[len(sizes) + 1] / k_core
+    b = {ci: float(bi / k_core) for ci, bi in zip(sizes, coef[1:len(sizes) + 1])}
+    e = {ci: float(ei / k_core) for ci, ei in zip(wide, coef[len(sizes) + 2:-1])}
     o = coef[-1]
     mm_flops = llm.num_layers * layer_matmul_flops_per_token(llm) + head_flops_per_token(llm)
     at_flops = llm.num_layers * layer_attention_flops_per_sq_token(llm)
@@ -215,8 +222,8 @@ def fit(rows, llm, recompute: bool, bytes_per_element: int, max_cp: int) -> dict
                                               if ci > 1}
         profile["cp_overhead"] = {ci: ei / llm.num_layers for ci, ei in e.items()}
     profile["fit"] = {
-        "model": "seconds = (1 + k) (a T / c + b_c S / c + g T (c - 1) / c + e_c) + o, "
-                 "Huber loss of the relative errors",
+        "model": "seconds = (1 + k) a T / c + (1 + k') (b_c S / c + g T (c - 1) / c + e_c) + o, "
+                 f"recompute {recompute}, Huber loss of the relative errors",
         "coefficients": {"a": float(a), "b": b, "g": float(g), "e": e, "o": float(o)},
         "points": [{"length": int(li), "docs": int(di), "cp": int(ci), "measured_s": float(yi),
                     "predicted_s": float(pi), "rel_error": float(pi / yi - 1),
@@ -266,7 +273,7 @@ def run_calibrate(cfg, run_dir: str, sizes=None, max_tokens_per_rank: int | None
     print(f"hcp: calibrating the configured LLM at CP sizes {list(sizes)} up to "
           f"{max_tokens_per_rank} tokens per rank; the profile goes to {run_dir}/profile.yaml", flush=True)
     rows = measure(cfg, run_dir, sizes, max_tokens_per_rank)
-    recompute = cfg.llm.layout.recompute == "full"
+    recompute = cfg.llm.layout.recompute
     bytes_per_element = Precision.of(cfg.precision).act_bytes  # K/V travel in the compute dtype
     profile = fit(rows, cfg.llm, recompute, bytes_per_element, max(sizes))
     path = os.path.join(run_dir, "profile.yaml")
