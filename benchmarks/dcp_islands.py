@@ -27,19 +27,20 @@ provable lower bound of any plan of the batch's lengths on the pool (`hcp.dcp.lo
 Encoder island (`encoder_work`, per rank: FLOPs, K/V bytes, layer calls, CP attention calls):
 modelled, the most loaded rank at unit costs measured in this run: seconds per FLOP and per
 layer call fitted per ViT width to each rank of the DP-only islands (`calibrate`), per K/V byte
-and per call of CP attention measured at its CP size (`measure_kv`), plus the step's gradient
-sum over the island (`measure_sync`). Bound: the DP-4 island's measured time over the new
-layout's floor, its columns spread evenly over its ranks (its slowest rank does at least the
-mean; no rank moves fewer bytes or makes fewer calls than its layout needs) at unit costs
-measured apart from the runs, each the least of several repetitions (image counts interleaved
-within each) and the median over the processes: the ViT and its projector forward + backward
-on 8 processes at once, one thread each, as the 8 ranks share this machine's cores, at three
-image counts (`measure_encoder`: the least-squares line gives seconds per FLOP and per layer
-call); the CP attention on 8 gloo ranks at once in groups of its CP size, at three image counts
-(`measure_kv`); plus the gradient sum every layout of the island pays (one all-reduce of its
-gradients over its 4 ranks, `measure_sync`): no waiting, no schedule, no route, so a lower
-bound of the island's critical path, and the most that layout could gain here (< 1: it cannot
-beat DP). Reported: measured ratio (baseline / new), modelled ratio, bound and measured / bound.
+and per call of CP attention and the step's gradient sum over the island from the floor's
+measurement. Bound: the DP-4 island's measured time over the new layout's floor, its columns
+spread evenly over its ranks (its slowest rank does at least the mean; no rank moves fewer
+bytes or makes fewer calls than its layout needs) at unit costs that the layout's own 8 rank
+processes measure after each step, apart from the step's code (`encoder_floor.FloorRound`,
+`floor_units`: the ViT and its projector forward + backward at three image counts, the CP
+attention in groups of its CP size at three, the gradient sum every layout of the island pays;
+each rank's least round, the median over the ranks; least-squares lines give the per-FLOP,
+per-call and per-byte costs), so the floor sees the machine's load as the steps did, never the
+steps' own times: no waiting, no schedule, no route, so a lower bound of the island's critical
+path, and the most that layout could gain here (< 1: it cannot beat DP). Reported: measured
+ratio (baseline / new), modelled ratio, bound and measured / bound; and every layout's floor
+over its measured vision critical path (DP layouts included: how far any step is from its
+floor on this machine).
 """
 from __future__ import annotations
 
@@ -245,9 +246,9 @@ def run_layout(name, data, args, root) -> dict:
 
 
 def report(results: dict) -> dict:
-    """Calibrate the encoder model on `results` (`run_layout` per layout), set the vision
-    "modelled_s" and "bound_s" of each layout compared against DP, print the comparisons;
-    returns them by name."""
+    """Calibrate the encoder model on `results` (`run_layout` per layout), set each layout's
+    vision "modelled_s" and "bound_s" (its floor), print the floors and the comparisons;
+    returns the comparisons by name."""
     fits = calibrate(results)
     for r in results.values():
         v = r["model"]["vision"]
