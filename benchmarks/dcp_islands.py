@@ -141,7 +141,7 @@ def calibrate(results: dict) -> dict[int, tuple[float, float]]:
     """ViT width -> (seconds per FLOP, seconds per layer call) of the encoder on this machine:
     fitted (non-negative least squares) to every rank and step of the DP-only vision islands of
     that width (`DP_ONLY`, whose CP columns are 0): its CPU seconds less the measured gradient
-    sum (`measure_sync`) as its FLOPs x a + its layer calls x b. Per rank, as the lanes differ
+    sum (`floor_units`) as its FLOPs x a + its layer calls x b. Per rank, as the lanes differ
     in both; per width, as a layer call of the wider ViT costs more (its element-wise work)."""
     from scipy.optimize import nnls
 

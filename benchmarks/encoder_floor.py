@@ -154,7 +154,7 @@ def island_grad_shapes(cfg) -> list[tuple[int, ...]]:
 def encoder_times(work, coef: np.ndarray, floor: np.ndarray, sync_s: float) -> tuple[float, float]:
     """(modelled, bound) seconds of the vision island, medians over the steps of `work`
     ([steps, ranks, 4], `encoder_work`), each plus the step's gradient sum `sync_s`
-    (`measure_sync`): modelled, the step's most loaded rank at the model's unit costs `coef`;
+    (`floor_units`): modelled, the step's most loaded rank at the model's unit costs `coef`;
     bound, the columns' means over its ranks at the measured floor unit costs `floor` (module
     docstring)."""
     w = np.asarray(work)
