@@ -1,7 +1,7 @@
 """Dynamic CP on the LLM island and encoder CP on the vision island, measured side by side on 8
 forked gloo ranks through the trainer (issue 25 section 3).
 
-    python benchmarks/dcp_islands.py                 # 1 warm-up + 3 timed steps per layout
+    python benchmarks/dcp_islands.py                 # 1 warm-up + 5 timed steps per layout
     python benchmarks/dcp_islands.py --steps 5 --json out.json
 
 Data: LLaVA-JSON records written to a temporary folder, each with 1 to 6 images (tiles: a
@@ -27,18 +27,20 @@ provable lower bound of any plan of the batch's lengths on the pool (`hcp.dcp.lo
 Encoder island (`encoder_work`, per rank: FLOPs, K/V bytes, layer calls, CP attention calls):
 modelled, the most loaded rank at unit costs measured in this run: seconds per FLOP and per
 layer call fitted per ViT width to each rank of the DP-only islands (`calibrate`), per K/V byte
-and per call of CP attention measured at its CP size (`measure_kv`), plus the step's gradient
-sum over the island (`measure_sync`). Bound: the
-DP-4 island's measured time over the new layout's floor, its columns spread evenly over its
-ranks (its slowest rank does at least the mean; no rank moves fewer bytes or makes fewer calls
-than its layout needs) at unit costs measured apart from the runs (the ViT forward + backward
-on 8 processes at once, one thread each, as the 8 ranks share this machine's cores,
-`measure_encoder`; the CP attention on 8 gloo ranks at once in groups of its CP size,
-`measure_kv`), plus the gradient sum every
-layout of the island pays (one all-reduce of its gradients over its 4 ranks, `measure_sync`):
-no waiting, no schedule, no route, so a lower bound of the island's critical path, and the most
-that layout could gain here (< 1: it cannot beat DP). Reported: measured ratio (baseline /
-new), modelled ratio, bound and measured / bound.
+and per call of CP attention and the step's gradient sum over the island from the floor's
+measurement. Bound: the DP-4 island's measured time over the new layout's floor, its columns
+spread evenly over its ranks (its slowest rank does at least the mean; no rank moves fewer
+bytes or makes fewer calls than its layout needs) at unit costs that the layout's own 8 rank
+processes measure after each step, apart from the step's code (`encoder_floor.FloorRound`,
+`floor_units`: the ViT and its projector forward + backward at three image counts, the CP
+attention in groups of its CP size at three, the gradient sum every layout of the island pays;
+each rank's least round, the median over the ranks; least-squares lines give the per-FLOP,
+per-call and per-byte costs), so the floor sees the machine's load as the steps did, never the
+steps' own times: no waiting, no schedule, no route, so a lower bound of the island's critical
+path, and the most that layout could gain here (< 1: it cannot beat DP). Reported: measured
+ratio (baseline / new), modelled ratio, bound and measured / bound; and every layout's floor
+over its measured vision critical path (DP layouts included: how far any step is from its
+floor on this machine).
 """
 from __future__ import annotations
 
@@ -55,7 +57,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)  # encoder_floor.py beside this file
 
-from encoder_floor import encoder_times, encoder_work, measure_encoder, measure_kv, measure_sync  # noqa: E402
+from encoder_floor import FloorRound, encoder_times, encoder_work, floor_units  # noqa: E402
 
 ISLANDS = ["placement=non_colocated", "vision.layout.num_ranks=4", "vision.layout.tp=1", "llm.layout.tp=1",
            "launcher.nproc_per_node=8", "logger=none", "trainer.progress_bar=false", "trainer.eval_every=0",
@@ -106,7 +108,8 @@ def make_records(root: str, n: int, seed: int = 0) -> list[str]:
 
 
 def _rank(payload) -> None:
-    """One rank: build the trainer, run warm-up + timed steps, write its measurements."""
+    """One rank: build the trainer, run warm-up + timed steps, each followed by a floor round
+    (`FloorRound`), write its measurements."""
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
@@ -114,7 +117,9 @@ def _rank(payload) -> None:
 
     container, out_dir, warmup, steps = payload
     tr = Trainer(OmegaConf.create(container), out_dir)
-    busy, losses = [], []
+    vis = tr.layouts["vision"]
+    floor = FloorRound(tr.cfg, vis.cp, list(vis.ranks))
+    busy, losses, rounds = [], [], []
     for k in range(warmup + steps):
         indices = tr.sampler.batch(k)
         prepared = tr.prepare(indices)
@@ -123,18 +128,20 @@ def _rank(payload) -> None:
         loss, _, _ = tr.forward_backward(indices, prepared)
         t = time.process_time() - t0
         tr.optimizer.zero_grad(set_to_none=True)
+        units = floor()
         if k >= warmup:
             busy.append(t)
             losses.append(float(loss))
+            rounds.append(units)
     with open(os.path.join(out_dir, f"rank{tr.rank}.json"), "w") as f:
-        json.dump({"busy": busy, "losses": losses, "head": tr.head}, f)
+        json.dump({"busy": busy, "losses": losses, "head": tr.head, "floor": rounds}, f)
 
 
 def calibrate(results: dict) -> dict[int, tuple[float, float]]:
     """ViT width -> (seconds per FLOP, seconds per layer call) of the encoder on this machine:
     fitted (non-negative least squares) to every rank and step of the DP-only vision islands of
     that width (`DP_ONLY`, whose CP columns are 0): its CPU seconds less the measured gradient
-    sum (`measure_sync`) as its FLOPs x a + its layer calls x b. Per rank, as the lanes differ
+    sum (`floor_units`) as its FLOPs x a + its layer calls x b. Per rank, as the lanes differ
     in both; per width, as a layer call of the wider ViT costs more (its element-wise work)."""
     from scipy.optimize import nnls
 
@@ -222,41 +229,47 @@ def launch_layout(name, data, args, root, rank_fn) -> tuple:
     return cfg, layouts, [json.load(open(os.path.join(run_dir, f"rank{r}.json"))) for r in range(8)]
 
 
-def run_layout(name, data, args, root, units: dict) -> dict:
-    """Run layout `name` on 8 forked ranks; its measurements and model inputs. `units`: ViT
-    width -> (`measure_encoder`, `measure_sync`), measured before any layout runs."""
+def run_layout(name, data, args, root) -> dict:
+    """Run layout `name` on 8 forked ranks; its measurements, model inputs and the floor's unit
+    costs (`floor_units` of the rounds its ranks ran between the steps)."""
     cfg, layouts, ranks = launch_layout(name, data, args, root, _rank)
     critical = {isl: float(np.median(np.max([r["busy"] for r in ranks if (r["head"] == "llm") == (isl == "llm")], 0)))
                 for isl in ("llm", "vision")}
     loss = next(r["losses"] for r in ranks if r["head"] == "llm")
     model = layout_model(cfg, layouts, args)
-    model["vision"]["floor_units"], model["vision"]["sync_s"] = units[cfg.vision.hidden_size]
-    model["vision"]["width"] = cfg.vision.hidden_size
+    units = floor_units(cfg, layouts["vision"].cp, [r["floor"] for r in ranks])
+    v = model["vision"]
+    v["sync_s"], v["width"] = units["sync_s"], cfg.vision.hidden_size
+    v["floor_units"], v["kv_units"] = units["encoder"], units.get("kv", [0.0, 0.0])
     return {"critical_s": critical, "model": model, "losses": loss, "busy_s": [r["busy"] for r in ranks],
             "vision_busy_s": [r["busy"] for r in ranks if r["head"] != "llm"]}
 
 
-def report(results: dict, kv: dict[int, tuple[float, float]]) -> dict:
-    """Calibrate the encoder model on `results` (`run_layout` per layout; `kv`: CP size ->
-    `measure_kv`), set each layout's vision "modelled_s" and "bound_s", print the comparisons;
-    returns them by name."""
+def report(results: dict) -> dict:
+    """Calibrate the encoder model on `results` (`run_layout` per layout), set each layout's
+    vision "modelled_s" and "bound_s" (its floor), print the floors and the comparisons;
+    returns the comparisons by name."""
     fits = calibrate(results)
     for r in results.values():
         v = r["model"]["vision"]
-        (per_flop, per_call), (per_byte, kv_call) = fits[v["width"]], kv.get(v["cp"], (0.0, 0.0))
+        (per_flop, per_call), (per_byte, kv_call) = fits[v["width"]], v["kv_units"]
         coef = np.array([per_flop, per_byte, per_call, kv_call])
         floor = np.array([v["floor_units"][0], per_byte, v["floor_units"][1], kv_call])
         v["modelled_s"], v["bound_s"] = encoder_times(v["work"], coef, floor, v["sync_s"])
     print("encoder model: " + "; ".join(f"width {w}: {1e-9 / max(f, 1e-30):.0f} GFLOP/s, {1e3 * c:.1f} ms per layer "
                                         f"call" for w, (f, c) in sorted(fits.items()))
-          + f" (fitted to each rank of the {', '.join(DP_ONLY)} vision islands); CP attention (measured, model "
-          "and floor): " + "; ".join(f"CP {c}: K/V at {1e-6 / b:.0f} MB/s, {1e3 * k:.1f} ms per call"
-                                     for c, (b, k) in sorted(kv.items())))
-    floors = {r["model"]["vision"]["width"]: (*r["model"]["vision"]["floor_units"], r["model"]["vision"]["sync_s"])
-              for r in results.values()}
-    print("encoder floor: " + "; ".join(f"width {w}: {1e-9 / f:.0f} GFLOP/s, {1e3 * c:.1f} ms per layer call, "
-                                        f"{1e3 * s:.0f} ms per gradient sum" for w, (f, c, s) in sorted(floors.items()))
-          + " (each ViT on 8 processes at once, its gradients over 4 gloo ranks)")
+          + f" (fitted to each rank of the {', '.join(DP_ONLY)} vision islands); CP attention and gradient sum: "
+          "the floor's")
+    print("encoder floor (the run's 8 ranks between its steps: each the ViT + projector, CP attention in groups of "
+          "its size, the island's gradient sum; each rank's least round, the median over the ranks), and each vision "
+          "island's floor / measured critical path:")
+    for name, r in results.items():
+        v = r["model"]["vision"]
+        (f, c), (b, k) = v["floor_units"], v["kv_units"]
+        kv = f"K/V at {1e-6 / b:.0f} MB/s, {1e3 * k:.1f} ms per CP call, " if b else ""
+        print(f"  {name:<11} {1e-9 / f:.0f} GFLOP/s, {1e3 * c:.1f} ms per layer call, {kv}{1e3 * v['sync_s']:.0f} ms "
+              f"per gradient sum: floor {v['bound_s']:.3f} s / measured {r['critical_s']['vision']:.3f} s = "
+              f"{v['bound_s'] / r['critical_s']['vision']:.2f}")
     rows = {}
     print(f"{'comparison':<42} {'measured':>8} {'modelled':>8} {'bound':>6} {'measured/bound':>14}")
     for what, (base, new, isl) in COMPARE.items():
@@ -272,10 +285,10 @@ def report(results: dict, kv: dict[int, tuple[float, float]]) -> dict:
         print(f"{what:<42} {measured:8.2f} {model:8.2f} {bound:6.2f} {measured / bound:14.2f}")
     print("bound, LLM: the static plan's modelled time over the provable lower bound of any plan. Encoder:\n"
           "the DP-4 island's measured time over the new layout's floor: its FLOPs, K/V bytes and calls spread\n"
-          "evenly over its ranks (its slowest rank does at least the mean) at unit costs measured apart (the ViT\n"
-          "and CP attention on 8 processes sharing the cores as the 8 ranks do), plus the step's\n"
-          "gradient sum over the island (measured apart); no waiting, no schedule, no route. bound < 1: that\n"
-          "layout cannot beat DP on this machine")
+          "evenly over its ranks (its slowest rank does at least the mean) at unit costs measured apart from the\n"
+          "step by the same 8 rank processes between its steps (the ViT + projector, CP attention, the island's\n"
+          "gradient sum; each rank's least round): no waiting, no schedule, no route. bound < 1: that layout\n"
+          "cannot beat DP on this machine")
     return rows
 
 
@@ -283,7 +296,7 @@ def arg_parser(doc: str, over_steps: str) -> argparse.ArgumentParser:
     """The options every 8-rank islands benchmark takes (steps, warm-up, global batch, tokens per
     micro-batch, --json, config overrides); `over_steps`: how it sums the timed steps."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=3, help=f"timed steps per layout ({over_steps} over them)")
+    ap.add_argument("--steps", type=int, default=5, help=f"timed steps per layout ({over_steps} over them)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--samples", type=int, default=16, help="global batch (a multiple of 4)")
     ap.add_argument("--micro-batch-tokens", type=int, default=256, help="THD tokens per rank and micro-batch")
@@ -296,19 +309,15 @@ def main(argv=None) -> dict:
     args = arg_parser(__doc__, "medians").parse_args(argv)
     t0 = time.perf_counter()
     root, data = workspace("dcp_islands_", args)
-    cfgs = [layout_config(n, data, args, os.path.join(root, "units", n))[0] for n in ("dynamic", "wide_dp4")]
-    kv = {cp: measure_kv(root, cfgs[0].vision, cp) for cp in (2, 4)}
-    units = {c.vision.hidden_size: (measure_encoder(root, c), s) for c, s in zip(cfgs, measure_sync(root, cfgs))}
-    results = {name: run_layout(name, data, args, root, units) for name in LAYOUTS}
+    results = {name: run_layout(name, data, args, root) for name in LAYOUTS}
     print(f"{'layout':<11} {'LLM island s':>12} {'vision island s':>15} {'losses'}")
     for name, r in results.items():
         print(f"{name:<11} {r['critical_s']['llm']:12.3f} {r['critical_s']['vision']:15.3f} "
               + " ".join(f"{x:.5f}" for x in r["losses"]))
-    rows = report(results, kv)
+    rows = report(results)
     wall = time.perf_counter() - t0
     print(f"wall time {wall:.0f} s ({args.warmup} warm-up + {args.steps} timed steps per layout, 8 ranks)")
-    out = {"layouts": results, "comparisons": rows, "kv_s_per_byte_and_call": {str(c): k for c, k in kv.items()},
-           "wall_s": wall}
+    out = {"layouts": results, "comparisons": rows, "wall_s": wall}
     write_json(args.json, out)
     return out
 

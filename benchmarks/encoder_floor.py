@@ -1,18 +1,19 @@
 """The encoder island's cost model and floor of benchmarks/dcp_islands.py (issue 25 section 3):
 per rank of a vision island, the work of one step plan (`encoder_work`) and the unit costs
-measured on this machine (`measure_kv`, `measure_encoder`, `measure_sync`), combined into a
-modelled time and a floor (`encoder_times`).
+measured on this machine (`FloorRound`, `floor_units`), combined into a modelled time and a
+floor (`encoder_times`).
 
-The floor's unit costs are measured apart from the runs they judge, under the physical costs
-every layout of the benchmark pays on this machine: 8 processes at once sharing the cores (as
-the benchmark's 8 ranks do: a rank's CPU time per FLOP or per call is higher than alone), each
-running the ViT (its FLOPs and layer calls) or, in groups of the CP size, its CP attention;
-and the island's gradient sum (one all-reduce of the encoder's gradients over its 4 ranks per
-step, which DP and CP layouts alike pay)."""
+The floor's unit costs are measured by the run's own 8 rank processes between its timed steps
+(a `FloorRound` after each step), apart from the step's code: no schedule, no route, no
+waiting. So they see what the step sees on this shared machine (the 8 ranks on its cores and
+whatever else loads it at that minute: a rank's CPU time per FLOP or per call rises with it),
+and never the step's own time. Each round: every rank runs the ViT and its projector forward +
+backward at several image counts (their FLOPs and layer calls) and, in groups of the CP size,
+one block's CP attention (its K/V all-gather and reduce-scatter); then the island's ranks sum
+the island's gradients (one all-reduce over its 4 ranks, which DP and CP layouts alike pay).
+Each unit cost takes every rank's least round (a floor) and the median over the ranks."""
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import numpy as np
@@ -43,127 +44,101 @@ def encoder_work(cfg, vis, plan) -> np.ndarray:
     return np.array(out)
 
 
-def _kv_rank(payload) -> None:
-    """One rank of `measure_kv`: CPU seconds of the ViT's CP attention forward + backward in its
-    group of `cp` consecutive ranks."""
-    import torch
-    import torch.distributed as dist
-    from omegaconf import OmegaConf
-
-    from hcp.model.cp_attention import cp_attention
-    from hcp.model.vit import ViTEncoder
-
-    vision, cp, images, reps, path = payload
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)]  # all, in one order
-    enc = ViTEncoder(OmegaConf.merge(vision, {"num_layers": 1}), cp_group=groups[rank // cp])
-    heads = vision.num_heads
-    times = []
-    for i in images:
-        plan = enc.cp_plan(i, torch.device("cpu"))
-        qkv = [torch.randn(i * enc.local_tokens, heads, vision.hidden_size // heads, requires_grad=True)
-               for _ in range(3)]
-        runs = []
-        for k in range(reps + 1):
-            dist.barrier()
-            t0 = time.process_time()
-            cp_attention(*qkv, plan).sum().backward()
-            if k:
-                runs.append(time.process_time() - t0)
-        times.append(min(runs))
-    with open(f"{path}.{rank}", "w") as f:
-        json.dump(times, f)
-    dist.destroy_process_group()
+ENCODER_IMAGES = (1, 3, 6)
+"""Images per ViT + projector pass of a floor round (the micro-batches' range per lane)."""
+KV_IMAGES = (4, 16, 64)
+"""Images per CP attention call of a floor round."""
 
 
-def measure_kv(root: str, vision, cp: int, images=(8, 64), reps: int = 3, procs: int = 8) -> tuple[float, float]:
-    """(seconds per K/V byte a rank receives, seconds per call) of encoder CP size `cp`, measured
-    here: the CPU time (least of `reps`: a floor) of one block's CP attention (the K/V
-    all-gather, the attention over the gathered keys and the backward's reduce-scatter) of the
-    ViT `vision` on `procs` forked gloo ranks at once (the benchmark's 8 ranks), in CP groups of
-    `cp`, at two image counts, the median over the ranks: the slope over the bytes each rank
-    receives (`encoder_work`'s column) and the intercept."""
-    from hcp.launch.launch import start_local_ranks
+class FloorRound:
+    """The floor's workloads on one rank of a run, timed once per call between the run's steps
+    (module docstring); every rank of the world builds one (it creates process groups).
+
+    `cfg`: the run's config; `cp`: its encoder CP size; `island`: the vision island's ranks."""
+
+    def __init__(self, cfg, cp: int, island: list[int]):
+        import torch
+        import torch.distributed as dist
+        from omegaconf import OmegaConf
+
+        from hcp.model.encoder_types import build_encoder
+        from hcp.model.projector import Projector
+        from hcp.model.vit import ViTEncoder
+
+        v, rank, world = cfg.vision, dist.get_rank(), dist.get_world_size()
+        sync_group = dist.new_group(island)
+        kv_groups = [dist.new_group(list(range(g, g + cp))) for g in range(0, world, cp)] if cp > 1 else []
+        self.sync = None
+        if rank in island:
+            params = [torch.zeros(s, requires_grad=True) for s in island_grad_shapes(cfg)]
+            for p in params:
+                p.grad = torch.randn(p.shape)
+            self.sync = (params, sync_group)
+        enc, proj = build_encoder(v), Projector(cfg.projector, v.hidden_size, cfg.llm.hidden_size)
+        self.encoder = (enc, proj, [torch.randn(i, v.num_channels, v.image_size, v.image_size) for i in ENCODER_IMAGES])
+        self.kv = None
+        if kv_groups:
+            enc = ViTEncoder(OmegaConf.merge(v, {"num_layers": 1}), cp_group=kv_groups[rank // cp])
+            head_dim = v.hidden_size // v.num_heads
+            self.kv = [(enc.cp_plan(i, torch.device("cpu")),
+                        [torch.randn(i * enc.local_tokens, v.num_heads, head_dim, requires_grad=True)
+                         for _ in range(3)]) for i in KV_IMAGES]
+
+    def __call__(self) -> dict:
+        """CPU seconds of one round: "encoder" [ENCODER_IMAGES] (ViT + projector forward +
+        backward), "kv" [KV_IMAGES] (one block's CP attention forward + backward, all ranks in
+        groups of the CP size), "sync" (the island's gradient sum; island ranks only)."""
+        import torch.distributed as dist
+
+        from hcp.model.cp_attention import cp_attention
+        from hcp.train.modules import sync_grads
+
+        enc, proj, xs = self.encoder
+        out = {"encoder": [_cpu(lambda x=x: proj(enc(x)).sum().backward()) for x in xs]}
+        if self.kv is not None:
+            out["kv"] = []
+            for plan, qkv in self.kv:
+                dist.barrier()
+                out["kv"].append(_cpu(lambda plan=plan, qkv=qkv: cp_attention(*qkv, plan).sum().backward()))
+        dist.barrier()
+        if self.sync is not None:
+            out["sync"] = _cpu(lambda: sync_grads(*self.sync))
+        return out
+
+
+def _cpu(fn) -> float:
+    """Process CPU seconds of `fn()` (every thread of the rank, gloo's included, as the step)."""
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def floor_units(cfg, cp: int, rounds: list[list[dict]]) -> dict:
+    """The floor's unit costs of the ViT of `cfg` at encoder CP size `cp` from every rank's
+    `FloorRound` results `rounds` [ranks][rounds]: per rank the least of its rounds, the median
+    over the ranks. "encoder": (seconds per FLOP,
+    per layer call), the least-squares line over `encoder_flops` (ViT and projector) at
+    ENCODER_IMAGES, its intercept over the blocks + 2 layer calls (patch embedding, projector;
+    `encoder_work` counts the same); "kv": (seconds per K/V byte a rank receives, per call), the
+    line over those bytes at KV_IMAGES; "sync_s": the gradient sum (island ranks)."""
+    from hcp.model.flops import encoder_flops
     from hcp.parallel import encoder_cp
     from hcp.preflight.auto_encoders import encoder_cp_share
 
-    path = os.path.join(root, f"kv_{cp}.json")
-    start_local_ranks(_kv_rank, procs, (vision, cp, list(images), reps, path), "fork")
-    t = np.median([json.load(open(f"{path}.{r}")) for r in range(procs)], 0)
-    tokens = (vision.image_size // vision.patch_size) ** 2 + encoder_cp.LEAD
-    per_image = 2 * encoder_cp_share(0.0, tokens, 1, vision.hidden_size, cp)[1]   # one block, both passes
-    per_byte = (t[1] - t[0]) / (per_image * (images[1] - images[0]))
-    return per_byte, max(0.0, t[0] - per_byte * per_image * images[0])
+    def least(key):
+        return np.median([np.min([r[key] for r in rank], 0) for rank in rounds if key in rank[0]], 0)
 
-
-def _encoder_rank(payload) -> None:
-    """One process of `measure_encoder`: the least CPU time of `reps` forward + backward passes
-    of the ViT at each image count, on one thread."""
-    import torch
-
-    from hcp.model.encoder_types import build_encoder
-
-    v, images, reps, path = payload
-    torch.set_num_threads(1)
-    enc, times = build_encoder(v), []
-    for i in images:
-        x = torch.randn(i, v.num_channels, v.image_size, v.image_size)
-        runs = []
-        for k in range(reps + 1):
-            t0 = time.process_time()
-            enc(x).sum().backward()
-            runs.append(time.process_time() - t0)
-        times.append(min(runs[1:]))
-    with open(f"{path}.{os.environ['RANK']}", "w") as f:
-        json.dump(times, f)
-
-
-def measure_encoder(root: str, cfg, images=(1, 8), reps: int = 4, procs: int = 8) -> tuple[float, float]:
-    """(seconds per FLOP, seconds per layer call) of the ViT of `cfg`, no collective, no
-    schedule, on `procs` forked processes at once (one thread each: the benchmark's 8 ranks on
-    this machine's cores): each process's least CPU time of `reps` forward + backward passes
-    at two image counts, the median over the processes; the slope over `encoder_flops` (which
-    also counts the projector, not run: the rate errs high) and the intercept over its blocks +
-    2 layer calls."""
-    from hcp.launch.launch import start_local_ranks
-    from hcp.model.flops import encoder_flops
-
-    v, path = cfg.vision, os.path.join(root, f"encoder_{cfg.vision.hidden_size}.json")
-    start_local_ranks(_encoder_rank, procs, (v, list(images), reps, path), "fork")
-    times = np.median([json.load(open(f"{path}.{r}")) for r in range(procs)], 0)
-    per_flop = (times[1] - times[0]) / (encoder_flops(v, cfg.llm.hidden_size, images[1] - images[0]))
-    calls = v.num_layers + v.select_layer + 3
-    return per_flop, max(0.0, times[0] - per_flop * encoder_flops(v, cfg.llm.hidden_size, images[0])) / calls
-
-
-def _sync_rank(payload) -> None:
-    """One rank of `measure_sync`: the least CPU time of `reps` gradient sums of each shape list."""
-    import torch
-    import torch.distributed as dist
-
-    from hcp.train.modules import sync_grads
-
-    shape_lists, reps, path = payload
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    times = []
-    for shapes in shape_lists:
-        params = [torch.zeros(s, requires_grad=True) for s in shapes]
-        for p in params:
-            p.grad = torch.randn(p.shape)
-        runs = []
-        for k in range(reps + 1):
-            dist.barrier()
-            t0 = time.process_time()
-            sync_grads(params, dist.group.WORLD)
-            runs.append(time.process_time() - t0)
-        times.append(min(runs[1:]))
-    if dist.get_rank() == 0:
-        with open(path, "w") as f:
-            json.dump(times, f)
-    dist.destroy_process_group()
+    v = cfg.vision
+    flops = [encoder_flops(v, cfg.llm.hidden_size, i) for i in ENCODER_IMAGES]
+    per_flop, fixed = np.polyfit(flops, least("encoder"), 1)
+    out = {"sync_s": float(least("sync")),
+           "encoder": [float(per_flop), max(0.0, float(fixed)) / (v.num_layers + v.select_layer + 3)]}
+    if "kv" in rounds[0][0]:
+        tokens = (v.image_size // v.patch_size) ** 2 + encoder_cp.LEAD
+        per_image = 2 * encoder_cp_share(0.0, tokens, 1, v.hidden_size, cp)[1]   # one block, both passes
+        per_byte, fixed = np.polyfit(per_image * np.asarray(KV_IMAGES), least("kv"), 1)
+        out["kv"] = [float(per_byte), max(0.0, float(fixed))]
+    return out
 
 
 def island_grad_shapes(cfg) -> list[tuple[int, ...]]:
@@ -176,21 +151,10 @@ def island_grad_shapes(cfg) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for m in modules for p in m.parameters()]
 
 
-def measure_sync(root: str, cfgs, ranks: int = 4, reps: int = 3) -> list[float]:
-    """Seconds (CPU, least of `reps`) of one step's gradient sum of the vision island of each
-    config in `cfgs` over `ranks` forked gloo ranks: `hcp.train.modules.sync_grads` (one flat
-    all-reduce) on gradients of the island's shapes (`island_grad_shapes`)."""
-    from hcp.launch.launch import start_local_ranks
-
-    path = os.path.join(root, "sync.json")
-    start_local_ranks(_sync_rank, ranks, ([island_grad_shapes(c) for c in cfgs], reps, path), "fork")
-    return json.load(open(path))
-
-
 def encoder_times(work, coef: np.ndarray, floor: np.ndarray, sync_s: float) -> tuple[float, float]:
     """(modelled, bound) seconds of the vision island, medians over the steps of `work`
     ([steps, ranks, 4], `encoder_work`), each plus the step's gradient sum `sync_s`
-    (`measure_sync`): modelled, the step's most loaded rank at the model's unit costs `coef`;
+    (`floor_units`): modelled, the step's most loaded rank at the model's unit costs `coef`;
     bound, the columns' means over its ranks at the measured floor unit costs `floor` (module
     docstring)."""
     w = np.asarray(work)

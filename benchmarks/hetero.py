@@ -18,10 +18,7 @@ stated in the output); trailing Hydra overrides change it. On 8 ranks (`LAYOUTS[
   cp2 x pp2 on ranks 4-7, one graph-aware 1F1B over encoder stage -> LLM stage 0 -> stage 1, the
   encoder lanes as the step plan gives them (`hcp.plan.island_routes.balanced_lanes`: each
   micro-batch's samples shared over the lanes by inputs, in the LLM's consumption order; before
-  it, blocks of the batch that the lanes encoded in turns);
-- non_colocated_interleaved: the same, but every micro-batch's samples are dealt over the
-  encoder lanes by image rows per micro-batch first (`hetero_rank.interleaved_lanes`, the
-  variant that preceded the plan's), so the lanes encode parts of every micro-batch.
+  it, blocks of the batch that the lanes encoded in turns).
 The encoder is deepened on 8 ranks (`MODEL_8`) so that it carries about as many FLOPs as the
 LLM: the regime where the island split matters. All layouts run the same global batch, packing,
 weights and seed on freshly forked gloo ranks (`benchmarks/hetero_rank.py`), and must report the
@@ -71,9 +68,7 @@ MODEL_8 = ["vision.num_layers=8", "trainer.micro_batch_tokens=256", "llm.layout.
 LAYOUTS = {
     4: {"homogeneous": [], "heterogeneous": []},
     8: {"homogeneous": [], "heterogeneous": [],
-        "non_colocated": ["placement=non_colocated", "vision.layout.num_ranks={enc}", "llm.layout.tp=1"],
-        "non_colocated_interleaved": ["placement=non_colocated", "vision.layout.num_ranks={enc}",
-                                      "llm.layout.tp=1"]},
+        "non_colocated": ["placement=non_colocated", "vision.layout.num_ranks={enc}", "llm.layout.tp=1"]},
 }
 """World size -> layout name -> its overrides (`{enc}`: --encoder-ranks)."""
 

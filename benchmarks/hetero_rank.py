@@ -6,9 +6,6 @@ read by the trainer's own data path), step plan, weights and seed. What runs the
 - `heterogeneous` (colocated, docs/design.md 4.4) and `non_colocated` (islands): the trainer's
   own step, `hcp.train.trainer.Trainer.forward_backward` (its plan, data, the plan's action list
   on the one executor, each module's gradient sum) on a `Trainer` built from the config;
-- `non_colocated_interleaved`: the same trainer step, with each rank's `RankPlan` rewritten so
-  that every micro-batch's samples are dealt over the encoder lanes (`interleaved_lanes`; routes
-  from `build_routes` over the same edge group) instead of the step plan's lanes;
 - `homogeneous` (before issue 12, deliberately not hcp's path: a baseline): the vision encoder
   and projector inside the LLM's first PP stage (`LlavaModel(encoder=True)`), so every rank of a
   first-stage TP x CP group encodes every image of its micro-batches; run by the trainer's
@@ -20,7 +17,6 @@ sum; data loading and the optimizer step are left out (the same in all).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -129,79 +125,6 @@ def dst_keys(mb, dataset, image_token_id: int, offset) -> np.ndarray:
     return local[local >= 0].astype(np.int64)
 
 
-def interleaved_lanes(plan, dp: int) -> dict[int, list[list[int]]]:
-    """{lane: [micro-batch][samples]} of an encoder island's `dp` lanes when every micro-batch's
-    samples (in the LLM's consumption order) are dealt over the lanes, each to the lane with the
-    fewest image rows in that micro-batch (then in the step), so every lane encodes part of every
-    micro-batch (the step plan's own `balanced_lanes` balances the inputs over every prefix of
-    micro-batches instead)."""
-    consumed = [[s for g in r.groups for s in g.seq_indices] for r in plan.packing.rounds]
-    lanes = {e: [[] for _ in consumed] for e in range(dp)}
-    rows = plan.sizes.image_rows
-    step = [0] * dp
-    for i, mb in enumerate(consumed):
-        here = [0] * dp
-        for s in mb:
-            e = min(range(dp), key=lambda e: (here[e], step[e], e))
-            lanes[e][i].append(s)
-            here[e] += int(rows[s])
-            step[e] += int(rows[s])
-    return lanes
-
-
-class InterleavedPlan:
-    """The step plan `plan` with interleaved encoder lanes (`interleaved_lanes`): `rank(r)` is
-    the plan's `RankPlan` whose encoder micro-batches, their inputs and rows, and the island
-    routes of the edge into the LLM follow the interleaved lanes (routes from `build_routes` over
-    the plan's edge group; every destination TP rank receives, TP rank 0 returns the
-    gradient). What `Trainer.prepare` reads of a plan."""
-
-    def __init__(self, plan, layouts, dataset, image_token_id: int):
-        from hcp.parallel.grid import Grid
-
-        self.plan, self.packing = plan, plan.packing
-        self.vis, self.llm = Grid.of(layouts["vision"]), Grid.of(layouts["llm"])
-        self.lanes = interleaved_lanes(plan, self.vis.dp)
-        offset = row_offsets(plan.sizes)
-        self.src_rows = {e: [np.concatenate([np.arange(offset[s], offset[s + 1]) for s in mb])
-                             if mb else np.zeros(0, np.int64) for mb in lane] for e, lane in self.lanes.items()}
-        self.edge = next(e for e in plan.island_ranks if e[1] == "llm")
-        self.ranks = plan.island_ranks[self.edge]
-        self.dst = {r: [dst_keys(mb, dataset, image_token_id, offset) for mb in plan.rank(r).micro_batches]
-                    for r in self.ranks if self.llm.contains(r)}
-
-    def _routes(self, rank: int) -> tuple:
-        from route_keys import build_routes  # beside this file (benchmarks/hetero.py puts it on the path)
-
-        empty, me = np.zeros(0, np.int64), self.ranks.index(rank)
-        routes = []
-        for i in range(self.plan.num_micro_batches):
-            src, dst, owner = [], [], []
-            for r in self.ranks:
-                enc = self.vis.contains(r)
-                src.append(self.src_rows[self.vis.coords(r)["dp"]][i] if enc else empty)
-                dst.append(empty if enc else self.dst[r][i])
-                owner.append(np.zeros(0, bool) if enc else np.full(len(self.dst[r][i]), self.llm.coords(r)["tp"] == 0))
-            routes.append(build_routes(src, dst, owner, ranks=[me])[me])
-        return tuple(routes)
-
-    def rank(self, rank: int, checksum: bool = False):
-        mine = self.plan.rank(rank, checksum)
-        if rank not in self.ranks:
-            return mine
-        change = {"island_routes": {**mine.island_routes, self.edge: self._routes(rank)}}
-        if self.vis.contains(rank):
-            lane = self.lanes[self.vis.coords(rank)["dp"]]
-            sizes = self.plan.sizes
-            at = [np.asarray(mb, dtype=np.int64) for mb in lane]
-            images = tuple(int(sizes.images[k].sum()) for k in at)
-            rows = tuple(int(sizes.image_rows[k].sum()) for k in at)
-            change |= {"encoder_micro_batches": {m: tuple(map(tuple, lane)) for m in mine.encoder_micro_batches},
-                       "encoder_inputs": {m: images for m in mine.encoder_inputs},
-                       "encoder_rows": {m: rows for m in mine.encoder_rows}}
-        return dataclasses.replace(mine, **change)
-
-
 def schedule_graph(cfg, layouts):
     """The `StageGraph` the step's pipeline runs: the encoder island as one stage before the LLM's
     stages under `non_colocated`, the LLM's stages alone otherwise."""
@@ -283,8 +206,6 @@ def _measure(rank, world, port, name, composed, args) -> dict:
     indices = list(range(args.samples))
     plan = trainer.plan(indices)
     num_micro, sizes = plan.num_micro_batches, plan.sizes
-    if name.endswith("interleaved"):
-        plan = InterleavedPlan(plan, layouts, ds, image_id)
     graph = schedule_graph(cfg, layouts)
     llm_rank = trainer.model is not None
     stage_id = graph.index("llm", trainer.stage.index) if llm_rank else graph.index("vision", 0)

@@ -1,7 +1,7 @@
 """Routes from per-rank row keys: the reference the tests check the step plan's routes against
-and the benchmarks' hand-built routes (benchmarks/hetero_rank.py's interleaved lanes), plus the
-fewest rows any route can move (`min_route_rows`, what route bytes are reported against).
-Pure numpy, no process group; the training path routes through `hcp.plan` only."""
+(and build hand-made routes with), plus the fewest rows any route can move (`min_route_rows`,
+what route bytes are reported against). Pure numpy, no process group; the training path routes
+through `hcp.plan` only."""
 from __future__ import annotations
 
 from typing import Iterable, Sequence

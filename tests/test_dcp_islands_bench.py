@@ -5,6 +5,7 @@ floor (its FLOPs, K/V bytes and calls spread evenly, plus the gradient sum), so 
 measured at its model never beats its bound; `encoder_work` charges a CP rank its padded chunk and the gathered K/V."""
 import argparse
 import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +52,8 @@ def _results(dp_lanes):
                      "vision_busy_s": busy.T.tolist(),
                      "model": {"llm": {"critical": 1.0, "bound": 0.8},
                                "vision": {"work": work.tolist(), "cp": cp,
-                                          "floor_units": FLOOR_UNITS, "sync_s": SYNC[wide],
+                                          "floor_units": FLOOR_UNITS, "kv_units": [PER_BYTE, CP_CALL[cp]],
+                                          "sync_s": SYNC[wide],
                                           "width": 384 * wide}}}
     return out
 
@@ -63,7 +65,7 @@ def test_encoder_bound_is_the_dp_time_over_the_layouts_floor(dp_lanes, cp_wins, 
     results = _results(dp_lanes)
     fits = bench.calibrate(results)
     assert np.allclose([fits[384], fits[7 * 384]], [(PER_FLOP, PER_CALL), (PER_FLOP, WIDE_CALL)], rtol=1e-6)
-    rows = bench.report(results, {c: (PER_BYTE, CP_CALL[c]) for c in (2, 4)})
+    rows = bench.report(results)
     assert "bound, LLM" in capsys.readouterr().out
     for what, base, new, cp in (("encoder CP 2 x DP 2 vs DP 4 (vision island)", "dynamic", "encoder_cp2", 2),
                                 ("encoder CP 4 vs DP 4 (vision island)", "dynamic", "encoder_cp4", 4),
@@ -102,3 +104,28 @@ def test_encoder_work_charges_each_cp_rank_its_chunk_and_the_gathered_kv(tmp_pat
     v = cfg.vision   # per image and block: K and V gathered from 3 peers, their gradients back
     assert cp[0, 1] == pytest.approx(images * 4 * 2 * 3 * 10 * 2 * v.hidden_size * 4)
     assert cp[0, 2] == cp[0, 3] * 6 / 4 >= dp[:, 2].max()   # every micro-batch on every rank
+
+
+def test_floor_units_take_each_ranks_least_round_and_recover_the_unit_costs():
+    """`floor_units` on rounds made by known unit costs, one exact round per rank and the others
+    slower (the machine busier): the least round gives the costs back; the slower rounds and a
+    slow rank (the median over ranks) do not raise them."""
+    from omegaconf import OmegaConf
+
+    floor = sys.modules["encoder_floor"]
+    cfg = OmegaConf.create({"vision": {"image_size": 12, "patch_size": 2, "hidden_size": 384, "num_heads": 6,
+                                       "ffn_hidden_size": 1536, "num_layers": 4, "select_layer": -1,
+                                       "num_channels": 1}, "llm": {"hidden_size": 256}})
+    flops = np.array([encoder_flops(cfg.vision, 256, i) for i in floor.ENCODER_IMAGES])
+    kv_bytes = 2 * 3 * 10 * 2 * 384 * 4 * np.array(floor.KV_IMAGES)    # cp 4: one block, 3 peers, k = 10
+    exact = {"encoder": (flops * PER_FLOP + 6 * PER_CALL).tolist(), "kv": (kv_bytes * PER_BYTE + 0.002).tolist(),
+             "sync": 0.05}
+    slower = {k: (np.asarray(v) * 1.3).tolist() for k, v in exact.items()}
+    rounds = []
+    for r in range(8):
+        mine = [slower, exact, slower] if r != 7 else [slower] * 3   # rank 7: never exact
+        rounds.append([{k: v for k, v in x.items() if k != "sync" or r < 4} for x in mine])
+    units = floor.floor_units(cfg, 4, rounds)
+    assert units["encoder"] == pytest.approx([PER_FLOP, PER_CALL], rel=1e-6)
+    assert units["kv"] == pytest.approx([PER_BYTE, 0.002], rel=1e-6)
+    assert units["sync_s"] == pytest.approx(0.05)
