@@ -28,17 +28,19 @@ Encoder island (`encoder_work`, per rank: FLOPs, K/V bytes, layer calls, CP atte
 modelled, the most loaded rank at unit costs measured in this run: seconds per FLOP and per
 layer call fitted per ViT width to each rank of the DP-only islands (`calibrate`), per K/V byte
 and per call of CP attention and the step's gradient sum over the island from the floor's
-measurement. Bound: the DP-4 island's measured time over the new layout's floor, its columns
-spread evenly over its ranks (its slowest rank does at least the mean; no rank moves fewer
-bytes or makes fewer calls than its layout needs) at unit costs that the layout's own 8 rank
-processes measure after each step, apart from the step's code (`encoder_floor.FloorRound`,
-`floor_units`: the ViT and its projector forward + backward at three image counts, the CP
-attention in groups of its CP size at three, the gradient sum every layout of the island pays;
-each rank's least round, the median over the ranks; least-squares lines give the per-FLOP,
-per-call and per-byte costs), so the floor sees the machine's load as the steps did, never the
-steps' own times: no waiting, no schedule, no route, so a lower bound of the island's critical
-path, and the most that layout could gain here (< 1: it cannot beat DP). Reported: measured
-ratio (baseline / new), modelled ratio, bound and measured / bound; and every layout's floor
+measurement. Bound (as the LLM's: the most the new layout could gain under the same model):
+DP 4's modelled time over the new layout's columns spread evenly over its ranks (its slowest
+rank does at least the mean) at the model's unit costs. Floor bound (no model): the DP-4
+island's measured time over the new layout's floor, the same means at unit costs that the
+layout's own 8 rank processes measure after each step, apart from the step's code
+(`encoder_floor.FloorRound`, `floor_units`: the ViT and its projector forward + backward at
+three image counts, the CP attention in groups of its CP size at three, the gradient sum every
+layout of the island pays; each rank's least round, the median over the ranks; least-squares
+lines give the per-FLOP, per-call and per-byte costs), so the floor sees the machine's load as
+the steps did, never the steps' own times: no waiting, no schedule, no route, no executor, a
+lower bound of the island's critical path that no layout reaches (DP's included). Reported:
+measured ratio (baseline / new), modelled ratio, bound and measured / bound, floor bound and
+measured / floor bound; and every layout's floor
 over its measured vision critical path (DP layouts included: how far any step is from its
 floor on this machine).
 """
@@ -247,15 +249,15 @@ def run_layout(name, data, args, root) -> dict:
 
 def report(results: dict) -> dict:
     """Calibrate the encoder model on `results` (`run_layout` per layout), set each layout's
-    vision "modelled_s" and "bound_s" (its floor), print the floors and the comparisons;
-    returns the comparisons by name."""
+    vision "modelled_s", "model_bound_s" and "bound_s" (its floor; `encoder_times`), print the
+    floors and the comparisons; returns the comparisons by name."""
     fits = calibrate(results)
     for r in results.values():
         v = r["model"]["vision"]
         (per_flop, per_call), (per_byte, kv_call) = fits[v["width"]], v["kv_units"]
         coef = np.array([per_flop, per_byte, per_call, kv_call])
         floor = np.array([v["floor_units"][0], per_byte, v["floor_units"][1], kv_call])
-        v["modelled_s"], v["bound_s"] = encoder_times(v["work"], coef, floor, v["sync_s"])
+        v["modelled_s"], v["model_bound_s"], v["bound_s"] = encoder_times(v["work"], coef, floor, v["sync_s"])
     print("encoder model: " + "; ".join(f"width {w}: {1e-9 / max(f, 1e-30):.0f} GFLOP/s, {1e3 * c:.1f} ms per layer "
                                         f"call" for w, (f, c) in sorted(fits.items()))
           + f" (fitted to each rank of the {', '.join(DP_ONLY)} vision islands); CP attention and gradient sum: "
@@ -271,24 +273,33 @@ def report(results: dict) -> dict:
               f"per gradient sum: floor {v['bound_s']:.3f} s / measured {r['critical_s']['vision']:.3f} s = "
               f"{v['bound_s'] / r['critical_s']['vision']:.2f}")
     rows = {}
-    print(f"{'comparison':<42} {'measured':>8} {'modelled':>8} {'bound':>6} {'measured/bound':>14}")
+    print(f"{'comparison':<42} {'measured':>8} {'modelled':>8} {'bound':>6} {'measured/bound':>14} "
+          f"{'floor bound':>11} {'measured/floor bound':>20}")
     for what, (base, new, isl) in COMPARE.items():
         b, n = results[base], results[new]
         measured = b["critical_s"][isl] / n["critical_s"][isl]
         if isl == "llm":
             model = b["model"]["llm"]["critical"] / n["model"]["llm"]["critical"]
             bound = b["model"]["llm"]["critical"] / b["model"]["llm"]["bound"]
+            floor = None
         else:
-            model = b["model"]["vision"]["modelled_s"] / n["model"]["vision"]["modelled_s"]
-            bound = b["critical_s"][isl] / n["model"]["vision"]["bound_s"]
-        rows[what] = {"measured": measured, "modelled": model, "bound": bound, "measured_over_bound": measured / bound}
-        print(f"{what:<42} {measured:8.2f} {model:8.2f} {bound:6.2f} {measured / bound:14.2f}")
-    print("bound, LLM: the static plan's modelled time over the provable lower bound of any plan. Encoder:\n"
-          "the DP-4 island's measured time over the new layout's floor: its FLOPs, K/V bytes and calls spread\n"
-          "evenly over its ranks (its slowest rank does at least the mean) at unit costs measured apart from the\n"
-          "step by the same 8 rank processes between its steps (the ViT + projector, CP attention, the island's\n"
-          "gradient sum; each rank's least round): no waiting, no schedule, no route. bound < 1: that layout\n"
-          "cannot beat DP on this machine")
+            bv, nv = b["model"]["vision"], n["model"]["vision"]
+            model = bv["modelled_s"] / nv["modelled_s"]
+            bound = bv["modelled_s"] / nv["model_bound_s"]
+            floor = b["critical_s"][isl] / nv["bound_s"]
+        rows[what] = {"measured": measured, "modelled": model, "bound": bound, "measured_over_bound": measured / bound,
+                      "floor_bound": floor, "measured_over_floor_bound": None if floor is None else measured / floor}
+        tail = f"{'-':>11} {'-':>20}" if floor is None else f"{floor:11.2f} {measured / floor:20.2f}"
+        print(f"{what:<42} {measured:8.2f} {model:8.2f} {bound:6.2f} {measured / bound:14.2f} {tail}")
+    print("bound: the baseline's modelled time over the new layout's lower bound under the same model (the most\n"
+          "it could gain there). LLM: the static plan's over the provable lower bound of any plan of the batch\n"
+          "(cost profile). Encoder: DP 4's over the new layout's FLOPs, K/V bytes and calls spread evenly over its\n"
+          "ranks (its slowest rank does at least the mean) at the model's unit costs (fitted to the DP islands of\n"
+          "this run; CP attention and gradient sum: the floor's). floor bound: the DP-4 island's measured time over\n"
+          "the new layout's floor: those means at unit costs measured apart from the step by the same 8 rank\n"
+          "processes between its steps (each rank's least round): no waiting, no schedule, no route, no executor;\n"
+          "no layout reaches it (DP 4's own floor / measured is printed above). bound < 1: that layout cannot beat\n"
+          "DP on this machine")
     return rows
 
 

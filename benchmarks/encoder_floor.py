@@ -151,11 +151,13 @@ def island_grad_shapes(cfg) -> list[tuple[int, ...]]:
     return [tuple(p.shape) for m in modules for p in m.parameters()]
 
 
-def encoder_times(work, coef: np.ndarray, floor: np.ndarray, sync_s: float) -> tuple[float, float]:
-    """(modelled, bound) seconds of the vision island, medians over the steps of `work`
-    ([steps, ranks, 4], `encoder_work`), each plus the step's gradient sum `sync_s`
+def encoder_times(work, coef: np.ndarray, floor: np.ndarray, sync_s: float) -> tuple[float, float, float]:
+    """(modelled, model bound, floor) seconds of the vision island, medians over the steps of
+    `work` ([steps, ranks, 4], `encoder_work`), each plus the step's gradient sum `sync_s`
     (`floor_units`): modelled, the step's most loaded rank at the model's unit costs `coef`;
-    bound, the columns' means over its ranks at the measured floor unit costs `floor` (module
-    docstring)."""
+    model bound, the columns' means over its ranks at `coef` (no layout of the same work can
+    do better under the model: its slowest rank does at least the mean); floor, the same means
+    at the measured floor unit costs `floor` (module docstring)."""
     w = np.asarray(work)
-    return float(np.median((w @ coef).max(1))) + sync_s, float(np.median(w.mean(1) @ floor)) + sync_s
+    return (float(np.median((w @ coef).max(1))) + sync_s, float(np.median(w.mean(1) @ coef)) + sync_s,
+            float(np.median(w.mean(1) @ floor)) + sync_s)

@@ -1,8 +1,10 @@
-"""benchmarks/dcp_islands.py's encoder model and bound, on recorded facts (no ranks): the
+"""benchmarks/dcp_islands.py's encoder model and bounds, on recorded facts (no ranks): the
 calibration recovers, per ViT width, the per-FLOP and per-layer-call seconds that made the DP
-islands' rank times, and each encoder row's bound is the DP island's measured time over the new layout's
-floor (its FLOPs, K/V bytes and calls spread evenly, plus the gradient sum), so a layout
-measured at its model never beats its bound; `encoder_work` charges a CP rank its padded chunk and the gathered K/V."""
+islands' rank times; each encoder row's bound is the DP island's modelled time over the new
+layout's work spread evenly at the model's unit costs (as the LLM row: the baseline's model over
+the new layout's lower bound under that model), its floor bound the DP island's measured time over
+the new layout's floor (the same means at the floor's unit costs), so a layout measured at its
+model never beats either; `encoder_work` charges a CP rank its padded chunk and the gathered K/V."""
 import argparse
 import importlib.util
 import sys
@@ -61,30 +63,37 @@ def _results(dp_lanes):
 @pytest.mark.parametrize("dp_lanes, cp_wins", [
     ([[1e10, 1.2e10, 0.9e10, 1.1e10], [2e10, 1e10, 1.5e10, 1e10], [1e10, 1e10, 1.3e10, 1.2e10]], False),
     ([[1e11, 1e10, 1e10, 1e10], [1.2e11, 2e10, 1e10, 1e10], [9e10, 1e10, 2e10, 1e10]], True)])
-def test_encoder_bound_is_the_dp_time_over_the_layouts_floor(dp_lanes, cp_wins, capsys):
+def test_encoder_bounds_are_the_dp_time_over_the_layouts_mean_rank(dp_lanes, cp_wins, capsys):
     results = _results(dp_lanes)
     fits = bench.calibrate(results)
     assert np.allclose([fits[384], fits[7 * 384]], [(PER_FLOP, PER_CALL), (PER_FLOP, WIDE_CALL)], rtol=1e-6)
     rows = bench.report(results)
-    assert "bound, LLM" in capsys.readouterr().out
+    assert "floor bound: the DP-4 island" in capsys.readouterr().out
     for what, base, new, cp in (("encoder CP 2 x DP 2 vs DP 4 (vision island)", "dynamic", "encoder_cp2", 2),
                                 ("encoder CP 4 vs DP 4 (vision island)", "dynamic", "encoder_cp4", 4),
                                 ("wide ViT: encoder CP 4 vs DP 4 (vision)", "wide_dp4", "wide_cp4", 4)):
         dp = results[base]["critical_s"]["vision"]
+        dp_model = results[base]["model"]["vision"]["modelled_s"]
         work = np.asarray(results[new]["model"]["vision"]["work"])
+        sync = results[new]["model"]["vision"]["sync_s"]
         unit = np.array([FLOOR_UNITS[0], PER_BYTE, FLOOR_UNITS[1], CP_CALL[cp]])
-        floor = float(np.median(work.mean(1) @ unit)) + results[new]["model"]["vision"]["sync_s"]
+        model = np.array([PER_FLOP, PER_BYTE, PER_CALL if base == "dynamic" else WIDE_CALL, CP_CALL[cp]])
+        floor = float(np.median(work.mean(1) @ unit)) + sync
+        mean_rank = float(np.median(work.mean(1) @ model)) + sync
         row = rows[what]
-        assert row["bound"] == pytest.approx(dp / floor)
+        assert dp_model == pytest.approx(dp)                        # DP measured at its model
+        assert row["bound"] == pytest.approx(dp_model / mean_rank)
+        assert row["floor_bound"] == pytest.approx(dp / floor)
         assert row["modelled"] == pytest.approx(row["measured"])   # measured at the model
-        assert row["measured"] <= row["bound"] * (1 + 1e-9)        # never beats its floor
-        assert row["measured_over_bound"] < 1
-    cp4 = rows["encoder CP 4 vs DP 4 (vision island)"]   # one lane: measured / bound = floor / model
-    work = np.asarray(results["encoder_cp4"]["model"]["vision"]["work"])
-    model = np.array([PER_FLOP, PER_BYTE, PER_CALL, CP_CALL[4]])
-    assert cp4["measured_over_bound"] == pytest.approx(
-        (np.median(work.mean(1) @ unit) + SYNC[1]) / (np.median((work @ model).max(1)) + SYNC[1]))
-    assert (cp4["bound"] > 1) == cp_wins
+        assert row["measured"] <= row["bound"] * (1 + 1e-9)        # never beats its bound
+        assert row["bound"] < row["floor_bound"]                    # the floor's units are cheaper
+        assert row["measured_over_floor_bound"] < 1
+    # one lane: every rank the same work, so the model's most loaded rank is its mean rank
+    cp4 = rows["encoder CP 4 vs DP 4 (vision island)"]
+    assert cp4["measured_over_bound"] == pytest.approx(1.0)
+    cp2 = rows["encoder CP 2 x DP 2 vs DP 4 (vision island)"]   # two unequal lanes: below
+    assert cp2["measured_over_bound"] < 1
+    assert (cp4["floor_bound"] > 1) == cp_wins
 
 
 @pytest.mark.timeout(120)
