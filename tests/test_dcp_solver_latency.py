@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import hcp.dcp.pattern_bound as pattern_bound
+from hcp.dcp import pattern_bound
 from hcp.dcp.cost_model import CostModel, recipe_llm
 from hcp.dcp.hardware import HardwareProfile
 from hcp.dcp.lower_bound import lower_bound
