@@ -33,7 +33,8 @@ def test_latency_bearing_plan_near_the_bound():
     cap 256, rounds of several micro-batches): 1.155x the share-only bound before the rank-time
     candidate (hcp/dcp/rank_pack.py), 1.130x with it. The bound's step 5 (the whole pool's
     latency: a document over 1024 tokens needs the whole pool for itself) puts it at 1.051x
-    when written (seed 100-103's eight batches: 1.020-1.072x); cap 1.06."""
+    when written (seed 100-103's eight batches: 1.020-1.072x), step 6 (whole micro-batches,
+    hcp/dcp/pattern_bound.py) at 1.015x; cap 1.03."""
     lens = np.loadtxt(SAMPLE, dtype=np.int64)
     rng = np.random.default_rng(100)
     batch = [rng.choice(np.sort(lens[lens <= POOL * CAP]), 64, replace=False) for _ in range(2)][1]
@@ -41,7 +42,7 @@ def test_latency_bearing_plan_near_the_bound():
     sol = solve(batch, cost, POOL, CAP, several_per_round=True)
     validate_plan(sol.plan, batch, POOL, CAP, several_per_round=True)
     assert abs(simulate_plan(sol.plan, batch, cost).iteration_time - sol.time) < 1e-9
-    assert sol.time <= 1.06 * lower_bound(batch, cost, POOL, CAP, several_per_round=True)
+    assert sol.time <= 1.03 * lower_bound(batch, cost, POOL, CAP, several_per_round=True)
 
 
 def test_bound_charges_whole_pool_micro_batches_their_full_latency(monkeypatch):
