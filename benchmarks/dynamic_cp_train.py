@@ -399,7 +399,7 @@ def print_table(args, result) -> None:
               f"{v['predicted_speedup']:8.2f}x {v['bound_speedup']:5.2f}x "
               f"{v['measured_over_bound']:10.2f} {v['prediction_error']:+8.1%}")
     print("measured: critical-path speed-up static / dynamic (median over reps); predicted: the "
-          "simulator's under the profile; bound: static's prediction over the provable lower "
+          "same critical path over the profile's micro-batch times; bound: static's prediction over the provable lower "
           "bound (no plan can beat it); pred err: predicted / measured - 1; comm: "
           "communication's share of busy time; plan ms: a rank's CPU time to plan a step")
     print(f"largest relative loss difference static / dynamic (same batches and weights): "
