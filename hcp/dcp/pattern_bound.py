@@ -23,6 +23,8 @@ runs micro-batches q one after another, `t_g = sum_q ((1 + k) f(q) + o)` (plus s
 recompute's extra, >= 0), and `f(q) >= lat(c) + sum_{i in q} phi(L_i, c)` (lower_bound.py step
 1); each micro-batch holds at most m tokens per rank, so it is a pattern and c_g times its term
 is at least a(P). Summed over rounds, T >= (sum of a over the plan's micro-batches) / N >= A / N.
+(Without rounds the same sum holds: each rank is busy for its micro-batches one at a time, and
+the last rank ends no earlier than the average rank, as when the trainer runs rows unsynchronised.)
 With one micro-batch per round (pp = 1, dp_shard) the same holds: micro-batch j lasts
 `o + (1 + k) max_g f(g)` on all N ranks, at least `sum_g c_g (o + (1 + k) f(g)) / N`.
 
