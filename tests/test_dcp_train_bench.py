@@ -40,3 +40,36 @@ def test_measured_run_counts_communication_in_busy_time(tmp_path):
     for crit, compute in zip(static["critical_path_s_reps"],
                              static["critical_path_compute_s_reps"]):
         assert crit > compute > 0
+
+
+def test_prediction_runs_rows_without_a_synchronisation_per_row():
+    """`predicted_path`: a round where the group on ranks 0-3 runs two micro-batches and the
+    one on ranks 4-7 one lasts the busier group's sum (the trainer skips the empty row entry and
+    nothing spans the two groups), not the sum of each row's slowest (`simulate_plan`, which
+    fails this); a plan of whole-pool micro-batches lasts their sum either way."""
+    import numpy as np
+
+    from hcp.dcp.cost_model import CostModel, recipe_llm
+    from hcp.dcp.hardware import load_profile
+    from hcp.dcp.packing import Group, Packing, Round
+    from hcp.dcp.policy import rows
+    from hcp.dcp.solver import simulate_plan
+
+    spec = importlib.util.spec_from_file_location("dcp_train",
+                                                  ROOT / "benchmarks/dynamic_cp_train.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cost = CostModel(recipe_llm("llama_tiny"),
+                     load_profile(ROOT / "hcp/dcp/profiles/gloo_llama_tiny.yaml"), pp=1, tp=1,
+                     recompute="none")
+    lens = np.array([900, 300, 1000])
+    plan = Packing([Round([Group([0, 1], 4, 0, [1, 1]), Group([2], 4, 4)])])
+    one = [simulate_plan(Packing([Round([Group([i], 4, 0)])]), lens, cost).iteration_time
+           for i in range(3)]
+    assert bench.predicted_path(rows(plan), lens, cost) == pytest.approx(
+        max(one[0] + one[1], one[2]), rel=1e-12)
+    assert simulate_plan(rows(plan), lens, cost).iteration_time == pytest.approx(
+        max(one[0], one[2]) + one[1], rel=1e-12)
+    whole = Packing([Round([Group([i], 8, 0)]) for i in range(3)])
+    assert bench.predicted_path(whole, lens, cost) == pytest.approx(
+        simulate_plan(whole, lens, cost).iteration_time, rel=1e-12)

@@ -46,6 +46,10 @@ micro-batch j takes `F_sj = o_f + max_g f_s(g)` and `B_sj = o_b + k max_g f_s(g)
        + sum_{i not in F} min(min_{c < N} c phi'_s(L_i, c), N phi_s(L_i, N)),
    and the larger of the two work terms holds. Term 3 also counts the latency a sequence's own
    micro-batch pays once at its c: `phi_s(L, c) + lat_s(c)`.
+6. Whole micro-batches (pp = 1, computed for `several_per_round`): steps 1 and 4 charge a
+   sequence its token share of a micro-batch's latency and overhead, as if every micro-batch
+   were full; hcp/dcp/pattern_bound.py packs the micro-batches exactly instead (a pattern LP
+   over sets of sequences that fit one micro-batch; its proof there).
 The bound is the largest of these. Seconds throughout.
 """
 from __future__ import annotations
@@ -65,7 +69,7 @@ def lower_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
                 several_per_round: bool = False) -> float:
     """Seconds below which no valid plan of these lengths (tokens) can finish an iteration (see
     module docstring for the proof); `several_per_round` for plans whose groups may run
-    several micro-batches per round (pp = 1 without dp_shard; proof step 4). The inputs must
+    several micro-batches per round (pp = 1 without dp_shard; proof steps 4 and 6). The inputs must
     pass `prepare_lengths` as they are (so each
     length fits the pool, `plan.max_length`); its errors are raised otherwise."""
     pool, max_tokens_per_rank = check_pool(pool, max_tokens_per_rank)  # Python ints: no overflow
@@ -90,6 +94,11 @@ def lower_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     staged = float((ends + work).max())
     own = phi + cost.latency(cs)  # [p, K, n]: its micro-batch's latency, once
     path = float(((1 + k) * own.sum(axis=0)).min(axis=0).max()) + cost.pp * (o_f + o_b)
+    if several_per_round and cost.pp == 1:
+        from hcp.dcp.pattern_bound import pattern_bound  # it imports cp_sizes from here
+
+        return max(staged, path, pattern_bound(lens.astype(np.int64), cost, pool,
+                                               max_tokens_per_rank))
     return max(staged, path)
 
 
