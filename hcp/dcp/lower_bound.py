@@ -57,12 +57,8 @@ from __future__ import annotations
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
-from hcp.dcp.packing import check_pool, prepare_lengths, rank_tokens
-
-
-def cp_sizes(pool: int) -> np.ndarray:
-    """Powers of two 1, 2, ..., pool."""
-    return 1 << np.arange(int(pool).bit_length())
+from hcp.dcp.packing import check_pool, cp_sizes, prepare_lengths, rank_tokens
+from hcp.dcp.pattern_bound import pattern_bound
 
 
 def lower_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
@@ -95,8 +91,6 @@ def lower_bound(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     own = phi + cost.latency(cs)  # [p, K, n]: its micro-batch's latency, once
     path = float(((1 + k) * own.sum(axis=0)).min(axis=0).max()) + cost.pp * (o_f + o_b)
     if several_per_round and cost.pp == 1:
-        from hcp.dcp.pattern_bound import pattern_bound  # it imports cp_sizes from here
-
         return max(staged, path, pattern_bound(lens.astype(np.int64), cost, pool,
                                                max_tokens_per_rank))
     return max(staged, path)

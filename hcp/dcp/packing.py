@@ -93,6 +93,11 @@ class Packing:
         return dict(sorted(hist.items()))
 
 
+def cp_sizes(pool: int) -> np.ndarray:
+    """Powers of two 1, 2, ..., pool: the CP sizes of a dynamic-CP pool of `pool` ranks."""
+    return 1 << np.arange(int(pool).bit_length())
+
+
 def rank_tokens(lengths, cp_size) -> np.ndarray:
     """Tokens one rank of a CP group of `cp_size` ranks holds for documents of these lengths
     (broadcast, int64): `2 * ceil(L / 2c)` with head-tail padding (c > 1), `L` at c = 1 (the

@@ -50,8 +50,7 @@ import numpy as np
 from scipy.optimize import linprog
 
 from hcp.dcp.cost_model import CostModel
-from hcp.dcp.lower_bound import cp_sizes
-from hcp.dcp.packing import rank_tokens
+from hcp.dcp.packing import cp_sizes, rank_tokens
 
 MAX_SEQS = 128  # more sequences: no pattern bound (0); its LPs grow with n (CPU time here, seed
 # batches: ~0.1 s at 32 sequences, ~0.3 s at 64, ~1.5 s at 128)
