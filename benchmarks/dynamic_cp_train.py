@@ -60,7 +60,7 @@ from types import SimpleNamespace as NS
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # lengths.py beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # lengths.py, critical_path.py beside this file
 
 from hcp.config.compose import compose_config  # noqa: E402
 from hcp.dcp.cost_model import CostModel  # noqa: E402
@@ -68,6 +68,7 @@ from hcp.dcp.hardware import load_profile  # noqa: E402
 from hcp.dcp.lower_bound import lower_bound  # noqa: E402
 from hcp.dcp.policy import dynamic_cp_policy  # noqa: E402
 from hcp.plan.step import first_fit_policy  # noqa: E402
+from critical_path import critical_path, predicted_path  # noqa: E402
 from lengths import DISTRIBUTIONS, distribution, parse_seeds  # noqa: E402
 
 METHODS = ("static", "dynamic")
@@ -179,44 +180,6 @@ def _rank(payload) -> None:
         Path(payload["out"]).write_text(json.dumps(gathered))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def critical_path(busy, groups) -> float:
-    """Seconds: micro-batch j of a group starts when all its ranks are free and lasts as long
-    as its slowest rank (busy[r][j]); the end of the last rank. `groups[r][j]` = (c, block)."""
-    world = len(busy)
-    free = np.zeros(world)
-    for j in range(len(busy[0])):
-        seen = set()
-        for r in range(world):
-            c, block = groups[r][j]
-            if (c, block) in seen:
-                continue
-            seen.add((c, block))
-            members = [q for q in range(world) if tuple(groups[q][j]) == (c, block)]
-            start = free[members].max()
-            free[members] = start + max(busy[q][j] for q in members)
-    return float(free.max())
-
-
-def predicted_path(plan, lens, cost) -> float:
-    """Seconds: `critical_path` of `plan` (rows of one micro-batch per group, as the policy
-    returns it) under the cost model: micro-batch j of a group lasts `(1 + k) f + o_f + o_b` on
-    each of its ranks (0 when empty), and starts when they are all free. The trainer runs rows
-    so (no synchronisation of the pool per row, `hcp.dcp.policy`), and the measurement counts
-    them so; `simulate_plan` would wait for every row's slowest group."""
-    k1 = 1.0 + cost.bwd_factor
-    o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
-    world = max(g.rank_offset + g.cp_size for r in plan.rounds for g in r.groups)
-    busy = [[0.0] * plan.num_rounds for _ in range(world)]
-    groups = [[(1, r)] * plan.num_rounds for r in range(world)]  # a rank no group holds: idle
-    for j, row in enumerate(plan.rounds):
-        for g in row.groups:
-            x = np.asarray(lens, dtype=np.float64)[g.seq_indices]
-            t = k1 * float(cost.fwd(x.sum(), (x * x).sum(), g.cp_size).sum()) + o if x.size else 0.0
-            for r in range(g.rank_offset, g.rank_offset + g.cp_size):
-                busy[r][j], groups[r][j] = t, (g.cp_size, g.rank_offset)
-    return critical_path(busy, groups)
 
 
 def parse_args(argv=None):
