@@ -25,21 +25,46 @@ def critical_path(busy, groups) -> float:
     return float(free.max())
 
 
+def group_time(g, lens, cost) -> float:
+    """Seconds one rank of group `g` (a `hcp.dcp.rows` group: seq_indices, cp_size) spends on
+    its micro-batch under the cost model: `(1 + k) f + o_f + o_b`, 0 when it holds no document."""
+    x = np.asarray(lens, dtype=np.float64)[g.seq_indices]
+    if not x.size:
+        return 0.0
+    o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
+    return (1.0 + cost.bwd_factor) * float(cost.fwd(x.sum(), (x * x).sum(), g.cp_size).sum()) + o
+
+
 def predicted_path(plan, lens, cost) -> float:
     """Seconds: `critical_path` of `plan` (rows of one micro-batch per group, as the policy
-    returns it) under the cost model: micro-batch j of a group lasts `(1 + k) f + o_f + o_b` on
-    each of its ranks (0 when empty), and starts when they are all free. The trainer runs rows
-    so (no synchronisation of the pool per row, `hcp.dcp.policy`), and the measurement counts
-    them so; `simulate_plan` would wait for every row's slowest group."""
-    k1 = 1.0 + cost.bwd_factor
-    o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
+    returns it) under the cost model: micro-batch j of a group lasts `group_time` on each of its
+    ranks, and starts when they are all free. The trainer runs rows so (no synchronisation of
+    the pool per row, `hcp.dcp.policy`), and the measurement counts them so; `simulate_plan`
+    would wait for every row's slowest group."""
     world = max(g.rank_offset + g.cp_size for r in plan.rounds for g in r.groups)
     busy = [[0.0] * plan.num_rounds for _ in range(world)]
     groups = [[(1, r)] * plan.num_rounds for r in range(world)]  # a rank no group holds: idle
     for j, row in enumerate(plan.rounds):
         for g in row.groups:
-            x = np.asarray(lens, dtype=np.float64)[g.seq_indices]
-            t = k1 * float(cost.fwd(x.sum(), (x * x).sum(), g.cp_size).sum()) + o if x.size else 0.0
+            t = group_time(g, lens, cost)
             for r in range(g.rank_offset, g.rank_offset + g.cp_size):
                 busy[r][j], groups[r][j] = t, (g.cp_size, g.rank_offset)
     return critical_path(busy, groups)
+
+
+def micro_batch_errors(plan, lens, cost, busy_reps) -> list[dict]:
+    """Per micro-batch of `plan` that holds documents: its CP size, documents, tokens, longest
+    document, measured seconds (its slowest rank's `busy_reps[k][r][j]`, the median over reps k)
+    and `group_time`'s prediction, for ranking the cost model's errors by micro-batch kind."""
+    out = []
+    for j, row in enumerate(plan.rounds):
+        for g in row.groups:
+            if not len(g.seq_indices):
+                continue
+            ranks = range(g.rank_offset, g.rank_offset + g.cp_size)
+            meas = float(np.median([max(rep[r][j] for r in ranks) for rep in busy_reps]))
+            x = np.asarray(lens)[g.seq_indices]
+            out.append({"cp": int(g.cp_size), "docs": int(x.size), "tokens": int(x.sum()),
+                        "longest": int(x.max()), "measured_s": meas,
+                        "predicted_s": group_time(g, lens, cost)})
+    return out

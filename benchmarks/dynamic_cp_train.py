@@ -40,9 +40,11 @@ critical path over the cost model's micro-batch times under the same profile (`p
 a limit no plan can pass under that profile; `measured_over_bound`; `prediction_error` =
 predicted / measured - 1; `loss_rel_diff`, the largest relative difference of the two methods'
 losses (the same batches and weights: ~0). Per distribution: the median of each figure over its
-seeds. `plan ms`: a
+seeds. Last, the cost model's errors inside the trainer's step by micro-batch kind (method, CP size,
+one document or packed; `error_table`, from each run's `micro_batch_errors`: per micro-batch its
+slowest rank's busy time, median over reps, against the profile's time). `plan ms`: a
 rank's CPU time to plan a step (every rank plans). `--json PATH` writes `{"runs": [{"lengths",
-"seed", "static": {...}, "dynamic": {...}, the figures above}], "summary": {lengths: medians},
+"seed", "static": {..., "micro_batch_errors": [...]}, "dynamic": {...}, the figures above}], "summary": {lengths: medians},
 "profile": the profile's path}`. On an NCCL cluster the ring-step latency is microseconds and
 these ratios would differ: they measure gloo on one host.
 """
@@ -68,7 +70,7 @@ from hcp.dcp.hardware import load_profile  # noqa: E402
 from hcp.dcp.lower_bound import lower_bound  # noqa: E402
 from hcp.dcp.policy import dynamic_cp_policy  # noqa: E402
 from hcp.plan.step import first_fit_policy  # noqa: E402
-from critical_path import critical_path, predicted_path  # noqa: E402
+from critical_path import critical_path, micro_batch_errors, predicted_path  # noqa: E402
 from lengths import DISTRIBUTIONS, distribution, parse_seeds  # noqa: E402
 
 METHODS = ("static", "dynamic")
@@ -299,6 +301,9 @@ def measure(run, batches, ranks, args, cost, lays, policy) -> dict:
                  if method == "static" else policy(batches[b], lays[method], args.micro_batch_tokens)
                  for b in idx]
         pred = [predicted_path(pl, batches[b], cost) for pl, b in zip(plans, idx)]
+        mbs = [m for pl, b in zip(plans, idx) for m in micro_batch_errors(
+            pl, batches[b], cost, [[r["reps"][k][method]["busy"][b] for r in ranks]
+                                   for k in range(args.reps)])]
         crit, crit_compute = ([sum(critical_path([r["reps"][k][method][key][b] for r in ranks],
                                                  [r["groups"][method][b] for r in ranks])
                                    for b in idx) for k in range(args.reps)]
@@ -316,7 +321,7 @@ def measure(run, batches, ranks, args, cost, lays, policy) -> dict:
                        "plan_s_mean": float(np.mean([ranks[0]["plan_s"][method][b] for b in idx])),
                        "micro_batches": float(np.mean([len(ranks[0]["groups"][method][b])
                                                        for b in idx])),
-                       "cp_histogram": _histogram(plans)}
+                       "cp_histogram": _histogram(plans), "micro_batch_errors": mbs}
     st, dy = out["static"], out["dynamic"]
     per_rep = [a / b for a, b in zip(st["critical_path_s_reps"], dy["critical_path_s_reps"])]
     out["measured_speedup_reps"] = per_rep
@@ -367,6 +372,24 @@ def print_table(args, result) -> None:
           "communication's share of busy time; plan ms: a rank's CPU time to plan a step")
     print(f"largest relative loss difference static / dynamic (same batches and weights): "
           f"{max(r['loss_rel_diff'] for r in result['runs']):.1e}")
+    print("\n".join(error_table(result["runs"])))
+
+
+def error_table(runs) -> list[str]:
+    """The cost model's errors inside the trainer's step, by micro-batch kind (method, CP size,
+    one document or several), largest mean |error| first: lines to print. Error = predicted /
+    measured - 1 of a micro-batch's slowest rank (`critical_path.micro_batch_errors`)."""
+    kinds: dict = {}
+    for r in runs:
+        for m in METHODS:
+            for mb in r[m]["micro_batch_errors"]:
+                key = (m, mb["cp"], "1 doc" if mb["docs"] == 1 else "packed")
+                kinds.setdefault(key, []).append(mb["predicted_s"] / mb["measured_s"] - 1.0)
+    rows = sorted(kinds.items(), key=lambda kv: -np.mean(np.abs(kv[1])))
+    return ["cost model inside the step, by micro-batch kind (error = predicted / measured - 1):",
+            f"{'method':>8} {'cp':>3} {'kind':>6} {'count':>6} {'mean err':>9} {'mean |err|':>10}"] + [
+        f"{m:>8} {c:>3} {kind:>6} {len(e):>6} {100 * np.mean(e):+8.1f}% {100 * np.mean(np.abs(e)):9.1f}%"
+        for (m, c, kind), e in rows]
 
 
 def _histogram(plans) -> dict[int, int]:

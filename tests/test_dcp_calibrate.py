@@ -1,5 +1,6 @@
 """mode=calibrate: the fit recovers a known cost model and its profile reproduces it; the busy
 time it measures counts gloo's communication."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,38 @@ def test_profile_errors_are_one_line_with_one_fix(tmp_path):
             check_dynamic_cp(OmegaConf.create({"packing_profile": str(tmp_path / name)}))
         text = str(err.value)
         assert words in text and "\n" not in text and text.count("Fix:") == 1, text
+
+
+def test_every_cp_size_is_timed_on_the_whole_pool_in_groups(tmp_path, monkeypatch):
+    """`measure` starts the pool's ranks (the largest size) for every CP size, so a micro-batch
+    of c ranks is timed beside the pool's other groups as in training (a cp-1 point alone on
+    2 shared cores ran 1.2-1.6x faster than beside 7 others); a group lasts as long as its
+    slowest rank and the point reports the median group."""
+    import hcp.launch.launch as launch
+
+    started = []
+
+    def fake_start(fn, nproc, payload, method):
+        started.append((nproc, payload["cp"]))
+        Path(payload["out"]).write_text(json.dumps([[L, d, payload["cp"], 1.0]
+                                                    for L, d in payload["points"]]))
+
+    monkeypatch.setattr(launch, "start_local_ranks", fake_start)
+    cfg = compose_config(["+recipe=llama_tiny"])
+    rows = calibrate.measure(cfg, str(tmp_path), [1, 2, 4], 64)
+    assert started == [(4, 1), (4, 2), (4, 4)]
+    assert sorted({int(r[2]) for r in rows}) == [1, 2, 4]
+    assert calibrate.typical_group([1.0, 5.0, 2.0, 3.0], 2) == 4.0   # groups' slowest 5, 3
+    assert calibrate.typical_group([1.0, 5.0, 2.0, 3.0], 1) == 2.5
+    assert calibrate.typical_group([1.0, 5.0, 2.0, 3.0], 4) == 5.0
+
+
+@pytest.mark.slow
+def test_a_pool_of_two_times_cp1_and_cp2_with_real_ranks(tmp_path):
+    """Two forked gloo ranks: cp 1 as two groups of one rank at once, cp 2 as one group (every
+    rank creates every group in one order: no hang); every point timed."""
+    cfg = compose_config(["+recipe=llama_tiny", "launcher.nproc_per_node=2"])
+    rows = calibrate.measure(cfg, str(tmp_path), [1, 2], 32)
+    assert [(int(L), int(d), int(c)) for L, d, c, _ in rows] == [
+        (32, 1, 1), (32, 1, 2), (32, 2, 2), (64, 1, 2)]
+    assert all(0 < s < 10 for *_, s in rows)

@@ -40,6 +40,12 @@ def test_measured_run_counts_communication_in_busy_time(tmp_path):
     for crit, compute in zip(static["critical_path_s_reps"],
                              static["critical_path_compute_s_reps"]):
         assert crit > compute > 0
+    # the cost model's errors per micro-batch: on whole-pool micro-batches the critical path is
+    # the sum of each one's slowest rank (one rep: its own figures)
+    mbs = static["micro_batch_errors"]
+    assert all(m["cp"] == 2 for m in mbs) and sum(m["docs"] for m in mbs) == 4
+    assert sum(m["measured_s"] for m in mbs) == pytest.approx(static["critical_path_s"], rel=1e-9)
+    assert all(m["predicted_s"] > 0 for m in mbs)
 
 
 def test_prediction_runs_rows_without_a_synchronisation_per_row():

@@ -32,8 +32,11 @@ A coefficient fitted to 0 is written as a negligible cost: rate or bandwidth 1e1
 The YAML's `fit:` entry lists every point's measured and predicted seconds, relative error
 and weight in the fit (small: an outlier), also printed with the errors by micro-batch kind
 (`error_table`). Measured per rank: its busy time (`busy_time`: CPU time of the whole process on
-CPU, wall time after `torch.cuda.synchronize` on GPU, lazy, untested here); the slowest rank of
-a group counts, the least of `REPEATS` runs is kept. The H100 profile (profiles/h100.yaml) stays
+CPU, wall time after `torch.cuda.synchronize` on GPU, lazy, untested here). Every CP size runs
+on the whole pool (the largest size's ranks) split into groups of c that all run the point at
+once, as training keeps every rank busy: on 2 shared CPU cores a rank alone runs 1.2-1.6x faster
+than beside 7 others, which made small-c micro-batches look cheap (`measure`). The slowest rank
+of a group counts, the median over groups, the least of `REPEATS` runs is kept. The H100 profile (profiles/h100.yaml) stays
 the analytic defaults until someone runs this on H100.
 """
 from __future__ import annotations
@@ -84,9 +87,18 @@ def grid(max_tokens_per_rank: int | None = None, cp: int = 1) -> list[tuple[int,
     return out
 
 
+def typical_group(secs, c: int) -> float:
+    """Seconds of a typical group: `secs[r]` per rank of a pool split into groups of c
+    consecutive ranks; each group lasts as long as its slowest rank; the median over groups."""
+    return float(np.median(np.asarray(secs, dtype=np.float64).reshape(-1, c).max(axis=1)))
+
+
 def _rank(payload) -> None:
-    """One gloo/NCCL rank: time the grid with the whole world as the CP group; rank 0 writes
-    `[[L, d, c, seconds], ...]` (slowest rank, least of REPEATS) to `payload["out"]`."""
+    """One gloo/NCCL rank of a world of `payload["pool"]` ranks, split into groups of
+    `payload["cp"]` consecutive ranks: every group times the grid at once (the pool as busy as
+    in training), each as one CP group; rank 0 writes `[[L, d, c, seconds], ...]` (per run the
+    slowest rank of each group, the median over the groups; the least of REPEATS runs) to
+    `payload["out"]`."""
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
@@ -99,14 +111,16 @@ def _rank(payload) -> None:
     device = init_distributed(cfg.launcher)
     if device.type == "cpu":
         torch.set_num_threads(1)
-    rank, c = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD if c > 1 else None
+    rank, pool, c = dist.get_rank(), dist.get_world_size(), payload["cp"]
+    blocks = [dist.new_group(list(range(b, b + c))) if 1 < c < pool else None
+              for b in range(0, pool, c)]  # every rank creates every group, in one order
+    group = dist.group.WORLD if c == pool > 1 else blocks[rank // c]
     torch.manual_seed(0)
     model = LlamaDecoder(cfg.llm, cp_group=group).to(device)
     rows = []
     for L, d in payload["points"]:
         cu = torch.arange(d + 1, dtype=torch.int32) * L
-        shard = cp_shard(cu, c, rank, device) if c > 1 else None
+        shard = cp_shard(cu, c, rank % c, device) if c > 1 else None
         n = shard.token_index.numel() if shard else d * L
         pos = shard.position_ids if shard else torch.arange(L).repeat(d)
         best = np.inf
@@ -121,9 +135,9 @@ def _rank(payload) -> None:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             secs = (time.perf_counter() if device.type == "cuda" else busy_time()) - start
-            t = torch.tensor([secs], dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            best = min(best, t.item()) if _ else best
+            every = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(pool)]
+            dist.all_gather(every, torch.tensor([secs], dtype=torch.float64, device=device))
+            best = min(best, typical_group(torch.cat(every).tolist(), c)) if _ else best
         rows.append([L, d, c, best])
     if rank == 0:
         Path(payload["out"]).write_text(json.dumps(rows))
@@ -134,17 +148,20 @@ def _rank(payload) -> None:
 def measure(cfg, run_dir: str, sizes, max_tokens_per_rank: int | None = None
             ) -> list[list[float]]:
     """Every point of `grid(max_tokens_per_rank, c)` at every CP size c of `sizes`: rows
-    `[L, d, c, seconds]`."""
+    `[L, d, c, seconds]`. Each size runs on a pool of `max(sizes)` ranks, split into groups of
+    c that run at once: a micro-batch of c ranks is timed beside the others that share the
+    machine in training (on CPU ranks the cores; on GPUs the links), not alone."""
     from omegaconf import OmegaConf
 
     from hcp.launch.launch import local_start_method, start_local_ranks
 
     container = OmegaConf.to_container(cfg, resolve=True)
+    pool = max(sizes)
     rows = []
     for c in sizes:
         out = os.path.join(run_dir, f"calibrate_cp{c}.json")
-        points = grid(max_tokens_per_rank, c)
-        start_local_ranks(_rank, c, {"cfg": container, "out": out, "points": points},
+        start_local_ranks(_rank, pool, {"cfg": container, "out": out, "cp": c,
+                                        "points": grid(max_tokens_per_rank, c)},
                           local_start_method(cfg.launcher))
         rows += json.loads(Path(out).read_text())
     return rows
