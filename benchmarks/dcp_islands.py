@@ -21,8 +21,10 @@ Every layout runs the same global batches, weights and seed (the LLM's losses mu
 Measured per rank and step: the process CPU time of `Trainer.forward_backward` (gloo runs
 collectives on its own threads); an island's critical path is the max over its ranks, the
 median over the timed steps; 8 ranks share the machine's cores, so wall time hides imbalance
-(docs/design.md 8). LLM island: modelled, the step plans' iteration times under the fitted
-profile (`hcp.dcp.solver.simulate_plan`); bound, the static plan's modelled time over the
+(docs/design.md 8). LLM island: modelled, the step plans' critical paths under the fitted
+profile, each DP replica and CP group running its micro-batches back to back as the trainer
+does (`critical_path.predicted_path`, benchmarks/dynamic_cp_train.py's prediction;
+`simulate_plan` would wait for every row's slowest group); bound, the static plan's modelled time over the
 provable lower bound of any plan of the batch's lengths on the pool (`hcp.dcp.lower_bound`).
 Encoder island (`encoder_work`, per rank: FLOPs, K/V bytes, layer calls, CP attention calls):
 modelled, the most loaded rank at unit costs measured in this run: seconds per FLOP and per
@@ -57,9 +59,10 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-sys.path.insert(0, HERE)  # encoder_floor.py beside this file
+sys.path.insert(0, HERE)  # encoder_floor.py, critical_path.py beside this file
 
 from encoder_floor import FloorRound, encoder_times, encoder_work, floor_units  # noqa: E402
+from critical_path import predicted_path  # noqa: E402
 
 ISLANDS = ["placement=non_colocated", "vision.layout.num_ranks=4", "vision.layout.tp=1", "llm.layout.tp=1",
            "launcher.nproc_per_node=8", "logger=none", "trainer.progress_bar=false", "trainer.eval_every=0",
@@ -163,7 +166,6 @@ def modelled(cfg, layouts, planner, batches) -> dict:
     from hcp.dcp.cost_model import CostModel
     from hcp.dcp.hardware import load_profile
     from hcp.dcp.lower_bound import lower_bound
-    from hcp.dcp.solver import simulate_plan
 
     llm = layouts["llm"]
     cost = CostModel(cfg.llm, load_profile(cfg.packing_profile))
@@ -171,7 +173,7 @@ def modelled(cfg, layouts, planner, batches) -> dict:
     out = {"llm": {"critical": 0.0, "bound": 0.0}, "vision": {"work": []}}
     for indices in batches:
         plan = planner(indices)
-        out["llm"]["critical"] += simulate_plan(plan.packing, plan.sizes.tokens, cost).iteration_time
+        out["llm"]["critical"] += predicted_path(plan.packing, plan.sizes.tokens, cost)
         out["llm"]["bound"] += lower_bound(plan.sizes.tokens, cost, llm.dp * llm.cp, cap, several_per_round=True)
         out["vision"]["work"].append(encoder_work(cfg, layouts["vision"], plan).tolist())
     out["vision"]["cp"] = layouts["vision"].cp
