@@ -1,8 +1,8 @@
 """Dynamic CP on the LLM island and encoder CP on the vision island, measured side by side on 8
 forked gloo ranks through the trainer (issue 25 section 3).
 
-    python benchmarks/dcp_islands.py                 # 1 warm-up + 5 timed steps per layout
-    python benchmarks/dcp_islands.py --steps 5 --json out.json
+    python benchmarks/dcp_islands.py                 # 2 rounds of every layout, 1 warm-up + 5 timed steps each
+    python benchmarks/dcp_islands.py --rounds 3 --json out.json
 
 Data: LLaVA-JSON records written to a temporary folder, each with 1 to 6 images (tiles: a
 long tail, mostly 1-2, some 5-6) and a long-tail text answer (lognormal bytes, 2-250), so the
@@ -20,7 +20,9 @@ Every layout runs the same global batches, weights and seed (the LLM's losses mu
 
 Measured per rank and step: the process CPU time of `Trainer.forward_backward` (gloo runs
 collectives on its own threads); an island's critical path is the max over its ranks, the
-median over the timed steps; 8 ranks share the machine's cores, so wall time hides imbalance
+median over the timed steps of every round (`--rounds`: every layout runs once per round, in
+turn, so a drift of the machine's load between layouts, 10-30% over a few minutes here, hits
+each alike instead of one comparison); 8 ranks share the machine's cores, so wall time hides imbalance
 (docs/design.md 8). LLM island: modelled, the step plans' critical paths under the fitted
 profile, each DP replica and CP group running its micro-batches back to back as the trainer
 does (`critical_path.predicted_path`, benchmarks/dynamic_cp_train.py's prediction;
@@ -233,16 +235,20 @@ def launch_layout(name, data, args, root, rank_fn) -> tuple:
     return cfg, layouts, [json.load(open(os.path.join(run_dir, f"rank{r}.json"))) for r in range(8)]
 
 
-def run_layout(name, data, args, root) -> dict:
-    """Run layout `name` on 8 forked ranks; its measurements, model inputs and the floor's unit
-    costs (`floor_units` of the rounds its ranks ran between the steps)."""
-    cfg, layouts, ranks = launch_layout(name, data, args, root, _rank)
+def run_layout(name, cfg, layouts, rounds: list[list[dict]], args) -> dict:
+    """Layout `name`'s measurements over `rounds` (per round, each of the 8 ranks' rank{r}.json
+    from `launch_layout`; the same global batches every round): every round's timed steps
+    pooled, its model inputs (`layout_model`, one entry per pooled step) and the floor's unit
+    costs (`floor_units` of every round its ranks ran between the steps)."""
+    ranks = [{"busy": [x for rd in rounds for x in rd[r]["busy"]], "head": rounds[0][r]["head"],
+              "floor": [x for rd in rounds for x in rd[r]["floor"]]} for r in range(8)]
     critical = {isl: float(np.median(np.max([r["busy"] for r in ranks if (r["head"] == "llm") == (isl == "llm")], 0)))
                 for isl in ("llm", "vision")}
-    loss = next(r["losses"] for r in ranks if r["head"] == "llm")
+    loss = next(r["losses"] for r in rounds[0] if r["head"] == "llm")
     model = layout_model(cfg, layouts, args)
     units = floor_units(cfg, layouts["vision"].cp, [r["floor"] for r in ranks])
     v = model["vision"]
+    v["work"] = v["work"] * len(rounds)  # the same batches each round: one entry per pooled step
     v["sync_s"], v["width"] = units["sync_s"], cfg.vision.hidden_size
     v["floor_units"], v["kv_units"] = units["encoder"], units.get("kv", [0.0, 0.0])
     return {"critical_s": critical, "model": model, "losses": loss, "busy_s": [r["busy"] for r in ranks],
@@ -319,17 +325,29 @@ def arg_parser(doc: str, over_steps: str) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> dict:
-    args = arg_parser(__doc__, "medians").parse_args(argv)
+    ap = arg_parser(__doc__, "medians")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="runs of every layout in turn (the machine's drift hits each alike); each "
+                         "layout's steps of every round pooled")
+    args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: must be >= 1")
     t0 = time.perf_counter()
     root, data = workspace("dcp_islands_", args)
-    results = {name: run_layout(name, data, args, root) for name in LAYOUTS}
+    runs = {name: [] for name in LAYOUTS}  # per layout: (cfg, layouts, ranks) per round
+    for k in range(args.rounds):
+        for name in LAYOUTS:
+            runs[name].append(launch_layout(name, data, args, os.path.join(root, f"round{k}"), _rank))
+    results = {name: run_layout(name, rs[0][0], rs[0][1], [ranks for *_, ranks in rs], args)
+               for name, rs in runs.items()}
     print(f"{'layout':<11} {'LLM island s':>12} {'vision island s':>15} {'losses'}")
     for name, r in results.items():
         print(f"{name:<11} {r['critical_s']['llm']:12.3f} {r['critical_s']['vision']:15.3f} "
               + " ".join(f"{x:.5f}" for x in r["losses"]))
     rows = report(results)
     wall = time.perf_counter() - t0
-    print(f"wall time {wall:.0f} s ({args.warmup} warm-up + {args.steps} timed steps per layout, 8 ranks)")
+    print(f"wall time {wall:.0f} s ({args.rounds} round(s) of every layout in turn, each {args.warmup} warm-up + "
+          f"{args.steps} timed steps, 8 ranks)")
     out = {"layouts": results, "comparisons": rows, "wall_s": wall}
     write_json(args.json, out)
     return out

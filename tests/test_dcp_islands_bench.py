@@ -138,3 +138,32 @@ def test_floor_units_take_each_ranks_least_round_and_recover_the_unit_costs():
     assert units["encoder"] == pytest.approx([PER_FLOP, PER_CALL], rel=1e-6)
     assert units["kv"] == pytest.approx([PER_BYTE, 0.002], rel=1e-6)
     assert units["sync_s"] == pytest.approx(0.05)
+
+
+def test_rounds_pool_every_rounds_steps(monkeypatch):
+    """`--rounds`: a layout's critical path is the median over the timed steps of every round
+    (each the max over the island's ranks), its floor units come from every round's floor
+    rounds, and its encoder work has one entry per pooled step, so the calibration pairs each
+    pooled step's rank times with that step's work."""
+    from types import SimpleNamespace as NS
+
+    monkeypatch.setattr(bench, "layout_model", lambda cfg, layouts, args: {
+        "llm": {"critical": 1.0, "bound": 0.9}, "vision": {"work": [[[1.0] * 4] * 4] * 2, "cp": 1}})
+    seen = []
+
+    def units(cfg, cp, floors):
+        seen.append(floors)
+        return {"encoder": [1e-9, 1e-3], "sync_s": 0.01}
+
+    monkeypatch.setattr(bench, "floor_units", units)
+
+    def rnd(vision, llm):   # 2 steps: the 4 vision ranks' and the 4 LLM ranks' busy seconds
+        return ([{"busy": vision[r], "head": "vision", "floor": [f"v{r}"], "losses": [5.0, 5.0]} for r in range(4)]
+                + [{"busy": llm, "head": "llm", "floor": ["l"], "losses": [5.0, 5.0]}] * 4)
+
+    rounds = [rnd([[1.0, 2.0]] * 4, [0.5, 0.6]), rnd([[3.0, 4.0], [1.0, 1.0], [1.0, 1.0], [5.0, 1.0]], [0.7, 0.8])]
+    out = bench.run_layout("dynamic", NS(vision=NS(hidden_size=384)), {"vision": NS(cp=1)}, rounds, None)
+    assert out["critical_s"] == {"vision": np.median([1.0, 2.0, 5.0, 4.0]), "llm": np.median([0.5, 0.6, 0.7, 0.8])}
+    assert seen[0][:4] == [["v0", "v0"], ["v1", "v1"], ["v2", "v2"], ["v3", "v3"]]
+    assert len(out["model"]["vision"]["work"]) == 4 and len(out["vision_busy_s"][0]) == 4
+    assert out["losses"] == [5.0, 5.0]
