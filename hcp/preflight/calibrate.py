@@ -36,8 +36,8 @@ CPU, wall time after `torch.cuda.synchronize` on GPU, lazy, untested here). Ever
 on the whole pool (the largest size's ranks) split into groups of c that all run the point at
 once, as training keeps every rank busy: on 2 shared CPU cores a rank alone runs 1.2-1.6x faster
 than beside 7 others, which made small-c micro-batches look cheap (`measure`). The slowest rank
-of a group counts, the median over groups, the least of `REPEATS` runs is kept. The H100 profile (profiles/h100.yaml) stays
-the analytic defaults until someone runs this on H100.
+of a group counts, the median over groups, the least of `REPEATS` runs is kept. The H100 profile
+(profiles/h100.yaml) stays the analytic defaults until someone runs this on H100.
 """
 from __future__ import annotations
 
@@ -94,8 +94,8 @@ def typical_group(secs, c: int) -> float:
 
 
 def _rank(payload) -> None:
-    """One gloo/NCCL rank of a world of `payload["pool"]` ranks, split into groups of
-    `payload["cp"]` consecutive ranks: every group times the grid at once (the pool as busy as
+    """One gloo/NCCL rank of the pool (the world: the largest CP size's ranks), split into
+    groups of `payload["cp"]` consecutive ranks: every group times the grid at once (the pool as busy as
     in training), each as one CP group; rank 0 writes `[[L, d, c, seconds], ...]` (per run the
     slowest rank of each group, the median over the groups; the least of REPEATS runs) to
     `payload["out"]`."""
