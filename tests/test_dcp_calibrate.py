@@ -237,3 +237,21 @@ def test_a_pool_of_two_times_cp1_and_cp2_with_real_ranks(tmp_path):
     assert [(int(L), int(d), int(c)) for L, d, c, _ in rows] == [
         (32, 1, 1), (32, 1, 2), (32, 2, 2), (64, 1, 2)]
     assert all(0 < s < 10 for *_, s in rows)
+
+
+def test_calibrate_is_not_held_to_the_data_length_rule(tmp_path):
+    """mode=calibrate reads no data: a cap under `data.max_seq_len` passes validation (training
+    refuses it), and a cap under the grid gets calibrate's own one-line error, whose fix passes."""
+    from hcp.config.errors import ConfigError
+    from hcp.config.validate import validate
+
+    small = ["+recipe=llama_tiny", "launcher.nproc_per_node=1", "trainer.micro_batch_tokens=128"]
+    validate(compose_config([*small, "mode=calibrate"]), 1)
+    with pytest.raises(ConfigError, match="data.max_seq_len"):
+        validate(compose_config(small), 1)
+    out = subprocess.run([sys.executable, str(ROOT / "train.py"), "+recipe=llama_tiny", "mode=calibrate",
+                          "launcher.nproc_per_node=1", "trainer.micro_batch_tokens=8",
+                          f"hydra.run.dir={tmp_path}"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert out.returncode == 2 and "trainer.micro_batch_tokens=8" in out.stderr
+    assert "shortest document is 32" in out.stderr and "max_seq_len" not in out.stderr, out.stderr

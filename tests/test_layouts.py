@@ -139,8 +139,12 @@ def test_islands_must_not_leave_ranks_unused():
 def test_islands_must_stay_inside_the_world():
     fails("llm.layout.rank_offset", 8, "placement=non_colocated", "vision.layout.num_ranks=2",
           "llm.layout.rank_offset=6", "llm.layout.num_ranks=4", match="leaves the world")
-    fails("llm.layout.num_ranks", 8, "placement=non_colocated", "vision.layout.num_ranks=8",
-          match="already take")
+    # the island of a set size is the one named (the LLM's is inferred), with a size that fits
+    fails("vision.layout.num_ranks", 8, "placement=non_colocated", "vision.layout.num_ranks=8",
+          match=r"already take 8 of 8 ranks, leaving none for the llm island, which needs at least tp \* cp \* pp = 1"
+                r".*at most 7 ranks, or run on at least 9 ranks")
+    fails("vision.layout.num_ranks", 8, "placement=non_colocated", "vision.layout.num_ranks=8",
+          "llm.layout.tp=2", "llm.layout.pp=2", match=r"pp = 4\..*at most 4 ranks, or run on at least 12")
 
 
 def test_at_most_one_island_size_is_inferred():

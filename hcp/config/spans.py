@@ -115,10 +115,19 @@ def non_colocated_spans(cfg, modules, edges, world_size) -> dict[str, tuple[int,
                           f"(or {'their' if plural else 'its'} dp)")
     if open_:
         rest = world_size - sum(s for s in sizes.values() if s is not None)
-        if rest < 1:
-            raise ConfigError(f"{module_key(cfg, open_[0])}.layout.num_ranks", None,
-                              f"the other islands already take {world_size - rest} of {world_size} ranks",
-                              "shrink the other islands or use more ranks")
+        if rest < 1:  # name the largest island of a set size: the one to shrink
+            big = max((h for h in islands if sizes[h] is not None), key=lambda h: sizes[h])
+            lay = module_cfg(cfg, big).layout
+            field = "num_ranks" if lay.num_ranks is not None else "dp"
+            o = module_cfg(cfg, open_[0]).layout   # the open island needs tp * cp * pp ranks
+            need = int(o.tp) * int(o.cp) * int(o.pp)
+            most = sizes[big] + rest - need
+            shrink = f"shrink it to at most {most} ranks, or " if most >= 1 else ""
+            raise ConfigError(f"{module_key(cfg, big)}.layout.{field}", getattr(lay, field),
+                              f"the islands of a set size already take {world_size - rest} of {world_size} "
+                              f"ranks, leaving none for the {module_key(cfg, open_[0])} island, which needs at least "
+                              f"tp * cp * pp = {need}", f"{shrink}run on at least {world_size - rest + need} ranks "
+                              "(launcher.nproc_per_node)")
         sizes[open_[0]] = rest
     used: dict[int, str] = {}
     offsets = {}
