@@ -1,6 +1,7 @@
 """The critical path of a dynamic-CP step from per-rank micro-batch times, measured
 (`critical_path`, benchmarks/dynamic_cp_train.py's measurement) or under the cost model
-(`predicted_path`, its prediction): one rule for both, so they compare like with like.
+(`predicted_path`, its prediction): one rule for both, so they compare like with like; and the
+cost model's error per micro-batch (`micro_batch_errors`) ranked by kind (`error_table`).
 Seconds throughout."""
 from __future__ import annotations
 
@@ -68,3 +69,32 @@ def micro_batch_errors(plan, lens, cost, busy_reps) -> list[dict]:
                         "longest": int(x.max()), "measured_s": meas,
                         "predicted_s": group_time(g, lens, cost)})
     return out
+
+
+def error_table(runs, methods) -> list[str]:
+    """The cost model's errors inside the trainer's step, by micro-batch kind (method, CP size,
+    one document or several), then by the micro-batch's longest document (tokens, up to a power
+    of two), each largest mean |error| first: lines to print. Error = predicted / measured - 1 of
+    a micro-batch's slowest rank (`micro_batch_errors`): `runs[i][method]` of each of `methods`
+    holds its records under "micro_batch_errors"."""
+    kinds: dict = {}
+    longest: dict = {}
+    for r in runs:
+        for m in methods:
+            for mb in r[m]["micro_batch_errors"]:
+                err = mb["predicted_s"] / mb["measured_s"] - 1.0
+                kinds.setdefault((m, mb["cp"], "1 doc" if mb["docs"] == 1 else "packed"), []).append(err)
+                longest.setdefault(1 << (int(mb["longest"]) - 1).bit_length(), []).append(err)
+
+    def stats(e):
+        return f"{len(e):>6} {100 * np.mean(e):+8.1f}% {100 * np.mean(np.abs(e)):9.1f}%"
+
+    def worst(d):
+        return sorted(d.items(), key=lambda kv: -np.mean(np.abs(kv[1])))
+
+    head = f"{'count':>6} {'mean err':>9} {'mean |err|':>10}"
+    return (["cost model inside the step, by micro-batch kind (error = predicted / measured - 1):",
+             f"{'method':>8} {'cp':>3} {'kind':>6} {head}"]
+            + [f"{m:>8} {c:>3} {kind:>6} {stats(e)}" for (m, c, kind), e in worst(kinds)]
+            + ["... and by its longest document:", f"{'tokens <=':>19} {head}"]
+            + [f"{n:>19} {stats(e)}" for n, e in worst(longest)])

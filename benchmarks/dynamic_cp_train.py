@@ -70,7 +70,7 @@ from hcp.dcp.hardware import load_profile  # noqa: E402
 from hcp.dcp.lower_bound import lower_bound  # noqa: E402
 from hcp.dcp.policy import dynamic_cp_policy  # noqa: E402
 from hcp.plan.step import first_fit_policy  # noqa: E402
-from critical_path import critical_path, micro_batch_errors, predicted_path  # noqa: E402
+from critical_path import critical_path, error_table, micro_batch_errors, predicted_path  # noqa: E402
 from lengths import DISTRIBUTIONS, distribution, parse_seeds  # noqa: E402
 
 METHODS = ("static", "dynamic")
@@ -372,35 +372,7 @@ def print_table(args, result) -> None:
           "communication's share of busy time; plan ms: a rank's CPU time to plan a step")
     print(f"largest relative loss difference static / dynamic (same batches and weights): "
           f"{max(r['loss_rel_diff'] for r in result['runs']):.1e}")
-    print("\n".join(error_table(result["runs"])))
-
-
-def error_table(runs) -> list[str]:
-    """The cost model's errors inside the trainer's step, by micro-batch kind (method, CP size,
-    one document or several), then by the micro-batch's longest document (tokens, up to a power
-    of two), each largest mean |error| first: lines to print. Error = predicted / measured - 1 of
-    a micro-batch's slowest rank (`critical_path.micro_batch_errors`)."""
-    kinds: dict = {}
-    longest: dict = {}
-    for r in runs:
-        for m in METHODS:
-            for mb in r[m]["micro_batch_errors"]:
-                err = mb["predicted_s"] / mb["measured_s"] - 1.0
-                kinds.setdefault((m, mb["cp"], "1 doc" if mb["docs"] == 1 else "packed"), []).append(err)
-                longest.setdefault(1 << (int(mb["longest"]) - 1).bit_length(), []).append(err)
-
-    def stats(e):
-        return f"{len(e):>6} {100 * np.mean(e):+8.1f}% {100 * np.mean(np.abs(e)):9.1f}%"
-
-    def worst(d):
-        return sorted(d.items(), key=lambda kv: -np.mean(np.abs(kv[1])))
-
-    head = f"{'count':>6} {'mean err':>9} {'mean |err|':>10}"
-    return (["cost model inside the step, by micro-batch kind (error = predicted / measured - 1):",
-             f"{'method':>8} {'cp':>3} {'kind':>6} {head}"]
-            + [f"{m:>8} {c:>3} {kind:>6} {stats(e)}" for (m, c, kind), e in worst(kinds)]
-            + ["... and by its longest document:", f"{'tokens <=':>19} {head}"]
-            + [f"{n:>19} {stats(e)}" for n, e in worst(longest)])
+    print("\n".join(error_table(result["runs"], METHODS)))
 
 
 def _histogram(plans) -> dict[int, int]:
