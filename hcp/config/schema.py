@@ -156,6 +156,13 @@ class TrainerConfig:
     """All-reduce a 64-bit checksum of every step's plan (one int64 all-reduce per step, before
     the step's collectives) and stop every rank with one error naming the step when they
     computed different plans, which would otherwise hang a collective. hcp.train.plan_check."""
+    max_skipped_steps: Optional[int] = 10
+    """Under `on_nonfinite=skip`: the most steps a run may skip; the next non-finite step stops
+    it as `stop` does, naming the step and its global batch (null: no limit).
+    hcp.train.failures.NonFiniteGuard."""
+    straggler_factor: float = 2.0
+    """Every `log_every` steps, a rank whose compute + data-wait time per step is above this
+    factor times the median rank's is named in one line (0: off). hcp.train.stragglers."""
     check_counts: bool = False
     """Debug: count the step's loss tokens with a collective too and check the plan's counts,
     which the step otherwise takes as they are (no collective). hcp.plan.step."""
@@ -165,6 +172,18 @@ class TrainerConfig:
     Python holds the GIL in turns with the training thread. The worker starts with the trainer
     and imports torch and the run's modules once, behind the model's set-up. Default (null): on
     for CUDA ranks, off for CPU ranks (`hcp.plan.ahead.use_worker`). hcp.train.planner."""
+
+
+@dataclass
+class ProfileConfig:
+    """Look inside chosen steps (hcp.train.profile)."""
+
+    steps: Optional[list[int]] = None
+    """`[first, last]` (1-based, inclusive; `[k]`: one step): a `torch.profiler` trace of those
+    steps per rank in `<run dir>/profile/` (Chrome trace JSON: Perfetto, TensorBoard)."""
+    memory: bool = False
+    """With `steps`: CUDA's memory snapshot of those steps per rank (`_record_memory_history`,
+    `_dump_snapshot`; open it at pytorch.org/memory_viz). None on CPU ranks."""
 
 
 @dataclass
@@ -357,6 +376,7 @@ class HCPConfig:
     encoder and feeding the LLM (`graph.edges`); its rows fill its own placeholders."""
     graph: GraphConfig = field(default_factory=GraphConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

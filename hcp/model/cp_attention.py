@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hcp.comm.trace import traced
 from hcp.config.layouts import CP_COMMS
 from hcp.model.collectives import all_gather_rows, group_rank, group_size, reduce_scatter_rows
 from hcp.model.cp_kernels import Kernel, acc_dtype, fused_kernel
@@ -272,6 +273,7 @@ class _FusedAttention(torch.autograd.Function):
     one fp32 buffer, reduce-scattered in that buffer (no copy for the collective)."""
 
     @staticmethod
+    @traced("hcp.cp_attention_forward allgather")
     def forward(ctx, q, kv, plan):
         kv = all_gather_rows(kv, plan.group)                               # [c * T_loc, 2, Hkv, D]
         state = Partial.empty(q)
@@ -282,6 +284,7 @@ class _FusedAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @traced("hcp.cp_attention_backward allgather")
     def backward(ctx, dout):
         q, kv, out, lse = ctx.saved_tensors
         dq = torch.empty(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
@@ -311,6 +314,7 @@ class _RingAttention(torch.autograd.Function):
     """Ring attention: q [T_loc, Hq, D], k, v [T_loc, Hkv, D] -> [T_loc, Hq, D]."""
 
     @staticmethod
+    @traced("hcp.cp_attention_forward p2p")
     def forward(ctx, q, k, v, plan):
         group = plan.group
         size, rank = group_size(group), group_rank(group)
@@ -329,6 +333,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @traced("hcp.cp_attention_backward p2p")
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan

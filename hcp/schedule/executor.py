@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from hcp.comm.island import post
+from hcp.comm.trace import span
 from hcp.schedule import actions as A
 
 
@@ -68,6 +69,21 @@ class BusyClock:
         return self.seconds
 
 
+def range_name(action) -> str:
+    """The profiler range of `action` (hcp.comm.trace): `hcp.forward`, `hcp.backward`,
+    `hcp.send_recv` (one `Exchange`), `hcp.grad_sync_on`, `hcp.encoder_forward`, `hcp.route_forward`,
+    ...; a micro-batch's ranges end in its index (`hcp.forward mb3`)."""
+    if isinstance(action, A.Exchange):
+        return "hcp.send_recv " + ",".join(sorted({op.kind for op in action.ops}))
+    if isinstance(action, A.SyncGrads):
+        return "hcp.grad_sync_on"
+    if isinstance(action, A.Compute):
+        return f"hcp.{'forward' if action.kind == 'F' else 'backward'} mb{action.micro}"
+    kind = "forward" if getattr(action, "kind", "F") == "F" else "backward"
+    name = "encoder" if isinstance(action, A.EncoderCompute) else type(action).__name__.lower()
+    return f"hcp.{name}_{kind}"
+
+
 class Executor:
     """Runs one rank's action list.
 
@@ -104,26 +120,30 @@ class Executor:
         if self.grad_sync is not None and any(isinstance(a, A.SyncGrads) for a in actions):
             self.grad_sync(False)
         for action in actions:
-            if isinstance(action, A.Exchange):
-                self._exchange(action.ops, train)
-            elif isinstance(action, A.SyncGrads):
-                if self.grad_sync is not None:
-                    self.grad_sync(True)
-            elif isinstance(action, A.EncoderCompute):
-                self.clock.span(self.handlers[A.EncoderCompute], action)
-            elif not isinstance(action, A.Compute):
-                self.handlers[type(action)](action)
-            elif action.kind == "F":
-                i = action.micro
-                x = self.inputs.get(i, {}) if train else self.inputs.pop(i, {})
-                self.outputs[i] = self.clock.span(self.forward, i, x)
-            else:
-                self._backward(action.micro)
+            with span(range_name, action):
+                self._run_one(action, train)
         if not train:
             self.results = [self.outputs.pop(i) for i in sorted(self.outputs)]
         self.times.busy_s = self.clock.total()  # the one wait for the device in a run
         self.times.wall_s = time.perf_counter() - t0
         return self.times
+
+    def _run_one(self, action, train: bool) -> None:
+        if isinstance(action, A.Exchange):
+            self._exchange(action.ops, train)
+        elif isinstance(action, A.SyncGrads):
+            if self.grad_sync is not None:
+                self.grad_sync(True)
+        elif isinstance(action, A.EncoderCompute):
+            self.clock.span(self.handlers[A.EncoderCompute], action)
+        elif not isinstance(action, A.Compute):
+            self.handlers[type(action)](action)
+        elif action.kind == "F":
+            i = action.micro
+            x = self.inputs.get(i, {}) if train else self.inputs.pop(i, {})
+            self.outputs[i] = self.clock.span(self.forward, i, x)
+        else:
+            self._backward(action.micro)
 
     def _backward(self, i: int) -> None:
         out = self.outputs.pop(i)

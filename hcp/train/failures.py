@@ -18,12 +18,21 @@ import sys
 import torch
 
 TEST_NONFINITE_ENV = "HCP_TEST_NONFINITE_STEP"
-"""Test-only hook: at this step (1-based) the loss, the gradient norm and every gradient become
-NaN before the check, as after a real overflow."""
+"""Test-only hook: at these steps (1-based, comma-separated) the loss, the gradient norm and
+every gradient become NaN before the check, as after a real overflow."""
+SHOWN_SAMPLES = 16
+"""Sample indices a non-finite step's line shows of its global batch (then how many more)."""
 
 
 class NonFiniteError(FloatingPointError):
     """The loss or gradient norm of a step is NaN or Inf and `trainer.on_nonfinite=stop`."""
+
+
+def batch_text(indices) -> str:
+    """`samples [3, 17, ...] (+N more)` of a global batch's dataset indices."""
+    shown = ", ".join(str(i) for i in indices[:SHOWN_SAMPLES])
+    more = f" (+{len(indices) - SHOWN_SAMPLES} more)" if len(indices) > SHOWN_SAMPLES else ""
+    return f"samples [{shown}{', ...' if more else ''}]{more}"
 
 
 class NonFiniteGuard:
@@ -32,23 +41,29 @@ class NonFiniteGuard:
     The loss and the global gradient norm are the same float on every rank (both are reduced
     over all ranks in `hcp.train.step`), so every rank takes the same decision without another
     collective. Under `stop` the error is raised before the optimizer step and before any save:
-    the weights in memory and the latest checkpoint on disk stay as they were.
+    the weights in memory and the latest checkpoint on disk stay as they were. Under `skip`
+    each skipped step is said in one line, and the step after `max_skipped` skipped ones stops
+    the run as `stop` does (None: no limit).
     """
 
-    def __init__(self, policy: str, model: torch.nn.Module, checkpoint_dir: str):
+    def __init__(self, policy: str, model: torch.nn.Module, checkpoint_dir: str,
+                 max_skipped: int | None = None):
         self.policy, self.model, self.checkpoint_dir = policy, model, checkpoint_dir
+        self.max_skipped = max_skipped
         self.skipped: list[int] = []
         hook = os.environ.get(TEST_NONFINITE_ENV)
-        self._inject_at = int(hook) if hook else None
+        self._inject_at = {int(s) for s in hook.split(",")} if hook else set()
 
-    def update_ok(self, step: int, loss: float, grad_norm: float) -> bool:
+    def update_ok(self, step: int, loss: float, grad_norm: float, indices=()) -> bool:
         """True: apply this step's update. False (`skip`): drop it; the caller zeroes the
-        gradients and leaves the optimizer and LR schedule untouched.
+        gradients and leaves the optimizer and LR schedule untouched. `indices`: the step's
+        global batch (dataset sample indices), named in the line and the error.
 
         Raises:
-            NonFiniteError: non-finite loss or gradient norm under `stop`, naming the step.
+            NonFiniteError: non-finite loss or gradient norm under `stop`, or under `skip` past
+                `max_skipped` skipped steps, naming the step and its batch.
         """
-        if step == self._inject_at:
+        if step in self._inject_at:
             loss = grad_norm = float("nan")
             for p in self.model.parameters():
                 if p.grad is not None:
@@ -56,18 +71,24 @@ class NonFiniteGuard:
         if math.isfinite(loss) and math.isfinite(grad_norm):
             return True
         what = f"step {step}: loss={loss} grad_norm={grad_norm} is not finite"
-        if self.policy == "skip":
+        batch = f"global batch: {batch_text(list(indices))}" if len(indices) else ""
+        limit = self.max_skipped
+        if self.policy == "skip" and (limit is None or len(self.skipped) < limit):
             self.skipped.append(step)
             if os.environ.get("RANK", "0") == "0":
-                print(f"hcp: {what}; update skipped (trainer.on_nonfinite=skip, {len(self.skipped)} "
-                      "so far)", file=sys.stderr, flush=True)
+                cap = "no limit" if limit is None else f"trainer.max_skipped_steps={limit}"
+                print(f"hcp: {what}; update skipped ({len(self.skipped)} skipped so far, {cap}; "
+                      f"trainer.on_nonfinite=skip); {batch}", file=sys.stderr, flush=True)
             return False
         from hcp.train.checkpoint import latest
 
-        raise NonFiniteError(f"{what}; stopped before the update (trainer.on_nonfinite=stop). Latest "
+        why = ("trainer.on_nonfinite=stop" if self.policy != "skip" else
+               f"{limit} steps skipped already: trainer.max_skipped_steps={limit}, "
+               f"at steps {self.skipped}")
+        raise NonFiniteError(f"{what}; stopped before the update ({why}); {batch}. Latest "
                              f"checkpoint, untouched: {latest(self.checkpoint_dir)}. Fix: lower "
                              "optim.lr or raise optim.warmup_ratio and resume=auto, or "
-                             "trainer.on_nonfinite=skip")
+                             "trainer.on_nonfinite=skip (trainer.max_skipped_steps=null: no limit)")
 
 
 @contextlib.contextmanager

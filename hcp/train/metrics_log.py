@@ -1,4 +1,5 @@
-"""Run outputs of the logging rank: metrics.jsonl, summary.json, console progress, wandb.
+"""Run outputs of the logging rank: metrics.jsonl, metrics.png, summary.json, console progress,
+wandb.
 
 Only the logging rank (the lowest rank on the LLM's last pipeline stage) builds a
 `RunLogger`; every other rank stays quiet. A wandb failure (missing, offline error, timeout)
@@ -82,12 +83,24 @@ class RunLogger:
         self._metrics.flush()
         if self._wandb is not None:
             self._wandb.log(metrics, step=step)
+        if step < self.max_steps and any(k.startswith("eval/") for k in metrics):
+            self.plot()  # each evaluation's figures land in metrics.png; `finish` draws the end
         if self.plain:
             if metrics:
                 print(step_line(step, self.max_steps, metrics), flush=True)
         else:
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in metrics.items()
                                    if k in ("loss", "lr", "tokens_per_s", "eval/answer_accuracy")})
+
+    def plot(self) -> None:
+        """Redraw `metrics.png` from `metrics.jsonl` (`hcp.train.run_plot`); a failure warns and
+        training goes on."""
+        try:
+            from hcp.train.run_plot import plot_run
+
+            plot_run(self.run_dir)
+        except Exception as e:  # noqa: BLE001 - a picture must never stop training
+            warnings.warn(f"metrics.png not drawn: {type(e).__name__}: {e}")
 
     def advance(self, steps: int = 1) -> None:
         self._bar.update(steps)
@@ -100,11 +113,13 @@ class RunLogger:
             self._bar.write(text)
 
     def finish(self, summary: dict) -> None:
-        """Write summary.json, print it, close wandb (an offline run: print its sync command)."""
+        """Write summary.json and metrics.png, print the summary, close wandb (an offline run:
+        print its sync command)."""
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         self._bar.close()
         self._metrics.close()
+        self.plot()
         print("summary: " + json.dumps(summary))
         if self._wandb is not None:
             try:

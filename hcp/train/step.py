@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hcp.comm.trace import traced
 from hcp.comm.p2p import StageLink, StageMeta, broadcast_metas
 from hcp.config.precision import Precision
 from hcp.data.packing import pad_micro_batches
@@ -138,6 +139,7 @@ class StepRunner:
             self._drop_unused_image_grads()
         return self._share_loss(loss_total) / global_tokens, counts[1:4], n_micro, times
 
+    @traced("hcp.grad_sync")
     def sync_grads(self) -> None:
         """Sum the gradients over DP x CP after the backward passes: the buckets not launched
         during the last backward (all of them when no schedule armed the reducer), then the

@@ -40,23 +40,27 @@ class WorldStats:
     schedule, so it can be above zero at pp 1), and the preemption flag of `preempt` (a
     `hcp.launch.preempt.Preemption`, or None; every rank gets the largest: `Preemption.agree`).
 
+    `watch` (a `hcp.train.stragglers.StragglerWatch`, or None) gets every rank's compute and
+    data-wait seconds of each step from the same gather.
+
     One world all-gather per step, issued without waiting (`async_op`) at the end of step s and
     read at the end of step s+1 (or by `settle`), so it is no sync point on the step's critical
     path: step s's metrics dict gets its two figures one step late, and the ranks agree to stop
     one step after the signal. Every rank issues and settles at the same steps whatever its data.
     """
 
-    def __init__(self, device: torch.device, preempt=None):
-        self.device, self.preempt = device, preempt
+    def __init__(self, device: torch.device, preempt=None, watch=None):
+        self.device, self.preempt, self.watch = device, preempt, watch
         self.pending = None  # (metrics dict, gathered rows, own row, async work) of the last issued step
 
-    def issue(self, metrics: dict, times) -> None:
-        """Settle the previous step's figures, then gather this step's (into `metrics` later)."""
+    def issue(self, metrics: dict, times, data_wait_s: float = 0.0) -> None:
+        """Settle the previous step's figures, then gather this step's (into `metrics` later).
+        `data_wait_s`: this rank's wait for its data this step (for `watch`)."""
         self.settle()
         flag = float(self.preempt.received) if self.preempt is not None else 0.0
         mine = torch.tensor([peak_memory_bytes(self.device),
-                             1.0 - times.busy_s / max(times.wall_s, 1e-12), flag],
-                            dtype=torch.float64, device=self.device)
+                             1.0 - times.busy_s / max(times.wall_s, 1e-12), flag,
+                             times.busy_s, data_wait_s], dtype=torch.float64, device=self.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         self.pending = (metrics, every, mine, dist.all_gather(every, mine, async_op=True))
 
@@ -69,8 +73,12 @@ class WorldStats:
         self.pending = None
         work.wait()
         every = torch.stack(every)
-        read = host_values(torch.stack([every[:, 0].max(), every[:, 1].mean(), every[:, 2].max()]))
-        peak, bubble, flag = read if read is not None else (float("nan"), float("nan"), 0.0)
+        ranks = every[:, 3:].T.flatten() if self.watch is not None else every[:0, 0]  # logging rank
+        read = host_values(torch.cat([torch.stack([every[:, 0].max(), every[:, 1].mean(),
+                                                   every[:, 2].max()]), ranks]))
+        peak, bubble, flag = read[:3] if read is not None else (float("nan"), float("nan"), 0.0)
+        if self.watch is not None and read is not None:  # each rank's compute, then data wait
+            self.watch.add(read[3:3 + len(every)], read[3 + len(every):])
         if self.preempt is not None:
             self.preempt.agree(int(flag))
         metrics.update(peak_memory_gib=peak / 2**30, bubble_fraction=bubble)

@@ -45,6 +45,9 @@ from hcp.train.fake import host_values
 from hcp.train.islands import Islands
 from hcp.train.fsdp import shard_encoder, shard_model
 from hcp.train.metrics_log import RunLogger
+from hcp.train.profile import StepProfiler
+from hcp.train.stragglers import StragglerWatch
+from hcp.comm.trace import span
 from hcp.train.throughput import WorldStats, rate_metrics
 from hcp.train.modules import RankModules, clip_, local_grad_sq, module_sq_norm
 from hcp.train.optim import build_optimizer, build_scheduler, module_overrides
@@ -91,6 +94,8 @@ class Trainer:
             self.tp_group = self.groups.group("llm", "tp") if llm.tp > 1 else None
             self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
+        if self.is_logging_rank:  # every rank's seconds per step land in `stats` (no collective)
+            self.stats.watch = StragglerWatch(self.settings.straggler_factor)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg, self.specs)
         self.islands = (Islands(self.specs, self.groups, self.rank, self.device, self.precision)
                         if cfg.placement == "non_colocated" else None)
@@ -111,7 +116,8 @@ class Trainer:
                           if self.encoder is not None and cfg.placement == "colocated" else None)
         optim = typed(cfg.optim, OptimConfig)
         self.optimizer = build_optimizer(self.modules, optim, module_overrides(self.specs))  # groups per module
-        self.guard = NonFiniteGuard(self.settings.on_nonfinite, self.modules, self.checkpointing.dir)
+        self.guard = NonFiniteGuard(self.settings.on_nonfinite, self.modules, self.checkpointing.dir,
+                                    self.settings.max_skipped_steps)
         self.scheduler = build_scheduler(self.optimizer, optim, self.settings.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), self.settings.global_batch_size, cfg.seed)
         self.index = sides.LengthIndexes(self.specs, self.train_set, self.tok)  # one per stream into the LLM
@@ -133,6 +139,8 @@ class Trainer:
                                  OmegaConf.to_container(cfg, resolve=True))
         if self.log and self.resume_note:
             self.log.write(self.resume_note)
+        self.profiler = StepProfiler(cfg.profile.steps, cfg.profile.memory, run_dir, self.rank, self.device,
+                                     self.log.write if self.log else None)
         if self.islands is not None:  # every rank, last: the islands' P2P group
             self.islands.connect(self.world)
 
@@ -218,16 +226,20 @@ class Trainer:
         `peak_memory_gib` and `bubble_fraction` land in the dict at the next step or at
         `stats.settle()`: `hcp.train.throughput.WorldStats`)."""
         t0 = time.perf_counter()
-        indices, prepared, plan_stats = self.ahead.next()
+        with span("hcp.data_wait"):
+            indices, prepared, plan_stats = self.ahead.next()
+        data_wait_s = time.perf_counter() - t0
         if self.settings.check_plan:
             self._check_plan(prepared[0].checksum)
         loss, counts, n_micro = self.forward_backward(indices, prepared)
-        norm = self.clip(self.settings.grad_clip)
+        with span("hcp.clip"):
+            norm = self.clip(self.settings.grad_clip)
         read = host_values(torch.stack([loss.double(), norm.double()]))  # the step's one read, after its collectives
         loss, grad_norm = read if read is not None else (float("nan"), float("nan"))  # fake tensors: no value
-        update = read is None or self.guard.update_ok(self.step + 1, loss, grad_norm)  # NaN/Inf: stop or skip
+        update = read is None or self.guard.update_ok(self.step + 1, loss, grad_norm, indices)  # NaN/Inf
         if update:
-            self.optimizer.step()
+            with span("hcp.optimizer"):
+                self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.lr
         if update:
@@ -236,7 +248,7 @@ class Trainer:
         metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
                    "micro_batches": n_micro, **plan_stats, **prepared[4],
                    **rate_metrics(self.specs.llm.arch, counts, time.perf_counter() - t0, self.world)}
-        self.stats.issue(metrics, self.stage_times)  # the previous step's figures land; this one's leave
+        self.stats.issue(metrics, self.stage_times, data_wait_s)  # the previous step's land; this one's leave
         return metrics
 
     def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[torch.Tensor, list[float], int]:
@@ -340,7 +352,8 @@ class Trainer:
         (`WorldStats`); a preemption flag is agreed there too, so every rank stops at the step
         boundary after the one the signal reached."""
         tc = self.settings
-        metrics, evals = self.train_step(), {}  # the previous step's figures and flag have landed
+        with self.profiler.step(self.step + 1):  # profile.steps: a trace of this step
+            metrics, evals = self.train_step(), {}  # the previous step's figures and flag have landed
         record_step(self.step)
         if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
             evals = self.evaluate()
@@ -350,6 +363,9 @@ class Trainer:
             due = self.step % tc.log_every == 0 or self.step == tc.max_steps or bool(evals)
             self.unlogged = (self.step, metrics) if due else None
             self.log.advance()
+            if self.step % tc.log_every == 0:  # the steps landed so far: up to the previous one
+                for line in self.stats.watch.report(self.step - 1):
+                    self.log.write(line)
         if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.max_steps:
             self.save()
         if self.step < tc.max_steps and self.preempt.stopping:  # agreed in train_step
