@@ -138,8 +138,24 @@ def check_trainer(cfg, layouts) -> None:
         raise ConfigError("data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)",
                           "use e.g. data.eval_fraction=0.15")
     _check_optim(cfg)
+    _check_long_runs(cfg)
     if cfg.mode != "calibrate":  # calibrate reads no data: its own grid check (`check_cap`) rules
         check_longest_sample(cfg, layouts["llm"])
+
+
+def _check_long_runs(cfg) -> None:
+    """`profile.steps` within the run, `trainer.straggler_factor` and `trainer.max_skipped_steps`
+    in range (docs/long_runs.md)."""
+    t, steps = cfg.trainer, cfg.profile.steps
+    if steps is not None and not (1 <= len(steps) <= 2 and 1 <= steps[0] <= steps[-1] <= t.max_steps):
+        raise ConfigError("profile.steps", list(steps), f"must be [first, last] or [step] with 1 <= first "
+                          f"<= last <= trainer.max_steps={t.max_steps}", "use e.g. 'profile.steps=[10,12]'")
+    if t.straggler_factor != 0 and t.straggler_factor <= 1:
+        raise ConfigError("trainer.straggler_factor", t.straggler_factor, "must be 0 (off) or above 1 "
+                          "(a multiple of the median rank's time per step)", "use e.g. 2.0")
+    if t.max_skipped_steps is not None and t.max_skipped_steps < 0:
+        raise ConfigError("trainer.max_skipped_steps", t.max_skipped_steps, "must be >= 0 or null (no "
+                          "limit)", "use e.g. trainer.max_skipped_steps=10")
 
 
 def check_longest_sample(cfg, llm) -> None:

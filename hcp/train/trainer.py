@@ -39,6 +39,7 @@ from hcp.train.planner import StepPlanner
 from hcp.schedule.colocated import ColocatedStep
 from hcp.train import checkpoint
 from hcp.launch.distributed import init_distributed
+from hcp.launch.watchdog import stuck_collective, watch_collectives
 from hcp.train.evaluate import eval_capacity, evaluate
 from hcp.train.failures import NonFiniteGuard
 from hcp.train.fake import host_values
@@ -413,9 +414,20 @@ class Trainer:
 
 
 def run_rank(cfg, run_dir: str) -> dict:
-    """Entry point of one rank: train, then leave the process group cleanly."""
+    """Entry point of one rank: train, then leave the process group cleanly. A collective that
+    times out raises `CollectiveTimeout` naming this rank and the collective
+    (`hcp.launch.watchdog`)."""
+    watch_collectives(run_dir, cfg.launcher.backend == "nccl" or
+                      (cfg.launcher.backend == "auto" and torch.cuda.is_available()))
+    trainer = None
     try:
-        return Trainer(cfg, run_dir).fit()
+        trainer = Trainer(cfg, run_dir)
+        return trainer.fit()
+    except Exception as e:
+        stuck = stuck_collective(e, cfg.launcher.timeout_s, trainer.step + 1 if trainer else None)
+        if stuck is None:
+            raise
+        raise stuck from e
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
