@@ -141,3 +141,25 @@ def test_rank_times_ride_in_the_step_gather_and_the_slow_rank_is_named():
     assert lines == ["hcp: straggler: rank 2 took 13.000 s per step (compute 3.000 s + data wait "
                      "10.000 s) over steps 1-4, 6.5x the median rank's 2.000 s "
                      "(trainer.straggler_factor=2)"]
+
+
+def _cp_ranges(rank, world):
+    """Names of the profiler ranges of one CP attention forward + backward per `cp_comm`."""
+    import torch.distributed as dist
+
+    from hcp.model.cp_attention import build_cp_plan, cp_attention
+    from test_cp_attention import MIX, local_run, qkvw
+
+    names = {}
+    for comm in ("allgather", "p2p"):
+        plan = build_cp_plan(qkvw(MIX)[0], dist.group.WORLD, comm)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            local_run(MIX, torch.float32, world, rank, lambda q, k, v: cp_attention(q, k, v, plan))
+        names[comm] = {e.name for e in prof.events() if e.name.startswith("hcp.")}
+    return names
+
+
+def test_cp_attention_forward_and_backward_are_named_ranges_in_a_profile():
+    for names in run_ranks(_cp_ranges, 2, timeout=80):
+        for comm in ("allgather", "p2p"):
+            assert names[comm] == {f"hcp.cp_attention_forward {comm}", f"hcp.cp_attention_backward {comm}"}

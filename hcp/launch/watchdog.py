@@ -37,8 +37,10 @@ def watch_collectives(run_dir: str, nccl: bool) -> None:
     folder = os.path.join(run_dir, FOLDER)
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # torch's default, said once
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(folder, PREFIX))
-    if nccl:
-        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    if nccl:  # the dump needs the monitor thread and a recorder (ProcessGroupNCCL.hpp)
+        for name, value in (("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("TORCH_NCCL_ENABLE_MONITORING", "1"),
+                            ("TORCH_NCCL_TRACE_BUFFER_SIZE", os.environ["TORCH_FR_BUFFER_SIZE"])):
+            os.environ.setdefault(name, value)
         os.makedirs(folder, exist_ok=True)
 
 

@@ -85,10 +85,11 @@ class NonFiniteGuard:
         why = ("trainer.on_nonfinite=stop" if self.policy != "skip" else
                f"{limit} steps skipped already: trainer.max_skipped_steps={limit}, "
                f"at steps {self.skipped}")
+        other = ("trainer.on_nonfinite=skip" if self.policy != "skip" else "a larger "
+                 "trainer.max_skipped_steps (null: no limit), after a look at those samples")
         raise NonFiniteError(f"{what}; stopped before the update ({why}); {batch}. Latest "
                              f"checkpoint, untouched: {latest(self.checkpoint_dir)}. Fix: lower "
-                             "optim.lr or raise optim.warmup_ratio and resume=auto, or "
-                             "trainer.on_nonfinite=skip (trainer.max_skipped_steps=null: no limit)")
+                             f"optim.lr or raise optim.warmup_ratio and resume=auto, or {other}")
 
 
 @contextlib.contextmanager
