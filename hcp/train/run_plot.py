@@ -34,6 +34,9 @@ def plot_run(run_dir: str) -> str:
     fig, (loss_ax, eval_ax, rate_ax) = plt.subplots(1, 3, figsize=(11, 3.2), dpi=80)
     loss_ax.plot(*_series(records, "loss"), lw=1, label="train")
     loss_ax.plot(*_series(records, "eval/loss"), "o-", ms=4, label="eval")
+    losses = [v for line in loss_ax.get_lines() for v in line.get_ydata()]
+    if losses and min(losses) > 0 and max(losses) > 20 * min(losses):  # the tail stays readable
+        loss_ax.set_yscale("log")
     loss_ax.set(title="loss (nats/token)", xlabel="step")
     loss_ax.legend(frameon=False)
     for key in evals:
