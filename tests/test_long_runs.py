@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from cfg_utils import REPO, logged_steps
+from cfg_utils import REPO, compose_cfg, logged_steps
 from dist_utils import run_ranks
 
 TINY = ["+recipe=llama_tiny", "trainer.eval_samples=4", "trainer.log_every=1", "trainer.progress_bar=false",
@@ -163,3 +163,20 @@ def test_cp_attention_forward_and_backward_are_named_ranges_in_a_profile():
     for names in run_ranks(_cp_ranges, 2, timeout=80):
         for comm in ("allgather", "p2p"):
             assert names[comm] == {f"hcp.cp_attention_forward {comm}", f"hcp.cp_attention_backward {comm}"}
+
+
+@pytest.mark.parametrize("override, field", [("profile.steps=[3,2]", "profile.steps"),
+                                             ("profile.steps=[0]", "profile.steps"),
+                                             ("profile.steps=[2,500]", "profile.steps"),
+                                             ("profile.steps=[1,2,3]", "profile.steps"),
+                                             ("trainer.straggler_factor=0.5", "trainer.straggler_factor"),
+                                             ("trainer.max_skipped_steps=-1", "trainer.max_skipped_steps")])
+def test_bad_long_run_values_name_field_value_and_fix(override, field):
+    from hcp.config.errors import ConfigError
+    from hcp.config.validate import validate
+
+    with pytest.raises(ConfigError) as err:
+        validate(compose_cfg([override]), 4)
+    assert str(err.value).startswith(f"{field}=") and "Fix:" in str(err.value)
+    validate(compose_cfg(["profile.steps=[2,3]", "trainer.straggler_factor=0",
+                          "trainer.max_skipped_steps=null"]), 4)
