@@ -180,3 +180,20 @@ def test_bad_long_run_values_name_field_value_and_fix(override, field):
     assert str(err.value).startswith(f"{field}=") and "Fix:" in str(err.value)
     validate(compose_cfg(["profile.steps=[2,3]", "trainer.straggler_factor=0",
                           "trainer.max_skipped_steps=null"]), 4)
+
+
+def _not_a_collective(rank, world):
+    """A timeout raised outside torch.distributed, and a collective's, on gloo ranks."""
+    from hcp.launch.watchdog import stuck_collective
+
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.ones(3))
+    try:
+        raise TimeoutError("data loader timed out")
+    except TimeoutError as e:
+        return stuck_collective(e, 5.0, 1)
+
+
+def test_a_timeout_outside_torch_distributed_is_not_called_a_stuck_collective():
+    assert run_ranks(_not_a_collective, 2) == [None, None]

@@ -68,12 +68,22 @@ def _caller(entry: dict) -> str:
     return "?"
 
 
+def _from_c10d(error: BaseException) -> bool:
+    """`error` was raised inside torch.distributed (not, say, by a data loader's own timeout)."""
+    tb = error.__traceback__
+    while tb is not None:
+        if f"{os.sep}torch{os.sep}distributed{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def stuck_collective(error: BaseException, timeout_s: float, step: int | None = None):
     """A `CollectiveTimeout` naming this rank's stuck collective when `error` is a collective's
     timeout (gloo's), else None. The recorder's dump goes to `TORCH_FR_DUMP_TEMP_FILE<rank>`.
 
     `step`: the step the rank was running (1-based), or None (before the first)."""
-    if "timed out" not in str(error).lower() or not dist.is_initialized():
+    if "timed out" not in str(error).lower() or not dist.is_initialized() or not _from_c10d(error):
         return None
     rank = dist.get_rank()
     entries, raw = _entries()
