@@ -17,8 +17,9 @@ import torch
 from cfg_utils import REPO, compose_cfg, logged_steps
 from dist_utils import run_ranks
 
-TINY = ["+recipe=llama_tiny", "trainer.eval_samples=4", "trainer.log_every=1", "trainer.progress_bar=false",
-        "trainer.micro_batch_tokens=256", "data.max_seq_len=256", "logger=none"]
+TINY = ["+recipe=llama_tiny", "trainer.eval_samples=4", "trainer.log_every=1",
+        "trainer.progress_bar=false", "trainer.micro_batch_tokens=256", "data.max_seq_len=256",
+        "logger=none"]
 
 DRIVER = textwrap.dedent("""
     import os, runpy, sys, time
@@ -49,9 +50,10 @@ def _train(tmp_path, args, plant="none", env=None, ranks=2, timeout=300):
     (tmp_path / "driver.py").write_text(DRIVER)
     run_dir = tmp_path / "run"
     return subprocess.run([sys.executable, str(tmp_path / "driver.py"), plant, *TINY, *args,
-                           f"launcher.nproc_per_node={ranks}", f"trainer.global_batch_size={4 * ranks}",
-                           f"hydra.run.dir={run_dir}"], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": REPO, **(env or {})})
+                           f"launcher.nproc_per_node={ranks}",
+                           f"trainer.global_batch_size={4 * ranks}", f"hydra.run.dir={run_dir}"],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": REPO, **(env or {})})
 
 
 @pytest.mark.slow
@@ -69,13 +71,14 @@ def test_profile_plot_and_a_slow_rank_named(tmp_path):
     for rank in (0, 1, 2):
         with open(run / "profile" / f"rank{rank}_steps2-3.json") as f:
             names = {e.get("name", "") for e in json.load(f)["traceEvents"]}
-        for name in ("hcp.step 2", "hcp.step 3", "hcp.data_wait", "hcp.forward mb0", "hcp.backward mb0",
-                     "hcp.grad_sync", "hcp.clip", "hcp.optimizer"):
+        for name in ("hcp.step 2", "hcp.step 3", "hcp.data_wait", "hcp.forward mb0",
+                     "hcp.backward mb0", "hcp.grad_sync", "hcp.clip", "hcp.optimizer"):
             assert name in names, (rank, name)
         assert "hcp.step 1" not in names and "hcp.step 4" not in names  # only the steps asked for
     assert (run / "metrics.png").stat().st_size > 10_000
     stragglers = [line for line in out.splitlines() if line.startswith("hcp: straggler:")]
-    assert stragglers and all(line.startswith("hcp: straggler: rank 1 took") for line in stragglers), out
+    assert stragglers, out
+    assert all(line.startswith("hcp: straggler: rank 1 took") for line in stragglers), out
     assert "trainer.straggler_factor=2)" in stragglers[0]
     assert [r["step"] for r in logged_steps(run)] == [2, 3, 4, 5]
 
@@ -86,10 +89,12 @@ def test_a_skipped_collective_ends_the_run_within_the_timeout_naming_rank_and_op
     launcher.timeout_s=4 s and its error names rank 0, the step, the op, its group and the hcp
     call that issued it; its flight recorder is dumped into the run directory."""
     t0 = time.monotonic()
-    proc = _train(tmp_path, ["trainer.max_steps=6", "trainer.eval_every=0", "launcher.timeout_s=4"], "hang")
+    proc = _train(tmp_path, ["trainer.max_steps=6", "trainer.eval_every=0", "launcher.timeout_s=4"],
+                  "hang")
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 120
-    line = next((s for s in proc.stderr.splitlines() if s.startswith("hcp: rank 0/2")), proc.stderr[-3000:])
+    line = next((s for s in proc.stderr.splitlines() if s.startswith("hcp: rank 0/2")),
+                proc.stderr[-3000:])
     assert ("CollectiveTimeout: rank 0 at step 3: collective gloo:all_reduce #" in line
             and "on process group default_pg (ranks [0, 1]" in line
             and "hcp/train/plan_check.py" in line and "(check_plans_agree)" in line
@@ -101,16 +106,17 @@ def test_a_skipped_collective_ends_the_run_within_the_timeout_naming_rank_and_op
 def test_skipped_nonfinite_steps_are_said_and_the_limit_stops_naming_step_and_batch(tmp_path):
     """Steps 2, 3 and 4 are non-finite under on_nonfinite=skip, max_skipped_steps=2: steps 2
     and 3 are skipped with a line each, step 4 stops the run naming the step and its batch."""
-    proc = _train(tmp_path, ["trainer.max_steps=6", "trainer.eval_every=0", "trainer.on_nonfinite=skip",
-                             "trainer.max_skipped_steps=2"], env={"HCP_TEST_NONFINITE_STEP": "2,3,4"})
+    proc = _train(tmp_path, ["trainer.max_steps=6", "trainer.eval_every=0",
+                             "trainer.on_nonfinite=skip", "trainer.max_skipped_steps=2"],
+                  env={"HCP_TEST_NONFINITE_STEP": "2,3,4"})
     assert proc.returncode != 0
     err = proc.stderr
     assert "hcp: step 2: loss=nan grad_norm=nan is not finite; update skipped (1 skipped so far, " \
            "trainer.max_skipped_steps=2; trainer.on_nonfinite=skip); global batch: samples [" in err
     assert "hcp: step 3: loss=nan" in err and "(2 skipped so far" in err
-    assert ("NonFiniteError: step 4: loss=nan grad_norm=nan is not finite; stopped before the update "
-            "(2 steps skipped already: trainer.max_skipped_steps=2, at steps [2, 3]); global batch: "
-            "samples [") in err, err[-3000:]
+    assert ("NonFiniteError: step 4: loss=nan grad_norm=nan is not finite; stopped before the "
+            "update (2 steps skipped already: trainer.max_skipped_steps=2, at steps [2, 3]); "
+            "global batch: samples [") in err, err[-3000:]
 
 
 def _stats(rank, world, steps):
@@ -125,9 +131,11 @@ def _stats(rank, world, steps):
     gather = dist.all_gather
     dist.all_gather = lambda *a, **k: calls.append(1) or gather(*a, **k)
     dist.all_reduce = dist.broadcast = None  # calling either fails the test
-    stats = throughput.WorldStats(torch.device("cpu"), None, StragglerWatch(2.0) if rank == 0 else None)
+    watch = StragglerWatch(2.0) if rank == 0 else None
+    stats = throughput.WorldStats(torch.device("cpu"), None, watch)
     for _ in range(steps):
-        stats.issue({}, types.SimpleNamespace(busy_s=rank + 1.0, wall_s=20.0), 10.0 if rank == 2 else 0.0)
+        times = types.SimpleNamespace(busy_s=rank + 1.0, wall_s=20.0)
+        stats.issue({}, times, 10.0 if rank == 2 else 0.0)
     stats.settle()
     return len(calls), stats.watch.report(steps) if stats.watch else None
 
@@ -162,16 +170,16 @@ def _cp_ranges(rank, world):
 def test_cp_attention_forward_and_backward_are_named_ranges_in_a_profile():
     for names in run_ranks(_cp_ranges, 2, timeout=80):
         for comm in ("allgather", "p2p"):
-            assert names[comm] == {f"hcp.cp_attention_forward {comm}", f"hcp.cp_attention_backward {comm}"}
+            assert names[comm] == {f"hcp.cp_attention_forward {comm}",
+                                   f"hcp.cp_attention_backward {comm}"}
 
 
-@pytest.mark.parametrize("override, field", [("profile.steps=[3,2]", "profile.steps"),
-                                             ("profile.steps=[0]", "profile.steps"),
-                                             ("profile.steps=[2,500]", "profile.steps"),
-                                             ("profile.steps=[1,2,3]", "profile.steps"),
-                                             ("trainer.straggler_factor=0.5", "trainer.straggler_factor"),
-                                             ("trainer.max_skipped_steps=-1", "trainer.max_skipped_steps")])
-def test_bad_long_run_values_name_field_value_and_fix(override, field):
+@pytest.mark.parametrize("override", ["profile.steps=[3,2]", "profile.steps=[0]",
+                                      "profile.steps=[2,500]", "profile.steps=[1,2,3]",
+                                      "trainer.straggler_factor=0.5", "trainer.loss_spike_factor=1",
+                                      "trainer.max_skipped_steps=-1"])
+def test_bad_long_run_values_name_field_value_and_fix(override):
+    field = override.split("=")[0]
     from hcp.config.errors import ConfigError
     from hcp.config.validate import validate
 
@@ -179,7 +187,7 @@ def test_bad_long_run_values_name_field_value_and_fix(override, field):
         validate(compose_cfg([override]), 4)
     assert str(err.value).startswith(f"{field}=") and "Fix:" in str(err.value)
     validate(compose_cfg(["profile.steps=[2,3]", "trainer.straggler_factor=0",
-                          "trainer.max_skipped_steps=null"]), 4)
+                          "trainer.loss_spike_factor=5", "trainer.max_skipped_steps=null"]), 4)
 
 
 def _not_a_collective(rank, world):
@@ -197,3 +205,22 @@ def _not_a_collective(rank, world):
 
 def test_a_timeout_outside_torch_distributed_is_not_called_a_stuck_collective():
     assert run_ranks(_not_a_collective, 2) == [None, None]
+
+
+def test_a_loss_spike_is_said_with_its_batch_once_the_window_is_full(capsys, monkeypatch):
+    """A high first loss is no spike (no window yet); then 20 steps at loss 2.0 fill the window
+    and 9.0 at step 22 is 4.5x their mean: one line naming the step and its batch, and the update
+    goes on. With the factor 0 (the default) nothing is said."""
+    from hcp.train.failures import NonFiniteGuard
+
+    monkeypatch.setenv("RANK", "0")
+    said = {}
+    for factor in (3.0, 0.0):
+        guard = NonFiniteGuard("stop", torch.nn.Linear(1, 1), "/nonexistent", spike_factor=factor)
+        assert guard.update_ok(1, 9.0, 1.0, [0])
+        assert all(guard.update_ok(s, 2.0, 1.0, [s]) for s in range(2, 22))
+        assert guard.update_ok(22, 9.0, 1.0, [7, 3])
+        said[factor] = [x for x in capsys.readouterr().err.splitlines() if "loss spike" in x]
+    assert said == {3.0: ["hcp: step 22: loss spike: 9 is 4.5x the mean 2 of the previous 20 steps "
+                          "(trainer.loss_spike_factor=3; the update goes on); global batch: "
+                          "samples [7, 3]"], 0.0: []}

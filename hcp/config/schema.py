@@ -160,6 +160,9 @@ class TrainerConfig:
     """Under `on_nonfinite=skip`: the most steps a run may skip; the next non-finite step stops
     it as `stop` does, naming the step and its global batch (null: no limit).
     hcp.train.failures.NonFiniteGuard."""
+    loss_spike_factor: float = 0.0
+    """A finite loss above this factor times the mean of the previous 20 steps' is said in one
+    line naming the step and its global batch; training goes on (0: off). hcp.train.failures."""
     straggler_factor: float = 2.0
     """Every `log_every` steps, a rank whose compute + data-wait time per step is above this
     factor times the median rank's is named in one line (0: off). hcp.train.stragglers."""

@@ -144,18 +144,22 @@ def check_trainer(cfg, layouts) -> None:
 
 
 def _check_long_runs(cfg) -> None:
-    """`profile.steps` within the run, `trainer.straggler_factor` and `trainer.max_skipped_steps`
-    in range (docs/long_runs.md)."""
+    """`profile.steps` within the run; `trainer.straggler_factor`, `trainer.loss_spike_factor`
+    and `trainer.max_skipped_steps` in range (docs/long_runs.md)."""
     t, steps = cfg.trainer, cfg.profile.steps
-    if steps is not None and not (1 <= len(steps) <= 2 and 1 <= steps[0] <= steps[-1] <= t.max_steps):
-        raise ConfigError("profile.steps", list(steps), f"must be [first, last] or [step] with 1 <= first "
-                          f"<= last <= trainer.max_steps={t.max_steps}", "use e.g. 'profile.steps=[10,12]'")
-    if t.straggler_factor != 0 and t.straggler_factor <= 1:
-        raise ConfigError("trainer.straggler_factor", t.straggler_factor, "must be 0 (off) or above 1 "
-                          "(a multiple of the median rank's time per step)", "use e.g. 2.0")
+    if steps is not None and not (1 <= len(steps) <= 2
+                                  and 1 <= steps[0] <= steps[-1] <= t.max_steps):
+        raise ConfigError("profile.steps", list(steps), "must be [first, last] or [step] with 1 <= "
+                          f"first <= last <= trainer.max_steps={t.max_steps}",
+                          "use e.g. 'profile.steps=[10,12]'")
+    for key, what, example in (("straggler_factor", "the median rank's time per step", 2.0),
+                               ("loss_spike_factor", "the recent mean loss", 5.0)):
+        if t[key] != 0 and t[key] <= 1:
+            raise ConfigError(f"trainer.{key}", t[key], "must be 0 (off) or above 1 (a multiple "
+                              f"of {what})", f"use e.g. trainer.{key}={example}")
     if t.max_skipped_steps is not None and t.max_skipped_steps < 0:
-        raise ConfigError("trainer.max_skipped_steps", t.max_skipped_steps, "must be >= 0 or null (no "
-                          "limit)", "use e.g. trainer.max_skipped_steps=10")
+        raise ConfigError("trainer.max_skipped_steps", t.max_skipped_steps, "must be >= 0 or null "
+                          "(no limit)", "use e.g. trainer.max_skipped_steps=10")
 
 
 def check_longest_sample(cfg, llm) -> None:

@@ -38,7 +38,8 @@ def watch_collectives(run_dir: str, nccl: bool) -> None:
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # torch's default, said once
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", os.path.join(folder, PREFIX))
     if nccl:  # the dump needs the monitor thread and a recorder (ProcessGroupNCCL.hpp)
-        for name, value in (("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"), ("TORCH_NCCL_ENABLE_MONITORING", "1"),
+        for name, value in (("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                            ("TORCH_NCCL_ENABLE_MONITORING", "1"),
                             ("TORCH_NCCL_TRACE_BUFFER_SIZE", os.environ["TORCH_FR_BUFFER_SIZE"])):
             os.environ.setdefault(name, value)
         os.makedirs(folder, exist_ok=True)
@@ -102,6 +103,7 @@ def stuck_collective(error: BaseException, timeout_s: float, step: int | None = 
     at = f" at step {step}" if step is not None else ""
     return CollectiveTimeout(
         f"rank {rank}{at}: collective {last.get('profiling_name', '?')} #{seq} on process group "
-        f"{pg_desc or pg_name} (ranks {_group_ranks(pg_name)}; input sizes {last.get('input_sizes')}"
-        f"), issued at {_caller(last)}, did not complete within launcher.timeout_s={timeout_s:g}: "
-        f"a rank of that group issued another collective or none.{where}")
+        f"{pg_desc or pg_name} (ranks {_group_ranks(pg_name)}; input sizes "
+        f"{last.get('input_sizes')}), issued at {_caller(last)}, did not complete within "
+        f"launcher.timeout_s={timeout_s:g}: a rank of that group issued another collective or "
+        f"none.{where}")

@@ -71,8 +71,8 @@ class BusyClock:
 
 def range_name(action) -> str:
     """The profiler range of `action` (hcp.comm.trace): `hcp.forward`, `hcp.backward`,
-    `hcp.send_recv` (one `Exchange`), `hcp.grad_sync_on`, `hcp.encoder_forward`, `hcp.route_forward`,
-    ...; a micro-batch's ranges end in its index (`hcp.forward mb3`)."""
+    `hcp.send_recv` (one `Exchange`), `hcp.grad_sync_on`, `hcp.encoder_forward`,
+    `hcp.route_forward`, ...; a micro-batch's ranges end in its index (`hcp.forward mb3`)."""
     if isinstance(action, A.Exchange):
         return "hcp.send_recv " + ",".join(sorted({op.kind for op in action.ops}))
     if isinstance(action, A.SyncGrads):

@@ -9,6 +9,7 @@ fail on the closed connection, or at the latest after `launcher.timeout_s`.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -20,6 +21,8 @@ import torch
 TEST_NONFINITE_ENV = "HCP_TEST_NONFINITE_STEP"
 """Test-only hook: at these steps (1-based, comma-separated) the loss, the gradient norm and
 every gradient become NaN before the check, as after a real overflow."""
+SPIKE_WINDOW = 20
+"""Finite losses of the previous steps whose mean a loss spike is measured against."""
 SHOWN_SAMPLES = 16
 """Sample indices a non-finite step's line shows of its global batch (then how many more)."""
 
@@ -43,13 +46,16 @@ class NonFiniteGuard:
     collective. Under `stop` the error is raised before the optimizer step and before any save:
     the weights in memory and the latest checkpoint on disk stay as they were. Under `skip`
     each skipped step is said in one line, and the step after `max_skipped` skipped ones stops
-    the run as `stop` does (None: no limit).
+    the run as `stop` does (None: no limit). A finite loss above `spike_factor` x the mean of
+    the previous `SPIKE_WINDOW` finite losses is said in one line with its batch (0: never), as
+    Megatron-LM's `--check-for-spiky-loss` looks for one; the update goes on.
     """
 
     def __init__(self, policy: str, model: torch.nn.Module, checkpoint_dir: str,
-                 max_skipped: int | None = None):
+                 max_skipped: int | None = None, spike_factor: float = 0.0):
         self.policy, self.model, self.checkpoint_dir = policy, model, checkpoint_dir
-        self.max_skipped = max_skipped
+        self.max_skipped, self.spike_factor = max_skipped, spike_factor
+        self.recent: collections.deque = collections.deque(maxlen=SPIKE_WINDOW)
         self.skipped: list[int] = []
         hook = os.environ.get(TEST_NONFINITE_ENV)
         self._inject_at = {int(s) for s in hook.split(",")} if hook else set()
@@ -68,10 +74,11 @@ class NonFiniteGuard:
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
+        batch = f"global batch: {batch_text(list(indices))}" if len(indices) else ""
         if math.isfinite(loss) and math.isfinite(grad_norm):
+            self._spike(step, loss, batch)
             return True
         what = f"step {step}: loss={loss} grad_norm={grad_norm} is not finite"
-        batch = f"global batch: {batch_text(list(indices))}" if len(indices) else ""
         limit = self.max_skipped
         if self.policy == "skip" and (limit is None or len(self.skipped) < limit):
             self.skipped.append(step)
@@ -90,6 +97,18 @@ class NonFiniteGuard:
         raise NonFiniteError(f"{what}; stopped before the update ({why}); {batch}. Latest "
                              f"checkpoint, untouched: {latest(self.checkpoint_dir)}. Fix: lower "
                              f"optim.lr or raise optim.warmup_ratio and resume=auto, or {other}")
+
+    def _spike(self, step: int, loss: float, batch: str) -> None:
+        """Say a loss above `spike_factor` x the mean of the window (once the window is full)."""
+        full = len(self.recent) == SPIKE_WINDOW
+        mean = sum(self.recent) / max(1, len(self.recent))
+        if self.spike_factor and full and loss > self.spike_factor * mean:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"hcp: step {step}: loss spike: {loss:.4g} is {loss / mean:.1f}x the mean "
+                      f"{mean:.4g} of the previous {SPIKE_WINDOW} steps (trainer.loss_spike_factor="
+                      f"{self.spike_factor:g}; the update goes on); {batch}", file=sys.stderr,
+                      flush=True)
+        self.recent.append(loss)
 
 
 @contextlib.contextmanager

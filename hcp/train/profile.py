@@ -33,7 +33,8 @@ class StepProfiler:
             None on the other ranks).
     """
 
-    def __init__(self, steps, memory: bool, run_dir: str, rank: int, device: torch.device, say=None):
+    def __init__(self, steps, memory: bool, run_dir: str, rank: int, device: torch.device,
+                 say=None):
         self.first, self.last = (steps[0], steps[-1]) if steps else (None, None)
         self.memory = memory and device.type == "cuda"
         self.rank, self.device, self.say = rank, device, say
@@ -71,7 +72,8 @@ class StepProfiler:
         self.prof.export_chrome_trace(trace)
         self.prof = None
         if self.memory:
-            torch.cuda.memory._dump_snapshot(os.path.join(self.folder, f"rank{self.rank}_memory_{tag}.pickle"))
+            snapshot = os.path.join(self.folder, f"rank{self.rank}_memory_{tag}.pickle")
+            torch.cuda.memory._dump_snapshot(snapshot)
             torch.cuda.memory._record_memory_history(enabled=None)
         if self.say is not None:
             what = "traces and memory snapshots" if self.memory else "traces"

@@ -47,7 +47,8 @@ class StragglerWatch:
                     lines.append(
                         f"hcp: straggler: rank {rank} took {seconds:.3f} s per step (compute "
                         f"{self.compute[rank] / n:.3f} s + data wait {self.wait[rank] / n:.3f} s) "
-                        f"over steps {step - n + 1}-{step}, {seconds / max(median, 1e-12):.1f}x the "
-                        f"median rank's {median:.3f} s (trainer.straggler_factor={self.factor:g})")
+                        f"over steps {step - n + 1}-{step}, {seconds / max(median, 1e-12):.1f}x "
+                        f"the median rank's {median:.3f} s (trainer.straggler_factor="
+                        f"{self.factor:g})")
         self.compute, self.wait, self.steps = [], [], 0
         return lines

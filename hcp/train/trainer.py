@@ -117,8 +117,9 @@ class Trainer:
                           if self.encoder is not None and cfg.placement == "colocated" else None)
         optim = typed(cfg.optim, OptimConfig)
         self.optimizer = build_optimizer(self.modules, optim, module_overrides(self.specs))  # groups per module
-        self.guard = NonFiniteGuard(self.settings.on_nonfinite, self.modules, self.checkpointing.dir,
-                                    self.settings.max_skipped_steps)
+        tc = self.settings
+        self.guard = NonFiniteGuard(tc.on_nonfinite, self.modules, self.checkpointing.dir,
+                                    tc.max_skipped_steps, tc.loss_spike_factor)
         self.scheduler = build_scheduler(self.optimizer, optim, self.settings.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), self.settings.global_batch_size, cfg.seed)
         self.index = sides.LengthIndexes(self.specs, self.train_set, self.tok)  # one per stream into the LLM
@@ -140,8 +141,8 @@ class Trainer:
                                  OmegaConf.to_container(cfg, resolve=True))
         if self.log and self.resume_note:
             self.log.write(self.resume_note)
-        self.profiler = StepProfiler(cfg.profile.steps, cfg.profile.memory, run_dir, self.rank, self.device,
-                                     self.log.write if self.log else None)
+        self.profiler = StepProfiler(cfg.profile.steps, cfg.profile.memory, run_dir, self.rank,
+                                     self.device, self.log.write if self.log else None)
         if self.islands is not None:  # every rank, last: the islands' P2P group
             self.islands.connect(self.world)
 
@@ -237,7 +238,8 @@ class Trainer:
             norm = self.clip(self.settings.grad_clip)
         read = host_values(torch.stack([loss.double(), norm.double()]))  # the step's one read, after its collectives
         loss, grad_norm = read if read is not None else (float("nan"), float("nan"))  # fake tensors: no value
-        update = read is None or self.guard.update_ok(self.step + 1, loss, grad_norm, indices)  # NaN/Inf
+        # NaN/Inf: stop or skip (trainer.on_nonfinite)
+        update = read is None or self.guard.update_ok(self.step + 1, loss, grad_norm, indices)
         if update:
             with span("hcp.optimizer"):
                 self.optimizer.step()
@@ -249,7 +251,8 @@ class Trainer:
         metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
                    "micro_batches": n_micro, **plan_stats, **prepared[4],
                    **rate_metrics(self.specs.llm.arch, counts, time.perf_counter() - t0, self.world)}
-        self.stats.issue(metrics, self.stage_times, data_wait_s)  # the previous step's land; this one's leave
+        # the previous step's figures land; this one's leave
+        self.stats.issue(metrics, self.stage_times, data_wait_s)
         return metrics
 
     def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[torch.Tensor, list[float], int]:
@@ -354,7 +357,7 @@ class Trainer:
         boundary after the one the signal reached."""
         tc = self.settings
         with self.profiler.step(self.step + 1):  # profile.steps: a trace of this step
-            metrics, evals = self.train_step(), {}  # the previous step's figures and flag have landed
+            metrics, evals = self.train_step(), {}  # the previous step's figures and flag landed
         record_step(self.step)
         if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
             evals = self.evaluate()
