@@ -62,10 +62,14 @@ def _group_ranks(name: str):
 
 
 def _caller(entry: dict) -> str:
-    """`file:line (function)` of the innermost frame outside torch that issued `entry`."""
+    """`file:line (function)` of the innermost frame outside torch that issued `entry` (a file
+    of hcp relative to the folder holding the `hcp` package)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for frame in entry.get("frames", ()):
-        if f"{os.sep}torch{os.sep}" not in frame["filename"]:
-            return f"{frame['filename']}:{frame['line']} ({frame['name']})"
+        name = frame["filename"]
+        if f"{os.sep}torch{os.sep}" not in name:
+            name = os.path.relpath(name, root) if name.startswith(root + os.sep) else name
+            return f"{name}:{frame['line']} ({frame['name']})"
     return "?"
 
 
