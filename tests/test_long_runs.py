@@ -224,3 +224,18 @@ def test_a_loss_spike_is_said_with_its_batch_once_the_window_is_full(capsys, mon
     assert said == {3.0: ["hcp: step 22: loss spike: 9 is 4.5x the mean 2 of the previous 20 steps "
                           "(trainer.loss_spike_factor=3; the update goes on); global batch: "
                           "samples [7, 3]"], 0.0: []}
+
+
+def test_the_commands_of_docs_long_runs_compose_and_validate():
+    import re
+    import shlex
+
+    from hcp.config.validate import validate
+
+    with open(os.path.join(REPO, "docs", "long_runs.md")) as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    lines = [line for block in blocks for line in block.strip().splitlines()]
+    assert len(lines) == 3
+    for line in lines:
+        args = shlex.split(line)
+        validate(compose_cfg(args[args.index("train.py") + 1:]), 4)
