@@ -106,13 +106,14 @@ def _rank(payload) -> None:
     from hcp.model.llama import LlamaDecoder
     from hcp.parallel.cp_sharding import cp_shard
     from hcp.launch.distributed import init_distributed
+    from hcp.parallel.groups import new_group
 
     cfg = OmegaConf.create(payload["cfg"])
     device = init_distributed(cfg.launcher)
     if device.type == "cpu":
         torch.set_num_threads(1)
     rank, pool, c = dist.get_rank(), dist.get_world_size(), payload["cp"]
-    blocks = [dist.new_group(list(range(b, b + c))) if 1 < c < pool else None
+    blocks = [new_group(range(b, b + c)) if 1 < c < pool else None
               for b in range(0, pool, c)]  # every rank creates every group, in one order
     group = dist.group.WORLD if c == pool > 1 else blocks[rank // c]
     torch.manual_seed(0)
