@@ -26,6 +26,7 @@ from hcp.config.layouts import CP_COMMS
 from hcp.model.collectives import all_gather_rows, group_rank, group_size, reduce_scatter_rows
 from hcp.model.cp_kernels import Kernel, acc_dtype, fused_kernel
 from hcp.parallel.cp_sharding import head_tail_chunks, host_cu
+from hcp.parallel.upload import upload
 
 SHORT_CHUNK = 32
 """Chunk size up to which an allgather document is one masked call (kernels with masks)."""
@@ -47,7 +48,7 @@ class Rows:
         n, length = rows.shape
         if n * length and np.array_equal(rows.ravel(), rows.flat[0] + np.arange(n * length)):
             return cls(int(rows.flat[0]), n, length)
-        return cls(0, n, length, torch.as_tensor(rows, dtype=torch.long).to(device, non_blocking=True))
+        return cls(0, n, length, upload(rows, device, torch.long))
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         if self.index is None:
@@ -147,7 +148,7 @@ def cp_calls(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
                 grouped[s][(k, i)].append((doc_start[:, None] + q_off, doc_start[:, None] + k_off, *shape))
     return [[Call(Rows.of(np.concatenate([p[0] for p in parts]), device),
                   Rows.of(np.concatenate([p[1] for p in parts]), device), parts[0][2], parts[0][4],
-                  None if parts[0][3] is None else torch.as_tensor(parts[0][3]).to(device))
+                  None if parts[0][3] is None else upload(parts[0][3], device))
              for parts in grouped[s].values()] for s in sources]
 
 

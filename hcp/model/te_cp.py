@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from hcp.config.te_rules import check_te_cp
 from hcp.parallel.cp_sharding import host_cu
+from hcp.parallel.upload import upload
 
 TE_COMM = {"allgather": "all_gather", "p2p": "p2p"}
 """hcp's `cp_comm` -> TE's `cp_comm_type`."""
@@ -50,7 +51,7 @@ def te_cp_attention(comm: str) -> Callable:
         cu = host_cu(cu_seqlens_host)
         padded = np.concatenate([[0], np.cumsum(-(-np.diff(cu) // (2 * c)) * 2 * c)])
         max_len = int(np.diff(padded).max()) if len(padded) > 1 else 0
-        dev = lambda x: torch.as_tensor(x, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
+        dev = lambda x: upload(x, device, torch.int32)  # noqa: E731
         bounds = dict(cu_seqlens_q=dev(cu), cu_seqlens_kv=dev(cu), cu_seqlens_q_padded=dev(padded),
                       cu_seqlens_kv_padded=dev(padded), max_seqlen_q=max_len, max_seqlen_kv=max_len)
         if device not in streams:

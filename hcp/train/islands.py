@@ -29,6 +29,7 @@ from hcp.model.llava import OWN_CP_GROUP
 from hcp.model.stage import StageSpec
 from hcp.parallel.grid import Grid
 from hcp.parallel.groups import new_group
+from hcp.parallel.upload import upload
 from hcp.parallel.islands import edge_ranks
 from hcp.parallel.roles import logging_rank
 from hcp.plan.actions import island_heads, island_stage_graph
@@ -148,7 +149,8 @@ class Islands:
             return list(counts)
         enc = self.specs[head].arch
         empty = torch.empty(0, enc.num_channels, enc.image_size, enc.image_size)
-        pixels = [torch.cat([empty, *(dataset.pixel_values(dataset[indices[s]], head) for s in mb)]).to(self.device)
+        pixels = [upload(torch.cat([empty, *(dataset.pixel_values(dataset[indices[s]], head) for s in mb)]),
+                         self.device)
                   for mb in mine.encoder_micro_batches[head]]
         read = [int(x.shape[0]) for x in pixels]
         if read != list(counts):
