@@ -255,3 +255,34 @@ def test_calibrate_is_not_held_to_the_data_length_rule(tmp_path):
                          cwd=tmp_path)
     assert out.returncode == 2 and "trainer.micro_batch_tokens=8" in out.stderr
     assert "shortest document is 32" in out.stderr and "max_seq_len" not in out.stderr, out.stderr
+
+
+def test_calibration_times_the_runs_precision_and_backend(monkeypatch):
+    """Calibration computes as training does: the backend resolved from the device, the compute
+    dtype and the CP pool (flash on a bf16 CUDA run without CP, hcp's CP attention with a pool),
+    and the pass under the run's autocast, so the attention gets bf16 q/k/v (it timed fp32:
+    on CUDA the math kernel, [n, Hq, Lq, Lk] scores in memory)."""
+    import torch
+
+    import hcp.model.backends as backends
+    from hcp.model.llama import LlamaDecoder
+
+    bf16 = compose_config(["+recipe=llama_tiny", "precision=bf16"])
+    monkeypatch.setattr(backends, "_importable", lambda name: name == "flash")
+    cuda = torch.device("cuda")
+    assert calibrate.calibration_backend(bf16, cuda, 1)[0] == "flash"
+    assert calibrate.calibration_backend(bf16, cuda, 4)[0] == "torch"       # the dynamic-CP pool
+    fp32 = compose_config(["+recipe=llama_tiny"])
+    assert calibrate.calibration_backend(fp32, cuda, 1)[0] == "torch"
+
+    seen = []
+    attention = backends.thd_attention
+    monkeypatch.setattr(backends, "thd_attention",
+                        lambda q, *a, **k: seen.append(q.dtype) or attention(q, *a, **k))
+    cpu = torch.device("cpu")
+    backend, precision = calibrate.calibration_backend(bf16, cpu, 1)
+    model = LlamaDecoder(bf16.llm, attention_backend=backend)
+    x = torch.randn(16, bf16.llm.hidden_size, requires_grad=True)
+    secs = calibrate.timed_pass(model, precision, cpu, x, torch.arange(8).repeat(2),
+                                torch.tensor([0, 8, 16], dtype=torch.int32), 8, (8, 8))
+    assert secs > 0 and set(seen) == {torch.bfloat16} and x.grad is not None

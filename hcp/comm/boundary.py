@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hcp.parallel.routing import RankRoute
+from hcp.parallel.upload import upload
 
 
 @dataclass
@@ -29,7 +30,7 @@ class RouteBytes:
 
 
 def _index(values, device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return upload(values, device, torch.long)
 
 
 def _where(mask, device) -> torch.Tensor:

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hcp.parallel.upload import upload
+
 
 @dataclass
 class StageMeta:
@@ -63,7 +65,7 @@ def broadcast_metas(batches, num_micro: int, group, src: int, device) -> list[St
     """
     if batches is not None:
         metas = [StageMeta.of(b) for b in batches]
-        sizes = torch.tensor([m.sizes() for m in metas], dtype=torch.long, device=device).view(-1, 3)
+        sizes = upload([m.sizes() for m in metas], device, torch.long).view(-1, 3)
     else:
         sizes = torch.empty(num_micro, 3, dtype=torch.long, device=device)
     if num_micro == 0:

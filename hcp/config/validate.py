@@ -16,6 +16,7 @@ from hcp.config.keys import check_known_keys
 from hcp.config.layouts import check_layouts
 from hcp.config.modules import check_graph, encoder_names, module_cfg, module_key, module_names, streams
 from hcp.config.precision import PRECISIONS
+from hcp.config.te_rules import check_te
 
 _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "mode": ("train", "plan", "export", "calibrate", "rehearse"),
@@ -57,15 +58,18 @@ def check_rehearse_report(cfg) -> None:
 def check_backends(cfg, layouts) -> None:
     """An optional GPU backend asked for by name must run with the largest CP group of the run
     (`check_cp_backend`: under `packing=dynamic_cp` the LLM's CP pool) and be importable
-    (checked without importing it: `import transformer_engine` raises on machines without CUDA)."""
+    (checked without importing it: `import transformer_engine` raises on machines without CUDA),
+    and `te` must be one the installed Transformer Engine runs (`hcp.config.te_rules`)."""
     backend, llm, dynamic = cfg.llm.attention_backend, layouts["llm"], cfg.packing == "dynamic_cp"
-    check_cp_backend(backend, llm.cp_pool if dynamic else llm.cp, dynamic)
+    cp = llm.cp_pool if dynamic else llm.cp
+    check_cp_backend(backend, cp, dynamic)
     if backend in BACKEND_MODULES:
         package, how = BACKEND_MODULES[backend]
         package = package.split(".")[0]
         if importlib.util.find_spec(package) is None:
             raise ConfigError("llm.attention_backend", backend, f"the `{package}` package is not "
                               "installed", f"{how}, or set llm.attention_backend=auto")
+    check_te(backend, cfg.precision, cp, llm.cp_comm)
 
 
 def check_model(cfg) -> None:

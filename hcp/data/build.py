@@ -7,7 +7,7 @@ import sysconfig
 from hcp.config.errors import ConfigError
 from hcp.data.clip_image import load_clip_image
 from hcp.data.code_corpus import CodeCorpus, stdlib_sources
-from hcp.data.digits import build_digits_pair, build_digits_tiles, build_digits_vqa
+from hcp.data.digits import build_digits_pair, build_digits_tiles, build_digits_vqa, build_lock
 from hcp.data.llava import EncoderInput, LlavaDataset, load_image
 from hcp.data.tokenizer import build_tokenizer
 from hcp.data.tokens import build_tokens
@@ -48,6 +48,14 @@ def encoder_inputs(specs, tok) -> tuple[EncoderInput, ...] | None:
     return tuple(out)
 
 
+def build_builtin(name: str, root: str, eval_fraction: float) -> str:
+    """Write the built-in data set `name` (`BUILT_IN`) under `root` unless it is there, one task
+    at a time (`hcp.data.digits.build_lock`: under srun the first task builds, the others wait
+    and read it); returns its folder."""
+    with build_lock(root):
+        return BUILT_IN[name](root, eval_fraction)
+
+
 def prepare_data(cfg, specs) -> list[str]:
     """In the launching process, before ranks start: check that the LLM's vocabulary holds the
     tokenizer's ids, write built-in data sets once and read every record (so a bad record stops
@@ -67,10 +75,8 @@ def prepare_data(cfg, specs) -> list[str]:
         raise ConfigError("llm.vocab_size", cfg.llm.vocab_size, f"smaller than the {tok.vocab_size} "
                           f"ids of data.tokenizer={cfg.data.tokenizer!r}",
                           f"set llm.vocab_size to at least {tok.vocab_size} (a multiple of tp)")
-    if cfg.data.name == "digits_vqa":
-        build_digits_vqa(cfg.data.root, cfg.data.eval_fraction)
-    elif cfg.data.name in BUILT_IN:
-        BUILT_IN[cfg.data.name](cfg.data.root, cfg.data.eval_fraction)
+    if cfg.data.name in BUILT_IN:
+        build_builtin(cfg.data.name, cfg.data.root, cfg.data.eval_fraction)
     _, train, held_out = build_datasets(cfg, specs)  # every record validated here, before any rank
     if len(train) < cfg.trainer.global_batch_size:
         raise ConfigError("trainer.global_batch_size", cfg.trainer.global_batch_size,
@@ -95,7 +101,7 @@ def build_datasets(cfg, specs):
     d, v = cfg.data, specs["vision"].arch if "vision" in specs else None
     tok = build_tokenizer(d.tokenizer)
     if d.name in BUILT_IN:
-        root = BUILT_IN[d.name](d.root, d.eval_fraction)
+        root = build_builtin(d.name, d.root, d.eval_fraction)
         train_path, eval_path, folder = (os.path.join(root, "train.json"),
                                          os.path.join(root, "eval.json"), root)
     elif d.name == "code_corpus":

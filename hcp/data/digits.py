@@ -8,6 +8,7 @@ format ("What digit is in the image?" -> "seven"); they are then read back throu
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -36,6 +37,28 @@ def _written_in_place(root: str, out: str, prefix: str):
         os.rename(tmp, out)
     except OSError:  # another run finished first: keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def build_lock(root: str):
+    """Hold an exclusive lock on `root/.build.lock` (created) while building a data set there.
+    Under `srun` every task prepares the data at once, before any process group exists: the
+    first task to take the lock builds, the others wait on it (no collective, no polling) and
+    then find the set written. A lock is per filesystem, so tasks on other nodes with a local
+    `data.root` build their own copy. Where the filesystem refuses `flock` (Lustre mounted
+    without `-o flock`), every task builds, as safely as without the lock
+    (`_written_in_place`). The kernel drops the lock of a task that dies: no hang."""
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, ".build.lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:  # no flock on this filesystem
+            pass
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def build_digits_vqa(root: str, eval_fraction: float = 0.15) -> str:

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from hcp.data.host import first_fit  # noqa: F401 - packing's static policy, torch-free there
+from hcp.parallel.upload import upload
 
 
 @dataclass
@@ -44,7 +45,7 @@ class Batch:
     loss_tokens: Optional[int] = None
 
     def to(self, device) -> "Batch":
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        move = lambda t: None if t is None else upload(t, device)  # noqa: E731
         return Batch(move(self.input_ids), move(self.labels), move(self.position_ids),
                      move(self.cu_seqlens), self.max_seqlen, move(self.pixel_values),
                      move(self.image_mask), self.sample_ids,

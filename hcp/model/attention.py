@@ -5,17 +5,47 @@ attention), `cu_seqlens` int32 `[N + 1]` (prefix sums of the N document lengths)
 `max_seqlen` (the longest document). Each token attends causally to earlier tokens of its own
 document only.
 
-Each document is one `F.scaled_dot_product_attention(is_causal=True)` call on views of q, k, v
-(no padding, no mask tensor, no index bookkeeping). On CPU (4-d inputs) torch dispatches it to its
-fused flash kernel, which is block-wise with fp32 softmax statistics (Dao et al. 2022), so a long
-document costs O(T) memory; on CUDA to flash / memory-efficient kernels (kv heads expanded for
-grouped-query attention there, so no kernel falls back to the O(L^2) math path). Under CP the same math
-runs block-wise across ranks in `hcp.model.cp_attention`.
+On CUDA in fp16/bf16 the whole micro-batch is ONE call of aten's varlen flash-attention 2 kernel
+(`_VarlenFlash`: ragged documents by `cu_seqlens`, causal, grouped-query heads as they are),
+whatever the number of documents. Elsewhere (CPU, and fp32 on CUDA, which the
+flash kernel does not take) each document is one `F.scaled_dot_product_attention(is_causal=True)`
+call on views of q, k, v (no padding, no mask tensor, no index bookkeeping). On CPU (4-d inputs)
+torch dispatches it to its fused flash kernel, which is block-wise with fp32 softmax statistics
+(Dao et al. 2022), so a long document costs O(T) memory; on CUDA to the memory-efficient kernel
+(kv heads expanded for grouped-query attention there, so no kernel falls back to the O(L^2) math
+path). Under CP the same math runs block-wise across ranks in `hcp.model.cp_attention`.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+"""Dtypes of aten's CUDA flash-attention kernels (`_VarlenFlash`)."""
+
+
+class _VarlenFlash(torch.autograd.Function):
+    """Causal attention over ragged documents in one kernel call: q [T, Hq, D], k, v [T, Hkv, D]
+    (CUDA, fp16/bf16), `cu_seqlens` int32 [N + 1] on the device, `max_seqlen` (host int) ->
+    [T, Hq, D]. aten's flash-attention 2 varlen forward and backward (Dao 2023), what
+    `torch.nn.attention.varlen.varlen_attn` runs; called as aten ops, which FakeTensorMode also
+    runs on a CPU-only build (the custom op around them aborts there in a device guard)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen):
+        out, lse, seed, offset, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, seed, offset)
+        ctx.max_seqlen = max_seqlen
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        n = ctx.max_seqlen
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout.contiguous(), q, k, v, out, lse, cu, cu, n, n, 0.0, True, seed, offset)
+        return dq, dk, dv, None, None
 
 
 def check_thd(q: torch.Tensor, k: torch.Tensor, lengths) -> None:
@@ -37,16 +67,23 @@ def thd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   cu_seqlens: torch.Tensor, max_seqlen: int, seqlens=None) -> torch.Tensor:
     """Causal attention within each document. Shapes in the module docstring; returns
     [T, Hq, D]. `max_seqlen` bounds the document lengths (flash/te size their kernels by it).
-    `seqlens`: the N document lengths on the host (`host_seqlens`; None reads cu_seqlens).
+    `seqlens`: the N document lengths on the host (`host_seqlens`; None reads cu_seqlens,
+    except on the CUDA varlen path, which checks only the heads then).
 
     Raises:
         ValueError: Hq is not a multiple of Hkv, the token counts disagree with cu_seqlens, or a
             document is longer than max_seqlen.
     """
-    lengths = host_seqlens(cu_seqlens, seqlens)
-    check_thd(q, k, lengths)
-    if lengths and max(lengths) > max_seqlen:
-        raise ValueError(f"a document has {max(lengths)} tokens, more than max_seqlen={max_seqlen}")
+    varlen = q.device.type == "cuda" and q.dtype in VARLEN_DTYPES
+    if varlen and seqlens is None:  # the kernel reads cu_seqlens on the device: no host read here
+        check_thd(q, k, (q.shape[0],))
+    else:
+        lengths = host_seqlens(cu_seqlens, seqlens)
+        check_thd(q, k, lengths)
+        if lengths and max(lengths) > max_seqlen:
+            raise ValueError(f"a document has {max(lengths)} tokens, more than max_seqlen={max_seqlen}")
+    if varlen:
+        return _VarlenFlash.apply(q, k, v, cu_seqlens, max_seqlen)
     gqa = q.shape[1] != k.shape[1]
     if gqa and q.device.type != "cpu":
         # not every CUDA SDPA kernel takes enable_gqa; one that does not would fall back to the

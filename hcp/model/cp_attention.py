@@ -9,8 +9,11 @@ CP size c cuts a document of L tokens into 2c chunks of k = ceil(L / 2c) positio
 owned by rank min(i, 2c-1-i), stored as [head chunk, tail chunk]. Per document rank r computes
 its own 2k rows causally, then allgather: both chunks against chunks 0..r-1 (the heads of
 ranks 0..r-1) in one call, and its tail against chunks r+1..2c-2-r (the whole shards of ranks
-r+1..c-1); p2p, source s: s < r both against s's head, s > r its tail against both. Documents of one chunk size share each `Call`; under allgather a short document
-(k <= `SHORT_CHUNK`) on a masking kernel is one masked call. The plan comes from the host
+r+1..c-1); p2p, source s: s < r both against s's head, s > r its tail against both.
+Documents of one chunk size share each `Call`; on a ragged kernel (CUDA's varlen flash) the
+documents of every chunk size share it (`Segments`): a few calls per micro-batch
+and layer whatever the lengths. Under allgather a short document (k <= `SHORT_CHUNK`) on a
+masking kernel is one masked call. The plan comes from the host
 lengths (`host_cu_seqlens`: no device-to-host read); the CP group is per micro-batch."""
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from hcp.config.layouts import CP_COMMS
 from hcp.model.collectives import all_gather_rows, group_rank, group_size, reduce_scatter_rows
 from hcp.model.cp_kernels import Kernel, acc_dtype, fused_kernel
 from hcp.parallel.cp_sharding import head_tail_chunks, host_cu
+from hcp.parallel.upload import upload
 
 SHORT_CHUNK = 32
 """Chunk size up to which an allgather document is one masked call (kernels with masks)."""
@@ -48,7 +52,7 @@ class Rows:
         n, length = rows.shape
         if n * length and np.array_equal(rows.ravel(), rows.flat[0] + np.arange(n * length)):
             return cls(int(rows.flat[0]), n, length)
-        return cls(0, n, length, torch.as_tensor(rows, dtype=torch.long).to(device, non_blocking=True))
+        return cls(0, n, length, upload(rows, device, torch.long))
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         if self.index is None:
@@ -69,12 +73,42 @@ class Rows:
 
 
 @dataclass
+class Segments:
+    """Rows of a `[T, ...]` tensor taken as m ragged blocks, flat: `index` long [R] (on the
+    tensors' device), block bounds `cu` int32 [m + 1] (device) and `sizes` (host ints [m]),
+    `max_len` the longest block. What a ragged kernel (`Kernel.ragged`) takes."""
+
+    index: torch.Tensor
+    cu: torch.Tensor
+    sizes: list
+    max_len: int
+
+    @classmethod
+    def of(cls, blocks: list, device) -> "Segments":
+        """blocks: int [n_j, L_j] row arrays on the host (n_j blocks of L_j rows each)."""
+        sizes = [b.shape[1] for b in blocks for _ in range(b.shape[0])]
+        index = np.concatenate([b.ravel() for b in blocks])
+        return cls(upload(index, device, torch.long),
+                   upload(np.concatenate([[0], np.cumsum(sizes)]), device, torch.int32),
+                   sizes, max(sizes))
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        return x.index_select(0, self.index)
+
+    def put(self, x: torch.Tensor, value: torch.Tensor) -> None:
+        x.index_copy_(0, self.index, value)
+
+    def add(self, x: torch.Tensor, value: torch.Tensor) -> None:
+        x.index_add_(0, self.index, value)
+
+
+@dataclass
 class Call:
     """One fused kernel call: n blocks of `q` rows (local queries) against `k` rows (of the
-    key source), fully or top-left causal."""
+    key source), fully or top-left causal; `Segments` on a ragged kernel."""
 
-    q: Rows
-    k: Rows
+    q: Rows | Segments
+    k: Rows | Segments
     causal: bool
     first: bool
     """The first call of its query rows: its result and dq are written, not merged or added
@@ -126,10 +160,11 @@ def _doc_calls(c: int, r: int, k: int, t_loc: int, comm: str, masked: bool) -> d
 
 
 def cp_calls(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
-             device="cpu", masked: bool = True) -> list[list[Call]]:
+             device="cpu", masked: bool = True, ragged: bool = False) -> list[list[Call]]:
     """The calls of CP rank `cp_rank` of `cp_size` (see `CPAttentionPlan.calls`) for the whole
     micro-batch's document `lengths` (host ints [N]); row indices and masks on `device`;
-    `masked`: the kernel takes masks (short documents as one call). Pure function.
+    `masked`: the kernel takes masks (short documents as one call); `ragged`: the kernel takes
+    ragged blocks (one call per role for every chunk size, `Segments`). Pure function.
 
     Raises ValueError for an unknown `comm`.
     """
@@ -145,10 +180,15 @@ def cp_calls(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
         doc_start = starts[chunk == k]                             # [n] documents of chunk k
         for s, calls in _doc_calls(c, r, k, t_loc, comm, masked).items():
             for i, (q_off, k_off, *shape) in enumerate(calls):
-                grouped[s][(k, i)].append((doc_start[:, None] + q_off, doc_start[:, None] + k_off, *shape))
+                grouped[s][i if ragged else (k, i)].append(
+                    (doc_start[:, None] + q_off, doc_start[:, None] + k_off, *shape))
+    if ragged:
+        return [[Call(Segments.of([p[0] for p in parts], device),
+                      Segments.of([p[1] for p in parts], device), parts[0][2], parts[0][4])
+                 for parts in grouped[s].values()] for s in sources]
     return [[Call(Rows.of(np.concatenate([p[0] for p in parts]), device),
                   Rows.of(np.concatenate([p[1] for p in parts]), device), parts[0][2], parts[0][4],
-                  None if parts[0][3] is None else torch.as_tensor(parts[0][3]).to(device))
+                  None if parts[0][3] is None else upload(parts[0][3], device))
              for parts in grouped[s].values()] for s in sources]
 
 
@@ -178,7 +218,7 @@ def build_cp_plan(cu_seqlens, group, comm: str = "allgather", device="cpu") -> C
     and kernel for `device`. Raises ValueError as `cp_calls`, `host_cu` and `fused_kernel`."""
     kernel = fused_kernel(device)
     calls = cp_calls(np.diff(host_cu(cu_seqlens)), group_size(group), group_rank(group), comm, device,
-                     kernel.masks)
+                     kernel.masks, kernel.ragged)
     return CPAttentionPlan(group, comm, calls, kernel)
 
 
@@ -229,8 +269,9 @@ class Partial:
         with torch.autocast(q.device.type, enabled=False):
             for call in calls:
                 kv_rows = call.k.take(kv)
-                out, lse = kernel.forward(call.q.take(q), kv_rows[:, :, 0], kv_rows[:, :, 1],
-                                          call.causal, call.mask)
+                shape = (call.q, call.k) if kernel.ragged else (call.mask,)
+                out, lse = kernel.forward(call.q.take(q), kv_rows.select(-3, 0),
+                                          kv_rows.select(-3, 1), call.causal, *shape)
                 if call.first:
                     call.q.put(self.out, out.to(self.out.dtype))
                     call.q.put(self.lse, lse.to(self.lse.dtype))
@@ -257,14 +298,16 @@ def grads(q, kv, dout, out, lse, calls: list[Call], kernel: Kernel, dq, dkv) -> 
         for call in calls:
             rows = call.q.take
             kv_rows = call.k.take(kv)
-            dq_c, dk_c, dv_c = kernel.backward(rows(dout), rows(q), kv_rows[:, :, 0], kv_rows[:, :, 1],
-                                               rows(out), rows(lse), call.causal, call.mask)
+            shape = (call.q, call.k) if kernel.ragged else (call.mask,)
+            dq_c, dk_c, dv_c = kernel.backward(rows(dout), rows(q), kv_rows.select(-3, 0),
+                                               kv_rows.select(-3, 1), rows(out), rows(lse),
+                                               call.causal, *shape)
             (call.q.put if call.first else call.q.add)(dq, dq_c.to(dq.dtype))
             if call.k.index is None:                                # views: added in place
                 call.k.add(dkv[:, 0], dk_c.to(dkv.dtype))
                 call.k.add(dkv[:, 1], dv_c.to(dkv.dtype))
             else:  # one index_add into contiguous rows: into the strided halves it is ~3x slower
-                call.k.add(dkv, torch.stack([dk_c, dv_c], dim=2).to(dkv.dtype))
+                call.k.add(dkv, torch.stack([dk_c, dv_c], dim=-3).to(dkv.dtype))
 
 
 class _FusedAttention(torch.autograd.Function):

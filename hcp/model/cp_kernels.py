@@ -6,7 +6,12 @@ with `masks`). The forward returns out `[n, Lq, Hq, D]` (q's dtype) and lse `[n,
 so partial results over disjoint keys merge exactly; the backward takes the MERGED out and lse
 (the flash backward, Dao 2023), so each call's gradients are its exact share. Kernels: `cpu`
 (aten's CPU flash attention), `cuda` (aten's flash-attn 2 varlen kernels, fp16/bf16; fp32 runs
-`math`), `math` (plain torch with materialized scores: the tests' reference)."""
+`math`), `math` (plain torch with materialized scores: the tests' reference).
+
+A `ragged` kernel (`cuda`) takes one call over blocks of DIFFERENT lengths: q `[R, Hq, D]` rows
+and k, v `[S, Hkv, D]` rows cut into m blocks by `Segments` (device bounds `cu [m + 1]`, the
+host `sizes`), out `[R, Hq, D]`, lse `[R, Hq]`: the varlen kernel's own layout, so the documents
+of every chunk size go in one call. Its fp32 fallback runs `math` block by block."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,6 +33,9 @@ class Kernel:
     """(dout, q, k, v, out, lse, causal, mask) -> (dq, dk, dv) in the inputs' dtype."""
     masks: bool
     """Whether it takes a `mask` (else only None)."""
+    ragged: bool = False
+    """Whether forward/backward take ragged blocks: (q, k, v, causal, q_segments, k_segments)
+    and (dout, q, k, v, out, lse, causal, q_segments, k_segments), rows flat (module docstring)."""
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -96,32 +104,6 @@ def _cpu_backward(dout, q, k, v, out, lse, causal, mask=None):
     return tuple(_heads_first(g) for g in grads)
 
 
-def _cu(n: int, length: int, device) -> torch.Tensor:
-    return torch.arange(0, (n + 1) * length, length, dtype=torch.int32, device=device)
-
-
-def _flat(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, *x.shape[2:])                              # [n, L, H, D] -> [n * L, H, D]
-
-
-def _cuda_forward(q, k, v, causal, mask=None):
-    (n, lq), lk = q.shape[:2], k.shape[1]
-    out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        _flat(q), _flat(k), _flat(v), _cu(n, lq, q.device), _cu(n, lk, q.device), lq, lk, 0.0,
-        causal, False)
-    return out.view(q.shape), lse.view(-1, n, lq).permute(1, 2, 0)   # lse [Hq, n * Lq]
-
-
-def _cuda_backward(dout, q, k, v, out, lse, causal, mask=None):
-    (n, lq), lk = q.shape[:2], k.shape[1]
-    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)       # no dropout
-    grads = torch.ops.aten._flash_attention_backward(
-        _flat(dout), _flat(q), _flat(k), _flat(v), _flat(out),
-        lse.permute(2, 0, 1).reshape(lse.shape[2], -1).contiguous(), _cu(n, lq, q.device),
-        _cu(n, lk, q.device), lq, lk, 0.0, causal, rng, torch.empty(0, device=q.device))
-    return tuple(g.view(x.shape) for g, x in zip(grads, (q, k, v)))
-
-
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype of statistics and accumulators: fp32, or fp64 for fp64 inputs (tests)."""
     return torch.promote_types(dtype, torch.float32)
@@ -164,6 +146,37 @@ def _math_backward(dout, q, k, v, out, lse, causal, mask=None):
     return _heads_first(dq).to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
 
+def _cuda_ragged_forward(q, k, v, causal, qs, ks):
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, qs.cu, ks.cu, qs.max_len, ks.max_len, 0.0, causal, False)
+    return out, lse.t()                                             # lse [Hq, R] -> [R, Hq]
+
+
+def _cuda_ragged_backward(dout, q, k, v, out, lse, causal, qs, ks):
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)       # no dropout
+    return torch.ops.aten._flash_attention_backward(
+        dout, q, k, v, out, lse.t().contiguous(), qs.cu, ks.cu, qs.max_len, ks.max_len, 0.0,
+        causal, rng, torch.empty(0, device=q.device))
+
+
+def _blocks(x, segments):
+    """Flat rows [R, ...] -> one [1, L_i, ...] block per segment (host sizes: no device read)."""
+    return [b[None] for b in x.split(segments.sizes)]
+
+
+def _ragged_math_forward(q, k, v, causal, qs, ks):
+    parts = [_math_forward(*blocks, causal) for blocks in
+             zip(_blocks(q, qs), _blocks(k, ks), _blocks(v, ks))]
+    return torch.cat([o[0] for o, _ in parts]), torch.cat([lse[0] for _, lse in parts])
+
+
+def _ragged_math_backward(dout, q, k, v, out, lse, causal, qs, ks):
+    parts = [_math_backward(*blocks, causal) for blocks in
+             zip(_blocks(dout, qs), _blocks(q, qs), _blocks(k, ks), _blocks(v, ks),
+                 _blocks(out, qs), _blocks(lse, qs))]
+    return tuple(torch.cat([g[0] for g in grads]) for grads in zip(*parts))
+
+
 def _cuda_or_math(flash, fallback):
     def run(q, *args):
         half = q.dtype in (torch.float16, torch.bfloat16)
@@ -172,9 +185,13 @@ def _cuda_or_math(flash, fallback):
 
 
 MATH = Kernel("math", _math_forward, _math_backward, masks=True)
+RAGGED_MATH = Kernel("ragged_math", _ragged_math_forward, _ragged_math_backward, masks=False,
+                     ragged=True)
+"""`math` over ragged blocks, one block at a time: the reference of the ragged calls."""
 KERNELS = {"cpu": Kernel("cpu", _cpu_forward, _cpu_backward, masks=True),
-           "cuda": Kernel("cuda", _cuda_or_math(_cuda_forward, _math_forward),
-                          _cuda_or_math(_cuda_backward, _math_backward), masks=False)}
+           "cuda": Kernel("cuda", _cuda_or_math(_cuda_ragged_forward, _ragged_math_forward),
+                          _cuda_or_math(_cuda_ragged_backward, _ragged_math_backward),
+                          masks=False, ragged=True)}
 
 
 def fused_kernel(device: torch.device | str) -> Kernel:

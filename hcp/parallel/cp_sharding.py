@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hcp.parallel.upload import upload
+
 
 @dataclass
 class CPShard:
@@ -102,7 +104,7 @@ def cp_shard(cu_seqlens, cp_size: int, cp_rank: int, device=None) -> CPShard:
     padded_cu = np.concatenate([[0], np.cumsum(two_c * chunk)])
 
     def move(x: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.as_tensor(x).to(device or "cpu", dtype, non_blocking=True)
+        return upload(x, device or "cpu", dtype)
 
     return CPShard(
         token_index=move(np.where(valid, cu[doc] + position, 0), torch.long),

@@ -6,8 +6,13 @@ of the world in one order (`creation_order`: modules in graph order, the kinds o
 `hcp.parallel.grid.KINDS`, then dynamic-CP block sizes 1, 2, 4, ...; a rank list met again is
 shared) and keeps its own, as Megatron-LM's `initialize_model_parallel` does. The order depends
 on the layouts only (tests/test_group_creation.py). A group of one rank gets no communicator but
-a local stand-in of the `hcp_self` backend (torch's `FakeProcessGroup`), usable like any group."""
+a local stand-in of the `hcp_self` backend (torch's `FakeProcessGroup`), usable like any group.
+Every group hcp creates goes through `new_group`, which gives it the world's collective timeout
+(`launcher.timeout_s`): torch's `new_group` without `timeout` takes its own default (10 min for
+NCCL, 30 for gloo), whatever the world was given."""
 from __future__ import annotations
+
+import datetime
 
 import torch.distributed as dist
 
@@ -18,6 +23,24 @@ SELF_BACKEND = "hcp_self"
 SELF_GROUP_DESC = "hcp_self"
 """`group_desc` of a stand-in group of one rank: created by its member alone, with no world-wide
 step (a rehearsal does not count it among the creations every rank must make)."""
+
+
+def world_timeout() -> datetime.timedelta | None:
+    """The default group's collective timeout (what `dist.init_process_group` was given), read
+    from its backend's options; None where the backend keeps none (torch's fake backend)."""
+    world = dist.group.WORLD
+    for device in getattr(world, "_device_types", ()):
+        timeout = getattr(getattr(world._get_backend(device), "options", None), "_timeout", None)
+        if timeout is not None:
+            return timeout
+    return None
+
+
+def new_group(ranks, **kwargs) -> dist.ProcessGroup:
+    """`dist.new_group(ranks, **kwargs)` with the world's timeout (`world_timeout`): a
+    collective stuck on a subgroup fails when one on the world would. The same calling rules
+    as torch's (every rank, in one order, unless `use_local_synchronization`)."""
+    return dist.new_group(list(ranks), timeout=world_timeout(), **kwargs)
 
 
 def _self_backend(common_opts, backend_opts):
@@ -34,8 +57,8 @@ def self_group(rank: int) -> dist.ProcessGroup:
     if not hasattr(dist.Backend, SELF_BACKEND.upper()):
         dist.Backend.register_backend(SELF_BACKEND, _self_backend, extended_api=True,
                                       devices=["cpu", "cuda"])
-    return dist.new_group([rank], backend=SELF_BACKEND, use_local_synchronization=True,
-                          group_desc=SELF_GROUP_DESC)
+    return new_group([rank], backend=SELF_BACKEND, use_local_synchronization=True,
+                     group_desc=SELF_GROUP_DESC)
 
 
 def _blocks(grid: Grid, dynamic: bool):
@@ -78,7 +101,7 @@ class ProcessGroupRegistry:
         self.grids = {m: Grid.of(lay) for m, lay in layouts.items()}
         mine: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for ranks, desc in creation_order(layouts, dynamic_cp_modules):
-            group = dist.new_group(list(ranks), group_desc=desc)  # every rank, members or not
+            group = new_group(ranks, group_desc=desc)  # every rank, members or not
             if self.rank in ranks:
                 mine[ranks] = group
         self._groups: dict[tuple[str, str, int | None], tuple[dist.ProcessGroup, tuple[int, ...]]] = {}

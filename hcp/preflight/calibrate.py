@@ -1,7 +1,8 @@
 """`mode=calibrate`: fit the dynamic-CP cost model's coefficients to measured passes.
 
 `python train.py +recipe=llama_tiny mode=calibrate` times real forward + backward passes of the
-configured LLM (`llm.*`, one pipeline stage, no TP) on this machine over a grid of document
+configured LLM (`llm.*`, one pipeline stage, no TP; in the run's `precision` and attention
+backend, `calibration_backend`) on this machine over a grid of document
 lengths L, documents per micro-batch d and CP sizes c (powers of two up to the local ranks and
 `CALIBRATE_MAX_CP`; on CPU gloo ranks, each with one thread). The grid covers what plans run
 under the per-rank cap m = `trainer.micro_batch_tokens` (`grid`): at each c, lengths from m / 4
@@ -93,10 +94,43 @@ def typical_group(secs, c: int) -> float:
     return float(np.median(np.asarray(secs, dtype=np.float64).reshape(-1, c).max(axis=1)))
 
 
+def calibration_backend(cfg, device, pool: int) -> tuple[str, Precision]:
+    """The attention backend and precision policy the run computes with (`precision`,
+    `llm.attention_backend` resolved as the trainer resolves it: from `device`, the compute
+    dtype and the largest CP group, the `pool`, as under `packing=dynamic_cp`). Calibrating
+    in fp32 without autocast timed other kernels than training runs: on CUDA, fp32 CP
+    attention takes the math kernel (`hcp.model.cp_kernels`), scores [n, Hq, Lq, Lk] in memory."""
+    from hcp.model.backends import resolve_backend
+
+    precision = Precision.of(cfg.precision)
+    return resolve_backend(cfg.llm.attention_backend, device, precision.compute, pool,
+                           dynamic=pool > 1), precision
+
+
+def timed_pass(model, precision: Precision, device, x, pos, cu, max_len: int, seqlens) -> float:
+    """Seconds of one forward + backward of `model` (x [T, H] fp32, the residual stream) in the
+    run's precision (`precision.autocast`): busy time on CPU (`busy_time`), wall time between
+    `torch.cuda.synchronize` calls on GPU."""
+    import torch
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter() if cuda else busy_time()
+    with precision.autocast(device.type):
+        out = model(x, pos, cu, max_len, seqlens=seqlens)
+        loss = model.logits(out).float().square().mean()
+    loss.backward()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() if cuda else busy_time()) - start
+
+
 def _rank(payload) -> None:
     """One gloo/NCCL rank of the pool (the world: the largest CP size's ranks), split into
     groups of `payload["cp"]` consecutive ranks: every group times the grid at once (the pool as busy as
-    in training), each as one CP group; rank 0 writes `[[L, d, c, seconds], ...]` (per run the
+    in training), each as one CP group, in the run's precision and attention backend
+    (`calibration_backend`); rank 0 writes `[[L, d, c, seconds], ...]` (per run the
     slowest rank of each group, the median over the groups; the least of REPEATS runs) to
     `payload["out"]`."""
     import torch
@@ -106,17 +140,19 @@ def _rank(payload) -> None:
     from hcp.model.llama import LlamaDecoder
     from hcp.parallel.cp_sharding import cp_shard
     from hcp.launch.distributed import init_distributed
+    from hcp.parallel.groups import new_group
 
     cfg = OmegaConf.create(payload["cfg"])
     device = init_distributed(cfg.launcher)
     if device.type == "cpu":
         torch.set_num_threads(1)
     rank, pool, c = dist.get_rank(), dist.get_world_size(), payload["cp"]
-    blocks = [dist.new_group(list(range(b, b + c))) if 1 < c < pool else None
+    blocks = [new_group(range(b, b + c)) if 1 < c < pool else None
               for b in range(0, pool, c)]  # every rank creates every group, in one order
     group = dist.group.WORLD if c == pool > 1 else blocks[rank // c]
     torch.manual_seed(0)
-    model = LlamaDecoder(cfg.llm, cp_group=group).to(device)
+    backend, precision = calibration_backend(cfg, device, pool)
+    model = LlamaDecoder(cfg.llm, cp_group=group, attention_backend=backend).to(device)
     rows = []
     for L, d in payload["points"]:
         cu = torch.arange(d + 1, dtype=torch.int32) * L
@@ -127,14 +163,7 @@ def _rank(payload) -> None:
         for _ in range(REPEATS + 1):  # the first run warms up
             x = torch.randn(n, cfg.llm.hidden_size, device=device, requires_grad=True)
             dist.barrier()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter() if device.type == "cuda" else busy_time()
-            out = model(x, pos.to(device), cu.to(device), L, seqlens=(L,) * d)
-            model.logits(out).float().square().mean().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            secs = (time.perf_counter() if device.type == "cuda" else busy_time()) - start
+            secs = timed_pass(model, precision, device, x, pos.to(device), cu.to(device), L, (L,) * d)
             every = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(pool)]
             dist.all_gather(every, torch.tensor([secs], dtype=torch.float64, device=device))
             best = min(best, typical_group(torch.cat(every).tolist(), c)) if _ else best

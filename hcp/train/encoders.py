@@ -15,6 +15,7 @@ import torch
 from hcp.model.encoder_side import EncoderSide
 from hcp.model.llava import LlavaEncoder
 from hcp.model.init import meta_build
+from hcp.parallel.upload import upload
 from hcp.plan.lengths import LengthIndexes  # noqa: F401 - the trainer's `sides.LengthIndexes`
 from hcp.train.modules import encoder_sq_norm, module_sq_norm, sync_grads, whole_state
 
@@ -63,8 +64,10 @@ def encoder_inputs(dataset, indices, mine, encoder, device):
     """This rank's encoder samples' inputs: [I, C, H, W] of `vision` for a `LlavaEncoder`, or
     {encoder: [I_e, C, H, W]} for an `EncoderSide` (`mine`: the rank's `RankPlan`)."""
     if not isinstance(encoder, EncoderSide):
-        return torch.cat([dataset.pixel_values(dataset[indices[s]]) for s in mine.encoder_samples["vision"]]).to(device)
-    return {e: torch.cat([dataset.pixel_values(dataset[indices[s]], e) for s in mine.encoder_samples[e]]).to(device)
+        samples = mine.encoder_samples["vision"]
+        return upload(torch.cat([dataset.pixel_values(dataset[indices[s]]) for s in samples]), device)
+    return {e: upload(torch.cat([dataset.pixel_values(dataset[indices[s]], e)
+                                 for s in mine.encoder_samples[e]]), device)
             for e in encoder.encoder_names}
 
 

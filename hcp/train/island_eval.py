@@ -17,6 +17,7 @@ from torch import nn
 from hcp.model.encoder_stage import EncoderStage
 from hcp.model.stage import StageSpec
 from hcp.parallel.grid import Grid
+from hcp.parallel.groups import new_group
 from hcp.train.modules import whole_state
 
 
@@ -34,7 +35,7 @@ def whole_island_encoders(islands, encoder) -> nn.Module | None:
         for head in islands.heads:  # every rank calls new_group, in the same order
             grid = Grid.of(layouts[head])
             senders = [grid.rank_at(pp=s) for s in range(layouts[head].pp)]
-            islands.eval_groups[head] = (senders, dist.new_group(sorted({*senders, *llm_first})))
+            islands.eval_groups[head] = (senders, new_group(sorted({*senders, *llm_first})))
     state = {}
     if encoder is not None:  # TP shards gathered (a collective over the island's TP group)
         state = (whole_state(encoder, encoder.tp_group)

@@ -28,6 +28,8 @@ from hcp.model.init import meta_build
 from hcp.model.llava import OWN_CP_GROUP
 from hcp.model.stage import StageSpec
 from hcp.parallel.grid import Grid
+from hcp.parallel.groups import new_group
+from hcp.parallel.upload import upload
 from hcp.parallel.islands import edge_ranks
 from hcp.parallel.roles import logging_rank
 from hcp.plan.actions import island_heads, island_stage_graph
@@ -103,7 +105,7 @@ class Islands:
 
     def connect(self, world: int) -> None:
         """Every rank, in the same order: the one group all schedule P2P ops are posted on."""
-        self.p2p_group = dist.new_group(list(range(world)))
+        self.p2p_group = new_group(range(world))
         warm_up(IslandEdge(tuple(range(world)), self.rank, self.p2p_group), self.device)
 
     # ---- modules --------------------------------------------------------------------------
@@ -147,7 +149,8 @@ class Islands:
             return list(counts)
         enc = self.specs[head].arch
         empty = torch.empty(0, enc.num_channels, enc.image_size, enc.image_size)
-        pixels = [torch.cat([empty, *(dataset.pixel_values(dataset[indices[s]], head) for s in mb)]).to(self.device)
+        pixels = [upload(torch.cat([empty, *(dataset.pixel_values(dataset[indices[s]], head) for s in mb)]),
+                         self.device)
                   for mb in mine.encoder_micro_batches[head]]
         read = [int(x.shape[0]) for x in pixels]
         if read != list(counts):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from hcp.parallel.upload import upload
 from hcp.train.fake import is_fake
 
 
@@ -21,7 +22,7 @@ def check_plans_agree(checksum: int, step: int, device, group=None) -> None:
     the same `checksum` (an int in [0, 2**63)) for step `step` (1-based, as logged)."""
     if not 0 <= checksum < 2**63:
         raise ValueError(f"plan checksum {checksum} is outside [0, 2**63)")
-    t = torch.tensor([checksum, -checksum], dtype=torch.int64, device=device)
+    t = upload([checksum, -checksum], device, torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if is_fake(t):  # the rehearsal: the all-reduce is issued, its values are not there
         return

@@ -11,6 +11,7 @@ import torch
 from hcp.comm.p2p import StageMeta
 from hcp.data.packing import collate, empty_batch
 from hcp.dcp.policy import micro_batch_group
+from hcp.parallel.upload import upload
 
 
 def llm_inputs(mine, indices, dataset, image_token_id: int, stage, device) -> tuple[list | None, list]:
@@ -42,9 +43,9 @@ def llm_inputs(mine, indices, dataset, image_token_id: int, stage, device) -> tu
             continue
         lengths = tuple(int(n) for n in np.diff(mb.cu_seqlens))  # the plan's, on the host
         host_labels = [t for s in samples for t in s.labels] if stage.last else []
-        labels = (torch.tensor(host_labels, device=device) if stage.last
+        labels = (upload(host_labels, device, torch.long) if stage.last
                   else torch.full((sum(lengths),), -100, device=device))
-        metas.append(StageMeta(torch.as_tensor(host_cu, device=device), mb.max_seqlen, torch.cat(
+        metas.append(StageMeta(upload(host_cu, device), mb.max_seqlen, torch.cat(
             [torch.arange(n, device=device) for n in lengths]), labels, lengths,
             sum(t != -100 for t in host_labels)))
     return batches, metas
