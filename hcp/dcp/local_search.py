@@ -35,17 +35,19 @@ class GroupTime:
             raise ValueError("local search is for pp=1")
         self.mm, self.attn = float(cost.mm_coef[0]), float(cost.attn_coef[0])
         self.comm, self.ov = float(cost.comm_coef[0]), cost.hw.comm_overlap
-        self.bw = {c: float(cost.bandwidth(c)) for c in (1 << e for e in range(40))}
-        self.attn_scale = {c: float(cost.attn_scale(c)) for c in self.bw}  # per CP size
-        self.lat = {c: float(cost.latency(c)[0]) for c in self.bw}  # once per micro-batch
+        sizes = [1 << e for e in range(40)]
+        # per CP size: attention scale, bandwidth (bytes/s), latency (s, once per micro-batch)
+        self.per_c = {c: (float(cost.attn_scale(c)), float(cost.bandwidth(c)),
+                          float(cost.latency(c)[0])) for c in sizes}
 
     def __call__(self, t: float, s: float, c: int) -> float:
         if t <= 0:
             return 0.0
-        attn = self.attn * self.attn_scale[c] * s / c
-        comm = self.comm * t * (c - 1) / c / self.bw[c]
+        scale, bw, lat = self.per_c[c]
+        attn = self.attn * scale * s / c
+        comm = self.comm * t * (c - 1) / c / bw
         exposed = max((1.0 - self.ov) * comm, comm - attn)
-        return self.mm * t / c + attn + exposed + self.lat[c]
+        return self.mm * t / c + attn + exposed + lat
 
 
 def _split(seqs: list[int], lens: list[int]) -> tuple[list[int], list[int]]:

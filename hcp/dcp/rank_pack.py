@@ -43,31 +43,33 @@ def rank_time_plan(lens: np.ndarray, cost: CostModel, pool: int, m: int) -> Pack
     cs = [int(c) for c in cp_sizes(pool)]
     lens = np.asarray(lens, dtype=np.int64)
     rt = rank_tokens(lens[None, :], np.array(cs)[:, None])  # [K, n]
-    cmin = np.argmax(rt <= m, axis=0)
-    mbs: list[list] = []  # [c, seqs, tokens, squared tokens, rank tokens]
-    for i in np.lexsort((-lens, -cmin)).tolist():
-        n, sq = int(lens[i]), int(lens[i]) ** 2
+    cmin = np.argmax(rt <= m, axis=0).tolist()
+    rt = rt.tolist()
+    # [c, seqs, tokens, squared tokens, rank tokens, forward seconds f, index of c in cs]
+    mbs: list[list] = []
+    for i in np.lexsort((-lens, -np.asarray(cmin))).tolist():
+        n = int(lens[i])
+        sq = n * n
         best, where = np.inf, None
-        for q, (c, _, t, s, used) in enumerate(mbs):
-            need = int(rt[cs.index(c), i])
-            if used + need <= m:
-                add = c * k1 * (f(t + n, s + sq, c) - f(t, s, c))
+        for q, (c, _, t, s, used, ft, kc) in enumerate(mbs):
+            if used + rt[kc][i] <= m:
+                add = c * k1 * (f(t + n, s + sq, c) - ft)
                 if add < best - 1e-15:
                     best, where = add, q
-        for kc in range(int(cmin[i]), len(cs)):
+        for kc in range(cmin[i], len(cs)):
             c = cs[kc]
             add = c * (k1 * f(n, sq, c) + o)
             if add < best - 1e-15:
                 best, where = add, -1 - kc
         if where < 0:
-            c = cs[-1 - where]
-            mbs.append([c, [], 0, 0, 0])
+            mbs.append([cs[-1 - where], [], 0, 0, 0, 0.0, -1 - where])
             where = len(mbs) - 1
         mb = mbs[where]
-        mb[1].append(int(i))
+        mb[1].append(i)
         mb[2] += n
         mb[3] += sq
-        mb[4] += int(rt[cs.index(mb[0]), i])
+        mb[4] += rt[mb[6]][i]
+        mb[5] = f(mb[2], mb[3], mb[0])
     plan = Packing()
     for c in cs:
         own = sorted((mb for mb in mbs if mb[0] == c),

@@ -23,7 +23,8 @@ planning time and its stall: benchmarks/dynamic_cp.py and dynamic_cp_stall.py.
    the exact branch and bound (hcp/dcp/exact.py, `DIVE_NODES_PER_SEQ`).
 6. `several_per_round` (pp = 1 without dp_shard): the best plans become rounds of several
    micro-batches per group (hcp/dcp/rounds.py), beside a plan packed for rounds from the start
-   (hcp/dcp/rank_pack.py).
+   (hcp/dcp/rank_pack.py). Above `LOCAL_SEARCH_MAX_SEQS` sequences only greedy's plan as
+   rounds and the packed one compete (`_large_rounds`), the only ones that won there.
 7. p > 1, at most `PIPELINE_SEARCH_MAX_SEQS` sequences: steps 1-5 on two one-stage surrogates
    (`CostModel.one_stage`: stages summed, or each coefficient's slowest stage) add candidates.
 8. Same bound: a local search timed by the 1F1B simulator (hcp/dcp/pipeline_search.py) improves
@@ -275,6 +276,25 @@ def _heights(lens, cost: CostModel, cs, m: int) -> np.ndarray:
     return (whole - cost.latency(cs[:, None]) * unshared).sum(axis=0)
 
 
+def _large_rounds(lens, cost: CostModel, pool: int, m: int,
+                  baselines: list[tuple[Packing, str]]) -> Solution:
+    """Step 6 alone, for a batch of more than `LOCAL_SEARCH_MAX_SEQS` sequences at pp = 1 with
+    `several_per_round`: the baselines, greedy's plan, greedy's plan as rounds and the plan
+    packed for rounds (rank_pack.py); the fastest wins. Only these two round plans ever won at
+    that size (seeds 0-9 of the peer benchmark, pool 8, Wikipedia, lognormal and code lengths,
+    and lognormal at pool 64): the level plans, as rounds, cost four more `merge_rounds`."""
+    plain = greedy(lens, pool, m)
+    candidates = baselines + [(plain, "greedy"),
+                              (merge_rounds(plain, lens, cost, m), "greedy+rounds"),
+                              (rank_time_plan(lens, cost, pool, m), "rank-pack")]
+    best: Solution | None = None
+    for plan, source in candidates:
+        t = simulate_plan(plan, lens, cost).iteration_time
+        if best is None or t < best.time - 1e-12:
+            best = Solution(plan, t, source)
+    return best
+
+
 def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
           max_len: int | None = None, several_per_round: bool = False) -> Solution:
     """Plan one global batch (see module docstring). `lengths` must already fit the pool (use
@@ -310,6 +330,8 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
                 if t < best.time - 1e-12:
                     best = Solution(plan, t, f"{source}+pipeline-local")
         return best
+    if several_per_round and lens.size > LOCAL_SEARCH_MAX_SEQS:
+        return _large_rounds(lens, cost, pool, m, baselines)
     # one stage: no ramps; a row or two more than the memory minimum can pack better
     candidates = baselines + [(greedy(lens, pool, m), "greedy")]
     for rows_target in range(m_min, m_min + 3):
