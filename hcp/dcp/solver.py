@@ -16,7 +16,7 @@ planning time and its stall: benchmarks/dynamic_cp.py and dynamic_cp_stall.py.
    level (rows.py `ESCORT_LIFT`); 4b. rows shaped like the pipeline LP's optimal micro-batch
    sizes (hcp/dcp/pipeline_bound.py, `shaped_plan`, `LP_ROW_FACTORS`); 4c. the same LP with the
    longest sequence's row pinned (hcp/dcp/pinned_bound.py, `PIN_ROW_FACTORS`). 4b-4c are skipped
-   within `EARLY_EXIT_GAP` of the staged lower bound. Every candidate, one without ramps and the
+   within `EARLY_EXIT_GAP` of the staged lower bound, and for LPs above `LP_MAX_ROWS` rows. Every candidate, one without ramps and the
    packing-only baseline go through the pipeline simulator; the fastest wins.
 5. pp = 1, at most `LOCAL_SEARCH_MAX_SEQS` sequences: local search (hcp/dcp/local_search.py:
    move, swap, resize, split; `LOCAL_SEARCH_EVALS`) on every candidate, and a truncated dive of
@@ -91,6 +91,11 @@ PIN_ROWS_PER_STAGE = 3
 # bound (the staged bound at the memory minimum, hcp/dcp/pipeline_bound.py `staged_bound`):
 # the LPs would cost most of the planning time for at most this gain.
 EARLY_EXIT_GAP = 0.02
+# ... and each LP of more than this many rows is not solved: on code lengths (seeds 0-1 of the
+# seed-sized benchmark, ~175 rows at the memory minimum) HiGHS took ~2 s for the 437-row LP and
+# the shaped plans gained nothing over the level plans (Wikipedia's and lognormal's LPs, 50-200
+# rows, gained 0.8-3.2%).
+LP_MAX_ROWS = 256
 GOLDEN = (np.sqrt(5.0) - 1.0) / 2.0
 
 
@@ -243,6 +248,8 @@ def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int
     excess = None  # least (shaped plan's time / its LP's value) so far
     for factor in LP_ROW_FACTORS:
         rows = max(2, int(round(factor * m_min)))
+        if rows > LP_MAX_ROWS:
+            continue
         if excess is not None and staged_bound(cost, work, smallest, rows) * excess >= best.time:
             continue  # predicted to lose: its LP is at least the staged bound at `rows`
         lp, x = lp_makespan(rows, cost, work, smallest, [0, cost.pp - 1], sizes=True)
@@ -256,7 +263,7 @@ def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int
     floor = pin_floor(lens, cost, pool, m)  # 4c: the longest sequence's row pinned
     for factor in PIN_ROW_FACTORS:
         rows = max(2, int(round(factor * m_min)))
-        x = _pinned_sizes(rows, cost, work, smallest, floor)
+        x = _pinned_sizes(rows, cost, work, smallest, floor) if rows <= LP_MAX_ROWS else None
         for scale in LP_SCALES if x is not None else ():
             plan = shaped_plan(lens, heights, feasible, x, pool, m, scale)
             plan, t = _best_order(plan, lens, cost, int(np.argmax(x)), plan.num_rounds)
