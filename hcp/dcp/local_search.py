@@ -35,15 +35,20 @@ class GroupTime:
             raise ValueError("local search is for pp=1")
         self.mm, self.attn = float(cost.mm_coef[0]), float(cost.attn_coef[0])
         self.comm, self.ov = float(cost.comm_coef[0]), cost.hw.comm_overlap
-        sizes = [1 << e for e in range(40)]
+        self.cost = cost
         # per CP size: attention scale, bandwidth (bytes/s), latency (s, once per micro-batch)
-        self.per_c = {c: (float(cost.attn_scale(c)), float(cost.bandwidth(c)),
-                          float(cost.latency(c)[0])) for c in sizes}
+        self.per_c: dict[int, tuple[float, float, float]] = {}
+
+    def _constants(self, c: int) -> tuple[float, float, float]:
+        cost = self.cost
+        out = self.per_c[c] = (float(cost.attn_scale(c)), float(cost.bandwidth(c)),
+                               float(cost.latency(c)[0]))
+        return out
 
     def __call__(self, t: float, s: float, c: int) -> float:
         if t <= 0:
             return 0.0
-        scale, bw, lat = self.per_c[c]
+        scale, bw, lat = self.per_c.get(c) or self._constants(c)
         attn = self.attn * scale * s / c
         comm = self.comm * t * (c - 1) / c / bw
         exposed = max((1.0 - self.ov) * comm, comm - attn)

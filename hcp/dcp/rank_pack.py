@@ -23,6 +23,8 @@ round whose `pool / c` blocks take them longest first onto the least loaded bloc
 """
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
@@ -47,15 +49,25 @@ def rank_time_plan(lens: np.ndarray, cost: CostModel, pool: int, m: int) -> Pack
     rt = rt.tolist()
     # [c, seqs, tokens, squared tokens, rank tokens, forward seconds f, index of c in cs]
     mbs: list[list] = []
+    # Joining any open c = 1 micro-batch adds the same rank-time (`(1 + k)(mm n + attn n^2)`,
+    # up to rounding far below the 1e-15 s tie margin), so of those only the first with room
+    # can win: the c = 1 ones are kept apart; any too full for the shortest sequence is dropped
+    ones: list[int] = []  # micro-batches of c = 1 (indices into mbs, in creation order)
+    multi: list[int] = []  # ... of c > 1
+    low = int(np.argmin(lens))  # the shortest sequence (fewest tokens per rank at every c)
     for i in np.lexsort((-lens, -np.asarray(cmin))).tolist():
         n = int(lens[i])
         sq = n * n
         best, where = np.inf, None
-        for q, (c, _, t, s, used, ft, kc) in enumerate(mbs):
-            if used + rt[kc][i] <= m:
-                add = c * k1 * (f(t + n, s + sq, c) - ft)
-                if add < best - 1e-15:
-                    best, where = add, q
+        fits = [q for q in multi if mbs[q][4] + rt[mbs[q][6]][i] <= m]
+        first = next((q for q in ones if mbs[q][4] + n <= m), None)
+        if first is not None:
+            bisect.insort(fits, first)
+        for q in fits:
+            c, _, t, s, used, ft, kc = mbs[q]
+            add = c * k1 * (f(t + n, s + sq, c) - ft)
+            if add < best - 1e-15:
+                best, where = add, q
         for kc in range(cmin[i], len(cs)):
             c = cs[kc]
             add = c * (k1 * f(n, sq, c) + o)
@@ -64,12 +76,15 @@ def rank_time_plan(lens: np.ndarray, cost: CostModel, pool: int, m: int) -> Pack
         if where < 0:
             mbs.append([cs[-1 - where], [], 0, 0, 0, 0.0, -1 - where])
             where = len(mbs) - 1
+            (ones if mbs[where][0] == 1 else multi).append(where)
         mb = mbs[where]
         mb[1].append(i)
         mb[2] += n
         mb[3] += sq
         mb[4] += rt[mb[6]][i]
         mb[5] = f(mb[2], mb[3], mb[0])
+        if mb[4] + rt[mb[6]][low] > m:  # too full for any sequence: never a candidate again
+            (ones if mb[0] == 1 else multi).remove(where)
     plan = Packing()
     for c in cs:
         own = sorted((mb for mb in mbs if mb[0] == c),

@@ -61,11 +61,13 @@ def _rebalance(r: Round, lens: np.ndarray, cost: CostModel, m: int) -> Round:
            + o * rank_tokens(x[None, :].astype(np.int64), sizes[:, None]) / m)  # [B, n]
     fits = rank_tokens(lens[seqs][None, :], sizes[:, None]) <= m
     est = np.where(fits, est, np.inf)
-    load = np.zeros(len(blocks))
+    load = [0.0] * len(blocks)
     members: list[list[int]] = [[] for _ in blocks]
-    for q in np.argsort(-est.min(axis=0), kind="stable"):
-        b = int(np.argmin(load + est[:, q]))
-        load[b] += est[b, q]
+    est_q = est.T.tolist()  # [n][B]
+    for q in np.argsort(-est.min(axis=0), kind="stable").tolist():
+        row = est_q[q]
+        b = min(range(len(load)), key=lambda b: load[b] + row[b])  # the first least, as argmin
+        load[b] += row[b]
         members[b].append(seqs[q])
     groups = []
     for (off, c), mem in zip(blocks, members):
