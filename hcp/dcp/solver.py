@@ -16,8 +16,9 @@ planning time and its stall: benchmarks/dynamic_cp.py and dynamic_cp_stall.py.
    level (rows.py `ESCORT_LIFT`); 4b. rows shaped like the pipeline LP's optimal micro-batch
    sizes (hcp/dcp/pipeline_bound.py, `shaped_plan`, `LP_ROW_FACTORS`); 4c. the same LP with the
    longest sequence's row pinned (hcp/dcp/pinned_bound.py, `PIN_ROW_FACTORS`). 4b-4c are skipped
-   within `EARLY_EXIT_GAP` of the staged lower bound, and for LPs above `LP_MAX_ROWS` rows. Every candidate, one without ramps and the
-   packing-only baseline go through the pipeline simulator; the fastest wins.
+   within `EARLY_EXIT_GAP` of the staged lower bound, and for LPs above `LP_MAX_ROWS` rows.
+   Every candidate, one without ramps and the packing-only baseline go through the pipeline
+   simulator; the fastest wins.
 5. pp = 1, at most `LOCAL_SEARCH_MAX_SEQS` sequences: local search (hcp/dcp/local_search.py:
    move, swap, resize, split; `LOCAL_SEARCH_EVALS`) on every candidate, and a truncated dive of
    the exact branch and bound (hcp/dcp/exact.py, `DIVE_NODES_PER_SEQ`).
