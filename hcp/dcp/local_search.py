@@ -45,6 +45,14 @@ class GroupTime:
                                float(cost.latency(c)[0]))
         return out
 
+    def least_growth(self, n: int, sq: int, c: int) -> float:
+        """Seconds: a lower bound on `self(t + n, s + sq, c) - self(t, s, c)` over every group
+        (t > 0) of c ranks: the matmuls' `mm n / c` plus the smaller growth of the two branches
+        of the exposed-traffic max (attention with the unhidden traffic, or the traffic)."""
+        scale, bw, _ = self.per_c.get(c) or self._constants(c)
+        comm = self.comm * n * (c - 1) / c / bw
+        return self.mm * n / c + min(self.attn * scale * sq / c + (1.0 - self.ov) * comm, comm)
+
     def __call__(self, t: float, s: float, c: int) -> float:
         if t <= 0:
             return 0.0
