@@ -20,7 +20,13 @@ H100 profile; the solver with its LP-shaped candidates):
      pool64_pp8_wikipedia    557.9      8.87    17967   1.551     0.360     0.0057
      pool64_pp1_lognormal    196.9      5.88     9426   1.955     0.101     0.0030
 
-Decision (the default of hcp/dcp/policy.py stays "every rank plans"): planning costs 10-36%
+- node-shared (hcp/plan/shared.py, `trainer.plan_share=node`, the default): rank 0 plans and
+  publishes the plan in a directory, the others poll for it and unpickle it; CPU per node per
+  step is the sum over the ranks of their process CPU seconds until they hold the plan
+  (`node_cpu_ms`: every rank plans; `shared_ms`: node-shared; `reader_ms`: the costliest
+  reader's).
+
+Decision before the node-shared planner (a broadcast): planning costs 10-36%
 of the step it plans in CPU time and runs on the data iterator's background thread while step k
 computes, so it is hidden and needs no collective. The broadcast is cheap (0.2-0.6% of the step)
 but could only be hidden on that background thread too, where a collective may interleave
@@ -47,7 +53,11 @@ SETTINGS = {  # name: (lengths, GBS, pool, pp, cap, max_len)
     "pool8_pp8_wikipedia": ("wikipedia", 2048, 8, 8, 8192, 65536),
     "pool64_pp8_wikipedia": ("wikipedia", 2048, 64, 8, 8192, 65536),
     "pool64_pp1_lognormal": ("lognormal", 256, 64, 1, 2048, 8192),
+    # benchmarks/dynamic_cp_train.py's default: llama_tiny on 8 gloo ranks, its shipped profile
+    "pool8_pp1_wikipedia_tiny": ("wikipedia", 64, 8, 1, 256, 2048),
 }
+COSTS = {"pool8_pp1_wikipedia_tiny": ("llama_tiny", "hcp/dcp/profiles/gloo_llama_tiny.yaml")}
+"""Recipe and cost profile of a setting (the others: LLaMA-13B, the H100 profile)."""
 
 
 def batch(name: str, seed: int) -> np.ndarray:
@@ -73,6 +83,7 @@ def _rank(payload) -> None:
     from hcp.dcp.cost_model import load_cost, recipe_llm
     from hcp.dcp.solver import solve
     from hcp.launch.distributed import init_distributed
+    from hcp.plan.shared import NodeSharedPlanner
 
     init_distributed(OmegaConf.create(payload["launcher"]))
     torch.set_num_threads(1)
@@ -80,7 +91,10 @@ def _rank(payload) -> None:
     out = {}
     for name, lens in payload["batches"].items():
         _, _, pool, pp, cap, max_len = SETTINGS[name]
-        cost = load_cost(recipe_llm(), pp=pp)
+        recipe, profile = COSTS.get(name, ("llama13b_dynamic_cp", "h100"))
+        if profile.endswith(".yaml"):  # beside the repository root
+            profile = str(Path(__file__).resolve().parents[1] / profile)
+        cost = load_cost(recipe_llm(recipe), profile, pp=pp)
         lens = np.asarray(lens)
         dist.barrier()
         c0 = time.thread_time()
@@ -95,10 +109,27 @@ def _rank(payload) -> None:
             dist.broadcast_object_list(obj, src=0)
             assert obj[0].num_rounds == sol.plan.num_rounds
             walls.append(time.perf_counter() - w0)
+        # one planner per node (hcp/plan/shared.py): rank 0 plans and publishes, the others
+        # poll for the file and unpickle it; each rank's process CPU seconds until it holds
+        # the plan (a fresh directory per setting: nothing published before)
+        shared = NodeSharedPlanner(
+            lambda lengths: solve(lengths, cost, pool, cap, max_len, pp == 1).plan,
+            os.path.join(payload["share_dir"], name), leader=rank == 0)
+        dist.barrier()
+        c0 = time.process_time()
+        got = shared(lens)
+        share_cpu = time.process_time() - c0
+        assert got.num_rounds == sol.plan.num_rounds and shared.self_planned == 0
+        cpus = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+        dist.all_gather(cpus, torch.tensor([plan_s, share_cpu], dtype=torch.float64))
+        cpus = torch.stack(cpus)
         t = torch.tensor([plan_s, min(walls)], dtype=torch.float64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         out[name] = {"plan_s": t[0].item(), "broadcast_s": t[1].item(), "bytes": blob,
-                     "step_s": sol.time, "micro_batches": sol.plan.num_micro_batches}
+                     "step_s": sol.time, "micro_batches": sol.plan.num_micro_batches,
+                     "node_cpu_every_rank_s": cpus[:, 0].sum().item(),
+                     "node_cpu_shared_s": cpus[:, 1].sum().item(),
+                     "reader_cpu_s": cpus[1:, 1].max().item()}
     if rank == 0:
         Path(payload["out"]).write_text(json.dumps(out))
     dist.barrier()
@@ -129,7 +160,7 @@ def main(argv=None) -> dict:
         out = os.path.join(tmp, "out.json")
         payload = {"launcher": OmegaConf.to_container(cfg.launcher, resolve=True),
                    "batches": {n: batch(n, args.seed).tolist() for n in names},
-                   "reps": args.reps, "out": out}
+                   "reps": args.reps, "out": out, "share_dir": os.path.join(tmp, "plans")}
         start_local_ranks(_rank, args.ranks, payload, "fork")
         result = json.loads(Path(out).read_text())
     finally:
@@ -137,11 +168,13 @@ def main(argv=None) -> dict:
     print(f"{args.ranks} gloo ranks; plan: solver thread CPU time (slowest rank); broadcast: "
           f"pickled plan, broadcast_object_list, least of {args.reps} (slowest rank)")
     print(f"{'setting':>22} {'plan_ms':>8} {'bcast_ms':>9} {'bytes':>8} {'step_s':>7} "
-          f"{'plan/step':>9} {'bcast/step':>10}")
+          f"{'plan/step':>9} {'bcast/step':>10} {'node_cpu_ms':>11} {'shared_ms':>9} "
+          f"{'reader_ms':>9}")
     for n, v in result.items():
         print(f"{n:>22} {1e3 * v['plan_s']:8.1f} {1e3 * v['broadcast_s']:9.2f} {v['bytes']:8d} "
               f"{v['step_s']:7.3f} {v['plan_s'] / v['step_s']:9.3f} "
-              f"{v['broadcast_s'] / v['step_s']:10.4f}")
+              f"{v['broadcast_s'] / v['step_s']:10.4f} {1e3 * v['node_cpu_every_rank_s']:11.1f} "
+              f"{1e3 * v['node_cpu_shared_s']:9.1f} {1e3 * v['reader_cpu_s']:9.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

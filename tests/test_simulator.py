@@ -2,6 +2,7 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
+from hcp.schedule.actions import compute_order, one_f_one_b
 from hcp.schedule.simulator import simulate_1f1b, stage_order
 
 # 3 stages, 4 micro-batches, F = 1 s, B = 2 s. Worked by hand from the 1F1B orders:
@@ -28,6 +29,15 @@ def test_stage_order_is_warmup_steady_cooldown():
     assert stage_order(0, 3, 4) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1),
                                     ("B", 2), ("B", 3)]
     assert stage_order(0, 4, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+
+
+def test_stage_order_is_the_executors_action_list():
+    """The simulator's direct order (built without actions, for the solver's speed) is the
+    computes of the action list the executor runs, on every stage, short and long pipelines."""
+    for p in (1, 2, 3, 8):
+        for m in (0, 1, 2, 5, 9, 40):
+            for s in range(p):
+                assert stage_order(s, p, m) == compute_order(one_f_one_b(s, p, m)), (s, p, m)
 
 
 @settings(max_examples=60, derandomize=True, deadline=None)

@@ -175,6 +175,10 @@ class TrainerConfig:
     Python holds the GIL in turns with the training thread. The worker starts with the trainer
     and imports torch and the run's modules once, behind the model's set-up. Default (null): on
     for CUDA ranks, off for CPU ranks (`hcp.plan.ahead.use_worker`). hcp.train.planner."""
+    plan_share: str = "node"
+    """Under `packing=dynamic_cp`, who runs the solver: `node` (each node's local rank 0 plans
+    and publishes the plan in the run directory; the node's other ranks read it, no collective)
+    or `rank` (every rank plans the same plan itself). hcp.plan.shared."""
 
 
 @dataclass

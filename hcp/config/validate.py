@@ -26,6 +26,7 @@ _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "precision": PRECISIONS,
     "logger.name": ("wandb", "none"),
     "data.on_error": ("error", "skip"),
+    "trainer.plan_share": ("node", "rank"),
     "launcher.backend": ("auto", "nccl", "gloo"),
     "launcher.start_method": ("auto", "fork", "spawn", "forkserver"),
     "llm.attention_backend": ATTENTION_BACKENDS,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hcp.dcp.packing import Group, Round, Packing, fill_idle, rank_tokens
+from hcp.dcp.packing import Group, Round, Packing, fill_idle, rank_tokens, rank_tokens_of
 
 
 def pow2ceil(x) -> np.ndarray:
@@ -67,7 +67,8 @@ def packing_only(lengths, pool: int, max_tokens_per_rank: int, max_len: int | No
 
 def _greedy_micro_batch(order, lens, cps, pool, m):
     """Fill one micro-batch from `order`; return its groups and the deferred indices. Group
-    tokens are per rank (`rank_tokens` at the group's size), loads `L^2 / c`."""
+    tokens are per rank (`rank_tokens` at the group's size), loads `L^2 / c`. `lens`, `cps`:
+    Python lists (tokens, CP size per sequence; scalar indexing of numpy arrays would dominate)."""
     free = (1 << pool) - 1  # bit k set: rank k idle
 
     def block_free(o, c):
@@ -76,13 +77,13 @@ def _greedy_micro_batch(order, lens, cps, pool, m):
     groups: list[dict] = []
     by_c: dict[int, list[dict]] = {}  # groups per CP size
     room: dict[int, int] = {}  # per CP size, the most tokens one of its groups can still take
+    most_room = 0  # max(room.values())
     deferred: list[int] = []
-    idx = np.asarray(order, dtype=np.int64)
-    shortest = int(rank_tokens(lens[idx], cps[idx]).min())  # fewest per-rank tokens of any
+    shortest = min(rank_tokens_of(lens[i], cps[i]) for i in order)  # fewest per-rank tokens
     for k, i in enumerate(order):
-        L, c = int(lens[i]), int(cps[i])
-        n = int(rank_tokens(L, c))  # per-rank tokens at c
-        if not free and max(room.values(), default=0) < shortest:
+        L, c = lens[i], cps[i]
+        n = rank_tokens_of(L, c)  # per-rank tokens at c
+        if not free and most_room < shortest:
             deferred.extend(order[k:])  # nothing left fits anywhere in this micro-batch
             break
         o = next((o for o in range(0, pool, c) if block_free(o, c)), -1) if free else -1
@@ -100,6 +101,7 @@ def _greedy_micro_batch(order, lens, cps, pool, m):
             deferred.append(i)
             continue
         room[c] = max(m - g["tok"] for g in by_c[c])
+        most_room = max(room.values())
     doubled = True
     while free and doubled:
         doubled = False
@@ -109,8 +111,8 @@ def _greedy_micro_batch(order, lens, cps, pool, m):
             mine = ((1 << g["c"]) - 1) << g["off"]
             want = ((1 << c2) - 1) << base
             if (c2 <= pool and (free | mine) & want == want
-                    and rank_tokens(lens[g["seqs"]], c2).sum() <= m):  # padding at c = 1 -> 2
-                free &= ~want
+                    and sum(rank_tokens_of(lens[i], c2) for i in g["seqs"]) <= m):
+                free &= ~want  # (the padding at c = 1 -> 2 counted)
                 g["c"], g["off"], doubled = c2, base, True
                 break
     return [Group(g["seqs"], g["c"], g["off"]) for g in groups], deferred
@@ -119,10 +121,10 @@ def _greedy_micro_batch(order, lens, cps, pool, m):
 def greedy(lengths, pool: int, max_tokens_per_rank: int) -> Packing:
     """Megatron-LM-style dynamic CP (see module docstring); micro-batches in build order."""
     lens = np.asarray(lengths, dtype=np.int64)
-    cps = min_cp(lens, max_tokens_per_rank)
-    order = list(np.argsort(-lens, kind="stable"))
-    plan = Packing()
+    cps = min_cp(lens, max_tokens_per_rank).tolist()
+    order = np.argsort(-lens, kind="stable").tolist()
+    plan, as_list = Packing(), lens.tolist()
     while order:
-        groups, order = _greedy_micro_batch(order, lens, cps, pool, max_tokens_per_rank)
+        groups, order = _greedy_micro_batch(order, as_list, cps, pool, max_tokens_per_rank)
         plan.rounds.append(Round(fill_idle(groups, pool)))
     return plan

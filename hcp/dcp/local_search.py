@@ -35,17 +35,32 @@ class GroupTime:
             raise ValueError("local search is for pp=1")
         self.mm, self.attn = float(cost.mm_coef[0]), float(cost.attn_coef[0])
         self.comm, self.ov = float(cost.comm_coef[0]), cost.hw.comm_overlap
-        self.bw = {c: float(cost.bandwidth(c)) for c in (1 << e for e in range(40))}
-        self.attn_scale = {c: float(cost.attn_scale(c)) for c in self.bw}  # per CP size
-        self.lat = {c: float(cost.latency(c)[0]) for c in self.bw}  # once per micro-batch
+        self.cost = cost
+        # per CP size: attention scale, bandwidth (bytes/s), latency (s, once per micro-batch)
+        self.per_c: dict[int, tuple[float, float, float]] = {}
+
+    def _constants(self, c: int) -> tuple[float, float, float]:
+        cost = self.cost
+        out = self.per_c[c] = (float(cost.attn_scale(c)), float(cost.bandwidth(c)),
+                               float(cost.latency(c)[0]))
+        return out
+
+    def least_growth(self, n: int, sq: int, c: int) -> float:
+        """Seconds: a lower bound on `self(t + n, s + sq, c) - self(t, s, c)` over every group
+        (t > 0) of c ranks: the matmuls' `mm n / c` plus the smaller growth of the two branches
+        of the exposed-traffic max (attention with the unhidden traffic, or the traffic)."""
+        scale, bw, _ = self.per_c.get(c) or self._constants(c)
+        comm = self.comm * n * (c - 1) / c / bw
+        return self.mm * n / c + min(self.attn * scale * sq / c + (1.0 - self.ov) * comm, comm)
 
     def __call__(self, t: float, s: float, c: int) -> float:
         if t <= 0:
             return 0.0
-        attn = self.attn * self.attn_scale[c] * s / c
-        comm = self.comm * t * (c - 1) / c / self.bw[c]
+        scale, bw, lat = self.per_c.get(c) or self._constants(c)
+        attn = self.attn * scale * s / c
+        comm = self.comm * t * (c - 1) / c / bw
         exposed = max((1.0 - self.ov) * comm, comm - attn)
-        return self.mm * t / c + attn + exposed + self.lat[c]
+        return self.mm * t / c + attn + exposed + lat
 
 
 def _split(seqs: list[int], lens: list[int]) -> tuple[list[int], list[int]]:
@@ -73,6 +88,8 @@ def improve(plan: Packing, lengths, cost: CostModel, pool: int, max_tokens_per_r
     # counted)]; where[i] = group of sequence i
     groups: list[list] = []
     rt = rank_tokens_of  # tokens per rank of one document at c
+    # ... of every sequence at every CP size, as lists (the inner loops read it per move)
+    tab = {c: [rt(x, c) for x in lens] for c in (1 << e for e in range(int(pool).bit_length()))}
 
     def refresh(g):  # after any change of the group's c, members, tokens or sq
         g[5] = f(g[3], g[4], g[1])
@@ -105,17 +122,19 @@ def improve(plan: Packing, lengths, cost: CostModel, pool: int, max_tokens_per_r
 
     o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
 
-    def used(j):
-        return sum(g[1] for g in in_mb[j] if g[2])
+    def used(j):  # ranks busy in micro-batch j (kept in mb_used by sync)
+        return mb_used[j]
 
     evals = [0]  # moves evaluated
     mb_max = [0.0] * nmb  # slowest group's forward seconds per micro-batch (0 if empty)
     mb_count = [0] * nmb  # non-empty groups per micro-batch
+    mb_used = [0] * nmb  # ranks of its non-empty groups
 
     def sync(*js):  # after a move is applied in these micro-batches
         for j in js:
-            times = [g[5] for g in in_mb[j] if g[2]]
-            mb_max[j], mb_count[j] = max(times, default=0.0), len(times)
+            live = [g for g in in_mb[j] if g[2]]
+            mb_max[j], mb_count[j] = max((g[5] for g in live), default=0.0), len(live)
+            mb_used[j] = sum(g[1] for g in live)
 
     sync(*range(nmb))
 
@@ -162,7 +181,7 @@ def improve(plan: Packing, lengths, cost: CostModel, pool: int, max_tokens_per_r
             out = (g0[3] - n, g0[4] - n * n, g0[1])
             best, act = (0.0, 0.0), None
             for g in groups:  # move to an existing group
-                if g is g0 or not g[2] or g[6] + rt(n, g[1]) > m:
+                if g is g0 or not g[2] or g[6] + tab[g[1]][i] > m:
                     continue
                 d = delta({id(g0): out, id(g): (g[3] + n, g[4] + n * n, g[1])})
                 if better(d, best):
@@ -170,18 +189,18 @@ def improve(plan: Packing, lengths, cost: CostModel, pool: int, max_tokens_per_r
             for j in range(nmb):  # move to a new group
                 idle = pool - used(j) + (g0[1] if g0[0] == j and len(g0[2]) == 1 else 0)
                 for c in sizes:
-                    if c <= idle and rt(n, c) <= m:
+                    if c <= idle and tab[c][i] <= m:
                         d = delta({id(g0): out}, (j, n, n * n, c))
                         if better(d, best):
                             best, act = d, ("new", j, c)
+            n_rt, mine = tab[g0[1]][i], tab[g0[1]]
             for q in range(len(lens)):  # swap
                 g = where[q]
                 if g is g0 or lens[q] == n:
                     continue
                 dn = lens[q] - n
-                q_n = lens[q]
-                if (g0[6] - rt(n, g0[1]) + rt(q_n, g0[1]) > m
-                        or g[6] - rt(q_n, g[1]) + rt(n, g[1]) > m):
+                if (g0[6] - n_rt + mine[q] > m
+                        or g[6] - tab[g[1]][q] + tab[g[1]][i] > m):
                     continue
                 ch = {id(g0): (g0[3] + dn, g0[4] - n * n + lens[q] ** 2, g0[1]),
                       id(g): (g[3] - dn, g[4] - lens[q] ** 2 + n * n, g[1])}

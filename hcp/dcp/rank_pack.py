@@ -23,6 +23,8 @@ round whose `pool / c` blocks take them longest first onto the least loaded bloc
 """
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from hcp.dcp.cost_model import CostModel
@@ -43,31 +45,52 @@ def rank_time_plan(lens: np.ndarray, cost: CostModel, pool: int, m: int) -> Pack
     cs = [int(c) for c in cp_sizes(pool)]
     lens = np.asarray(lens, dtype=np.int64)
     rt = rank_tokens(lens[None, :], np.array(cs)[:, None])  # [K, n]
-    cmin = np.argmax(rt <= m, axis=0)
-    mbs: list[list] = []  # [c, seqs, tokens, squared tokens, rank tokens]
-    for i in np.lexsort((-lens, -cmin)).tolist():
-        n, sq = int(lens[i]), int(lens[i]) ** 2
+    cmin = np.argmax(rt <= m, axis=0).tolist()
+    rt = rt.tolist()
+    # [c, seqs, tokens, squared tokens, rank tokens, forward seconds f, index of c in cs]
+    mbs: list[list] = []
+    # Joining any open c = 1 micro-batch adds the same rank-time (`(1 + k)(mm n + attn n^2)`,
+    # up to rounding far below the 1e-15 s tie margin), so of those only the first with room
+    # can win: the c = 1 ones are kept apart; any too full for the shortest sequence is dropped
+    ones: list[int] = []  # micro-batches of c = 1 (indices into mbs, in creation order)
+    multi: list[int] = []  # ... of c > 1
+    low = int(np.argmin(lens))  # the shortest sequence (fewest tokens per rank at every c)
+    for i in np.lexsort((-lens, -np.asarray(cmin))).tolist():
+        n = int(lens[i])
+        sq = n * n
         best, where = np.inf, None
-        for q, (c, _, t, s, used) in enumerate(mbs):
-            need = int(rt[cs.index(c), i])
-            if used + need <= m:
-                add = c * k1 * (f(t + n, s + sq, c) - f(t, s, c))
-                if add < best - 1e-15:
-                    best, where = add, q
-        for kc in range(int(cmin[i]), len(cs)):
+        fits = [q for q in multi if mbs[q][4] + rt[mbs[q][6]][i] <= m]
+        first = next((q for q in ones if mbs[q][4] + n <= m), None)
+        if first is not None:
+            bisect.insort(fits, first)
+        least = {}  # CP size -> the least rank-time joining one of its micro-batches adds
+        for q in fits:
+            c, _, t, s, used, ft, kc = mbs[q]
+            if c > 1:
+                if c not in least:
+                    least[c] = c * k1 * f.least_growth(n, sq, c)
+                if best <= least[c] + 5e-16:  # none of size c can be 1e-15 s below the best
+                    continue  # (5e-16: above the rounding of the adds, below the margin)
+            add = c * k1 * (f(t + n, s + sq, c) - ft)
+            if add < best - 1e-15:
+                best, where = add, q
+        for kc in range(cmin[i], len(cs)):
             c = cs[kc]
             add = c * (k1 * f(n, sq, c) + o)
             if add < best - 1e-15:
                 best, where = add, -1 - kc
         if where < 0:
-            c = cs[-1 - where]
-            mbs.append([c, [], 0, 0, 0])
+            mbs.append([cs[-1 - where], [], 0, 0, 0, 0.0, -1 - where])
             where = len(mbs) - 1
+            (ones if mbs[where][0] == 1 else multi).append(where)
         mb = mbs[where]
-        mb[1].append(int(i))
+        mb[1].append(i)
         mb[2] += n
         mb[3] += sq
-        mb[4] += int(rt[cs.index(mb[0]), i])
+        mb[4] += rt[mb[6]][i]
+        mb[5] = f(mb[2], mb[3], mb[0])
+        if mb[4] + rt[mb[6]][low] > m:  # too full for any sequence: never a candidate again
+            (ones if mb[0] == 1 else multi).remove(where)
     plan = Packing()
     for c in cs:
         own = sorted((mb for mb in mbs if mb[0] == c),

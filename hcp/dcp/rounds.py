@@ -61,11 +61,13 @@ def _rebalance(r: Round, lens: np.ndarray, cost: CostModel, m: int) -> Round:
            + o * rank_tokens(x[None, :].astype(np.int64), sizes[:, None]) / m)  # [B, n]
     fits = rank_tokens(lens[seqs][None, :], sizes[:, None]) <= m
     est = np.where(fits, est, np.inf)
-    load = np.zeros(len(blocks))
+    load = [0.0] * len(blocks)
     members: list[list[int]] = [[] for _ in blocks]
-    for q in np.argsort(-est.min(axis=0), kind="stable"):
-        b = int(np.argmin(load + est[:, q]))
-        load[b] += est[b, q]
+    est_q = est.T.tolist()  # [n][B]
+    for q in np.argsort(-est.min(axis=0), kind="stable").tolist():
+        row = est_q[q]
+        b = min(range(len(load)), key=lambda b: load[b] + row[b])  # the first least, as argmin
+        load[b] += row[b]
         members[b].append(seqs[q])
     groups = []
     for (off, c), mem in zip(blocks, members):
@@ -103,7 +105,8 @@ FILL_SLACK_EVALS = 200_000  # candidate placements costed per fill_slack call (d
 
 
 def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int,
-               max_moves: int = 2000, max_evals: int = FILL_SLACK_EVALS) -> Packing:
+               max_moves: int = 2000, max_evals: int = FILL_SLACK_EVALS,
+               counter: list | None = None) -> Packing:
     """Move sequences off the busiest group of a round onto groups (of any round, idle blocks
     included) that finish early, while a move shortens the iteration: the time of a round is
     its busiest group's, so taking a sequence off a round's unique busiest group saves
@@ -111,8 +114,15 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
     what that group then runs past its own round's maximum. Times are exact (cost model at
     pp = 1: each micro-batch `(1 + k) f + o_f + o_b`); a moved sequence joins the group's
     micro-batch with the most room that holds it (padding counted), else a new micro-batch.
-    Best move per pass, at most `max_moves` moves and `max_evals` costed placements (a
-    deterministic budget, no clock); the result is never slower."""
+    Best move per pass (the first best in a fixed order), at most `max_moves` moves and
+    `max_evals` costed placements (a deterministic budget, no clock); the result is never
+    slower. `counter`, if given, gets the number of costed placements appended.
+
+    Work saved without changing the move taken: a group's placements are cached until the group
+    changes; a group is skipped when even the least its time can grow (the matmuls of the
+    sequence, `(1 + k) mm n / c`) leaves no gain over the best move so far; the scan for a
+    sequence stops at the first group that takes it at no loss (no later one can beat it); a
+    round is skipped when its gap to its second busiest group is no gain over the best."""
     from hcp.dcp.local_search import GroupTime
 
     if cost.pp != 1:
@@ -120,6 +130,7 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
     f, m = GroupTime(cost), max_tokens_per_rank
     k1 = 1.0 + cost.bwd_factor
     o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
+    grow = k1 * f.mm * (1.0 - 1e-9)  # least growth per token and rank, rounding kept safe
     lens = [int(x) for x in np.asarray(lengths)]
 
     rt = rank_tokens_of
@@ -127,7 +138,8 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
     def mb_time(mb, c):  # mb = [seqs, tokens, sq, rank tokens]
         return k1 * f(mb[1], mb[2], c) + o if mb[0] else 0.0
 
-    # rounds -> groups [c, offset, [micro-batches], time]
+    # rounds -> groups [c, offset, [micro-batches], time, {seq: cached addition},
+    # {seq: cached removal}]
     rounds = []
     for r in plan.rounds:
         groups = []
@@ -135,7 +147,7 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
             mbs = [[list(q), sum(lens[i] for i in q), sum(lens[i] ** 2 for i in q),
                     sum(rt(lens[i], g.cp_size) for i in q)] for q in g.micro_batches]
             groups.append([g.cp_size, g.rank_offset, mbs,
-                           sum(mb_time(mb, g.cp_size) for mb in mbs)])
+                           sum(mb_time(mb, g.cp_size) for mb in mbs), {}, {}])
         rounds.append(groups)
 
     def removal(g, i):  # new time of g without sequence i, and (mb index, new mb)
@@ -169,6 +181,8 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
         else:
             g[2].pop(q)
         g[3] = sum(mb_time(mb, g[0]) for mb in g[2])
+        g[4].clear()
+        g[5].clear()
 
     evals = 0
     for _ in range(max_moves):
@@ -180,34 +194,49 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
             order = sorted(ra, key=lambda g: -g[3])
             ga = order[0]
             second = order[1][3] if len(order) > 1 else 0.0
-            if second >= ga[3]:
-                continue  # a tie at the top: no single removal shortens the round
+            if tops[a] - second <= best[0]:
+                continue  # no removal gains more (a tie at the top: none shortens the round)
+            gone = ga[5]
             for i in {i for mb in ga[2] for i in mb[0]}:
-                t_a, qa, new_a = removal(ga, i)
+                if i not in gone:
+                    gone[i] = removal(ga, i)
+                t_a, qa, new_a = gone[i]
                 gain = tops[a] - max(t_a, second)
                 if gain <= best[0]:
                     continue
+                n = lens[i]
                 for b, rb in enumerate(rounds):
+                    top_b = max(t_a, second) if b == a else tops[b]
                     for gb in rb:
-                        if gb is ga:
-                            continue
-                        add = addition(gb, i)
-                        evals += 1
+                        if gb is ga or gain - (gb[3] + grow * n / gb[0] - top_b) <= best[0]:
+                            continue  # no gain left even at the least growth
+                        cache = gb[4]
+                        if i in cache:
+                            add = cache[i]
+                        else:
+                            add = cache[i] = addition(gb, i)
+                            evals += 1
                         if add is None:
                             continue
-                        top_b = max(t_a, second) if b == a else tops[b]
                         loss = max(0.0, add[0] - top_b)
                         if gain - loss > best[0]:
                             best = (gain - loss, (ga, qa, new_a, gb, add[1], add[2]))
+                            if loss == 0.0:
+                                break  # no later group of any round beats it for this i
+                    else:
+                        continue
+                    break
         if best[1] is None:
             break
         ga, qa, new_a, gb, qb, new_b = best[1]
         apply(ga, qa, new_a)
         apply(gb, qb, new_b)
+    if counter is not None:
+        counter.append(evals)
     out = Packing()
     for r in rounds:
         groups = []
-        for c, off, mbs, _ in r:
+        for c, off, mbs, *_ in r:
             seqs = [i for mb in mbs for i in mb[0]]
             groups.append(Group(seqs, c, off, [len(mb[0]) for mb in mbs] if mbs else None))
         if any(g.seq_indices for g in groups):

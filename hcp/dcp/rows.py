@@ -4,6 +4,7 @@ per-rank token cap (head-tail padding counted). Seconds and tokens throughout.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 
 import numpy as np
@@ -44,27 +45,53 @@ class _Row:
 
 def _place_multi(rows, order, cs, lens, height, tau, pool, m):
     """Step 3 for sequences with c > 1 (`order` sorted by c, then height, descending; sizes
-    only shrink, so a row with >= c free ranks always has a free aligned block of c)."""
+    only shrink, so a row with >= c free ranks always has a free aligned block of c). The
+    groups of each size are kept in row order, as a scan of the rows would meet them."""
+    by_c: dict[int, list] = {}  # CP size -> [(row index, creation count, group)], sorted
+    made = 0
+    by_free = [[] for _ in range(pool + 1)]  # free ranks -> heap of row indices (lazy: a
+    for ri, r in enumerate(rows):  # row whose count has changed since is skipped)
+        by_free[r.nfree].append(ri)
+
+    def least_open(c: int) -> int:  # the first row with the fewest free ranks >= c, or -1
+        for v in range(c, pool + 1):
+            heap = by_free[v]
+            while heap and rows[heap[0]].nfree != v:
+                heapq.heappop(heap)
+            if heap:
+                return heap[0]
+        return -1
+
+    cs, height, lens = cs.tolist(), height.tolist(), lens.tolist()
+    need = {}  # CP size -> the fewest tokens per rank of any sequence of that size: a group
+    for i in order:  # with less room is full for good and leaves by_c
+        need[cs[i]] = min(need.get(cs[i], m), rank_tokens_of(lens[i], cs[i]))
     for i in order:
-        c, h = int(cs[i]), float(height[i])
-        n = rank_tokens_of(int(lens[i]), c)
-        groups = [g for r in rows for g in r.groups if g[1] == c and g[3] + n <= m]
+        c, h = cs[i], height[i]
+        n = rank_tokens_of(lens[i], c)
+        groups = [g for _, _, g in by_c.get(c, ()) if g[3] + n <= m]
         under = [g for g in groups if g[4] + h <= tau]
         if under:
             g = max(under, key=lambda g: g[4])
         else:
-            open_rows = [r for r in rows if r.nfree >= c]
-            if open_rows or not groups:
-                r = min(open_rows, key=lambda r: r.nfree) if open_rows else _Row(pool)
-                if not open_rows:
-                    rows.append(r)
+            ri = least_open(c)
+            if ri >= 0 or not groups:
+                if ri < 0:
+                    rows.append(_Row(pool))
+                    ri = len(rows) - 1
+                r = rows[ri]
                 g = [r.take_block(c), c, [], 0, 0.0]
+                heapq.heappush(by_free[r.nfree], ri)
                 r.groups.append(g)
+                bisect.insort(by_c.setdefault(c, []), (ri, made, g), key=lambda e: e[:2])
+                made += 1
             else:
                 g = min(groups, key=lambda g: g[4])
-        g[2].append(int(i))
+        g[2].append(i)
         g[3] += n
         g[4] += h
+        if g[3] + need[c] > m:
+            by_c[c] = [e for e in by_c[c] if e[2] is not g]
 
 
 def _place_single(rows, order, lens, heights, pool, m, offsets):
@@ -158,8 +185,9 @@ def level_plan(lens, heights, feasible, rows_target, pool, m, fractions, n_open:
     heavy = sum(e > 0 for e in excess)
     if escort and heavy:
         calm = [ri for ri, e in enumerate(excess) if e <= 0][:escort * heavy]
+        lift = -ESCORT_LIFT * max(excess)
         for ri in calm:
-            offsets[len(fractions) + ri] = -ESCORT_LIFT * max(excess)
+            offsets[len(fractions) + ri] = lift
     _place_single(rows, single.tolist(), lens, heights, pool, m, offsets)
     plan = Packing()
     opened = light = 0

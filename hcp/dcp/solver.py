@@ -16,14 +16,16 @@ planning time and its stall: benchmarks/dynamic_cp.py and dynamic_cp_stall.py.
    level (rows.py `ESCORT_LIFT`); 4b. rows shaped like the pipeline LP's optimal micro-batch
    sizes (hcp/dcp/pipeline_bound.py, `shaped_plan`, `LP_ROW_FACTORS`); 4c. the same LP with the
    longest sequence's row pinned (hcp/dcp/pinned_bound.py, `PIN_ROW_FACTORS`). 4b-4c are skipped
-   within `EARLY_EXIT_GAP` of the staged lower bound. Every candidate, one without ramps and the
-   packing-only baseline go through the pipeline simulator; the fastest wins.
+   within `EARLY_EXIT_GAP` of the staged lower bound, and for LPs above `LP_MAX_ROWS` rows.
+   Every candidate, one without ramps and the packing-only baseline go through the pipeline
+   simulator; the fastest wins.
 5. pp = 1, at most `LOCAL_SEARCH_MAX_SEQS` sequences: local search (hcp/dcp/local_search.py:
    move, swap, resize, split; `LOCAL_SEARCH_EVALS`) on every candidate, and a truncated dive of
    the exact branch and bound (hcp/dcp/exact.py, `DIVE_NODES_PER_SEQ`).
 6. `several_per_round` (pp = 1 without dp_shard): the best plans become rounds of several
    micro-batches per group (hcp/dcp/rounds.py), beside a plan packed for rounds from the start
-   (hcp/dcp/rank_pack.py).
+   (hcp/dcp/rank_pack.py). Above `LOCAL_SEARCH_MAX_SEQS` sequences only greedy's plan as
+   rounds and the packed one compete (`_large_rounds`), the only ones that won there.
 7. p > 1, at most `PIPELINE_SEARCH_MAX_SEQS` sequences: steps 1-5 on two one-stage surrogates
    (`CostModel.one_stage`: stages summed, or each coefficient's slowest stage) add candidates.
 8. Same bound: a local search timed by the 1F1B simulator (hcp/dcp/pipeline_search.py) improves
@@ -90,6 +92,11 @@ PIN_ROWS_PER_STAGE = 3
 # bound (the staged bound at the memory minimum, hcp/dcp/pipeline_bound.py `staged_bound`):
 # the LPs would cost most of the planning time for at most this gain.
 EARLY_EXIT_GAP = 0.02
+# ... and each LP of more than this many rows is not solved: on code lengths (seeds 0-1 of the
+# seed-sized benchmark, ~175 rows at the memory minimum) HiGHS took ~2 s for the 437-row LP and
+# the shaped plans gained nothing over the level plans (Wikipedia's and lognormal's LPs, 50-200
+# rows, gained 0.8-3.2%).
+LP_MAX_ROWS = 256
 GOLDEN = (np.sqrt(5.0) - 1.0) / 2.0
 
 
@@ -242,6 +249,8 @@ def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int
     excess = None  # least (shaped plan's time / its LP's value) so far
     for factor in LP_ROW_FACTORS:
         rows = max(2, int(round(factor * m_min)))
+        if rows > LP_MAX_ROWS:
+            continue
         if excess is not None and staged_bound(cost, work, smallest, rows) * excess >= best.time:
             continue  # predicted to lose: its LP is at least the staged bound at `rows`
         lp, x = lp_makespan(rows, cost, work, smallest, [0, cost.pp - 1], sizes=True)
@@ -255,7 +264,7 @@ def _search_pipeline(lens, heights, feasible, cost: CostModel, pool: int, m: int
     floor = pin_floor(lens, cost, pool, m)  # 4c: the longest sequence's row pinned
     for factor in PIN_ROW_FACTORS:
         rows = max(2, int(round(factor * m_min)))
-        x = _pinned_sizes(rows, cost, work, smallest, floor)
+        x = _pinned_sizes(rows, cost, work, smallest, floor) if rows <= LP_MAX_ROWS else None
         for scale in LP_SCALES if x is not None else ():
             plan = shaped_plan(lens, heights, feasible, x, pool, m, scale)
             plan, t = _best_order(plan, lens, cost, int(np.argmax(x)), plan.num_rounds)
@@ -273,6 +282,25 @@ def _heights(lens, cost: CostModel, cs, m: int) -> np.ndarray:
     whole = cost.fwd(lens[None, :], lens[None, :] ** 2, cs[:, None])  # latency counted once
     unshared = 1.0 - rank_tokens(lens[None, :], cs[:, None]) / m
     return (whole - cost.latency(cs[:, None]) * unshared).sum(axis=0)
+
+
+def _large_rounds(lens, cost: CostModel, pool: int, m: int,
+                  baselines: list[tuple[Packing, str]]) -> Solution:
+    """Step 6 alone, for a batch of more than `LOCAL_SEARCH_MAX_SEQS` sequences at pp = 1 with
+    `several_per_round`: the baselines, greedy's plan, greedy's plan as rounds and the plan
+    packed for rounds (rank_pack.py); the fastest wins. Only these two round plans ever won at
+    that size (seeds 0-9 of the peer benchmark, pool 8, Wikipedia, lognormal and code lengths,
+    and lognormal at pool 64): the level plans, as rounds, cost four more `merge_rounds`."""
+    plain = greedy(lens, pool, m)
+    candidates = baselines + [(plain, "greedy"),
+                              (merge_rounds(plain, lens, cost, m), "greedy+rounds"),
+                              (rank_time_plan(lens, cost, pool, m), "rank-pack")]
+    best: Solution | None = None
+    for plan, source in candidates:
+        t = simulate_plan(plan, lens, cost).iteration_time
+        if best is None or t < best.time - 1e-12:
+            best = Solution(plan, t, source)
+    return best
 
 
 def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
@@ -310,6 +338,8 @@ def solve(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
                 if t < best.time - 1e-12:
                     best = Solution(plan, t, f"{source}+pipeline-local")
         return best
+    if several_per_round and lens.size > LOCAL_SEARCH_MAX_SEQS:
+        return _large_rounds(lens, cost, pool, m, baselines)
     # one stage: no ramps; a row or two more than the memory minimum can pack better
     candidates = baselines + [(greedy(lens, pool, m), "greedy")]
     for rows_target in range(m_min, m_min + 3):

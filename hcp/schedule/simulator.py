@@ -46,7 +46,23 @@ class Timeline:
 def stage_order(stage: int, num_stages: int, num_micro_batches: int) -> list[tuple[str, int]]:
     """The 1F1B op order of one stage, `[("F", 0), ..., ("B", M - 1)]`: the computes of the
     executor's action list (`hcp.schedule.actions.one_f_one_b`)."""
-    return compute_order(one_f_one_b(stage, num_stages, num_micro_batches))
+    return list(_stage_order(stage, num_stages, num_micro_batches))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_order(stage: int, num_stages: int, num_micro_batches: int):
+    """`compute_order(one_f_one_b(...))` without building the action list (the solver times
+    thousands of candidate pipelines): `w = min(p - s - 1, m)` warm-up forwards, then forward
+    `w + i` and backward `i` in turn, then the remaining backwards (tests/test_simulator.py
+    checks it against the action list)."""
+    m = num_micro_batches
+    if not 0 <= stage < num_stages or m < 0:
+        return tuple(compute_order(one_f_one_b(stage, num_stages, m)))  # its error
+    w = min(num_stages - stage - 1, m)
+    order = [("F", j) for j in range(w)]
+    for i in range(m - w):
+        order += [("F", w + i), ("B", i)]
+    return tuple(order + [("B", j) for j in range(m - w, m)])
 
 
 def simulate_1f1b(fwd: np.ndarray, bwd: np.ndarray, record: bool = True) -> Timeline:
@@ -83,21 +99,21 @@ def _topological(p: int, m: int) -> tuple[tuple[int, int, int], ...]:
     stages' orders merged by advancing every stage as far as its dependencies allow, in turn.
     F(s, j) waits for F(s - 1, j); B(s, j) for B(s + 1, j), on the last stage for F(p - 1, j)."""
     size = p * m
-    orders = [[(size if k == "B" else 0) + s * m + j for k, j in stage_order(s, p, m)]
+    orders = [[(size if k == "B" else 0) + s * m + j for k, j in _stage_order(s, p, m)]
               for s in range(p)]
-
-    def dep(op: int) -> int:
-        s, j = (op % size) // m, op % m
-        if op < size:
-            return (s - 1) * m + j if s else -1
-        return size + (s + 1) * m + j if s < p - 1 else s * m + j
-
-    done, pc, out = set(), [0] * p, []
+    dep = [(op - m if op >= m else -1) for op in range(size)]  # F(s, j) <- F(s - 1, j)
+    dep += [(op + m if op < 2 * size - m else op - size) for op in range(size, 2 * size)]
+    done, pc, out = bytearray(2 * size), [0] * p, []
     while len(out) < 2 * size:
         for s in range(p):
-            while pc[s] < len(orders[s]) and (dep(orders[s][pc[s]]) < 0 or dep(orders[s][pc[s]]) in done):
-                op = orders[s][pc[s]]
-                out.append((op, s, dep(op)))
-                done.add(op)
-                pc[s] += 1
+            order, k = orders[s], pc[s]
+            while k < len(order):
+                op = order[k]
+                d = dep[op]
+                if d >= 0 and not done[d]:
+                    break
+                out.append((op, s, d))
+                done[op] = 1
+                k += 1
+            pc[s] = k
     return tuple(out)

@@ -35,6 +35,7 @@ from hcp.model.stage import StageSpec
 from hcp.parallel.groups import ProcessGroupRegistry
 from hcp.parallel.roles import logging_rank
 from hcp.plan.ahead import PlanAhead, use_worker
+from hcp.plan.shared import node_planner
 from hcp.train.planner import StepPlanner
 from hcp.schedule.colocated import ColocatedStep
 from hcp.train import checkpoint
@@ -130,6 +131,8 @@ class Trainer:
         self.step, self.resume_note = checkpoint.resume(self.checkpointing, self.modules, self.optimizer,
                                                         self.scheduler, self.sampler, self._tp_groups())
         self.planner = StepPlanner(self.packing, self.specs, self.index)
+        if self.dynamic_cp and self.settings.plan_share == "node":  # hcp.plan.shared
+            self.planner = node_planner(self.planner, run_dir, dist.get_backend() != "fake")
         in_process = self.dynamic_cp and use_worker(self.settings.plan_process,
                                                     self.device.type)  # hcp.train.planner
         self.ahead = PlanAhead(self.sampler, self.prepare, self.planner if in_process else None)
