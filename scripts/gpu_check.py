@@ -23,6 +23,7 @@ Exits 1 when an attention check fails.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -38,7 +39,7 @@ from hcp.data.packing import Batch  # noqa: E402
 from hcp.model import LlavaModel  # noqa: E402
 from hcp.model.attention import thd_attention  # noqa: E402
 from hcp.model.backends import attention_fn, resolve_backend  # noqa: E402
-from hcp.model.cp_attention import (Call, CPAttentionPlan, Partial, Rows,  # noqa: E402
+from hcp.model.cp_attention import (CPAttentionPlan, Partial, Rows,  # noqa: E402
                                     _FusedAttention, cp_calls)
 from hcp.model.cp_kernels import fused_kernel  # noqa: E402
 from hcp.parallel.cp_sharding import cp_shard  # noqa: E402
@@ -66,7 +67,7 @@ def _shifted(calls, offset: int):
         if rows.index is None:
             return Rows(rows.start + offset, rows.n, rows.length)
         return Rows(0, rows.n, rows.length, rows.index + offset)
-    return [Call(c.q, shift(c.k), c.causal) for c in calls]
+    return [dataclasses.replace(c, k=shift(c.k)) for c in calls]
 
 
 def emulated_cp(q_all, k_all, v_all, w, cu, c, comm, device, dtype):
@@ -83,15 +84,16 @@ def emulated_cp(q_all, k_all, v_all, w, cu, c, comm, device, dtype):
     out_all = torch.zeros(q_all.shape)
     for r, s in enumerate(shards):
         q = leaves[r][0]
-        k, v = (torch.cat([leaves[j][i] for j in range(c)]) for i in (1, 2))
-        per_source = cp_calls(lengths, c, r, comm, device)
+        kv = torch.stack([torch.cat([leaves[j][i] for j in range(c)]) for i in (1, 2)], dim=1)
+        per_source = cp_calls(lengths, c, r, comm, device, masked=kernel.masks)
         calls = [call for j, cs in enumerate(per_source) for call in _shifted(cs, j * t_loc)]
-        out = _FusedAttention.apply(q, k, v, CPAttentionPlan(None, comm, [calls], kernel))
+        calls.sort(key=lambda call: not call.first)  # a row's first call before the others
+        out = _FusedAttention.apply(q, kv, CPAttentionPlan(None, comm, [calls], kernel))
         if comm == "p2p":
             with torch.no_grad():
                 ring = Partial.empty(q)
                 for j in ((r - step) % c for step in range(c)):
-                    ring.fold(q, leaves[j][1], leaves[j][2], per_source[j], kernel)
+                    ring.fold(q, torch.stack([leaves[j][1], leaves[j][2]], dim=1), per_source[j], kernel)
             bf16 = dtype == torch.bfloat16
             torch.testing.assert_close(out, ring.result(dtype), rtol=2e-2 if bf16 else 1e-5,
                                        atol=2e-2 if bf16 else 1e-5)
