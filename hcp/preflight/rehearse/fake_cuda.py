@@ -30,8 +30,9 @@ own headers (`library()`), that installs c10's `FakeGuardImpl<CUDA>` (8 fake dev
 and events no-ops) and registers CUDA hooks whose `isBuilt()` is true. The hooks must be
 registered before `import torch` creates them, so the library is loaded with `LD_PRELOAD`:
 `ensure()` re-runs the command under it. `patched()` fixes 3 and stands in for the `torch.cuda`
-calls hcp makes on a CUDA device (timing events, peak memory, `synchronize`, the lazy
-initialisation that `.to("cuda")` calls before it dispatches).
+calls hcp and torch.distributed make on a CUDA device (timing events, peak memory,
+`synchronize`, the lazy initialisation that `.to("cuda")` calls before it dispatches, the
+device capability: an H100's).
 """
 from __future__ import annotations
 
@@ -181,7 +182,8 @@ def patched(reads):
 
     saved = [(amp_common, "amp_definitely_not_available"), (torch.cuda, "is_bf16_supported"),
              (torch.cuda, "Event"), (torch.cuda, "synchronize"), (torch.cuda, "max_memory_allocated"),
-             (torch.cuda, "reset_peak_memory_stats"), (torch.cuda, "_lazy_init")]
+             (torch.cuda, "reset_peak_memory_stats"), (torch.cuda, "_lazy_init"),
+             (torch.cuda, "get_device_capability")]
     saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
     amp_common.amp_definitely_not_available = lambda: False
     torch.cuda.is_bf16_supported = lambda *a, **k: True
@@ -190,6 +192,7 @@ def patched(reads):
     torch.cuda.max_memory_allocated = lambda *a, **k: 0
     torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
     torch.cuda._lazy_init = lambda: None  # `.to("cuda")` and `torch.tensor(..., device="cuda")` call it
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # an H100 (c10d's broadcast asks)
     try:
         yield
     finally:
