@@ -18,7 +18,11 @@
    parameters (hcp's `precision=bf16`); the step time after one warm-up step, MFU = model FLOPs
    of the real tokens (`hcp.train.throughput.model_flops`) / step time / `--peak-tflops` (989,
    H100/H200 dense bf16), and the peak GPU memory of the step.
-Exits 1 when an attention check fails.
+3. The training runs of issue 39 (scripts/gpu_check_runs.py): FSDP dp_shard memory against plan
+   mode, a checkpoint save's peak against the training peak, calibration at bf16, the device a
+   task with one visible GPU picks, and the fake-CUDA rehearsal's device events against a real
+   run's.
+Exits 1 when a check fails.
 """
 from __future__ import annotations
 
@@ -186,7 +190,7 @@ def check_te_cp(lengths) -> bool:
 
     from hcp.launch.launch import free_port
 
-    if importlib.util.find_spec("transformer_engine") is None or torch.cuda.device_count() < 2:
+    if importlib.util.find_spec("transformer_engine") is None or torch.cuda.device_count() < 2:  # also: CPU
         print(f"te cp attention: skipped (transformer_engine "
               f"{'found' if importlib.util.find_spec('transformer_engine') else 'missing'}, "
               f"{torch.cuda.device_count()} GPU(s); needs both and 2 GPUs)")
@@ -265,7 +269,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short documents (dry run)")
     ap.add_argument("--tokens", type=int, default=32768, help="tokens of the training micro-batch")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
-    ap.add_argument("--skip", default="", help="comma list of checks to skip: attention,train")
+    ap.add_argument("--skip", default="", help="comma list of checks to skip: attention,train,runs")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -278,14 +282,17 @@ def main() -> int:
     ok = True
     if "attention" not in args.skip:
         ok = check_attention(device, [96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
-        if device.type == "cuda":
-            ok &= check_te_cp([96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
+        ok &= check_te_cp([96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
     if "train" not in args.skip:
         cfg = (LLMConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                          ffn_hidden_size=128) if args.tiny else
                LLMConfig(vocab_size=32000, hidden_size=2048, num_layers=22, num_heads=32,
                          num_kv_heads=4, ffn_hidden_size=5632))
         train_step(device, cfg, 1024 if args.tiny else args.tokens, args.peak_tflops)
+    if "runs" not in args.skip:
+        import gpu_check_runs
+
+        ok &= gpu_check_runs.main(device, args.tiny)
     print("gpu_check:", "OK" if ok else "FAILED")
     return 0 if ok else 1
 
