@@ -97,7 +97,8 @@ def emulated_cp(q_all, k_all, v_all, w, cu, c, comm, device, dtype):
             with torch.no_grad():
                 ring = Partial.empty(q)
                 for j in ((r - step) % c for step in range(c)):
-                    ring.fold(q, torch.stack([leaves[j][1], leaves[j][2]], dim=1), per_source[j], kernel)
+                    kv_j = torch.stack([leaves[j][1], leaves[j][2]], dim=1)
+                    ring.fold(q, kv_j, per_source[j], kernel)
             bf16 = dtype == torch.bfloat16
             torch.testing.assert_close(out, ring.result(dtype), rtol=2e-2 if bf16 else 1e-5,
                                        atol=2e-2 if bf16 else 1e-5)
@@ -190,7 +191,7 @@ def check_te_cp(lengths) -> bool:
 
     from hcp.launch.launch import free_port
 
-    if importlib.util.find_spec("transformer_engine") is None or torch.cuda.device_count() < 2:  # also: CPU
+    if importlib.util.find_spec("transformer_engine") is None or torch.cuda.device_count() < 2:
         print(f"te cp attention: skipped (transformer_engine "
               f"{'found' if importlib.util.find_spec('transformer_engine') else 'missing'}, "
               f"{torch.cuda.device_count()} GPU(s); needs both and 2 GPUs)")

@@ -81,34 +81,36 @@ def fsdp_and_checkpoint(device, tiny: bool, run_dir: str) -> tuple[str, str]:
     tr.save()
     save_peak = _peak(device)
     tr.ahead.close()
-    plan = memory_per_rank(cfg, resolve_layouts(cfg, 1), 1, micro_batches=metrics["micro_batches"])[0]["total"]
+    micro = metrics["micro_batches"]
+    plan = memory_per_rank(cfg, resolve_layouts(cfg, 1), 1, micro_batches=micro)[0]["total"]
     torch.distributed.destroy_process_group()
     unit = "GiB" if device.type == "cuda" else "GiB RSS"
-    return (f"fsdp: dp_shard step of {metrics['micro_batches']} micro-batches: peak {train_peak:.2f} {unit}, "
+    return (f"fsdp: dp_shard step of {micro} micro-batches: peak {train_peak:.2f} {unit}, "
             f"plan {plan:.2f} GiB ({train_peak / plan - 1:+.0%})",
             f"checkpoint: save peak {save_peak:.2f} {unit}, training peak {train_peak:.2f} {unit} "
             f"({save_peak / train_peak - 1:+.0%}; target within 10%)")
 
 
 def _cli(args: list[str], env=None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env=dict(env or os.environ, PYTHONPATH=REPO))
+    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env=dict(env or os.environ, PYTHONPATH=REPO))
 
 
 def calibrate(device, tiny: bool, run_dir: str) -> str:
     """The `calibrate` line: `mode=calibrate` at bf16 (module docstring)."""
-    proc = _cli(["train.py", *_overrides(device, tiny, run_dir), "mode=calibrate", f"hydra.run.dir={run_dir}/cal"],
-                timeout=400)
+    proc = _cli(["train.py", *_overrides(device, tiny, run_dir), "mode=calibrate",
+                 f"hydra.run.dir={run_dir}/cal"], timeout=400)
     last = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
     return f"calibrate: precision=bf16 exit {proc.returncode}: {last[0][:160]}"
 
 
 def device_choice() -> str:
     """The `device` line: the device of a rank whose task sees one GPU under LOCAL_RANK=1."""
-    code = ("import torch; from omegaconf import OmegaConf; from hcp.launch.distributed import init_distributed;"
+    code = ("from omegaconf import OmegaConf; from hcp.launch.distributed import init_distributed; "
             "print(init_distributed(OmegaConf.create({'backend': 'auto', 'timeout_s': 60})))")
+    one = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT="29518", CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
+               MASTER_PORT="29518", CUDA_VISIBLE_DEVICES=one)
     proc = _cli(["-c", code], env=env, timeout=120)
     out = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or [""]
     return f"device: one visible GPU, LOCAL_RANK=1 -> exit {proc.returncode}: {out[0][:160]}"
@@ -135,15 +137,18 @@ def rehearsal_vs_real(device, tiny: bool, run_dir: str) -> list[str]:
     tr.ahead.close()
     torch.distributed.destroy_process_group()
     real = _events_table(events.counts)
-    proc = _cli(["train.py", *overrides, "mode=rehearse", "rehearse.device=cuda", "rehearse.steps=2",
+    proc = _cli(["train.py", *overrides, "mode=rehearse", "rehearse.device=cuda",
+                 "rehearse.steps=2",
                  f"hydra.run.dir={run_dir}/rehearse"], timeout=400)
     report = os.path.join(run_dir, "rehearse", "rehearsal.json")
     if not os.path.exists(report):
-        return [f"rehearsal: FAIL (exit {proc.returncode}): {(proc.stdout + proc.stderr).strip()[-300:]}"]
+        said = (proc.stdout + proc.stderr).strip()[-300:]
+        return [f"rehearsal: FAIL (exit {proc.returncode}): {said}"]
     (rank,) = json.load(open(report))["ranks"].values()
     fake = {f"{k}: {d}": a + b + c for k, d, a, b, c, _ in rank["device_events"]}
     lines = [f"rehearsal: device events of 2 steps, {'real ' + device.type:>9} vs fake cuda"]
-    lines += [f"  {what:<60} {real.get(what, 0):>6} {fake.get(what, 0):>6}" for what in sorted(real.keys() | fake.keys())]
+    lines += [f"  {what:<60} {real.get(what, 0):>6} {fake.get(what, 0):>6}"
+              for what in sorted(real.keys() | fake.keys())]
     return lines
 
 
@@ -151,7 +156,8 @@ def main(device, tiny: bool) -> bool:
     """Print every run's lines; False when one raised."""
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        for name, run in (("fsdp/checkpoint", lambda: fsdp_and_checkpoint(device, tiny, f"{tmp}/fsdp")),
+        for name, run in (("fsdp/checkpoint",
+                           lambda: fsdp_and_checkpoint(device, tiny, f"{tmp}/fsdp")),
                           ("calibrate", lambda: [calibrate(device, tiny, f"{tmp}/cal")]),
                           ("device", lambda: [device_choice()]),
                           ("rehearsal", lambda: rehearsal_vs_real(device, tiny, f"{tmp}/reh"))):
@@ -159,7 +165,8 @@ def main(device, tiny: bool) -> bool:
                 print("\n".join(run()), flush=True)
             except Exception:  # noqa: BLE001 - one run's failure is a line, the others still run
                 ok = False
-                print(f"{name}: FAIL {traceback.format_exc().strip().splitlines()[-1][:200]}", flush=True)
+                last = traceback.format_exc().strip().splitlines()[-1][:200]
+                print(f"{name}: FAIL {last}", flush=True)
                 if torch.distributed.is_initialized():
                     torch.distributed.destroy_process_group()
     return ok

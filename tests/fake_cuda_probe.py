@@ -31,12 +31,12 @@ def planted() -> dict:
         w = torch.randn(8, 8, device="cuda:0", requires_grad=True)
 
         def forward(i, x):
-            h = torch.ones(4, 8).to("cuda:0", non_blocking=True)              # pageable, non_blocking
+            h = torch.ones(4, 8).to("cuda:0", non_blocking=True)        # pageable, non_blocking
             h = h + torch.ones(4, 8).pin_memory().to("cuda:0", non_blocking=True)  # pinned
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = h @ w
             dtypes.append(str(y.dtype))
-            q = torch.randn(1, 2, 16, 8, device="cuda:0")                     # fp32 q: CP's math fallback
+            q = torch.randn(1, 2, 16, 8, device="cuda:0")               # fp32: CP's math fallback
             fused_kernel("cuda").forward(q, q, q, True)
             F.scaled_dot_product_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), is_causal=True)
             try:
@@ -73,7 +73,8 @@ def rehearse(overrides: list[str]) -> dict:
 
     run_dir = overrides.pop(0)
     os.makedirs(run_dir, exist_ok=True)
-    cfg = compose_cfg(["mode=rehearse", "logger=none", "rehearse.device=cuda", *overrides], run_dir=run_dir)
+    cfg = compose_cfg(["mode=rehearse", "logger=none", "rehearse.device=cuda", *overrides],
+                      run_dir=run_dir)
     world = world_size_of(cfg, 4)
     validate(cfg, world)
     list(prepare_data(*with_specs(cfg)))

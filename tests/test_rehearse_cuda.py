@@ -17,13 +17,15 @@ from hcp.preflight.rehearse import fake_cuda
 from tests.cfg_utils import REPO, compose_cfg
 
 PROBE = os.path.join(REPO, "tests", "fake_cuda_probe.py")
-TINY = ("llama_tiny", "llava_tiny", "llava_tiny_hetero", "llava_tiny_two_encoders", "internvl_tiles_tiny")
+TINY = ("llama_tiny", "llava_tiny", "llava_tiny_hetero", "llava_tiny_two_encoders",
+        "internvl_tiles_tiny")
 FAST = ("rehearse.ranks=[0]", "rehearse.steps=2", "trainer.global_batch_size=8", "rehearse.jobs=1")
 
 
 def _probe(*args, timeout=900):
+    env = fake_cuda.preloaded_env(dict(os.environ, PYTHONPATH=REPO))
     proc = subprocess.run([sys.executable, PROBE, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=fake_cuda.preloaded_env(dict(os.environ, PYTHONPATH=REPO)))
+                          timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
 
@@ -60,7 +62,8 @@ def test_a_read_in_a_micro_batch_after_warm_up_fails_the_rehearsal():
     from hcp.preflight.rehearse.report import find_mismatches
     from hcp.preflight.rehearse.runner import RankResult
 
-    warm = {(1, 0, READ, "item/bool/int/float", "hcp/x.py:3"): 1, (2, None, READ, "tolist", "hcp/y.py:9"): 1}
+    warm = {(1, 0, READ, "item/bool/int/float", "hcp/x.py:3"): 1,
+            (2, None, READ, "tolist", "hcp/y.py:9"): 1}
     assert find_mismatches({0: RankResult(0, device_events=warm)}, 1, 80.0) == []
     late = {**warm, (2, 1, READ, "nonzero", "hcp/z.py:5"): 2}
     (bad,) = find_mismatches({0: RankResult(0, device_events=late)}, 1, 80.0)
@@ -72,7 +75,8 @@ def test_sdpa_kernel_follows_torchs_rules():
 
     q = lambda dtype, d=64: torch.empty(1, 2, 16, d, dtype=dtype)  # noqa: E731
     assert sdpa_kernel(q(torch.bfloat16), q(torch.bfloat16), None) == "flash"
-    assert sdpa_kernel(q(torch.bfloat16), q(torch.bfloat16), torch.ones(16, 16, dtype=torch.bool)) == "efficient"
+    mask = torch.ones(16, 16, dtype=torch.bool)
+    assert sdpa_kernel(q(torch.bfloat16), q(torch.bfloat16), mask) == "efficient"
     assert sdpa_kernel(q(torch.float32), q(torch.float32), None) == "efficient"
     assert sdpa_kernel(q(torch.float32, 6), q(torch.float32, 6), None) == "math"
     assert sdpa_kernel(q(torch.float64), q(torch.float64), None) == "math"
@@ -84,7 +88,8 @@ def test_bad_device_names_field_value_and_fix():
 
     with pytest.raises(ConfigError) as err:
         check_rehearse(compose_cfg(["rehearse.device=tpu"]), 4)
-    assert str(err.value).startswith("rehearse.device='tpu'") and "rehearse.device=cuda" in str(err.value)
+    said = str(err.value)
+    assert said.startswith("rehearse.device='tpu'") and "rehearse.device=cuda" in said
 
 
 @pytest.mark.slow
@@ -98,7 +103,8 @@ def test_tiny_recipes_rehearse_on_fake_cuda(tmp_path):
         assert out["mismatches"] == [], (recipe, out["printed"])
         (rank,) = out["ranks"].values()
         rows = {(k, d): (a, b, c, sites) for k, d, a, b, c, sites in rank["device_events"]}
-        h2d = [sites for (k, d), (*_, sites) in rows.items() if k == "H2D copy" and d.startswith("pageable")]
+        h2d = [sites for (k, d), (*_, sites) in rows.items()
+               if k == "H2D copy" and d.startswith("pageable")]
         assert h2d and all(s.startswith("hcp/") for sites in h2d for s in sites), rows
         kernels = {d for k, d in rows if k == "attention"}
         assert kernels and all("bfloat16" in d for d in kernels), (recipe, kernels)

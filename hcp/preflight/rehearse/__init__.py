@@ -43,8 +43,8 @@ def check_rehearse(cfg, world: int) -> list[int]:
     if rc.jobs is not None and rc.jobs < 1:
         raise ConfigError("rehearse.jobs", rc.jobs, "at least one process runs", "use rehearse.jobs=1 or more (null: one per core)")
     if rc.get("device", "cpu") not in ("cpu", "cuda"):
-        raise ConfigError("rehearse.device", rc.device, "ranks rehearse on fake cpu or cuda tensors",
-                          "use rehearse.device=cpu or rehearse.device=cuda")
+        raise ConfigError("rehearse.device", rc.device, "ranks rehearse on fake cpu or cuda "
+                          "tensors", "use rehearse.device=cpu or rehearse.device=cuda")
     if rc.get("by_class") and rc.ranks is not None:
         raise ConfigError("rehearse.ranks", list(rc.ranks), "rehearse.by_class=true rehearses one rank per class "
                           "of the whole world", "drop rehearse.ranks, or set rehearse.by_class=false")

@@ -35,30 +35,40 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-READ, H2D, MISMATCH, ATTENTION, WIRE = "device read", "H2D copy", "device mismatch", "attention", "wire dtype"
+READ, H2D, MISMATCH = "device read", "H2D copy", "device mismatch"
+ATTENTION, WIRE = "attention", "wire dtype"
 KINDS = (READ, H2D, MISMATCH, ATTENTION, WIRE)
 CHECKS = (
-    ("device mismatch", "checked", "an op on CUDA and CPU tensors (FakeTensor raises: the rank fails)"),
-    ("attention kernel", "checked", "aten flash/efficient/cuDNN ops as dispatched; CP's math fallback"),
-    ("  F.sdpa's choice", "modelled", "sdp_utils.cpp's rules (sdpa_kernel): torch's CUDA chooser is not "
-     "in the CPU wheel; on fake CUDA the call itself runs the math decomposition (its FLOPs, memory)"),
-    ("autocast on cuda", "checked", "torch's C++ autocast kernels run (its Python availability check patched)"),
+    ("device mismatch", "checked",
+     "an op on CUDA and CPU tensors (FakeTensor raises: the rank fails)"),
+    ("attention kernel", "checked",
+     "aten flash/efficient/cuDNN ops as dispatched; CP's math fallback"),
+    ("  F.sdpa's choice", "modelled", "sdp_utils.cpp's rules (sdpa_kernel): torch's CUDA chooser "
+     "is not in the CPU wheel; on fake CUDA the call runs the math decomposition (its FLOPs, "
+     "memory)"),
+    ("autocast on cuda", "checked",
+     "torch's C++ autocast kernels run (its Python availability check patched)"),
     ("dtypes on the wire", "checked", "every collective's payload dtype (the recorded c10d ops)"),
-    ("H2D copies", "checked", "_to_copy/copy_ from a CPU tensor to CUDA: pageable or pinned, blocking or not"),
+    ("H2D copies", "checked",
+     "_to_copy/copy_ from a CPU tensor to CUDA: pageable or pinned, blocking or not"),
     ("device reads", "checked", "item/bool/nonzero/equal/unique/bool-mask index/tolist/D2H copy/"
      "cuda sync/event wait/reads hcp skips on fake tensors; zero per micro-batch after step 1"),
     ("reads in C++ kernels", "cannot", "a sync inside an aten kernel dispatches nothing to see"),
-    ("TE, flash-attn", "cannot", "not installed here; their kernels and internal syncs are not run"),
-    ("streams, overlap, NCCL", "cannot", "fake tensors have no time: no stream order, no comm overlap"),
+    ("TE, flash-attn", "cannot",
+     "not installed here; their kernels and internal syncs are not run"),
+    ("streams, overlap, NCCL", "cannot",
+     "fake tensors have no time: no stream order, no comm overlap"),
     ("allocator", "cannot", "MemTracker counts tensor bytes, not the caching allocator's blocks"),
 )
 """What `rehearse.device=cuda` checks and what it cannot (printed with the report)."""
 
 _aten = torch.ops.aten
-_READ_OPS = {_aten._local_scalar_dense.default: "item/bool/int/float", _aten.nonzero.default: "nonzero",
+_READ_OPS = {_aten._local_scalar_dense.default: "item/bool/int/float",
+             _aten.nonzero.default: "nonzero",
              _aten.masked_select.default: "masked_select", _aten.equal.default: "equal",
              _aten._unique2.default: "unique", _aten.unique_dim.default: "unique",
-             _aten.unique_consecutive.default: "unique", _aten.repeat_interleave.Tensor: "repeat_interleave"}
+             _aten.unique_consecutive.default: "unique",
+             _aten.repeat_interleave.Tensor: "repeat_interleave"}
 _BOOL_INDEX = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}
 _COPIES = {_aten._to_copy.default, _aten.copy_.default}
 _KERNEL_OPS = {"_flash_attention_forward": "flash", "_scaled_dot_product_flash_attention": "flash",
@@ -83,8 +93,9 @@ def sdpa_kernel(q: torch.Tensor, k: torch.Tensor, attn_mask, dropout_p: float = 
     if flash_ok and attn_mask is None and d <= 256 and d % 8 == 0 and k.shape[-1] == d:
         return "flash"
     align = 4 if dtype == torch.float32 else 8
-    if torch.backends.cuda.mem_efficient_sdp_enabled() and dtype in (torch.float32, torch.float16, torch.bfloat16) \
-            and d % align == 0:
+    efficient_dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    efficient = torch.backends.cuda.mem_efficient_sdp_enabled() and dtype in efficient_dtypes
+    if efficient and d % align == 0:
         return "efficient"
     return "math"
 
@@ -150,7 +161,8 @@ class DeviceEvents(TorchDispatchMode):
     def _see(self, func, args, kwargs) -> None:
         name = func._opname
         if func in _READ_OPS and any(map(_cuda, _tensors(args))):
-            if not (func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None):
+            sized = func is _aten.repeat_interleave.Tensor and kwargs.get("output_size") is not None
+            if not sized:
                 self.add(READ, _READ_OPS[func])
         elif func in _BOOL_INDEX and _cuda(args[0]) and any(
                 i is not None and i.dtype == torch.bool for i in args[1]):
@@ -166,16 +178,19 @@ class DeviceEvents(TorchDispatchMode):
 
     def _copy(self, func, args, kwargs) -> None:
         if func is _aten._to_copy.default:
-            src, dst_device, non_blocking = args[0], kwargs.get("device"), kwargs.get("non_blocking", False)
+            src, dst_device = args[0], kwargs.get("device")
+            non_blocking = kwargs.get("non_blocking", False)
             dst_type = src.device.type if dst_device is None else torch.device(dst_device).type
         else:
             dst, src = args[0], args[1]
-            dst_type, non_blocking = dst.device.type, (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            dst_type = dst.device.type
+            non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
         if src.device.type == "cuda" and dst_type == "cpu":
             self.add(READ, "copy to the host")
         elif src.device.type == "cpu" and dst_type == "cuda":
             pinned = id(src) in self._pinned
-            self.add(H2D, "pinned" if pinned else f"pageable, {'non_blocking' if non_blocking else 'blocking'}")
+            how = "non_blocking" if non_blocking else "blocking"
+            self.add(H2D, "pinned" if pinned else f"pageable, {how}")
 
     # -- Python-level patches -------------------------------------------------------------
     @contextlib.contextmanager
@@ -195,11 +210,12 @@ class DeviceEvents(TorchDispatchMode):
 
         events = self
         saved = [(torch.Tensor, "tolist"), (torch.Tensor, "numpy"), (torch.Tensor, "pin_memory"),
-                 (torch.Tensor, "is_pinned"), (F, "scaled_dot_product_attention"), (fake, "is_fake"),
+                 (torch.Tensor, "is_pinned"), (F, "scaled_dot_product_attention"),
+                 (fake, "is_fake"),
                  (plan_check, "is_fake"), (cp_kernels, "KERNELS")]
         self._saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
-        tolist, numpy, sdpa, is_fake = torch.Tensor.tolist, torch.Tensor.numpy, F.scaled_dot_product_attention, \
-            fake.is_fake
+        tolist, numpy = torch.Tensor.tolist, torch.Tensor.numpy
+        sdpa, is_fake = F.scaled_dot_product_attention, fake.is_fake
 
         def reading(fn, what):
             def wrapped(t, *a, **k):
@@ -256,7 +272,8 @@ class DeviceEvents(TorchDispatchMode):
 
         def forward(q, *args):
             if q.dtype not in (torch.float16, torch.bfloat16):
-                events.add(ATTENTION, f"math {str(q.dtype).replace('torch.', '')} (CP kernel fallback)")
+                dtype = str(q.dtype).replace("torch.", "")
+                events.add(ATTENTION, f"math {dtype} (CP kernel fallback)")
             return kernel.forward(q, *args)
         return cp_kernels.Kernel(kernel.name, forward, kernel.backward, kernel.masks)
 
@@ -333,7 +350,8 @@ def summary(counts: Counter) -> list[tuple]:
         row = rows.setdefault((kind, detail), [0, 0, 0, Counter()])
         row[0 if step == 0 else 1 if micro is not None else 2] += n
         row[3][where] += n
-    return [(k, d, *row) for (k, d), row in sorted(rows.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1]))]
+    order = sorted(rows.items(), key=lambda kv: (KINDS.index(kv[0][0]), kv[0][1]))
+    return [(k, d, *row) for (k, d), row in order]
 
 
 def wire_counts(ops) -> Counter:
@@ -354,13 +372,17 @@ def format_device(results: dict, steps: int) -> list[str]:
     lines += [f"{name:<24} {status:<9} {how}" for name, status, how in CHECKS]
     per: dict[tuple, list] = {}
     for res in results.values():
-        for kind, detail, setup, micro, other, sites in summary(Counter(res.device_events) + wire_counts(res.ops)):
+        counts = Counter(res.device_events) + wire_counts(res.ops)
+        for kind, detail, setup, micro, other, sites in summary(counts):
             row = per.setdefault((kind, detail), [0, 0.0, 0.0, Counter()])
-            row[0], row[1], row[2] = max(row[0], setup), max(row[1], micro / steps), max(row[2], other / steps)
+            row[0] = max(row[0], setup)
+            row[1], row[2] = max(row[1], micro / steps), max(row[2], other / steps)
             row[3] |= sites
-    lines += ["device events per rank (largest rank; per step: in micro-batches / elsewhere in the step)",
+    lines += ["device events per rank (largest rank; per step: in micro-batches / elsewhere "
+              "in the step)",
               f"{'kind':<16} {'what':<44} {'set-up':>6} {'in mb':>6} {'other':>6}  sites"]
-    for (kind, detail), (setup, micro, other, sites) in sorted(per.items(), key=lambda kv: KINDS.index(kv[0][0])):
+    order = sorted(per.items(), key=lambda kv: KINDS.index(kv[0][0]))
+    for (kind, detail), (setup, micro, other, sites) in order:
         top = ", ".join(f"{w} x{n}" for w, n in sites.most_common(3) if w != "-")
         lines.append(f"{kind:<16} {detail:<44} {setup:>6} {micro:>6.1f} {other:>6.1f}  {top}")
     return lines

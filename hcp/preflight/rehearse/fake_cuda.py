@@ -111,18 +111,20 @@ def library() -> str:
     with open(src, "w") as f:
         f.write(SHIM)
     abi = int(torch.compiled_with_cxx11_abi())
-    cmd = [os.environ.get("CXX", "g++"), "-O1", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-           f"-I{root}/include", src, f"-L{root}/lib", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root}/lib",
-           "-o", path + f".{os.getpid()}"]
+    cmd = [os.environ.get("CXX", "g++"), "-O1", "-std=c++17", "-shared", "-fPIC",
+           f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-I{root}/include", src, f"-L{root}/lib", "-lc10",
+           "-ltorch_cpu", f"-Wl,-rpath,{root}/lib", "-o", path + f".{os.getpid()}"]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True)
     except FileNotFoundError:
-        raise RuntimeError(f"rehearse.device=cuda on a CPU-only torch builds a small C++ library and needs "
-                           f"a C++ compiler ({cmd[0]}, or set CXX): install g++, or use rehearse.device=cpu") from None
+        raise RuntimeError(f"rehearse.device=cuda on a CPU-only torch builds a small C++ library "
+                           f"and needs a C++ compiler ({cmd[0]}, or set CXX): install g++, or use "
+                           "rehearse.device=cpu") from None
     finally:
         os.remove(src)
     if proc.returncode != 0:
-        raise RuntimeError("building the fake-CUDA library failed:\n" + "\n".join(proc.stderr.splitlines()[-8:]))
+        tail = "\n".join(proc.stderr.splitlines()[-8:])
+        raise RuntimeError("building the fake-CUDA library failed:\n" + tail)
     os.replace(path + f".{os.getpid()}", path)
     return path
 
@@ -181,7 +183,8 @@ def patched(reads):
     import torch.cuda.amp.common as amp_common
 
     saved = [(amp_common, "amp_definitely_not_available"), (torch.cuda, "is_bf16_supported"),
-             (torch.cuda, "Event"), (torch.cuda, "synchronize"), (torch.cuda, "max_memory_allocated"),
+             (torch.cuda, "Event"), (torch.cuda, "synchronize"),
+             (torch.cuda, "max_memory_allocated"),
              (torch.cuda, "reset_peak_memory_stats"), (torch.cuda, "_lazy_init"),
              (torch.cuda, "get_device_capability")]
     saved = [(owner, name, getattr(owner, name)) for owner, name in saved]
@@ -191,7 +194,7 @@ def patched(reads):
     torch.cuda.synchronize = lambda *a, **k: reads("cuda.synchronize")
     torch.cuda.max_memory_allocated = lambda *a, **k: 0
     torch.cuda.reset_peak_memory_stats = lambda *a, **k: None
-    torch.cuda._lazy_init = lambda: None  # `.to("cuda")` and `torch.tensor(..., device="cuda")` call it
+    torch.cuda._lazy_init = lambda: None  # `.to("cuda")`, `torch.tensor(.., device="cuda")` call it
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # an H100 (c10d's broadcast asks)
     try:
         yield

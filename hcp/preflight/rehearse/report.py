@@ -23,7 +23,8 @@ JOB_RECORD = frozenset({"placement", "layouts", "ranks"})
 def find_mismatches(results: dict, world: int, device_gib: float) -> list[Mismatch]:
     """Every fault in the rank results (`hcp.preflight.rehearse.runner.RankResult`): a rank that
     raised, group creations, collectives, sends/receives and deadlock, a peak over the device,
-    a device read inside a micro-batch after the first step (fake CUDA: `device.reads_after_warmup`)."""
+    a device read inside a micro-batch after the first step (fake CUDA:
+    `device.reads_after_warmup`)."""
     out = [Mismatch("rank failed", [r], None, None, {r: res.error.strip().splitlines()[-1]},
                     "the rank raised (traceback in rehearsal.json)")
            for r, res in sorted(results.items()) if res.error]
@@ -38,9 +39,10 @@ def find_mismatches(results: dict, world: int, device_gib: float) -> list[Mismat
     for r, res in sorted(results.items()):
         reads = reads_after_warmup(res.device_events)
         if reads:
-            out.append(Mismatch("device read", [r], None, None, {r: "; ".join(f"{w} x{n}" for w, n in reads.most_common())},
-                                "device-to-host reads inside micro-batches after the first step: each "
-                                "stalls the host until the GPU catches up"))
+            sites = "; ".join(f"{w} x{n}" for w, n in reads.most_common())
+            out.append(Mismatch("device read", [r], None, None, {r: sites},
+                                "device-to-host reads inside micro-batches after the first step: "
+                                "each stalls the host until the GPU catches up"))
     return out
 
 

@@ -63,7 +63,7 @@ class RankResult:
 
 def rehearsal_config(cfg):
     """`cfg` with `REHEARSAL_OVERRIDES` applied (a copy); on fake CUDA (`rehearse.device=cuda`)
-    the step plan is computed on the rank's thread, not in a worker process (its default on CUDA)."""
+    the step plan is computed on the rank's thread, not in a worker process (its CUDA default)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     cuda = {"trainer.plan_process": False} if cfg.rehearse.get("device") == "cuda" else {}
     for key, value in {**REHEARSAL_OVERRIDES, **cuda}.items():
@@ -160,8 +160,9 @@ def _on_device(cfg, events, fake):
     from hcp.preflight.rehearse.device import FakeUploads
 
     if not fake_cuda.active():
-        raise RuntimeError("rehearse.device=cuda: this process has no fake CUDA (start it through "
-                           "`python train.py ... mode=rehearse rehearse.device=cuda`, which preloads it)")
+        raise RuntimeError("rehearse.device=cuda: this process has no fake CUDA (start it "
+                           "through `python train.py ... mode=rehearse rehearse.device=cuda`, "
+                           "which preloads it)")
     init, pool = trainer_mod.init_distributed, ahead.ThreadPoolExecutor
     trainer_mod.init_distributed = lambda launcher: torch.device("cuda", 0)
     uploads = FakeUploads(fake)
