@@ -20,7 +20,12 @@ so t runs r's code on renamed groups and peers and issues r's ops renamed, and i
 have r's shapes (same memory and FLOPs). A rank whose plan differs (a lane with no image, a dynamic-CP pool position,
 a planner that misbehaves on one rank) fails the comparison and is rehearsed as its own class.
 The assumption is what tests/test_rehearse_classes.py checks on 8-rank worlds (derived traces
-equal an all-rank rehearsal's op by op)."""
+equal an all-rank rehearsal's op by op).
+
+`rehearse.device=cuda` runs the ranks on fake CUDA tensors (`fake_cuda`: the CUDA code path on
+the CPU wheel) and records each rank's device reads, host-to-device copies, device mismatches,
+attention kernels and wire dtypes (`device`); a device read inside a micro-batch after the
+first step fails the rehearsal (docs/rehearsal.md)."""
 from __future__ import annotations
 
 import os

@@ -137,7 +137,8 @@ def ensure(extra_args: list[str] = ()) -> None:
     Raises:
         RuntimeError: the library cannot be built, or it was preloaded and is still not active."""
     if active():
-        os.environ.pop("LD_PRELOAD", None) if os.environ.get(ENV) else None  # children need none
+        if os.environ.get(ENV):  # loaded: the commands this one starts need no preload
+            os.environ.pop("LD_PRELOAD", None)
         return
     if os.environ.get(ENV):
         raise RuntimeError("the fake-CUDA library was preloaded but torch sees no CUDA accelerator")
