@@ -96,6 +96,10 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         world = world_size_of(cfg, resolve_nproc("auto"))
         specs = resolve_modules(cfg, validate(cfg, world))
         check_rehearse(cfg, world)
+        if cfg.rehearse.device == "cuda":  # re-runs this command with fake CUDA preloaded
+            from hcp.preflight.rehearse import fake_cuda
+
+            fake_cuda.ensure([f"hydra.run.dir={run_dir}"])
         for line in prepare_data(cfg, specs):
             print(line)
         print(f"hcp: run directory {run_dir}", flush=True)

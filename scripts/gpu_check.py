@@ -18,11 +18,16 @@
    parameters (hcp's `precision=bf16`); the step time after one warm-up step, MFU = model FLOPs
    of the real tokens (`hcp.train.throughput.model_flops`) / step time / `--peak-tflops` (989,
    H100/H200 dense bf16), and the peak GPU memory of the step.
-Exits 1 when an attention check fails.
+3. The training runs of issue 39 (scripts/gpu_check_runs.py): FSDP dp_shard memory against plan
+   mode, a checkpoint save's peak against the training peak, calibration at bf16, the device a
+   task with one visible GPU picks, and the fake-CUDA rehearsal's device events against a real
+   run's.
+Exits 1 when a check fails.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -38,7 +43,7 @@ from hcp.data.packing import Batch  # noqa: E402
 from hcp.model import LlavaModel  # noqa: E402
 from hcp.model.attention import thd_attention  # noqa: E402
 from hcp.model.backends import attention_fn, resolve_backend  # noqa: E402
-from hcp.model.cp_attention import (Call, CPAttentionPlan, Partial, Rows,  # noqa: E402
+from hcp.model.cp_attention import (CPAttentionPlan, Partial, Rows,  # noqa: E402
                                     _FusedAttention, cp_calls)
 from hcp.model.cp_kernels import fused_kernel  # noqa: E402
 from hcp.parallel.cp_sharding import cp_shard  # noqa: E402
@@ -66,7 +71,7 @@ def _shifted(calls, offset: int):
         if rows.index is None:
             return Rows(rows.start + offset, rows.n, rows.length)
         return Rows(0, rows.n, rows.length, rows.index + offset)
-    return [Call(c.q, shift(c.k), c.causal) for c in calls]
+    return [dataclasses.replace(c, k=shift(c.k)) for c in calls]
 
 
 def emulated_cp(q_all, k_all, v_all, w, cu, c, comm, device, dtype):
@@ -83,15 +88,17 @@ def emulated_cp(q_all, k_all, v_all, w, cu, c, comm, device, dtype):
     out_all = torch.zeros(q_all.shape)
     for r, s in enumerate(shards):
         q = leaves[r][0]
-        k, v = (torch.cat([leaves[j][i] for j in range(c)]) for i in (1, 2))
-        per_source = cp_calls(lengths, c, r, comm, device)
+        kv = torch.stack([torch.cat([leaves[j][i] for j in range(c)]) for i in (1, 2)], dim=1)
+        per_source = cp_calls(lengths, c, r, comm, device, masked=kernel.masks)
         calls = [call for j, cs in enumerate(per_source) for call in _shifted(cs, j * t_loc)]
-        out = _FusedAttention.apply(q, k, v, CPAttentionPlan(None, comm, [calls], kernel))
+        calls.sort(key=lambda call: not call.first)  # a row's first call before the others
+        out = _FusedAttention.apply(q, kv, CPAttentionPlan(None, comm, [calls], kernel))
         if comm == "p2p":
             with torch.no_grad():
                 ring = Partial.empty(q)
                 for j in ((r - step) % c for step in range(c)):
-                    ring.fold(q, leaves[j][1], leaves[j][2], per_source[j], kernel)
+                    kv_j = torch.stack([leaves[j][1], leaves[j][2]], dim=1)
+                    ring.fold(q, kv_j, per_source[j], kernel)
             bf16 = dtype == torch.bfloat16
             torch.testing.assert_close(out, ring.result(dtype), rtol=2e-2 if bf16 else 1e-5,
                                        atol=2e-2 if bf16 else 1e-5)
@@ -263,7 +270,7 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny model and short documents (dry run)")
     ap.add_argument("--tokens", type=int, default=32768, help="tokens of the training micro-batch")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
-    ap.add_argument("--skip", default="", help="comma list of checks to skip: attention,train")
+    ap.add_argument("--skip", default="", help="comma list of checks to skip: attention,train,runs")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -276,14 +283,17 @@ def main() -> int:
     ok = True
     if "attention" not in args.skip:
         ok = check_attention(device, [96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
-        if device.type == "cuda":
-            ok &= check_te_cp([96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
+        ok &= check_te_cp([96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
     if "train" not in args.skip:
         cfg = (LLMConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                          ffn_hidden_size=128) if args.tiny else
                LLMConfig(vocab_size=32000, hidden_size=2048, num_layers=22, num_heads=32,
                          num_kv_heads=4, ffn_hidden_size=5632))
         train_step(device, cfg, 1024 if args.tiny else args.tokens, args.peak_tflops)
+    if "runs" not in args.skip:
+        import gpu_check_runs
+
+        ok &= gpu_check_runs.main(device, args.tiny)
     print("gpu_check:", "OK" if ok else "FAILED")
     return 0 if ok else 1
 

@@ -341,6 +341,10 @@ class RehearseConfig:
     by_class: bool = False
     """Rehearse one rank per class and derive the others' traces (hcp.preflight.rehearse.classes);
     every check runs on the whole world."""
+    device: str = "cpu"
+    """`cpu`: the ranks run on fake CPU tensors; `cuda`: on fake CUDA tensors (the CUDA code
+    path, autocast included), with every device read, host-to-device copy, device mismatch and
+    attention kernel recorded and checked (hcp.preflight.rehearse.device; docs/rehearsal.md)."""
     report: Optional[str] = None
     """An input of `layout=auto` (refused without it): a `rehearsal.json` of this job (its world
     size, precision, micro-batch tokens and model, which the file records), by whose largest

@@ -20,7 +20,12 @@ so t runs r's code on renamed groups and peers and issues r's ops renamed, and i
 have r's shapes (same memory and FLOPs). A rank whose plan differs (a lane with no image, a dynamic-CP pool position,
 a planner that misbehaves on one rank) fails the comparison and is rehearsed as its own class.
 The assumption is what tests/test_rehearse_classes.py checks on 8-rank worlds (derived traces
-equal an all-rank rehearsal's op by op)."""
+equal an all-rank rehearsal's op by op).
+
+`rehearse.device=cuda` runs the ranks on fake CUDA tensors (`fake_cuda`: the CUDA code path on
+the CPU wheel) and records each rank's device reads, host-to-device copies, device mismatches,
+attention kernels and wire dtypes (`device`); a device read inside a micro-batch after the
+first step fails the rehearsal (docs/rehearsal.md)."""
 from __future__ import annotations
 
 import os
@@ -34,13 +39,17 @@ def check_rehearse(cfg, world: int) -> list[int]:
     """The ranks to rehearse (`rehearse.ranks`, default all of `world`).
 
     Raises:
-        ConfigError: `rehearse.steps` < 1, `rehearse.jobs` < 1, a rank outside the world, or
+        ConfigError: `rehearse.steps` < 1, `rehearse.jobs` < 1, `rehearse.device` not cpu or
+            cuda, a rank outside the world, or
             `rehearse.ranks` with `rehearse.by_class` (a class rehearsal covers the world)."""
     rc = cfg.rehearse
     if rc.steps < 1:
         raise ConfigError("rehearse.steps", rc.steps, "a rehearsal runs at least one step", "use rehearse.steps=1 or more")
     if rc.jobs is not None and rc.jobs < 1:
         raise ConfigError("rehearse.jobs", rc.jobs, "at least one process runs", "use rehearse.jobs=1 or more (null: one per core)")
+    if rc.get("device", "cpu") not in ("cpu", "cuda"):
+        raise ConfigError("rehearse.device", rc.device, "ranks rehearse on fake cpu or cuda "
+                          "tensors", "use rehearse.device=cpu or rehearse.device=cuda")
     if rc.get("by_class") and rc.ranks is not None:
         raise ConfigError("rehearse.ranks", list(rc.ranks), "rehearse.by_class=true rehearses one rank per class "
                           "of the whole world", "drop rehearse.ranks, or set rehearse.by_class=false")
@@ -96,6 +105,10 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     micro = micro_batch_flops(results, stages, cost_model(cfg, running["llm"], hardware(cfg)),
                              running["llm"])
     rows = role_rows(results, roles, plan_gib, micro)
+    if cfg.rehearse.get("device") == "cuda":
+        from hcp.preflight.rehearse.device import format_device
+
+        print("\n".join(format_device(results, cfg.rehearse.steps)), flush=True)
     print(format_report(rows, mismatches, wall, classes), flush=True)
     job = {**job_facts(plan_cfg, resolve_modules(plan_cfg, layouts), world), "placement": plan_cfg.placement,
            "layouts": {m: asdict(lay) for m, lay in layouts.items()}, "ranks": ranks}

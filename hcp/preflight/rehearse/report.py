@@ -12,6 +12,7 @@ from hcp.model.cp_attention import scored_pairs
 from hcp.model.cp_kernels import fused_kernel
 from hcp.preflight.rehearse.checks import (Mismatch, check_collectives, check_creations,
                                        check_rendezvous)
+from hcp.preflight.rehearse.device import reads_after_warmup, summary
 
 GIB = 2 ** 30
 JOB_RECORD = frozenset({"placement", "layouts", "ranks"})
@@ -21,7 +22,9 @@ JOB_RECORD = frozenset({"placement", "layouts", "ranks"})
 
 def find_mismatches(results: dict, world: int, device_gib: float) -> list[Mismatch]:
     """Every fault in the rank results (`hcp.preflight.rehearse.runner.RankResult`): a rank that
-    raised, group creations, collectives, sends/receives and deadlock, a peak over the device."""
+    raised, group creations, collectives, sends/receives and deadlock, a peak over the device,
+    a device read inside a micro-batch after the first step (fake CUDA:
+    `device.reads_after_warmup`)."""
     out = [Mismatch("rank failed", [r], None, None, {r: res.error.strip().splitlines()[-1]},
                     "the rank raised (traceback in rehearsal.json)")
            for r, res in sorted(results.items()) if res.error]
@@ -33,6 +36,13 @@ def find_mismatches(results: dict, world: int, device_gib: float) -> list[Mismat
                      {r: f"peak {res.peak_bytes / GIB:.2f} GiB tracked > cluster.device_memory_gib={device_gib}"},
                      "the rank does not fit the device")
             for r, res in sorted(results.items()) if res.peak_bytes / GIB > device_gib]
+    for r, res in sorted(results.items()):
+        reads = reads_after_warmup(res.device_events)
+        if reads:
+            sites = "; ".join(f"{w} x{n}" for w, n in reads.most_common())
+            out.append(Mismatch("device read", [r], None, None, {r: sites},
+                                "device-to-host reads inside micro-batches after the first step: "
+                                "each stalls the host until the GPU catches up"))
     return out
 
 
@@ -134,6 +144,8 @@ def write_json(path: str, rows, mismatches, micro: dict, results, wall_s: float,
                                "plan_gib": plan_gib.get(r), "peak_categories_gib":
                                {k: v / GIB for k, v in res.peak_categories.items()}, "flops": res.flops,
                                "micro_batch_flops": micro.get(r, []), "derived_from": res.derived_from,
+                               "device_events": [[k, d, a, b, c, dict(w)] for k, d, a, b, c, w
+                                                 in summary(res.device_events)],
                                "error": res.error}
                       for r, res in sorted(results.items())}}
     with open(path, "w") as f:

@@ -35,7 +35,8 @@ class RankResult:
     """One rank's rehearsal: its ops (`hcp.preflight.rehearse.record.Op`, issue order), group
     creations, its trained parameters' bytes, peak bytes tracked by `MemTracker` (the largest of
     each step's, `step_peaks`), FLOPs counted in the last step, the plan's global (tokens, sum of
-    squared document lengths) of each step, its LLM micro-batches' worth of tokens (in
+    squared document lengths) of each step, its device events (`rehearse.device=cuda`:
+    `hcp.preflight.rehearse.device.DeviceEvents.counts`), its LLM micro-batches' worth of tokens (in
     `trainer.micro_batch_tokens` of its CP size each, `step_worth`: what plan mode's estimate of
     the step takes), the last step's LLM micro-batches as `(FLOPs counted, document lengths, CP size, CP rank,
     loss tokens known on the host or None)` (`hcp.preflight.rehearse.count`), the bytes of each `MemTracker` category (parameters, gradients, optimizer states,
@@ -54,15 +55,18 @@ class RankResult:
     step_worth: list = field(default_factory=list)
     peak_categories: dict = field(default_factory=dict)
     micro_batches: list = field(default_factory=list)
+    device_events: dict = field(default_factory=dict)
     group_names: dict = field(default_factory=dict)
     derived_from: int | None = None
     error: str | None = None
 
 
 def rehearsal_config(cfg):
-    """`cfg` with `REHEARSAL_OVERRIDES` applied (a copy)."""
+    """`cfg` with `REHEARSAL_OVERRIDES` applied (a copy); on fake CUDA (`rehearse.device=cuda`)
+    the step plan is computed on the rank's thread, not in a worker process (its CUDA default)."""
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
-    for key, value in REHEARSAL_OVERRIDES.items():
+    cuda = {"trainer.plan_process": False} if cfg.rehearse.get("device") == "cuda" else {}
+    for key, value in {**REHEARSAL_OVERRIDES, **cuda}.items():
         OmegaConf.update(cfg, key, value, force_add=True)
     return cfg
 
@@ -75,6 +79,7 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from hcp.preflight.rehearse.count import flop_counter, per_micro_batch
+    from hcp.preflight.rehearse.device import DeviceEvents
     from hcp.preflight.rehearse.record import Recorder
     from hcp.train.trainer import Trainer
 
@@ -83,8 +88,9 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     trainer = None
     fake = FakeTensorMode(allow_non_fake_inputs=True)  # the host data it meets become fake
+    events = DeviceEvents()  # entered on fake CUDA only (`_on_device`)
     try:
-        with fake, _host_metadata(), _no_values():
+        with fake, _host_metadata(), _no_values(), _on_device(cfg, events, fake):
             with rec:
                 trainer = Trainer(cfg, run_dir)
             result.param_bytes = sum(_local(p).numel() * p.element_size()
@@ -108,11 +114,12 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
             peaks = []
             with tracker:
                 for step in range(1, steps):
-                    rec.step = step
+                    rec.step = events.step = step
                     with rec:
                         trainer.train_step()
                     peaks.append(tracker.step_peak())
                 rec.step, counter = steps, _totals_only(flop_counter())  # FLOPs: the last step only
+                events.step = steps
                 with rec, counter, per_micro_batch(counter) as micro_flops:
                     trainer.train_step()
                 peaks.append(tracker.step_peak())
@@ -129,9 +136,64 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
             trainer.ahead.close()
         rec.uninstall()
         result.ops, result.creations, result.group_names = rec.ops, rec.creations, rec.names
+        result.device_events = dict(events.counts)
         dist.destroy_process_group()
         torch.set_grad_enabled(True)
     return result
+
+
+@contextlib.contextmanager
+def _on_device(cfg, events, fake):
+    """On fake CUDA: the trainer's device is `cuda:0` (every rank's: a rank sees its own GPU),
+    `torch.cuda`'s calls stand in (`fake_cuda.patched`), `events` records every step, per
+    micro-batch, and the plan-ahead thread's work (the next step's data and uploads) runs on
+    the rank's thread when it is asked for (`_Inline`): dispatch modes are per thread, and a
+    real CPU tensor copied to CUDA outside the fake mode would need a GPU. On the CPU: nothing."""
+    if cfg.rehearse.get("device") != "cuda":
+        yield
+        return
+    import torch
+
+    import hcp.plan.ahead as ahead
+    import hcp.train.trainer as trainer_mod
+    from hcp.preflight.rehearse import fake_cuda
+    from hcp.preflight.rehearse.device import FakeUploads
+
+    if not fake_cuda.active():
+        raise RuntimeError("rehearse.device=cuda: this process has no fake CUDA (start it "
+                           "through `python train.py ... mode=rehearse rehearse.device=cuda`, "
+                           "which preloads it)")
+    init, pool = trainer_mod.init_distributed, ahead.ThreadPoolExecutor
+    trainer_mod.init_distributed = lambda launcher: torch.device("cuda", 0)
+    uploads = FakeUploads(fake)
+    ahead.ThreadPoolExecutor = lambda *args, **kwargs: _Inline(lambda: uploads.around(events))
+    try:
+        with fake_cuda.patched(events.read), events.recording():
+            yield
+    finally:
+        trainer_mod.init_distributed, ahead.ThreadPoolExecutor = init, pool
+
+
+class _Inline:
+    """A `ThreadPoolExecutor` that runs each job on the caller's thread when submitted, inside
+    `context()`."""
+
+    def __init__(self, context):
+        self.context = context
+
+    def submit(self, fn, *args):
+        from concurrent.futures import Future
+
+        done = Future()
+        try:
+            with self.context():
+                done.set_result(fn(*args))
+        except Exception as err:  # noqa: BLE001 - surfaces from result(), as a thread's would
+            done.set_exception(err)
+        return done
+
+    def shutdown(self, *args, **kwargs):
+        pass
 
 
 @contextlib.contextmanager
