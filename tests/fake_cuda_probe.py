@@ -21,6 +21,7 @@ def planted() -> dict:
     micro-batch of step 2 (after warm-up): {kind: {detail: events}} and the failing check."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from hcp.model.cp_attention import Segments
     from hcp.model.cp_kernels import fused_kernel
     from hcp.preflight.rehearse.device import DeviceEvents, reads_after_warmup, summary
     from hcp.preflight.rehearse.fake_cuda import patched
@@ -36,9 +37,11 @@ def planted() -> dict:
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 y = h @ w
             dtypes.append(str(y.dtype))
-            q = torch.randn(1, 2, 16, 8, device="cuda:0")               # fp32: CP's math fallback
-            fused_kernel("cuda").forward(q, q, q, True)
-            F.scaled_dot_product_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), is_causal=True)
+            q = torch.randn(16, 2, 8, device="cuda:0")                  # fp32: CP's math fallback
+            one = Segments(None, torch.zeros(2, dtype=torch.int32, device="cuda:0"), [16], 16)
+            fused_kernel("cuda").forward(q, q, q, True, one, one)       # one ragged block
+            qb = q.bfloat16().transpose(0, 1)[None]                     # [1, H, L, D]
+            F.scaled_dot_product_attention(qb, qb, qb, is_causal=True)
             try:
                 (w.sum() > 0).item()                                          # a device read
             except Exception as err:  # noqa: BLE001 - a fake tensor has no value to read

@@ -24,6 +24,4 @@ def upload(values, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)
-    if torch.cuda.is_available():  # a real GPU: pinned memory (not under fake CUDA tensors)
-        host = host.pin_memory()
-    return torch.ops.aten._to_copy(host, device=device, non_blocking=True)
+    return torch.ops.aten._to_copy(host.pin_memory(), device=device, non_blocking=True)

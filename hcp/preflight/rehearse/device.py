@@ -27,6 +27,7 @@ the one whose forward or backward (`hcp.schedule.executor.Executor`) ran it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import sys
 import threading
@@ -275,7 +276,7 @@ class DeviceEvents(TorchDispatchMode):
                 dtype = str(q.dtype).replace("torch.", "")
                 events.add(ATTENTION, f"math {dtype} (CP kernel fallback)")
             return kernel.forward(q, *args)
-        return cp_kernels.Kernel(kernel.name, forward, kernel.backward, kernel.masks)
+        return dataclasses.replace(kernel, forward=forward)
 
     @contextlib.contextmanager
     def _micro_batches(self):
