@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from hcp.model.flops import model_flops
+from hcp.parallel.upload import upload
 from hcp.train.fake import host_values
 
 
@@ -58,9 +59,9 @@ class WorldStats:
         `data_wait_s`: this rank's wait for its data this step (for `watch`)."""
         self.settle()
         flag = float(self.preempt.received) if self.preempt is not None else 0.0
-        mine = torch.tensor([peak_memory_bytes(self.device),
-                             1.0 - times.busy_s / max(times.wall_s, 1e-12), flag,
-                             times.busy_s, data_wait_s], dtype=torch.float64, device=self.device)
+        mine = upload([peak_memory_bytes(self.device),
+                       1.0 - times.busy_s / max(times.wall_s, 1e-12), flag,
+                       times.busy_s, data_wait_s], self.device, torch.float64)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         self.pending = (metrics, every, mine, dist.all_gather(every, mine, async_op=True))
 
