@@ -165,6 +165,11 @@ class TrainerConfig:
     Python holds the GIL in turns with the training thread. The worker starts with the trainer
     and imports torch and the run's modules once, behind the model's set-up. Default (null): on
     for CUDA ranks, off for CPU ranks (`hcp.plan.ahead.use_worker`). hcp.train.planner."""
+    fsdp_reduce: str = "per_micro_batch"
+    """When a `dp_shard` module reduce-scatters its gradients: `per_micro_batch` (every backward;
+    a rank holds only its gradient shard) or `per_step` (the last backward only: one
+    reduce-scatter per step, but every micro-batch's whole fp32 gradient held until then).
+    docs/memory.md."""
 
 
 @dataclass

@@ -4,7 +4,10 @@ Each module shards over its own DP x CP group (`shard_model`: the LLM, one FSDP 
 layer plus the stage's root; `shard_encoder`: the vision encoder, one unit per ViT block, and
 the projector, each on its own mesh). TP-sharded parameters keep their `shard_spec` on the new
 DTensors (clipping, checkpoints). Gradients are SUMMED over DP x CP (divide factor 1: the loss
-is already token-level); `StepRunner` turns gradient sync on for the last micro-batch only.
+is already token-level). `trainer.fsdp_reduce` says when they are reduce-scattered (`grad_sync`):
+every backward (`per_micro_batch`, the default), or the last micro-batch's only (`per_step`:
+torch then keeps each parameter's whole fp32 gradient from the first backward to the last;
+docs/memory.md).
 Every unit reduce-scatters unused parameters too (a lane with no image), and every encoder lane
 runs its forward and backward even with no image, so all ranks issue the same collectives. An
 encoder's root reshards after its forward (its backward comes after the LLM's phase)."""
@@ -16,6 +19,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from hcp.model.encoder_stage import EncoderStage
+
+
+def grad_sync(module, fsdp_reduce: str):
+    """The `grad_sync(enabled)` a schedule calls around its backward passes (`hcp.schedule.
+    executor.Executor`) for the FSDP-sharded `module` under `trainer.fsdp_reduce`: its
+    `set_requires_gradient_sync` under `per_step` (off until the last backward), None under
+    `per_micro_batch` (sync stays on: every backward reduce-scatters into the gradient shard)."""
+    return module.set_requires_gradient_sync if fsdp_reduce == "per_step" else None
 
 
 def shard_model(model, groups, device=None) -> None:
@@ -64,8 +75,7 @@ def shard_island(stage, group, device=None) -> None:
     EncoderStage`, placement=non_colocated) over the island's DP x CP group: each ViT block and each
     projector one unit, the stage the root (the embeddings on the first stage), resharded after
     its forward. The island's schedule runs one forward and backward per micro-batch on every
-    lane (empty ones included) and turns gradient sync on for the last backward only
-    (`set_requires_gradient_sync`), so each step reduce-scatters once. Raises RuntimeError as
+    lane (empty ones included), so every rank reduce-scatters as often (`grad_sync`). Raises RuntimeError as
     `shard_model` (`device` too)."""
     blocks = getattr(stage.encoder, "blocks", ())
     units = list(blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks)

@@ -92,7 +92,8 @@ class Trainer:
             self.cp_group = self.groups.group("llm", "cp") if llm.cp > 1 else None
         self.is_logging_rank = self.rank == logging_rank(self.layouts)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg, self.specs)
-        self.islands = (Islands(self.specs, self.groups, self.rank, self.device, self.precision)
+        self.islands = (Islands(self.specs, self.groups, self.rank, self.device, self.precision,
+                                self.settings.fsdp_reduce)
                         if cfg.placement == "non_colocated" else None)
         self.encoder = self._build_encoder()  # both on the meta device: nothing allocated yet
         self.model = self._build_model()
@@ -104,7 +105,8 @@ class Trainer:
             if module is not None:
                 materialize(module, self.device, cfg.seed)
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's shards
-        self.runner = (StepRunner(self.model, self.groups, self.device, self.precision, llm.dp_shard)
+        self.runner = (StepRunner(self.model, self.groups, self.device, self.precision, llm.dp_shard,
+                                  self.settings.fsdp_reduce)
                        if self.model is not None else None)
         self.colocated = (ColocatedStep(self.encoder, None, self.layouts["vision"].recompute == "full",
                                         precision=self.precision, device_type=self.device.type)
