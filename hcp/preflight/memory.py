@@ -93,27 +93,70 @@ class StageMemory:
         return self.weights + self.grads + self.optimizer + self.activations
 
 
-def stage_params(named_shapes: list[tuple[str, tuple[int, ...]]], layout, vocab_size: int | None) -> list[int]:
-    """Parameters held by one rank of each PP stage (after TP), from a module's named shapes
-    (names relative to the module, in registration order)."""
+def _placed(named_shapes: list[tuple[str, tuple[int, ...]]], layout, vocab_size: int | None):
+    """(PP stage, layer index or None for the stage's other parameters, elements on one rank
+    after TP) of each parameter of a module (module docstring: where parameters sit)."""
     bounds, total = [], 0
     for n in layout.pp_layers:
         total += n
         bounds.append(total)
-    counts = [0] * layout.pp
     seen_layer = False
     for name, shape in named_shapes:
         numel = math.prod(shape)
         match = _LAYER.match(name)
         if match:
-            seen_layer = True
-            stage = next(s for s, b in enumerate(bounds) if int(match.group(1)) < b)
+            seen_layer, layer = True, int(match.group(1))
+            stage = next(s for s, b in enumerate(bounds) if layer < b)
             split = len(shape) >= 2
         else:
-            stage = layout.pp - 1 if seen_layer else 0
+            stage, layer = (layout.pp - 1 if seen_layer else 0), None
             split = (vocab_size in shape) or (layout.module == "projector" and len(shape) >= 2)
-        counts[stage] += numel // layout.tp if split else numel
+        yield stage, layer, numel // layout.tp if split else numel
+
+
+def stage_params(named_shapes: list[tuple[str, tuple[int, ...]]], layout, vocab_size: int | None) -> list[int]:
+    """Parameters held by one rank of each PP stage (after TP), from a module's named shapes
+    (names relative to the module, in registration order)."""
+    counts = [0] * layout.pp
+    for stage, _, numel in _placed(named_shapes, layout, vocab_size):
+        counts[stage] += numel
     return counts
+
+
+def fsdp_units(named_shapes, layout, vocab_size: int | None) -> list[tuple[int, int, int]]:
+    """(largest FSDP unit's parameters, the root's parameters, layers) on one rank of each PP
+    stage (after TP): `hcp.train.fsdp` makes each numbered layer a unit and the rest of the
+    stage's parameters the root (a module without layers, the projector: its root alone)."""
+    layers: list[dict] = [{} for _ in range(layout.pp)]
+    roots = [0] * layout.pp
+    for stage, layer, numel in _placed(named_shapes, layout, vocab_size):
+        if layer is None:
+            roots[stage] += numel
+        else:
+            layers[stage][layer] = layers[stage].get(layer, 0) + numel
+    return [(max(u.values(), default=0), root, len(u)) for u, root in zip(layers, roots)]
+
+
+def fsdp_bytes(cfg, layout, named_shapes, params: int, stage: int, accumulates: bool,
+               trained: bool) -> tuple[int, int]:
+    """(weights, gradients) bytes FSDP2 holds on one rank of `stage` beyond the shards (module
+    docstring, FSDP). `params`: the stage's parameters on one rank (after TP); `accumulates`:
+    a step runs several backward passes of the module; `trained`: it has gradients."""
+    precision = Precision.of(cfg.precision)
+    reduce = precision.fsdp_reduce_bytes
+    vocab = cfg.llm.vocab_size if layout.module == "llm" else None
+    unit, root, layers = fsdp_units(named_shapes, layout, vocab)[stage]
+    gather = precision.fsdp_param_bytes if layers else reduce  # a root gathers in the parameter dtype
+    unit = unit if layers else root
+    held_root = root * reduce if layout.module == "llm" else 0  # not resharded after its forward
+    weights = held_root + min(2, max(layers, 1)) * unit * gather
+    if not trained:
+        return weights, 0
+    in_flight = unit * max(gather, reduce + (reduce if gather != reduce else 0))
+    whole = 0
+    if accumulates and cfg.trainer.fsdp_reduce == "per_step":
+        whole = params * reduce - params * precision.state_bytes["grads"] // (layout.dp * layout.cp)
+    return weights, in_flight + whole
 
 
 def layer_bytes(h: int, h_kv: int, f: int, gated: bool, layout, precision: Precision,
@@ -155,12 +198,18 @@ def encoder_activation_tokens(cfg, specs, layout, stage: int, layouts: dict) -> 
         per_image = -(-(enc.image_size // enc.patch_size // spec.pool) ** 2 // layout.cp)
     else:
         per_image = encoder_cp.chunk(patches + encoder_cp.LEAD, layout.cp)  # + CLS, this CP rank's
-    images = cfg.trainer.global_batch_size / layout.dp * float(cfg.data.images_per_sample)
+    images, per_micro = _lane_images(cfg, layout, layouts, patches)
     if cfg.placement != "non_colocated":
         return images * per_image, 1
+    return per_micro * per_image, min(math.ceil(images / per_micro), layout.pp - stage + layouts["llm"].pp)
+
+
+def _lane_images(cfg, layout, layouts: dict, patches: int) -> tuple[float, float]:
+    """(images an encoder lane encodes per step, those of one micro-batch under `non_colocated`:
+    the images whose `patches` each fill one LLM micro-batch), module docstring."""
+    images = cfg.trainer.global_batch_size / layout.dp * float(cfg.data.images_per_sample)
     llm = layouts["llm"]
-    per_micro = min(images, max(1, cfg.trainer.micro_batch_tokens * llm.cp // patches))
-    return per_micro * per_image, min(math.ceil(images / per_micro), layout.pp - stage + llm.pp)
+    return images, min(images, max(1, cfg.trainer.micro_batch_tokens * llm.cp // patches))
 
 
 def _activations(cfg, specs, layout, stage: int, layouts=None, micro_batches=None) -> float:
@@ -177,7 +226,8 @@ def _activations(cfg, specs, layout, stage: int, layouts=None, micro_batches=Non
     h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if llm else c.hidden_size
     per_token = layer_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, llm, layout, precision,
                             quick_gelu=not llm and c.arch == "clip")
-    copies = weight_copy_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, layout, precision, gated=llm)
+    copies = (0.0 if layout.dp_shard else  # FSDP gathers a layer's weights in the compute dtype
+              weight_copy_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, layout, precision, gated=llm))
     if not llm and layout.cp > 1:  # encoder CP: the all-gathered K/V of whole images
         gathered = (layout.cp - 1) * 2 * h_kv * precision.act_bytes / layout.tp
         per_token = {k: v + (gathered if k != "full" else 0) for k, v in per_token.items()}
@@ -256,8 +306,26 @@ def module_memory(cfg, specs, layout, named_shapes, layouts=None, params=None,
     stages = []
     for s, params in enumerate(params if params is not None else stage_params(named_shapes, layout, vocab)):
         acts = _activations(cfg, specs, layout, s, layouts, micro_batches) if _needs_grad(specs, layout.module) else 0
-        stages.append(StageMemory(params, params * state["weights"] // shard,
-                                  params * state["grads"] // shard if trained else 0,
+        gathered, in_flight = (fsdp_bytes(cfg, layout, named_shapes, params, s,
+                                          _accumulates(cfg, specs, layout, layouts, micro_batches), trained)
+                               if layout.dp_shard else (0, 0))
+        stages.append(StageMemory(params, params * state["weights"] // shard + gathered,
+                                  params * state["grads"] // shard + in_flight if trained else 0,
                                   params * state["optimizer"] // shard if trained else 0, int(acts),
                                   not _phase3_recompute(cfg, layout, layouts)))
     return stages
+
+
+def _accumulates(cfg, specs, layout, layouts, micro_batches) -> bool:
+    """Whether a step runs several backward passes of the module: the LLM's micro-batches
+    (`micro_batches`: `module_memory`'s; None: a full-size step, several), an encoder island's
+    (`non_colocated`: one per LLM micro-batch's images); a colocated encoder side encodes a
+    step's images at once (`encoder_activation_tokens`)."""
+    if layout.module == "llm":
+        return micro_batches is None or micro_batches > 1
+    if layouts is None or cfg.placement != "non_colocated":
+        return False
+    spec = specs[layout.module]
+    enc = specs[spec.source].arch if spec.kind == "projector" else spec.arch
+    images, per_micro = _lane_images(cfg, layout, layouts, (enc.image_size // enc.patch_size) ** 2)
+    return images > per_micro

@@ -99,8 +99,9 @@ class Trainer:
         self.model = self._build_model()
         self.modules = self._rank_modules()
         if llm.dp_shard:
-            shard_model(self.model, self.groups, self.device)
-        shard_encoder(self.encoder, self.layouts, self.groups, self.device)  # {vision,projector}.layout.dp_shard
+            shard_model(self.model, self.groups, self.device, self.precision)
+        shard_encoder(self.encoder, self.layouts, self.groups, self.device,  # {vision,projector}.layout.dp_shard
+                      self.precision)
         for module in (self.encoder, self.model):  # only this rank's shards, made on its device
             if module is not None:
                 materialize(module, self.device, cfg.seed)
