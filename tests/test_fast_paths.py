@@ -29,3 +29,58 @@ def test_sequence_reduce_scatter_posts_one_flat_tensor():
         dist.destroy_process_group()
     assert out.shape == (3, 4)
     assert [(op.op, op.shapes) for op in rec.ops] == [("_reduce_scatter_base_", ((3, 4), (6, 4)))]
+
+
+class _Groups:
+    """A `ProcessGroupRegistry` stand-in: every group is the (fake) world."""
+
+    def group(self, module, kind):
+        return dist.group.WORLD
+
+
+def _sharded_gathers(precision: str) -> set[tuple[str, str]]:
+    """(what, dtype) of every all-gather of one forward of a toy LLM (root: embedding and
+    output layer; two layer units) sharded by `shard_model` under `precision`."""
+    from torch import nn
+
+    from hcp.config.precision import Precision
+    from hcp.train.fsdp import shard_model
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.llm = nn.Module()
+            self.llm.embed = nn.Embedding(16, 8)
+            self.llm.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.llm.out = nn.Linear(8, 16)
+
+        def forward(self, ids):
+            x = self.llm.embed(ids)
+            for layer in self.llm.layers:
+                x = x + layer(x)
+            return self.llm.out(x)
+
+    _fake_world()
+    rec = Recorder()
+    try:
+        model = Toy()
+        shard_model(model, _Groups(), precision=precision)
+        with rec, Precision.of(precision).autocast("cpu"):  # as every hcp forward runs
+            model(torch.zeros(4, dtype=torch.long))
+    finally:
+        dist.destroy_process_group()
+    root = model.llm.embed.weight.numel() + model.llm.out.weight.numel() + model.llm.out.bias.numel()
+    return {("root" if sum(s[0] for s in op.shapes[1:]) == root // 2 else "layer", op.dtype)
+            for op in rec.ops if "allgather" in op.op}
+
+
+def test_fsdp_gathers_layers_in_the_compute_dtype_and_reduces_in_fp32():
+    """Under bf16 every layer unit all-gathers its parameters in bf16 (half the bytes, and no
+    per-op autocast copy of each weight); the root keeps fp32 (embeddings, residual stream);
+    under fp32 nothing changes (fp32 parity)."""
+    assert _sharded_gathers("bf16") == {("layer", "torch.bfloat16"), ("root", "torch.float32")}
+    assert _sharded_gathers("fp32") == {("layer", "torch.float32"), ("root", "torch.float32")}
+    from hcp.config.precision import Precision
+
+    policy = Precision.of("bf16").fsdp_policy(root=False)
+    assert policy.reduce_dtype == torch.float32 and not policy.cast_forward_inputs

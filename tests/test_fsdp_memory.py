@@ -13,13 +13,15 @@ WIDE = ["+recipe=llama_tiny", "trainer.global_batch_size=16", "trainer.micro_bat
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("reduce", ["per_micro_batch", "per_step"])
-def test_rehearsal_of_a_sharded_llm_with_several_micro_batches_agrees_with_plan_mode(tmp_path, reduce):
+@pytest.mark.parametrize("reduce, precision", [("per_micro_batch", "fp32"), ("per_step", "fp32"),
+                                               ("per_step", "bf16")])
+def test_rehearsal_of_a_sharded_llm_with_several_micro_batches_agrees_with_plan_mode(tmp_path, reduce, precision):
     """One rank of each role (PP stage 0 and 1) rehearsed for one step: its tracked peak within
     20% of plan mode's estimate (before issue 39 plan mode charged only the gradient shard and
     none of FSDP's all-gathered weights: 0.67 and 0.55 of the tracked peaks). Each backward's
     reduce-scatters are recorded: one per FSDP unit and micro-batch under `per_micro_batch`,
-    one per unit under `per_step`."""
+    one per unit under `per_step`. Under bf16 the layers gather in bf16 and `per_step`
+    accumulates in fp32."""
     from hcp.config.layouts import resolve_layouts, world_size_of
     from hcp.data.build import prepare_data
     from hcp.parallel.roles import role_table
@@ -28,7 +30,8 @@ def test_rehearsal_of_a_sharded_llm_with_several_micro_batches_agrees_with_plan_
     from hcp.preflight.rehearse.runner import rehearsal_config, rehearse_rank
     from tests.cfg_utils import compose_cfg, with_specs
 
-    cfg = compose_cfg(["mode=rehearse", "logger=none", *WIDE, f"trainer.fsdp_reduce={reduce}"],
+    cfg = compose_cfg(["mode=rehearse", "logger=none", *WIDE, f"trainer.fsdp_reduce={reduce}",
+                       f"precision={precision}"],
                       run_dir=str(tmp_path))
     list(prepare_data(*with_specs(cfg)))
     world = world_size_of(cfg, 4)

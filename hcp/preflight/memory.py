@@ -5,7 +5,15 @@ schedules, routes and links run. Model state per trained parameter (Adam, no dis
 optimizer; `Precision.state_bytes`): fp32 weights 4 B (the master copy: parameters stay fp32,
 autocast casts per op) + fp32 gradients 4 B + two fp32 Adam moments 8 B = 16 B, under `bf16`
 and `fp32` alike. A frozen module keeps its weights only (4 B). `layout.dp_shard` (FSDP2)
-divides a module's state by dp*cp.
+divides a module's state by dp*cp and adds what FSDP holds beyond the shards (`fsdp_bytes`, as
+torch 2.13's `_fully_shard` runs it; docs/memory.md): in `weights`, the all-gathered
+parameters: the LLM root's whole (embeddings, final norm, output layer: not resharded after
+its forward, in the parameter dtype) and two layer units' (the one computing and the one
+prefetched, in the compute dtype: `Precision.fsdp_policy`); in `grads`, one unit's whole
+gradients in flight (4 B each: the fp32 reduce-scatter input), and under
+`trainer.fsdp_reduce=per_step` with several backward passes per step every parameter's whole
+fp32 gradient instead of the shard (FSDP accumulates unsharded until the last backward). A
+`dp_shard` layer keeps no autocast weight copy (it gathers in the compute dtype).
 
 Where parameters sit: a module's numbered layers (`layers.{i}` / `blocks.{i}`) go to their PP
 stage per `pp_layers`; parameters registered before the first layer (token embedding, patch and
@@ -152,7 +160,7 @@ def fsdp_bytes(cfg, layout, named_shapes, params: int, stage: int, accumulates: 
     weights = held_root + min(2, max(layers, 1)) * unit * gather
     if not trained:
         return weights, 0
-    in_flight = unit * max(gather, reduce + (reduce if gather != reduce else 0))
+    in_flight = unit * reduce  # its gradients (the compute dtype) or their fp32 reduce-scatter input
     whole = 0
     if accumulates and cfg.trainer.fsdp_reduce == "per_step":
         whole = params * reduce - params * precision.state_bytes["grads"] // (layout.dp * layout.cp)
