@@ -84,3 +84,34 @@ def test_fsdp_gathers_layers_in_the_compute_dtype_and_reduces_in_fp32():
 
     policy = Precision.of("bf16").fsdp_policy(root=False)
     assert policy.reduce_dtype == torch.float32 and not policy.cast_forward_inputs
+
+
+def test_clip_scales_in_the_gradients_dtype_and_never_up():
+    """`clip_` multiplies fp32 gradients by an fp32 scale (the foreach kernel's fast path; a
+    float64 scale against fp32 tensors is not), computed from the float64 global norm; a norm
+    under `max_norm` leaves the gradients as they are (never scaled up)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hcp.train.modules import clip_
+
+    class Muls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.scales = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten._foreach_mul_:
+                self.scales.append((args[1].dtype, {t.dtype for t in args[0]}))
+            return func(*args, **(kwargs or {}))
+
+    params = [torch.nn.Parameter(torch.zeros(3)) for _ in range(2)]
+    for p, g in zip(params, ([3.0, 0.0, 0.0], [0.0, 4.0, 0.0])):
+        p.grad = torch.tensor(g)
+    norm = torch.tensor(5.0, dtype=torch.float64)
+    with Muls() as muls:
+        clip_(params, norm, 1.0)
+    assert muls.scales == [(torch.float32, {torch.float32})]
+    torch.testing.assert_close(params[0].grad, torch.tensor([0.6, 0.0, 0.0]), rtol=1e-6, atol=0)
+    before = params[1].grad.clone()
+    clip_(params, torch.tensor(0.5, dtype=torch.float64), 1.0)  # under max_norm: unchanged
+    assert torch.equal(params[1].grad, before)
