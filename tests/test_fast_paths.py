@@ -115,3 +115,31 @@ def test_clip_scales_in_the_gradients_dtype_and_never_up():
     before = params[1].grad.clone()
     clip_(params, torch.tensor(0.5, dtype=torch.float64), 1.0)  # under max_norm: unchanged
     assert torch.equal(params[1].grad, before)
+
+
+def test_cp_loss_scores_at_most_the_micro_batchs_loss_tokens():
+    """Under CP (rank 0 of 2) the loss computes fp32 logits for at most the micro-batch's
+    `loss_tokens` rows (its shard's loss positions, the rest masked), not for every position
+    of the shard; the loss sum and count equal scoring every position."""
+    from hcp.config.schema import LLMConfig
+    from hcp.model import LlavaModel, init_parameters
+    from tests.test_model import make_batch
+
+    model = LlavaModel(None, None, LLMConfig())
+    init_parameters(model, seed=0)
+    batch = make_batch([40, 24])
+    batch.labels[batch.labels.numel() // 8:] = -100  # a sparse answer: at most 8 loss tokens of 64
+    total = batch.loss_tokens = int((batch.labels != -100).sum())
+    rows, logits = [], model.llm.logits
+    model.llm.logits = lambda h: rows.append(h.shape[0]) or logits(h)
+    _fake_world()
+    try:
+        hidden = torch.randn(32, LLMConfig().hidden_size)  # this CP rank's 32 of 64 tokens
+        got = model.loss(batch, hidden, cp_group=dist.group.WORLD)
+        batch.loss_tokens = None  # unknown on the host: every position of the shard
+        want = model.loss(batch, hidden, cp_group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    assert 0 < total < 32 and rows == [total, 32]  # the micro-batch's loss tokens, then the whole shard
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
+    assert int(got[1]) == int(want[1]) > 0
