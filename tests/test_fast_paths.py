@@ -143,3 +143,29 @@ def test_cp_loss_scores_at_most_the_micro_batchs_loss_tokens():
     assert 0 < total < 32 and rows == [total, 32]  # the micro-batch's loss tokens, then the whole shard
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
     assert int(got[1]) == int(want[1]) > 0
+
+
+def test_weights_that_init_from_loads_are_never_drawn(monkeypatch):
+    """`materialize(skip=...)` allocates the modules `init_from` will overwrite
+    (`loaded_modules`: `llm.init_from` set, no checkpoint replacing it) without drawing their
+    random values; the other modules are drawn as before."""
+    from hcp.config.schema import LLMConfig, ProjectorConfig, VisionConfig
+    from hcp.model import LlavaModel
+    from hcp.model import init as init_mod
+    from hcp.model.hf_load import loaded_modules
+    from hcp.model.init import materialize, meta_build
+    from tests.cfg_utils import compose_cfg
+
+    cfg = compose_cfg(["+recipe=llava_tiny", "llm.init_from=/some/llama"])
+    assert loaded_modules(cfg) == ("llm",)
+    assert loaded_modules(compose_cfg(["+recipe=llava_tiny", "llm.init_from=/some/llama",
+                                       "init_from_checkpoint=/a/checkpoint"])) == ()
+    drawn, draw = [], init_mod._normal_rows
+    monkeypatch.setattr(init_mod, "_normal_rows", lambda out, *a: drawn.append(out) or draw(out, *a))
+    with meta_build():
+        model = LlavaModel(VisionConfig(), ProjectorConfig(), LLMConfig())
+    materialize(model, "cpu", seed=0, skip=[getattr(model, m) for m in loaded_modules(cfg)])
+    ids = {id(t) for t in drawn}
+    assert not any(id(p) in ids for p in model.llm.parameters())
+    assert any(id(p) in ids for p in model.vision.parameters())
+    assert all(not p.is_meta for p in model.parameters())
