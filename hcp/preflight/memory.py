@@ -145,15 +145,15 @@ def fsdp_units(named_shapes, layout, vocab_size: int | None) -> list[tuple[int, 
     return [(max(u.values(), default=0), root, len(u)) for u, root in zip(layers, roots)]
 
 
-def fsdp_bytes(cfg, layout, named_shapes, params: int, stage: int, accumulates: bool,
+def fsdp_bytes(cfg, layout, units: tuple[int, int, int], params: int, accumulates: bool,
                trained: bool) -> tuple[int, int]:
-    """(weights, gradients) bytes FSDP2 holds on one rank of `stage` beyond the shards (module
-    docstring, FSDP). `params`: the stage's parameters on one rank (after TP); `accumulates`:
-    a step runs several backward passes of the module; `trained`: it has gradients."""
+    """(weights, gradients) bytes FSDP2 holds on one rank of a PP stage beyond the shards
+    (module docstring, FSDP). `units`: the stage's `fsdp_units`; `params`: its parameters on
+    one rank (after TP); `accumulates`: a step runs several backward passes of the module;
+    `trained`: it has gradients."""
     precision = Precision.of(cfg.precision)
     reduce = precision.fsdp_reduce_bytes
-    vocab = cfg.llm.vocab_size if layout.module == "llm" else None
-    unit, root, layers = fsdp_units(named_shapes, layout, vocab)[stage]
+    unit, root, layers = units
     gather = precision.fsdp_param_bytes if layers else reduce  # a root gathers in the parameter dtype
     unit = unit if layers else root
     held_root = root * reduce if layout.module == "llm" else 0  # not resharded after its forward
@@ -298,7 +298,7 @@ def _needs_grad(specs, module: str) -> bool:
 
 
 def module_memory(cfg, specs, layout, named_shapes, layouts=None, params=None,
-                  micro_batches: float | None = None) -> list[StageMemory]:
+                  micro_batches: float | None = None, units=None) -> list[StageMemory]:
     """Memory of one rank of each PP stage of a module (`specs`: the run's `ModuleSpecs`, whose
     arch, freeze and edges it reads; its layouts are not used). `layouts` (all resolved layouts) gives
     encoder-side modules their image tokens (`encoder_activation_tokens`); without it they are
@@ -306,16 +306,19 @@ def module_memory(cfg, specs, layout, named_shapes, layouts=None, params=None,
     `stage_params`' result when known (a layout search computes it once per tp and split).
     `micro_batches`: the LLM micro-batches' worth of tokens a step gives each lane when known (a
     rehearsal's small batch may fill fewer than the pp - s that 1F1B's warm-up holds at full
-    size, its last one partly; fractional); None: enough."""
+    size, its last one partly; fractional); None: enough. `units`: `fsdp_units`' result when
+    known (`dp_shard` only)."""
     vocab = cfg.llm.vocab_size if layout.module == "llm" else None
     state = Precision.of(cfg.precision).state_bytes
     shard = layout.dp * layout.cp if layout.dp_shard else 1
     trained = not specs[layout.module].freeze
+    if layout.dp_shard:
+        units = units if units is not None else fsdp_units(named_shapes, layout, vocab)
+        accumulates = _accumulates(cfg, specs, layout, layouts, micro_batches)
     stages = []
     for s, params in enumerate(params if params is not None else stage_params(named_shapes, layout, vocab)):
         acts = _activations(cfg, specs, layout, s, layouts, micro_batches) if _needs_grad(specs, layout.module) else 0
-        gathered, in_flight = (fsdp_bytes(cfg, layout, named_shapes, params, s,
-                                          _accumulates(cfg, specs, layout, layouts, micro_batches), trained)
+        gathered, in_flight = (fsdp_bytes(cfg, layout, units[s], params, accumulates, trained)
                                if layout.dp_shard else (0, 0))
         stages.append(StageMemory(params, params * state["weights"] // shard + gathered,
                                   params * state["grads"] // shard + in_flight if trained else 0,
