@@ -69,7 +69,8 @@ def _sharded_gathers(precision: str) -> set[tuple[str, str]]:
             model(torch.zeros(4, dtype=torch.long))
     finally:
         dist.destroy_process_group()
-    root = model.llm.embed.weight.numel() + model.llm.out.weight.numel() + model.llm.out.bias.numel()
+    llm = model.llm
+    root = sum(p.numel() for p in (llm.embed.weight, llm.out.weight, llm.out.bias))
     return {("root" if sum(s[0] for s in op.shapes[1:]) == root // 2 else "layer", op.dtype)
             for op in rec.ops if "allgather" in op.op}
 
@@ -140,7 +141,7 @@ def test_cp_loss_scores_at_most_the_micro_batchs_loss_tokens():
         want = model.loss(batch, hidden, cp_group=dist.group.WORLD)
     finally:
         dist.destroy_process_group()
-    assert 0 < total < 32 and rows == [total, 32]  # the micro-batch's loss tokens, then the whole shard
+    assert 0 < total < 32 and rows == [total, 32]  # the micro-batch's loss tokens, then the shard
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6)
     assert int(got[1]) == int(want[1]) > 0
 
@@ -161,7 +162,8 @@ def test_weights_that_init_from_loads_are_never_drawn(monkeypatch):
     assert loaded_modules(compose_cfg(["+recipe=llava_tiny", "llm.init_from=/some/llama",
                                        "init_from_checkpoint=/a/checkpoint"])) == ()
     drawn, draw = [], init_mod._normal_rows
-    monkeypatch.setattr(init_mod, "_normal_rows", lambda out, *a: drawn.append(out) or draw(out, *a))
+    monkeypatch.setattr(init_mod, "_normal_rows",
+                        lambda out, *a: drawn.append(out) or draw(out, *a))
     with meta_build():
         model = LlavaModel(VisionConfig(), ProjectorConfig(), LLMConfig())
     materialize(model, "cpu", seed=0, skip=[getattr(model, m) for m in loaded_modules(cfg)])

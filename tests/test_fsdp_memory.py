@@ -15,7 +15,8 @@ WIDE = ["+recipe=llama_tiny", "trainer.global_batch_size=16", "trainer.micro_bat
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("reduce, precision", [("per_micro_batch", "fp32"), ("per_step", "fp32"),
                                                ("per_step", "bf16")])
-def test_rehearsal_of_a_sharded_llm_with_several_micro_batches_agrees_with_plan_mode(tmp_path, reduce, precision):
+def test_rehearsal_of_a_sharded_llm_with_micro_batches_agrees_with_plan_mode(tmp_path, reduce,
+                                                                             precision):
     """One rank of each role (PP stage 0 and 1) rehearsed for one step: its tracked peak within
     20% of plan mode's estimate (before issue 39 plan mode charged only the gradient shard and
     none of FSDP's all-gathered weights: 0.67 and 0.55 of the tracked peaks). Each backward's
@@ -36,14 +37,16 @@ def test_rehearsal_of_a_sharded_llm_with_several_micro_batches_agrees_with_plan_
     list(prepare_data(*with_specs(cfg)))
     world = world_size_of(cfg, 4)
     layouts = resolve_layouts(cfg, world)
-    reps = {role.stage("llm"): role.rank for role in role_table(running_layouts(cfg, layouts), world)}
+    roles = role_table(running_layouts(cfg, layouts), world)
+    reps = {role.stage("llm"): role.rank for role in roles}
     assert sorted(reps) == [0, 1]
     for stage, rank in sorted(reps.items()):
         res = rehearse_rank(rehearsal_config(cfg), str(tmp_path), rank, world, 1)
         assert res.error is None, res.error
         micro = len(res.micro_batches)
         assert micro > 1 and max(res.step_worth) > 1
-        plan = {r["rank"]: r for r in memory_per_rank(cfg, layouts, world, micro_batches=max(res.step_worth))}
+        rows = memory_per_rank(cfg, layouts, world, micro_batches=max(res.step_worth))
+        plan = {r["rank"]: r for r in rows}
         ratio = plan[rank]["total"] * GIB / res.peak_bytes
         assert abs(ratio - 1) <= 0.2, (reduce, stage, plan[rank], res.peak_bytes / GIB)
         scatters = sum(op.op.startswith("_reduce_scatter") for op in res.ops if op.step == 1)

@@ -67,7 +67,8 @@ def parallel(rank, world, llm, lay, iterations, ref, frozen=(), fsdp_reduce="per
     if lay.dp_shard:
         from hcp.train.fsdp import shard_model
         shard_model(model, groups)
-    runner = StepRunner(model, groups, torch.device("cpu"), sharded=lay.dp_shard, fsdp_reduce=fsdp_reduce)
+    runner = StepRunner(model, groups, torch.device("cpu"), sharded=lay.dp_shard,
+                        fsdp_reduce=fsdp_reduce)
     opt = optimizer(model.parameters())
     names = set()
     for lanes, (ref_loss, ref_grads, ref_params) in zip(iterations, ref):

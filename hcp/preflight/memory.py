@@ -122,7 +122,8 @@ def _placed(named_shapes: list[tuple[str, tuple[int, ...]]], layout, vocab_size:
         yield stage, layer, numel // layout.tp if split else numel
 
 
-def stage_params(named_shapes: list[tuple[str, tuple[int, ...]]], layout, vocab_size: int | None) -> list[int]:
+def stage_params(named_shapes: list[tuple[str, tuple[int, ...]]], layout,
+                 vocab_size: int | None) -> list[int]:
     """Parameters held by one rank of each PP stage (after TP), from a module's named shapes
     (names relative to the module, in registration order)."""
     counts = [0] * layout.pp
@@ -154,13 +155,13 @@ def fsdp_bytes(cfg, layout, units: tuple[int, int, int], params: int, accumulate
     precision = Precision.of(cfg.precision)
     reduce = precision.fsdp_reduce_bytes
     unit, root, layers = units
-    gather = precision.fsdp_param_bytes if layers else reduce  # a root gathers in the parameter dtype
+    gather = precision.fsdp_param_bytes if layers else reduce  # a root: in the parameter dtype
     unit = unit if layers else root
     held_root = root * reduce if layout.module == "llm" else 0  # not resharded after its forward
     weights = held_root + min(2, max(layers, 1)) * unit * gather
     if not trained:
         return weights, 0
-    in_flight = unit * reduce  # its gradients (the compute dtype) or their fp32 reduce-scatter input
+    in_flight = unit * reduce  # its gradients, or their fp32 reduce-scatter input
     whole = 0
     if accumulates and cfg.trainer.fsdp_reduce == "per_step":
         whole = params * reduce - params * precision.state_bytes["grads"] // (layout.dp * layout.cp)
@@ -209,7 +210,8 @@ def encoder_activation_tokens(cfg, specs, layout, stage: int, layouts: dict) -> 
     images, per_micro = _lane_images(cfg, layout, layouts, patches)
     if cfg.placement != "non_colocated":
         return images * per_image, 1
-    return per_micro * per_image, min(math.ceil(images / per_micro), layout.pp - stage + layouts["llm"].pp)
+    in_flight = min(math.ceil(images / per_micro), layout.pp - stage + layouts["llm"].pp)
+    return per_micro * per_image, in_flight
 
 
 def _lane_images(cfg, layout, layouts: dict, patches: int) -> tuple[float, float]:
@@ -235,7 +237,7 @@ def _activations(cfg, specs, layout, stage: int, layouts=None, micro_batches=Non
     per_token = layer_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, llm, layout, precision,
                             quick_gelu=not llm and c.arch == "clip")
     copies = (0.0 if layout.dp_shard else  # FSDP gathers a layer's weights in the compute dtype
-              weight_copy_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, layout, precision, gated=llm))
+              weight_copy_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, layout, precision, llm))
     if not llm and layout.cp > 1:  # encoder CP: the all-gathered K/V of whole images
         gathered = (layout.cp - 1) * 2 * h_kv * precision.act_bytes / layout.tp
         per_token = {k: v + (gathered if k != "full" else 0) for k, v in per_token.items()}

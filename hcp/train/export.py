@@ -186,8 +186,8 @@ def run_export_rank(cfg, run_dir: str) -> None:
         tp_group = groups.group("llm", "tp") if llm.tp > 1 else None
         model = LlavaModel(**llava_kwargs(specs), tp_group=tp_group, stage=stage,
                            cp_group=groups.group("llm", "cp") if llm.cp > 1 else None)
-        init_parameters(model, cfg.seed, skip={id(p) for m in loaded_modules(cfg)  # init_from: no draw
-                                               for p in getattr(model, m).parameters()})
+        loaded = {id(p) for m in loaded_modules(cfg) for p in getattr(model, m).parameters()}
+        init_parameters(model, cfg.seed, skip=loaded)  # init_from's weights: never drawn
         load_pretrained(model, cfg)
         model.to(device)
         ck = CheckpointSpec.of(cfg)

@@ -105,7 +105,8 @@ def _shard(root, units: list, group, name: str, reshard_root: bool | None = None
     policy = Precision.of(precision)
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=policy.fsdp_policy(root=False))
-    fully_shard(root, mesh=mesh, reshard_after_forward=reshard_root, mp_policy=policy.fsdp_policy(root=True))
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard_root,
+                mp_policy=policy.fsdp_policy(root=True))
     for module in root.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

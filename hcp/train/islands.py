@@ -86,7 +86,8 @@ class Islands:
     inside the LLM island not counted).
     """
 
-    def __init__(self, specs, groups, rank: int, device, precision, fsdp_reduce: str = "per_micro_batch"):
+    def __init__(self, specs, groups, rank: int, device, precision,
+                 fsdp_reduce: str = "per_micro_batch"):
         self.specs, self.groups, self.rank = specs, groups, rank
         self.fsdp_reduce = fsdp_reduce
         self.layouts = layouts = specs.layouts
@@ -252,7 +253,8 @@ class Islands:
         reducer = runner.reducer if runner is not None else None
         grad_sync = reducer.sync_in_backward if reducer and mine.overlap_grad_sync else None
         if self.sharded:  # FSDP: reduce-scatter per trainer.fsdp_reduce
-            grad_sync = fsdp_grad_sync(encoder if encoder is not None else runner.model, self.fsdp_reduce)
+            own = encoder if encoder is not None else runner.model
+            grad_sync = fsdp_grad_sync(own, self.fsdp_reduce)
         executor = Executor(forward, links, grad_sync, BusyClock(self.device, time.thread_time))
         times = executor.run(mine.actions)  # the plan's: graph 1F1B, SyncGrads where it overlaps
         grad_sq = self._sync(mine, encoder, runner, record_grad_sq)

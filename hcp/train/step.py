@@ -36,8 +36,8 @@ class StepRunner:
             `trainer.fsdp_reduce` (`per_micro_batch`, `per_step`).
     """
 
-    def __init__(self, model, groups, device, precision: Precision | str = "fp32", sharded: bool = False,
-                 fsdp_reduce: str = "per_micro_batch"):
+    def __init__(self, model, groups, device, precision: Precision | str = "fp32",
+                 sharded: bool = False, fsdp_reduce: str = "per_micro_batch"):
         self.model, self.device, self.sharded = model, device, sharded
         self.fsdp_reduce = fsdp_reduce
         self.stage = model.stage

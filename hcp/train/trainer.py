@@ -100,16 +100,16 @@ class Trainer:
         self.modules = self._rank_modules()
         if llm.dp_shard:
             shard_model(self.model, self.groups, self.device, self.precision)
-        shard_encoder(self.encoder, self.layouts, self.groups, self.device,  # {vision,projector}.layout.dp_shard
-                      self.precision)
+        shard_encoder(self.encoder, self.layouts, self.groups, self.device,
+                      self.precision)  # {vision,projector}.layout.dp_shard
         loaded = [getattr(self.modules, m) for m in loaded_modules(cfg)
                   if getattr(self.modules, m, None) is not None]  # init_from: no random draw
         for module in (self.encoder, self.model):  # only this rank's shards, made on its device
             if module is not None:
                 materialize(module, self.device, cfg.seed, skip=loaded)
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's shards
-        self.runner = (StepRunner(self.model, self.groups, self.device, self.precision, llm.dp_shard,
-                                  self.settings.fsdp_reduce)
+        self.runner = (StepRunner(self.model, self.groups, self.device, self.precision,
+                                  llm.dp_shard, self.settings.fsdp_reduce)
                        if self.model is not None else None)
         self.colocated = (ColocatedStep(self.encoder, None, self.layouts["vision"].recompute == "full",
                                         precision=self.precision, device_type=self.device.type)
