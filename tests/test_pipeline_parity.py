@@ -57,7 +57,7 @@ def layout(tp=1, cp=1, pp=1, dp=1, pp_layers=None, recompute="none", dp_shard=Fa
                           recompute, dp_shard)
 
 
-def parallel(rank, world, llm, lay, iterations, ref, frozen=()):
+def parallel(rank, world, llm, lay, iterations, ref, frozen=(), fsdp_reduce="per_micro_batch"):
     groups = ProcessGroupRegistry({"llm": lay})
     coords = groups.grids["llm"].coords(rank)
     tp_group = groups.group("llm", "tp") if lay.tp > 1 else None
@@ -67,7 +67,8 @@ def parallel(rank, world, llm, lay, iterations, ref, frozen=()):
     if lay.dp_shard:
         from hcp.train.fsdp import shard_model
         shard_model(model, groups)
-    runner = StepRunner(model, groups, torch.device("cpu"), sharded=lay.dp_shard)
+    runner = StepRunner(model, groups, torch.device("cpu"), sharded=lay.dp_shard,
+                        fsdp_reduce=fsdp_reduce)
     opt = optimizer(model.parameters())
     names = set()
     for lanes, (ref_loss, ref_grads, ref_params) in zip(iterations, ref):
@@ -151,6 +152,16 @@ def test_layout_matches_single_process_reference(case):
     ref = reference(replace(llm, layout=replace(llm.layout, recompute="none")), iterations, frozen)
     names = run_ranks(parallel, lay.num_ranks, llm, lay, iterations, ref, frozen, timeout=80)
     assert set().union(*names) == set(ref[0][1])  # every parameter lives on some stage
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("case", ["pp2_dp2_dp_shard", "dp2_cp2_dp_shard_uneven_lanes"])
+def test_fsdp_reduce_per_step_matches_single_process_reference(case):
+    """`trainer.fsdp_reduce=per_step` (one reduce-scatter per step, whole gradients accumulated
+    until the last backward) gives the reference's gradients too."""
+    llm, lay, iterations = CASES[case]
+    ref = reference(llm, iterations, ())
+    run_ranks(parallel, lay.num_ranks, llm, lay, iterations, ref, (), "per_step", timeout=80)
 
 
 def bf16_step(rank, world, lay, batches):

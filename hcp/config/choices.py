@@ -19,6 +19,8 @@ BACKEND_MODULES = {
     "flash": ("flash_attn", "pip install flash-attn --no-build-isolation on a CUDA machine"),
 }
 """Optional GPU attention backends: name -> (module to import, how to install it)."""
+FSDP_REDUCE = ("per_micro_batch", "per_step")
+"""`trainer.fsdp_reduce` values (hcp.train.fsdp.grad_sync, hcp.preflight.memory)."""
 CP_BACKENDS = ("auto", "torch", "te")
 """Backends that run context parallelism (CP > 1): `auto` and `torch` run hcp's CP attention on
 fused kernels, `te` Transformer Engine's THD CP (hcp.model.cp_attention.cp_attention_for)."""

@@ -82,6 +82,29 @@ class Precision:
         return self.params.itemsize
 
     @property
+    def fsdp_param_bytes(self) -> int:
+        """Bytes per element of a `dp_shard` layer's all-gathered parameters: FSDP gathers them
+        in the compute dtype (`fsdp_policy`)."""
+        return self.compute.itemsize
+
+    @property
+    def fsdp_reduce_bytes(self) -> int:
+        """Bytes per element of FSDP's gradient reduction and accumulation (the parameter dtype)."""
+        return self.params.itemsize
+
+    def fsdp_policy(self, root: bool):
+        """torch's `MixedPrecisionPolicy` of an FSDP unit (`hcp.train.fsdp`): a layer gathers
+        its parameters in the compute dtype (no per-op autocast copy of each weight) and
+        reduce-scatters in the parameter dtype; the root (embeddings, final norm, output layer)
+        keeps the parameter dtype, so the residual stream keeps it too. Inputs are not cast
+        (the stream enters each layer in the parameter dtype, as without FSDP). Under `fp32`
+        nothing changes."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=self.params if root else self.compute,
+                                    reduce_dtype=self.params, cast_forward_inputs=False)
+
+    @property
     def state_bytes(self) -> dict[str, int]:
         """Bytes per trained parameter, all in the parameter dtype: `weights`, `grads` and
         `optimizer` (Adam's two moments): 4 + 4 + 8 = 16 B under either policy. The parameters

@@ -179,6 +179,11 @@ class TrainerConfig:
     """Under `packing=dynamic_cp`, who runs the solver: `node` (each node's local rank 0 plans
     and publishes the plan in the run directory; the node's other ranks read it, no collective)
     or `rank` (every rank plans the same plan itself). hcp.plan.shared."""
+    fsdp_reduce: str = "per_micro_batch"
+    """When a `dp_shard` module reduce-scatters its gradients: `per_micro_batch` (every backward;
+    a rank holds only its gradient shard) or `per_step` (the last backward only: one
+    reduce-scatter per step, but every micro-batch's whole fp32 gradient held until then).
+    docs/memory.md."""
 
 
 @dataclass

@@ -8,8 +8,8 @@ import importlib.util
 from omegaconf import DictConfig, OmegaConf
 
 from hcp.config.capacity import max_length, tokens_per_rank
-from hcp.config.choices import (ATTENTION_BACKENDS, BACKEND_MODULES, ENCODER_ARCHS, OPTIMIZERS, PROJECTOR_TYPES,
-                                check_cp_backend)
+from hcp.config.choices import (ATTENTION_BACKENDS, BACKEND_MODULES, ENCODER_ARCHS, FSDP_REDUCE,
+                                OPTIMIZERS, PROJECTOR_TYPES, check_cp_backend)
 from hcp.config.errors import ConfigError, check_choice
 from hcp.config.joins import check_joins
 from hcp.config.keys import check_known_keys
@@ -32,6 +32,7 @@ _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "llm.attention_backend": ATTENTION_BACKENDS,
     "optim.name": OPTIMIZERS,
     "projector.type": PROJECTOR_TYPES,
+    "trainer.fsdp_reduce": FSDP_REDUCE,
 }
 
 

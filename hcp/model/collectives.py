@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 # all_gather_into_tensor is deprecated in newer torch under this name; the lower bound has only it
 _ALL_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER_FROM = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""The tensor form of reduce-scatter (one flat input, no list of parts: NCCL's own call)."""
 
 
 def group_size(group) -> int:
@@ -60,9 +62,9 @@ def _reduce_scatter0(x: torch.Tensor, group) -> torch.Tensor:
         received = torch.empty_like(x)
         dist.all_to_all_single(received, x, group=group)
         return received.view(n, -1, *x.shape[1:]).sum(0)
-    parts = [p.contiguous() for p in x.chunk(n, dim=0)]
-    out = torch.empty_like(parts[0])
-    dist.reduce_scatter(out, parts, group=group)
+    x = x.contiguous()  # [n * S, ...]: rank j's slice is the j-th chunk of dim 0
+    out = x.new_empty((x.shape[0] // n, *x.shape[1:]))
+    _REDUCE_SCATTER_FROM(out, x, group=group)
     return out
 
 

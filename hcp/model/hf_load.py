@@ -151,17 +151,24 @@ def load_module(module, ckpt: HFCheckpoint, srcs: dict[str, Source]) -> int:
     return read
 
 
+def loaded_modules(cfg) -> tuple[str, ...]:
+    """The modules whose every parameter `load_pretrained` overwrites (`<module>.init_from`;
+    none when a checkpoint's weights replace them anyway): their random init is skipped
+    (`hcp.model.init.materialize`'s `skip`)."""
+    if cfg.get("init_from_checkpoint") or cfg.get("resume") not in (None, "auto"):
+        return ()
+    return tuple(m for m in FORMATS if cfg.get(m) is not None and cfg[m].get("init_from"))
+
+
 def load_pretrained(model, cfg) -> dict[str, int]:
     """Overwrite every module of `model` (a LlavaModel, possibly one pipeline stage) whose
     config has `init_from` with the checkpoint's weights; returns {module: bytes read}. Nothing
     is read when a checkpoint's weights replace them anyway (`init_from_checkpoint`, or `resume`
     naming a folder): `init_from` then only sets the architecture."""
     read = {}
-    if cfg.get("init_from_checkpoint") or cfg.get("resume") not in (None, "auto"):
-        return read
-    for m, fmt in FORMATS.items():
-        module = getattr(model, m, None)
-        if module is None or not cfg[m].get("init_from"):
+    for m in loaded_modules(cfg):
+        module, fmt = getattr(model, m, None), FORMATS[m]
+        if module is None:
             continue
         ckpt = HFCheckpoint(cfg[m].init_from, f"{m}.init_from")
         read[m] = load_module(module, ckpt, fmt.sources(cfg[m], ckpt))

@@ -99,16 +99,18 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, std: float = 0.02, prefix: str = "") -> None:
+def init_parameters(model: nn.Module, seed: int, std: float = 0.02, prefix: str = "",
+                    skip: frozenset | set = frozenset()) -> None:
     """Initialize this rank's shard of every parameter of `model` in place from
     `(seed, prefix + its name)` (module docstring).
 
     `prefix` lets a module built on its own (e.g. only `llm` on a rank) get the same weights as
-    inside the full model: pass `prefix="llm."`. Parameters on the meta device are skipped.
+    inside the full model: pass `prefix="llm."`. Parameters on the meta device are skipped, and
+    those whose `id` is in `skip` (weights about to be loaded).
     """
     for mod_name, module in model.named_modules():
         for name, param in module.named_parameters(recurse=False):
-            if param.is_meta:
+            if param.is_meta or id(param) in skip:
                 continue
             fqn = f"{prefix}{mod_name}.{name}" if mod_name else f"{prefix}{name}"
             local, whole, offset = local_box(param)
@@ -131,10 +133,12 @@ def meta_build():
         yield
 
 
-def materialize(model: nn.Module, device, seed: int, std: float = 0.02) -> nn.Module:
+def materialize(model: nn.Module, device, seed: int, std: float = 0.02, skip=()) -> nn.Module:
     """`model` built on the meta device (and possibly FSDP-sharded there) -> its storage on
     `device`, each parameter's shard initialized by `init_parameters`; returns `model`. Only
     this rank's shards are ever allocated, on `device` (host memory: one drawing block).
+    `skip`: submodules whose weights will be loaded (`hcp.model.hf_load.loaded_modules`):
+    allocated, never drawn.
 
     Raises ValueError when `model` has buffers (their values would be lost by the meta build).
     """
@@ -147,5 +151,6 @@ def materialize(model: nn.Module, device, seed: int, std: float = 0.02) -> nn.Mo
     for n, p in model.named_parameters():
         if n in specs:
             p.shard_spec = specs[n]
-    init_parameters(model, seed, std)
+    loaded = {id(p) for module in skip for p in module.parameters()}
+    init_parameters(model, seed, std, skip=loaded)
     return model

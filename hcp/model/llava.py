@@ -231,18 +231,21 @@ class LlavaModel(nn.Module):
         as a 0-d fp32 tensor, number of those tokens) from the final hidden states [T_loc, H].
         Without CP the count is the batch's host `loss_tokens` when known (an int), so the loss
         tokens are picked without reading the device (`nonzero_static`). Under CP the shard's
-        count is not known on the host: every position of the shard is scored and the ones
-        past the count masked out, and the count is a 0-d tensor (still no device read)."""
+        count is not known on the host: its loss positions and as many more are scored as the
+        micro-batch has loss tokens (a shard holds at most those; every position of the shard
+        when fewer slots, or when the count is unknown), the ones past the shard's count masked
+        out, and the count is a 0-d tensor (still no device read)."""
         shard, labels = self._shard(batch, cp_group)
         keep = labels != -100
-        known = getattr(batch, "loss_tokens", None) if shard is None else None
-        if known is None:
-            n = keep.sum()
-            index = torch.nonzero_static(keep, size=keep.numel(), fill_value=0).squeeze(1)
-            weight = (torch.arange(keep.numel(), device=keep.device) < n).float()
-        else:
+        known = getattr(batch, "loss_tokens", None)
+        if shard is None and known is not None:
             n, weight = known, None
             index = torch.nonzero_static(keep, size=n).squeeze(1)
+        else:
+            n = keep.sum()
+            rows = keep.numel() if known is None else min(keep.numel(), known)
+            index = torch.nonzero_static(keep, size=rows, fill_value=0).squeeze(1)
+            weight = (torch.arange(rows, device=keep.device) < n).float()
         target = labels.index_select(0, index).clamp(min=0)  # masked slots: any valid id
         logits = self.llm.logits(hidden.index_select(0, index))
         if group_size(self.tp_group) == 1:

@@ -42,7 +42,7 @@ from hcp.preflight.auto_host import host_model, host_seconds, layer_calls, plain
 from hcp.preflight.rehearse.report import job_facts, memory_correction
 from hcp.preflight.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times, pool_plans
 from hcp.preflight.auto_space import Candidate, sides
-from hcp.preflight.memory import GIB, module_memory, rank_activations, stage_params
+from hcp.preflight.memory import GIB, fsdp_units, module_memory, rank_activations, stage_params
 from hcp.preflight.plan_mode import named_shapes, running_layouts
 
 FSDP_SYNC = 1.5
@@ -143,7 +143,8 @@ class Scorer(EncoderTerms):
             key = (cand.placement, vis.recompute if vis else None, _key(lay),
                    (llm.cp, llm.pp) if m != "llm" and cand.placement == "non_colocated" else None)
             if key not in self._memory:
-                self._memory[key] = module_memory(cfg, self.specs, lay, self.shapes[m], running, self._stage_params(lay))
+                self._memory[key] = module_memory(cfg, self.specs, lay, self.shapes[m], running,
+                                                  self._stage_params(lay), units=self._units(lay))
             stages[m] = self._memory[key]
 
         def total(parts):
@@ -226,6 +227,17 @@ class Scorer(EncoderTerms):
         if key not in self._params:
             vocab = self.cfg.llm.vocab_size if lay.module == "llm" else None
             self._params[key] = stage_params(self.shapes[lay.module], lay, vocab)
+        return self._params[key]
+
+    def _units(self, lay) -> list | None:
+        """`hcp.preflight.memory.fsdp_units` of a `dp_shard` layout (None otherwise), computed
+        once per module, tp and split."""
+        if not lay.dp_shard:
+            return None
+        key = ("units", lay.module, lay.tp, lay.pp_layers)
+        if key not in self._params:
+            vocab = self.cfg.llm.vocab_size if lay.module == "llm" else None
+            self._params[key] = fsdp_units(self.shapes[lay.module], lay, vocab)
         return self._params[key]
 
     def llm_bound(self, llm) -> float:

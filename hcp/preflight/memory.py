@@ -5,7 +5,15 @@ schedules, routes and links run. Model state per trained parameter (Adam, no dis
 optimizer; `Precision.state_bytes`): fp32 weights 4 B (the master copy: parameters stay fp32,
 autocast casts per op) + fp32 gradients 4 B + two fp32 Adam moments 8 B = 16 B, under `bf16`
 and `fp32` alike. A frozen module keeps its weights only (4 B). `layout.dp_shard` (FSDP2)
-divides a module's state by dp*cp.
+divides a module's state by dp*cp and adds what FSDP holds beyond the shards (`fsdp_bytes`, as
+torch 2.13's `_fully_shard` runs it; docs/memory.md): in `weights`, the all-gathered
+parameters: the LLM root's whole (embeddings, final norm, output layer: not resharded after
+its forward, in the parameter dtype) and two layer units' (the one computing and the one
+prefetched, in the compute dtype: `Precision.fsdp_policy`); in `grads`, one unit's whole
+gradients in flight (4 B each: the fp32 reduce-scatter input), and under
+`trainer.fsdp_reduce=per_step` with several backward passes per step every parameter's whole
+fp32 gradient instead of the shard (FSDP accumulates unsharded until the last backward). A
+`dp_shard` layer keeps no autocast weight copy (it gathers in the compute dtype).
 
 Where parameters sit: a module's numbered layers (`layers.{i}` / `blocks.{i}`) go to their PP
 stage per `pp_layers`; parameters registered before the first layer (token embedding, patch and
@@ -93,27 +101,71 @@ class StageMemory:
         return self.weights + self.grads + self.optimizer + self.activations
 
 
-def stage_params(named_shapes: list[tuple[str, tuple[int, ...]]], layout, vocab_size: int | None) -> list[int]:
-    """Parameters held by one rank of each PP stage (after TP), from a module's named shapes
-    (names relative to the module, in registration order)."""
+def _placed(named_shapes: list[tuple[str, tuple[int, ...]]], layout, vocab_size: int | None):
+    """(PP stage, layer index or None for the stage's other parameters, elements on one rank
+    after TP) of each parameter of a module (module docstring: where parameters sit)."""
     bounds, total = [], 0
     for n in layout.pp_layers:
         total += n
         bounds.append(total)
-    counts = [0] * layout.pp
     seen_layer = False
     for name, shape in named_shapes:
         numel = math.prod(shape)
         match = _LAYER.match(name)
         if match:
-            seen_layer = True
-            stage = next(s for s, b in enumerate(bounds) if int(match.group(1)) < b)
+            seen_layer, layer = True, int(match.group(1))
+            stage = next(s for s, b in enumerate(bounds) if layer < b)
             split = len(shape) >= 2
         else:
-            stage = layout.pp - 1 if seen_layer else 0
+            stage, layer = (layout.pp - 1 if seen_layer else 0), None
             split = (vocab_size in shape) or (layout.module == "projector" and len(shape) >= 2)
-        counts[stage] += numel // layout.tp if split else numel
+        yield stage, layer, numel // layout.tp if split else numel
+
+
+def stage_params(named_shapes: list[tuple[str, tuple[int, ...]]], layout,
+                 vocab_size: int | None) -> list[int]:
+    """Parameters held by one rank of each PP stage (after TP), from a module's named shapes
+    (names relative to the module, in registration order)."""
+    counts = [0] * layout.pp
+    for stage, _, numel in _placed(named_shapes, layout, vocab_size):
+        counts[stage] += numel
     return counts
+
+
+def fsdp_units(named_shapes, layout, vocab_size: int | None) -> list[tuple[int, int, int]]:
+    """(largest FSDP unit's parameters, the root's parameters, layers) on one rank of each PP
+    stage (after TP): `hcp.train.fsdp` makes each numbered layer a unit and the rest of the
+    stage's parameters the root (a module without layers, the projector: its root alone)."""
+    layers: list[dict] = [{} for _ in range(layout.pp)]
+    roots = [0] * layout.pp
+    for stage, layer, numel in _placed(named_shapes, layout, vocab_size):
+        if layer is None:
+            roots[stage] += numel
+        else:
+            layers[stage][layer] = layers[stage].get(layer, 0) + numel
+    return [(max(u.values(), default=0), root, len(u)) for u, root in zip(layers, roots)]
+
+
+def fsdp_bytes(cfg, layout, units: tuple[int, int, int], params: int, accumulates: bool,
+               trained: bool) -> tuple[int, int]:
+    """(weights, gradients) bytes FSDP2 holds on one rank of a PP stage beyond the shards
+    (module docstring, FSDP). `units`: the stage's `fsdp_units`; `params`: its parameters on
+    one rank (after TP); `accumulates`: a step runs several backward passes of the module;
+    `trained`: it has gradients."""
+    precision = Precision.of(cfg.precision)
+    reduce = precision.fsdp_reduce_bytes
+    unit, root, layers = units
+    gather = precision.fsdp_param_bytes if layers else reduce  # a root: in the parameter dtype
+    unit = unit if layers else root
+    held_root = root * reduce if layout.module == "llm" else 0  # not resharded after its forward
+    weights = held_root + min(2, max(layers, 1)) * unit * gather
+    if not trained:
+        return weights, 0
+    in_flight = unit * reduce  # its gradients, or their fp32 reduce-scatter input
+    whole = 0
+    if accumulates and cfg.trainer.fsdp_reduce == "per_step":
+        whole = params * reduce - params * precision.state_bytes["grads"] // (layout.dp * layout.cp)
+    return weights, in_flight + whole
 
 
 def layer_bytes(h: int, h_kv: int, f: int, gated: bool, layout, precision: Precision,
@@ -155,12 +207,19 @@ def encoder_activation_tokens(cfg, specs, layout, stage: int, layouts: dict) -> 
         per_image = -(-(enc.image_size // enc.patch_size // spec.pool) ** 2 // layout.cp)
     else:
         per_image = encoder_cp.chunk(patches + encoder_cp.LEAD, layout.cp)  # + CLS, this CP rank's
-    images = cfg.trainer.global_batch_size / layout.dp * float(cfg.data.images_per_sample)
+    images, per_micro = _lane_images(cfg, layout, layouts, patches)
     if cfg.placement != "non_colocated":
         return images * per_image, 1
+    in_flight = min(math.ceil(images / per_micro), layout.pp - stage + layouts["llm"].pp)
+    return per_micro * per_image, in_flight
+
+
+def _lane_images(cfg, layout, layouts: dict, patches: int) -> tuple[float, float]:
+    """(images an encoder lane encodes per step, those of one micro-batch under `non_colocated`:
+    the images whose `patches` each fill one LLM micro-batch), module docstring."""
+    images = cfg.trainer.global_batch_size / layout.dp * float(cfg.data.images_per_sample)
     llm = layouts["llm"]
-    per_micro = min(images, max(1, cfg.trainer.micro_batch_tokens * llm.cp // patches))
-    return per_micro * per_image, min(math.ceil(images / per_micro), layout.pp - stage + llm.pp)
+    return images, min(images, max(1, cfg.trainer.micro_batch_tokens * llm.cp // patches))
 
 
 def _activations(cfg, specs, layout, stage: int, layouts=None, micro_batches=None) -> float:
@@ -177,7 +236,8 @@ def _activations(cfg, specs, layout, stage: int, layouts=None, micro_batches=Non
     h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if llm else c.hidden_size
     per_token = layer_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, llm, layout, precision,
                             quick_gelu=not llm and c.arch == "clip")
-    copies = weight_copy_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, layout, precision, gated=llm)
+    copies = (0.0 if layout.dp_shard else  # FSDP gathers a layer's weights in the compute dtype
+              weight_copy_bytes(c.hidden_size, h_kv, c.ffn_hidden_size, layout, precision, llm))
     if not llm and layout.cp > 1:  # encoder CP: the all-gathered K/V of whole images
         gathered = (layout.cp - 1) * 2 * h_kv * precision.act_bytes / layout.tp
         per_token = {k: v + (gathered if k != "full" else 0) for k, v in per_token.items()}
@@ -240,7 +300,7 @@ def _needs_grad(specs, module: str) -> bool:
 
 
 def module_memory(cfg, specs, layout, named_shapes, layouts=None, params=None,
-                  micro_batches: float | None = None) -> list[StageMemory]:
+                  micro_batches: float | None = None, units=None) -> list[StageMemory]:
     """Memory of one rank of each PP stage of a module (`specs`: the run's `ModuleSpecs`, whose
     arch, freeze and edges it reads; its layouts are not used). `layouts` (all resolved layouts) gives
     encoder-side modules their image tokens (`encoder_activation_tokens`); without it they are
@@ -248,16 +308,37 @@ def module_memory(cfg, specs, layout, named_shapes, layouts=None, params=None,
     `stage_params`' result when known (a layout search computes it once per tp and split).
     `micro_batches`: the LLM micro-batches' worth of tokens a step gives each lane when known (a
     rehearsal's small batch may fill fewer than the pp - s that 1F1B's warm-up holds at full
-    size, its last one partly; fractional); None: enough."""
+    size, its last one partly; fractional); None: enough. `units`: `fsdp_units`' result when
+    known (`dp_shard` only)."""
     vocab = cfg.llm.vocab_size if layout.module == "llm" else None
     state = Precision.of(cfg.precision).state_bytes
     shard = layout.dp * layout.cp if layout.dp_shard else 1
     trained = not specs[layout.module].freeze
+    if layout.dp_shard:
+        units = units if units is not None else fsdp_units(named_shapes, layout, vocab)
+        accumulates = _accumulates(cfg, specs, layout, layouts, micro_batches)
     stages = []
     for s, params in enumerate(params if params is not None else stage_params(named_shapes, layout, vocab)):
         acts = _activations(cfg, specs, layout, s, layouts, micro_batches) if _needs_grad(specs, layout.module) else 0
-        stages.append(StageMemory(params, params * state["weights"] // shard,
-                                  params * state["grads"] // shard if trained else 0,
+        gathered, in_flight = (fsdp_bytes(cfg, layout, units[s], params, accumulates, trained)
+                               if layout.dp_shard else (0, 0))
+        stages.append(StageMemory(params, params * state["weights"] // shard + gathered,
+                                  params * state["grads"] // shard + in_flight if trained else 0,
                                   params * state["optimizer"] // shard if trained else 0, int(acts),
                                   not _phase3_recompute(cfg, layout, layouts)))
     return stages
+
+
+def _accumulates(cfg, specs, layout, layouts, micro_batches) -> bool:
+    """Whether a step runs several backward passes of the module: the LLM's micro-batches
+    (`micro_batches`: `module_memory`'s; None: a full-size step, several), an encoder island's
+    (`non_colocated`: one per LLM micro-batch's images); a colocated encoder side encodes a
+    step's images at once (`encoder_activation_tokens`)."""
+    if layout.module == "llm":
+        return micro_batches is None or micro_batches > 1
+    if layouts is None or cfg.placement != "non_colocated":
+        return False
+    spec = specs[layout.module]
+    enc = specs[spec.source].arch if spec.kind == "projector" else spec.arch
+    images, per_micro = _lane_images(cfg, layout, layouts, (enc.image_size // enc.patch_size) ** 2)
+    return images > per_micro

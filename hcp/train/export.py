@@ -169,7 +169,7 @@ def run_export_rank(cfg, run_dir: str) -> None:
     from hcp.config.specs import resolve_modules, typed
     from hcp.model import LlavaModel, init_parameters
     from hcp.model.encoder_side import llava_kwargs
-    from hcp.model.hf_load import load_pretrained
+    from hcp.model.hf_load import load_pretrained, loaded_modules
     from hcp.model.stage import StageSpec
     from hcp.parallel.groups import ProcessGroupRegistry
     from hcp.train import checkpoint
@@ -186,7 +186,8 @@ def run_export_rank(cfg, run_dir: str) -> None:
         tp_group = groups.group("llm", "tp") if llm.tp > 1 else None
         model = LlavaModel(**llava_kwargs(specs), tp_group=tp_group, stage=stage,
                            cp_group=groups.group("llm", "cp") if llm.cp > 1 else None)
-        init_parameters(model, cfg.seed)
+        loaded = {id(p) for m in loaded_modules(cfg) for p in getattr(model, m).parameters()}
+        init_parameters(model, cfg.seed, skip=loaded)  # init_from's weights: never drawn
         load_pretrained(model, cfg)
         model.to(device)
         ck = CheckpointSpec.of(cfg)

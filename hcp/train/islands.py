@@ -36,6 +36,7 @@ from hcp.plan.actions import island_heads, island_stage_graph
 from hcp.plan.step import island_head
 from hcp.schedule.executor import BusyClock, Executor
 from hcp.schedule.links import PipeLink, RouteLink, StreamsLink
+from hcp.train.fsdp import grad_sync as fsdp_grad_sync
 from hcp.train.island_eval import whole_island_encoders
 from hcp.train.modules import clip_, local_grad_sq, module_sq_norm, sync_grads
 
@@ -75,19 +76,22 @@ class Islands:
     Args:
         specs: the run's `hcp.config.specs.ModuleSpecs` (with layouts); groups: the
             `ProcessGroupRegistry`; rank: this global rank; device; precision: the run's
-            `Precision`.
+            `Precision`; fsdp_reduce: `trainer.fsdp_reduce`.
 
     Attributes: `head` (this rank's island head module, "llm" on the LLM island), `stage` (its
     `StageSpec` there), `heads` (every encoder island's head), `streams` (island head -> its
     projectors into the LLM, in stream order: the order its rows are concatenated in),
     `sharded` (this island shards with FSDP: an encoder island by its encoder's
     `layout.dp_shard`, over its DP x CP group; the LLM island by `llm.layout.dp_shard`, over DP x
-    CP), `route_bytes` (what this rank sends over island routes: forward rows, returned
-    gradients; the TP leader's broadcast inside the LLM island not counted).
+    CP; when it reduce-scatters: `fsdp_reduce`, `trainer.fsdp_reduce`), `route_bytes` (what this
+    rank sends over island routes: forward rows, returned gradients; the TP leader's broadcast
+    inside the LLM island not counted).
     """
 
-    def __init__(self, specs, groups, rank: int, device, precision):
+    def __init__(self, specs, groups, rank: int, device, precision,
+                 fsdp_reduce: str = "per_micro_batch"):
         self.specs, self.groups, self.rank = specs, groups, rank
+        self.fsdp_reduce = fsdp_reduce
         self.layouts = layouts = specs.layouts
         self.device, self.precision = device, precision
         self.edges = specs.edges
@@ -251,8 +255,9 @@ class Islands:
                                           None if stage.first else received[g - 1])
         reducer = runner.reducer if runner is not None else None
         grad_sync = reducer.sync_in_backward if reducer and mine.overlap_grad_sync else None
-        if self.sharded:  # FSDP: one reduce-scatter per step, in the last backward
-            grad_sync = (encoder if encoder is not None else runner.model).set_requires_gradient_sync
+        if self.sharded:  # FSDP: reduce-scatter per trainer.fsdp_reduce
+            own = encoder if encoder is not None else runner.model
+            grad_sync = fsdp_grad_sync(own, self.fsdp_reduce)
         executor = Executor(forward, links, grad_sync, BusyClock(self.device, time.thread_time))
         times = executor.run(mine.actions)  # the plan's: graph 1F1B, SyncGrads where it overlaps
         grad_sq = self._sync(mine, encoder, runner, record_grad_sq)

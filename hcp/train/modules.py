@@ -131,10 +131,18 @@ def local_grad_sq(params) -> float:
 
 
 def clip_(params, norm: torch.Tensor, max_norm: float) -> None:
-    """Scale every gradient by min(1, max_norm / norm) when max_norm > 0 (norm: the global norm,
-    a 0-d device tensor, never read on the host), in one fused `torch._foreach_mul_` over the
-    local tensors (FSDP shards and plain gradients mix)."""
-    grads = [_local(p.grad) for p in params if p.grad is not None]
-    if max_norm > 0 and grads:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, scale)
+    """Scale every gradient by min(1, max_norm / norm) when max_norm > 0 (never up; norm: the
+    global norm, a 0-d device tensor, float64, never read on the host), as torch's
+    `clip_grads_with_norm_` does it: one fused `torch._foreach_mul_` per (device, dtype) of the
+    local tensors (FSDP shards and plain gradients mix) with the scale in that dtype (a float64
+    scale against fp32 gradients leaves the foreach kernel's fast path)."""
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            grad = _local(p.grad)
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    if max_norm <= 0 or not groups:
+        return
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for (device, dtype), grads in groups.items():
+        torch._foreach_mul_(grads, scale.to(device, dtype))

@@ -6,7 +6,8 @@ gradients summed over DP x CP equal the single-process gradient. Every step runs
 schedule (`hcp.schedule.pipeline`; plain gradient accumulation at pp = 1); with pp > 1 the first
 stage broadcasts the counts and each micro-batch's `StageMeta` unless the plan gives them.
 Activations travel in the compute dtype. Gradient sync: DDP-like buckets over DP x CP
-(`hcp.train.grad_reduce.GradReducer`), or FSDP's reduce-scatter in the last backward. Under FSDP
+(`hcp.train.grad_reduce.GradReducer`), or FSDP's reduce-scatter (`trainer.fsdp_reduce`: in every
+backward or the last one, `hcp.train.fsdp.grad_sync`). Under FSDP
 a lane with fewer micro-batches is padded with empty ones (`pad_micro_batches`), so every rank
 issues the same collectives; with no image anywhere the encoder gets no gradient, as in one process."""
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hcp.model.collectives import group_rank, group_size
 from hcp.model.llava import OWN_CP_GROUP
 from hcp.schedule import actions as A
 from hcp.schedule.pipeline import StageTimes, forward_only, run
+from hcp.train.fsdp import grad_sync
 from hcp.train.grad_reduce import GradReducer
 
 
@@ -31,11 +33,14 @@ class StepRunner:
     Args:
         model: this rank's `LlavaModel` stage (possibly FSDP-wrapped); groups: the
             `ProcessGroupRegistry`; device: this rank's device; precision: the run's
-            `Precision` (or its name: `fp32`, `bf16`); sharded: FSDP is on.
+            `Precision` (or its name: `fp32`, `bf16`); sharded: FSDP is on; fsdp_reduce:
+            `trainer.fsdp_reduce` (`per_micro_batch`, `per_step`).
     """
 
-    def __init__(self, model, groups, device, precision: Precision | str = "fp32", sharded: bool = False):
+    def __init__(self, model, groups, device, precision: Precision | str = "fp32",
+                 sharded: bool = False, fsdp_reduce: str = "per_micro_batch"):
         self.model, self.device, self.sharded = model, device, sharded
+        self.fsdp_reduce = fsdp_reduce
         self.stage = model.stage
         self.dp_group = groups.group("llm", "dp")
         self.grad_group = groups.group("llm", "dp_cp")
@@ -128,7 +133,7 @@ class StepRunner:
             loss_total = loss_total + loss_sum.detach().double()
             return loss_sum.float() / global_tokens
 
-        sync = (self.model.set_requires_gradient_sync if self.sharded else
+        sync = (grad_sync(self.model, self.fsdp_reduce) if self.sharded else
                 None if self.reducer is None or not overlap_grad_sync else self.reducer.sync_in_backward)
         if actions is None:
             actions = A.one_f_one_b(self.stage.index, self.stage.num_stages, len(metas))

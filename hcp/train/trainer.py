@@ -28,7 +28,7 @@ from hcp.dcp.policy import cp_histogram
 from hcp.model import LlavaModel
 from hcp.model.backends import resolve_backend
 from hcp.model.init import materialize, meta_build
-from hcp.model.hf_load import load_pretrained
+from hcp.model.hf_load import load_pretrained, loaded_modules
 from hcp.model.encoder_side import llava_kwargs
 from hcp.model.llava import LlavaEncoder
 from hcp.model.stage import StageSpec
@@ -99,19 +99,24 @@ class Trainer:
         if self.is_logging_rank:  # every rank's seconds per step land in `stats` (no collective)
             self.stats.watch = StragglerWatch(self.settings.straggler_factor)
         self.tok, self.train_set, self.eval_set = build_datasets(cfg, self.specs)
-        self.islands = (Islands(self.specs, self.groups, self.rank, self.device, self.precision)
+        self.islands = (Islands(self.specs, self.groups, self.rank, self.device, self.precision,
+                                self.settings.fsdp_reduce)
                         if cfg.placement == "non_colocated" else None)
         self.encoder = self._build_encoder()  # both on the meta device: nothing allocated yet
         self.model = self._build_model()
         self.modules = self._rank_modules()
         if llm.dp_shard:
-            shard_model(self.model, self.groups, self.device)
-        shard_encoder(self.encoder, self.layouts, self.groups, self.device)  # {vision,projector}.layout.dp_shard
+            shard_model(self.model, self.groups, self.device, self.precision)
+        shard_encoder(self.encoder, self.layouts, self.groups, self.device,
+                      self.precision)  # {vision,projector}.layout.dp_shard
+        loaded = [getattr(self.modules, m) for m in loaded_modules(cfg)
+                  if getattr(self.modules, m, None) is not None]  # init_from: no random draw
         for module in (self.encoder, self.model):  # only this rank's shards, made on its device
             if module is not None:
-                materialize(module, self.device, cfg.seed)
+                materialize(module, self.device, cfg.seed, skip=loaded)
         load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's shards
-        self.runner = (StepRunner(self.model, self.groups, self.device, self.precision, llm.dp_shard)
+        self.runner = (StepRunner(self.model, self.groups, self.device, self.precision,
+                                  llm.dp_shard, self.settings.fsdp_reduce)
                        if self.model is not None else None)
         self.colocated = (ColocatedStep(self.encoder, None, self.layouts["vision"].recompute == "full",
                                         precision=self.precision, device_type=self.device.type)
