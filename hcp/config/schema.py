@@ -378,7 +378,11 @@ MODULES = ("vision", "projector", "llm")
 
 
 def register() -> None:
-    """Register the schema with Hydra's ConfigStore as `base_config`."""
+    """Register the schema with Hydra's ConfigStore as `base_config`, and the recipes of
+    `recipes/` as the group `recipe` (`hcp.config.recipes`)."""
     from hydra.core.config_store import ConfigStore
 
+    from hcp.config.recipes import register_recipes
+
     ConfigStore.instance().store(name="base_config", node=HCPConfig)
+    register_recipes()
