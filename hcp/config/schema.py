@@ -235,7 +235,7 @@ class LoggerConfig:
 @dataclass
 class SlurmConfig:
     """SLURM job settings for `python -m hcp.launch.sbatch` and `hydra/launcher=submitit_slurm`
-    (launchers/README.md). Nodes and tasks per node are `launcher.nnodes` / `nproc_per_node`."""
+    (docs/launching.md). Nodes and tasks per node are `launcher.nnodes` / `nproc_per_node`."""
 
     partition: Optional[str] = None
     account: Optional[str] = None
