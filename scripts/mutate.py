@@ -2,7 +2,7 @@
 tests that cover it fail.
 
     python scripts/mutate.py hcp/schedule/actions.py tests/test_plan_actions.py --max 20
-    python scripts/mutate.py hcp/dcp/lower_bound.py tests/test_dcp_bound_whole_pool.py --json out.json
+    python scripts/mutate.py hcp/dcp/lower_bound.py tests/test_dcp_bound_whole_pool.py --json o.json
 
 Mutations (one per mutant, at one place of the module's code, docstrings untouched): an
 arithmetic operator swapped (+ -, * /), a comparison moved across its boundary (< <=, > >=,
@@ -61,25 +61,33 @@ def sites(source: str) -> list[tuple[int, str]]:
     skip = _docstrings(tree)
     out = []
     for k, node in enumerate(ast.walk(tree)):
-        line = getattr(node, "lineno", 0)
-        if isinstance(node, ast.BinOp) and type(node.op) in SWAP_BIN:
-            out.append((k, f"line {line}: {type(node.op).__name__} -> {SWAP_BIN[type(node.op)].__name__}"))
-        elif isinstance(node, ast.Compare) and type(node.ops[0]) in SWAP_CMP:
-            out.append((k, f"line {line}: {type(node.ops[0]).__name__} -> {SWAP_CMP[type(node.ops[0])].__name__}"))
-        elif isinstance(node, ast.BoolOp):
-            out.append((k, f"line {line}: {type(node.op).__name__} -> {'Or' if isinstance(node.op, ast.And) else 'And'}"))
-        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
-            out.append((k, f"line {line}: drop not"))
-        elif isinstance(node, ast.Constant) and type(node.value) is int:
-            out.append((k, f"line {line}: {node.value} -> {node.value + 1}"))
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("min", "max"):
-            out.append((k, f"line {line}: {node.func.id} -> {'max' if node.func.id == 'min' else 'min'}"))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr in DROPPED_METHODS):
-            out.append((k, f"line {line}: drop .{node.func.attr}(...)"))
-        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and id(node) not in skip:
-            out.append((k, f"line {line}: drop the call statement"))
+        what = _describe(node, skip)
+        if what:
+            out.append((k, f"line {getattr(node, 'lineno', 0)}: {what}"))
     return out
+
+
+def _describe(node: ast.AST, skip: set[int]) -> str | None:
+    """What mutating `node` does, or None when it is no mutation site."""
+    name = lambda op: type(op).__name__  # noqa: E731
+    if isinstance(node, ast.BinOp) and type(node.op) in SWAP_BIN:
+        return f"{name(node.op)} -> {SWAP_BIN[type(node.op)].__name__}"
+    if isinstance(node, ast.Compare) and type(node.ops[0]) in SWAP_CMP:
+        return f"{name(node.ops[0])} -> {SWAP_CMP[type(node.ops[0])].__name__}"
+    if isinstance(node, ast.BoolOp):
+        return f"{name(node.op)} -> {'Or' if isinstance(node.op, ast.And) else 'And'}"
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        return "drop not"
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return f"{node.value} -> {node.value + 1}"
+    func = node.func if isinstance(node, ast.Call) else None
+    if isinstance(func, ast.Name) and func.id in ("min", "max"):
+        return f"{func.id} -> {'max' if func.id == 'min' else 'min'}"
+    if isinstance(func, ast.Attribute) and func.attr in DROPPED_METHODS:
+        return f"drop .{func.attr}(...)"
+    if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and id(node) not in skip:
+        return "drop the call statement"
+    return None
 
 
 class _Mutate(ast.NodeTransformer):
@@ -125,12 +133,13 @@ def run(module: str, tests: list[str], max_mutants: int = 20, timeout: float = 3
         source = f.read()
     found = sites(source)
     if len(found) > max_mutants:  # spread evenly over the module
-        found = [found[round(i * (len(found) - 1) / max(max_mutants - 1, 1))] for i in range(max_mutants)]
+        step = (len(found) - 1) / max(max_mutants - 1, 1)
+        found = [found[round(i * step)] for i in range(max_mutants)]
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         copy = os.path.join(tmp, "repo")
-        shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(".git", "outputs", "multirun", "__pycache__",
-                                                                   ".pytest_cache", "*.egg-info"))
+        shutil.copytree(repo, copy, ignore=shutil.ignore_patterns(
+            ".git", "outputs", "multirun", "__pycache__", ".pytest_cache", "*.egg-info"))
         target = os.path.join(copy, module)
         env = {**os.environ, "PYTHONPATH": copy, "PYTHONDONTWRITEBYTECODE": "1"}
         for k, what in found:
@@ -138,8 +147,9 @@ def run(module: str, tests: list[str], max_mutants: int = 20, timeout: float = 3
             with open(target, "w") as f:
                 f.write(mutant_source(source, k))
             try:
-                proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                                       *tests], cwd=copy, env=env, capture_output=True, timeout=timeout)
+                proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p",
+                                       "no:cacheprovider", *tests], cwd=copy, env=env,
+                                      capture_output=True, timeout=timeout)
                 mutant.outcome = "survived" if proc.returncode == 0 else "killed"
             except subprocess.TimeoutExpired:
                 mutant.outcome = "timeout"
@@ -158,14 +168,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     mutants = run(args.module, args.tests, args.max, args.timeout)
     killed = sum(m.outcome != "survived" for m in mutants)
-    print(f"{args.module}: {killed} of {len(mutants)} mutants killed, {len(mutants) - killed} survived")
+    print(f"{args.module}: {killed} of {len(mutants)} mutants killed, "
+          f"{len(mutants) - killed} survived")
     for m in mutants:
         if m.outcome == "survived":
             print(f"  survived: {m.what}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"module": args.module, "tests": args.tests, "mutants": [asdict(m) for m in mutants]}, f,
-                      indent=1)
+            json.dump({"module": args.module, "tests": args.tests,
+                       "mutants": [asdict(m) for m in mutants]}, f, indent=1)
     return 0
 
 

@@ -1,12 +1,13 @@
-"""Regenerate the command-derived figures of README.md and docs/*.md, or check that they are current.
+"""Regenerate the command-derived figures of README.md and docs/*.md, or check them.
 
     python scripts/readme_figures.py           # rewrite the blocks in the pages that hold them
     python scripts/readme_figures.py --check   # exit 1 and show the difference if they drifted
 
 Each block sits between `<!-- figures: NAME -->` and `<!-- /figures -->` in exactly one page
 (README.md or a page of docs/) and holds the command (a bash fence) and what it prints (a plain
-fence). The commands live here (`BLOCKS`), so the page shows exactly what was run; each runs in plan mode (one process, no training), in
-a temporary folder. tests/test_readme_figures.py runs `--check`'s comparison.
+fence). The commands live here (`BLOCKS`), so the page shows exactly what was run; each runs
+in plan mode (one process, no training), in a temporary folder. tests/test_readme_figures.py
+runs `--check`'s comparison.
 """
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def regenerate(text: str, names=None) -> str:
     """
     for name in names or BLOCKS:
         if not _pattern(name).search(text):
-            raise ValueError(f"the page has no `<!-- figures: {name} -->` ... `<!-- /figures -->` block")
+            raise ValueError(f"the page has no `<!-- figures: {name} -->` ... `<!-- /figures -->` "
+                             "block")
         block = render(name)
         text = _pattern(name).sub(lambda m: m.group(1) + block + m.group(3), text)
     return text
@@ -95,7 +97,8 @@ def regenerate(text: str, names=None) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="compare only; exit 1 when a page drifted")
+    parser.add_argument("--check", action="store_true",
+                        help="compare only; exit 1 when a page drifted")
     args = parser.parse_args(argv)
     by_page: dict[str, list[str]] = {}
     for name, path in locate().items():

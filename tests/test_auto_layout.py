@@ -389,8 +389,8 @@ def test_a_rehearsal_report_with_a_raised_rank_or_without_layout_auto_is_refused
 
 
 def test_the_benchmark_defaults_to_the_readme_tables_rounds_and_calibrates_on_the_fits_own(monkeypatch):
-    # benchmarks/auto_layout.py: docs/planning.md's table is --rounds 4; --calibrate --reuse reads back
-    # the 2 rounds cpu_profile.yaml was fitted on (more would train the missing rounds anew)
+    # benchmarks/auto_layout.py: docs/planning.md's table is --rounds 4; --calibrate --reuse reads
+    # back the 2 rounds cpu_profile.yaml was fitted on (more would train the missing rounds anew)
     import importlib.util
 
     path = os.path.join(REPO, "benchmarks", "auto_layout.py")

@@ -50,8 +50,9 @@ def _clip_twice(rank, world, container, run_dir):
                                                            "vision.layout.num_ranks=1"])],
                          ids=["trainer_clip", "islands_clip"])
 def test_the_trainers_clip_never_scales_gradients_up(world, layout, tmp_path):
-    container = compose_container([*SMALL, *layout, "launcher.nproc_per_node=2", "trainer.global_batch_size=2",
-                                  "trainer.eval_samples=2"], tmp_path)
+    overrides = [*SMALL, *layout, "launcher.nproc_per_node=2", "trainer.global_batch_size=2",
+                 "trainer.eval_samples=2"]
+    container = compose_container(overrides, tmp_path)
     for r in run_ranks(_clip_twice, world, container, str(tmp_path), timeout=220):
         assert 0 < r["norm"] < 1e6 and r["before"]
         for before, loose, tight in zip(r["before"], r["loose"], r["tight"]):

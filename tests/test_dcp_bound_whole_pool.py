@@ -25,7 +25,8 @@ CASES = [  # (pool, lengths in tokens): each batch holds a document only the who
 ]
 
 
-@pytest.mark.parametrize("pool, lens", CASES, ids=[f"pool{p}-{'_'.join(map(str, l))}" for p, l in CASES])
+@pytest.mark.parametrize("pool, lens", CASES,
+                         ids=[f"pool{p}-{'_'.join(map(str, l))}" for p, l in CASES])
 def test_the_bound_is_sound_and_tight_when_a_document_needs_the_whole_pool(pool, lens):
     lens = np.array(lens)
     assert (rank_tokens(lens, pool // 2) > CAP).any()  # half the pool cannot hold it
@@ -34,6 +35,6 @@ def test_the_bound_is_sound_and_tight_when_a_document_needs_the_whole_pool(pool,
     achieved = simulate_plan(res.plan, lens, COST).iteration_time
     assert res.optimal and achieved == pytest.approx(res.time, rel=1e-9)
     bound = lower_bound(lens, COST, pool, CAP)
-    rounds = lower_bound(lens, COST, pool, CAP, several_per_round=True)  # plans of rounds: more plans
+    rounds = lower_bound(lens, COST, pool, CAP, several_per_round=True)  # rounds: more plans
     assert bound <= achieved * (1 + 1e-9) and rounds <= achieved * (1 + 1e-9)
     assert achieved <= 1.05 * bound, achieved / bound

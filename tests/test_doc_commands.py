@@ -25,8 +25,8 @@ def _lines(block: str):
     own assignments (`V=/models/x MODEL="..."`) substituted as bash would before word splitting."""
     env = {}
     for line in block.replace("\\\n", " ").split("\n"):
-        words = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), m.group(0)), line),
-                            comments=True)
+        line = re.sub(r"\$\{?(\w+)\}?", lambda m: env.get(m.group(1), m.group(0)), line)
+        words = shlex.split(line, comments=True)
         if words and all(ASSIGN.match(w) for w in words):
             env.update(w.split("=", 1) for w in words)
         elif words:
@@ -148,8 +148,8 @@ def test_every_page_is_parsed_and_the_readme_keeps_its_two_commands():
             "docs/rehearsal.md", "docs/launching.md", "docs/benchmarks.md",
             "docs/data_and_models.md"} <= pages, pages
     readme = [words for page, words in ALL if page == "README.md"]
-    for command in (["bash", "scripts/setup.sh"], ["python", "train.py"], ["bash", "scripts/test.sh"],
-                    ["python", "-m", "venv", ".venv"]):
+    for command in (["bash", "scripts/setup.sh"], ["python", "train.py"],
+                    ["bash", "scripts/test.sh"], ["python", "-m", "venv", ".venv"]):
         assert command in readme, command
 
 

@@ -14,7 +14,8 @@ from cfg_utils import REPO  # noqa: E402
 
 EXAMPLES = {
     "llama13b_dynamic_cp_h100.sbatch": ["+recipe=llama13b_dynamic_cp", "launcher=slurm_h100"],
-    "llama13b_dynamic_cp_h100_torchrun.sbatch": ["+recipe=llama13b_dynamic_cp", "launcher=slurm_h100",
+    "llama13b_dynamic_cp_h100_torchrun.sbatch": ["+recipe=llama13b_dynamic_cp",
+                                                 "launcher=slurm_h100",
                                                  "launcher.slurm.launch=torchrun"],
     "llama_tiny_cpu.sbatch": ["+recipe=llama_tiny", "launcher=slurm_cpu"],
 }
@@ -22,20 +23,21 @@ EXAMPLES = {
 
 
 def example(name: str) -> str:
-    """The text launchers/NAME holds: `hcp.launch.sbatch.render` for its overrides, paths relative."""
+    """launchers/NAME's text: `hcp.launch.sbatch.render` of its overrides, relative paths."""
     from hcp.config.compose import compose_config
     from hcp.launch.sbatch import render
     from hcp.launch.slurm import check_job
 
     overrides = EXAMPLES[name]
     cfg = compose_config(overrides)
-    check_job(cfg, cfg.launcher.nnodes, cfg.launcher.nproc_per_node, cfg.launcher.slurm.gpus_per_node)
+    lc = cfg.launcher
+    check_job(cfg, lc.nnodes, lc.nproc_per_node, lc.slurm.gpus_per_node)
     script = render(cfg, overrides, "outputs/slurm-$SLURM_JOB_ID", "outputs/slurm-%j.out",
                     name.split(".")[0], python="python")
     script = script.replace(shlex.quote(os.path.join(REPO, "train.py")), "train.py")
     head, rest = script.split("\n", 1)
-    return (f"{head}\n# An example: `sbatch launchers/{name}` from the repository root (the helper\n"
-            "# below writes the same script with absolute paths and submits it)\n" + rest)
+    return (f"{head}\n# An example: `sbatch launchers/{name}` from the repository root (the\n"
+            "# helper below writes the same script with absolute paths and submits it)\n" + rest)
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
@@ -43,7 +45,8 @@ def test_the_example_is_what_the_sbatch_helper_writes_and_bash_parses_it(name):
     path = os.path.join(REPO, "launchers", name)
     with open(path) as f:
         text = f.read()
-    assert text == example(name), f"launchers/{name} drifted: PYTHONPATH=. python tests/test_launchers.py"
+    assert text == example(name), (f"launchers/{name} drifted: "
+                                   "PYTHONPATH=. python tests/test_launchers.py")
     assert subprocess.run(["bash", "-n", path], capture_output=True).returncode == 0
     assert "#SBATCH --requeue" in text and "resume=auto" in text and "train.py " in text
 

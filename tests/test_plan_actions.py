@@ -108,8 +108,8 @@ def test_the_island_plan_is_the_hand_written_graph_1f1b():
     """Vision pp 2 on ranks 0-3 then the LLM's pp 2 on 4-7: a chain of graph stages 0-3, two
     micro-batches; the first stage runs both forwards before its backwards, the last stage
     alternates; `SyncGrads` right before each stage's last backward."""
-    plan = plan_step(random_sizes(np.random.default_rng(2), 8), island_layouts((1, 2, 2), (1, 2, 1, 2)),
-                     "first_fit", 64, EDGES)
+    plan = plan_step(random_sizes(np.random.default_rng(2), 8),
+                     island_layouts((1, 2, 2), (1, 2, 1, 2)), "first_fit", 64, EDGES)
     assert plan.num_micro_batches == 2
     first = [F0, X(("SEND_F", 0, 1)), F1, X(("SEND_F", 1, 1)), X(("RECV_B", 0, 1)), B0,
              X(("RECV_B", 1, 1)), SYNC, B1]

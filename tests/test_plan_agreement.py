@@ -150,4 +150,5 @@ def test_ranks_that_disagree_on_any_field_of_a_route_fail_the_check():
     other = dataclasses.replace(table, dst_row=_swapped(table.dst_row))
     moved = dataclasses.replace(plan, tables={**plan.tables, edge: other}).checksum()
     messages = run_ranks(_agree, 2, [plan.checksum(), moved], 4, timeout=60)
-    assert all(m and m.startswith("step 4: the ranks computed different step plans") for m in messages)
+    assert all(m and m.startswith("step 4: the ranks computed different step plans")
+               for m in messages)

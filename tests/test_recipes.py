@@ -24,7 +24,8 @@ def test_a_recipe_keeps_its_defaults_list_its_global_package_and_yields_to_the_c
 def test_a_recipe_registers_in_the_package_its_header_names_else_hydras_group_default(tmp_path):
     from hydra.core.config_store import ConfigStore
 
-    (tmp_path / "hcp_test_global.yaml").write_text("# @package _global_\ntrainer:\n  max_steps: 7\n")
+    (tmp_path / "hcp_test_global.yaml").write_text(
+        "# @package _global_\ntrainer:\n  max_steps: 7\n")
     (tmp_path / "hcp_test_plain.yaml").write_text("max_steps: 7\n")
     register_recipes(str(tmp_path))
     node = ConfigStore.instance().load("recipe/hcp_test_global.yaml")

@@ -27,7 +27,7 @@ def _save_then_draw(rank, world, container, run_dir):
 
     tr = Trainer(OmegaConf.create(container), run_dir)
     try:
-        torch.rand(13), random.random()  # the run's own random work before the save moves the streams
+        torch.rand(13), random.random()  # the run's random work before the save moves the streams
         tr.train_step()
         tr.save()
         return _draws()
@@ -52,7 +52,8 @@ def test_a_resumed_run_draws_what_the_saved_run_drew_after_its_save(tmp_path):
     ckpt = f"checkpoint.dir={tmp_path / 'ckpt'}"
     saved, = run_ranks(_save_then_draw, 1, compose_container([*RUN, ckpt], tmp_path / "a"),
                        str(tmp_path / "a"), timeout=220)
-    resumed, = run_ranks(_resume_then_draw, 1, compose_container([*RUN, ckpt, "resume=auto"], tmp_path / "b"),
-                         str(tmp_path / "b"), timeout=220)
-    assert torch.equal(resumed["mask"], saved["mask"]) and torch.equal(resumed["torch"], saved["torch"])
+    container = compose_container([*RUN, ckpt, "resume=auto"], tmp_path / "b")
+    resumed, = run_ranks(_resume_then_draw, 1, container, str(tmp_path / "b"), timeout=220)
+    assert torch.equal(resumed["mask"], saved["mask"])
+    assert torch.equal(resumed["torch"], saved["torch"])
     assert resumed["python"] == saved["python"]
