@@ -152,3 +152,15 @@ def test_ranks_that_disagree_on_any_field_of_a_route_fail_the_check():
     messages = run_ranks(_agree, 2, [plan.checksum(), moved], 4, timeout=60)
     assert all(m and m.startswith("step 4: the ranks computed different step plans")
                for m in messages)
+
+
+def test_the_checksum_range_is_checked_at_both_ends():
+    """[0, 2**63): both ends pass the check, one past either end is refused before any
+    collective (mutants of the range survived every other test)."""
+    from hcp.train.plan_check import check_plans_agree
+
+    for outside in (-1, 2**63):
+        with pytest.raises(ValueError, match="outside"):
+            check_plans_agree(outside, 1, "cpu")
+    assert run_ranks(_agree, 2, [0, 0], 1, timeout=60) == [None, None]
+    assert run_ranks(_agree, 2, [2**63 - 1] * 2, 1, timeout=60) == [None, None]
