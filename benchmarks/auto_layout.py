@@ -56,9 +56,9 @@ variant: more, smaller micro-batches tell per-call costs from per-module ones; a
 batch (longer micro-batches, the same model and lengths) prices the ranks' long stretches of
 compute without a collective (`hcp.preflight.auto_host.Host.stacked_cores`)."""
 ROUNDS = {"table": 4, "calibrate": 2}
-"""`--rounds` unless given: the README's table was measured in 4 rounds; `cpu_profile.yaml` was
-fitted (`--calibrate`) on 2, which `--calibrate --reuse` reads back (rounds 0 and 1) to
-reproduce that fit."""
+"""`--rounds` unless given: the table in docs/planning.md was measured in 4 rounds;
+`cpu_profile.yaml` was fitted (`--calibrate`) on 2, which `--calibrate --reuse` reads back
+(rounds 0 and 1) to reproduce that fit."""
 
 
 def _rank(payload) -> None:

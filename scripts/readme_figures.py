@@ -1,17 +1,19 @@
-"""Regenerate the README's command-derived figures, or check that they are current.
+"""Regenerate the command-derived figures of README.md and docs/*.md, or check them.
 
-    python scripts/readme_figures.py           # rewrite the blocks in README.md
+    python scripts/readme_figures.py           # rewrite the blocks in the pages that hold them
     python scripts/readme_figures.py --check   # exit 1 and show the difference if they drifted
 
-Each block sits between `<!-- figures: NAME -->` and `<!-- /figures -->` in README.md and holds
-the command (a bash fence) and what it prints (a plain fence). The commands live here (`BLOCKS`),
-so the README shows exactly what was run; each runs in plan mode (one process, no training), in
-a temporary folder. tests/test_readme_figures.py runs `--check`'s comparison.
+Each block sits between `<!-- figures: NAME -->` and `<!-- /figures -->` in exactly one page
+(README.md or a page of docs/) and holds the command (a bash fence) and what it prints (a plain
+fence). The commands live here (`BLOCKS`), so the page shows exactly what was run; each runs
+in plan mode (one process, no training), in a temporary folder. tests/test_readme_figures.py
+runs `--check`'s comparison.
 """
 from __future__ import annotations
 
 import argparse
 import difflib
+import glob
 import os
 import re
 import shlex
@@ -21,6 +23,11 @@ import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
+
+
+def pages() -> list[str]:
+    """README.md and every page of docs/: where figure blocks may sit."""
+    return [README, *sorted(glob.glob(os.path.join(REPO, "docs", "*.md")))]
 
 
 def plan_sweep(args: list[str]) -> str:
@@ -53,15 +60,36 @@ def _pattern(name: str) -> re.Pattern:
     return re.compile(rf"(<!-- figures: {name} -->\n)(.*?)(<!-- /figures -->)", re.S)
 
 
+def locate() -> dict[str, str]:
+    """Block name -> the page that holds it.
+
+    Raises:
+        ValueError: a block of `BLOCKS` sits in no page, or in more than one.
+    """
+    where: dict[str, list[str]] = {name: [] for name in BLOCKS}
+    for path in pages():
+        with open(path) as f:
+            text = f.read()
+        for name in BLOCKS:
+            if _pattern(name).search(text):
+                where[name].append(path)
+    for name, paths in where.items():
+        if len(paths) != 1:
+            raise ValueError(f"figure block {name} must sit in exactly one page of README.md and "
+                             f"docs/, found in {len(paths)}: {paths}")
+    return {name: paths[0] for name, paths in where.items()}
+
+
 def regenerate(text: str, names=None) -> str:
-    """`text` (the README) with every block in `names` (default: all) rendered anew.
+    """`text` (a page) with every block in `names` (default: all) rendered anew.
 
     Raises:
         ValueError: a block's markers are missing from `text`.
     """
     for name in names or BLOCKS:
         if not _pattern(name).search(text):
-            raise ValueError(f"README.md has no `<!-- figures: {name} -->` ... `<!-- /figures -->` block")
+            raise ValueError(f"the page has no `<!-- figures: {name} -->` ... `<!-- /figures -->` "
+                             "block")
         block = render(name)
         text = _pattern(name).sub(lambda m: m.group(1) + block + m.group(3), text)
     return text
@@ -69,19 +97,28 @@ def regenerate(text: str, names=None) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="compare only; exit 1 when README.md drifted")
+    parser.add_argument("--check", action="store_true",
+                        help="compare only; exit 1 when a page drifted")
     args = parser.parse_args(argv)
-    with open(README) as f:
-        old = f.read()
-    new = regenerate(old)
-    if args.check:
-        diff = list(difflib.unified_diff(old.splitlines(), new.splitlines(), "README.md", "regenerated", lineterm=""))
-        print("\n".join(diff) or "README.md figures are current")
-        return 1 if diff else 0
-    with open(README, "w") as f:
-        f.write(new)
-    print("README.md figures regenerated" if new != old else "README.md figures are current")
-    return 0
+    by_page: dict[str, list[str]] = {}
+    for name, path in locate().items():
+        by_page.setdefault(path, []).append(name)
+    drifted = 0
+    for path, names in by_page.items():
+        rel = os.path.relpath(path, REPO)
+        with open(path) as f:
+            old = f.read()
+        new = regenerate(old, names)
+        if args.check:
+            diff = list(difflib.unified_diff(old.splitlines(), new.splitlines(), rel, "regenerated",
+                                             lineterm=""))
+            print("\n".join(diff) or f"{rel} figures are current")
+            drifted += bool(diff)
+            continue
+        with open(path, "w") as f:
+            f.write(new)
+        print(f"{rel} figures regenerated" if new != old else f"{rel} figures are current")
+    return 1 if drifted else 0
 
 
 if __name__ == "__main__":

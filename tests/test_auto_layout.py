@@ -389,8 +389,8 @@ def test_a_rehearsal_report_with_a_raised_rank_or_without_layout_auto_is_refused
 
 
 def test_the_benchmark_defaults_to_the_readme_tables_rounds_and_calibrates_on_the_fits_own(monkeypatch):
-    # benchmarks/auto_layout.py: the README's table is --rounds 4; --calibrate --reuse reads back
-    # the 2 rounds cpu_profile.yaml was fitted on (more would train the missing rounds anew)
+    # benchmarks/auto_layout.py: docs/planning.md's table is --rounds 4; --calibrate --reuse reads
+    # back the 2 rounds cpu_profile.yaml was fitted on (more would train the missing rounds anew)
     import importlib.util
 
     path = os.path.join(REPO, "benchmarks", "auto_layout.py")
@@ -409,6 +409,8 @@ def test_the_benchmark_defaults_to_the_readme_tables_rounds_and_calibrates_on_th
         with pytest.raises(KeyboardInterrupt):
             bench.main(argv)
     assert rounds == [4, 2, 3]
-    readme = open(os.path.join(REPO, "README.md")).read()
-    assert "The table is the default 4 rounds (`--rounds 4`" in readme and "x 4 rounds on 8 CPU ranks" in readme
+    planning = open(os.path.join(REPO, "docs", "planning.md")).read()
+    benchmarks = open(os.path.join(REPO, "docs", "benchmarks.md")).read()
+    assert "The table is the default 4 rounds (`--rounds 4`" in planning
+    assert "x 4 rounds on 8 CPU ranks" in benchmarks
     assert "(2 rounds of 2 warm-up" in open(os.path.join(REPO, "benchmarks", "cpu_profile.yaml")).read()

@@ -51,9 +51,9 @@ def test_group_choices_and_hydra_keys_are_not_schema_keys():
 @pytest.mark.parametrize("override, message", [
     ("trainer.max_steps=abc", "trainer.max_steps='abc': expects an integer"),
     ("optim.lr=fast", "optim.lr='fast': expects a number"),
-    ("+recipe=llava_tin", "recipe='llava_tin': no such recipe (conf/recipe/llava_tin.yaml). "
+    ("+recipe=llava_tin", "recipe='llava_tin': no such recipe (recipes/llava_tin.yaml). "
                           "Fix: did you mean `+recipe=llava_tiny`?"),  # with the `+` it needs
-    ("+recipe=llava_hetro", "recipe='llava_hetro': no such recipe (conf/recipe/llava_hetro.yaml). "
+    ("+recipe=llava_hetro", "recipe='llava_hetro': no such recipe (recipes/llava_hetro.yaml). "
                             "Fix: did you mean `+recipe=llava_hetero`?"),
     ("data=digits", "data='digits': no such data (conf/data/digits.yaml). Fix: did you mean "
                     "`data=digits_vqa`?"),

@@ -1,20 +1,18 @@
 """NCCL-safe group creation (hcp.parallel.groups), pure: no process starts. For every recipe of
-conf/recipe at its full size, under both placements where it has an encoder, each rank's calls
+recipes/ at its full size, under both placements where it has an encoder, each rank's calls
 to `torch.distributed.new_group` are recorded (monkeypatched, with the rank): with NCCL's
 `ncclCommSplit` every rank of the world must create the same groups in the same order, so the
 world-wide calls must be identical on every rank, and the only rank-local call allowed is the
 rank's own stand-in group of one rank (no communicator)."""
-from pathlib import Path
-
 import pytest
 import torch.distributed as dist
 
 from cfg_utils import compose_cfg
-from hcp.config.compose import CONF_DIR
 from hcp.config.layouts import check_layouts, world_size_of
+from hcp.config.recipes import recipe_names
 from hcp.parallel.groups import SELF_BACKEND, ProcessGroupRegistry
 
-RECIPES = sorted(p.stem for p in Path(CONF_DIR, "recipe").glob("*.yaml"))
+RECIPES = recipe_names()
 NON_COLOCATED = {  # each recipe's placement=non_colocated overrides (its header's); None: no encoder
     "internvit6b_llama70b": ["vision.layout.num_ranks=32", "vision.layout.recompute=none"],
     "internvl_tiles_cp": ["vision.layout.num_ranks=64"],

@@ -1,5 +1,6 @@
 """`pip install .` (not editable) into a fresh virtual environment, then the `hcp-train` console
-command from another directory runs the main job with the configs shipped in the package."""
+command from another directory runs the main job with the configs shipped in the package, and
+finds the recipes shipped in it (`+recipe=NAME`)."""
 import json
 import os
 import site
@@ -39,6 +40,11 @@ def test_hcp_train_runs_the_main_job_from_an_installed_package(installed, tmp_pa
     where = subprocess.run([str(bin_dir / "python"), "-c", "import hcp.config.compose as c; print(c.CONF_DIR)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout.strip()
     assert where.startswith(str(root / "venv")) and where.endswith(os.path.join("hcp", "conf"))
+    code = ("import hcp.config.recipes as r; from hcp.config.compose import compose_config as c; "
+            "print(r.RECIPES_DIR); print(c(['+recipe=llava_hetero']).launcher.slurm.gpus_per_node)")
+    recipe = subprocess.run([str(bin_dir / "python"), "-c", code], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, check=True).stdout.split()
+    assert recipe == [os.path.join(os.path.dirname(where), "recipes"), "8"]  # hcp/recipes
     run_dir = tmp_path / "run"
     proc = subprocess.run([str(bin_dir / "hcp-train"), "trainer.max_steps=2", "trainer.eval_every=0",
                            "trainer.eval_samples=8", "launcher.nproc_per_node=2", "logger=none",

@@ -121,3 +121,46 @@ def test_the_checksum_has_64_bits_and_covers_the_lengths():
     a, b = (plan_step(s, {"llm": lays["llm"]}, "first_fit", 64) for s in (sizes, longer))
     assert [g.seq_indices for g in a.groups] == [g.seq_indices for g in b.groups]  # same packing
     assert a.checksum() != b.checksum()  # yet another cu_seqlens on one rank
+
+
+def _swapped(values: np.ndarray) -> np.ndarray:
+    """`values` with its first two entries (rows, for a 2-d array) of different value swapped."""
+    out = np.array(values, copy=True)
+    first = out[0]
+    other = next(i for i in range(1, len(out)) if not np.array_equal(out[i], first))
+    out[[0, other]] = out[[other, 0]]
+    return out
+
+
+def test_ranks_that_disagree_on_any_field_of_a_route_fail_the_check():
+    """Two ranks whose plans differ only in one routing table's field (a row delivered to
+    another destination row, from another source row, ...) hold other checksums, and the check
+    stops both (each field is fed to the digest: `StepPlan.checksum`)."""
+    from hcp.plan.step import plan_step
+    from test_step_plan import EDGES, layouts, random_sizes
+
+    plan = plan_step(random_sizes(np.random.default_rng(5), 8), layouts(1, 8, 2, 2, 2), "first_fit",
+                     64, EDGES)
+    (edge, table), = plan.tables.items()
+    assert len(table.src) > 2
+    for field in ("src", "src_row", "shard", "dst_row", "shard_ranks"):
+        other = dataclasses.replace(table, **{field: _swapped(getattr(table, field))})
+        moved = dataclasses.replace(plan, tables={**plan.tables, edge: other})
+        assert moved.checksum() != plan.checksum(), f"the checksum ignores RowTable.{field}"
+    other = dataclasses.replace(table, dst_row=_swapped(table.dst_row))
+    moved = dataclasses.replace(plan, tables={**plan.tables, edge: other}).checksum()
+    messages = run_ranks(_agree, 2, [plan.checksum(), moved], 4, timeout=60)
+    assert all(m and m.startswith("step 4: the ranks computed different step plans")
+               for m in messages)
+
+
+def test_the_checksum_range_is_checked_at_both_ends():
+    """[0, 2**63): both ends pass the check, one past either end is refused before any
+    collective (mutants of the range survived every other test)."""
+    from hcp.train.plan_check import check_plans_agree
+
+    for outside in (-1, 2**63):
+        with pytest.raises(ValueError, match="outside"):
+            check_plans_agree(outside, 1, "cpu")
+    assert run_ranks(_agree, 2, [0, 0], 1, timeout=60) == [None, None]
+    assert run_ranks(_agree, 2, [2**63 - 1] * 2, 1, timeout=60) == [None, None]

@@ -1,4 +1,5 @@
-"""The README's dynamic-CP example shows what it says: its steps' plans use several CP sizes."""
+"""The dynamic-CP example of docs/dynamic_cp.md shows what it says: its steps' plans use several CP
+sizes."""
 import re
 
 from cfg_utils import REPO
@@ -16,7 +17,7 @@ from hcp.train.planner import StepPlanner
 
 def readme_example() -> list[str]:
     """The overrides of the command after the `<!-- dynamic-cp-example -->` marker."""
-    text = open(f"{REPO}/README.md").read()
+    text = open(f"{REPO}/docs/dynamic_cp.md").read()
     block = re.search(r"<!-- dynamic-cp-example -->\s*```bash\n(.*?)```", text, re.S).group(1)
     words = block.replace("\\\n", " ").split()
     assert words[:2] == ["python", "train.py"], words

@@ -61,8 +61,8 @@ def test_internvit6b_llama70b_rehearses(monkeypatch, tmp_path, capsys):
     """160 ranks colocated: every rank runs the FSDP-sharded encoder side (dp 160) and one LLM
     stage (TP 8 x PP 4 x DP 5, stage s on ranks 40s..40s+39): rank 0 is stage 0, rank 120 the
     last (stages 1 and 2 and the other lanes are not rehearsed; the whole world passes
-    by class, 40 classes, in ~65 min of CPU: README); GBS 160, one image per encoder rank (65 s of CPU for rank 0 on a
-    quiet machine). Every collective, send and group creation
+    by class, 40 classes, in ~65 min of CPU: docs/rehearsal.md); GBS 160, one image per encoder
+    rank (65 s of CPU for rank 0 on a quiet machine). Every collective, send and group creation
     agrees and every rank fits the device (with the LLM's full recompute both ranks track 51 GiB
     of 80, set in phase 3, where the encoder side is recomputed under the LLM's state), and plan
     mode's estimate is within 20% of the tracked peak on each role."""

@@ -106,3 +106,12 @@ def test_bad_stage_or_count_is_rejected():
         one_f_one_b(2, 2, 1)
     with pytest.raises(ValueError, match=">= 0"):
         forward_only(0, 2, -1)
+
+
+def test_a_negative_warmup_or_count_alone_is_rejected_by_the_graph_stages_1f1b():
+    from hcp.schedule.actions import one_f_one_b_peers
+
+    with pytest.raises(ValueError, match="must be >= 0"):
+        one_f_one_b_peers([], [1], -1, 2)  # warmup alone (a found mutant: `or` -> `and`)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        one_f_one_b_peers([], [1], 1, -2)

@@ -16,8 +16,11 @@ CONF_DIR = next((d for d in (os.path.join(_PACKAGE, "conf"),  # an installed whe
 
 
 def config_groups(conf_dir: str = CONF_DIR) -> set[str]:
-    """Names of the config groups (`data`, `recipe`, ...): the sub-folders of `conf_dir`."""
-    return {d for d in os.listdir(conf_dir) if os.path.isdir(os.path.join(conf_dir, d))}
+    """Names of the config groups (`data`, `model`, ...): the sub-folders of `conf_dir`, and
+    `recipe` (`recipes/`, `hcp.config.recipes`)."""
+    from hcp.config.recipes import GROUP
+
+    return {d for d in os.listdir(conf_dir) if os.path.isdir(os.path.join(conf_dir, d))} | {GROUP}
 
 
 def compose_config(overrides=(), run_dir: str = "/tmp/hcp-run", resolve: bool = True) -> DictConfig:

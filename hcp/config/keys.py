@@ -217,22 +217,27 @@ def _check_value(raw: str, key: str, value: str) -> None:
 
 
 def _check_group_choice(group: str, value: str, conf_dir: str, prefix: str = "") -> None:
-    """Raise ConfigError when `group=value` names no `conf/<group>/<value>.yaml`; the suggestion
-    keeps the override's `prefix` (`+recipe=...` needs its `+`)."""
+    """Raise ConfigError when `group=value` names no `conf/<group>/<value>.yaml` (a recipe: no
+    `recipes/<value>.yaml`); the suggestion keeps the override's `prefix` (`+recipe=...` needs
+    its `+`)."""
+    from hcp.config.recipes import GROUP, RECIPES_DIR
+
     if not value or value == "null" or any(c in value for c in _SWEEP):
         return
-    options = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, group)) if f.endswith(".yaml"))
+    folder, where = ((RECIPES_DIR, "recipes") if group == GROUP else
+                     (os.path.join(conf_dir, group), f"conf/{group}"))
+    options = sorted(f[:-5] for f in os.listdir(folder) if f.endswith(".yaml"))
     if value not in options:
         close = difflib.get_close_matches(value, options, n=1, cutoff=0.5)
         hint = f"did you mean `{prefix}{group}={close[0]}`? " if close else ""
-        raise ConfigError(group, value, f"no such {group} (conf/{group}/{value}.yaml)",
+        raise ConfigError(group, value, f"no such {group} ({where}/{value}.yaml)",
                           f"{hint}use one of {', '.join(options)}")
 
 
 def check_overrides(overrides: list[str], config_groups: set[str], conf_dir: str | None = None) -> None:
     """Check command-line overrides (`a.b=1`, `+a.b=1`, `++a.b=1`, `~a.b`) against the schema
     before Hydra composes: keys, value types, and (given `conf_dir`) group choices
-    (`+recipe=llava_tiny` must name `conf/recipe/llava_tiny.yaml`). Sweeps (`a=1,2`),
+    (`+recipe=llava_tiny` must name `recipes/llava_tiny.yaml`). Sweeps (`a=1,2`),
     interpolations and Hydra's own keys (`hydra.*`, `hydra/...`) are left to Hydra.
 
     Raises:

@@ -266,7 +266,7 @@ class LoggerConfig:
 @dataclass
 class SlurmConfig:
     """SLURM job settings for `python -m hcp.launch.sbatch` and `hydra/launcher=submitit_slurm`
-    (launchers/README.md). Nodes and tasks per node are `launcher.nnodes` / `nproc_per_node`."""
+    (docs/launching.md). Nodes and tasks per node are `launcher.nnodes` / `nproc_per_node`."""
 
     partition: Optional[str] = None
     account: Optional[str] = None
@@ -414,7 +414,11 @@ MODULES = ("vision", "projector", "llm")
 
 
 def register() -> None:
-    """Register the schema with Hydra's ConfigStore as `base_config`."""
+    """Register the schema with Hydra's ConfigStore as `base_config`, and the recipes of
+    `recipes/` as the group `recipe` (`hcp.config.recipes`)."""
     from hydra.core.config_store import ConfigStore
 
+    from hcp.config.recipes import register_recipes
+
     ConfigStore.instance().store(name="base_config", node=HCPConfig)
+    register_recipes()

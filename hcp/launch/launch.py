@@ -153,7 +153,7 @@ def cluster_fix(cfg, overrides) -> str:
             f"submit it with the sbatch helper `{sbatch}` (`--dry-run` prints the script), or inside "
             f"an allocation start one process per rank (per GPU), {per_node} per node: "
             f"`srun --nodes {lc.nnodes} --ntasks-per-node {per_node} {_command(overrides)}` "
-            "(launchers/README.md)")
+            "(docs/launching.md)")
 
 
 def local_world_size(cfg, joined: Optional[dict], overrides=()) -> int:
