@@ -133,7 +133,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         if warning:
             print(f"hcp: warning: {warning}", file=sys.stderr, flush=True)
         start_local_ranks(_rank_entry, world, (container, run_dir), start_method,
-                          cfg.launcher.slurm.signal)
+                          cfg.launcher.slurm.signal, cfg.launcher.slurm.signal_lead_s)
     if first:
         print(f"hcp: run finished; outputs in {run_dir}", flush=True)
     return None
@@ -159,7 +159,7 @@ def _task(cfg: DictConfig):
     from hydra.types import RunMode
 
     from hcp.data.llava import DataError
-    from hcp.launch.supervise import RankDied
+    from hcp.launch.supervise import RankDied, RankRaised
 
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
@@ -180,9 +180,12 @@ def _task(cfg: DictConfig):
             return None
         discard_run_dir(run_dir)
         sys.exit(2)
-    except (KeyboardInterrupt, RankDied) as e:  # Ctrl-C, a signal or a dead rank (hcp.launch.supervise)
-        died, signum = isinstance(e, RankDied), getattr(e, "signum", signal.SIGINT)
+    except (KeyboardInterrupt, RankDied, RankRaised) as e:  # Ctrl-C, a signal, a failed rank
+        died, signum = isinstance(e, (RankDied, RankRaised)), getattr(e, "signum", signal.SIGINT)
         what = str(e) if died else f"interrupted by {signal.Signals(signum).name}"
+        if isinstance(e, RankRaised):  # its first line, then its traceback (hcp.launch.supervise)
+            print(f"hcp: {e}\n{e.traceback.rstrip()}", file=sys.stderr, flush=True)
+            what = "the other ranks were stopped"
         if cfg.mode == "train":  # looked up once every rank has stopped: what is on disk
             what += "; " + resume_hint(cfg.checkpoint.dir, overrides)
         print(f"hcp: {what}", file=sys.stderr, flush=True)

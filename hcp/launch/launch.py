@@ -19,7 +19,8 @@ import sys
 from typing import Callable, Mapping, Optional
 
 from hcp.config.errors import ConfigError
-from hcp.launch.supervise import join_board, join_ranks, run_in_process, step_board
+from hcp.launch.supervise import (KILL_GRACE_S, default_sigint, join_board, join_ranks,
+                                  run_in_process, step_board)
 
 
 def launched_rank_env(env: Mapping[str, str]) -> Optional[dict]:
@@ -205,24 +206,28 @@ def free_port() -> int:
 def _rank_main(local_rank: int, fn: Callable, nproc: int, port: int, payload, board=None) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    default_sigint()
     if board is not None:
         join_board(board, local_rank)
     fn(payload)
 
 
 def start_local_ranks(fn: Callable, nproc: int, payload, start_method: str = "fork",
-                      save_signal: str = "USR2") -> None:
+                      save_signal: str = "USR2", save_grace_s: float = KILL_GRACE_S) -> None:
     """Run `fn(payload)` in `nproc` local processes with torch's multiprocessing, each with the
     torchrun environment variables set, and watch them (`hcp.launch.supervise`): SIGINT to this
     process reaches every rank as SIGINT (stop now), SIGTERM as `SIG<save_signal>` (the
     preemption signal, `launcher.slurm.signal`: save at the next step boundary, then stop).
     `start_method` comes from `local_start_method` (spawn: `fn` and `payload` must pickle).
-    One rank runs in this process, with the same signal semantics (`run_in_process`).
-    A failing rank's traceback is re-raised here and the other ranks are terminated (never a hang).
+    Ranks still alive `save_grace_s` seconds after the save signal (`KILL_GRACE_S` after SIGINT)
+    get SIGTERM, then SIGKILL. One rank runs in this process, with the same signal semantics
+    (`run_in_process`). A failing rank is reported here and the other ranks are terminated
+    (never a hang).
 
     Raises:
         Interrupted: after a forwarded signal, once every rank has stopped.
         RankDied: a rank ended without a Python exception (killed), named with its step.
+        RankRaised: a rank raised: the first that did, with its traceback.
     """
     import torch.multiprocessing as mp
 
@@ -234,4 +239,5 @@ def start_local_ranks(fn: Callable, nproc: int, payload, start_method: str = "fo
     context = mp.start_processes(_rank_main, args=(fn, nproc, port, payload, board), nprocs=nproc,
                                  start_method=start_method, join=False)
     join_ranks(context, board, {signal.SIGINT: signal.SIGINT,
-                                signal.SIGTERM: getattr(signal, "SIG" + save_signal)})
+                                signal.SIGTERM: getattr(signal, "SIG" + save_signal)},
+               {signal.SIGTERM: save_grace_s})
