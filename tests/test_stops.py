@@ -307,3 +307,27 @@ def test_a_forwarded_sigint_stops_ranks_that_inherited_or_chose_to_ignore_it(tmp
     out, err = _finish(proc)
     assert err.strip().splitlines()[-1] == "interrupted SIGINT", err[-3000:]
     assert ("still running after SIGINT: sent SIGTERM" in err) == (how == "deaf"), err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sent", ["SIGTERM", "SIGUSR2"])
+def test_a_plain_kill_of_torchrun_saves_and_stops_its_workers(tmp_path, sent):
+    """torchrun forwards the signals of `--signals-to-handle` (SIGTERM by default; SIGUSR2 when
+    listed) to its workers: they save at the next step boundary, then stop, before torchrun's
+    `--shutdown-timeout` (30 s) runs out; no worker trains on."""
+    handle = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"] if sent == "SIGUSR2" else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", *handle,
+           os.path.join(REPO, "train.py"), *FAST, "trainer.max_steps=400"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not list(tmp_path.glob("outputs/*/checkpoints/step_00000002")):
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    os.kill(proc.pid, getattr(signal, sent))
+    out, err = _finish(proc)
+    assert _all_gone(proc), err[-3000:]
+    m = re.search(rf"hcp: {sent} at step (\d+): checkpoint saved in (\S+); ", err)
+    assert m, err[-3000:]
+    assert os.path.isdir(os.path.join(m[2], f"step_{int(m[1]):08d}"))
