@@ -210,6 +210,28 @@ def command_line_overrides(argv: list[str]) -> list[str]:
     return [a for a in argv if "=" in a and not a.startswith("-")]
 
 
+def check_run_dir(argv: list[str]) -> None:
+    """The directory Hydra will create for this run (`hydra.run.dir`, or `hydra.sweep.dir` under
+    `-m`) when the command line names one without interpolations: created here, so a path that
+    cannot be created or written is one line before Hydra starts (not Hydra's traceback).
+
+    Raises:
+        ConfigError: naming the key, the path and why.
+    """
+    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
+    for override in command_line_overrides(argv):
+        name, _, value = override.partition("=")
+        if name.lstrip("+") != key or "${" in value:
+            continue
+        try:
+            os.makedirs(value, exist_ok=True)
+            if not os.access(value, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not writable")
+        except OSError as e:
+            raise ConfigError(key, value, f"cannot be created or written ({e.strerror or e})",
+                              f"name a directory you can write, e.g. {key}=outputs/my_run") from None
+
+
 def main() -> None:
     """`python train.py ...` and the `hcp-train` console command: the same Hydra app, its configs
     found from the package (`hcp.config.compose.CONF_DIR`) wherever it runs from."""
@@ -223,6 +245,7 @@ def main() -> None:
     try:
         check_overrides(command_line_overrides(sys.argv[1:]), config_groups(), CONF_DIR)
         check_module_names(command_line_overrides(sys.argv[1:]))
+        check_run_dir(sys.argv[1:])
     except ConfigError as e:
         if _is_first(launched_rank_env(os.environ)):
             print(f"hcp: error: {e}", file=sys.stderr)

@@ -38,6 +38,15 @@ def test_a_wrong_type_is_one_line_with_exit_2_not_hydras_merge_error(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_run_directory_that_cannot_be_created_is_one_line_not_a_traceback(tmp_path):
+    (tmp_path / "file").write_text("")  # a path through a file cannot become a directory
+    proc = _train([f"hydra.run.dir={tmp_path}/file/run", "trainer.max_steps=1"], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"hcp: error: hydra.run.dir='{tmp_path}/file/run': cannot be created or written (Not a "
+        "directory). Fix: name a directory you can write, e.g. hydra.run.dir=outputs/my_run"]
+
+
 @pytest.mark.slow
 def test_torchrun_world_size_mismatch_is_one_line_and_leaves_no_run_directory(tmp_path):
     torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
