@@ -23,7 +23,7 @@ from hcp.config.errors import ConfigError
 from hcp.config.layouts import world_size_of
 from hcp.launch.launch import (export_rank_env, launched_rank_env, local_start_method,
                               local_world_size, oversubscribed, resolve_nproc, resume_command,
-                              start_local_ranks)
+                              slow_precision, start_local_ranks)
 from hcp.launch.slurm import check_slurm
 from hcp.train.export import start_export
 from hcp.preflight.sweep_table import ERROR_FILE
@@ -122,6 +122,9 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         if first:
             print(line)
     if first:
+        warning = slow_precision(cfg.precision, cfg.launcher)
+        if warning:
+            print(f"hcp: warning: {warning}", file=sys.stderr, flush=True)
         print(f"hcp: run directory {run_dir}", flush=True)
         with open(os.path.join(run_dir, "config_resolved.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(container))

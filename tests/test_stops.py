@@ -145,6 +145,19 @@ def test_more_cpu_ranks_than_cores_warn_once_and_gpu_ranks_never():
     assert oversubscribed(16, types.SimpleNamespace(backend="nccl", nproc_per_node=16), cores=2) is None
 
 
+def test_the_default_run_on_two_cores_is_quiet_and_bf16_on_cpu_is_said():
+    """The default (`nproc_per_node=auto`: 4 CPU ranks, what the default layouts need) on 2 cores
+    warns of nothing; bf16 on CPU ranks, several times slower per step, is said; GPU ranks
+    neither."""
+    from hcp.launch.launch import oversubscribed, slow_precision
+
+    default = types.SimpleNamespace(backend="auto", nproc_per_node="auto")
+    assert oversubscribed(4, default, cores=2) is None
+    assert "several times slower than with precision=fp32" in slow_precision("bf16", default)
+    assert slow_precision("fp32", default) is None
+    assert slow_precision("bf16", types.SimpleNamespace(backend="nccl", nproc_per_node=8)) is None
+
+
 FAST = ["+recipe=llama_tiny", "launcher.nproc_per_node=2", "logger=none", "trainer.global_batch_size=4",
         "trainer.eval_every=0", "trainer.eval_samples=4", "trainer.progress_bar=false", "trainer.save_every=2"]
 

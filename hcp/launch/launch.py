@@ -128,12 +128,17 @@ def resume_command(overrides, checkpoint_dir: str) -> str:
     return _command(overrides, "resume=auto", f"checkpoint.dir={os.path.abspath(checkpoint_dir)}")
 
 
+def _on_cpu(launcher_cfg) -> bool:
+    backend = launcher_cfg.backend
+    return not (backend == "nccl" or (backend == "auto" and cuda_device_count() > 0))
+
+
 def oversubscribed(world: int, launcher_cfg, cores: Optional[int] = None) -> Optional[str]:
     """A warning when `world` local ranks compute on the CPU (gloo) and outnumber the cores this
     process may run on (`cores`, default its CPU affinity); else None. Not an error: the run is
-    correct, only slower than with fewer ranks."""
-    backend = launcher_cfg.backend
-    if backend == "nccl" or (backend == "auto" and cuda_device_count() > 0):
+    correct, only slower than with fewer ranks. None under `nproc_per_node=auto` (hcp's own
+    choice of 4 CPU ranks, which the default layouts need, on any machine: nothing to fix)."""
+    if not _on_cpu(launcher_cfg) or launcher_cfg.nproc_per_node == "auto":
         return None
     cores = cores or len(os.sched_getaffinity(0))
     if world <= cores:
@@ -141,6 +146,15 @@ def oversubscribed(world: int, launcher_cfg, cores: Optional[int] = None) -> Opt
     return (f"launcher.nproc_per_node={launcher_cfg.nproc_per_node} starts {world} CPU ranks on "
             f"{cores} core{'s' * (cores > 1)}: they take turns on the cores, so each step is slower "
             f"than with at most {cores} rank{'s' * (cores > 1)} (the results are the same)")
+
+
+def slow_precision(precision: str, launcher_cfg) -> Optional[str]:
+    """A warning when CPU ranks train in bf16 (CPUs without native bf16 matrix units emulate
+    it: each step is several times slower than in fp32); else None."""
+    if precision != "bf16" or not _on_cpu(launcher_cfg):
+        return None
+    return ("precision=bf16 on CPU ranks: most CPUs emulate bf16 matrix products, so each step is "
+            "several times slower than with precision=fp32 (the recipes' bf16 is for GPUs)")
 
 
 def cluster_fix(cfg, overrides) -> str:
