@@ -16,6 +16,12 @@ import shutil
 import signal
 import sys
 
+from hcp import torch_problem
+
+if torch_problem():  # before anything imports torch: one line
+    print(f"hcp: error: {torch_problem()}", file=sys.stderr)
+    sys.exit(2)
+
 from omegaconf import DictConfig, OmegaConf
 
 from hcp.config.compose import CONF_DIR, config_groups
