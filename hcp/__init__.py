@@ -29,5 +29,6 @@ def torch_problem() -> str | None:
     parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
     if len(parts) == 2 and parts < TORCH_MIN:
         need = ".".join(map(str, TORCH_MIN))
-        return f"torch {version} is older than {need}, the oldest hcp runs on. {fix.replace('install torch ', f"install 'torch>={need}' ", 1)}"
+        fix = fix.replace("install torch ", "install 'torch>=" + need + "' ", 1)
+        return f"torch {version} is older than {need}, the oldest hcp runs on. {fix}"
     return None
