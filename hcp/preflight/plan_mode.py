@@ -9,7 +9,9 @@ island ranks, parameter count (from the model built on the meta device, as 1.2M 
 the groups the registry would create (and how it runs CP: encoder CP, dynamic CP's pool and
 sizes, `cp_notes`, also written on the picture's rows); a rank map compressed into runs of ranks with the same
 role; the per-rank memory estimate of `hcp.preflight.memory` against `cluster.device_memory_gib`;
-the estimated step time, TFLOPS/GPU and bubble (`hcp.preflight.estimate`); and warnings for TP (and
+the estimated step time, TFLOPS/GPU and bubble, priced as `layout=auto` prices a layout
+(`hcp.preflight.auto_cost.price_step`: the run's own first global batch, the encoders, the
+islands, `packing_profile`; one set of figures for one layout); and warnings for TP (and
 dynamic-CP) groups that cross a node boundary. It writes `plan.json` and `plan.png` to
 `out_dir`, then raises ConfigError naming the knob to turn when a rank does not fit. A `-m`
 sweep of plans ends with one comparison table (`hcp.preflight.plan_table`).
