@@ -249,7 +249,9 @@ class SlurmConfig:
     """Signal SLURM sends `signal_lead_s` before the time limit (`--signal=USR2@N`): save and
     requeue. Only `USR2`: SIGTERM (scancel) means save and stop, never requeue."""
     signal_lead_s: int = 120
-    """Seconds before the time limit that the signal comes: must cover a step plus a checkpoint."""
+    """Seconds before the time limit that the signal comes: must cover a step plus a checkpoint
+    (also how long `python train.py`'s launcher lets ranks save after a SIGTERM before it
+    terminates them, `hcp.launch.supervise`)."""
     max_requeues: int = 3
     """Times a job requeues itself after `signal` (SLURM_RESTART_COUNT), then it stops."""
     requeue_exit_code: int = 85
