@@ -8,8 +8,8 @@ check the command line runs first.
 from __future__ import annotations
 
 TORCH_MIN = (2, 8)
-"""The oldest torch hcp runs on: FSDP2's set_force_sum_reduction_for_comms (tests/test_torch_bound.py);
-the same bound as pyproject.toml's `torch` extra."""
+"""The oldest torch hcp runs on: FSDP2's set_force_sum_reduction_for_comms
+(tests/test_torch_bound.py); the same bound as pyproject.toml's `torch` extra."""
 
 
 def torch_problem() -> str | None:
@@ -21,7 +21,8 @@ def torch_problem() -> str | None:
            "`pip install torch --index-url https://download.pytorch.org/whl/cpu`, or the build "
            "for your CUDA (https://pytorch.org/get-started/locally/)")
     if importlib.util.find_spec("torch") is None:
-        return f"torch is not installed (hcp does not pull it in: pip would pick a multi-GB CUDA build). {fix}"
+        return ("torch is not installed (hcp does not pull it in: pip would pick a multi-GB CUDA "
+                f"build). {fix}")
     try:
         version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:  # a source build without metadata

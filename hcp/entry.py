@@ -238,7 +238,8 @@ def check_run_dir(argv: list[str]) -> None:
                 raise PermissionError(13, "not writable")
         except OSError as e:
             raise ConfigError(key, value, f"cannot be created or written ({e.strerror or e})",
-                              f"name a directory you can write, e.g. {key}=outputs/my_run") from None
+                              f"name a directory you can write, e.g. {key}=outputs/my_run"
+                              ) from None
 
 
 def main() -> None:

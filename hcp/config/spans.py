@@ -132,7 +132,8 @@ def non_colocated_spans(cfg, modules, edges, world_size) -> dict[str, tuple[int,
                               f"the islands of a set size already take {world_size - rest} of {world_size} "
                               f"ranks, leaving none for the {module_key(cfg, open_[0])} island, which needs at least "
                               f"tp * cp * pp = {need}",
-                              f"use {key} in {{values}}, or {more}" if values else more, values or None)
+                              f"use {key} in {{values}}, or {more}" if values else more,
+                              values or None)
         sizes[open_[0]] = rest
     used: dict[int, str] = {}
     offsets = {}

@@ -24,7 +24,8 @@ _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "data.long_docs": ("split", "truncate", "reject"),
     "precision": PRECISIONS,
     "logger.name": ("wandb", "none"),
-    "logger.mode": ("offline", "online", "disabled", "shared", "dryrun", "run"),  # wandb's Settings.mode
+    # wandb's Settings.mode
+    "logger.mode": ("offline", "online", "disabled", "shared", "dryrun", "run"),
     "data.on_error": ("error", "skip"),
     "launcher.backend": ("auto", "nccl", "gloo"),
     "launcher.start_method": ("auto", "fork", "spawn", "forkserver"),

@@ -56,7 +56,8 @@ def read_records(path: str) -> list:
     except json.JSONDecodeError as whole:
         lines = [(n, ln) for n, ln in enumerate(text.splitlines(), 1) if ln.strip()]
         if not lines or not lines[0][1].lstrip().startswith("{"):
-            raise DataError(path, None, "unreadable file", f"neither a JSON list nor JSON Lines ({whole})")
+            raise DataError(path, None, "unreadable file",
+                            f"neither a JSON list nor JSON Lines ({whole})")
         records = []
         for n, line in lines:
             try:
@@ -68,7 +69,8 @@ def read_records(path: str) -> list:
     if isinstance(records, dict):  # a JSON Lines file of one record
         return [records]
     if not isinstance(records, list):
-        raise DataError(path, None, "malformed file", "expected a JSON list of records, or JSON Lines")
+        raise DataError(path, None, "malformed file",
+                        "expected a JSON list of records, or JSON Lines")
     return records
 
 

@@ -100,9 +100,10 @@ class Preemption:
             return 128 + self.received, ("not a SLURM job: to continue, run the same command with "
                                          f"`resume=auto checkpoint.dir={os.path.abspath(checkpoint_dir)}`")
         if self.cancelled:
-            return 128 + self.received, (f"not requeued: SIGTERM means stop (scancel; a preemption "
-                                         f"that SLURM requeues by itself resumes from here); to go on, "
-                                         f"resubmit the same job: it resumes from {checkpoint_dir}")
+            return 128 + self.received, (
+                "not requeued: SIGTERM means stop (scancel; a preemption that SLURM requeues by "
+                f"itself resumes from here); to go on, resubmit the same job: it resumes from "
+                f"{checkpoint_dir}")
         if self._restarts() >= self.cfg.max_requeues:
             return 128 + self.received, (f"not requeued: job {job} has restarted {self._restarts()} "
                                          f"times (launcher.slurm.max_requeues={self.cfg.max_requeues})")

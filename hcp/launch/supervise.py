@@ -123,7 +123,8 @@ def _send(context, signum: int) -> list[int]:
     return sent
 
 
-def join_ranks(context, board, forward: dict[int, int], grace_s: Optional[dict[int, float]] = None) -> None:
+def join_ranks(context, board, forward: dict[int, int],
+               grace_s: Optional[dict[int, float]] = None) -> None:
     """Wait for every rank of `context` (torch's ProcessContext) to end. While waiting, each
     signal in `forward` is sent on to every live rank as `forward[signal]`; ranks still alive
     `grace_s[signal]` seconds later (default `KILL_GRACE_S`) get SIGTERM, and SIGKILL
@@ -144,7 +145,8 @@ def join_ranks(context, board, forward: dict[int, int], grace_s: Optional[dict[i
             board[-1] = signum  # the ranks name the signal the launcher got (`launcher_signal`)
             grace = (grace_s or {}).get(signum, KILL_GRACE_S)
             now = time.monotonic()
-            escalate[:] = [(now + grace, signal.SIGTERM), (now + grace + KILL_GRACE_S, signal.SIGKILL)]
+            escalate[:] = [(now + grace, signal.SIGTERM),
+                           (now + grace + KILL_GRACE_S, signal.SIGKILL)]
         got.append(signum)
         _send(context, forward[signum])
 
@@ -159,7 +161,8 @@ def join_ranks(context, board, forward: dict[int, int], grace_s: Optional[dict[i
                 late = _send(context, signum)
                 if late:
                     print(f"hcp: local rank(s) {', '.join(map(str, late))} still running after "
-                          f"{signal.Signals(got[0]).name}: sent {signum.name}", file=sys.stderr, flush=True)
+                          f"{signal.Signals(got[0]).name}: sent {signum.name}",
+                          file=sys.stderr, flush=True)
     except ProcessException as e:
         if not got:  # after a forwarded signal every rank's end is expected
             raise (_died(context, board, e.error_index) or _raised(context, board, e)) from None

@@ -344,8 +344,8 @@ def priced_on(scorer: "Scorer", cfg, here: bool = False) -> str:
     this machine (`layout=auto` of a training run), so a GPU profile priced for a machine
     without a GPU says so."""
     lens = scorer.lens
-    text = (f"the batch priced: {len(lens)} samples of {scorer.lengths_from}, mean {lens.mean():.0f} "
-            f"tokens; hardware profile packing_profile={cfg.packing_profile}")
+    text = (f"the batch priced: {len(lens)} samples of {scorer.lengths_from}, mean "
+            f"{lens.mean():.0f} tokens; hardware profile packing_profile={cfg.packing_profile}")
     if here and scorer.host is None:
         from hcp.launch.launch import cuda_device_count
 

@@ -318,7 +318,8 @@ def format_plan(plan: dict) -> str:
     lines.append(f"  estimate: step {est['step_time_s']:.3g} s, {est['tflops_per_gpu']:.0f} TFLOPS/GPU, "
                  f"bubble {est['bubble_fraction']:.1%}, gradient sync {est['grad_sync_s']:.3g} s; "
                  f"{est['critical']} is the critical path ({est['why']})")
-    lines.append(f"  priced as layout=auto prices a layout (hcp/preflight/auto_cost.py); {est['priced_on']}")
+    lines.append("  priced as layout=auto prices a layout (hcp/preflight/auto_cost.py); "
+                 + est["priced_on"])
     lines += [f"  {w}" for w in plan["warnings"]]
     return "\n".join(lines)
 

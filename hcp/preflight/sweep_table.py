@@ -63,9 +63,10 @@ def sweep_rows(sweep_dir) -> tuple[list[tuple[str, ...]], list[str], tuple[str, 
     metric = selection_metric([s for _, s in done])
     if metric is not None:  # a stable sort: ties keep job order
         done.sort(key=lambda ls: ls[1][metric[0]] * (-1 if metric[1] == "higher" else 1))
-    ranked = [(label, "ok", _figure(s.get("eval/answer_accuracy"), ".3f"), _figure(s.get("eval/loss"), ".4f"),
-               _figure(s.get("final_loss"), ".4f"), _figure(s.get("tokens_per_s", 0), ",.0f"),
-               _figure(s.get("step_time_s", 0), ".3f")) for label, s in done]
+    ranked = [(label, "ok", _figure(s.get("eval/answer_accuracy"), ".3f"),
+               _figure(s.get("eval/loss"), ".4f"), _figure(s.get("final_loss"), ".4f"),
+               _figure(s.get("tokens_per_s", 0), ",.0f"), _figure(s.get("step_time_s", 0), ".3f"))
+              for label, s in done]
     return ranked + rows, errors, metric
 
 

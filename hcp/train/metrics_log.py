@@ -64,9 +64,10 @@ class RunLogger:
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a" if start_step else "w")
         self.plain = not (trainer.progress_bar and sys.stdout.isatty())
         sized = min(terminal_size()) > 0  # a terminal that reports no size: tqdm would draw nothing
-        self._bar = tqdm(total=self.max_steps, initial=start_step, desc="train", dynamic_ncols=sized,
-                         ncols=None if sized else 100, nrows=None if sized else 24, disable=self.plain,
-                         file=sys.stdout, mininterval=0.1)
+        self._bar = tqdm(total=self.max_steps, initial=start_step, desc="train",
+                         dynamic_ncols=sized, ncols=None if sized else 100,
+                         nrows=None if sized else 24, disable=self.plain, file=sys.stdout,
+                         mininterval=0.1)
         self._wandb = self._init_wandb(logger, config) if logger.name == "wandb" else None
         self.sync_dir = None
         if self._wandb is not None and (logger.mode == "offline"
