@@ -247,6 +247,7 @@ def test_a_misspelt_wandb_mode_fails_before_the_run_not_as_a_warning_after():
     from cfg_utils import compose_cfg
     from hcp.config.validate import check_choices
 
-    with pytest.raises(ConfigError, match=r"logger.mode='offlne': unknown value. Fix: use one of offline, online"):
+    with pytest.raises(ConfigError, match=r"logger.mode='offlne': unknown value. Fix: use one of "
+                                          r"offline, online"):
         check_choices(compose_cfg(["logger=wandb", "logger.mode=offlne"]))
     check_choices(compose_cfg(["logger=none", "logger.mode=offlne"]))

@@ -164,7 +164,8 @@ def test_a_jsonl_file_reads_as_the_same_records_as_its_json_list(tmp_path):
     assert len(as_jsonl) == len(as_json) == 2
     assert [as_jsonl[i].input_ids for i in range(2)] == [as_json[i].input_ids for i in range(2)]
     (tmp_path / "bad.jsonl").write_text(json.dumps(records[0]) + "\n{oops\n")
-    with pytest.raises(DataError, match=r"bad.jsonl: unreadable file: line 2 is not one JSON record"):
+    with pytest.raises(DataError, match=r"bad.jsonl: unreadable file: line 2 is not one JSON "
+                                        r"record"):
         _ds(str(tmp_path / "bad.jsonl"), tmp_path)
 
 

@@ -160,7 +160,8 @@ def test_requeue_decisions(tmp_path, capfd):
     assert (tmp_path / "called").read_text().strip() == "requeue 77"
     # SIGTERM (scancel, or a preemption SLURM requeues itself): saved, never requeued by hcp
     (tmp_path / "called").unlink()
-    assert run_ranks(_requeue, 1, job, f"{tmp_path}:/usr/bin:/bin", signal.SIGTERM) == [128 + signal.SIGTERM]
+    path = f"{tmp_path}:/usr/bin:/bin"
+    assert run_ranks(_requeue, 1, job, path, signal.SIGTERM) == [128 + signal.SIGTERM]
     assert not (tmp_path / "called").exists()
     assert "hcp: SIGTERM at step 7: checkpoint saved in /ckpt; not requeued" in capfd.readouterr().err
     # not SLURM at all
@@ -236,12 +237,14 @@ def test_sigterm_is_cancel_not_a_time_limit_signal_and_torchrun_workers_catch_it
     from hcp.config.errors import ConfigError
     from hcp.launch.slurm import check_slurm
 
-    cfg = types.SimpleNamespace(launcher=types.SimpleNamespace(slurm=types.SimpleNamespace(signal="TERM")))
+    slurm = types.SimpleNamespace(signal="TERM")
+    cfg = types.SimpleNamespace(launcher=types.SimpleNamespace(slurm=slurm))
     with pytest.raises(ConfigError, match=r"launcher.slurm.signal.*scancel.*use USR2"):
         check_slurm(cfg)
     before = signal.getsignal(signal.SIGTERM)
     try:
-        for env, caught in (({"TORCHELASTIC_RUN_ID": "x"}, True), ({"SLURM_JOB_ID": "7"}, True), ({}, False)):
+        cases = (({"TORCHELASTIC_RUN_ID": "x"}, True), ({"SLURM_JOB_ID": "7"}, True), ({}, False))
+        for env, caught in cases:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             p = Preemption(types.SimpleNamespace(signal="USR2"), torch.device("cpu"), env=env)
             assert (signal.getsignal(signal.SIGTERM) == p._flag) == caught, env
