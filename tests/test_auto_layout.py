@@ -161,7 +161,8 @@ def test_plan_mode_and_layout_auto_price_the_same_layout_alike(tmp_path, capsys,
 
     overrides = ["+recipe=llava_tiny_hetero", "mode=plan"]
     plan = run_plan(_cfg(overrides), tmp_path)["estimate"]
-    given = choose_layout(_cfg(overrides), overrides, plan_world(tmp_path), None, verbose=False)["given"]
+    world = plan_world(tmp_path)
+    given = choose_layout(_cfg(overrides), overrides, world, None, verbose=False)["given"]
     for key in ("step_time_s", "tflops_per_gpu", "bubble_fraction"):
         assert plan[key] == given[key], key
     out = capsys.readouterr().out

@@ -138,5 +138,6 @@ def test_a_named_module_the_config_lacks_names_the_modules_there_are():
 def test_help_opens_with_hcps_usage_not_hydras(tmp_path):
     proc = _train(["--help"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.startswith("hcp: declarative training") and "powered by Hydra" not in proc.stdout
+    assert proc.stdout.startswith("hcp: declarative training")
+    assert "powered by Hydra" not in proc.stdout
     assert "Usage: python train.py" in proc.stdout and "== Configuration groups" in proc.stdout

@@ -77,8 +77,8 @@ esac
 exit 0
 """)
     fake.chmod(0o755)
-    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "setup.sh")], capture_output=True, text=True,
-                          env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake)}, timeout=60)
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "setup.sh")], capture_output=True,
+                          text=True, env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake)}, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert log.read_text().splitlines() == [
         "-c import torch",

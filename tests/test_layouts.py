@@ -142,9 +142,11 @@ def test_islands_must_stay_inside_the_world():
     # the island of a set size is the one named (the LLM's is inferred), with a size that fits
     fails("vision.layout.num_ranks", 8, "placement=non_colocated", "vision.layout.num_ranks=8",
           match=r"already take 8 of 8 ranks, leaving none for the llm island, which needs at least tp \* cp \* pp = 1"
-                r".*use vision.layout.num_ranks in \[1, 2, 3, 4, 5, 6, 7\], or run on at least 9 ranks")
+                r".*use vision.layout.num_ranks in \[1, 2, 3, 4, 5, 6, 7\], or run on at least 9 "
+                r"ranks")
     fails("vision.layout.num_ranks", 8, "placement=non_colocated", "vision.layout.num_ranks=8",
-          "llm.layout.tp=2", "llm.layout.pp=2", match=r"pp = 4\..*in \[1, 2, 3, 4\], or run on at least 12")
+          "llm.layout.tp=2", "llm.layout.pp=2",
+          match=r"pp = 4\..*in \[1, 2, 3, 4\], or run on at least 12")
 
 
 def test_an_island_overflow_offers_only_sizes_that_pass_every_rule():

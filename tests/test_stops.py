@@ -286,8 +286,8 @@ PLAIN = textwrap.dedent("""
 
 def _plain(tmp_path, how):
     (tmp_path / "plain.py").write_text(PLAIN)
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "plain.py"), str(tmp_path), how], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "plain.py"), str(tmp_path), how],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     return proc
 
@@ -329,13 +329,16 @@ def test_a_plain_kill_of_torchrun_saves_and_stops_its_workers(tmp_path, sent):
     """torchrun forwards the signals of `--signals-to-handle` (SIGTERM by default; SIGUSR2 when
     listed) to its workers: they save at the next step boundary, then stop, before torchrun's
     `--shutdown-timeout` (30 s) runs out; no worker trains on."""
-    handle = ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"] if sent == "SIGUSR2" else []
+    listed = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
+    handle = [listed] if sent == "SIGUSR2" else []
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", *handle,
            os.path.join(REPO, "train.py"), *FAST, "trainer.max_steps=400"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not list(tmp_path.glob("outputs/*/checkpoints/step_00000002")):
+    saved = "outputs/*/checkpoints/step_00000002"
+    while time.time() < deadline and proc.poll() is None and not list(tmp_path.glob(saved)):
         time.sleep(0.5)
     assert proc.poll() is None, proc.communicate()[1][-3000:]
     os.kill(proc.pid, getattr(signal, sent))
