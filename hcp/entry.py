@@ -16,6 +16,12 @@ import shutil
 import signal
 import sys
 
+from hcp import torch_problem
+
+if torch_problem():  # before anything imports torch: one line
+    print(f"hcp: error: {torch_problem()}", file=sys.stderr)
+    sys.exit(2)
+
 from omegaconf import DictConfig, OmegaConf
 
 from hcp.config.compose import CONF_DIR, config_groups
@@ -23,7 +29,7 @@ from hcp.config.errors import ConfigError
 from hcp.config.layouts import world_size_of
 from hcp.launch.launch import (export_rank_env, launched_rank_env, local_start_method,
                               local_world_size, oversubscribed, resolve_nproc, resume_command,
-                              start_local_ranks)
+                              slow_precision, start_local_ranks)
 from hcp.launch.slurm import check_slurm
 from hcp.train.export import start_export
 from hcp.preflight.sweep_table import ERROR_FILE
@@ -126,6 +132,9 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         if first:
             print(line)
     if first:
+        warning = slow_precision(cfg.precision, cfg.launcher)
+        if warning:
+            print(f"hcp: warning: {warning}", file=sys.stderr, flush=True)
         print(f"hcp: run directory {run_dir}", flush=True)
         with open(os.path.join(run_dir, "config_resolved.yaml"), "w") as f:
             f.write(OmegaConf.to_yaml(container))
@@ -137,7 +146,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
         if warning:
             print(f"hcp: warning: {warning}", file=sys.stderr, flush=True)
         start_local_ranks(_rank_entry, world, (container, run_dir), start_method,
-                          cfg.launcher.slurm.signal)
+                          cfg.launcher.slurm.signal, cfg.launcher.slurm.signal_lead_s)
     if first:
         print(f"hcp: run finished; outputs in {run_dir}", flush=True)
     return None
@@ -163,7 +172,7 @@ def _task(cfg: DictConfig):
     from hydra.types import RunMode
 
     from hcp.data.llava import DataError
-    from hcp.launch.supervise import RankDied
+    from hcp.launch.supervise import RankDied, RankRaised
 
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
@@ -184,9 +193,12 @@ def _task(cfg: DictConfig):
             return None
         discard_run_dir(run_dir)
         sys.exit(2)
-    except (KeyboardInterrupt, RankDied) as e:  # Ctrl-C, a signal or a dead rank (hcp.launch.supervise)
-        died, signum = isinstance(e, RankDied), getattr(e, "signum", signal.SIGINT)
+    except (KeyboardInterrupt, RankDied, RankRaised) as e:  # Ctrl-C, a signal, a failed rank
+        died, signum = isinstance(e, (RankDied, RankRaised)), getattr(e, "signum", signal.SIGINT)
         what = str(e) if died else f"interrupted by {signal.Signals(signum).name}"
+        if isinstance(e, RankRaised):  # its first line, then its traceback (hcp.launch.supervise)
+            print(f"hcp: {e}\n{e.traceback.rstrip()}", file=sys.stderr, flush=True)
+            what = "the other ranks were stopped"
         if cfg.mode == "train":  # looked up once every rank has stopped: what is on disk
             what += "; " + resume_hint(cfg.checkpoint.dir, overrides)
         print(f"hcp: {what}", file=sys.stderr, flush=True)
@@ -211,6 +223,29 @@ def command_line_overrides(argv: list[str]) -> list[str]:
     return [a for a in argv if "=" in a and not a.startswith("-")]
 
 
+def check_run_dir(argv: list[str]) -> None:
+    """The directory Hydra will create for this run (`hydra.run.dir`, or `hydra.sweep.dir` under
+    `-m`) when the command line names one without interpolations: created here, so a path that
+    cannot be created or written is one line before Hydra starts (not Hydra's traceback).
+
+    Raises:
+        ConfigError: naming the key, the path and why.
+    """
+    key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
+    for override in command_line_overrides(argv):
+        name, _, value = override.partition("=")
+        if name.lstrip("+") != key or "${" in value:
+            continue
+        try:
+            os.makedirs(value, exist_ok=True)
+            if not os.access(value, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not writable")
+        except OSError as e:
+            raise ConfigError(key, value, f"cannot be created or written ({e.strerror or e})",
+                              f"name a directory you can write, e.g. {key}=outputs/my_run"
+                              ) from None
+
+
 def main() -> None:
     """`python train.py ...` and the `hcp-train` console command: the same Hydra app, its configs
     found from the package (`hcp.config.compose.CONF_DIR`) wherever it runs from."""
@@ -224,6 +259,7 @@ def main() -> None:
     try:
         check_overrides(command_line_overrides(sys.argv[1:]), config_groups(), CONF_DIR)
         check_module_names(command_line_overrides(sys.argv[1:]))
+        check_run_dir(sys.argv[1:])
     except ConfigError as e:
         if _is_first(launched_rank_env(os.environ)):
             print(f"hcp: error: {e}", file=sys.stderr)

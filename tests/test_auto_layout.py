@@ -152,6 +152,31 @@ def test_choose_layout_writes_the_winner_and_the_report(tmp_path):
         assert {k: cfg[m].layout[k] for k in ("tp", "cp", "pp")} == {k: lay[k] for k in ("tp", "cp", "pp")}
 
 
+def test_plan_mode_and_layout_auto_price_the_same_layout_alike(tmp_path, capsys, monkeypatch):
+    """One pricing of a step (`hcp.preflight.auto_cost.price_step`): plan mode's estimate of the
+    recipe's layout equals layout=auto's `given` row (step, TFLOPS, bubble), and both state the
+    batch they priced (the recipe's own data) and the hardware profile; a training run on a
+    machine without a GPU is told that H100 figures are not its own."""
+    from hcp.preflight.plan_mode import run_plan
+
+    overrides = ["+recipe=llava_tiny_hetero", "mode=plan"]
+    plan = run_plan(_cfg(overrides), tmp_path)["estimate"]
+    world = plan_world(tmp_path)
+    given = choose_layout(_cfg(overrides), overrides, world, None, verbose=False)["given"]
+    for key in ("step_time_s", "tflops_per_gpu", "bubble_fraction"):
+        assert plan[key] == given[key], key
+    out = capsys.readouterr().out
+    assert "the batch priced: " in plan["priced_on"] and "data.name=digits_vqa" in plan["priced_on"]
+    assert "hardware profile packing_profile=h100" in out and "no GPU" not in out
+    monkeypatch.setattr("hcp.launch.launch.cuda_device_count", lambda: 0)
+    choose_layout(_cfg(["+recipe=llava_tiny_hetero"]), [], 4, None, verbose=True)
+    assert "this machine has no GPU, so they are not this CPU run's" in capsys.readouterr().out
+
+
+def plan_world(run_dir) -> int:
+    return json.loads((run_dir / "plan.json").read_text())["world_size"]
+
+
 def _cli(tmp_path, *overrides):
     env = {**os.environ, "PYTHONPATH": REPO}
     proc = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), "mode=plan", "layout=auto",

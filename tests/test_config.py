@@ -239,3 +239,15 @@ def test_a_key_below_a_plain_value_names_the_closest_key():
     with pytest.raises(ConfigError) as e:
         check_overrides(["packing.profile=/tmp/x.yaml"], set())
     assert e.value.field == "packing.profile" and "did you mean `packing_profile`?" in str(e.value)
+
+
+def test_a_misspelt_wandb_mode_fails_before_the_run_not_as_a_warning_after():
+    """wandb.init(mode="offlne") fails inside the run, which then trains unlogged: refused
+    up front; without wandb the key is not read."""
+    from cfg_utils import compose_cfg
+    from hcp.config.validate import check_choices
+
+    with pytest.raises(ConfigError, match=r"logger.mode='offlne': unknown value. Fix: use one of "
+                                          r"offline, online"):
+        check_choices(compose_cfg(["logger=wandb", "logger.mode=offlne"]))
+    check_choices(compose_cfg(["logger=none", "logger.mode=offlne"]))

@@ -1,6 +1,7 @@
 """What the logging rank prints: plain per-step lines off a terminal, a bar on one, wandb's
 offline note and sync command."""
 import os
+import subprocess
 import sys
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from hcp.config.schema import LoggerConfig, TrainerConfig
 from hcp.train.metrics_log import RunLogger
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP = {"loss": 2.34567, "lr": 5e-4, "grad_norm": 1.25, "tokens_per_s": 12345.6, "step_time_s": 0.125,
         "peak_memory_gib": 0.34, "tflops_per_gpu": 0.01}
 
@@ -40,3 +42,43 @@ def test_offline_wandb_says_so_and_prints_the_sync_command(tmp_path, capsys, mon
     out = capsys.readouterr().out
     assert "wandb: offline" in out and log.sync_dir.startswith(str(tmp_path))
     assert f"wandb sync {log.sync_dir}" in out.splitlines()[-1] and os.path.isdir(log.sync_dir)
+
+
+BAR = """
+import sys, tempfile
+from hcp.config.schema import LoggerConfig, TrainerConfig
+from hcp.train.metrics_log import RunLogger
+trainer, logger = TrainerConfig(), LoggerConfig()
+trainer.max_steps, trainer.progress_bar, logger.name = 3, True, "none"
+run = RunLogger(tempfile.mkdtemp(), logger, trainer)
+for step in (1, 2, 3):
+    run.log(step, {"loss": 1.0 / step})
+    run.advance()
+run.finish({"steps": 3})
+"""
+
+
+def test_a_terminal_that_reports_no_size_still_shows_the_progress_bar():
+    """A pseudo-terminal of 0 x 0 (some container and CI shells): tqdm alone draws nothing."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 0, 0, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-c", BAR], stdout=slave, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": REPO}, cwd=REPO)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    assert b"train: 100%" in out and b"3/3" in out, out

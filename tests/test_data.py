@@ -155,6 +155,20 @@ def test_an_unreadable_file_is_named_without_the_per_record_hint(tmp_path):
     assert "broken.json: unreadable file" in str(e.value) and "on_error" not in str(e.value)
 
 
+def test_a_jsonl_file_reads_as_the_same_records_as_its_json_list(tmp_path):
+    """LLaVA-style data often ships as JSON Lines: read either; a bad line is named."""
+    records = [rec(1), rec(2, image="b.png", gpt="three")]
+    as_json = _ds(_write(tmp_path, records), tmp_path)
+    (tmp_path / "data.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    as_jsonl = _ds(str(tmp_path / "data.jsonl"), tmp_path)
+    assert len(as_jsonl) == len(as_json) == 2
+    assert [as_jsonl[i].input_ids for i in range(2)] == [as_json[i].input_ids for i in range(2)]
+    (tmp_path / "bad.jsonl").write_text(json.dumps(records[0]) + "\n{oops\n")
+    with pytest.raises(DataError, match=r"bad.jsonl: unreadable file: line 2 is not one JSON "
+                                        r"record"):
+        _ds(str(tmp_path / "bad.jsonl"), tmp_path)
+
+
 def test_changing_eval_fraction_rebuilds_the_digits_split(tmp_path):
     default = build_digits_vqa(str(tmp_path), 0.15)
     other = build_digits_vqa(str(tmp_path), 0.25)

@@ -38,6 +38,15 @@ def test_a_wrong_type_is_one_line_with_exit_2_not_hydras_merge_error(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_run_directory_that_cannot_be_created_is_one_line_not_a_traceback(tmp_path):
+    (tmp_path / "file").write_text("")  # a path through a file cannot become a directory
+    proc = _train([f"hydra.run.dir={tmp_path}/file/run", "trainer.max_steps=1"], tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"hcp: error: hydra.run.dir='{tmp_path}/file/run': cannot be created or written (Not a "
+        "directory). Fix: name a directory you can write, e.g. hydra.run.dir=outputs/my_run"]
+
+
 @pytest.mark.slow
 def test_torchrun_world_size_mismatch_is_one_line_and_leaves_no_run_directory(tmp_path):
     torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
@@ -124,3 +133,11 @@ def test_a_named_module_the_config_lacks_names_the_modules_there_are():
     with pytest.raises(ConfigError) as e:  # Hydra's own: an AssertionError traceback
         check_module_names(["+recipe=llama_tiny", "vision.layout.cp=2"])
     assert e.value.field == "vision.layout.cp" and "no `vision` (it is null" in str(e.value)
+
+
+def test_help_opens_with_hcps_usage_not_hydras(tmp_path):
+    proc = _train(["--help"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("hcp: declarative training")
+    assert "powered by Hydra" not in proc.stdout
+    assert "Usage: python train.py" in proc.stdout and "== Configuration groups" in proc.stdout

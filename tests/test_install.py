@@ -66,3 +66,28 @@ def test_test_script_runs_the_tests_named_or_else_all(tmp_path, args, pytest_arg
     subprocess.run(["bash", os.path.join(REPO, "scripts", "test.sh"), *args], check=True, timeout=60,
                    env={**os.environ, "PYTHON": str(fake)})
     assert log.read_text().splitlines()[-1] == "-m pytest" + pytest_args
+
+
+def test_setup_installs_the_cpu_torch_without_a_gpu_never_pypis_cuda_build(tmp_path):
+    """scripts/setup.sh with no torch importable and no nvidia-smi: torch==2.13.0+cpu from pip's
+    configured sources, else from PyTorch's CPU index (here the first attempt fails, as on a
+    machine that only reaches PyPI); then hcp itself. A stand-in `python` records each call."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+case "$*" in
+  "-c import torch") exit 1 ;;
+  *"torch==2.13.0+cpu") exit 1 ;;
+esac
+exit 0
+""")
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "setup.sh")], capture_output=True,
+                          text=True, env={"PATH": "/usr/bin:/bin", "PYTHON": str(fake)}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert log.read_text().splitlines() == [
+        "-c import torch",
+        "-m pip install --quiet torch==2.13.0+cpu",
+        "-m pip install --quiet torch==2.13.0+cpu --index-url https://download.pytorch.org/whl/cpu",
+        "-m pip install --quiet -e .[test]"]

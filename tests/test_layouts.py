@@ -142,9 +142,24 @@ def test_islands_must_stay_inside_the_world():
     # the island of a set size is the one named (the LLM's is inferred), with a size that fits
     fails("vision.layout.num_ranks", 8, "placement=non_colocated", "vision.layout.num_ranks=8",
           match=r"already take 8 of 8 ranks, leaving none for the llm island, which needs at least tp \* cp \* pp = 1"
-                r".*at most 7 ranks, or run on at least 9 ranks")
+                r".*use vision.layout.num_ranks in \[1, 2, 3, 4, 5, 6, 7\], or run on at least 9 "
+                r"ranks")
     fails("vision.layout.num_ranks", 8, "placement=non_colocated", "vision.layout.num_ranks=8",
-          "llm.layout.tp=2", "llm.layout.pp=2", match=r"pp = 4\..*at most 4 ranks, or run on at least 12")
+          "llm.layout.tp=2", "llm.layout.pp=2",
+          match=r"pp = 4\..*in \[1, 2, 3, 4\], or run on at least 12")
+
+
+def test_an_island_overflow_offers_only_sizes_that_pass_every_rule():
+    """4 ranks, vision's island set to 4: of the sizes leaving the LLM room (1, 2, 3), 1 and 3
+    break the global batch's divisibility (32 over dp 3), so only 2 is offered; each offered
+    value then passes."""
+    from hcp.config.validate import validate
+
+    with pytest.raises(ConfigError) as e:
+        validate(compose_cfg(["placement=non_colocated", "vision.layout.num_ranks=4"]), 4)
+    assert e.value.field == "vision.layout.num_ranks" and e.value.candidates == [2], str(e.value)
+    assert "use vision.layout.num_ranks in [2], or run on at least 5 ranks" in str(e.value)
+    validate(compose_cfg(["placement=non_colocated", "vision.layout.num_ranks=2"]), 4)
 
 
 def test_at_most_one_island_size_is_inferred():

@@ -4,10 +4,8 @@ import json
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from hcp.config.errors import ConfigError
-from hcp.config.schema import register
 from hcp.preflight.plan_mode import run_plan
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -17,9 +15,10 @@ NON_COLOCATED = ["placement=non_colocated", "vision.layout.num_ranks=16", "llm.l
 
 
 def composed(recipe: str, *overrides: str):
-    register()
-    with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose("config", overrides=[f"+recipe={recipe}", "mode=plan", *overrides])
+    """As train.py composes and resolves it (its run directory a test one)."""
+    from cfg_utils import compose_cfg
+
+    return compose_cfg([f"+recipe={recipe}", "mode=plan", *overrides])
 
 
 def test_llama13b_memory_matches_hand_calculation(tmp_path):
@@ -226,6 +225,10 @@ def test_a_plan_sweep_ends_with_one_comparison_table(tmp_path, capsys):
 
 
 def test_the_sweep_table_callback_is_registered():
+    from hydra import compose, initialize_config_dir
+
+    from hcp.config.schema import register
+
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
         cfg = compose("config", overrides=["mode=plan"], return_hydra_config=True)

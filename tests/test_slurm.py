@@ -211,3 +211,19 @@ def test_submitit_sweep_two_points_with_a_signalled_job_resuming(cluster, tmp_pa
     assert re.search(rf"resumed from step {stopped} .*{sweep}/0/checkpoints/step_{stopped:08d}", logs)
     got = losses(sweep / "0")
     assert sorted(got) == list(range(1, STEPS + 1)) and "Bypassing signal SIGUSR2" not in logs
+
+
+def test_scancel_saves_and_cancels_without_requeueing(cluster, tmp_path):
+    """`scancel JOB` sends SIGTERM: the ranks save at the next step boundary (within SLURM's
+    KillWait) and exit; the job stays CANCELLED (no `scontrol requeue`, no restart)."""
+    run_dir = tmp_path / "run"
+    job = submit(cluster, run_dir, [*TINY, "launcher.nproc_per_node=2", "trainer.max_steps=500"])
+    wait_for_step(run_dir, 2, WAIT, cluster, job)
+    cluster.run(["scancel", job])
+    cluster.wait_state(job, {"CANCELLED", "COMPLETED", "FAILED"}, 90)
+    time.sleep(20)  # a requeue by rank 0 would have shown by now
+    info, text = cluster.job(job), log_of(run_dir, job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", (info, text[-3000:])
+    assert "requeued job" not in text, text[-3000:]
+    saved = sorted(os.listdir(run_dir / "checkpoints"))  # save_every=0: only the SIGTERM save
+    assert saved and saved[-1].startswith("step_") and int(saved[-1][5:]) >= 2, text[-3000:]

@@ -133,11 +133,11 @@ def test_step_figures_land_one_boundary_late_and_a_signal_stops_every_rank_toget
         assert received == signal.SIGUSR2  # every rank exits under that signal
 
 
-def _requeue(rank, world, env, path):
+def _requeue(rank, world, env, path, signum=signal.SIGUSR2):
     os.environ["PATH"] = path
     cfg = types.SimpleNamespace(signal="USR2", max_requeues=2, requeue_exit_code=85)
     p = Preemption(cfg, torch.device("cpu"), env=env)
-    p.received = signal.SIGUSR2
+    p.received = signum
     try:
         p.requeue_and_exit(7, "/ckpt")
     except SystemExit as e:
@@ -158,6 +158,12 @@ def test_requeue_decisions(tmp_path, capfd):
     fake.chmod(0o755)
     assert run_ranks(_requeue, 1, job, f"{tmp_path}:/usr/bin:/bin") == [0]
     assert (tmp_path / "called").read_text().strip() == "requeue 77"
+    # SIGTERM (scancel, or a preemption SLURM requeues itself): saved, never requeued by hcp
+    (tmp_path / "called").unlink()
+    path = f"{tmp_path}:/usr/bin:/bin"
+    assert run_ranks(_requeue, 1, job, path, signal.SIGTERM) == [128 + signal.SIGTERM]
+    assert not (tmp_path / "called").exists()
+    assert "hcp: SIGTERM at step 7: checkpoint saved in /ckpt; not requeued" in capfd.readouterr().err
     # not SLURM at all
     assert run_ranks(_requeue, 1, {}, str(tmp_path)) == [128 + signal.SIGUSR2]
     # the default checkpoint.dir lies in the run directory, which a new run does not reuse
@@ -222,3 +228,25 @@ def test_a_sweep_directory_is_fixed_at_submission():
     blob = pickle.dumps(cfg)
     time.sleep(1.1)
     assert str(pickle.loads(blob).hydra.sweep.dir) == at_submission
+
+
+def test_sigterm_is_cancel_not_a_time_limit_signal_and_torchrun_workers_catch_it():
+    """launcher.slurm.signal=TERM cannot be told from scancel: refused with the fix. Workers of
+    torchrun (which forwards the SIGTERM it gets) and of SLURM save on SIGTERM; ranks of hcp's
+    own local launch keep the default (torch terminates them when a peer fails)."""
+    from hcp.config.errors import ConfigError
+    from hcp.launch.slurm import check_slurm
+
+    slurm = types.SimpleNamespace(signal="TERM")
+    cfg = types.SimpleNamespace(launcher=types.SimpleNamespace(slurm=slurm))
+    with pytest.raises(ConfigError, match=r"launcher.slurm.signal.*scancel.*use USR2"):
+        check_slurm(cfg)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        cases = (({"TORCHELASTIC_RUN_ID": "x"}, True), ({"SLURM_JOB_ID": "7"}, True), ({}, False))
+        for env, caught in cases:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            p = Preemption(types.SimpleNamespace(signal="USR2"), torch.device("cpu"), env=env)
+            assert (signal.getsignal(signal.SIGTERM) == p._flag) == caught, env
+    finally:
+        signal.signal(signal.SIGTERM, before)

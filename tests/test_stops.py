@@ -81,14 +81,15 @@ def test_a_signal_to_the_launcher_alone_reaches_every_rank(tmp_path, sent, recei
 
 
 def test_a_signal_to_a_one_rank_launch_reaches_its_rank_in_process(tmp_path):
-    """One rank runs in the launching process: SIGTERM still becomes the preemption signal
-    (save, then stop) and the launcher reports the interruption, as with several ranks."""
+    """One rank runs in the launching process: SIGTERM still reaches the preemption handler
+    (save, then stop), as SIGTERM so that its line names it, and the launcher reports the
+    interruption, as with several ranks."""
     proc, pids = _toy(tmp_path, nproc=1)
     assert pids == [proc.pid]
     os.kill(proc.pid, signal.SIGTERM)
     out, err = _finish(proc)
     assert out.strip() == "interrupted SIGTERM", err[-2000:]
-    assert (tmp_path / "SIGUSR20").exists()
+    assert (tmp_path / "SIGTERM0").exists()
 
 
 @pytest.mark.slow
@@ -144,6 +145,19 @@ def test_more_cpu_ranks_than_cores_warn_once_and_gpu_ranks_never():
     assert oversubscribed(16, types.SimpleNamespace(backend="nccl", nproc_per_node=16), cores=2) is None
 
 
+def test_the_default_run_on_two_cores_is_quiet_and_bf16_on_cpu_is_said():
+    """The default (`nproc_per_node=auto`: 4 CPU ranks, what the default layouts need) on 2 cores
+    warns of nothing; bf16 on CPU ranks, several times slower per step, is said; GPU ranks
+    neither."""
+    from hcp.launch.launch import oversubscribed, slow_precision
+
+    default = types.SimpleNamespace(backend="auto", nproc_per_node="auto")
+    assert oversubscribed(4, default, cores=2) is None
+    assert "several times slower than with precision=fp32" in slow_precision("bf16", default)
+    assert slow_precision("fp32", default) is None
+    assert slow_precision("bf16", types.SimpleNamespace(backend="nccl", nproc_per_node=8)) is None
+
+
 FAST = ["+recipe=llama_tiny", "launcher.nproc_per_node=2", "logger=none", "trainer.global_batch_size=4",
         "trainer.eval_every=0", "trainer.eval_samples=4", "trainer.progress_bar=false", "trainer.save_every=2"]
 
@@ -197,7 +211,8 @@ def test_a_signal_to_the_launcher_stops_every_rank_and_its_hint_resumes(tmp_path
     if sent == "SIGINT":
         return
     step = int(m[1][-8:])  # saved on the way out, at the step boundary after the signal
-    assert f"hcp: SIGUSR2 at step {step}: checkpoint saved in {ckpts}; " in err, err[-3000:]
+    # the signal the launcher got is named, not the one it forwarded (SIGUSR2)
+    assert f"hcp: SIGTERM at step {step}: checkpoint saved in {ckpts}; " in err, err[-3000:]
     cmd = shlex.split(m[2])
     assert cmd[:2] == ["python", "train.py"] and f"checkpoint.dir={ckpts}" in cmd
     cmd = [sys.executable, os.path.join(REPO, "train.py"),
@@ -230,3 +245,105 @@ def test_a_killed_rank_ends_the_run_in_one_line_naming_it_its_step_and_the_check
     assert m and m[2] == latest(str(ckpts)) and m[3] == str(ckpts), err[-3000:]
     assert int(m[1]) > int(m[2][-8:]) >= 2
     assert "Traceback" not in err and "HYDRA_FULL_ERROR" not in err, err[-3000:]
+
+
+PLAIN = textwrap.dedent("""
+    import os, signal, sys, time
+    import torch, torch.distributed as dist
+    import hcp.launch.supervise as supervise
+    from hcp.launch.launch import start_local_ranks
+    from hcp.launch.supervise import Interrupted
+    from hcp.train.failures import report_rank_failure
+
+    def rank(args):
+        out, how = args
+        r = int(os.environ["RANK"])
+        with report_rank_failure():
+            if how == "raise":
+                dist.init_process_group("gloo")
+                open(os.path.join(out, f"pid{r}"), "w").write(str(os.getpid()))
+                if r == 1:
+                    time.sleep(1)
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                dist.all_reduce(torch.ones(1))  # the survivors: their peer vanishes
+            if how == "deaf":  # a rank that ignores SIGINT (stuck, or its own handler)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+            open(os.path.join(out, f"pid{r}"), "w").write(str(os.getpid()))
+            time.sleep(120)
+
+    if __name__ == "__main__":
+        supervise.KILL_GRACE_S = 1.0
+        if sys.argv[2] != "raise":  # started in the background of a shell script
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            start_local_ranks(rank, 3, (sys.argv[1], sys.argv[2]))
+        except Interrupted as e:
+            print("interrupted", signal.Signals(e.signum).name, file=sys.stderr)
+        except Exception as e:  # hcp.launch.supervise.RankRaised
+            print("hcp:", e, file=sys.stderr)
+""")
+
+
+def _plain(tmp_path, how):
+    (tmp_path / "plain.py").write_text(PLAIN)
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "plain.py"), str(tmp_path), how],
+                            cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return proc
+
+
+@pytest.mark.slow
+def test_the_rank_that_raised_first_is_the_first_line_not_its_peers_lost_connections(tmp_path):
+    """Rank 1 raises (an out-of-memory) while ranks 0 and 2 wait in a gloo all_reduce, which then
+    fails on the closed connection: the first line of the launcher's output names rank 1 and its
+    error; torch's "Terminating process" warnings and the survivors' own lines are not printed."""
+    out, err = _finish(_plain(tmp_path, "raise"))
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("hcp: rank 1/3 failed before its first training step: "
+                               "torch.OutOfMemoryError: CUDA out of memory"), err[-3000:]
+    assert "Terminating process" not in err and "hcp: rank 0/3" not in err, err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["default", "deaf"])
+def test_a_forwarded_sigint_stops_ranks_that_inherited_or_chose_to_ignore_it(tmp_path, how):
+    """The launcher was started with SIGINT ignored (a background job of a shell script): its
+    ranks still stop on the SIGINT it forwards. A rank that ignores SIGINT itself gets SIGTERM
+    after the grace period (1 s here): the launcher never waits forever."""
+    proc = _plain(tmp_path, how)
+    deadline = time.time() + 120
+    while not all((tmp_path / f"pid{r}").exists() for r in range(3)) and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = _finish(proc)
+    assert err.strip().splitlines()[-1] == "interrupted SIGINT", err[-3000:]
+    assert ("still running after SIGINT: sent SIGTERM" in err) == (how == "deaf"), err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("sent", ["SIGTERM", "SIGUSR2"])
+def test_a_plain_kill_of_torchrun_saves_and_stops_its_workers(tmp_path, sent):
+    """torchrun forwards the signals of `--signals-to-handle` (SIGTERM by default; SIGUSR2 when
+    listed) to its workers: they save at the next step boundary, then stop, before torchrun's
+    `--shutdown-timeout` (30 s) runs out; no worker trains on."""
+    listed = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2"
+    handle = [listed] if sent == "SIGUSR2" else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", *handle,
+           os.path.join(REPO, "train.py"), *FAST, "trainer.max_steps=400"]
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    saved = "outputs/*/checkpoints/step_00000002"
+    while time.time() < deadline and proc.poll() is None and not list(tmp_path.glob(saved)):
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    os.kill(proc.pid, getattr(signal, sent))
+    out, err = _finish(proc)
+    assert _all_gone(proc), err[-3000:]
+    m = re.search(rf"hcp: {sent} at step (\d+): checkpoint saved in (\S+); ", err)
+    assert m, err[-3000:]
+    assert os.path.isdir(os.path.join(m[2], f"step_{int(m[1]):08d}"))

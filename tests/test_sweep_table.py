@@ -35,16 +35,45 @@ def test_a_training_sweep_ends_with_one_table_of_every_point(tmp_path, capsys):
         TrainSweepTable().on_multirun_end(config)
     assert e.value.code == 2
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "training sweep (3 runs, 2 failed)"
+    assert out[0] == "training sweep (3 runs, 2 failed, best first by final_loss (lower is better))"
     assert [line.split() for line in out[1:5]] == [
-        ["run", "status", "final", "loss", "tokens/s", "step", "time", "s"],
-        ["optim.lr=1e-3", "ok", "2.3457", "12,346", "0.125"],
-        ["optim.lr=3e-3", "error", "-", "-", "-"],
-        ["optim.lr=1e-2", "no", "summary", "-", "-", "-"]]
+        ["run", "status", "eval", "accuracy", "eval", "loss", "final", "loss", "tokens/s", "step",
+         "time", "s"],
+        ["optim.lr=1e-3", "ok", "-", "-", "2.3457", "12,346", "0.125"],
+        ["optim.lr=3e-3", "error", "-", "-", "-", "-", "-"],
+        ["optim.lr=1e-2", "no", "summary", "-", "-", "-", "-", "-"]]
     assert out[5] == "error optim.lr=3e-3: optim.lr=... no"
     assert (tmp_path / "sweep_summary.txt").read_text().splitlines() == out[:-1]
     TrainSweepTable().on_multirun_end(OmegaConf.merge(config, {"mode": "plan"}))  # plan sweeps: their own table
     assert capsys.readouterr().out == ""
+
+
+def test_a_sweep_is_ranked_by_its_eval_accuracy_not_its_last_training_loss(tmp_path, capsys):
+    """lr 3e-3 ends with the lower training loss but the worse eval accuracy: the table shows
+    both eval metrics and puts lr 1e-3 first; without accuracy, eval loss ranks."""
+    from hcp.preflight.sweep_table import TrainSweepTable
+
+    common = {"tokens_per_s": 100.0, "step_time_s": 0.5}
+    _job(tmp_path, 0, ["optim.lr=1e-3"],
+         {"final_loss": 0.883, "eval/loss": 1.9, "eval/answer_accuracy": 0.274, **common})
+    _job(tmp_path, 1, ["optim.lr=3e-3"],
+         {"final_loss": 0.526, "eval/loss": 1.7, "eval/answer_accuracy": 0.063, **common})
+    config = OmegaConf.create({"mode": "train", "hydra": {"sweep": {"dir": str(tmp_path)}}})
+    TrainSweepTable().on_multirun_end(config)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == ("training sweep (2 runs, 0 failed, best first by eval/answer_accuracy "
+                      "(higher is better))")
+    assert [line.split()[:5] for line in out[2:4]] == [
+        ["optim.lr=1e-3", "ok", "0.274", "1.9000", "0.8830"],
+        ["optim.lr=3e-3", "ok", "0.063", "1.7000", "0.5260"]]
+    for n in (0, 1):  # no accuracy (a text-only recipe): the lower eval loss ranks first
+        path = tmp_path / str(n) / "summary.json"
+        kept = {k: v for k, v in json.loads(path.read_text()).items() if "accuracy" not in k}
+        path.write_text(json.dumps(kept))
+    TrainSweepTable().on_multirun_end(config)
+    out = capsys.readouterr().out.splitlines()
+    assert "best first by eval/loss (lower is better)" in out[0]
+    assert out[2].startswith("optim.lr=3e-3")
 
 
 def test_a_bad_sweep_point_is_one_line_and_the_sweep_still_ends_with_its_table(tmp_path):

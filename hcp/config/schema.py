@@ -277,12 +277,14 @@ class SlurmConfig:
     time_min: int = 60
     """Job time limit in minutes."""
     signal: str = "USR2"
-    """Signal SLURM sends before the time limit and on preemption: `USR2` or `TERM` (USR1 can
-    collide with NCCL). hcp also treats SIGTERM under SLURM as the same request."""
+    """Signal SLURM sends `signal_lead_s` before the time limit (`--signal=USR2@N`): save and
+    requeue. Only `USR2`: SIGTERM (scancel) means save and stop, never requeue."""
     signal_lead_s: int = 120
-    """Seconds before the time limit that the signal comes: must cover a step plus a checkpoint."""
+    """Seconds before the time limit that the signal comes: must cover a step plus a checkpoint
+    (also how long `python train.py`'s launcher lets ranks save after a SIGTERM before it
+    terminates them, `hcp.launch.supervise`)."""
     max_requeues: int = 3
-    """Times a job requeues itself after a signal (SLURM_RESTART_COUNT), then it stops."""
+    """Times a job requeues itself after `signal` (SLURM_RESTART_COUNT), then it stops."""
     requeue_exit_code: int = 85
     """Exit code when `scontrol` is missing: requeues only where slurm.conf has RequeueExit=85."""
     launch: str = "srun"

@@ -122,12 +122,18 @@ def non_colocated_spans(cfg, modules, edges, world_size) -> dict[str, tuple[int,
             o = module_cfg(cfg, open_[0]).layout   # the open island needs tp * cp * pp ranks
             need = int(o.tp) * int(o.cp) * int(o.pp)
             most = sizes[big] + rest - need
-            shrink = f"shrink it to at most {most} ranks, or " if most >= 1 else ""
-            raise ConfigError(f"{module_key(cfg, big)}.layout.{field}", getattr(lay, field),
+            key = f"{module_key(cfg, big)}.layout.{field}"
+            # the sizes (or dp) that leave the open island room; `validate` offers only those
+            # that pass every other rule too (the global batch's divisibility, ...)
+            per = 1 if field == "num_ranks" else sizes[big] // int(lay.dp)
+            values = [v for v in range(1, most // per + 1)]
+            more = f"run on at least {world_size - rest + need} ranks (launcher.nproc_per_node)"
+            raise ConfigError(key, getattr(lay, field),
                               f"the islands of a set size already take {world_size - rest} of {world_size} "
                               f"ranks, leaving none for the {module_key(cfg, open_[0])} island, which needs at least "
-                              f"tp * cp * pp = {need}", f"{shrink}run on at least {world_size - rest + need} ranks "
-                              "(launcher.nproc_per_node)")
+                              f"tp * cp * pp = {need}",
+                              f"use {key} in {{values}}, or {more}" if values else more,
+                              values or None)
         sizes[open_[0]] = rest
     used: dict[int, str] = {}
     offsets = {}

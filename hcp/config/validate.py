@@ -25,6 +25,8 @@ _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
     "data.long_docs": ("split", "truncate", "reject"),
     "precision": PRECISIONS,
     "logger.name": ("wandb", "none"),
+    # wandb's Settings.mode
+    "logger.mode": ("offline", "online", "disabled", "shared", "dryrun", "run"),
     "data.on_error": ("error", "skip"),
     "trainer.plan_share": ("node", "rank"),
     "launcher.backend": ("auto", "nccl", "gloo"),
@@ -39,6 +41,8 @@ _CHOICES = {  # placement, packing, cp_comm and recompute: hcp.config.layouts
 def check_choices(cfg) -> None:
     for key, allowed in _CHOICES.items():
         if key.split(".")[0] in ("projector",) and cfg.get("projector") is None:
+            continue
+        if key == "logger.mode" and cfg.logger.name != "wandb":  # read by wandb only
             continue
         check_choice(key, OmegaConf.select(cfg, key), allowed)
     if cfg.data.name == "code_corpus" and cfg.data.long_docs == "reject":

@@ -120,7 +120,7 @@ def build_datasets(cfg, specs):
         for key, path in (("data.path", d.path), ("data.eval_path", d.eval_path)):
             if path and not os.path.isfile(path):
                 raise ConfigError(key, path, "no such file", "give the path of a LLaVA-1.5 "
-                                  "conversation JSON file")
+                                  "conversation file (a JSON list, or JSON Lines)")
         if d.image_folder and not os.path.isdir(d.image_folder):
             raise ConfigError("data.image_folder", d.image_folder, "no such folder", "give the folder "
                               "the records' image paths are relative to (default: data.path's folder)")

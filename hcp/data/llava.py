@@ -39,6 +39,41 @@ class DataError(ValueError):
         super().__init__(f"{where}: {kind}: {detail}{hint}")
 
 
+def read_records(path: str) -> list:
+    """The records of a LLaVA-style data file: a JSON list (LLaVA's `llava_instruct_*.json`), or
+    JSON Lines, one record per line (how such data often ships, `.jsonl`), whatever the name.
+
+    Raises:
+        DataError: the file cannot be read, or is neither (naming the line of a bad JSONL line).
+    """
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise DataError(path, None, "unreadable file", str(e)) from e
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as whole:
+        lines = [(n, ln) for n, ln in enumerate(text.splitlines(), 1) if ln.strip()]
+        if not lines or not lines[0][1].lstrip().startswith("{"):
+            raise DataError(path, None, "unreadable file",
+                            f"neither a JSON list nor JSON Lines ({whole})")
+        records = []
+        for n, line in lines:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise DataError(path, None, "unreadable file", f"line {n} is not one JSON record "
+                                f"(JSON Lines: one record per line): {e}") from e
+        return records
+    if isinstance(records, dict):  # a JSON Lines file of one record
+        return [records]
+    if not isinstance(records, list):
+        raise DataError(path, None, "malformed file",
+                        "expected a JSON list of records, or JSON Lines")
+    return records
+
+
 @dataclass
 class Sample:
     """One tokenized conversation.
@@ -128,7 +163,7 @@ class LlavaDataset:
             streams (module docstring); None: `vision` alone, from the arguments above.
 
     Raises:
-        DataError: a bad record under `on_error=error`, or an unreadable JSON file.
+        DataError: a bad record under `on_error=error`, or an unreadable JSON / JSONL file.
     """
 
     has_answers = True
@@ -147,15 +182,9 @@ class LlavaDataset:
         self._split = re.compile("(" + "|".join(re.escape(e.placeholder) for e in self.encoders.values()) + ")")
         self.max_seq_len, self.system_prompt = max_seq_len, system_prompt
         self.skipped = SkipReport()
-        try:
-            with open(path) as f:
-                records = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise DataError(path, None, "unreadable file", str(e)) from e
-        if not isinstance(records, list):
-            raise DataError(path, None, "malformed file", "expected a JSON list of records")
+        records = read_records(path)
         if not records:
-            raise DataError(path, None, "empty file", "the JSON list holds no records")
+            raise DataError(path, None, "empty file", "the file holds no records")
         self.leading_turns_dropped = 0
         """Records whose conversation opened with a `gpt` turn, dropped as LLaVA does."""
         self.samples: list[Sample] = []

@@ -19,7 +19,8 @@ import sys
 from typing import Callable, Mapping, Optional
 
 from hcp.config.errors import ConfigError
-from hcp.launch.supervise import join_board, join_ranks, run_in_process, step_board
+from hcp.launch.supervise import (KILL_GRACE_S, default_sigint, join_board, join_ranks,
+                                  run_in_process, step_board)
 
 
 def launched_rank_env(env: Mapping[str, str]) -> Optional[dict]:
@@ -127,12 +128,17 @@ def resume_command(overrides, checkpoint_dir: str) -> str:
     return _command(overrides, "resume=auto", f"checkpoint.dir={os.path.abspath(checkpoint_dir)}")
 
 
+def _on_cpu(launcher_cfg) -> bool:
+    backend = launcher_cfg.backend
+    return not (backend == "nccl" or (backend == "auto" and cuda_device_count() > 0))
+
+
 def oversubscribed(world: int, launcher_cfg, cores: Optional[int] = None) -> Optional[str]:
     """A warning when `world` local ranks compute on the CPU (gloo) and outnumber the cores this
     process may run on (`cores`, default its CPU affinity); else None. Not an error: the run is
-    correct, only slower than with fewer ranks."""
-    backend = launcher_cfg.backend
-    if backend == "nccl" or (backend == "auto" and cuda_device_count() > 0):
+    correct, only slower than with fewer ranks. None under `nproc_per_node=auto` (hcp's own
+    choice of 4 CPU ranks, which the default layouts need, on any machine: nothing to fix)."""
+    if not _on_cpu(launcher_cfg) or launcher_cfg.nproc_per_node == "auto":
         return None
     cores = cores or len(os.sched_getaffinity(0))
     if world <= cores:
@@ -140,6 +146,15 @@ def oversubscribed(world: int, launcher_cfg, cores: Optional[int] = None) -> Opt
     return (f"launcher.nproc_per_node={launcher_cfg.nproc_per_node} starts {world} CPU ranks on "
             f"{cores} core{'s' * (cores > 1)}: they take turns on the cores, so each step is slower "
             f"than with at most {cores} rank{'s' * (cores > 1)} (the results are the same)")
+
+
+def slow_precision(precision: str, launcher_cfg) -> Optional[str]:
+    """A warning when CPU ranks train in bf16 (CPUs without native bf16 matrix units emulate
+    it: each step is several times slower than in fp32); else None."""
+    if precision != "bf16" or not _on_cpu(launcher_cfg):
+        return None
+    return ("precision=bf16 on CPU ranks: most CPUs emulate bf16 matrix products, so each step is "
+            "several times slower than with precision=fp32 (the recipes' bf16 is for GPUs)")
 
 
 def cluster_fix(cfg, overrides) -> str:
@@ -205,24 +220,28 @@ def free_port() -> int:
 def _rank_main(local_rank: int, fn: Callable, nproc: int, port: int, payload, board=None) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    default_sigint()
     if board is not None:
         join_board(board, local_rank)
     fn(payload)
 
 
 def start_local_ranks(fn: Callable, nproc: int, payload, start_method: str = "fork",
-                      save_signal: str = "USR2") -> None:
+                      save_signal: str = "USR2", save_grace_s: float = KILL_GRACE_S) -> None:
     """Run `fn(payload)` in `nproc` local processes with torch's multiprocessing, each with the
     torchrun environment variables set, and watch them (`hcp.launch.supervise`): SIGINT to this
     process reaches every rank as SIGINT (stop now), SIGTERM as `SIG<save_signal>` (the
     preemption signal, `launcher.slurm.signal`: save at the next step boundary, then stop).
     `start_method` comes from `local_start_method` (spawn: `fn` and `payload` must pickle).
-    One rank runs in this process, with the same signal semantics (`run_in_process`).
-    A failing rank's traceback is re-raised here and the other ranks are terminated (never a hang).
+    Ranks still alive `save_grace_s` seconds after the save signal (`KILL_GRACE_S` after SIGINT)
+    get SIGTERM, then SIGKILL. One rank runs in this process, with the same signal semantics
+    (`run_in_process`). A failing rank is reported here and the other ranks are terminated
+    (never a hang).
 
     Raises:
         Interrupted: after a forwarded signal, once every rank has stopped.
         RankDied: a rank ended without a Python exception (killed), named with its step.
+        RankRaised: a rank raised: the first that did, with its traceback.
     """
     import torch.multiprocessing as mp
 
@@ -234,4 +253,5 @@ def start_local_ranks(fn: Callable, nproc: int, payload, start_method: str = "fo
     context = mp.start_processes(_rank_main, args=(fn, nproc, port, payload, board), nprocs=nproc,
                                  start_method=start_method, join=False)
     join_ranks(context, board, {signal.SIGINT: signal.SIGINT,
-                                signal.SIGTERM: getattr(signal, "SIG" + save_signal)})
+                                signal.SIGTERM: getattr(signal, "SIG" + save_signal)},
+               {signal.SIGTERM: save_grace_s})

@@ -13,7 +13,10 @@ from hydra.experimental.callback import Callback
 
 from hcp.config.errors import ConfigError, check_choice
 
-SIGNALS = ("USR2", "TERM")
+SIGNALS = ("USR2",)
+"""`launcher.slurm.signal`: the time-limit warning, which means save and requeue. SIGTERM is no
+choice: it is what `scancel` sends, and means save and stop (`hcp.launch.preempt`); USR1 can
+collide with NCCL."""
 LAUNCHES = ("srun", "torchrun")
 
 
@@ -62,10 +65,16 @@ def check_slurm(cfg) -> None:
     """The SLURM and failure-policy settings, valid for any launch (also a local run).
 
     Raises:
-        ConfigError: an unknown `launcher.slurm.signal` / `launch` / `trainer.on_nonfinite`, or a
+        ConfigError: an unknown (or TERM) `launcher.slurm.signal`, an unknown `launch` /
+            `trainer.on_nonfinite`, or a
             negative lead time or requeue count.
     """
     s = cfg.launcher.slurm
+    if s.signal == "TERM":
+        raise ConfigError("launcher.slurm.signal", s.signal,
+                          "SIGTERM is what scancel sends, so hcp takes it as cancel (save, then "
+                          "stop without requeueing) and cannot tell it from a time-limit warning",
+                          "use USR2 (save and requeue)")
     check_choice("launcher.slurm.signal", s.signal, SIGNALS)
     check_choice("launcher.slurm.launch", s.launch, LAUNCHES)
     check_choice("trainer.on_nonfinite", cfg.trainer.on_nonfinite, ("stop", "skip"))

@@ -335,3 +335,33 @@ def combine_bounds(placement: str, encoder, llm):
 
 def _llm_only(llm) -> Candidate:
     return Candidate("colocated", (("llm", llm),))
+
+
+def price_step(cfg, layouts: dict, world: int, scorer: "Scorer | None" = None) -> Score:
+    """THE priced step of one layout, shared by plan mode's estimate and `layout=auto` (its
+    candidates and the given layout's row), so both print the same figures for the same layout:
+    `Scorer.score` of the Candidate of `layouts` ({module: `ResolvedLayout`}, the config's
+    placement and projectors) on `world` ranks, priced on `data_lengths` under
+    `packing_profile` (`scorer`: one built for `cfg` already, else built here)."""
+    from hcp.config.modules import projector_names
+    from hcp.preflight.auto_space import Candidate
+
+    scorer = scorer or Scorer(cfg, world, cfg.packing_profile)
+    return scorer.score(Candidate(cfg.placement, tuple(layouts.items()), projector_names(cfg)))
+
+
+def priced_on(scorer: "Scorer", cfg, here: bool = False) -> str:
+    """The one statement of what a price assumes: the batch (`data_lengths`: how many samples,
+    from where, their mean) and the hardware profile. `here`: the figures describe a run on
+    this machine (`layout=auto` of a training run), so a GPU profile priced for a machine
+    without a GPU says so."""
+    lens = scorer.lens
+    text = (f"the batch priced: {len(lens)} samples of {scorer.lengths_from}, mean "
+            f"{lens.mean():.0f} tokens; hardware profile packing_profile={cfg.packing_profile}")
+    if here and scorer.host is None:
+        from hcp.launch.launch import cuda_device_count
+
+        if cuda_device_count() == 0:
+            text += (" (GPU figures: this machine has no GPU, so they are not this CPU run's; "
+                     "packing_profile=hcp/dcp/profiles/gloo_llama_tiny.yaml prices CPU ranks)")
+    return text

@@ -32,7 +32,7 @@ from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts
 from hcp.config.modules import projector_names, set_layout
 from hcp.config.specs import resolve_modules
-from hcp.preflight.auto_cost import Score, Scorer, combine_bounds
+from hcp.preflight.auto_cost import Score, Scorer, combine_bounds, price_step, priced_on
 from hcp.preflight.auto_space import (Candidate, check_searchable, combine, encoder_options, island_sizes,
                                       module_options, pinned_fields, placements)
 
@@ -287,7 +287,7 @@ def score_given(cfg, world: int, scorer: Scorer) -> dict:
     except ConfigError as e:
         return {"error": f"given layout: {e}"}
     cand = Candidate(cfg.placement, tuple(layouts.items()), projector_names(cfg))
-    return _row(cand, scorer.score(cand))
+    return _row(cand, price_step(cfg, layouts, world, scorer))
 
 
 def choose_layout(cfg, overrides, world: int, run_dir=None, verbose: bool = True, top: int = TOP) -> dict:
@@ -299,7 +299,9 @@ def choose_layout(cfg, overrides, world: int, run_dir=None, verbose: bool = True
     given_cfg = copy.deepcopy(cfg)
     result = search(cfg, world, pinned, top)
     rows = [_row(c, s) for c, s in result.ranked]
-    given = score_given(given_cfg, world, Scorer(cfg, world, cfg.packing_profile, result.lengths))
+    scorer = Scorer(cfg, world, cfg.packing_profile, result.lengths)
+    scorer.lengths_from = result.lengths_from
+    given = score_given(given_cfg, world, scorer)
     best = rows[0]
     why = f"{best['critical']} is the critical path; {best['why']}"
     if "step_time_s" in given:
@@ -312,8 +314,7 @@ def choose_layout(cfg, overrides, world: int, run_dir=None, verbose: bool = True
     say(f"hcp: layout=auto on {world} ranks: {c['space']} candidates ({c['llm_memory_dropped']} dropped "
           f"by LLM memory, {c['memory_rejected']} by rank memory, {c['rule_rejected']} by layout rules, "
           f"{c['scored']} simulated, the rest pruned by bound) in {result.seconds:.1f} s ({result.cpu_seconds:.1f} CPU s); pinned: "
-          f"{pinned or 'none'}; the batch priced: {len(result.lengths)} samples of {result.lengths_from}, "
-          f"mean {result.lengths.mean():.0f} tokens"
+          f"{pinned or 'none'}; {priced_on(scorer, cfg, here=cfg.mode == 'train')}"
           + (f"; memory estimates x{c['memory_correction']:.3f} (rehearse.report)" if cfg.rehearse.report else ""))
     say(format_table(rows, given))
     say(f"hcp: layout=auto chose {best['placement']}: "

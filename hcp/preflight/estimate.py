@@ -1,8 +1,10 @@
-"""Estimated step time of a layout in plan mode, from the dynamic-CP cost model and the 1F1B
+"""The LLM's step terms that `hcp.preflight.auto_cost` prices layouts with (plan mode and
+`layout=auto` alike: `auto_cost.price_step`), from the dynamic-CP cost model and the 1F1B
 pipeline simulator (the ones `packing=dynamic_cp`'s planner uses: `hcp.dcp.cost_model`,
-`hcp.schedule.simulator`).
+`hcp.schedule.simulator`); `estimate_step` is the LLM-only estimate on a fixed length sample
+that benchmarks compare layouts with.
 
-What it assumes (printed with the estimate):
+What `estimate_step` assumes:
 - the batch: `trainer.global_batch_size` sequence lengths drawn (seed 0) from the shipped sample
   of FlexSP's published Wikipedia lengths (`hcp/data/lengths/wikipedia_sample.txt`: mean ~1K,
   long tail), clipped to `data.max_seq_len`; the same lengths for every layout of a config, so
@@ -42,8 +44,6 @@ from hcp.plan.policies import first_fit_policy
 from hcp.schedule.simulator import simulate_1f1b
 
 LENGTHS = Path(__file__).resolve().parents[1] / "data" / "lengths" / "wikipedia_sample.txt"
-ASSUMPTIONS = ("LLM only; Wikipedia-sample lengths clipped to data.max_seq_len; H100 profile; "
-               "gradient sync not overlapped")
 
 
 @functools.lru_cache(maxsize=1)

@@ -9,7 +9,9 @@ island ranks, parameter count (from the model built on the meta device, as 1.2M 
 the groups the registry would create (and how it runs CP: encoder CP, dynamic CP's pool and
 sizes, `cp_notes`, also written on the picture's rows); a rank map compressed into runs of ranks with the same
 role; the per-rank memory estimate of `hcp.preflight.memory` against `cluster.device_memory_gib`;
-the estimated step time, TFLOPS/GPU and bubble (`hcp.preflight.estimate`); and warnings for TP (and
+the estimated step time, TFLOPS/GPU and bubble, priced as `layout=auto` prices a layout
+(`hcp.preflight.auto_cost.price_step`: the run's own first global batch, the encoders, the
+islands, `packing_profile`; one set of figures for one layout); and warnings for TP (and
 dynamic-CP) groups that cross a node boundary. It writes `plan.json` and `plan.png` to
 `out_dir`, then raises ConfigError naming the knob to turn when a rank does not fit. A `-m`
 sweep of plans ends with one comparison table (`hcp.preflight.plan_table`).
@@ -33,7 +35,6 @@ from hcp.model.llava import LlavaModel
 from hcp.parallel.grid import KINDS, Grid
 from hcp.parallel.roles import logging_rank, role_table
 from hcp.plan.step import island_head
-from hcp.preflight.estimate import ASSUMPTIONS, estimate_step
 from hcp.launch.launch import cluster_fix, machine_memory_gib, resolve_nproc
 from hcp.preflight.memory import GIB, module_memory, rank_activations
 from hcp.preflight.plan_figure import draw_plan
@@ -263,10 +264,15 @@ def run_plan(cfg, out_dir) -> dict:
                      + trainable_warnings(cfg, specs)),
     }
     worst = max(per_rank, key=lambda r: r["total"])
-    llm = layouts["llm"]
-    plan["estimate"] = {**estimate_step(cfg, llm, world, [s.params for s in stage_mem["llm"]]),
+    from hcp.preflight.auto_cost import Scorer, price_step, priced_on  # it reads this module
+
+    scorer = Scorer(cfg, world, cfg.packing_profile)
+    score = price_step(cfg, layouts, world, scorer)  # layout=auto prices a layout the same way
+    plan["estimate"] = {"step_time_s": score.step_time_s, "tflops_per_gpu": score.tflops_per_gpu,
+                        "bubble_fraction": score.bubble_fraction, "grad_sync_s": score.grad_sync_s,
+                        "critical": score.critical, "why": score.why,
                         "max_memory_gib": worst["total"], "fits": worst["total"] <= cfg.cluster.device_memory_gib,
-                        "assumptions": ASSUMPTIONS}
+                        "priced_on": priced_on(scorer, cfg)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(plan, indent=1))
@@ -310,8 +316,10 @@ def format_plan(plan: dict) -> str:
             for r in plan["memory_by_role"]) + " GiB")
     est = plan["estimate"]
     lines.append(f"  estimate: step {est['step_time_s']:.3g} s, {est['tflops_per_gpu']:.0f} TFLOPS/GPU, "
-                 f"bubble {est['bubble_fraction']:.1%}, {est['micro_batches']} micro-batches per pool, "
-                 f"gradient sync {est['grad_sync_s']:.3g} s ({est['assumptions']})")
+                 f"bubble {est['bubble_fraction']:.1%}, gradient sync {est['grad_sync_s']:.3g} s; "
+                 f"{est['critical']} is the critical path ({est['why']})")
+    lines.append("  priced as layout=auto prices a layout (hcp/preflight/auto_cost.py); "
+                 + est["priced_on"])
     lines += [f"  {w}" for w in plan["warnings"]]
     return "\n".join(lines)
 

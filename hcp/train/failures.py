@@ -115,10 +115,16 @@ class NonFiniteGuard:
 def report_rank_failure():
     """Print `hcp: rank R/W on HOST failed: TYPE: message` to stderr when the body raises
     (not for SystemExit / KeyboardInterrupt), then re-raise: every log line of a failed job
-    names the failing rank, whatever the launcher prints."""
+    names the failing rank, whatever the launcher prints. A rank of hcp's own local launch
+    records the time instead and its launcher names the first rank that raised
+    (`hcp.launch.supervise.record_failure`): the survivors' errors do not come first."""
+    from hcp.launch.supervise import record_failure
+
     try:
         yield
     except Exception as e:
+        if record_failure():
+            raise
         rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
         print(f"hcp: rank {rank}/{world} on {socket.gethostname()} failed: {type(e).__name__}: {e}",
               file=sys.stderr, flush=True)

@@ -31,11 +31,21 @@ def step_line(step: int, max_steps: int, metrics: dict) -> str:
     return " | ".join(parts)
 
 
+def terminal_size() -> tuple[int, int]:
+    """(columns, lines) of the terminal on stdout; (0, 0) when it reports none (a pseudo-terminal
+    whose size was never set, as some container and CI shells give) or is not a terminal."""
+    try:
+        return tuple(os.get_terminal_size(sys.stdout.fileno()))
+    except (OSError, ValueError, AttributeError):
+        return 0, 0
+
+
 class RunLogger:
     """Writes `metrics.jsonl` (one JSON object per logged step), `summary.json` and the console
     progress, and mirrors them to wandb when `logger.name=wandb`.
 
-    Console: a tqdm bar when stdout is a terminal and `trainer.progress_bar` is true; otherwise
+    Console: a tqdm bar when stdout is a terminal and `trainer.progress_bar` is true (100
+    characters wide when the terminal reports no size, `terminal_size`); otherwise
     (a SLURM `.out` file, a pipe) one plain line per logged step (`step_line`), every
     `trainer.log_every` steps. An offline wandb run says so at the start, and `finish` prints
     its `wandb sync` command.
@@ -54,8 +64,11 @@ class RunLogger:
         # A resumed run continues its metrics.jsonl; a fresh run in the same folder replaces it.
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a" if start_step else "w")
         self.plain = not (trainer.progress_bar and sys.stdout.isatty())
-        self._bar = tqdm(total=self.max_steps, initial=start_step, desc="train", dynamic_ncols=True,
-                         disable=self.plain, file=sys.stdout, mininterval=0.1)
+        sized = min(terminal_size()) > 0  # a terminal that reports no size: tqdm would draw nothing
+        self._bar = tqdm(total=self.max_steps, initial=start_step, desc="train",
+                         dynamic_ncols=sized, ncols=None if sized else 100,
+                         nrows=None if sized else 24, disable=self.plain, file=sys.stdout,
+                         mininterval=0.1)
         self._wandb = self._init_wandb(logger, config) if logger.name == "wandb" else None
         self.sync_dir = None
         if self._wandb is not None and (logger.mode == "offline"
