@@ -176,12 +176,14 @@ def _local(tree, wrapped: dict):
 
 
 def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int,
-         tp_group=None) -> str:
+         tp_group=None, writer=None) -> str:
     """Save on every rank (a collective); returns the final folder path.
 
     `trainer_state` is JSON-serializable (scheduler state, data position, step); `tp_group` is
     the model's TP group (None when tp = 1), or {module: its TP group or None} when modules have
-    their own.
+    their own. `writer` (`hcp.train.async_checkpoint.AsyncWriter`, `checkpoint.async=true`):
+    the shards are staged to host memory and written in the background, and the folder is renamed
+    into place when every rank's write finished; None: written and renamed before returning.
     """
     rank = dist.get_rank()
     trainable = [None] * dist.get_world_size()
@@ -190,23 +192,35 @@ def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int,
                      "trainable": sorted(set().union(*trainable))}
     final = os.path.join(root, f"step_{step:08d}")
     tmp = os.path.join(root, f".tmp-step_{step:08d}")
+    if writer is not None:
+        writer.wait()  # the previous save is published (or raises) before this one starts
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    dcp.save(_state(model, optimizer, tp_group)[0], checkpoint_id=tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     if rank == 0:
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
             json.dump(trainer_state, f)
+    state = _state(model, optimizer, tp_group)[0]
+    if writer is not None:
+        writer.submit(state, tmp, (lambda: _publish(root, tmp, final, keep)) if rank == 0 else None)
+        return final
+    dcp.save(state, checkpoint_id=tmp)
     dist.barrier()
     if rank == 0:
-        _remove(final)
-        os.rename(tmp, final)
-        for _, old in step_dirs(root)[:-keep] if keep > 0 else []:
-            _remove(old)
+        _publish(root, tmp, final, keep)
     dist.barrier()
     return final
+
+
+def _publish(root: str, tmp: str, final: str, keep: int) -> None:
+    """Rank 0, once every rank's shards are written: the `.tmp-` folder becomes `final` (the
+    step counts for `resume=auto` from here on), and the oldest are pruned down to `keep`."""
+    _remove(final)
+    os.rename(tmp, final)
+    for _, old in step_dirs(root)[:-keep] if keep > 0 else []:
+        _remove(old)
 
 
 def _remove(path: str) -> None:

@@ -38,6 +38,7 @@ from hcp.plan.ahead import PlanAhead, use_worker
 from hcp.train.planner import StepPlanner
 from hcp.schedule.colocated import ColocatedStep
 from hcp.train import checkpoint
+from hcp.train.async_checkpoint import AsyncWriter
 from hcp.launch.distributed import init_distributed
 from hcp.train.evaluate import eval_capacity, evaluate
 from hcp.train.failures import NonFiniteGuard
@@ -111,6 +112,7 @@ class Trainer:
                           if self.encoder is not None and cfg.placement == "colocated" else None)
         optim = typed(cfg.optim, OptimConfig)
         self.optimizer = build_optimizer(self.modules, optim, module_overrides(self.specs))  # groups per module
+        self.writer = AsyncWriter() if self.checkpointing.asynchronous else None  # checkpoint.async
         self.guard = NonFiniteGuard(self.settings.on_nonfinite, self.modules, self.checkpointing.dir)
         self.scheduler = build_scheduler(self.optimizer, optim, self.settings.max_steps)
         self.sampler = GlobalBatchSampler(len(self.train_set), self.settings.global_batch_size, cfg.seed)
@@ -325,13 +327,18 @@ class Trainer:
             return self.islands.whole_encoders(self.encoder)
         return whole_encoder(self.encoder, self.specs, self.device)
 
-    def save(self) -> None:
+    def save(self, wait: bool = False) -> None:
+        """Save a checkpoint of this step; under `checkpoint.async` it is written in the
+        background unless `wait` (the end of the run, a preemption: it is on disk on return)."""
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "sampler": self.sampler.state_dict()}
         path = checkpoint.save(self.checkpointing.dir, self.step, self.modules, self.optimizer, state,
-                               self.checkpointing.keep, self._tp_groups())
+                               self.checkpointing.keep, self._tp_groups(), self.writer)
+        if self.writer is not None and wait:
+            self.writer.wait()
         if self.log:
-            self.log.write(f"checkpoint step {self.step}: {path}")
+            later = self.writer is not None and not wait
+            self.log.write(f"checkpoint step {self.step}: {path}" + (" (writing in the background)" * later))
 
     def fit_step(self) -> dict:
         """One step of `fit`: `train_step`, then evaluation, logging, checkpoint and the
@@ -354,7 +361,7 @@ class Trainer:
             self.save()
         if self.step < tc.max_steps and self.preempt.stopping:  # agreed in train_step
             self.land_stats()
-            self.save()
+            self.save(wait=True)
             self.ahead.close()
             self.preempt.requeue_and_exit(self.step, self.checkpointing.dir)
         return metrics
@@ -380,7 +387,7 @@ class Trainer:
             history.append(metrics)
         self.land_stats()
         evals = self.evaluate()
-        self.save()
+        self.save(wait=True)
         self.ahead.close()
         summary = {"steps": self.step, "final_loss": metrics.get("loss"), **evals,
                    "wall_s": round(time.perf_counter() - t_start, 2),
