@@ -6,7 +6,10 @@ the layout it was saved at and the FQNs it trained; written by rank 0) and `rng_
 (each rank's RNG states; restored only under the same layout). A save goes to
 `.tmp-step_XXXXXXXX/` and is renamed into place by rank 0 only after every rank finished
 writing, so a crash mid-save never leaves a step folder that cannot load. Only complete
-folders count for `resume=auto`; the oldest are pruned down to `checkpoint.keep`.
+folders count for `resume=auto`; the oldest are pruned down to `checkpoint.keep`. State is saved
+and loaded sharded as training holds it (`_state`: nothing gathered, so a save or a resume needs
+no more device memory than training); `checkpoint.async` writes in the background
+(`hcp.train.async_checkpoint`). docs/checkpoints.md.
 """
 from __future__ import annotations
 
