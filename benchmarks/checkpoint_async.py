@@ -9,15 +9,19 @@ Each rank builds the trainer of `+recipe=llama_tiny` widened to `MODEL` (about 1
 a save writes its weights and both Adam moments, ~180 MB, into a temporary folder) with any
 trailing overrides, trains `--warmup` untimed steps, then `--steps` steps without a save and
 `--steps` steps with a save after every `--save-every`-th (the end waits for the last write, as
-the end of a run does). Lost per save = (time with saves - time without) / saves, the slowest
-rank's. Under `async` a save costs its staging (a copy of the state in host memory) and whatever
+the end of a run does). Lost per save = (time of the steps with saves - `--steps` x the median
+step without) / saves; blocked per save = the time the training loop spent inside `save()` and
+the final wait, / saves; each the slowest rank's. On a GPU the background write runs on host
+cores the step does not use, so blocked is what a save costs there; on a shared CPU the write
+also takes cores from the step (lost - blocked). Under `async` a save costs its staging (a copy of the state in host memory) and whatever
 the background write takes from the step's cores; the synchronous save costs the whole write.
 Figures on a shared CPU are noisy: compare the two columns of one run, not runs.
 
 Columns:
   mode           sync or async (checkpoint.async)
   step s         mean step time without a save
-  lost/save s    training time lost per save
+  lost/save s    training time lost per save (end to end)
+  blocked/save s time the training loop waited inside save() and the final wait, per save
   saves          saves in the timed steps
 """
 from __future__ import annotations
@@ -57,23 +61,30 @@ def _measure(rank: int, world: int, port: int, container: dict, args) -> dict:
         tr = Trainer(OmegaConf.create(container), container["checkpoint"]["dir"])
         for _ in range(args.warmup):
             tr.train_step()
-        dist.barrier()
-        start = time.perf_counter()
+        plain = []
         for _ in range(args.steps):
+            dist.barrier()
+            start = time.perf_counter()
             tr.train_step()
-        plain = time.perf_counter() - start
+            plain.append(time.perf_counter() - start)
         dist.barrier()
-        start, saves = time.perf_counter(), 0
+        start, saves, blocked = time.perf_counter(), 0, 0.0
         for i in range(1, args.steps + 1):
             tr.train_step()
             if i % args.save_every == 0:
+                t = time.perf_counter()
                 tr.save()
+                blocked += time.perf_counter() - t
                 saves += 1
+        t = time.perf_counter()
         if tr.writer is not None:
             tr.writer.wait()  # the end of a run waits for the last write
+        blocked += time.perf_counter() - t
         with_saves = time.perf_counter() - start
         tr.ahead.close()
-        return {"step_s": plain / args.steps, "lost_s": (with_saves - plain) / max(1, saves), "saves": saves}
+        step = statistics.median(plain)
+        return {"step_s": step, "lost_s": (with_saves - args.steps * step) / max(1, saves),
+                "blocked_s": blocked / max(1, saves), "saves": saves}
     finally:
         dist.destroy_process_group()
 
@@ -97,8 +108,7 @@ def run_mode(mode: str, args, root: str) -> dict:
     list(prepare_data(cfg, resolve_modules(cfg)))
     ranks = fork_ranks(_rank, args.world, (args.world, free_port(), OmegaConf.to_container(cfg, resolve=True),
                                            args), f"checkpoint_async {mode}", args.timeout)
-    return {"step_s": max(r["step_s"] for r in ranks), "lost_s": max(r["lost_s"] for r in ranks),
-            "saves": ranks[0]["saves"]}
+    return {k: max(r[k] for r in ranks) for k in ("step_s", "lost_s", "blocked_s", "saves")}
 
 
 def main(argv=None) -> dict:
@@ -117,11 +127,11 @@ def main(argv=None) -> dict:
         for _ in range(args.rounds):
             for mode in runs:
                 runs[mode].append(run_mode(mode, args, root))
-    out = {mode: {k: statistics.median(r[k] for r in rs) for k in ("step_s", "lost_s", "saves")}
+    out = {mode: {k: statistics.median(r[k] for r in rs) for k in ("step_s", "lost_s", "blocked_s", "saves")}
            for mode, rs in runs.items()}
-    print(f"{'mode':<8} {'step s':>8} {'lost/save s':>12} {'saves':>6}")
+    print(f"{'mode':<8} {'step s':>8} {'lost/save s':>12} {'blocked/save s':>15} {'saves':>6}")
     for mode, r in out.items():
-        print(f"{mode:<8} {r['step_s']:8.3f} {r['lost_s']:12.3f} {r['saves']:6d}")
+        print(f"{mode:<8} {r['step_s']:8.3f} {r['lost_s']:12.3f} {r['blocked_s']:15.3f} {r['saves']:6d}")
     return out
 
 
