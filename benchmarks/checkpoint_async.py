@@ -2,7 +2,7 @@
 by side in one run, on forked gloo ranks (CPU).
 
     python benchmarks/checkpoint_async.py                      # 2 ranks, 6 timed steps, 3 saves
-    python benchmarks/checkpoint_async.py --world 4 --steps 8 --save-every 2 llm.layout.dp_shard=true
+    python benchmarks/checkpoint_async.py --world 4 --steps 8 llm.layout.dp_shard=true
     python benchmarks/checkpoint_async.py --rounds 3           # sync, async, sync, ...: medians
 
 Each rank builds the trainer of `+recipe=llama_tiny` widened to `MODEL` (about 15M parameters:
@@ -13,8 +13,9 @@ the end of a run does). Lost per save = (time of the steps with saves - `--steps
 step without) / saves; blocked per save = the time the training loop spent inside `save()` and
 the final wait, / saves; each the slowest rank's. On a GPU the background write runs on host
 cores the step does not use, so blocked is what a save costs there; on a shared CPU the write
-also takes cores from the step (lost - blocked). Under `async` a save costs its staging (a copy of the state in host memory) and whatever
-the background write takes from the step's cores; the synchronous save costs the whole write.
+also takes cores from the step (lost - blocked). Under `async` a save costs its staging (a copy
+of the state in host memory) and whatever the background write takes from the step's cores; the
+synchronous save costs the whole write.
 Figures on a shared CPU are noisy: compare the two columns of one run, not runs.
 
 Columns:
@@ -103,23 +104,28 @@ def run_mode(mode: str, args, root: str) -> dict:
 
     run_dir = tempfile.mkdtemp(prefix=f"{mode}-", dir=root)
     model = BASE if args.tiny else [*BASE, *MODEL]
-    cfg = compose_config([*model, f"launcher.nproc_per_node={args.world}", f"checkpoint.async={mode == 'async'}",
-                          f"checkpoint.dir={run_dir}", "checkpoint.keep=1", *args.overrides], run_dir=run_dir)
+    cfg = compose_config([*model, f"launcher.nproc_per_node={args.world}",
+                          f"checkpoint.async={mode == 'async'}", f"checkpoint.dir={run_dir}",
+                          "checkpoint.keep=1", *args.overrides], run_dir=run_dir)
     list(prepare_data(cfg, resolve_modules(cfg)))
-    ranks = fork_ranks(_rank, args.world, (args.world, free_port(), OmegaConf.to_container(cfg, resolve=True),
-                                           args), f"checkpoint_async {mode}", args.timeout)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    ranks = fork_ranks(_rank, args.world, (args.world, free_port(), container, args),
+                       f"checkpoint_async {mode}", args.timeout)
     return {k: max(r[k] for r in ranks) for k in ("step_s", "lost_s", "blocked_s", "saves")}
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     ap.add_argument("--world", type=int, default=2, help="gloo ranks")
-    ap.add_argument("--steps", type=int, default=6, help="timed steps without saves, then as many with")
+    ap.add_argument("--steps", type=int, default=6,
+                    help="timed steps without saves, then as many with")
     ap.add_argument("--save-every", type=int, default=2, help="a save after every this many steps")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    ap.add_argument("--rounds", type=int, default=1, help="runs of each mode, alternated; medians shown")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="runs of each mode, alternated; medians shown")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run before it fails")
-    ap.add_argument("--tiny", action="store_true", help="llama_tiny as it is (the test suite's run)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="llama_tiny as it is (the test suite's run)")
     ap.add_argument("overrides", nargs="*", help="config overrides, as for train.py")
     args = ap.parse_args(argv)
     runs: dict = {"sync": [], "async": []}
@@ -127,11 +133,13 @@ def main(argv=None) -> dict:
         for _ in range(args.rounds):
             for mode in runs:
                 runs[mode].append(run_mode(mode, args, root))
-    out = {mode: {k: statistics.median(r[k] for r in rs) for k in ("step_s", "lost_s", "blocked_s", "saves")}
+    keys = ("step_s", "lost_s", "blocked_s", "saves")
+    out = {mode: {k: statistics.median(r[k] for r in rs) for k in keys}
            for mode, rs in runs.items()}
     print(f"{'mode':<8} {'step s':>8} {'lost/save s':>12} {'blocked/save s':>15} {'saves':>6}")
     for mode, r in out.items():
-        print(f"{mode:<8} {r['step_s']:8.3f} {r['lost_s']:12.3f} {r['blocked_s']:15.3f} {r['saves']:6d}")
+        print(f"{mode:<8} {r['step_s']:8.3f} {r['lost_s']:12.3f} {r['blocked_s']:15.3f} "
+              f"{r['saves']:6d}")
     return out
 
 

@@ -32,9 +32,9 @@ class AsyncWriter:
 
     def __init__(self):
         on_device = torch.cuda.is_available()
-        self.stager = DefaultStager(StagingOptions(use_pinned_memory=on_device, use_shared_memory=False,
-                                                   use_async_staging=False,
-                                                   use_non_blocking_copy=on_device))
+        self.stager = DefaultStager(StagingOptions(
+            use_pinned_memory=on_device, use_shared_memory=False, use_async_staging=False,
+            use_non_blocking_copy=on_device))
         self.group = None
         self.pending: Optional[Future] = None
         self.path = ""
@@ -75,5 +75,6 @@ class AsyncWriter:
         try:
             pending.result()
         except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-            raise RuntimeError(f"checkpoint.async: writing {self.path} failed ({str(e).splitlines()[0]}); "
-                               "it is not a complete checkpoint (resume=auto skips it)") from e
+            cause = (str(e).splitlines() or [type(e).__name__])[0]
+            raise RuntimeError(f"checkpoint.async: writing {self.path} failed ({cause}); it is not "
+                               "a complete checkpoint (resume=auto skips it)") from e

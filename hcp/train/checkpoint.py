@@ -109,8 +109,8 @@ def _tp_wrapper(model, tp_group):
         fsdp, = t.placements  # Shard(k) over DP x CP of the TP slice
         tp = dist.get_world_size(group)
         outer = _StridedShard(fsdp.dim, split_factor=tp) if fsdp.dim == spec.dim else fsdp
-        return DTensor.from_local(t.to_local(), meshes[key], [outer, Shard(spec.dim)], run_check=False,
-                                  shape=shape, stride=stride)
+        return DTensor.from_local(t.to_local(), meshes[key], [outer, Shard(spec.dim)],
+                                  run_check=False, shape=shape, stride=stride)
     return specs, wrap
 
 
@@ -147,7 +147,8 @@ def _state(model, optimizer, tp_group) -> tuple[dict, dict]:
         model_sd[name] = wrapper(model_sd[name], name)
     for key, t in optim_sd.items():
         name = key.removeprefix("state.").rpartition(".")[0]
-        if key.startswith("state.") and name in shapes and torch.is_tensor(t) and _local_shape(t) == shapes[name]:
+        moment = torch.is_tensor(t) and name in shapes and _local_shape(t) == shapes[name]
+        if key.startswith("state.") and moment:
             optim_sd[key] = wrapper(t, name)
     return {"model": model_sd, "optim": optim_sd}, wrapped
 

@@ -337,8 +337,8 @@ class Trainer:
         if self.writer is not None and wait:
             self.writer.wait()
         if self.log:
-            later = self.writer is not None and not wait
-            self.log.write(f"checkpoint step {self.step}: {path}" + (" (writing in the background)" * later))
+            later = " (writing in the background)" if self.writer is not None and not wait else ""
+            self.log.write(f"checkpoint step {self.step}: {path}{later}")
 
     def fit_step(self) -> dict:
         """One step of `fit`: `train_step`, then evaluation, logging, checkpoint and the
