@@ -139,7 +139,7 @@ def main(argv=None) -> dict:
     print(f"{'mode':<8} {'step s':>8} {'lost/save s':>12} {'blocked/save s':>15} {'saves':>6}")
     for mode, r in out.items():
         print(f"{mode:<8} {r['step_s']:8.3f} {r['lost_s']:12.3f} {r['blocked_s']:15.3f} "
-              f"{r['saves']:6d}")
+              f"{int(r['saves']):6d}")
     return out
 
 
