@@ -5,8 +5,8 @@ by side in one run, on forked gloo ranks (CPU).
     python benchmarks/checkpoint_async.py --world 4 --steps 8 llm.layout.dp_shard=true
     python benchmarks/checkpoint_async.py --rounds 3           # sync, async, sync, ...: medians
 
-Each rank builds the trainer of `+recipe=llama_tiny` widened to `MODEL` (about 15M parameters:
-a save writes its weights and both Adam moments, ~180 MB, into a temporary folder) with any
+Each rank builds the trainer of `+recipe=llama_tiny` widened to `MODEL` (about 14M parameters:
+a save writes its weights and both Adam moments, ~167 MB, into a temporary folder) with any
 trailing overrides, trains `--warmup` untimed steps, then `--steps` steps without a save and
 `--steps` steps with a save after every `--save-every`-th (the end waits for the last write, as
 the end of a run does). Lost per save = (time of the steps with saves - `--steps` x the median
