@@ -58,6 +58,7 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     `overrides` are the command line's (for the commands error messages suggest)."""
     from hydra.core.hydra_config import HydraConfig
 
+    from hcp.config.paths import check_writable
     from hcp.config.settings import CheckpointSpec
     from hcp.config.specs import resolve_modules
     from hcp.config.validate import validate
@@ -122,6 +123,9 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     check_slurm(cfg)
     resume_after_requeue(cfg)
     check_resume(CheckpointSpec.of(cfg), specs, cfg.trainer.max_steps, weights_only=cfg.mode == "export")
+    if cfg.mode == "train":  # else the first save would find out, after training up to it
+        check_writable("checkpoint.dir", cfg.checkpoint.dir)
+        check_writable("hydra.run.dir", run_dir)
     for line in check_hf_weights(cfg):
         print(f"hcp: {line}")
     if cfg.mode == "export":

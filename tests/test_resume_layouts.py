@@ -48,6 +48,9 @@ CASES = {  # name: (saved at, its ranks, resumed at, its ranks, log)
     "4_ranks_to_2": (None, 4, [], 2, "saved at dp4, now dp2"),
     "pp2_to_pp1": (["llm.layout.pp=2"], 4, [], 4, "saved at pp2 x dp2, now dp4"),
     "dp_shard_on_to_off": (["llm.layout.dp_shard=true"], 4, [], 4, "saved at dp4 (dp_shard), now dp4"),
+    # FSDP shards of TP slices, saved as DTensors over (DP x CP, TP), read back whole on every rank
+    "tp2_dp_shard_to_dp4": (["llm.layout.tp=2", "llm.layout.dp_shard=true"], 4, [], 4,
+                            "saved at tp2 x dp2 (dp_shard), now dp4"),
 }
 
 

@@ -314,6 +314,12 @@ class CheckpointConfig:
     dir: str = "${hydra:runtime.output_dir}/checkpoints"
     keep: int = 2
     """Checkpoints kept; older ones are pruned (0: keep every one)."""
+    # `checkpoint.async` is a Python keyword: declared through the class namespace, outside
+    # __init__ and __repr__ (OmegaConf types and merges it like any field).
+    __annotations__["async"] = bool
+    locals()["async"] = field(default=False, init=False, repr=False, compare=False)
+    """Write checkpoints in the background (torch DCP `async_save`): training goes on while a
+    save is written; the next save and the end of the run wait for it (docs/checkpoints.md)."""
 
 
 @dataclass

@@ -40,15 +40,17 @@ class PackingSpec:
 class CheckpointSpec:
     """Where checkpoints go (`checkpoint.dir`, `checkpoint.keep`: how many are kept, 0 every one)
     and what a run starts from: `resume` (None, `auto` or a checkpoint folder) and
-    `init_from_checkpoint` (a folder whose weights start a new stage)."""
+    `init_from_checkpoint` (a folder whose weights start a new stage); `asynchronous`:
+    `checkpoint.async`, saves written in the background (`hcp.train.async_checkpoint`)."""
 
     dir: str
     keep: int
     resume: str | None
     init_from_checkpoint: str | None
+    asynchronous: bool = False
 
     @classmethod
     def of(cls, cfg) -> CheckpointSpec:
         """The checkpointing of a validated `cfg`."""
         return cls(str(cfg.checkpoint.dir), int(cfg.checkpoint.keep), cfg.resume,
-                   cfg.init_from_checkpoint)
+                   cfg.init_from_checkpoint, bool(cfg.checkpoint.get("async", False)))

@@ -6,11 +6,15 @@ the layout it was saved at and the FQNs it trained; written by rank 0) and `rng_
 (each rank's RNG states; restored only under the same layout). A save goes to
 `.tmp-step_XXXXXXXX/` and is renamed into place by rank 0 only after every rank finished
 writing, so a crash mid-save never leaves a step folder that cannot load. Only complete
-folders count for `resume=auto`; the oldest are pruned down to `checkpoint.keep`.
+folders count for `resume=auto`; the oldest are pruned down to `checkpoint.keep`. State is saved
+and loaded sharded as training holds it (`_state`: nothing gathered, so a save or a resume needs
+no more device memory than training); `checkpoint.async` writes in the background
+(`hcp.train.async_checkpoint`). docs/checkpoints.md.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -25,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from hcp.config.errors import ConfigError
 from hcp.config.settings import CheckpointSpec
@@ -32,31 +37,12 @@ from hcp.config.settings import CheckpointSpec
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
 
-def _options(model, tp_group) -> StateDictOptions:
-    """Optimizer state keyed per parameter FQN (`state.{fqn}.exp_avg`, `param_groups.{fqn}.lr`):
-    pipeline stages hold different parameters, so positional param_groups would collide in DCP.
-    FSDP shards (DTensors over DP x CP) are saved as they are, except under TP as well: their
-    global shape would be the TP slice's, the same key on every TP rank, so they are first
-    gathered whole over DP x CP (`full_state_dict`; a memory cost at save/load time) and then
-    wrapped over TP like unsharded parameters. torch 2.13 cannot load a flattened optimizer
-    state in that mode, so there torch returns positional param_groups and `_state` keys them
-    by FQN itself (`_by_fqn`)."""
-    fsdp = any(isinstance(p, DTensor) for p in model.parameters())
-    full = fsdp and tp_group is not None
-    return StateDictOptions(flatten_optimizer_state_dict=not full, full_state_dict=full)
-
-
-def _by_fqn(groups: list[dict]) -> dict:
-    """Positional param_groups `[{"params": [fqn, ...], "lr": ..., ...}, ...]` as
-    `{fqn: {"lr": ..., ...}}`: the same DCP key on every rank holding the parameter, and
-    different keys on different pipeline stages."""
-    return {fqn: {k: v for k, v in g.items() if k != "params"} for g in groups for fqn in g["params"]}
-
-
-def _by_position(keyed: dict, groups: list[dict]) -> list[dict]:
-    """Inverse of `_by_fqn`: this rank's positional `groups` (their FQN lists) with the
-    hyperparameters loaded in `keyed`; a group without parameters keeps its own."""
-    return [{**(keyed[g["params"][0]] if g["params"] else g), "params": g["params"]} for g in groups]
+def _options() -> StateDictOptions:
+    """Sharded state keyed per parameter FQN: optimizer state as `state.{fqn}.exp_avg` and
+    `param_groups.{fqn}.lr` (pipeline stages hold different parameters, so positional
+    param_groups would collide in DCP); FSDP's DTensors as they are, nothing gathered, so a save
+    or a resume holds no tensor that training does not hold already."""
+    return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def step_dirs(root: str) -> list[tuple[int, str]]:
@@ -100,75 +86,108 @@ def _tp_group_of(tp_group, fqn: str):
 
 
 def _tp_wrapper(model, tp_group):
-    """(FQN -> ShardSpec of TP-sharded parameters, wrap(tensor, spec, fqn) -> DTensor over the
-    parameter's TP group)."""
+    """(FQN -> ShardSpec of TP-sharded parameters, wrap(tensor, spec, fqn) -> DTensor of the
+    whole parameter's shape). A plain tensor (this rank's TP slice) becomes a DTensor over the
+    parameter's TP group; an FSDP shard of the TP slice (a DTensor over its DP x CP mesh)
+    becomes one over the 2-D mesh (DP x CP, TP), so DCP writes and reads each rank's own rows
+    at their offset in the whole tensor and reshards across layouts by itself."""
     specs = {n: p.shard_spec for n, p in model.named_parameters() if getattr(p, "shard_spec", None)}
     device = next(model.parameters()).device.type
-    meshes = {id(g): DeviceMesh.from_group(g, device_type=device) for g in _tp_groups(tp_group)}
+    tp_meshes = {id(g): DeviceMesh.from_group(g, device_type=device) for g in _tp_groups(tp_group)}
+    meshes = {}
 
     def wrap(t, spec, fqn):
-        mesh = meshes[id(_tp_group_of(tp_group, fqn))]
+        group = _tp_group_of(tp_group, fqn)
         shape = tuple(spec.whole_shape(t.shape))
-        stride = torch.empty(shape, device="meta").stride()
-        return DTensor.from_local(t, mesh, [Shard(spec.dim)], run_check=False, shape=shape, stride=stride)
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))  # contiguous
+        if not isinstance(t, DTensor):
+            return DTensor.from_local(t, tp_meshes[id(group)], [Shard(spec.dim)], run_check=False,
+                                      shape=shape, stride=stride)
+        key = (id(t.device_mesh), id(group))
+        if key not in meshes:
+            meshes[key] = _dp_tp_mesh(t.device_mesh, group, device)
+        fsdp, = t.placements  # Shard(k) over DP x CP of the TP slice
+        tp = dist.get_world_size(group)
+        outer = _StridedShard(fsdp.dim, split_factor=tp) if fsdp.dim == spec.dim else fsdp
+        return DTensor.from_local(t.to_local(), meshes[key], [outer, Shard(spec.dim)],
+                                  run_check=False, shape=shape, stride=stride)
     return specs, wrap
 
 
-def _state(model, optimizer, tp_group) -> tuple[dict, Optional[list[dict]]]:
-    """Model and optimizer state keyed by FQN, and the positional param_groups that `load`
-    restores (None when torch keyed them itself). TP-sharded parameters (those with a
-    `shard_spec`) and their Adam moments become DTensors over the TP group, so DCP stores each
-    shard once with its offset in the whole tensor (replicas over DP/CP are deduplicated) and
-    could load it into another TP size. Every stage of a pipeline saves its own FQNs."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model, tp_group))
+def _dp_tp_mesh(dp_mesh: DeviceMesh, tp_group, device: str) -> DeviceMesh:
+    """The 2-D mesh [DP x CP, TP] of an FSDP mesh and a TP group: a module's grid of ranks is a
+    box (`hcp.parallel.grid`), so the TP group of the rank at DP x CP index i is this rank's TP
+    group moved by that rank's distance from this one. The same placements as torch's FSDP2 over
+    a TP DTensor (`_fsdp_param.py`: `_StridedShard` when both shard the same dim)."""
+    me, tp_ranks = dist.get_rank(), dist.get_process_group_ranks(tp_group)
+    dp_ranks = dist.get_process_group_ranks(dp_mesh.get_group())
+    grid = [[d + t - me for t in tp_ranks] for d in dp_ranks]
+    return DeviceMesh.from_group([dp_mesh.get_group(), tp_group], device, mesh=grid,
+                                 mesh_dim_names=("dp_cp", "tp"))
+
+
+def _state(model, optimizer, tp_group) -> tuple[dict, dict]:
+    """Model and optimizer state keyed by FQN, sharded as training holds it, and {id(wrapper):
+    the tensor it wraps} for `_local`. TP-sharded parameters (those with a `shard_spec`) and
+    their Adam moments become DTensors of the whole parameter (`_tp_wrapper`), so DCP stores each
+    shard once with its offset (replicas over DP/CP are deduplicated) and can load it into
+    another TP, DP or FSDP layout. Every stage of a pipeline saves its own FQNs."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options())
     if tp_group is None:
-        return {"model": model_sd, "optim": optim_sd}, None
+        return {"model": model_sd, "optim": optim_sd}, {}
     specs, wrap = _tp_wrapper(model, tp_group)
-    for name, spec in specs.items():
-        if name in model_sd:
-            model_sd[name] = wrap(model_sd[name], spec, name)
-    nested = isinstance(optim_sd.get("state"), dict)  # full_state_dict: state[fqn][key]
-    slots = ([(n, key, optim_sd["state"][n]) for n in optim_sd["state"] for key in optim_sd["state"][n]]
-             if nested else [(k.removeprefix("state.").rpartition(".")[0], k, optim_sd)
-                             for k in optim_sd if k.startswith("state.")])
-    for name, key, holder in slots:
-        t = holder[key]
-        if name in specs and torch.is_tensor(t) and t.shape == model_sd[name].to_local().shape:
-            holder[key] = wrap(t, specs[name], name)
-    groups = optim_sd["param_groups"] if nested else None
-    if nested:
-        optim_sd["param_groups"] = _by_fqn(groups)
-    return {"model": model_sd, "optim": optim_sd}, groups
+    wrapped = {}
+
+    def wrapper(t, name):
+        w = wrap(t, specs[name], name)
+        wrapped[id(w)] = t
+        return w
+    shapes = {n: _local_shape(t) for n, t in model_sd.items() if n in specs}
+    for name in shapes:
+        model_sd[name] = wrapper(model_sd[name], name)
+    for key, t in optim_sd.items():
+        name = key.removeprefix("state.").rpartition(".")[0]
+        moment = torch.is_tensor(t) and name in shapes and _local_shape(t) == shapes[name]
+        if key.startswith("state.") and moment:
+            optim_sd[key] = wrapper(t, name)
+    return {"model": model_sd, "optim": optim_sd}, wrapped
 
 
-def _model_state(model, tp_group) -> dict:
+def _local_shape(t: torch.Tensor) -> torch.Size:
+    return t.to_local().shape if isinstance(t, DTensor) else t.shape
+
+
+def _model_state(model, tp_group) -> tuple[dict, dict]:
     """The model half of `_state` (the same DCP keys), without an optimizer."""
-    model_sd = get_model_state_dict(model, options=_options(model, tp_group))
+    model_sd = get_model_state_dict(model, options=_options())
+    wrapped = {}
     if tp_group is not None:
         specs, wrap = _tp_wrapper(model, tp_group)
-        model_sd = {n: wrap(t, specs[n], n) if n in specs else t for n, t in model_sd.items()}
-    return {"model": model_sd}
+        for n in [n for n in model_sd if n in specs]:
+            t = model_sd[n]
+            model_sd[n] = wrap(t, specs[n], n)
+            wrapped[id(model_sd[n])] = t
+    return {"model": model_sd}, wrapped
 
 
-def _local(tree, tp_group):
-    """The same nested dict with every TP wrapper (a DTensor over the TP group, from `_state`)
-    replaced by its loaded local shard; FSDP's own DTensors stay as they are."""
+def _local(tree, wrapped: dict):
+    """The same nested dict with every TP wrapper of `_state` (a DTensor of the whole
+    parameter, loaded in place) replaced by the tensor it wraps: this rank's TP slice, or FSDP's
+    own DTensor of it."""
     if isinstance(tree, dict):
-        return {k: _local(v, tp_group) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_local(v, tp_group) for v in tree]
-    if isinstance(tree, DTensor) and any(tree.device_mesh.get_group() is g for g in _tp_groups(tp_group)):
-        return tree.to_local()
-    return tree
+        return {k: _local(v, wrapped) for k, v in tree.items()}
+    return wrapped.get(id(tree), tree)
 
 
 def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int,
-         tp_group=None) -> str:
+         tp_group=None, writer=None) -> str:
     """Save on every rank (a collective); returns the final folder path.
 
     `trainer_state` is JSON-serializable (scheduler state, data position, step); `tp_group` is
     the model's TP group (None when tp = 1), or {module: its TP group or None} when modules have
-    their own.
+    their own. `writer` (`hcp.train.async_checkpoint.AsyncWriter`, `checkpoint.async=true`):
+    the shards are staged to host memory and written in the background, and the folder is renamed
+    into place when every rank's write finished; None: written and renamed before returning.
     """
     rank = dist.get_rank()
     trainable = [None] * dist.get_world_size()
@@ -177,23 +196,35 @@ def save(root: str, step: int, model, optimizer, trainer_state: dict, keep: int,
                      "trainable": sorted(set().union(*trainable))}
     final = os.path.join(root, f"step_{step:08d}")
     tmp = os.path.join(root, f".tmp-step_{step:08d}")
+    if writer is not None:
+        writer.wait()  # the previous save is published (or raises) before this one starts
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    dcp.save(_state(model, optimizer, tp_group)[0], checkpoint_id=tmp)
     torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{rank}.pt"))
     if rank == 0:
         with open(os.path.join(tmp, "trainer.json"), "w") as f:
             json.dump(trainer_state, f)
+    state = _state(model, optimizer, tp_group)[0]
+    if writer is not None:
+        writer.submit(state, tmp, (lambda: _publish(root, tmp, final, keep)) if rank == 0 else None)
+        return final
+    dcp.save(state, checkpoint_id=tmp)
     dist.barrier()
     if rank == 0:
-        _remove(final)
-        os.rename(tmp, final)
-        for _, old in step_dirs(root)[:-keep] if keep > 0 else []:
-            _remove(old)
+        _publish(root, tmp, final, keep)
     dist.barrier()
     return final
+
+
+def _publish(root: str, tmp: str, final: str, keep: int) -> None:
+    """Rank 0, once every rank's shards are written: the `.tmp-` folder becomes `final` (the
+    step counts for `resume=auto` from here on), and the oldest are pruned down to `keep`."""
+    _remove(final)
+    os.rename(tmp, final)
+    for _, old in step_dirs(root)[:-keep] if keep > 0 else []:
+        _remove(old)
 
 
 def _remove(path: str) -> None:
@@ -315,9 +346,9 @@ def load_weights(path: str, model, tp_group=None) -> str:
     """
     if not os.path.isfile(os.path.join(path, "trainer.json")):
         raise FileNotFoundError(f"init_from_checkpoint={path!r}: not a complete checkpoint folder")
-    state = _model_state(model, tp_group)
+    state, wrapped = _model_state(model, tp_group)
     dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(model, _local(state, tp_group)["model"], options=_options(model, tp_group))
+    set_model_state_dict(model, _local(state, wrapped)["model"], options=_options())
     saved = _trainer_json(path)
     return f"model weights of step {saved['step']} from {path} (saved at {saved.get('layout', '?')})"
 
@@ -333,13 +364,11 @@ def load(path: str, model, optimizer, tp_group=None) -> dict:
     if not os.path.isfile(os.path.join(path, "trainer.json")):
         raise FileNotFoundError(f"resume={path!r}: not a complete checkpoint folder "
                                 "(expected trainer.json and DCP shards)")
-    state, groups = _state(model, optimizer, tp_group)
+    state, wrapped = _state(model, optimizer, tp_group)
     dcp.load(state, checkpoint_id=path)
-    state = _local(state, tp_group)
-    if groups is not None:
-        state["optim"]["param_groups"] = _by_position(state["optim"]["param_groups"], groups)
+    state = _local(state, wrapped)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_options(model, tp_group))
+                   options=_options())
     saved = _trainer_json(path)
     now, then = layout_label(model, tp_group), saved.get("layout", "?")
     rank, step = dist.get_rank(), saved["step"]

@@ -39,6 +39,7 @@ from hcp.plan.shared import node_planner
 from hcp.train.planner import StepPlanner
 from hcp.schedule.colocated import ColocatedStep
 from hcp.train import checkpoint
+from hcp.train.async_checkpoint import AsyncWriter
 from hcp.launch.distributed import init_distributed
 from hcp.launch.watchdog import stuck_collective, watch_collectives
 from hcp.train.evaluate import eval_capacity, evaluate
@@ -123,6 +124,7 @@ class Trainer:
                           if self.encoder is not None and cfg.placement == "colocated" else None)
         optim = typed(cfg.optim, OptimConfig)
         self.optimizer = build_optimizer(self.modules, optim, module_overrides(self.specs))  # groups per module
+        self.writer = AsyncWriter() if self.checkpointing.asynchronous else None  # checkpoint.async
         tc = self.settings
         self.guard = NonFiniteGuard(tc.on_nonfinite, self.modules, self.checkpointing.dir,
                                     tc.max_skipped_steps, tc.loss_spike_factor)
@@ -349,13 +351,18 @@ class Trainer:
             return self.islands.whole_encoders(self.encoder)
         return whole_encoder(self.encoder, self.specs, self.device)
 
-    def save(self) -> None:
+    def save(self, wait: bool = False) -> None:
+        """Save a checkpoint of this step; under `checkpoint.async` it is written in the
+        background unless `wait` (the end of the run, a preemption: it is on disk on return)."""
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "sampler": self.sampler.state_dict()}
         path = checkpoint.save(self.checkpointing.dir, self.step, self.modules, self.optimizer, state,
-                               self.checkpointing.keep, self._tp_groups())
+                               self.checkpointing.keep, self._tp_groups(), self.writer)
+        if self.writer is not None and wait:
+            self.writer.wait()
         if self.log:
-            self.log.write(f"checkpoint step {self.step}: {path}")
+            later = " (writing in the background)" if self.writer is not None and not wait else ""
+            self.log.write(f"checkpoint step {self.step}: {path}{later}")
 
     def fit_step(self) -> dict:
         """One step of `fit`: `train_step`, then evaluation, logging, checkpoint and the
@@ -382,7 +389,7 @@ class Trainer:
             self.save()
         if self.step < tc.max_steps and self.preempt.stopping:  # agreed in train_step
             self.land_stats()
-            self.save()
+            self.save(wait=True)
             self.ahead.close()
             self.preempt.requeue_and_exit(self.step, self.checkpointing.dir)
         return metrics
@@ -408,7 +415,7 @@ class Trainer:
             history.append(metrics)
         self.land_stats()
         evals = self.evaluate()
-        self.save()
+        self.save(wait=True)
         self.ahead.close()
         summary = {"steps": self.step, "final_loss": metrics.get("loss"), **evals,
                    "wall_s": round(time.perf_counter() - t_start, 2),
