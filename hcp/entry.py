@@ -229,8 +229,9 @@ def command_line_overrides(argv: list[str]) -> list[str]:
 
 def check_run_dir(argv: list[str]) -> None:
     """The directory Hydra will create for this run (`hydra.run.dir`, or `hydra.sweep.dir` under
-    `-m`) when the command line names one without interpolations: created here, so a path that
-    cannot be created or written is one line before Hydra starts (not Hydra's traceback).
+    `-m`) when the command line names one without interpolations: checked writable here
+    (`hcp.config.paths.check_writable`), so a bad path is one line before Hydra starts (not
+    Hydra's traceback).
 
     Raises:
         ConfigError: naming the key, the path and why.
@@ -238,16 +239,10 @@ def check_run_dir(argv: list[str]) -> None:
     key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(argv) else "hydra.run.dir"
     for override in command_line_overrides(argv):
         name, _, value = override.partition("=")
-        if name.lstrip("+") != key or "${" in value:
-            continue
-        try:
-            os.makedirs(value, exist_ok=True)
-            if not os.access(value, os.W_OK | os.X_OK):
-                raise PermissionError(13, "not writable")
-        except OSError as e:
-            raise ConfigError(key, value, f"cannot be created or written ({e.strerror or e})",
-                              f"name a directory you can write, e.g. {key}=outputs/my_run"
-                              ) from None
+        if name.lstrip("+") == key and "${" not in value:
+            from hcp.config.paths import check_writable
+
+            check_writable(key, value)
 
 
 def main() -> None:

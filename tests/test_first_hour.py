@@ -43,8 +43,9 @@ def test_a_run_directory_that_cannot_be_created_is_one_line_not_a_traceback(tmp_
     proc = _train([f"hydra.run.dir={tmp_path}/file/run", "trainer.max_steps=1"], tmp_path)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines() == [
-        f"hcp: error: hydra.run.dir='{tmp_path}/file/run': cannot be created or written (Not a "
-        "directory). Fix: name a directory you can write, e.g. hydra.run.dir=outputs/my_run"]
+        f"hcp: error: hydra.run.dir='{tmp_path}/file/run': {tmp_path}/file is a file, not a "
+        "folder, so nothing can be saved there. Fix: set hydra.run.dir to a folder this user can "
+        "write (it is created if missing)"]
 
 
 @pytest.mark.slow
