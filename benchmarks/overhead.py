@@ -272,7 +272,8 @@ def per_step(results, name: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = arg_parser(__doc__, json_help="also write the per-step figures and the intervals to this file",
+    ap = arg_parser(__doc__,
+                    json_help="also write the per-step figures and the intervals to this file",
                     reps=3, reps_help="repetitions (a row each; the intervals pool them)")
     ap.add_argument("--nproc", type=int, default=4, help="gloo ranks (pure DP)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps of each loop per repetition")

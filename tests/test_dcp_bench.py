@@ -17,9 +17,10 @@ def load_bench():
 
 def test_benchmark_tiny_run_writes_json_and_timeline(tmp_path):
     out, png = tmp_path / "out.json", tmp_path / "tl.png"
-    run_benchmark("dynamic_cp", ["--global-batch", "12", "--cp-pool", "4", "--pp", "1", "--max-tokens-per-rank",
-                "1024", "--max-len", "4096", "--seeds", "100,101", "--exact", "--exact-time-limit",
-                "5", "--json", str(out), "--timeline", str(png)])
+    run_benchmark("dynamic_cp", ["--global-batch", "12", "--cp-pool", "4", "--pp", "1",
+                                 "--max-tokens-per-rank", "1024", "--max-len", "4096", "--seeds",
+                                 "100,101", "--exact", "--exact-time-limit", "5", "--json",
+                                 str(out), "--timeline", str(png)])
     data = json.loads(out.read_text())
     for k in ("packing_only", "greedy", "solver", "exact"):
         assert {"mean_time_over_bound", "mean_solve_ms", "tflops_per_gpu",
