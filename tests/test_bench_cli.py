@@ -39,14 +39,6 @@ def test_every_benchmark_runs_through_the_entry_with_the_shared_json_flag(capsys
         entry.main(["nope"])
 
 
-def test_the_docs_page_lists_every_benchmark():
-    from bench_utils import entry
-
-    with open(os.path.join(REPO, "docs", "benchmarks.md")) as f:
-        rows = [line.split("|")[1].strip(" `") for line in f if line.startswith("| `")]
-    assert rows == list(entry.benchmarks())
-
-
 def test_step_plan_writes_its_figures_as_json_through_the_entry(tmp_path):
     from bench_utils import run_benchmark
 
