@@ -35,7 +35,8 @@ def benchmarks() -> dict[str, str]:
 
 def main(argv: list[str] | None = None):
     """List the benchmarks (no argument), or run `NAME` with the remaining flags and return what
-    its `main` returns. SystemExit (status 2) naming the choices for an unknown NAME."""
+    its `main` returns (`NAME.py` or a path to it is taken too). SystemExit (status 1) naming
+    the choices for an unknown NAME."""
     argv = sys.argv[1:] if argv is None else argv
     names = benchmarks()
     if not argv or argv[0] in ("-h", "--help"):
@@ -52,8 +53,12 @@ def main(argv: list[str] | None = None):
         sys.exit(f"python -m benchmarks: no benchmark {name!r}; choose one of {', '.join(names)}")
     if HERE not in sys.path:  # the benchmarks import their libraries beside them by bare name
         sys.path.insert(0, HERE)
-    sys.argv[0] = f"python -m benchmarks {name}"  # argparse's prog in usage and errors
-    return importlib.import_module(name).main(rest)
+    module = importlib.import_module(name)
+    prog, sys.argv[0] = sys.argv[0], f"python -m benchmarks {name}"  # argparse's usage and errors
+    try:
+        return module.main(rest)
+    finally:
+        sys.argv[0] = prog
 
 
 if __name__ == "__main__":
