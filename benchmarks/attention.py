@@ -39,6 +39,8 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import arg_parser, write_json  # noqa: E402  (beside this file)
 
 
 def lengths_of(case: dict) -> list[int]:
@@ -178,26 +180,24 @@ def run(case: dict, repo: str, what: str) -> dict:
         return dict(status="error", detail=proc.stderr[-300:])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def main(argv=None) -> None:
+    ap = arg_parser(__doc__, reps=3, reps_help="timed runs after one warm-up (median kept)")
     ap.add_argument("--long", default="4096,8192,16384", help="long document lengths")
     ap.add_argument("--short", type=int, default=200, help="short documents packed with each")
     ap.add_argument("--short-max", type=int, default=128, help="longest short document")
     ap.add_argument("--docs", type=int, default=64, help="documents of 512 in the last case (0: none)")
     ap.add_argument("--cp", default="2,4,8", help="CP sizes, comma-separated")
-    ap.add_argument("--strategies", default="allgather,p2p")
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3, help="timed runs after one warm-up (median kept)")
+    ap.add_argument("--strategies", default="allgather,p2p",
+                    help="CP attention strategies, comma-separated")
+    ap.add_argument("--heads", type=int, default=4, help="query heads")
+    ap.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    ap.add_argument("--head-dim", type=int, default=64, help="channels per head")
     ap.add_argument("--baseline", help="another hcp checkout whose CP attention runs beside")
     ap.add_argument("--mem-limit-gib", type=float, default=3.0, help="address space per rank")
     ap.add_argument("--timeout-s", type=float, default=300.0, help="per case")
-    ap.add_argument("--json", help="write the results here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--ideal", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.worker or args.ideal:
         sys.path.insert(0, os.environ.get("PYTHONPATH") or REPO)
         print(json.dumps(worker(json.loads(args.worker)) if args.worker else ideal(json.loads(args.ideal))))
@@ -257,9 +257,7 @@ def main() -> None:
                         line += f" {old['status'].upper():>7}"
                 print(line, flush=True)
                 rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cases": rows}, f, indent=1)
+    write_json(args.json, {"cases": rows})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ measured steps (target >= 0.8).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -32,6 +31,8 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from harness import arg_parser, write_json  # noqa: E402  (beside this file)
 
 RUN = ["logger=none", "trainer.progress_bar=false", "trainer.log_every=1", "trainer.eval_samples=1"]
 PINS = ["vision.layout.recompute=none", "vision.layout.dp_shard=false", "llm.layout.recompute=none",
@@ -271,7 +272,7 @@ def calibrate(args) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = arg_parser(__doc__, json_help="write {'variants': [...]} here")
     p.add_argument("--world", type=int, default=8, help="local gloo ranks")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per layout")
     p.add_argument("--steps", type=int, default=4, help="timed steps per layout")
@@ -282,7 +283,6 @@ def main(argv=None) -> None:
                    help="packing_profile of the predictions (h100: the analytic H100 defaults)")
     p.add_argument("--variants", nargs="*", default=None, help="names to run (default: all)")
     p.add_argument("--out", default="/tmp/hcp-auto-layout-bench", help="run directories of the trained layouts")
-    p.add_argument("--json", default=None, help="write {'variants': [...]} here")
     p.add_argument("--reuse", action="store_true",
                    help="reuse the measurements an earlier run left under --out (same layout and steps)")
     p.add_argument("--calibrate", action="store_true",
@@ -308,9 +308,7 @@ def main(argv=None) -> None:
         tag = " (held out)" if v["name"] in HELD_OUT else " (calibrated on)" if v["name"] == "llava_tiny_hetero" else ""
         print(f"  {v['name']:<20} {v['auto_over_best']:>9.3f} {v['rank_correlation']:>9.2f} "
               f"{v['auto_over_best_cpu']:>13.3f} {v['rank_correlation_cpu']:>8.2f} {v['layouts_measured']:>8}{tag}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"variants": out}, f, indent=1)
+    write_json(args.json, {"variants": out})
 
 
 if __name__ == "__main__":

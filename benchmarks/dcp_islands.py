@@ -65,6 +65,7 @@ sys.path.insert(0, HERE)  # encoder_floor.py, critical_path.py beside this file
 
 from encoder_floor import FloorRound, encoder_times, encoder_work, floor_units  # noqa: E402
 from critical_path import predicted_path  # noqa: E402
+import harness  # noqa: E402
 
 ISLANDS = ["placement=non_colocated", "vision.layout.num_ranks=4", "vision.layout.tp=1", "llm.layout.tp=1",
            "launcher.nproc_per_node=8", "logger=none", "trainer.progress_bar=false", "trainer.eval_every=0",
@@ -314,12 +315,11 @@ def report(results: dict) -> dict:
 def arg_parser(doc: str, over_steps: str) -> argparse.ArgumentParser:
     """The options every 8-rank islands benchmark takes (steps, warm-up, global batch, tokens per
     micro-batch, --json, config overrides); `over_steps`: how it sums the timed steps."""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap = harness.arg_parser(doc)
     ap.add_argument("--steps", type=int, default=5, help=f"timed steps per layout ({over_steps} over them)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--samples", type=int, default=16, help="global batch (a multiple of 4)")
     ap.add_argument("--micro-batch-tokens", type=int, default=256, help="THD tokens per rank and micro-batch")
-    ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("overrides", nargs="*", help="config overrides, as for train.py (every layout)")
     return ap
 
@@ -349,7 +349,7 @@ def main(argv=None) -> dict:
     print(f"wall time {wall:.0f} s ({args.rounds} round(s) of every layout in turn, each {args.warmup} warm-up + "
           f"{args.steps} timed steps, 8 ranks)")
     out = {"layouts": results, "comparisons": rows, "wall_s": wall}
-    write_json(args.json, out)
+    harness.write_json(args.json, out, indent=2)
     return out
 
 
@@ -359,13 +359,6 @@ def workspace(prefix: str, args) -> tuple[str, str]:
     root = tempfile.mkdtemp(prefix=prefix)
     os.makedirs(os.path.join(root, "data"))
     return root, make_records(os.path.join(root, "data"), 4 * args.samples * (args.warmup + args.steps))
-
-
-def write_json(path: str | None, out: dict) -> None:
-    """`out` as indented JSON at `path` (the `--json` option), if given."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":

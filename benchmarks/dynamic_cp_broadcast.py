@@ -38,16 +38,19 @@ does not shorten the planner's own plan time).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import arg_parser, write_json  # noqa: E402  (beside this file)
 
 SETTINGS = {  # name: (lengths, GBS, pool, pp, cap, max_len)
     "pool8_pp8_wikipedia": ("wikipedia", 2048, 8, 8, 8192, 65536),
@@ -137,13 +140,10 @@ def _rank(payload) -> None:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--reps", type=int, default=5, help="broadcasts per setting (least kept)")
-    p.add_argument("--seed", type=int, default=100)
+    p = arg_parser(__doc__, seed=100, reps=5, reps_help="broadcasts per setting (least kept)")
+    p.add_argument("--ranks", type=int, default=8, help="forked gloo ranks")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma list of " +
                    ", ".join(SETTINGS))
-    p.add_argument("--json")
     args = p.parse_args(argv)
     names = args.settings.split(",")
     bad = [n for n in names if n not in SETTINGS]
@@ -175,8 +175,7 @@ def main(argv=None) -> dict:
               f"{v['step_s']:7.3f} {v['plan_s'] / v['step_s']:9.3f} "
               f"{v['broadcast_s'] / v['step_s']:10.4f} {1e3 * v['node_cpu_every_rank_s']:11.1f} "
               f"{1e3 * v['node_cpu_shared_s']:9.1f} {1e3 * v['reader_cpu_s']:9.2f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_json(args.json, result)
     return result
 
 

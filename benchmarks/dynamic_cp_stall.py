@@ -19,8 +19,6 @@ The two modes run in turns on the same batches, so their ratios are side by side
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # dynamic_cp beside this file
 
+from harness import arg_parser, write_json  # noqa: E402
 from lengths import distribution  # noqa: E402
 from hcp.plan.ahead import PlanAhead  # noqa: E402
 
@@ -88,12 +87,10 @@ def measure(name: str, mode: str, steps: int, work: float) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = arg_parser(__doc__)
     p.add_argument("--lengths", default="wikipedia,lognormal,code", help="comma list")
     p.add_argument("--steps", type=int, default=3, help="measured steps per mode")
     p.add_argument("--work", type=float, default=1.5, help="main thread CPU seconds per step")
-    p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if args.steps < 1 or not args.work > 0:
         p.error(f"--steps {args.steps} / --work {args.work}: need >= 1 steps and work > 0 s")
@@ -110,8 +107,7 @@ def main(argv=None) -> dict:
             r = out[name][mode] = measure(name, mode, args.steps, args.work)
             print(f"{name:>10} {mode:>7} {r['gil_s']:7.3f} {r['slowdown']:9.2f} {r['plan_s']:7.2f}",
                   flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+    write_json(args.json, out)
     return out
 
 

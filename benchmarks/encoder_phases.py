@@ -124,7 +124,7 @@ def main(argv=None) -> dict:
     for name in args.layouts:
         out[name] = run(name, data, args, root)
         print_table(name, out[name])
-    dcp_islands.write_json(args.json, out)
+    dcp_islands.harness.write_json(args.json, out, indent=2)
     return out
 
 

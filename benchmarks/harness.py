@@ -1,7 +1,11 @@
-"""What several benchmarks share: their help formatter and the forked gloo ranks of one run."""
+"""What the benchmarks share: their argument parser and common flags (`arg_parser`), the
+`--json` output (`write_json`) and the forked gloo ranks of one run (`fork_ranks`). Every
+benchmark runs through `python -m benchmarks NAME` (benchmarks/__main__.py) or as
+`python benchmarks/NAME.py`."""
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import queue as queue_mod
 import time
@@ -10,6 +14,29 @@ import traceback
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Defaults in every flag's help, and the epilog (a column list) kept as written."""
+
+
+def arg_parser(doc: str, epilog: str | None = None, *, json_help: str = "write the results here",
+               seed: int | None = None, reps: int | None = None,
+               reps_help: str = "repetitions") -> argparse.ArgumentParser:
+    """A benchmark's parser: the first paragraph of `doc` (its module docstring) as description,
+    `epilog` (e.g. the columns of its table) kept as written, defaults in every help, and the common
+    flags: `--json PATH` always; `--seed N` and `--reps N` when given a default."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], epilog=epilog,
+                                 formatter_class=HelpFormatter)
+    ap.add_argument("--json", metavar="PATH", help=json_help)
+    if seed is not None:
+        ap.add_argument("--seed", type=int, default=seed, help="random seed")
+    if reps is not None:
+        ap.add_argument("--reps", type=int, default=reps, help=reps_help)
+    return ap
+
+
+def write_json(path: str | None, out, indent: int = 1) -> None:
+    """`out` as indented JSON at `path` (the `--json` flag), if given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=indent)
 
 
 def report(queue, rank: int, measure, *args) -> None:

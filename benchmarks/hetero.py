@@ -39,8 +39,6 @@ the estimated LLM step; then the regime conclusion.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 
@@ -56,7 +54,7 @@ import functools  # noqa: E402
 
 import hetero_rank  # noqa: E402
 from hetero_rank import PHASES, encoder_flops, make_data, run_rank, schedule_graph  # noqa: E402,F401
-from harness import fork_ranks  # noqa: E402
+from harness import arg_parser, fork_ranks, write_json  # noqa: E402
 from hcp.launch.launch import free_port  # noqa: E402
 
 MODEL = ["vision.image_size=32", "vision.patch_size=4", "vision.hidden_size=256",
@@ -298,8 +296,7 @@ def regime_summary(out: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = arg_parser(__doc__)
     ap.add_argument("--world", type=int, default=8, choices=sorted(LAYOUTS),
                     help="CPU ranks: 8 runs three layouts, 4 the two of issue 12")
     ap.add_argument("--layouts", default=None,
@@ -317,7 +314,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--plan", choices=("full", "none"), default="full",
                     help="print plan mode's memory of the full-size recipes (full) or not")
     ap.add_argument("--plan-only", action="store_true", help="only the plan section")
-    ap.add_argument("--json", metavar="PATH", help="write the results here")
     ap.add_argument("overrides", nargs="*", help="config overrides, as for train.py")
     args = ap.parse_args(argv)
     args.samples = args.samples or (16 if args.world == 8 else 8)
@@ -364,8 +360,7 @@ def main(argv=None) -> dict:
     print(out["regime"])
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(args.json, out, indent=2)
     return out
 
 

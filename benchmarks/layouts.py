@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
-from harness import HelpFormatter  # noqa: E402
+from harness import arg_parser, write_json  # noqa: E402
 from hcp.launch.launch import free_port  # noqa: E402
 
 SMALL = ["trainer.global_batch_size=8", "data.max_seq_len=512", "trainer.micro_batch_tokens=1024",
@@ -118,8 +118,7 @@ def run_layout(spec: str, nproc: int, steps: int, warmup: int) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=COLUMNS,
-                                 formatter_class=HelpFormatter)
+    ap = arg_parser(__doc__, COLUMNS)
     ap.add_argument("--layouts", default="dp4,tp2,cp2,cp2:p2p,tp2cp2,tp2cp2:p2p,cp4,cp4:p2p",
                     help="comma-separated LLM layouts: tpN, cpN (dp inferred), `:p2p` for ring CP "
                          "attention (default allgather); the first is the ratio's baseline")
@@ -152,6 +151,7 @@ def main(argv=None) -> list[dict]:
     for spec in args.layouts.split(","):
         rows.append(run_layout(spec, args.nproc, args.steps, args.warmup))
         print(format_row(rows[-1], rows[0]["tokens_per_s"]), flush=True)
+    write_json(args.json, {"layouts": rows})
     return rows
 
 

@@ -39,7 +39,6 @@ step pairs and `--pool` prints the intervals over several runs' pairs together.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import multiprocessing as mp
@@ -54,6 +53,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from hcp.launch.launch import free_port  # noqa: E402
+from harness import arg_parser, write_json  # noqa: E402
 from plain_loop import PlainLoop, Sections  # noqa: E402  (benchmarks/plain_loop.py)
 
 OVERRIDES = ["+recipe=llama_tiny", "trainer.eval_every=0", "trainer.save_every=0"]
@@ -272,17 +272,16 @@ def per_step(results, name: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = arg_parser(__doc__,
+                    json_help="also write the per-step figures and the intervals to this file",
+                    reps=3, reps_help="repetitions (a row each; the intervals pool them)")
     ap.add_argument("--nproc", type=int, default=4, help="gloo ranks (pure DP)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps of each loop per repetition")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions (a row each; the intervals pool them)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured first steps of each loop")
     ap.add_argument("--profile", type=int, default=0, help="profile this many more steps")
     ap.add_argument("--confidence", type=float, default=0.95, help="level of the printed intervals")
     ap.add_argument("--loss-rtol", type=float, default=1e-4,
                     help="largest relative difference of the two loops' per-step losses (else exit 1)")
-    ap.add_argument("--json", help="also write the per-step figures and the intervals to this file")
     ap.add_argument("--pool", nargs="+", metavar="JSON", help="run nothing: the intervals over the step "
                     "pairs of these earlier runs' --json files together")
     ap.add_argument("overrides", nargs="*", help="extra hcp config overrides")
@@ -328,9 +327,7 @@ def main(argv=None) -> dict:
     if results[0][2]:
         print(results[0][2])
     out = dict(hcp=h, plain=p, sections=sections, **intervals, loss_rel_diff=diff)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**out, "load": os.getloadavg(), "args": vars(args)}, f)
+    write_json(args.json, {**out, "load": os.getloadavg(), "args": vars(args)}, indent=None)
     if diff > args.loss_rtol or not same:
         raise SystemExit(f"the loops differ: losses by {diff:.2e} (--loss-rtol {args.loss_rtol:g}), "
                          f"tokens or micro-batches per step {'equal' if same else 'not equal'}")

@@ -9,13 +9,13 @@ it) and of one rank's `StepPlan.rank` (its micro-batches and routes).
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from types import SimpleNamespace as NS
 
 import numpy as np
 
+from harness import arg_parser, write_json  # beside this file
 from hcp.plan.lengths import SampleSizes
 from hcp.plan.step import plan_step
 
@@ -35,10 +35,10 @@ def llava_batch(batch: int, rows: int, seed: int = 0) -> SampleSizes:
     return SampleSizes.from_lists(tokens, [t // 3 for t in tokens], images)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=7)
-    args = ap.parse_args()
+def main(argv=None) -> dict:
+    ap = arg_parser(__doc__)
+    ap.add_argument("--repeats", type=int, default=7, help="plans timed (medians kept)")
+    args = ap.parse_args(argv)
     sizes = llava_batch(2048, 576)
     layouts = {"vision": _layout("vision", tp=2, dp=2048), "projector": _layout("projector", tp=2, dp=2048),
                "llm": _layout("llm", tp=8, cp=2, dp=128, pp=2)}
@@ -57,6 +57,11 @@ def main() -> None:
     print(f"plan_step: {statistics.median(plan_cpu) * 1e3:.0f} ms thread CPU "
           f"({statistics.median(plan_wall) * 1e3:.0f} ms wall), one rank's part: "
           f"{statistics.median(rank_cpu) * 1e3:.1f} ms (median of {args.repeats})")
+    out = {"image_rows": rows, "micro_batches_per_rank": plan.num_micro_batches,
+           "plan_cpu_s": statistics.median(plan_cpu), "plan_wall_s": statistics.median(plan_wall),
+           "rank_cpu_s": statistics.median(rank_cpu)}
+    write_json(args.json, out)
+    return out
 
 
 if __name__ == "__main__":

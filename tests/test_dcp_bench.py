@@ -3,6 +3,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from bench_utils import run_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -14,11 +16,11 @@ def load_bench():
 
 
 def test_benchmark_tiny_run_writes_json_and_timeline(tmp_path):
-    bench = load_bench()
     out, png = tmp_path / "out.json", tmp_path / "tl.png"
-    bench.main(["--global-batch", "12", "--cp-pool", "4", "--pp", "1", "--max-tokens-per-rank",
-                "1024", "--max-len", "4096", "--seeds", "100,101", "--exact", "--exact-time-limit",
-                "5", "--json", str(out), "--timeline", str(png)])
+    run_benchmark("dynamic_cp", ["--global-batch", "12", "--cp-pool", "4", "--pp", "1",
+                                 "--max-tokens-per-rank", "1024", "--max-len", "4096", "--seeds",
+                                 "100,101", "--exact", "--exact-time-limit", "5", "--json",
+                                 str(out), "--timeline", str(png)])
     data = json.loads(out.read_text())
     for k in ("packing_only", "greedy", "solver", "exact"):
         assert {"mean_time_over_bound", "mean_solve_ms", "tflops_per_gpu",
@@ -31,9 +33,9 @@ def test_benchmark_tiny_run_writes_json_and_timeline(tmp_path):
 def test_benchmark_pipeline_run():
     args = ["--global-batch", "64", "--cp-pool", "4", "--pp", "4", "--max-tokens-per-rank",
             "2048", "--max-len", "8192", "--seeds", "100"]
-    s = load_bench().main(args)
+    s = run_benchmark("dynamic_cp", args)
     assert s["solver"]["mean_time_over_bound"] <= s["greedy"]["mean_time_over_bound"]
-    tight = load_bench().main(args + ["--lp-bound"])  # the pinned pipeline bound: tighter
+    tight = run_benchmark("dynamic_cp", args + ["--lp-bound"])  # the pinned pipeline bound: tighter
     assert 1.0 <= tight["solver"]["mean_time_over_bound"] < s["solver"]["mean_time_over_bound"]
 
 
@@ -56,8 +58,8 @@ def test_critical_path_lets_groups_run_ahead_and_waits_for_the_slowest_member():
 
 def test_broadcast_benchmark_times_both_ways_on_forked_ranks(tmp_path):
     out = tmp_path / "b.json"
-    _load("dynamic_cp_broadcast").main(["--ranks", "2", "--reps", "1", "--settings",
-                                        "pool64_pp1_lognormal", "--json", str(out)])
+    run_benchmark("dynamic_cp_broadcast", ["--ranks", "2", "--reps", "1", "--settings",
+                                           "pool64_pp1_lognormal", "--json", str(out)])
     v = json.loads(out.read_text())["pool64_pp1_lognormal"]
     assert v["plan_s"] > 0 and v["broadcast_s"] > 0 and v["bytes"] > 1000 and v["step_s"] > 0
 

@@ -14,14 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_measured_run_counts_communication_in_busy_time(tmp_path):
-    spec = importlib.util.spec_from_file_location("dcp_train",
-                                                  ROOT / "benchmarks/dynamic_cp_train.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from bench_utils import run_benchmark
+
     out = tmp_path / "r.json"
-    bench.main(["--ranks", "2", "--steps", "1", "--reps", "1", "--global-batch", "4",
-                "--lengths", "wikipedia,code", "--seeds", "100,101",
-                "--micro-batch-tokens", "256", "--profile", "h100", "--json", str(out)])
+    run_benchmark("dynamic_cp_train", ["--ranks", "2", "--steps", "1", "--reps", "1",
+                                       "--global-batch", "4", "--lengths", "wikipedia,code",
+                                       "--seeds", "100,101", "--micro-batch-tokens", "256",
+                                       "--profile", "h100", "--json", str(out)])
     data = json.loads(out.read_text())
     assert [(r["lengths"], r["seed"]) for r in data["runs"]] == [
         ("wikipedia", 100), ("wikipedia", 101), ("code", 100), ("code", 101)]

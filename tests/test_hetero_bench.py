@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import hetero  # noqa: E402
+from bench_utils import run_benchmark  # noqa: E402
 
 TINY = ["vision.image_size=8", "vision.patch_size=2", "vision.hidden_size=64", "vision.num_layers=2",
         "vision.num_heads=2", "vision.ffn_hidden_size=128", "llm.num_layers=2", "trainer.micro_batch_tokens=64"]
@@ -22,8 +23,8 @@ TINY = ["vision.image_size=8", "vision.patch_size=2", "vision.hidden_size=64", "
 @pytest.mark.slow
 def test_hetero_benchmark_three_layouts_on_8_ranks(tmp_path):
     path = tmp_path / "out" / "hetero.json"
-    hetero.main(["--steps", "1", "--warmup", "0", "--text-tokens", "8", "--plan", "none",
-                 "--json", str(path), *TINY])
+    run_benchmark("hetero", ["--steps", "1", "--warmup", "0", "--text-tokens", "8", "--plan",
+                             "none", "--json", str(path), *TINY])
     out = json.loads(path.read_text())
     layouts = out["layouts"]
     assert list(layouts) == ["homogeneous", "heterogeneous", "non_colocated"]

@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import overhead  # noqa: E402
 import plain_loop  # noqa: E402
+from bench_utils import run_benchmark  # noqa: E402
 
 SMALL = ["--nproc", "2", "--reps", "1", "--warmup", "1"]
 
@@ -75,7 +76,7 @@ def test_each_loop_pays_for_its_own_batches(monkeypatch):
 
     monkeypatch.setattr(Trainer, "prepare", slow_prepare)  # the forked ranks inherit both
     monkeypatch.setattr(plain_loop.PlainLoop, "batches", slow_batches)
-    out = overhead.main([*SMALL, "--steps", "2"])  # warm-up: batch 0; measured: batches 1 and 2
+    out = run_benchmark("overhead", [*SMALL, "--steps", "2"])  # warm-up: batch 0; measured: 1, 2
     assert out["hcp"]["wall"][0] >= delay
     assert out["plain"]["wall"][1] >= delay
     assert out["sections"]["plain"]["data"][1] * 2 >= delay  # wall s per step, 2 steps
@@ -91,7 +92,7 @@ def test_a_plain_loop_that_packs_differently_is_caught(monkeypatch):
 
     monkeypatch.setattr(plain_loop.PlainLoop, "batches", one_more_micro_batch)
     with pytest.raises(SystemExit, match="the loops differ"):
-        overhead.main([*SMALL, "--steps", "2"])
+        run_benchmark("overhead", [*SMALL, "--steps", "2"])
 
 
 def test_pool_takes_every_pair_of_every_run(tmp_path):
@@ -107,7 +108,7 @@ def test_pool_takes_every_pair_of_every_run(tmp_path):
         with open(paths[-1], "w") as f:
             json.dump(run, f)
         single.append(overhead.median_ci(run["pairs"]))
-    pooled = overhead.main(["--pool", *paths])
+    pooled = run_benchmark("overhead", ["--pool", *paths])
     assert len(pooled["pairs"]) == 60
     assert pooled["median"][1] <= 0.97 <= pooled["median"][2]
     assert pooled["median"][2] - pooled["median"][1] < min(hi - lo for _, lo, hi in single)
