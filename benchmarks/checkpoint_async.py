@@ -27,7 +27,6 @@ Columns:
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -37,7 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from harness import HelpFormatter, fork_ranks, report  # noqa: E402
+from harness import arg_parser, fork_ranks, report, write_json  # noqa: E402
 from hcp.launch.launch import free_port  # noqa: E402
 
 BASE = ["+recipe=llama_tiny", "logger=none", "trainer.progress_bar=false", "trainer.eval_every=0",
@@ -115,7 +114,7 @@ def run_mode(mode: str, args, root: str) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    ap = arg_parser(__doc__, __doc__.split("\n\n", 1)[1])  # the columns as epilog
     ap.add_argument("--world", type=int, default=2, help="gloo ranks")
     ap.add_argument("--steps", type=int, default=6,
                     help="timed steps without saves, then as many with")
@@ -140,6 +139,7 @@ def main(argv=None) -> dict:
     for mode, r in out.items():
         print(f"{mode:<8} {r['step_s']:8.3f} {r['lost_s']:12.3f} {r['blocked_s']:15.3f} "
               f"{int(r['saves']):6d}")
+    write_json(args.json, out)
     return out
 
 

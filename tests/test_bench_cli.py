@@ -88,7 +88,8 @@ def _parser_of(name, monkeypatch):
 
 COLUMNS = {"layouts": ("loss", "tokens/s", "ratio", "cpu s/step", "MB/step"),
            "dynamic_cp": ("time_s", "/bound", "max/bound", "/opt", "opt<=", "M, rounds", "plan_ms",
-                          "TFLOPS", "cp histogram")}
+                          "TFLOPS", "cp histogram"),
+           "checkpoint_async": ("mode", "step s", "lost/save s", "blocked/save s", "saves")}
 
 
 def _names():
