@@ -87,3 +87,23 @@ def test_same_plan_whatever_the_clock(monkeypatch):
         monkeypatch.setattr(time, name, slow_clock)
     slow = [shape(solver.solve(l, c, 8, m, several_per_round=r).plan) for l, c, m, r in cases]
     assert slow == plain
+
+
+def test_fill_slack_tests_few_pairs(monkeypatch):
+    """`rounds.fill_slack` on greedy's plan as rounds (the peer benchmark's batch, seed 100):
+    every (sequence, group) pair whose sequence could gain was tested one by one before the
+    bounds over all groups at once (8,923 pairs, 447 with them); now only those of sequences some group
+    may take, for the same moves and plan."""
+    from hcp.dcp import rounds
+    from hcp.dcp.baselines import greedy
+
+    lens = peer_batch()
+    cost = load_cost(recipe_llm(), pp=1)
+    real, kept = rounds.fill_slack, []
+    monkeypatch.setattr(rounds, "fill_slack", lambda plan, *a, **k: kept.append(plan)
+                        or real(plan, *a, **k))
+    out = rounds.merge_rounds(greedy(lens, 8, 2048), lens, cost, 2048)
+    counter = []
+    again = real(kept[0], lens, cost, 2048, counter=counter)
+    assert shape(again) == shape(out)
+    assert counter[1] < 1_000

@@ -116,13 +116,17 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
     micro-batch with the most room that holds it (padding counted), else a new micro-batch.
     Best move per pass (the first best in a fixed order), at most `max_moves` moves and
     `max_evals` costed placements (a deterministic budget, no clock); the result is never
-    slower. `counter`, if given, gets the number of costed placements appended.
+    slower. `counter`, if given, gets the number of costed placements and of (sequence, group)
+    pairs tested one by one appended.
 
     Work saved without changing the move taken: a group's placements are cached until the group
     changes; a group is skipped when even the least its time can grow (the matmuls of the
     sequence, `(1 + k) mm n / c`) leaves no gain over the best move so far; the scan for a
     sequence stops at the first group that takes it at no loss (no later one can beat it); a
-    round is skipped when its gap to its second busiest group is no gain over the best."""
+    round is skipped when its gap to its second busiest group is no gain over the best; a
+    sequence (or a whole busiest group, by its shortest sequence) is skipped when no CP size's
+    most idle group, in any round, leaves a gain at that least growth (the per-group test,
+    bounded over the groups at once)."""
     from hcp.dcp.local_search import GroupTime
 
     if cost.pp != 1:
@@ -131,6 +135,7 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
     k1 = 1.0 + cost.bwd_factor
     o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
     grow = k1 * f.mm * (1.0 - 1e-9)  # least growth per token and rank, rounding kept safe
+    inf = float("inf")
     lens = [int(x) for x in np.asarray(lengths)]
 
     rt = rank_tokens_of
@@ -184,11 +189,17 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
         g[4].clear()
         g[5].clear()
 
-    evals = 0
+    evals = pairs = 0  # costed placements; (sequence, group) pairs tested one by one
     for _ in range(max_moves):
         if evals >= max_evals:
             break
         tops = [max(g[3] for g in r) for r in rounds]
+        # per round and CP size c, the most time one of its groups of c ranks can take before
+        # it runs past the round: {c: seconds}
+        room = [{} for _ in rounds]
+        for t, r, out in zip(tops, rounds, room):
+            for g in r:
+                out[g[0]] = max(out.get(g[0], -inf), t - g[3])
         best = (1e-12, None)
         for a, ra in enumerate(rounds):
             order = sorted(ra, key=lambda g: -g[3])
@@ -196,6 +207,22 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
             second = order[1][3] if len(order) > 1 else 0.0
             if tops[a] - second <= best[0]:
                 continue  # no removal gains more (a tie at the top: none shortens the round)
+            # ... of the other rounds, and of round a less ga less its top: [(c, s, s)]
+            bounds = {}
+            for b, x in enumerate(room):
+                for c, t in x.items():
+                    if b != a and t > bounds.get(c, (-inf, -inf))[0]:
+                        bounds[c] = (t, -inf)
+            for g in order[1:]:
+                t, u = bounds.get(g[0], (-inf, -inf))
+                bounds[g[0]] = (t, max(u, -g[3]))
+            bounds = [(c * 1.0, t, u) for c, (t, u) in bounds.items()]
+            if not bounds:
+                continue  # no group to move to
+            n = min(lens[i] for mb in ga[2] for i in mb[0])  # the least growth: the shortest
+            if max(max(tops[a] - second + t, tops[a] + u) - grow * n / c
+                   for c, t, u in bounds) <= best[0] - 1e-12:
+                continue  # the test below for every sequence of ga, bounded
             gone = ga[5]
             for i in {i for mb in ga[2] for i in mb[0]}:
                 if i not in gone:
@@ -205,8 +232,13 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
                 if gain <= best[0]:
                     continue
                 n = lens[i]
+                top_a = max(t_a, second)
+                if max(max(t, top_a + u) - grow * n / c
+                       for c, t, u in bounds) <= best[0] - gain - 1e-12:
+                    continue  # no group of any round has room for it (the test below, bounded)
                 for b, rb in enumerate(rounds):
                     top_b = max(t_a, second) if b == a else tops[b]
+                    pairs += len(rb)
                     for gb in rb:
                         if gb is ga or gain - (gb[3] + grow * n / gb[0] - top_b) <= best[0]:
                             continue  # no gain left even at the least growth
@@ -232,7 +264,7 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
         apply(ga, qa, new_a)
         apply(gb, qb, new_b)
     if counter is not None:
-        counter.append(evals)
+        counter += [evals, pairs]
     out = Packing()
     for r in rounds:
         groups = []
