@@ -143,16 +143,20 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
     def mb_time(mb, c):  # mb = [seqs, tokens, sq, rank tokens]
         return k1 * f(mb[1], mb[2], c) + o if mb[0] else 0.0
 
-    # rounds -> groups [c, offset, [micro-batches], time, {seq: cached addition},
+    def timed(mb, c):  # mb with its time appended (mb[4], seconds): costed once
+        mb.append(mb_time(mb, c))
+        return mb
+
+    # rounds -> groups [c, offset, [micro-batches, each timed], time, {seq: cached addition},
     # {seq: cached removal}]
     rounds = []
     for r in plan.rounds:
         groups = []
         for g in r.groups:
-            mbs = [[list(q), sum(lens[i] for i in q), sum(lens[i] ** 2 for i in q),
-                    sum(rt(lens[i], g.cp_size) for i in q)] for q in g.micro_batches]
-            groups.append([g.cp_size, g.rank_offset, mbs,
-                           sum(mb_time(mb, g.cp_size) for mb in mbs), {}, {}])
+            mbs = [timed([list(q), sum(lens[i] for i in q), sum(lens[i] ** 2 for i in q),
+                          sum(rt(lens[i], g.cp_size) for i in q)], g.cp_size)
+                   for q in g.micro_batches]
+            groups.append([g.cp_size, g.rank_offset, mbs, sum(mb[4] for mb in mbs), {}, {}])
         rounds.append(groups)
 
     def removal(g, i):  # new time of g without sequence i, and (mb index, new mb)
@@ -160,8 +164,9 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
         for q, mb in enumerate(g[2]):
             if i in mb[0]:
                 n = lens[i]
-                new = [[x for x in mb[0] if x != i], mb[1] - n, mb[2] - n * n, mb[3] - rt(n, c)]
-                return g[3] - mb_time(mb, c) + mb_time(new, c), q, new
+                new = timed([[x for x in mb[0] if x != i], mb[1] - n, mb[2] - n * n,
+                             mb[3] - rt(n, c)], c)
+                return g[3] - mb[4] + new[4], q, new
         raise AssertionError(i)
 
     def addition(g, i):  # best new time of g with sequence i, and (mb index or -1, new mb)
@@ -169,11 +174,12 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
         need = rt(n, c)
         if need > m:
             return None
-        best = (g[3] + k1 * f(n, n * n, c) + o, -1, [[i], n, n * n, need])
+        x = k1 * f(n, n * n, c)
+        best = (g[3] + x + o, -1, [[i], n, n * n, need, x + o])  # in a micro-batch of its own
         for q, mb in enumerate(g[2]):
             if mb[3] + need <= m:
-                new = [mb[0] + [i], mb[1] + n, mb[2] + n * n, mb[3] + need]
-                t = g[3] - mb_time(mb, c) + mb_time(new, c)
+                new = timed([mb[0] + [i], mb[1] + n, mb[2] + n * n, mb[3] + need], c)
+                t = g[3] - mb[4] + new[4]
                 if t < best[0]:
                     best = (t, q, new)
         return best
@@ -185,7 +191,7 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
             g[2][q] = new
         else:
             g[2].pop(q)
-        g[3] = sum(mb_time(mb, g[0]) for mb in g[2])
+        g[3] = sum(mb[4] for mb in g[2])
         g[4].clear()
         g[5].clear()
 
