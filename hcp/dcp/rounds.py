@@ -124,6 +124,8 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
     sequence, `(1 + k) mm n / c`) leaves no gain over the best move so far; the scan for a
     sequence stops at the first group that takes it at no loss (no later one can beat it); a
     round is skipped when its gap to its second busiest group is no gain over the best; a
+    sequence's removal is not costed when even its micro-batch alone (the most taking it off
+    can save: the forward time is subadditive) is no gain over the best; a
     sequence (or a whole busiest group, by its shortest sequence) is skipped when no CP size's
     most idle group, in any round, leaves a gain at that least growth (the per-group test,
     bounded over the groups at once)."""
@@ -196,6 +198,7 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
         g[5].clear()
 
     evals = pairs = 0  # costed placements; (sequence, group) pairs tested one by one
+    alone: dict[tuple[int, int], float] = {}  # (seq, c) -> its micro-batch alone (seconds)
     for _ in range(max_moves):
         if evals >= max_evals:
             break
@@ -229,9 +232,14 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
             if max(max(tops[a] - second + t, tops[a] + u) - grow * n / c
                    for c, t, u in bounds) <= best[0] - 1e-12:
                 continue  # the test below for every sequence of ga, bounded
-            gone = ga[5]
+            gone, ca = ga[5], ga[0]
             for i in {i for mb in ga[2] for i in mb[0]}:
                 if i not in gone:
+                    # f is subadditive, so taking i off saves at most its micro-batch of its own
+                    if (i, ca) not in alone:
+                        alone[i, ca] = k1 * f(lens[i], lens[i] ** 2, ca) + o
+                    if tops[a] - max(ga[3] - alone[i, ca], second) <= best[0] - 1e-12:
+                        continue  # the gain below, bounded without costing the removal
                     gone[i] = removal(ga, i)
                 t_a, qa, new_a = gone[i]
                 gain = tops[a] - max(t_a, second)
