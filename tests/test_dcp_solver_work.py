@@ -87,3 +87,31 @@ def test_same_plan_whatever_the_clock(monkeypatch):
         monkeypatch.setattr(time, name, slow_clock)
     slow = [shape(solver.solve(l, c, 8, m, several_per_round=r).plan) for l, c, m, r in cases]
     assert slow == plain
+
+
+def test_fill_slack_tests_few_pairs(monkeypatch):
+    """`rounds.fill_slack` on greedy's plan as rounds (the peer benchmark's batch, seed 100):
+    every (sequence, group) pair whose sequence could gain was tested one by one before the
+    bounds over all groups at once (8,923 pairs, 447 with them); now only those of sequences
+    some group may take, for the same moves and plan. Micro-batches were costed 2,511 times (each removal
+    costed, each micro-batch costed again at every move), 1,363 times now."""
+    from hcp.dcp import rounds
+    from hcp.dcp.baselines import greedy
+
+    lens = peer_batch()
+    cost = load_cost(recipe_llm(), pp=1)
+    real, kept = rounds.fill_slack, []
+    monkeypatch.setattr(rounds, "fill_slack", lambda plan, *a, **k: kept.append(plan)
+                        or real(plan, *a, **k))
+    out = rounds.merge_rounds(greedy(lens, 8, 2048), lens, cost, 2048)
+    counter, calls, plain = [], [0], GroupTime.__call__
+
+    def counted(self, t, s, c):
+        calls[0] += 1
+        return plain(self, t, s, c)
+
+    monkeypatch.setattr(GroupTime, "__call__", counted)
+    again = real(kept[0], lens, cost, 2048, counter=counter)
+    assert shape(again) == shape(out)
+    assert counter[1] < 1_000
+    assert calls[0] < 1_800

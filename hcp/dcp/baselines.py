@@ -65,10 +65,11 @@ def packing_only(lengths, pool: int, max_tokens_per_rank: int, max_len: int | No
     return plan
 
 
-def _greedy_micro_batch(order, lens, cps, pool, m):
+def _greedy_micro_batch(order, lens, cps, own, pool, m):
     """Fill one micro-batch from `order`; return its groups and the deferred indices. Group
     tokens are per rank (`rank_tokens` at the group's size), loads `L^2 / c`. `lens`, `cps`:
-    Python lists (tokens, CP size per sequence; scalar indexing of numpy arrays would dominate)."""
+    Python lists (tokens, CP size per sequence; scalar indexing of numpy arrays would dominate),
+    `own` each sequence's tokens per rank at its CP size."""
     free = (1 << pool) - 1  # bit k set: rank k idle
 
     def block_free(o, c):
@@ -79,10 +80,10 @@ def _greedy_micro_batch(order, lens, cps, pool, m):
     room: dict[int, int] = {}  # per CP size, the most tokens one of its groups can still take
     most_room = 0  # max(room.values())
     deferred: list[int] = []
-    shortest = min(rank_tokens_of(lens[i], cps[i]) for i in order)  # fewest per-rank tokens
+    shortest = min(map(own.__getitem__, order))  # fewest per-rank tokens
     for k, i in enumerate(order):
         L, c = lens[i], cps[i]
-        n = rank_tokens_of(L, c)  # per-rank tokens at c
+        n = own[i]  # per-rank tokens at c
         if not free and most_room < shortest:
             deferred.extend(order[k:])  # nothing left fits anywhere in this micro-batch
             break
@@ -124,7 +125,8 @@ def greedy(lengths, pool: int, max_tokens_per_rank: int) -> Packing:
     cps = min_cp(lens, max_tokens_per_rank).tolist()
     order = np.argsort(-lens, kind="stable").tolist()
     plan, as_list = Packing(), lens.tolist()
+    own = [rank_tokens_of(x, c) for x, c in zip(as_list, cps)]
     while order:
-        groups, order = _greedy_micro_batch(order, as_list, cps, pool, max_tokens_per_rank)
+        groups, order = _greedy_micro_batch(order, as_list, cps, own, pool, max_tokens_per_rank)
         plan.rounds.append(Round(fill_idle(groups, pool)))
     return plan

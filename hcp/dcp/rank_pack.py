@@ -59,18 +59,21 @@ def rank_time_plan(lens: np.ndarray, cost: CostModel, pool: int, m: int) -> Pack
         n = int(lens[i])
         sq = n * n
         best, where = np.inf, None
-        fits = [q for q in multi if mbs[q][4] + rt[mbs[q][6]][i] <= m]
         first = next((q for q in ones if mbs[q][4] + n <= m), None)
+        scan = multi
         if first is not None:
-            bisect.insort(fits, first)
+            scan = multi.copy()
+            bisect.insort(scan, first)
         least = {}  # CP size -> the least rank-time joining one of its micro-batches adds
-        for q in fits:
+        for q in scan:
             c, _, t, s, used, ft, kc = mbs[q]
             if c > 1:
                 if c not in least:
                     least[c] = c * k1 * f.least_growth(n, sq, c)
                 if best <= least[c] + 5e-16:  # none of size c can be 1e-15 s below the best
                     continue  # (5e-16: above the rounding of the adds, below the margin)
+                if used + rt[kc][i] > m:
+                    continue  # does not fit
             add = c * k1 * (f(t + n, s + sq, c) - ft)
             if add < best - 1e-15:
                 best, where = add, q

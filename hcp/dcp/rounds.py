@@ -116,13 +116,19 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
     micro-batch with the most room that holds it (padding counted), else a new micro-batch.
     Best move per pass (the first best in a fixed order), at most `max_moves` moves and
     `max_evals` costed placements (a deterministic budget, no clock); the result is never
-    slower. `counter`, if given, gets the number of costed placements appended.
+    slower. `counter`, if given, gets the number of costed placements and of (sequence, group)
+    pairs tested one by one appended.
 
     Work saved without changing the move taken: a group's placements are cached until the group
     changes; a group is skipped when even the least its time can grow (the matmuls of the
     sequence, `(1 + k) mm n / c`) leaves no gain over the best move so far; the scan for a
     sequence stops at the first group that takes it at no loss (no later one can beat it); a
-    round is skipped when its gap to its second busiest group is no gain over the best."""
+    round is skipped when its gap to its second busiest group is no gain over the best; a
+    sequence's removal is not costed when even its micro-batch alone (the most taking it off
+    can save: the forward time is subadditive) is no gain over the best; a
+    sequence (or a whole busiest group, by its shortest sequence) is skipped when no CP size's
+    most idle group, in any round, leaves a gain at that least growth (the per-group test,
+    bounded over the groups at once)."""
     from hcp.dcp.local_search import GroupTime
 
     if cost.pp != 1:
@@ -131,6 +137,7 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
     k1 = 1.0 + cost.bwd_factor
     o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
     grow = k1 * f.mm * (1.0 - 1e-9)  # least growth per token and rank, rounding kept safe
+    inf = float("inf")
     lens = [int(x) for x in np.asarray(lengths)]
 
     rt = rank_tokens_of
@@ -138,16 +145,20 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
     def mb_time(mb, c):  # mb = [seqs, tokens, sq, rank tokens]
         return k1 * f(mb[1], mb[2], c) + o if mb[0] else 0.0
 
-    # rounds -> groups [c, offset, [micro-batches], time, {seq: cached addition},
+    def timed(mb, c):  # mb with its time appended (mb[4], seconds): costed once
+        mb.append(mb_time(mb, c))
+        return mb
+
+    # rounds -> groups [c, offset, [micro-batches, each timed], time, {seq: cached addition},
     # {seq: cached removal}]
     rounds = []
     for r in plan.rounds:
         groups = []
         for g in r.groups:
-            mbs = [[list(q), sum(lens[i] for i in q), sum(lens[i] ** 2 for i in q),
-                    sum(rt(lens[i], g.cp_size) for i in q)] for q in g.micro_batches]
-            groups.append([g.cp_size, g.rank_offset, mbs,
-                           sum(mb_time(mb, g.cp_size) for mb in mbs), {}, {}])
+            mbs = [timed([list(q), sum(lens[i] for i in q), sum(lens[i] ** 2 for i in q),
+                          sum(rt(lens[i], g.cp_size) for i in q)], g.cp_size)
+                   for q in g.micro_batches]
+            groups.append([g.cp_size, g.rank_offset, mbs, sum(mb[4] for mb in mbs), {}, {}])
         rounds.append(groups)
 
     def removal(g, i):  # new time of g without sequence i, and (mb index, new mb)
@@ -155,8 +166,9 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
         for q, mb in enumerate(g[2]):
             if i in mb[0]:
                 n = lens[i]
-                new = [[x for x in mb[0] if x != i], mb[1] - n, mb[2] - n * n, mb[3] - rt(n, c)]
-                return g[3] - mb_time(mb, c) + mb_time(new, c), q, new
+                new = timed([[x for x in mb[0] if x != i], mb[1] - n, mb[2] - n * n,
+                             mb[3] - rt(n, c)], c)
+                return g[3] - mb[4] + new[4], q, new
         raise AssertionError(i)
 
     def addition(g, i):  # best new time of g with sequence i, and (mb index or -1, new mb)
@@ -164,11 +176,12 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
         need = rt(n, c)
         if need > m:
             return None
-        best = (g[3] + k1 * f(n, n * n, c) + o, -1, [[i], n, n * n, need])
+        x = k1 * f(n, n * n, c)
+        best = (g[3] + x + o, -1, [[i], n, n * n, need, x + o])  # in a micro-batch of its own
         for q, mb in enumerate(g[2]):
             if mb[3] + need <= m:
-                new = [mb[0] + [i], mb[1] + n, mb[2] + n * n, mb[3] + need]
-                t = g[3] - mb_time(mb, c) + mb_time(new, c)
+                new = timed([mb[0] + [i], mb[1] + n, mb[2] + n * n, mb[3] + need], c)
+                t = g[3] - mb[4] + new[4]
                 if t < best[0]:
                     best = (t, q, new)
         return best
@@ -180,15 +193,22 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
             g[2][q] = new
         else:
             g[2].pop(q)
-        g[3] = sum(mb_time(mb, g[0]) for mb in g[2])
+        g[3] = sum(mb[4] for mb in g[2])
         g[4].clear()
         g[5].clear()
 
-    evals = 0
+    evals = pairs = 0  # costed placements; (sequence, group) pairs tested one by one
+    alone: dict[tuple[int, int], float] = {}  # (seq, c) -> its micro-batch alone (seconds)
     for _ in range(max_moves):
         if evals >= max_evals:
             break
         tops = [max(g[3] for g in r) for r in rounds]
+        # per round and CP size c, the most time one of its groups of c ranks can take before
+        # it runs past the round: {c: seconds}
+        room = [{} for _ in rounds]
+        for t, r, out in zip(tops, rounds, room):
+            for g in r:
+                out[g[0]] = max(out.get(g[0], -inf), t - g[3])
         best = (1e-12, None)
         for a, ra in enumerate(rounds):
             order = sorted(ra, key=lambda g: -g[3])
@@ -196,17 +216,43 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
             second = order[1][3] if len(order) > 1 else 0.0
             if tops[a] - second <= best[0]:
                 continue  # no removal gains more (a tie at the top: none shortens the round)
-            gone = ga[5]
+            # ... of the other rounds, and of round a less ga less its top: [(c, s, s)]
+            bounds = {}
+            for b, x in enumerate(room):
+                for c, t in x.items():
+                    if b != a and t > bounds.get(c, (-inf, -inf))[0]:
+                        bounds[c] = (t, -inf)
+            for g in order[1:]:
+                t, u = bounds.get(g[0], (-inf, -inf))
+                bounds[g[0]] = (t, max(u, -g[3]))
+            bounds = [(c * 1.0, t, u) for c, (t, u) in bounds.items()]
+            if not bounds:
+                continue  # no group to move to
+            n = min(lens[i] for mb in ga[2] for i in mb[0])  # the least growth: the shortest
+            if max(max(tops[a] - second + t, tops[a] + u) - grow * n / c
+                   for c, t, u in bounds) <= best[0] - 1e-12:
+                continue  # the test below for every sequence of ga, bounded
+            gone, ca = ga[5], ga[0]
             for i in {i for mb in ga[2] for i in mb[0]}:
                 if i not in gone:
+                    # f is subadditive, so taking i off saves at most its micro-batch of its own
+                    if (i, ca) not in alone:
+                        alone[i, ca] = k1 * f(lens[i], lens[i] ** 2, ca) + o
+                    if tops[a] - max(ga[3] - alone[i, ca], second) <= best[0] - 1e-12:
+                        continue  # the gain below, bounded without costing the removal
                     gone[i] = removal(ga, i)
                 t_a, qa, new_a = gone[i]
                 gain = tops[a] - max(t_a, second)
                 if gain <= best[0]:
                     continue
                 n = lens[i]
+                top_a = max(t_a, second)
+                if max(max(t, top_a + u) - grow * n / c
+                       for c, t, u in bounds) <= best[0] - gain - 1e-12:
+                    continue  # no group of any round has room for it (the test below, bounded)
                 for b, rb in enumerate(rounds):
                     top_b = max(t_a, second) if b == a else tops[b]
+                    pairs += len(rb)
                     for gb in rb:
                         if gb is ga or gain - (gb[3] + grow * n / gb[0] - top_b) <= best[0]:
                             continue  # no gain left even at the least growth
@@ -232,7 +278,7 @@ def fill_slack(plan: Packing, lengths, cost: CostModel, max_tokens_per_rank: int
         apply(ga, qa, new_a)
         apply(gb, qb, new_b)
     if counter is not None:
-        counter.append(evals)
+        counter += [evals, pairs]
     out = Packing()
     for r in rounds:
         groups = []
