@@ -64,6 +64,7 @@ def test_cuda_plan_is_one_varlen_call_per_role(monkeypatch):
     """Rank 1 of 4 under allgather: its diagonal, its blocks against chunk 0 and its tail against
     ranks 2..3: three flash calls for documents of four chunk sizes (twelve before)."""
     monkeypatch.setattr(fake_tensor, "CONSTANT_NUMEL_LIMIT", 0)  # no real 1-element constants
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)  # the CPU wheel pins nothing
     cu = np.concatenate([[0], np.cumsum(LENGTHS)])
     t_loc = int(sum(2 * -(-n // (2 * C)) for n in LENGTHS))
     with FakeTensorMode():

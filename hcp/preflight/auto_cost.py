@@ -1,5 +1,5 @@
 """Step time and memory of one `layout=auto` candidate (hcp.preflight.auto_space.Candidate), from plan
-mode's models: the per-rank memory of `hcp.preflight.memory` (under `hcp.preflight.plan_mode.running_layouts`)
+mode's models: the per-rank memory of `hcp.preflight.memory` (under `hcp.preflight.running.running_layouts`)
 and the LLM's cost model and 1F1B simulator of `hcp.preflight.estimate`. Pure: no process group.
 
 The encoders' terms (seconds per input, island stages, routes): `hcp.preflight.auto_encoders`;
@@ -43,7 +43,7 @@ from hcp.preflight.rehearse.report import job_facts, memory_correction
 from hcp.preflight.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times, pool_plans
 from hcp.preflight.auto_space import Candidate, sides
 from hcp.preflight.memory import GIB, fsdp_units, module_memory, rank_activations, stage_params
-from hcp.preflight.plan_mode import named_shapes, running_layouts
+from hcp.preflight.running import named_shapes, running_layouts
 
 FSDP_SYNC = 1.5
 """Gradient sync under dp_shard relative to the plain all-reduce (module docstring)."""
@@ -322,7 +322,7 @@ class Scorer(EncoderTerms):
                 why = (f"{self.world} ranks share {self.host.cores:g} cores: {work:.3g} CPU s of work "
                        f"({stacked:.3g} of it stacked) take longer than the critical path ({why})")
         flops = self.llm_flops + self.images * sum(e.flops for e in self.encoders.values())
-        return Score(float(step), flops / step / self.world / 1e12, float(bubble), mem,
+        return Score(float(step), flops / step / self.world / 1e12, max(0.0, float(bubble)), mem,
                      max(mem.values()) <= self.cap, float(route), float(enc_s),
                      float(iteration), float(sync), critical, why, float(work), float(stacked))
 

@@ -18,35 +18,22 @@ sweep of plans ends with one comparison table (`hcp.preflight.plan_table`).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
-
-import torch
 
 from hcp.config.errors import ConfigError
 from hcp.config.layouts import check_layouts, world_size_of
 from hcp.config.specs import resolve_modules
 from hcp.config.modules import kind
 from hcp.config.precision import Precision
-from hcp.model.encoder_side import llava_kwargs
-from hcp.model.llava import LlavaModel
 from hcp.parallel.grid import KINDS, Grid
 from hcp.parallel.roles import logging_rank, role_table
-from hcp.plan.step import island_head
 from hcp.launch.launch import cluster_fix, machine_memory_gib, resolve_nproc
+from hcp.preflight.auto_cost import Scorer, price_step, priced_on
 from hcp.preflight.memory import GIB, module_memory, rank_activations
 from hcp.preflight.plan_figure import draw_plan
-
-
-def named_shapes(specs) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
-    """Parameter names (relative to each module) and shapes of the model of `specs`
-    (`hcp.config.specs.ModuleSpecs`) built on the meta device."""
-    with torch.device("meta"):  # named encoders and projectors too (h-encoders)
-        model = LlavaModel(**llava_kwargs(specs))
-    return {m: [(n, tuple(p.shape)) for n, p in sub.named_parameters()]
-            for m, sub in model.named_children() if sub is not None}
+from hcp.preflight.running import named_shapes, running_layouts
 
 
 def group_counts(cfg, layouts) -> dict[str, dict[str, list[int]]]:
@@ -97,25 +84,6 @@ def _fix_for(cfg, layout, stage_mem) -> tuple[str, object, str]:
     if not layout.dp_shard and layout.dp * layout.cp > 1:
         return f"{m}.layout.dp_shard", False, "shard the model state over dp*cp (dp_shard=true) or raise tp/pp"
     return f"{m}.layout.pp", layout.pp, "raise pp or tp"
-
-
-def running_layouts(cfg, layouts) -> dict:
-    """The layouts modules run under: under `non_colocated` a module sharing an encoder's island
-    (the projector; `hcp.plan.step.island_head`) runs on the head's LAST stage with the head's
-    TP and DP, so its grid is that stage's ranks (one stage, its own recompute; sharded when it
-    or its head has dp_shard, as training shards the island's stage whole); every other module
-    keeps its layout."""
-    edges = [tuple(e) for e in cfg.graph.edges]
-    out = {}
-    for m, lay in layouts.items():
-        head = m if m == "llm" else island_head(layouts, edges, m)
-        h = layouts[head]
-        stage_ranks = h.tp * h.cp * h.dp
-        out[m] = lay if head == m else dataclasses.replace(
-            h, module=m, pp=1, pp_layers=(1,), num_ranks=stage_ranks,
-            rank_offset=h.rank_offset + (h.pp - 1) * stage_ranks, recompute=lay.recompute,
-            dp_shard=bool(lay.dp_shard or h.dp_shard))
-    return out
 
 
 def stage_memory(cfg, layouts, specs=None, shapes=None, micro_batches=None) -> dict:
@@ -264,8 +232,6 @@ def run_plan(cfg, out_dir) -> dict:
                      + trainable_warnings(cfg, specs)),
     }
     worst = max(per_rank, key=lambda r: r["total"])
-    from hcp.preflight.auto_cost import Scorer, price_step, priced_on  # it reads this module
-
     scorer = Scorer(cfg, world, cfg.packing_profile)
     score = price_step(cfg, layouts, world, scorer)  # layout=auto prices a layout the same way
     plan["estimate"] = {"step_time_s": score.step_time_s, "tflops_per_gpu": score.tflops_per_gpu,
