@@ -240,8 +240,8 @@ def train_step(device, cfg: LLMConfig, tokens: int, peak_tflops: float) -> None:
     cu = cu_of(lengths).to(device)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
     batch = Batch(ids, torch.roll(ids, -1),
-                  torch.cat([torch.arange(n) for n in lengths]).to(device),
-                  cu, max(lengths), None, None)
+                  torch.cat([torch.arange(n) for n in lengths]).to(device), cu, max(lengths), None,
+                  None)
     backend = model.llm.attention_backend  # the one the model runs
 
     def step():

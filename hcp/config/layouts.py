@@ -185,8 +185,7 @@ def _named_keys(cfg, error: ConfigError) -> ConfigError:
     spell = lambda text: pattern.sub(  # noqa: E731
         lambda mt: module_key(cfg, mt.group(1)) + ".", str(text))
     return ConfigError(spell(error.field), error.value, spell(error.problem),
-                       spell(error.fix_template),
-                       error.candidates)
+                       spell(error.fix_template), error.candidates)
 
 
 def _spelled(layouts_of):

@@ -78,8 +78,7 @@ def _island_size(cfg, m) -> int | None:
     if lay.num_ranks is not None:
         if lay.num_ranks < 1:
             raise ConfigError(f"{module_key(cfg, m)}.layout.num_ranks", lay.num_ranks,
-                              "an island needs >= 1 rank",
-                              "use a positive rank count")
+                              "an island needs >= 1 rank", "use a positive rank count")
         return int(lay.num_ranks)
     if lay.dp != -1:
         return int(lay.tp * lay.cp * lay.pp * lay.dp)

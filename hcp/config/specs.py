@@ -170,8 +170,8 @@ def _spec(cfg, name: str, layouts, edges) -> ModuleSpec:
     return ModuleSpec(
         name=name, kind=k, key=module_key(cfg, name), arch=arch_of(k, block),
         layout=layouts[name] if layouts is not None else None,
-        freeze=bool(block.get("freeze", False)),
-        init_from=block.get("init_from"), hidden_size=int(block.get("hidden_size") or 0),
+        freeze=bool(block.get("freeze", False)), init_from=block.get("init_from"),
+        hidden_size=int(block.get("hidden_size") or 0),
         optim={f: float(own[f]) for f in ("lr", "weight_decay") if own.get(f) is not None},
         pool=int(block.get("pool", 1) or 1) if k == "projector" else 1,
         source=next((s for s, d in edges if d == name), None) if k == "projector" else None)

@@ -146,6 +146,5 @@ def build_datasets(cfg, specs):
     inputs = encoder_inputs(specs, tok)  # several encoders or streams (hcp.config.modules)
     make = lambda p: LlavaDataset(p, folder, tok, num_image_tokens(v), v.image_size,  # noqa: E731
                                   v.num_channels, d.max_seq_len, d.system_prompt, d.on_error,
-                                  loader,
-                                  inputs)
+                                  loader, inputs)
     return tok, make(train_path), (make(eval_path) if eval_path else None)

@@ -90,10 +90,10 @@ def _pair(name: str, forward, backward) -> type:
 _CopyToGroup = _pair("_CopyToGroup", lambda x, g: x.view_as(x), _all_reduce)
 _ReduceFromGroup = _pair("_ReduceFromGroup", _all_reduce, lambda grad, g: grad)
 _GatherSeq = _pair("_GatherSeq", lambda x, g: _all_gather(x, g, 0), _reduce_scatter0)
-_ReduceScatterSeq = _pair("_ReduceScatterSeq", _reduce_scatter0, lambda grad,
-                          g: _all_gather(grad, g, 0))
-_SplitSeq = _pair("_SplitSeq", lambda x, g: _slice(x, g, 0), lambda grad,
-                  g: _all_gather(grad, g, 0))
+_ReduceScatterSeq = _pair("_ReduceScatterSeq", _reduce_scatter0,
+                          lambda grad, g: _all_gather(grad, g, 0))
+_SplitSeq = _pair("_SplitSeq", lambda x, g: _slice(x, g, 0),
+                  lambda grad, g: _all_gather(grad, g, 0))
 
 
 class _GatherFromGroup(torch.autograd.Function):

@@ -209,8 +209,8 @@ def scored_pairs(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
     pairs = 0.0
     for k in np.unique(chunk[chunk > 0]).tolist():
         blocks = sum(len(q) * len(kv) * (0.5 if causal else 1.0) for calls in
-                     _doc_calls(cp_size, cp_rank, k, 0, comm, masked).values() for q, kv, causal,
-                     *_ in calls)
+                     _doc_calls(cp_size, cp_rank, k, 0, comm, masked).values()
+                     for q, kv, causal, *_ in calls)
         pairs += blocks * int((chunk == k).sum())
     return pairs
 
@@ -221,8 +221,7 @@ def build_cp_plan(cu_seqlens, group, comm: str = "allgather", device="cpu") -> C
     and kernel for `device`. Raises ValueError as `cp_calls`, `host_cu` and `fused_kernel`."""
     kernel = fused_kernel(device)
     calls = cp_calls(np.diff(host_cu(cu_seqlens)), group_size(group), group_rank(group), comm,
-                     device,
-                     kernel.masks, kernel.ragged)
+                     device, kernel.masks, kernel.ragged)
     return CPAttentionPlan(group, comm, calls, kernel)
 
 

@@ -32,9 +32,9 @@ def llava_kwargs(specs) -> dict:
     def of(kind: str, built_in: bool) -> dict:
         return {m.name: m.arch for m in specs.of_kind(kind) if (m.name in BUILT_IN) == built_in}
     return dict(vision_cfg=of("encoder", True).get("vision"),
-                projector_cfg=of("projector", True).get("projector"),
-                llm_cfg=specs.llm.arch, encoders=of("encoder", False),
-                projectors=of("projector", False), streams=specs.streams)
+                projector_cfg=of("projector", True).get("projector"), llm_cfg=specs.llm.arch,
+                encoders=of("encoder", False), projectors=of("projector", False),
+                streams=specs.streams)
 
 
 def add_encoder_modules(parent: nn.Module, encoders: Mapping, projectors: Mapping, streams,
@@ -95,8 +95,8 @@ class EncoderSide(nn.Module):
         self.streams = tuple(streams)
         self.encoder_names = tuple(encoders)
         self.tp_groups = dict(tp_groups or {})
-        self._input_shape = {e: (c.num_channels, c.image_size, c.image_size) for e,
-                             c in encoders.items()}
+        self._input_shape = {e: (c.num_channels, c.image_size, c.image_size)
+                             for e, c in encoders.items()}
         add_encoder_modules(self, encoders, projectors, self.streams, llm_hidden, self.tp_groups,
                             cp_groups)
 

@@ -71,8 +71,8 @@ def used_blocks(vision) -> int:
 _BLOCK = {**{f"{p}.{w}": f"{q}.{w}" for p, q in (
     ("ln1", "layer_norm1"), ("ln2", "layer_norm2"), ("q_proj", "self_attn.q_proj"),
     ("k_proj", "self_attn.k_proj"), ("v_proj", "self_attn.v_proj"),
-    ("o_proj", "self_attn.out_proj"),
-    ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2")) for w in ("weight", "bias")}}
+    ("o_proj", "self_attn.out_proj"), ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2"))
+    for w in ("weight", "bias")}}
 
 
 def hf_names(vision, prefix: str = PREFIX) -> dict[str, str]:

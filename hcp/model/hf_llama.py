@@ -38,8 +38,7 @@ def config_fields(hf: dict, field: str = "llm.init_from") -> dict:
                                          if rope.get("rope_type", "default") == "default" else rope)
     unsupported = {"hidden_act": hf.get("hidden_act", "silu") != "silu",
                    "attention_bias": bool(hf.get("attention_bias")),
-                   "mlp_bias": bool(hf.get("mlp_bias")),
-                   "rope_scaling": bool(scaling)}
+                   "mlp_bias": bool(hf.get("mlp_bias")), "rope_scaling": bool(scaling)}
     for key, bad in unsupported.items():
         if bad:
             raise ConfigError(field, hf.get(key, scaling),
@@ -85,8 +84,8 @@ def hf_names(llm) -> dict[str, str]:
     if not llm.tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
     for i in range(llm.num_layers):
-        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours,
-                      theirs in _LAYER.items()})
+        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}"
+                      for ours, theirs in _LAYER.items()})
     return names
 
 

@@ -153,8 +153,8 @@ def load_module(module, ckpt: HFCheckpoint, srcs: dict[str, Source]) -> int:
             raise ValueError(f"{srcs[name].key}: read {list(t.shape)} for {name} "
                              f"{list(param.shape)}")
         local, _, offset = local_box(param)  # an FSDP shard keeps its chunk of the TP slice
-        local.copy_(t[tuple(slice(o - p, o - p + n) for o, p,
-                            n in zip(offset, tp_offset, local.shape))])
+        local.copy_(t[tuple(slice(o - p, o - p + n)
+                            for o, p, n in zip(offset, tp_offset, local.shape))])
         read += t.numel() * t.element_size()
     return read
 

@@ -64,8 +64,7 @@ def balanced_lanes(inputs: np.ndarray, micro_batch: np.ndarray, consume: np.ndar
 
 
 def route_from_island(src_lay, lane_of, consume, variant, J, sizes, llm, s_group, doc_start, size,
-                      off,
-                      mb_of_group):
+                      off, mb_of_group):
     """One RowTable per micro-batch of a non-colocated edge into the LLM (group ranks of
     `edge_ranks`: the source's last-stage ranks lane-major, then CP, TP fastest, then the LLM's
     first-stage ranks in pool order, TP fastest), and the image rows per (pool position,

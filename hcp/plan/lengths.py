@@ -78,8 +78,7 @@ class SampleSizes:
         off = np.zeros(len(images) + 1, dtype=np.int64)
         np.cumsum([len(per) for per in images], out=off[1:])
         sizes = cls(np.asarray(tokens, dtype=np.int64), np.asarray(loss_tokens, dtype=np.int64),
-                    off,
-                    np.asarray([a for a, _ in flat], dtype=np.int64).reshape(-1),
+                    off, np.asarray([a for a, _ in flat], dtype=np.int64).reshape(-1),
                     np.asarray([b for _, b in flat], dtype=np.int64).reshape(-1))
         for s, per in enumerate(images):
             end = 0

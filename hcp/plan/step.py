@@ -149,8 +149,8 @@ class StepPlan:
             c = llm.coords(rank)
             pos = c["dp"] * llm.cp + c["cp"]
             zero = np.zeros(len(self.group_at) + 1, np.int64)
-            every = {src: off[pos] if c["pp"] == 0 else zero for src,
-                     off in self.stream_row_offsets.items()}
+            every = {src: off[pos]
+                     if c["pp"] == 0 else zero for src, off in self.stream_row_offsets.items()}
             rows = self.image_row_offsets[pos] if c["pp"] == 0 else zero
             if self.island_tables:  # one received tensor per micro-batch
                 rows = np.concatenate([[0], np.diff(rows)])
@@ -300,8 +300,7 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
                                                             *args)
         else:
             island_tables[(src, dst)], row_counts = route_from_island(head, lane_of[src], consume,
-                                                                      island_route,
-                                                                      J, *args)
+                                                                      island_route, J, *args)
             island_ranks[(src, dst)] = edge_ranks(Grid.of(head), Grid.of(llm))
         offsets[src] = np.concatenate([np.zeros((pool, 1), np.int64), np.cumsum(row_counts, 1)], 1)
         stream_rows[src] = int(rows.image_rows_each.sum())

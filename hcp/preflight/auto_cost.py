@@ -180,8 +180,8 @@ class Scorer(EncoderTerms):
             layers = np.asarray(llm.pp_layers, dtype=np.float64)[:, None]
             calls = layer_calls(self.host, layers, llm.cp > 1)
             lanes = [(f + calls[0], b + calls[1], plan) for plan, f, b in self._lane_times(llm)]
-            runs = [(simulate_1f1b(f, b, record=False).iteration_time, f, b, plan) for f, b,
-                    plan in lanes]
+            runs = [(simulate_1f1b(f, b, record=False).iteration_time, f, b, plan)
+                    for f, b, plan in lanes]
             work = sum(float((f + b).sum()) for f, b, _ in lanes) * llm.tp * llm.cp
             stacked = {p: self._stacked(llm, layers, lanes, p)
                        for p in ("colocated", "non_colocated")}
@@ -327,8 +327,8 @@ class Scorer(EncoderTerms):
             critical, stage = "llm", worst - depth
             if worst < depth:  # the island busiest at that stage (its stages end at `depth`)
                 own = [worst - depth + len(x[0]) for x in islands]
-                e = int(np.argmax([float(np.sum(x[0][s] + x[1][s])) if s >= 0 else -1.0 for x,
-                                   s in zip(islands, own)]))
+                e = int(np.argmax([float(np.sum(x[0][s] + x[1][s])) if s >= 0 else -1.0
+                                   for x, s in zip(islands, own)]))
                 critical, stage = encoders[e].module, own[e]
             why = (f"graph 1F1B over {depth} encoder + {llm.pp} LLM stages: the busiest stage is "
                    f"{critical} stage {stage} ({stage_busy[worst]:.3g} s busy of {iteration:.3g} "

@@ -35,8 +35,7 @@ from hcp.config.modules import projector_names, set_layout
 from hcp.config.specs import resolve_modules
 from hcp.preflight.auto_cost import Score, Scorer, combine_bounds, price_step, priced_on
 from hcp.preflight.auto_space import (Candidate, check_searchable, combine, encoder_options,
-                                      island_sizes,
-                                      module_options, pinned_fields, placements)
+                                      island_sizes, module_options, pinned_fields, placements)
 
 TOP = 10
 """Rows of the ranked table."""
@@ -268,8 +267,8 @@ def _encoders_text(d: dict) -> str:
 def _row(cand: Candidate, score: Score) -> dict:
     return {"placement": cand.placement, "describe": describe(cand),
             "layouts": {m: {k: (list(v) if k == "pp_layers" else v) for k, v in asdict(lay).items()
-                            if k in _FIELDS + ("num_ranks", "rank_offset")} for m,
-                            lay in cand.layouts},
+                            if k in _FIELDS + ("num_ranks", "rank_offset")}
+                            for m, lay in cand.layouts},
             **asdict(score)}
 
 
@@ -287,8 +286,8 @@ def format_table(rows: list[dict], given: dict | None) -> str:
     def line(tag, r):
         if "error" in r:
             return f"  {tag:>5} {r['error']}"
-        mem = " ".join(f"{k} {v:.1f}" for k,
-                       v in r["memory_gib"].items()) + ("" if r["fits"] else " (!)")
+        mem = " ".join(f"{k} {v:.1f}"
+                       for k, v in r["memory_gib"].items()) + ("" if r["fits"] else " (!)")
         d = r["describe"]
         return (f"  {tag:>5} {r['placement']:<13} {_encoders_text(d):<{width}} {d['llm']:<30} "
                 f"{r['step_time_s']:>8.4g} {r['tflops_per_gpu']:>7.1f} {mem:<{mem_width}} "
@@ -328,8 +327,7 @@ def choose_layout(cfg, overrides, world: int, run_dir=None, verbose: bool = True
     if "step_time_s" in given:
         why += f"; {given['step_time_s'] / best['step_time_s']:.2f}x the given layout's speed"
     report = {"world_size": world, "pinned": pinned, "counts": result.counts,
-              "lengths_from": result.lengths_from,
-              "search_seconds": result.seconds,
+              "lengths_from": result.lengths_from, "search_seconds": result.seconds,
               "search_cpu_seconds": result.cpu_seconds, "ranked": rows, "given": given, "why": why}
     c = result.counts
     say = print if verbose else (lambda *a, **k: None)

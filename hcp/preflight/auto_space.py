@@ -207,10 +207,8 @@ def projector_for(encoder: ResolvedLayout, projector: str,
     """The layout of `projector` next to its encoder's, as resolution gives it: the encoder's
     ranks (colocated: all; non_colocated: its island), tp, cp and dp_shard, one stage."""
     return ResolvedLayout(projector, encoder.tp, encoder.cp, 1,
-                          encoder.num_ranks // (encoder.tp * encoder.cp),
-                          encoder.rank_offset, encoder.num_ranks, (1,), "allgather", False,
-                          recompute,
-                          encoder.dp_shard)
+                          encoder.num_ranks // (encoder.tp * encoder.cp), encoder.rank_offset,
+                          encoder.num_ranks, (1,), "allgather", False, recompute, encoder.dp_shard)
 
 
 def side_layouts(cfg, placement: str, encoders: tuple[ResolvedLayout, ...]) -> tuple:

@@ -82,8 +82,7 @@ def plan_figure(layouts, world_size: int, gpus_per_node: int | None = None,
                             va="center", fontsize=6)
         if cp_notes and m in cp_notes:
             ax.text(lo + 0.01 * world_size, row + 0.12, cp_notes[m], ha="left", va="center",
-                    fontsize=8,
-                    fontstyle="italic",
+                    fontsize=8, fontstyle="italic",
                     bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0, "pad": 1})
         stage_width = lay.num_ranks / lay.pp
         for s in range(lay.pp):

@@ -262,8 +262,8 @@ def run_plan(cfg, out_dir) -> dict:
                         "island": [lay.rank_offset, lay.rank_offset + lay.num_ranks - 1],
                         "num_params": sum(math.prod(s) for _, s in shapes[m]),
                         "groups": counts} | ({"cp": notes[m]} if m in notes else {})
-                    for (m, lay),
-                    counts in zip(layouts.items(), group_counts(cfg, layouts).values())},
+                    for (m, lay), counts in zip(layouts.items(),
+                                                group_counts(cfg, layouts).values())},
         "rank_map": rank_runs(roles),
         "memory_gib": per_rank,
         "memory_by_role": memory_by_role(rank_runs(roles), per_rank),

@@ -41,8 +41,8 @@ def job_labels(jobs: list[Path]) -> list[str]:
     """Each sweep job's label: its overrides that differ between the jobs (else its folder name)."""
     overrides = [_overrides(j) for j in jobs]
     common = set.intersection(*map(set, overrides)) if overrides else set()
-    return [" ".join(o for o in ovr if o not in common) or job.name for job,
-            ovr in zip(jobs, overrides)]
+    return [" ".join(o for o in ovr if o not in common) or job.name
+            for job, ovr in zip(jobs, overrides)]
 
 
 def comparison_rows(sweep_dir) -> tuple[list[tuple[str, ...]], list[str]]:

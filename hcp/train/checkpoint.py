@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+                                                     get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -251,8 +251,8 @@ def layout_label(model, tp_group) -> str:
     pp = model.stage.num_stages if hasattr(model, "stage") else 1
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dist.get_world_size() // (tp * cp * pp)}
     label = " x ".join(f"{k}{v}" for k, v in sizes.items() if v > 1) or "1 rank"
-    llm_sharded = any(isinstance(p, DTensor) for n,
-                      p in model.named_parameters() if n.startswith("llm."))
+    llm_sharded = any(isinstance(p, DTensor)
+                      for n, p in model.named_parameters() if n.startswith("llm."))
     return label + (" (dp_shard)" if llm_sharded else "")
 
 
@@ -375,8 +375,7 @@ def load(path: str, model, optimizer, tp_group=None) -> dict:
     dcp.load(state, checkpoint_id=path)
     state = _local(state, wrapped)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"],
-                   options=_options())
+                   optim_state_dict=state["optim"], options=_options())
     saved = _trainer_json(path)
     now, then = layout_label(model, tp_group), saved.get("layout", "?")
     rank, step = dist.get_rank(), saved["step"]

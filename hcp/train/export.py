@@ -88,8 +88,8 @@ def _vision_passthrough(vision: ModuleSpec) -> tuple[dict[str, torch.Tensor], in
         return {}, hf_clip.used_blocks(vision.arch)
     ckpt = HFCheckpoint(vision.init_from)
     p = hf_clip.prefix_of(ckpt.files)
-    keep = [k for k,
-            why in hf_clip.ignored(vision.arch, ckpt.keys()).items() if why == "after select_layer"]
+    keep = [k for k, why in hf_clip.ignored(vision.arch, ckpt.keys()).items()
+            if why == "after select_layer"]
     return ({hf_clip.PREFIX + k[len(p):]: ckpt.read(Source(k)) for k in keep},
             vision.arch.num_layers)
 

@@ -193,8 +193,8 @@ class Islands:
                 if not encoder_rank and llm.tp > 1:
                     leader = (self.groups.group("llm", "tp"), self.groups.ranks("llm", "tp")[0], r)
                 routes.append(RouteLink(edge, mine.island_routes[(p, "llm")], hidden,
-                                        self.precision.compute,
-                                        self.device, self.route_bytes, leader=leader))
+                                        self.precision.compute, self.device, self.route_bytes,
+                                        leader=leader))
             links[peer] = StreamsLink(routes, rows)
         return links
 
@@ -210,8 +210,7 @@ class Islands:
         return links
 
     def forward_backward(self, mine, inputs, batches, metas, encoder, runner,
-                         record_grad_sq: bool = False,
-                         cp_groups=None):
+                         record_grad_sq: bool = False, cp_groups=None):
         """One step across the islands on this rank: gradients of the token-level loss summed
         over each module's DP (x CP) group. inputs: `encoder_inputs` (encoder ranks); batches,
         metas: the LLM's micro-batches (first stage: (plan, batch) pairs) and `StageMeta`s (LLM

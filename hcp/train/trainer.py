@@ -145,9 +145,8 @@ class Trainer:
         of this rank's own encoder gradients before their DP sum: one host read per parameter
         tensor, so never on by default."""
         self.step, self.resume_note = checkpoint.resume(self.checkpointing, self.modules,
-                                                        self.optimizer,
-                                                        self.scheduler, self.sampler,
-                                                        self._tp_groups())
+                                                        self.optimizer, self.scheduler,
+                                                        self.sampler, self._tp_groups())
         self.planner = StepPlanner(self.packing, self.specs, self.index)
         if self.dynamic_cp and self.settings.plan_share == "node":  # hcp.plan.shared
             self.planner = node_planner(self.planner, run_dir, dist.get_backend() != "fake")
@@ -192,8 +191,7 @@ class Trainer:
             return None
         with meta_build():
             model = LlavaModel(**llava_kwargs(self.specs), tp_group=self.tp_group,
-                               cp_group=self.cp_group,
-                               stage=self.stage, encoder=False,
+                               cp_group=self.cp_group, stage=self.stage, encoder=False,
                                attention_backend=self.attention_backend())
         if self.specs.llm.freeze:
             model.llm.requires_grad_(False)
@@ -205,8 +203,8 @@ class Trainer:
         pool under dynamic CP)."""
         llm = self.layouts["llm"]
         return resolve_backend(self.specs.llm.arch.attention_backend, self.device,
-                               self.precision.compute,
-                               llm.cp_pool if self.dynamic_cp else llm.cp, self.dynamic_cp)
+                               self.precision.compute, llm.cp_pool if self.dynamic_cp else llm.cp,
+                               self.dynamic_cp)
 
     def _rank_modules(self) -> RankModules:
         """This rank's modules under one root keyed by module FQN (checkpoints, optimizer); with
@@ -361,10 +359,8 @@ class Trainer:
             setattr(self.model, name, module)
         try:
             return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok,
-                            indices,
-                            eval_capacity(self.packing, self.cp), self.device, self.grad_group,
-                            self.dp_group,
-                            self.settings.eval_max_new_tokens)
+                            indices, eval_capacity(self.packing, self.cp), self.device,
+                            self.grad_group, self.dp_group, self.settings.eval_max_new_tokens)
         finally:
             for name in lent:
                 setattr(self.model, name, None)
@@ -382,8 +378,7 @@ class Trainer:
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "sampler": self.sampler.state_dict()}
         path = checkpoint.save(self.checkpointing.dir, self.step, self.modules, self.optimizer,
-                               state,
-                               self.checkpointing.keep, self._tp_groups(), self.writer)
+                               state, self.checkpointing.keep, self._tp_groups(), self.writer)
         if self.writer is not None and wait:
             self.writer.wait()
         if self.log:

@@ -77,8 +77,7 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     from hcp.preflight.plan_mode import running_layouts
     from hcp.preflight.estimate import cost_model, hardware
     from hcp.preflight.rehearse.report import (find_mismatches, format_report, job_facts,
-                                               micro_batch_flops,
-                                               role_rows, write_json)
+                                               micro_batch_flops, role_rows, write_json)
     from hcp.preflight.rehearse.runner import default_jobs, rehearsal_config, rehearse_ranks
 
     ranks = check_rehearse(cfg, world)
@@ -122,8 +121,7 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
            "placement": plan_cfg.placement,
            "layouts": {m: asdict(lay) for m, lay in layouts.items()}, "ranks": ranks}
     write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall,
-               plan_gib, job,
-               classes)
+               plan_gib, job, classes)
     return mismatches
 
 
@@ -137,8 +135,8 @@ def world_classes(cfg, layouts, world: int, jobs: int) -> list:
 
     slices = plan_slices(cfg, world, cfg.rehearse.steps, jobs)
     dynamic = ("llm",) if PackingSpec.of(cfg).dynamic_cp else ()
-    groups = {frozenset(ranks) for ranks,
-              _ in creation_order(layouts, dynamic)} | {frozenset(range(world))}
+    groups = {frozenset(ranks)
+              for ranks, _ in creation_order(layouts, dynamic)} | {frozenset(range(world))}
     return rank_classes(layouts, world, slices, groups)
 
 

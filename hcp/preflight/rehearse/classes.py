@@ -59,12 +59,12 @@ def slice_of(step, rank: int) -> dict:
     mine, sizes = step.rank(rank), step.sizes
     image = lambda m, k: _images(step.module_sizes.get(m, sizes), k)  # noqa: E731
     mbs = tuple((tuple(_sample(sizes, k) for k in mb.samples), tuple(int(x) for x in mb.cu_seqlens),
-                 mb.max_seqlen,
-                 mb.cp_size, mb.cp_block, mb.cp_rank, mb.local_tokens, tuple(mb.image_rows),
-                 tuple(sorted(mb.stream_rows.items()))) for mb in mine.micro_batches)
+                 mb.max_seqlen, mb.cp_size, mb.cp_block, mb.cp_rank, mb.local_tokens,
+                 tuple(mb.image_rows), tuple(sorted(mb.stream_rows.items())))
+                 for mb in mine.micro_batches)
     return {"micro_batches": mbs,
-            "encoder": {m: tuple(image(m, k) for k in ks) for m,
-                        ks in mine.encoder_samples.items()},
+            "encoder": {m: tuple(image(m, k) for k in ks)
+                        for m, ks in mine.encoder_samples.items()},
             "encoder_micro_batches": {m: tuple(tuple(image(m, k) for k in mb) for mb in mbs_)
                                       for m, mbs_ in mine.encoder_micro_batches.items()},
             "routes": {e: _route(r, range(len(r.send_splits))) for e, r in mine.routes.items()},
@@ -83,15 +83,15 @@ def rename_slice(s: dict, pi) -> dict:
     """Plan slice `s` with every global rank r written as `pi[r]`."""
     out = dict(s)
     out["routes"] = {e: _rename_route(r, pi) for e, r in s["routes"].items()}
-    out["island_routes"] = {e: tuple(_rename_route(r, pi) for r in rs) for e,
-                            rs in s["island_routes"].items()}
+    out["island_routes"] = {e: tuple(_rename_route(r, pi) for r in rs)
+                            for e, rs in s["island_routes"].items()}
     return out
 
 
 def role_key(layouts: dict, rank: int) -> tuple:
     """(module, pipeline stage) of every module `rank` runs: ranks of one class share it."""
-    return tuple((m, Grid.of(lay).coords(rank)["pp"]) for m,
-                 lay in layouts.items() if Grid.of(lay).contains(rank))
+    return tuple((m, Grid.of(lay).coords(rank)["pp"]) for m, lay in layouts.items()
+                 if Grid.of(lay).contains(rank))
 
 
 def permutation(layouts: dict, world: int, rep: int, t: int) -> tuple[int, ...] | None:

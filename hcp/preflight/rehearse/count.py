@@ -35,8 +35,7 @@ def _cpu_flash(query, key, value, dropout_p=0.0, is_causal=False, *args, out_sha
 
 
 def _cpu_flash_backward(grad_out, query, key, value, out, lse, dropout_p=0.0, is_causal=False,
-                        *args,
-                        out_shape=None, **kwargs) -> int:
+                        *args, out_shape=None, **kwargs) -> int:
     return _causal(sdpa_backward_flop_count(grad_out, query, key, value), is_causal)
 
 

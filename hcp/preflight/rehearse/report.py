@@ -61,11 +61,10 @@ def micro_batch_flops(results: dict, stages: dict[int, int | None], cost,
         # under CP the loss scores every row (llava.loss)
         head_rows = loss_tokens if c == 1 else None
         return float(cost.micro_batch_flops(float(rank_tokens(lengths, c).sum()), pairs,
-                                            layout.recompute,
-                                            head_rows)[stage])
+                                            layout.recompute, head_rows)[stage])
 
-    return {r: [(counted, modelled(stages[r], *sizes)) for counted,
-                *sizes in res.micro_batches if sum(sizes[0])]
+    return {r: [(counted, modelled(stages[r], *sizes)) for counted, *sizes in res.micro_batches
+                if sum(sizes[0])]
             for r, res in results.items() if stages.get(r) is not None}
 
 
@@ -81,8 +80,8 @@ def role_rows(results: dict, roles: dict[int, str], plan_gib: dict[int, float],
         row = rows.setdefault(roles[r],
                               {"role": roles[r], "ranks": [], "collectives": 0, "sent_mib": 0.0,
                                          "peak_gib": 0.0, "plan_gib": 0.0, "flops": 0,
-                                         "llm_counted": 0.0,
-                                         "llm_modelled": 0.0, "flops_diff": 0.0, "categories": {}})
+                                         "llm_counted": 0.0, "llm_modelled": 0.0, "flops_diff": 0.0,
+                                         "categories": {}})
         row["ranks"].append(r)
         row["collectives"] = max(row["collectives"], sum(op.kind == "collective" for op in res.ops))
         row["sent_mib"] = max(row["sent_mib"],
@@ -94,8 +93,9 @@ def role_rows(results: dict, roles: dict[int, str], plan_gib: dict[int, float],
         row["flops"] = max(row["flops"], res.flops)
         pairs = micro.get(r, [])
         if pairs and sum(c for c, _ in pairs) >= row["llm_counted"]:
-            row["llm_counted"], row["llm_modelled"] = sum(c for c,
-                                                          _ in pairs), sum(m for _, m in pairs)
+            row["llm_counted"], row["llm_modelled"] = sum(c
+                                                          for c, _ in pairs), sum(m
+                                                                                  for _, m in pairs)
         row["flops_diff"] = max([row["flops_diff"]] + [abs(c / m - 1) for c, m in pairs if m])
     return list(rows.values())
 
@@ -154,11 +154,10 @@ def write_json(path: str, rows, mismatches, micro: dict, results, wall_s: float,
             "ranks": {str(r): {"ops": len(res.ops), "groups_created": len(res.creations),
                                "peak_gib": res.peak_bytes / GIB,
                                "step_peaks_gib": [b / GIB for b in res.step_peaks],
-                               "step_worth": res.step_worth,
-                               "plan_gib": plan_gib.get(r), "peak_categories_gib":
+                               "step_worth": res.step_worth, "plan_gib": plan_gib.get(r),
+                               "peak_categories_gib":
                                {k: v / GIB for k, v in res.peak_categories.items()},
-                               "flops": res.flops,
-                               "micro_batch_flops": micro.get(r, []),
+                               "flops": res.flops, "micro_batch_flops": micro.get(r, []),
                                "derived_from": res.derived_from,
                                "device_events": [[k, d, a, b, c, dict(w)] for k, d, a, b, c, w
                                                  in summary(res.device_events)],
@@ -176,8 +175,8 @@ def job_facts(cfg, specs, world: int) -> dict:
     facts = {"world_size": int(world), "precision": str(cfg.precision),
              "trainer.micro_batch_tokens": int(cfg.trainer.micro_batch_tokens)}
     for spec in specs.modules:
-        arch = {k: v for k,
-                v in asdict(spec.arch).items() if k not in ("layout", "attention_backend")}
+        arch = {k: v
+                for k, v in asdict(spec.arch).items() if k not in ("layout", "attention_backend")}
         facts |= {f"{spec.key}.{k}": v for k, v in {**arch, "freeze": bool(spec.freeze)}.items()}
     return facts
 
