@@ -78,8 +78,8 @@ def check_module_names(overrides: list[str]) -> None:
 
     def section(raw):
         parts = key_of(raw).split(".")
-        return (parts[0], parts[1], key_of(raw),
-                raw.partition("=")[2]) if len(parts) > 2 and parts[0] in _NAMED else None
+        return ((parts[0], parts[1], key_of(raw), raw.partition("=")[2]) if len(parts) > 2
+                and parts[0] in _NAMED else None)
 
     chosen = any(key_of(o) in ("recipe", "model") for o in overrides)
     nullable = [raw for raw in overrides if chosen and not raw.startswith("+")

@@ -214,8 +214,8 @@ def _check_value(raw: str, key: str, value: str) -> None:
     except Exception as e:  # noqa: BLE001 - OmegaConf's validation and merge errors
         inner = str(getattr(e, "full_key", None) or "v").split(".")[1:]  # below the field: name it
         for part in inner:
-            if not isinstance(parsed,
-                              dict) or part not in parsed or field_type(f"{key}.{part}") is None:
+            if (not isinstance(parsed, dict)
+                or part not in parsed or field_type(f"{key}.{part}") is None):
                 break
             key, parsed, exact = f"{key}.{part}", parsed[part], field_type(f"{key}.{part}")
         raise ConfigError(key, parsed, f"expects {_describe(exact)}",

@@ -36,8 +36,8 @@ def encoder_inputs(specs, tok) -> tuple[EncoderInput, ...] | None:
     (`hcp.data.llava.EncoderInput`), or None for the plain LLaVA graph (vision -> projector ->
     llm, unpooled), which `LlavaDataset` builds from its own arguments."""
     plain = [(s.projector, s.encoder) for s in specs.streams] == [("projector", "vision")]
-    if "vision" not in specs or (plain and specs["projector"].pool == 1
-                                 and len(specs.of_kind("encoder")) == 1):
+    if ("vision" not in specs
+        or (plain and specs["projector"].pool == 1 and len(specs.of_kind("encoder")) == 1)):
         return None
     ids = stream_token_ids(specs, tok)
     out = []
@@ -85,8 +85,8 @@ def prepare_data(cfg, specs) -> list[str]:
         raise ConfigError("trainer.global_batch_size", cfg.trainer.global_batch_size,
                           f"exceeds the {len(train)} training samples", "lower it or add data")
     sets = [(name, ds) for name, ds in (("train", train), ("held-out", held_out)) if ds is not None]
-    stated = train.describe(cfg.data.max_seq_len,
-                            cfg.data.long_docs) if cfg.data.name == "tokens" else []
+    stated = (train.describe(cfg.data.max_seq_len, cfg.data.long_docs) if cfg.data.name == "tokens"
+              else [])
     return stated + ([f"data.on_error=skip: skipped {sum(ds.skipped.counts.values())} {name} "
                       f"records: "
              f"{ds.skipped.summary()}" for name, ds in sets if ds.skipped.counts] +

@@ -78,8 +78,8 @@ class Preemption:
         line names the signal the run got (`hcp.launch.supervise.launcher_signal` when hcp's
         launcher forwarded it)."""
         name = signal.Signals(launcher_signal() or self.received).name
-        code, note = self._requeue(checkpoint_dir) if dist.get_rank() == 0 else (self._exit_code(),
-                                                                                 None)
+        code, note = (self._requeue(checkpoint_dir) if dist.get_rank() == 0
+                      else (self._exit_code(), None))
         if note:
             print(f"hcp: {name} at step {step}: checkpoint saved in {checkpoint_dir}; {note}",
                   file=sys.stderr, flush=True)

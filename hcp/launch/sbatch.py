@@ -100,8 +100,8 @@ def main(argv=None) -> int:
         run_dir = os.path.abspath(args.run_dir)
         log = os.path.join(run_dir, "slurm-%j.out")
     else:
-        run_dir, log = os.path.join(outputs,
-                                    "slurm-$SLURM_JOB_ID"), os.path.join(outputs, "slurm-%j.out")
+        run_dir, log = (os.path.join(outputs, "slurm-$SLURM_JOB_ID"),
+                        os.path.join(outputs, "slurm-%j.out"))
     script = render(cfg, args.overrides, run_dir, log, args.job_name)
     if args.dry_run:
         print(script)

@@ -55,8 +55,8 @@ def slurm_tasks(nproc_per_node) -> int:
     Raises:
         ConfigError: not a positive int (`auto` is for local runs).
     """
-    if isinstance(nproc_per_node, int) and not isinstance(nproc_per_node,
-                                                          bool) and nproc_per_node >= 1:
+    if (isinstance(nproc_per_node, int)
+        and not isinstance(nproc_per_node, bool) and nproc_per_node >= 1):
         return nproc_per_node
     raise ConfigError("launcher.nproc_per_node", nproc_per_node, "a SLURM job needs a fixed number "
                       "of tasks per node",

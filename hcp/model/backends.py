@@ -43,8 +43,8 @@ def resolve_backend(name: str, device: torch.device | str = "cpu",
         raise ValueError(f"llm.attention_backend={name!r} is unknown: use one of {BACKENDS}")
     check_cp_backend(name, cp, dynamic)
     if name == "auto":
-        if cp == 1 and torch.device(device).type == "cuda" and dtype in (torch.float16,
-                                                                         torch.bfloat16):
+        if (cp == 1
+            and torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)):
             return next((b for b in ("flash", "te") if _importable(b)), "torch")
         return "torch"
     if name != "torch" and not _importable(name):

@@ -105,8 +105,8 @@ def ignored(vision, keys) -> dict[str, str]:
     out = {}
     for k in keys:
         rest = k[len(p):] if k.startswith(p) else None
-        if rest is None or k.startswith(("text_model.", "text_projection", "visual_projection",
-                                         "logit_scale")):
+        if (rest is None or k.startswith(("text_model.", "text_projection", "visual_projection",
+                                          "logit_scale"))):
             out[k] = "CLIP text side"
         elif rest.startswith("post_layernorm."):
             out[k] = "after select_layer"

@@ -34,8 +34,8 @@ def config_fields(hf: dict, field: str = "llm.init_from") -> dict:
         raise ConfigError(field, hf.get("model_type"), "config.json's model_type is not `llama`",
                           "point llm.init_from to a LlamaForCausalLM checkpoint (LLaMA, Vicuna)")
     rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or ({}
-                                         if rope.get("rope_type", "default") == "default" else rope)
+    scaling = (hf.get("rope_scaling")
+               or ({} if rope.get("rope_type", "default") == "default" else rope))
     unsupported = {"hidden_act": hf.get("hidden_act", "silu") != "silu",
                    "attention_bias": bool(hf.get("attention_bias")),
                    "mlp_bias": bool(hf.get("mlp_bias")), "rope_scaling": bool(scaling)}

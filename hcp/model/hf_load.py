@@ -81,8 +81,8 @@ def whole_shapes(cfg, m: str) -> dict[str, tuple[int, ...]]:
 def _stored_shape(ckpt: HFCheckpoint, src: Source) -> tuple[int, ...]:
     shape = ckpt.shape(src.key)
     if src.shape is not None:
-        return (tuple(src.shape) if math.prod(shape) == math.prod(src.shape)
-                and shape[0] == src.shape[0] else shape)
+        return (tuple(src.shape)
+                if math.prod(shape) == math.prod(src.shape) and shape[0] == src.shape[0] else shape)
     return (src.rows, *shape[1:]) if src.rows is not None else shape
 
 

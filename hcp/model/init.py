@@ -92,8 +92,8 @@ def _normal_rows(out: torch.Tensor, whole: list[int], offset: list[int], generat
         block = torch.randn([end - start, *whole[1:]], generator=generator)
         lo, hi = max(start, offset[0]), min(end, stop)
         if lo < hi:
-            out[lo - offset[0]:hi - offset[0]].copy_(block[(slice(lo - start, hi - start),
-                                                            *inner)] * std)
+            out[lo - offset[0]:hi
+                - offset[0]].copy_(block[(slice(lo - start, hi - start), *inner)] * std)
         start = end
 
 

@@ -66,8 +66,8 @@ class Attention(nn.Module):
         q = rotate(q.view(t, -1, self.head_dim), *rope)
         k = rotate(k.view(t, -1, self.head_dim), *rope)
         v = v.view(t, -1, self.head_dim)
-        out = checkpoint(attend, q, k, v,
-                         use_reentrant=False) if self.recompute_core else attend(q, k, v)
+        out = (checkpoint(attend, q, k, v, use_reentrant=False) if self.recompute_core
+               else attend(q, k, v))
         return self.o_proj(out.reshape(t, -1))
 
 

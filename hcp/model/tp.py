@@ -49,8 +49,8 @@ class ColumnParallelLinear(nn.Module):
             _mark(self.bias, 0, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_seq(x,
-                       self.tp_group) if self.sequence_parallel else copy_to_group(x, self.tp_group)
+        x = (gather_seq(x, self.tp_group)
+             if self.sequence_parallel else copy_to_group(x, self.tp_group))
         return F.linear(x, self.weight, self.bias)
 
 

@@ -128,8 +128,8 @@ class RowTable:
             recv_splits = np.bincount(self.src[got], minlength=g)
             recv_index, dst_rows = self.dst_row[got], len(got)
         else:
-            recv_splits, recv_index, dst_rows = np.zeros(g,
-                                                         dtype=np.int64), np.zeros(0, np.int64), 0
+            recv_splits, recv_index, dst_rows = (np.zeros(g, dtype=np.int64), np.zeros(0, np.int64),
+                                                 0)
         owner = bool(rep == 0)
         return RankRoute(
             send_index=tuple(self.src_row[rows].tolist()), send_splits=tuple(send_splits.tolist()),

@@ -186,8 +186,8 @@ class LengthIndexes:
                                       {s.projector: s.encoder for s in flows}) if flows else {}
         first = ("projector"
                  if "projector" in self.streams else flows[0].projector if flows else None)
-        self.default = self.streams[first] if first else build_length_index(dataset,
-                                                                            tok.image_token_id, 0)
+        self.default = (self.streams[first]
+                        if first else build_length_index(dataset, tok.image_token_id, 0))
 
     def take(self, indices):
         """(the batch's default sizes, {projector: sizes} of every stream or {})."""

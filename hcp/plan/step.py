@@ -207,8 +207,9 @@ def _flatten(plan: Packing, pool: int, batch: int):
     first = excl_cumsum(size)
     cover_pos = np.repeat(off, size) + np.arange(first[-1]) - np.repeat(first[:-1], size)
     cover_mb = np.repeat(mb_of_group, size)
-    if ((off % size).any() or (size & (size - 1)).any() or (cover_pos >= pool).any()
-            or (cover_pos < 0).any()):
+    if (off
+        % size).any() or (size & (size
+                                  - 1)).any() or (cover_pos >= pool).any() or (cover_pos < 0).any():
         raise ValueError(f"packing: a group is not an aligned power-of-two block of the pool of "
                          f"{pool}")
     group_at = np.full((J, pool), -1, dtype=np.int64)

@@ -87,10 +87,10 @@ def data_lengths(cfg, specs) -> tuple[np.ndarray, str]:
         batch = GlobalBatchSampler(len(train), int(cfg.trainer.global_batch_size),
                                    int(cfg.seed)).batch(0)
     except (ConfigError, DataError, OSError, ValueError) as e:
-        return batch_lengths(cfg), (f"the built-in length sample ({type(e).__name__} reading the "
-                                    f"data: {e})")
-    return np.array([len(train[i].input_ids) for i in batch],
-                    dtype=np.int64), f"data.name={cfg.data.name}"
+        return (batch_lengths(cfg),
+                f"the built-in length sample ({type(e).__name__} reading the data: {e})")
+    return (np.array([len(train[i].input_ids) for i in batch], dtype=np.int64),
+            f"data.name={cfg.data.name}")
 
 
 def _key(lay) -> tuple:
@@ -106,9 +106,8 @@ class Scorer(EncoderTerms):
         # the modules of every candidate (layouts are the candidates')
         self.specs = resolve_modules(cfg)
         self.shapes = named_shapes(self.specs)
-        self.lens, self.lengths_from = data_lengths(cfg,
-                                                    self.specs) if lengths is None else (lengths,
-                                                                                         "given")
+        self.lens, self.lengths_from = (data_lengths(cfg, self.specs) if lengths is None
+                                        else (lengths, "given"))
         cfg = self.cfg = plain(OmegaConf.to_container(cfg, resolve=True))
         self.hw = hardware(cfg, profile)
         self.host = host_model(profile)
@@ -234,8 +233,8 @@ class Scorer(EncoderTerms):
 
     def sync(self, lay) -> float:
         """Gradient sync seconds of a module's layout (module docstring)."""
-        return grad_sync_s(lay, self._stage_params(lay),
-                           self.hw) * (FSDP_SYNC if lay.dp_shard else 1.0)
+        return (grad_sync_s(lay, self._stage_params(lay), self.hw)
+                * (FSDP_SYNC if lay.dp_shard else 1.0))
 
     def _stage_params(self, lay) -> list[int]:
         """`hcp.preflight.memory.stage_params` of a layout, computed once per module, tp and
@@ -307,8 +306,8 @@ class Scorer(EncoderTerms):
         else:
             samples = np.array([sum(len(g.seq_indices) for g in r.groups) for r in plan.rounds],
                                dtype=np.float64)
-            islands = [self._island_stages(
-                e, samples * float(self.cfg.data.images_per_sample) * llm.dp / e.dp)
+            islands = [self._island_stages(e, samples * float(self.cfg.data.images_per_sample)
+                                           * llm.dp / e.dp)
                        for e in encoders]
             # islands run side by side: stage s waits for the slowest
             depth = max(e.pp for e in encoders)

@@ -106,8 +106,8 @@ class EncoderTerms:
         bwd = 2 * fwd + (fwd if enc.recompute == "full" else 0.0)
         comm = 0.0
         if enc.tp > 1:
-            comm += 2 * e.blocks * float(ring_s(k * e.hidden * hw.bytes_per_element, enc.tp, enc.tp,
-                                                hw))
+            comm += (2 * e.blocks
+                     * float(ring_s(k * e.hidden * hw.bytes_per_element, enc.tp, enc.tp, hw)))
         if enc.cp > 1:
             bw = hw.nvlink_bandwidth if enc.tp * enc.cp <= hw.ranks_per_node else hw.ib_bandwidth
             comm += kv_bytes / bw
@@ -138,8 +138,8 @@ class EncoderTerms:
         for enc in encoders:
             f, b = self._image_s(enc)
             images = self.images / enc.dp
-            share = np.asarray(enc.pp_layers,
-                               dtype=np.float64) / sum(enc.pp_layers) * images * (f + b)
+            share = (np.asarray(enc.pp_layers, dtype=np.float64) / sum(enc.pp_layers) * images
+                     * (f + b))
             share[-1] += 2 * self._route_s(images, self.encoders[enc.module].rows)
             out = max(out, float(share.max()) + self._side_sync(enc))
         return out

@@ -286,8 +286,8 @@ def format_table(rows: list[dict], given: dict | None) -> str:
     def line(tag, r):
         if "error" in r:
             return f"  {tag:>5} {r['error']}"
-        mem = " ".join(f"{k} {v:.1f}"
-                       for k, v in r["memory_gib"].items()) + ("" if r["fits"] else " (!)")
+        mem = (" ".join(f"{k} {v:.1f}" for k, v in r["memory_gib"].items())
+               + ("" if r["fits"] else " (!)"))
         d = r["describe"]
         return (f"  {tag:>5} {r['placement']:<13} {_encoders_text(d):<{width}} {d['llm']:<30} "
                 f"{r['step_time_s']:>8.4g} {r['tflops_per_gpu']:>7.1f} {mem:<{mem_width}} "

@@ -114,8 +114,8 @@ def check_searchable(cfg, pinned: dict) -> None:
     projectors = {module_key(cfg, p) for s in sides(cfg) for p in s.projectors}
     for key, value in pinned.items():
         block, _, field = key.partition(".layout.")
-        if field and block not in projectors | {module_key(cfg, s.encoder)
-                                                for s in sides(cfg)} | {"llm"}:
+        if (field and block not in projectors | {module_key(cfg, s.encoder)
+                                                 for s in sides(cfg)} | {"llm"}):
             raise ConfigError(key, value, f"the config has no module {block}",
                               "pin a configured module")
         fixed = {**PROJECTOR_FIXED, "recompute": "none"}
@@ -219,8 +219,8 @@ def side_layouts(cfg, placement: str, encoders: tuple[ResolvedLayout, ...]) -> t
     projectors = [(q, projector_for(by[s.encoder], q, by[s.encoder].recompute if tie else "none"))
                   for s in sides(cfg) for q in s.projectors]
     order = {q: k for k, q in enumerate(projector_names(cfg))}
-    return tuple((lay.module, lay)
-                 for lay in encoders) + tuple(sorted(projectors, key=lambda x: order[x[0]]))
+    return (tuple((lay.module, lay) for lay in encoders)
+            + tuple(sorted(projectors, key=lambda x: order[x[0]])))
 
 
 def encoder_options(cfg, placement: str, islands: tuple[int, ...], pinned: dict, node: int,

@@ -197,8 +197,8 @@ def weight_copy_bytes(h: int, h_kv: int, f: int, layout, precision: Precision,
     forward and the matmul keeps its copy for the backward. 0 without autocast."""
     if not precision.mixed:
         return 0.0
-    return (2 * h * h + 2 * h * h_kv
-            + (3 if gated else 2) * h * f) / layout.tp * precision.act_bytes
+    return ((2 * h * h + 2 * h * h_kv + (3 if gated else 2) * h * f) / layout.tp
+            * precision.act_bytes)
 
 
 def encoder_activation_tokens(cfg, specs, layout, stage: int, layouts: dict) -> tuple[float, int]:
@@ -230,13 +230,13 @@ def _activations(cfg, specs, layout, stage: int, layouts=None, micro_batches=Non
     """Activation bytes of one rank of `stage` (`micro_batches`: `module_memory`'s)."""
     tokens, precision = cfg.trainer.micro_batch_tokens, Precision.of(cfg.precision)
     m = layout.module
-    in_flight = layout.pp - stage if micro_batches is None else min(layout.pp - stage,
-                                                                    micro_batches)
+    in_flight = (layout.pp - stage
+                 if micro_batches is None else min(layout.pp - stage, micro_batches))
     if m != "llm" and layouts is not None:
         tokens, in_flight = encoder_activation_tokens(cfg, specs, layout, stage, layouts)
     if specs[m].kind == "projector":  # fed by its one encoder (hcp.config.modules)
-        return (in_flight * tokens * (specs[specs[m].source].hidden_size
-                                      + 2 * specs.llm.hidden_size / layout.tp)
+        return (in_flight * tokens
+                * (specs[specs[m].source].hidden_size + 2 * specs.llm.hidden_size / layout.tp)
                 * precision.act_bytes)
     c, llm = specs[m].arch, m == "llm"
     h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if llm else c.hidden_size
@@ -257,8 +257,10 @@ def _activations(cfg, specs, layout, stage: int, layouts=None, micro_batches=Non
     if llm:
         total += cp_attention_bytes(h_kv, tokens, _largest_cp(cfg, layout), layout, precision)
         if stage == layout.pp - 1:  # fp32 logits and the output layer's copy
-            total += tokens * c.vocab_size / layout.tp * 4 + (
-                c.vocab_size * c.hidden_size / layout.tp * precision.act_bytes * precision.mixed)
+            total += tokens * c.vocab_size / layout.tp * 4 + (c.vocab_size * c.hidden_size
+                                                              / layout.tp
+                                                              * precision.act_bytes
+                                                              * precision.mixed)
     return total
 
 
@@ -326,8 +328,8 @@ def module_memory(cfg, specs, layout, named_shapes, layouts=None, params=None,
     stages = []
     for s, params in enumerate(params if params is not None
                                else stage_params(named_shapes, layout, vocab)):
-        acts = _activations(cfg, specs, layout, s, layouts,
-                            micro_batches) if _needs_grad(specs, layout.module) else 0
+        acts = (_activations(cfg, specs, layout, s, layouts, micro_batches)
+                if _needs_grad(specs, layout.module) else 0)
         gathered, in_flight = (fsdp_bytes(cfg, layout, units[s], params, accumulates, trained)
                                if layout.dp_shard else (0, 0))
         stages.append(StageMemory(params, params * state["weights"] // shard + gathered,

@@ -34,8 +34,8 @@ def _cells(layouts, world_size: int) -> np.ndarray:
         stage = local // (lay.tp * lay.cp * lay.dp)
         lane = local // (lay.tp * lay.cp) % lay.dp
         light = 0.45 * (stage % 2) + 0.15 * (lane % 2)
-        image[row,
-              lay.rank_offset:lay.rank_offset + lay.num_ranks] = base + (1 - base) * light[:, None]
+        image[row, lay.rank_offset:lay.rank_offset + lay.num_ranks] = (base + (1 - base)
+                                                                       * light[:, None])
     return image
 
 
@@ -99,8 +99,8 @@ def plan_figure(layouts, world_size: int, gpus_per_node: int | None = None,
     ax.set_yticklabels([f"{m}\ntp{l.tp} cp{l.cp} dp{l.dp} pp{l.pp}" for m, l in layouts.items()],
                        fontsize=9)
     ax.set_xlim(0, world_size)
-    placement = "colocated" if all(l.num_ranks == world_size
-                                   for l in layouts.values()) else "non-colocated"
+    placement = ("colocated"
+                 if all(l.num_ranks == world_size for l in layouts.values()) else "non-colocated")
     node_note = (f"; red dashes: node boundaries ({gpus_per_node} GPUs per node)" if len(nodes)
                  else "")
     ax.set_title(f"{placement} placement over {world_size} ranks. Separators: white = TP group, "

@@ -279,8 +279,8 @@ def _trainer_json(path: str) -> dict:
 
 
 def _check_folder(key: str, path) -> None:
-    if path is None or (path == "auto"
-                        and key == "resume") or os.path.isfile(os.path.join(path, "trainer.json")):
+    if (path is None or (path == "auto" and key == "resume")
+        or os.path.isfile(os.path.join(path, "trainer.json"))):
         return
     raise ConfigError(key, path, "not a complete checkpoint folder (trainer.json and DCP shards)",
                       "use resume=auto with checkpoint.dir=DIR, or a step_XXXXXXXX folder")

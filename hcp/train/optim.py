@@ -152,8 +152,8 @@ class CosineWithWarmup(torch.optim.lr_scheduler.LambdaLR):
             before = old["lr"] * cosine_with_warmup(self.last_epoch, old["max_steps"],
                                                     old["warmup_ratio"], old["min_lr_ratio"])
         else:  # a state from before the schedule was recorded: compare the learning rate itself
-            changed = [] if old_lr is None or math.isclose(old_lr,
-                                                           self._last_lr[0]) else ["schedule"]
+            changed = ([] if old_lr is None
+                       or math.isclose(old_lr, self._last_lr[0]) else ["schedule"])
             before = old_lr
         if changed:
             self.change_note = (f"optimizer config changed on resume ({', '.join(changed)}): step "

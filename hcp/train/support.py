@@ -108,8 +108,8 @@ def _check_islands_trainable(cfg, specs) -> None:
         members = [m for m in layouts if m != "llm" and island_head(layouts, edges, m) == head]
         for m in members:
             lay, key = layouts[m], specs[m].key
-            if m != head and (lay.tp != layouts[head].tp or lay.pp != 1
-                              or lay.cp not in (1, layouts[head].cp)):
+            if (m != head and (lay.tp != layouts[head].tp or lay.pp != 1
+                               or lay.cp not in (1, layouts[head].cp))):
                 raise ConfigError(f"{key}.layout.tp", lay.tp, f"{m} runs on the last stage of "
                                   f"{head}'s island with {head}'s TP and CP groups "
                                   f"(tp={layouts[head].tp}, cp={layouts[head].cp})",

@@ -93,9 +93,8 @@ def role_rows(results: dict, roles: dict[int, str], plan_gib: dict[int, float],
         row["flops"] = max(row["flops"], res.flops)
         pairs = micro.get(r, [])
         if pairs and sum(c for c, _ in pairs) >= row["llm_counted"]:
-            row["llm_counted"], row["llm_modelled"] = sum(c
-                                                          for c, _ in pairs), sum(m
-                                                                                  for _, m in pairs)
+            row["llm_counted"], row["llm_modelled"] = (sum(c for c, _ in pairs),
+                                                       sum(m for _, m in pairs))
         row["flops_diff"] = max([row["flops_diff"]] + [abs(c / m - 1) for c, m in pairs if m])
     return list(rows.values())
 

@@ -244,8 +244,8 @@ def _no_values():
 
 def _sizes(mb) -> tuple[list[int], int, int]:
     """(document lengths, CP size, CP rank) of a `MicroBatchPlan`."""
-    return [int(b - a)
-            for a, b in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])], mb.cp_size, mb.cp_rank
+    return ([int(b - a) for a, b in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])], mb.cp_size,
+            mb.cp_rank)
 
 
 def _local(p):
