@@ -36,8 +36,7 @@ def plan_sweep(args: list[str]) -> str:
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         proc = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), "-m", *args,
                                f"hydra.sweep.dir={tmp}/sweep"], cwd=tmp, env=env,
-                               capture_output=True,
-                              text=True, timeout=900)
+                              capture_output=True, text=True, timeout=900)
         table = os.path.join(tmp, "sweep", "plan_comparison.txt")
         if proc.returncode or not os.path.isfile(table):
             raise RuntimeError(f"python train.py -m {shlex.join(args)} "

@@ -56,7 +56,7 @@ def add_encoder_modules(parent: nn.Module, encoders: Mapping, projectors: Mappin
                              f"{s.encoder if s.encoder not in encoders else s.projector}")
         parent.add_module(s.projector,
                           Projector(projectors[s.projector], encoders[s.encoder].hidden_size,
-                                                 llm_hidden, tp_groups.get(s.encoder)))
+                                    llm_hidden, tp_groups.get(s.encoder)))
 
 
 def encode_streams(parent: nn.Module, streams, encoder: str, pixel_values: torch.Tensor) -> dict:

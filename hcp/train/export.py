@@ -117,9 +117,9 @@ def export(model, specs: ModuleSpecs, export_cfg: ExportConfig, stage, writer: b
         if stage.first and getattr(model, "projector", None) is not None:
             torch.save(projector_tensors(model), os.path.join(out, "mm_projector.bin"))
     shards = [None] * dist.get_world_size()
-    dist.all_gather_object(shards, (name, sorted(llm), sum(t.numel() * t.element_size()
-                                                         for t in llm.values())) if writer
-                                                         else None)
+    dist.all_gather_object(shards, (name, sorted(llm),
+                                    sum(t.numel() * t.element_size() for t in llm.values()))
+                           if writer else None)
     files = sorted({s[0] for s in shards if s})
     if dist.get_rank() == 0 and len(files) > 1:
         index = {"metadata": {"total_size": sum(s[2]

@@ -77,11 +77,10 @@ def role_rows(results: dict, roles: dict[int, str], plan_gib: dict[int, float],
     largest relative difference of one micro-batch."""
     rows: dict[str, dict] = {}
     for r, res in sorted(results.items()):
-        row = rows.setdefault(roles[r],
-                              {"role": roles[r], "ranks": [], "collectives": 0, "sent_mib": 0.0,
-                                         "peak_gib": 0.0, "plan_gib": 0.0, "flops": 0,
-                                         "llm_counted": 0.0, "llm_modelled": 0.0, "flops_diff": 0.0,
-                                         "categories": {}})
+        row = rows.setdefault(roles[r], {"role": roles[r], "ranks": [], "collectives": 0,
+                                         "sent_mib": 0.0, "peak_gib": 0.0, "plan_gib": 0.0,
+                                         "flops": 0, "llm_counted": 0.0, "llm_modelled": 0.0,
+                                         "flops_diff": 0.0, "categories": {}})
         row["ranks"].append(r)
         row["collectives"] = max(row["collectives"], sum(op.kind == "collective" for op in res.ops))
         row["sent_mib"] = max(row["sent_mib"],
@@ -100,9 +99,8 @@ def role_rows(results: dict, roles: dict[int, str], plan_gib: dict[int, float],
 
 
 def _ranks_text(ranks: list[int]) -> str:
-    return f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0],
-                                                            ranks[-1] + 1)) and len(ranks) > 1 \
-        else ",".join(map(str, ranks))
+    return f"{ranks[0]}-{ranks[-1]}" if ranks == list(range(ranks[0], ranks[-1] + 1)) \
+        and len(ranks) > 1 else ",".join(map(str, ranks))
 
 
 def format_report(rows: list[dict], mismatches: list[Mismatch], wall_s: float, classes=None) -> str:
