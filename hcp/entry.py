@@ -79,7 +79,8 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
 
         world = (local_world_size(cfg, joined, overrides) if cfg.mode == "train"
                  else world_size_of(cfg, resolve_nproc("auto")))
-        choose_layout(cfg, overrides, world, run_dir if _is_first(joined) else None, _is_first(joined))
+        choose_layout(cfg, overrides, world, run_dir if _is_first(joined) else None,
+                      _is_first(joined))
         unresolved = copy.deepcopy(cfg)
     if cfg.mode == "plan":
         from hcp.preflight.plan_mode import run_plan
@@ -118,11 +119,13 @@ def run(cfg: DictConfig, overrides: list[str] = ()):
     specs = resolve_modules(cfg, layouts)  # once: the typed modules the checks below read
     if not joined:
         check_fits_here(cfg, layouts, world, overrides)
-        start_method = local_start_method(cfg.launcher)  # spawn with CUDA; checked before any rank starts
+        # spawn with CUDA; checked before any rank starts
+        start_method = local_start_method(cfg.launcher)
     check_trainable(cfg, specs)
     check_slurm(cfg)
     resume_after_requeue(cfg)
-    check_resume(CheckpointSpec.of(cfg), specs, cfg.trainer.max_steps, weights_only=cfg.mode == "export")
+    check_resume(CheckpointSpec.of(cfg), specs, cfg.trainer.max_steps,
+                 weights_only=cfg.mode == "export")
     if cfg.mode == "train":  # else the first save would find out, after training up to it
         check_writable("checkpoint.dir", cfg.checkpoint.dir)
         check_writable("hydra.run.dir", run_dir)
@@ -188,8 +191,8 @@ def _task(cfg: DictConfig):
             print(f"hcp: error: {e}", file=sys.stderr, flush=True)
         run_dir = hydra_cfg.runtime.output_dir
         if hydra_cfg.mode == RunMode.MULTIRUN:
-            # the sweep goes on; its table (hcp.preflight.plan_table, hcp.preflight.sweep_table) shows
-            # this point's error, and a training sweep then exits with status 2
+            # the sweep goes on; its table (hcp.preflight.plan_table, hcp.preflight.sweep_table)
+            # shows this point's error, and a training sweep then exits with status 2
             if not os.path.isfile(os.path.join(run_dir, "plan.json")):
                 name = "plan_error.txt" if cfg.mode == "plan" else ERROR_FILE
                 with open(os.path.join(run_dir, name), "w") as f:
@@ -219,7 +222,8 @@ def resume_hint(checkpoint_dir: str, overrides=()) -> str:
     if path is None:
         return (f"no checkpoint was saved in checkpoint.dir={checkpoint_dir} (trainer.save_every "
                 "saves during training), so a new run starts at step 0")
-    return f"the last complete checkpoint is {path}; resume with `{resume_command(overrides, checkpoint_dir)}`"
+    return (f"the last complete checkpoint is {path}; resume with "
+            f"`{resume_command(overrides, checkpoint_dir)}`")
 
 
 def command_line_overrides(argv: list[str]) -> list[str]:
@@ -265,8 +269,10 @@ def main() -> None:
         sys.exit(2)
     register()
     if not OmegaConf.has_resolver("hcp_run_name"):
-        OmegaConf.register_new_resolver("hcp_run_name", lambda: run_name(os.environ), use_cache=True)
-    if not OmegaConf.has_resolver("hcp_slurm_tasks"):  # hydra/launcher=submitit_slurm's tasks_per_node
+        OmegaConf.register_new_resolver("hcp_run_name", lambda: run_name(os.environ),
+                                        use_cache=True)
+    # hydra/launcher=submitit_slurm's tasks_per_node
+    if not OmegaConf.has_resolver("hcp_slurm_tasks"):
         from hcp.launch.slurm import slurm_tasks
 
         OmegaConf.register_new_resolver("hcp_slurm_tasks", slurm_tasks)

@@ -24,7 +24,8 @@ def main(argv=None) -> dict:
     """Parse `argv` (`--rank R` and Hydra overrides), measure, print; return the figures."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rank", type=int, default=0, help="the rank whose role is measured (default 0)")
+    parser.add_argument("--rank", type=int, default=0,
+                        help="the rank whose role is measured (default 0)")
     parser.add_argument("--run-dir", default=None, help="where the data and the empty checkpoint "
                         "folder go (default: a temporary folder)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, as train.py takes them")
@@ -48,7 +49,8 @@ def main(argv=None) -> dict:
     print(f"rank {args.rank} of {world} ({' '.join(args.overrides)}), GiB:")
     print(f"  held between steps  {peaks['held'] / GIB:8.2f}")
     for key in ("train", "save", "resume"):
-        print(f"  {key + ' peak':<18}  {peaks[key] / GIB:8.2f}  {peaks[key] / peaks['train']:.2f}x training")
+        print(f"  {key + ' peak':<18}  {peaks[key] / GIB:8.2f}  {peaks[key] / peaks['train']:.2f}x "
+              f"training")
     return peaks
 
 

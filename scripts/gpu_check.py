@@ -9,9 +9,9 @@
    both strategies, cp 1, 2, 4) computed on this one device, the all-gather and the ring
    emulated without a process group (`emulated_cp`).
    Outputs and q/k/v gradients: fp32 (TF32 off) within rtol 1e-4 / atol 1e-5, bf16 within
-   2e-2 of the largest reference value. Also the non-CP THD path (`thd_attention`, the backend `auto` picks).
-   With Transformer Engine and 2 GPUs: `attention_backend=te` under CP (TE's THD CP, 2 NCCL
-   ranks, both strategies) against the same reference (`check_te_cp`); skipped otherwise.
+   2e-2 of the largest reference value. Also the non-CP THD path (`thd_attention`, the backend
+   `auto` picks). With Transformer Engine and 2 GPUs: `attention_backend=te` under CP (TE's THD CP,
+   2 NCCL ranks, both strategies) against the same reference (`check_te_cp`); skipped otherwise.
 2. One training step (forward, backward, AdamW) of a ~1B LLaMA (hidden 2048, 22 layers, 32 query
    and 4 kv heads, SwiGLU 5632, vocab 32000: TinyLlama-1.1B's shape) on one THD micro-batch of
    `--tokens` (default 32768) tokens in documents of mixed lengths, bf16 autocast with fp32
@@ -61,7 +61,8 @@ def reference(q, k, v, cu):
         qd, kd, vd = q[s:e], k[s:e].repeat_interleave(rep, 1), v[s:e].repeat_interleave(rep, 1)
         scores = torch.einsum("qhd,khd->hqk", qd, kd) / math.sqrt(q.shape[-1])
         causal = torch.ones(e - s, e - s, dtype=torch.bool).tril()
-        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), vd))
+        outs.append(torch.einsum("hqk,khd->qhd",
+                                 scores.masked_fill(~causal, float("-inf")).softmax(-1), vd))
     return torch.cat(outs)
 
 
@@ -134,7 +135,8 @@ def check_attention(device, lengths) -> bool:
     ref_grads = torch.autograd.grad((ref * w).sum(), (qr, kr, vr))
     ok = True
     for dtype in (torch.float32, torch.bfloat16):
-        for c, comm in ((1, "allgather"), (2, "allgather"), (2, "p2p"), (4, "allgather"), (4, "p2p")):
+        for c, comm in ((1, "allgather"), (2, "allgather"), (2, "p2p"), (4, "allgather"),
+                        (4, "p2p")):
             start = time.perf_counter()
             out, grads = emulated_cp(q, k, v, w, cu, c, comm, device, dtype)
             errs = [(out - ref.detach().float()).abs().max().item()] + \
@@ -166,13 +168,15 @@ def _te_cp_rank(rank: int, world: int, port: int, comm: str, lengths, results) -
     from hcp.model.te_cp import te_cp_attention
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group("nccl", rank=rank, world_size=world,
+                            init_method=f"tcp://127.0.0.1:{port}")
     g = torch.Generator().manual_seed(0)
     cu = cu_of(lengths)
     q, k, v = (torch.randn(int(cu[-1]), h, 64, generator=g, dtype=torch.float64) for h in (8, 2, 2))
     ref = reference(q, k, v, cu)
     shard = cp_shard(cu, world, rank)
-    local = [x[shard.token_index].to(f"cuda:{rank}", torch.bfloat16).requires_grad_() for x in (q, k, v)]
+    local = [x[shard.token_index].to(f"cuda:{rank}", torch.bfloat16).requires_grad_()
+             for x in (q, k, v)]
     out = te_cp_attention(comm)(cu, dist.group.WORLD, torch.device(f"cuda:{rank}"))(*local)
     out.float().sum().backward()   # the backward runs and gives finite gradients
     keep = shard.valid
@@ -222,7 +226,8 @@ def doc_lengths(tokens: int) -> list[int]:
 
 def train_step(device, cfg: LLMConfig, tokens: int, peak_tflops: float) -> None:
     torch.manual_seed(0)
-    bf16 = Precision.of("bf16")  # the training run's policy: the backend resolves from its compute dtype
+    # the training run's policy: the backend resolves from its compute dtype
+    bf16 = Precision.of("bf16")
     with torch.device(device):
         model = LlavaModel(None, None, cfg, attention_backend=resolve_backend(
             cfg.attention_backend, device, bf16.compute))
@@ -234,8 +239,9 @@ def train_step(device, cfg: LLMConfig, tokens: int, peak_tflops: float) -> None:
     lengths = doc_lengths(tokens)
     cu = cu_of(lengths).to(device)
     ids = torch.randint(0, cfg.vocab_size, (tokens,), device=device)
-    batch = Batch(ids, torch.roll(ids, -1), torch.cat([torch.arange(n) for n in lengths]).to(device),
-                  cu, max(lengths), None, None)
+    batch = Batch(ids, torch.roll(ids, -1),
+                  torch.cat([torch.arange(n) for n in lengths]).to(device), cu, max(lengths), None,
+                  None)
     backend = model.llm.attention_backend  # the one the model runs
 
     def step():
@@ -257,19 +263,21 @@ def train_step(device, cfg: LLMConfig, tokens: int, peak_tflops: float) -> None:
     dt = time.perf_counter() - start
     flops = model_flops(cfg, tokens, float(sum(n * n for n in lengths)))
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    print(f"train step: LLaMA {params / 1e9:.2f}B params, {tokens} tokens in {len(lengths)} documents "
-          f"(longest {max(lengths)}), bf16 autocast, attention backend {backend}: loss {loss:.3f}, "
-          f"{dt:.3f} s, {flops / dt / 1e12:.1f} TFLOP/s, MFU {flops / dt / 1e12 / peak_tflops:.1%} "
-          f"of {peak_tflops:g}, peak memory {peak:.1f} GiB")
+    print(f"train step: LLaMA {params / 1e9:.2f}B params, {tokens} tokens in {len(lengths)} "
+          f"documents (longest {max(lengths)}), bf16 autocast, attention backend {backend}: loss "
+          f"{loss:.3f}, {dt:.3f} s, {flops / dt / 1e12:.1f} TFLOP/s, MFU "
+          f"{flops / dt / 1e12 / peak_tflops:.1%} of {peak_tflops:g}, peak memory {peak:.1f} GiB")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="a tiny model and short documents (dry run)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="a tiny model and short documents (dry run)")
     ap.add_argument("--tokens", type=int, default=32768, help="tokens of the training micro-batch")
-    ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the device")
+    ap.add_argument("--peak-tflops", type=float, default=989.0,
+                    help="dense bf16 peak of the device")
     ap.add_argument("--skip", default="", help="comma list of checks to skip: attention,train,runs")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -282,7 +290,8 @@ def main() -> int:
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     ok = True
     if "attention" not in args.skip:
-        ok = check_attention(device, [96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
+        ok = check_attention(device,
+                             [96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
         ok &= check_te_cp([96, 7, 33, 1, 20] if args.tiny else [3000, *([200] * 4), 37, 5, 1])
     if "train" not in args.skip:
         cfg = (LLMConfig(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -35,25 +35,29 @@ def plan_sweep(args: list[str]) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         proc = subprocess.run([sys.executable, os.path.join(REPO, "train.py"), "-m", *args,
-                               f"hydra.sweep.dir={tmp}/sweep"], cwd=tmp, env=env, capture_output=True,
-                              text=True, timeout=900)
+                               f"hydra.sweep.dir={tmp}/sweep"], cwd=tmp, env=env,
+                              capture_output=True, text=True, timeout=900)
         table = os.path.join(tmp, "sweep", "plan_comparison.txt")
         if proc.returncode or not os.path.isfile(table):
-            raise RuntimeError(f"python train.py -m {shlex.join(args)} failed:\n{proc.stderr[-3000:]}")
+            raise RuntimeError(f"python train.py -m {shlex.join(args)} "
+                               f"failed:\n{proc.stderr[-3000:]}")
         with open(table) as f:
             return f.read()
 
 
 BLOCKS = {
-    "plan_sweep": (["+recipe=llava_hetero", "mode=plan", "llm.layout.tp=4,8", "llm.layout.pp=1,2"], plan_sweep),
+    "plan_sweep": (["+recipe=llava_hetero", "mode=plan", "llm.layout.tp=4,8", "llm.layout.pp=1,2"],
+                   plan_sweep),
 }
-"""name -> (the arguments of `python train.py -m`, the function that runs them and returns the output)."""
+"""name -> (the arguments of `python train.py -m`, the function that runs them and returns the
+output)."""
 
 
 def render(name: str) -> str:
     """The block `name` as it belongs between its markers: the command, then its output."""
     args, run = BLOCKS[name]
-    return (f"```bash\npython train.py -m {shlex.join(args)}\n```\n\n```\n{run(args).rstrip()}\n```\n")
+    return (f"```bash\npython train.py -m "
+            f"{shlex.join(args)}\n```\n\n```\n{run(args).rstrip()}\n```\n")
 
 
 def _pattern(name: str) -> re.Pattern:

@@ -1,5 +1,5 @@
-"""Colocated boundary communicator (docs/design.md 4.2): moves rows between the ranks of one group by
-a routing table (`hcp.parallel.routing.RankRoute`) with one `all_to_all_single` per direction.
+"""Colocated boundary communicator (docs/design.md 4.2): moves rows between the ranks of one group
+by a routing table (`hcp.parallel.routing.RankRoute`) with one `all_to_all_single` per direction.
 
 Forward: rank r sends `src[send_index]` (`send_splits[j]` rows to group rank j) and scatters the
 `recv_splits` rows it receives into `[dst_rows, H]` at `recv_index`. Backward: a received row
@@ -66,7 +66,8 @@ def grads_to_send(grad_dst: torch.Tensor, route: RankRoute) -> torch.Tensor:
 def sum_grads(back: torch.Tensor, route: RankRoute, src_rows: int) -> torch.Tensor:
     """The returned gradients `back` summed into the source's gradient [src_rows, H] at the
     sent rows that get one (`grad_returns`); zeros for rows sent nowhere."""
-    index = _index(route.send_index, back.device).index_select(0, _where(route.grad_returns, back.device))
+    index = _index(route.send_index,
+                   back.device).index_select(0, _where(route.grad_returns, back.device))
     return back.new_zeros(src_rows, back.shape[1]).index_add_(0, index, back)
 
 

@@ -93,7 +93,8 @@ def backward_ops(grad_dst: torch.Tensor, route: RankRoute, src_rows: int, edge: 
     dtype)."""
     send = grads_to_send(grad_dst, route)
     back = grad_dst.new_empty(sum(route.grad_recv_splits), grad_dst.shape[1])
-    add = None if counter is None else (lambda n: setattr(counter, "backward", counter.backward + n))
+    add = (None if counter is None
+           else (lambda n: setattr(counter, "backward", counter.backward + n)))
     ops = _p2p(send, route.grad_send_splits, back, route.grad_recv_splits, edge, TAG_B, add)
     return ops, lambda: sum_grads(back, route, src_rows)
 

@@ -50,7 +50,8 @@ class StageMeta:
         """The inverse of `flat`; `host`: [cu_seqlens..., loss tokens] read on the host."""
         t = (flat.numel() - num_cu) // 2
         cu, pos, labels = flat.split([num_cu, t, t])
-        seqlens = None if host is None else tuple(b - a for a, b in zip(host[:num_cu - 1], host[1:num_cu]))
+        seqlens = (None if host is None
+                   else tuple(b - a for a, b in zip(host[:num_cu - 1], host[1:num_cu])))
         return cls(cu.to(torch.int32), max_seqlen, pos, labels, seqlens,
                    None if host is None else host[num_cu])
 

@@ -8,13 +8,15 @@ OPTIMIZERS = ("adamw",)
 """`optim.name` values (hcp.train.optim)."""
 ENCODER_ARCHS = ("vit", "clip")
 """`vision.arch` / `encoders.NAME.arch` values; each has one builder in
-`hcp.model.encoder_types.ENCODERS` (a new encoder type joins both; that module checks they match)."""
+`hcp.model.encoder_types.ENCODERS` (a new encoder type joins both; that module checks they
+match)."""
 PROJECTOR_TYPES = ("mlp2x_gelu", "linear")
 """`projector.type` values (hcp.model.projector)."""
 ATTENTION_BACKENDS = ("auto", "torch", "te", "flash")
 """`llm.attention_backend` values (hcp.model.backends)."""
 BACKEND_MODULES = {
-    "te": ("transformer_engine.pytorch", "pip install --no-build-isolation 'transformer_engine[pytorch]' "
+    "te": ("transformer_engine.pytorch",
+           "pip install --no-build-isolation 'transformer_engine[pytorch]' "
                                          "on a CUDA machine (NVIDIA's package)"),
     "flash": ("flash_attn", "pip install flash-attn --no-build-isolation on a CUDA machine"),
 }

@@ -8,7 +8,8 @@ from omegaconf import DictConfig, OmegaConf
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONF_DIR = next((d for d in (os.path.join(_PACKAGE, "conf"),  # an installed wheel: hcp/conf
-                             os.path.join(os.path.dirname(_PACKAGE), "conf"))  # a source tree: conf/
+                             # a source tree: conf/
+                             os.path.join(os.path.dirname(_PACKAGE), "conf"))
                  if os.path.isfile(os.path.join(d, "config.yaml"))),
                 os.path.join(os.path.dirname(_PACKAGE), "conf"))
 """The Hydra config folder: `conf/` of the source tree, or `hcp/conf` of an installed package
@@ -46,7 +47,8 @@ def compose_config(overrides=(), run_dir: str = "/tmp/hcp-run", resolve: bool = 
     return cfg
 
 
-_NAMED = {"encoders": "+encoder@encoders.{name}=vit_tiny", "projectors": "'+projectors={{{name}:{{}}}}'"}
+_NAMED = {"encoders": "+encoder@encoders.{name}=vit_tiny",
+          "projectors": "'+projectors={{{name}:{{}}}}'"}
 """Named-module sections and how a command line adds a module to each (README, several encoders)."""
 _NULLABLE = ("vision", "projector")
 """Module sections a recipe or model may set to null (`model=llama_tiny`: a text-only LM)."""
@@ -76,7 +78,8 @@ def check_module_names(overrides: list[str]) -> None:
 
     def section(raw):
         parts = key_of(raw).split(".")
-        return (parts[0], parts[1], key_of(raw), raw.partition("=")[2]) if len(parts) > 2 and parts[0] in _NAMED else None
+        return ((parts[0], parts[1], key_of(raw), raw.partition("=")[2]) if len(parts) > 2
+                and parts[0] in _NAMED else None)
 
     chosen = any(key_of(o) in ("recipe", "model") for o in overrides)
     nullable = [raw for raw in overrides if chosen and not raw.startswith("+")
@@ -85,7 +88,8 @@ def check_module_names(overrides: list[str]) -> None:
     if not named and not nullable:
         return
     try:
-        cfg = compose_config([o for o in overrides if (o, section(o)) not in named and o not in nullable],
+        cfg = compose_config([o for o in overrides if (o, section(o)) not in named
+                              and o not in nullable],
                              resolve=False)
     except Exception:  # noqa: BLE001 - Hydra's run reports what fails to compose
         return

@@ -23,7 +23,8 @@ class ConfigError(ValueError):
         if passing:
             return ConfigError(self.field, self.value, self.problem, self.fix_template, passing)
         because = f" ({blocked.field}={blocked.value!r}: {blocked.problem})" if blocked else ""
-        return ConfigError(self.field, self.value, self.problem, f"no single value of {self.field} in "
+        return ConfigError(self.field, self.value, self.problem,
+                           f"no single value of {self.field} in "
                            f"{list(self.candidates)} passes every rule with the other settings as "
                            f"they are{because}; change another setting too")
 

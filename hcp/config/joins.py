@@ -1,8 +1,8 @@
 """Whether the layouts of a module-graph edge can be joined (checked at validation, before ranks).
 
 Colocated LLaVA runs the encoder side (vision encoder, then projector) on its own layout and
-routes the projector's rows into the LLM's layout (the step plan, `hcp.plan`). The projector follows its
-encoder on the same ranks with no route between them, so the two must share one layout. The
+routes the projector's rows into the LLM's layout (the step plan, `hcp.plan`). The projector follows
+its encoder on the same ranks with no route between them, so the two must share one layout. The
 other join rules live with the layouts (`hcp.config.layouts`): DP sizes of an edge divide one
 another (lanes map in blocks), every module's dp divides the global batch, and under `colocated`
 every module spans all ranks (so the encoder's ranks cover the LLM's).
@@ -31,7 +31,8 @@ def check_joins(cfg, layouts: dict) -> None:
         a, b = layouts[src], layouts[dst]
         if a.pp > 1:  # the projector would need a.pp stages of its own: not a layout to fix
             skey = module_key(cfg, src)
-            raise ConfigError(f"{skey}.layout.pp", a.pp, f"under placement=colocated {src} runs whole "
+            raise ConfigError(f"{skey}.layout.pp", a.pp,
+                              f"under placement=colocated {src} runs whole "
                               f"on every rank of its lane, its projector right after it; encoder "
                               f"pipelines run on their own island", f"set placement=non_colocated "
                               f"with {skey}.layout.num_ranks=N (its island), or {skey}.layout.pp=1")
@@ -40,6 +41,7 @@ def check_joins(cfg, layouts: dict) -> None:
             fix = " ".join(f"{key}.layout.{k}={getattr(a, k)}" for k in ("tp", "cp", "pp", "dp")
                            if getattr(a, k) != getattr(b, k))
             raise ConfigError(f"{key}.layout", f"tp{b.tp} cp{b.cp} pp{b.pp} dp{b.dp}",
-                              f"edge {src}->{dst} joins {_describe(a)} and {_describe(b)}; the projector "
-                              f"runs right after {src} on the same ranks, without a route between them",
+                              f"edge {src}->{dst} joins {_describe(a)} and {_describe(b)}; the "
+                              f"projector runs right after {src} on the same ranks, without a "
+                              f"route between them",
                               f"give it {src}'s layout: {fix}")

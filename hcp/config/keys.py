@@ -1,10 +1,11 @@
 """Unknown config keys: fail naming the closest known key, with or without Hydra's `+`.
 
-Hydra's structured config rejects `trainer.max_step=10` itself, but its hint (`+trainer.max_step=10`)
-adds the key past the schema and the run trains with the typo ignored. Two checks close both paths:
-`check_overrides` reads the command line before Hydra composes (so the typo's message names
-the closest key instead of Hydra's `+` hint) and `check_known_keys` walks the composed config
-against the schema (a key added with `+`, or by a YAML file, that no field declares).
+Hydra's structured config rejects `trainer.max_step=10` itself, but its hint
+(`+trainer.max_step=10`) adds the key past the schema and the run trains with the typo ignored. Two
+checks close both paths: `check_overrides` reads the command line before Hydra composes (so the
+typo's message names the closest key instead of Hydra's `+` hint) and `check_known_keys` walks the
+composed config against the schema (a key added with `+`, or by a YAML file, that no field
+declares).
 """
 from __future__ import annotations
 
@@ -80,8 +81,10 @@ def lookup(key: str, value=None):
         if named is not None and i + 2 < len(parts):  # encoders.NAME.key: check key in X
             return lookup_in(named, parts[i + 2:], key, value)
         if sub is None:
-            scalar = {a for a in (typing.get_args(fields[part]) or (fields[part],)) if a is not type(None)}
-            if i < len(parts) - 1 and scalar <= {str, int, float, bool}:  # `packing.profile`: no section
+            scalar = {a for a in (typing.get_args(fields[part]) or (fields[part],))
+                      if a is not type(None)}
+            # `packing.profile`: no section
+            if i < len(parts) - 1 and scalar <= {str, int, float, bool}:
                 raise _unknown(key, value)
             return fields[part]
         if i == len(parts) - 1:
@@ -137,7 +140,8 @@ def _describe(tp) -> str:
         return f"a list of {head}s" + (f" {rest}" if rest else "")
     if typing.get_origin(tp) is dict:
         return "a mapping"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+    return {int: "an integer", float: "a number", bool: "true or false",
+            str: "a string"}.get(tp, str(tp))
 
 
 def _base(tp):
@@ -210,10 +214,12 @@ def _check_value(raw: str, key: str, value: str) -> None:
     except Exception as e:  # noqa: BLE001 - OmegaConf's validation and merge errors
         inner = str(getattr(e, "full_key", None) or "v").split(".")[1:]  # below the field: name it
         for part in inner:
-            if not isinstance(parsed, dict) or part not in parsed or field_type(f"{key}.{part}") is None:
+            if (not isinstance(parsed, dict)
+                or part not in parsed or field_type(f"{key}.{part}") is None):
                 break
             key, parsed, exact = f"{key}.{part}", parsed[part], field_type(f"{key}.{part}")
-        raise ConfigError(key, parsed, f"expects {_describe(exact)}", _example(key, exact)) from None
+        raise ConfigError(key, parsed, f"expects {_describe(exact)}",
+                          _example(key, exact)) from None
 
 
 def _check_group_choice(group: str, value: str, conf_dir: str, prefix: str = "") -> None:
@@ -234,7 +240,8 @@ def _check_group_choice(group: str, value: str, conf_dir: str, prefix: str = "")
                           f"{hint}use one of {', '.join(options)}")
 
 
-def check_overrides(overrides: list[str], config_groups: set[str], conf_dir: str | None = None) -> None:
+def check_overrides(overrides: list[str], config_groups: set[str],
+                    conf_dir: str | None = None) -> None:
     """Check command-line overrides (`a.b=1`, `+a.b=1`, `++a.b=1`, `~a.b`) against the schema
     before Hydra composes: keys, value types, and (given `conf_dir`) group choices
     (`+recipe=llava_tiny` must name `recipes/llava_tiny.yaml`). Sweeps (`a=1,2`),

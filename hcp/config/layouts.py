@@ -90,7 +90,8 @@ def world_size_of(cfg, auto_nproc: int = 4) -> int:
     try:
         nproc = int(nproc)
     except (TypeError, ValueError):
-        raise ConfigError("launcher.nproc_per_node", nproc, "not an integer", "use `auto` or an int") from None
+        raise ConfigError("launcher.nproc_per_node", nproc, "not an integer",
+                          "use `auto` or an int") from None
     if nproc < 1 or cfg.launcher.nnodes < 1:
         raise ConfigError("launcher.nproc_per_node", nproc, "nodes and ranks per node must be >= 1",
                           "use positive values")
@@ -108,7 +109,8 @@ def _edges(cfg, modules) -> list[tuple[str, str]]:
         for name in (src, dst):
             if name not in modules:
                 raise ConfigError("graph.edges", [list(e) for e in edges],
-                                  f"edge {src}->{dst} names `{name}`, which is absent (None or unknown)",
+                                  f"edge {src}->{dst} names `{name}`, which is absent (None or "
+                                  f"unknown)",
                                   f"use only modules {list(modules)} or set graph.edges=[]")
     return edges
 
@@ -123,18 +125,21 @@ def _indivisible(m: str, lay, count: int, product: str) -> ConfigError:
     axis = max(fixable or [a for a, v in sizes.items() if v > 1] or ["tp"], key=lambda a: sizes[a])
     others = model // sizes[axis]
     valid = _divisors(count // others) if count % others == 0 else []
-    problem = f"{m} spans {count} ranks, not divisible by {product} (dp=-1 is inferred from the rest)"
+    problem = (f"{m} spans {count} ranks, not divisible by {product} (dp=-1 is inferred from the "
+               f"rest)")
     if not valid:
         return ConfigError(f"{m}.layout.{axis}", sizes[axis], problem,
                            f"choose tp, cp, pp whose product divides {count}")
-    return ConfigError(f"{m}.layout.{axis}", sizes[axis], problem, f"use {m}.layout.{axis} in {{values}}", valid)
+    return ConfigError(f"{m}.layout.{axis}", sizes[axis], problem,
+                       f"use {m}.layout.{axis} in {{values}}", valid)
 
 
 def _resolve_one(cfg, m: str, offset: int, count: int) -> ResolvedLayout:
     lay = module_cfg(cfg, m).layout
     for axis in ("tp", "cp", "pp"):
         if lay[axis] < 1:
-            raise ConfigError(f"{m}.layout.{axis}", lay[axis], "sizes must be >= 1", "use a positive size")
+            raise ConfigError(f"{m}.layout.{axis}", lay[axis], "sizes must be >= 1",
+                              "use a positive size")
     model = lay.tp * lay.cp * lay.pp
     product = f"tp*cp*pp = {lay.tp}*{lay.cp}*{lay.pp} = {model}"
     if lay.dp == -1:
@@ -143,7 +148,8 @@ def _resolve_one(cfg, m: str, offset: int, count: int) -> ResolvedLayout:
         dp = count // model
     elif lay.dp < 1 or lay.dp * model != count:
         raise ConfigError(f"{m}.layout.dp", lay.dp,
-                          f"{product} times dp = {model * lay.dp} differs from the {count} ranks {m} spans",
+                          f"{product} times dp = {model * lay.dp} differs from the {count} ranks "
+                          f"{m} spans",
                           f"use dp=-1 (infers {count / model:g}) or change the sizes")
     else:
         dp = int(lay.dp)
@@ -153,16 +159,19 @@ def _resolve_one(cfg, m: str, offset: int, count: int) -> ResolvedLayout:
         if len(split) != lay.pp or sum(split) != layers or min(split) < 1:
             other_pp = len(split) != lay.pp and sum(split) == layers and min(split) >= 1
             raise ConfigError(f"{m}.layout.pp_layers", list(split),
-                              f"{m}.layout.pp={lay.pp} needs one count per stage, each >= 1, summing "
-                              f"to {layers} ({m}'s layers)", f"give {lay.pp} count(s) >= 1 with sum {layers}"
+                              f"{m}.layout.pp={lay.pp} needs one count per stage, each >= 1, "
+                              f"summing to {layers} ({m}'s layers)",
+                              f"give {lay.pp} count(s) >= 1 with sum {layers}"
                               + (f", or set {m}.layout.pp={len(split)}" if other_pp else ""))
     elif layers % lay.pp:
         raise ConfigError(f"{m}.layout.pp", lay.pp, f"{m} has {layers} layers, not divisible by it",
-                          f"use {m}.layout.pp in {{values}} or give {m}.layout.pp_layers", _divisors(layers))
+                          f"use {m}.layout.pp in {{values}} or give {m}.layout.pp_layers",
+                          _divisors(layers))
     else:
         split = (layers // lay.pp,) * lay.pp
     return ResolvedLayout(m, int(lay.tp), int(lay.cp), int(lay.pp), dp, offset, count, split,
-                          lay.cp_comm, bool(lay.sequence_parallel), lay.recompute, bool(lay.dp_shard))
+                          lay.cp_comm, bool(lay.sequence_parallel), lay.recompute,
+                          bool(lay.dp_shard))
 
 
 def _named_keys(cfg, error: ConfigError) -> ConfigError:
@@ -171,10 +180,12 @@ def _named_keys(cfg, error: ConfigError) -> ConfigError:
     named = [m for m in module_names(cfg) if module_key(cfg, m) != m]
     if not named:
         return error
-    pattern = re.compile(r"(?<![\w.])(" + "|".join(map(re.escape, named)) + r")\.(?=layout|num_heads|ffn)")
-    spell = lambda text: pattern.sub(lambda mt: module_key(cfg, mt.group(1)) + ".", str(text))  # noqa: E731
-    return ConfigError(spell(error.field), error.value, spell(error.problem), spell(error.fix_template),
-                       error.candidates)
+    pattern = re.compile(r"(?<![\w.])("
+                         + "|".join(map(re.escape, named)) + r")\.(?=layout|num_heads|ffn)")
+    spell = lambda text: pattern.sub(  # noqa: E731
+        lambda mt: module_key(cfg, mt.group(1)) + ".", str(text))
+    return ConfigError(spell(error.field), error.value, spell(error.problem),
+                       spell(error.fix_template), error.candidates)
 
 
 def _spelled(layouts_of):
@@ -207,7 +218,8 @@ def resolve_layouts(cfg, world_size: int) -> dict[str, ResolvedLayout]:
         spans = non_colocated_spans(cfg, modules, edges, world_size)
     # The LLM first: the tiny LLaVA's encoder layouts follow llm.layout by interpolation, so a
     # bad size is reported under the key the user typed.
-    resolved = {m: _resolve_one(cfg, m, *spans[m]) for m in sorted(modules, key=lambda m: m != "llm")}
+    resolved = {m: _resolve_one(cfg, m, *spans[m])
+                for m in sorted(modules, key=lambda m: m != "llm")}
     return {m: resolved[m] for m in modules}
 
 
@@ -215,9 +227,11 @@ def _tp_divides(m: str, tp: int, quantities: dict[str, int], padding: tuple[str,
     """Every quantity must divide by tp; the fix lists the tp values that divide them ALL."""
     for name, n in quantities.items():
         if n % tp:
-            extra = "; it would need padding to a multiple of tp, which hcp does not do" if name in padding else ""
+            extra = ("; it would need padding to a multiple of tp, which hcp does not do"
+                     if name in padding else "")
             raise ConfigError(f"{m}.layout.tp", tp, f"{name}={n} is not divisible by it{extra}",
-                              f"use {m}.layout.tp in {{values}}", _divisors(math.gcd(*quantities.values())))
+                              f"use {m}.layout.tp in {{values}}",
+                              _divisors(math.gcd(*quantities.values())))
 
 
 def _check_tensor_parallel(cfg, lay: ResolvedLayout) -> None:
@@ -225,7 +239,8 @@ def _check_tensor_parallel(cfg, lay: ResolvedLayout) -> None:
     if m == "llm":
         c = cfg.llm
         _tp_divides(m, tp, {"llm.num_heads": c.num_heads, "llm.num_kv_heads": c.num_kv_heads,
-                            "llm.ffn_hidden_size": c.ffn_hidden_size, "llm.vocab_size": c.vocab_size},
+                            "llm.ffn_hidden_size": c.ffn_hidden_size,
+                            "llm.vocab_size": c.vocab_size},
                     padding=("llm.vocab_size",))
     elif kind(cfg, m) == "projector":
         _tp_divides(m, tp, {"llm.hidden_size": cfg.llm.hidden_size})
@@ -240,12 +255,13 @@ def _check_tokens(cfg, lay: ResolvedLayout) -> None:
     if lay.cp > 1 and tokens % (2 * lay.cp):
         raise ConfigError("trainer.micro_batch_tokens", tokens,
                           f"{lay.module}.layout.cp={lay.cp} splits every document into 2*cp = "
-                          f"{2 * lay.cp} chunks; the capacity is not divisible by it and would need padding",
+                          f"{2 * lay.cp} chunks; the capacity is not divisible by it and would "
+                          f"need padding",
                           f"use a multiple of {2 * lay.cp}")
     if lay.sequence_parallel and tokens % lay.tp:
         raise ConfigError("trainer.micro_batch_tokens", tokens,
-                          f"{lay.module}.layout.sequence_parallel shards tokens over tp={lay.tp}; the "
-                          "capacity is not divisible by it and would need padding",
+                          f"{lay.module}.layout.sequence_parallel shards tokens over tp={lay.tp}; "
+                          f"the capacity is not divisible by it and would need padding",
                           f"use a multiple of {lay.tp}")
 
 
@@ -256,7 +272,8 @@ def _check_lanes(cfg, layouts: dict[str, ResolvedLayout]) -> None:
             continue  # no static LLM lanes: the planner places every sample in the pool
         if batch % lay.dp:
             raise ConfigError("trainer.global_batch_size", batch,
-                              f"not divisible by {lay.module}'s dp={lay.dp} (each lane takes a block of samples)",
+                              f"not divisible by {lay.module}'s dp={lay.dp} (each lane takes a "
+                              f"block of samples)",
                               f"use a multiple of {lay.dp}")
     for src, dst in (tuple(e) for e in cfg.graph.edges):
         if src not in layouts or dst not in layouts:  # a search checking one module at a time
@@ -264,8 +281,9 @@ def _check_lanes(cfg, layouts: dict[str, ResolvedLayout]) -> None:
         a, b = layouts[src].dp, layouts[dst].dp
         if max(a, b) % min(a, b):
             raise ConfigError(f"{dst}.layout.dp", b,
-                              f"edge {src}->{dst}: dp {a} and {b}, neither divides the other, so lanes "
-                              "cannot map in blocks", "make one of the two dp sizes a multiple of the other")
+                              f"edge {src}->{dst}: dp {a} and {b}, neither divides the other, so "
+                              f"lanes cannot map in blocks",
+                              "make one of the two dp sizes a multiple of the other")
 
 
 def _check_dynamic_cp(cfg, layouts: dict[str, ResolvedLayout]) -> None:
@@ -276,20 +294,21 @@ def _check_dynamic_cp(cfg, layouts: dict[str, ResolvedLayout]) -> None:
     lay = layouts["llm"]
     if not lay.cp_pool & (lay.cp_pool - 1):
         return
-    pool = (f"packing=dynamic_cp needs the CP pool dp*cp = {lay.dp}*{lay.cp} = {lay.cp_pool} to be a "
-            "power of two")
+    pool = (f"packing=dynamic_cp needs the CP pool dp*cp = {lay.dp}*{lay.cp} = {lay.cp_pool} to be "
+            f"a power of two")
     if lay.cp & (lay.cp - 1):
         low, high = _powers_near(lay.cp)
-        raise ConfigError("llm.layout.cp", lay.cp, pool, f"use llm.layout.cp={low} or {high} (and a "
+        raise ConfigError("llm.layout.cp", lay.cp, pool,
+                          f"use llm.layout.cp={low} or {high} (and a "
                           "power-of-two dp)")
     low, high = _powers_near(lay.dp)
     model, odd = lay.tp * lay.cp * lay.pp, lay.dp // (lay.dp & -lay.dp)  # odd: dp's odd factor
     how = (f"inferred from the LLM's {lay.num_ranks} ranks / tp*cp*pp = {model}"
            if cfg.llm.layout.dp == -1 else "set")
     raise ConfigError("llm.layout.dp", lay.dp, f"{pool} (dp {how})",
-                      f"run the LLM on {low * model} or {high * model} ranks (launcher.nproc_per_node, "
-                      f"with llm.layout.dp=-1 or {low} or {high}), or move dp's factor {odd} into "
-                      f"llm.layout.tp or pp (dp then {lay.dp // odd})")
+                      f"run the LLM on {low * model} or {high * model} ranks "
+                      f"(launcher.nproc_per_node, with llm.layout.dp=-1 or {low} or {high}), or "
+                      f"move dp's factor {odd} into llm.layout.tp or pp (dp then {lay.dp // odd})")
 
 
 def _powers_near(n: int) -> tuple[int, int]:
@@ -305,7 +324,8 @@ def _check_launcher(cfg, world_size: int) -> None:
                           f"launcher.nnodes*nproc_per_node = {nnodes}*{nproc} differs from the "
                           f"{world_size} ranks provided", "match the launcher to the job's ranks")
     if world_size % nnodes:
-        raise ConfigError("launcher.nnodes", nnodes, f"{world_size} ranks do not split evenly over it",
+        raise ConfigError("launcher.nnodes", nnodes,
+                          f"{world_size} ranks do not split evenly over it",
                           "match launcher.nnodes to the job's nodes")
 
 

@@ -13,7 +13,8 @@ tower runs once, its gradient is the sum of its consumers').
 Data conventions of an encoder `e` (hcp.data.llava): a record gives its inputs under
 `record_key(e)` (`image` for `vision`, else the name) and the text marks each input with
 `placeholder(e)` (`<image>` for `vision`, else `<name>`); each placeholder expands, for every
-stream of `e` in edge order, into that stream's rows per input (`hcp.config.specs.ModuleSpecs.rows`).
+stream of `e` in edge order, into that stream's rows per input
+(`hcp.config.specs.ModuleSpecs.rows`).
 
 `check_graph(cfg)` raises `ConfigError(field, value, problem, fix)` for bad names and edges,
 before any rank starts.
@@ -37,7 +38,8 @@ def encoder_names(cfg) -> tuple[str, ...]:
 
 def projector_names(cfg) -> tuple[str, ...]:
     """Configured projector modules: `projector` (unless null), then `projectors.*`."""
-    return (("projector",) if cfg.get("projector") is not None else ()) + tuple(cfg.get("projectors") or ())
+    return (("projector",)
+            if cfg.get("projector") is not None else ()) + tuple(cfg.get("projectors") or ())
 
 
 def module_names(cfg) -> tuple[str, ...]:
@@ -111,7 +113,8 @@ def _check_names(cfg) -> None:
                                   "parameters, process groups and the data's placeholder)",
                                   "use letters, digits and _, e.g. vision2")
             if name in BUILT_IN:
-                raise ConfigError(key, name, f"`{name}` is a built-in module with its own top-level "
+                raise ConfigError(key, name,
+                                  f"`{name}` is a built-in module with its own top-level "
                                   "key", f"configure it under `{name}:`, or pick another name")
             if name in seen:
                 raise ConfigError(key, name, f"the name is also used by {seen[name]}",
@@ -144,8 +147,9 @@ def check_graph(cfg) -> None:
         allowed = {"encoder": "projector", "projector": "llm"}.get(kind(cfg, src))
         if kind(cfg, dst) != allowed:
             raise ConfigError("graph.edges", list(edge), f"edge {src}->{dst} goes from an "
-                              f"{kind(cfg, src)} to {'an' if kind(cfg, dst) == 'llm' else 'a'} {kind(cfg, dst)}; edges go encoder -> "
-                              "projector -> llm", f"route {src} through a projector into the llm"
+                              f"{kind(cfg, src)} to {'an' if kind(cfg, dst) == 'llm' else 'a'} "
+                              f"{kind(cfg, dst)}; edges go encoder -> projector -> llm",
+                              f"route {src} through a projector into the llm"
                               if kind(cfg, src) == "encoder" else "remove the edge")
     if len(set(edges)) != len(edges):
         dup = next(e for e in edges if edges.count(e) > 1)
@@ -158,7 +162,8 @@ def check_graph(cfg) -> None:
                        if len(into) != 1 else f"projector {p} feeds nothing")
             raise ConfigError("graph.edges", shown, problem,
                               f"add exactly one [ENCODER, {p}] and one [{p}, llm] edge"
-                              if edges else f"add [ENCODER, {p}] and [{p}, llm], or set {p} to null")
+                              if edges
+                              else f"add [ENCODER, {p}] and [{p}, llm], or set {p} to null")
     for e in encoder_names(cfg):
         if not any(s == e for s, _ in edges):
             raise ConfigError("graph.edges", shown, f"encoder {e} feeds no projector",

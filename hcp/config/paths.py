@@ -24,7 +24,8 @@ def check_writable(key: str, path: str) -> None:
         existing = os.path.dirname(existing)
     fix = f"set {key} to a folder this user can write (it is created if missing)"
     if not os.path.isdir(existing):
-        raise ConfigError(key, path, f"{existing} is a file, not a folder, so nothing can be saved there", fix)
+        raise ConfigError(key, path,
+                          f"{existing} is a file, not a folder, so nothing can be saved there", fix)
     try:
         fd, probe = tempfile.mkstemp(prefix=".hcp-write-check-", dir=existing)
         os.close(fd)

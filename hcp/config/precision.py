@@ -27,7 +27,8 @@ _COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass(frozen=True)
 class Precision:
-    """One run's precision policy (module docstring); build it with `Precision.of(cfg.precision)`."""
+    """One run's precision policy (module docstring); build it with
+    `Precision.of(cfg.precision)`."""
 
     name: str
     compute: torch.dtype

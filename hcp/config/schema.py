@@ -12,7 +12,8 @@ from typing import Any, Dict, Optional
 
 @dataclass
 class LayoutConfig:
-    """A module's parallel sizes (docs/design.md: layout). Grid axis order: tp, cp, dp, pp (slowest)."""
+    """A module's parallel sizes (docs/design.md: layout). Grid axis order: tp, cp, dp, pp
+    (slowest)."""
 
     tp: int = 1
     """Tensor-parallel size."""
@@ -126,7 +127,8 @@ class LLMConfig:
 class GraphConfig:
     """The module graph: directed edges src -> dst."""
 
-    edges: list[list[str]] = field(default_factory=lambda: [["vision", "projector"], ["projector", "llm"]])
+    edges: list[list[str]] = field(default_factory=lambda: [["vision", "projector"],
+                                                            ["projector", "llm"]])
 
 
 @dataclass

@@ -26,7 +26,8 @@ def colocated_spans(cfg, modules, world_size) -> dict[str, tuple[int, int]]:
         if lay.num_ranks not in (None, world_size):
             raise ConfigError(f"{module_key(cfg, m)}.layout.num_ranks", lay.num_ranks,
                               f"placement=colocated: every module spans all {world_size} ranks",
-                              f"remove it (or set it to {world_size}), or set placement=non_colocated")
+                              f"remove it (or set it to {world_size}), or set "
+                              f"placement=non_colocated")
         if lay.rank_offset not in (None, 0):
             raise ConfigError(f"{module_key(cfg, m)}.layout.rank_offset", lay.rank_offset,
                               "placement=colocated: every module starts at rank 0",
@@ -76,8 +77,8 @@ def _island_size(cfg, m) -> int | None:
     lay = module_cfg(cfg, m).layout
     if lay.num_ranks is not None:
         if lay.num_ranks < 1:
-            raise ConfigError(f"{module_key(cfg, m)}.layout.num_ranks", lay.num_ranks, "an island needs >= 1 rank",
-                              "use a positive rank count")
+            raise ConfigError(f"{module_key(cfg, m)}.layout.num_ranks", lay.num_ranks,
+                              "an island needs >= 1 rank", "use a positive rank count")
         return int(lay.num_ranks)
     if lay.dp != -1:
         return int(lay.tp * lay.cp * lay.pp * lay.dp)
@@ -110,7 +111,8 @@ def non_colocated_spans(cfg, modules, edges, world_size) -> dict[str, tuple[int,
         to_set = [module_key(cfg, h) for h in open_ if h != keep]
         plural = len(to_set) > 1
         raise ConfigError(f"{to_set[0]}.layout.num_ranks", None,
-                          f"the islands of {open_} all leave their size to be inferred; at most one may",
+                          f"the islands of {open_} all leave their size to be inferred; at most "
+                          f"one may",
                           f"set {' and '.join(k + '.layout.num_ranks' for k in to_set)} "
                           f"(or {'their' if plural else 'its'} dp)")
     if open_:
@@ -129,9 +131,10 @@ def non_colocated_spans(cfg, modules, edges, world_size) -> dict[str, tuple[int,
             values = [v for v in range(1, most // per + 1)]
             more = f"run on at least {world_size - rest + need} ranks (launcher.nproc_per_node)"
             raise ConfigError(key, getattr(lay, field),
-                              f"the islands of a set size already take {world_size - rest} of {world_size} "
-                              f"ranks, leaving none for the {module_key(cfg, open_[0])} island, which needs at least "
-                              f"tp * cp * pp = {need}",
+                              f"the islands of a set size already take {world_size - rest} of "
+                              f"{world_size} ranks, leaving none for the "
+                              f"{module_key(cfg, open_[0])} island, which needs at least tp * cp * "
+                              f"pp = {need}",
                               f"use {key} in {{values}}, or {more}" if values else more,
                               values or None)
         sizes[open_[0]] = rest
@@ -149,13 +152,14 @@ def non_colocated_spans(cfg, modules, edges, world_size) -> dict[str, tuple[int,
         for r in range(offset, offset + sizes[h]):
             if r in used:
                 raise ConfigError(f"{module_key(cfg, h)}.layout.rank_offset", offset,
-                                  f"island [{offset}, {offset + sizes[h]}) of {h} overlaps the island "
-                                  f"of {used[r]} at rank {r}", "make the islands disjoint")
+                                  f"island [{offset}, {offset + sizes[h]}) of {h} overlaps the "
+                                  f"island of {used[r]} at rank {r}", "make the islands disjoint")
             used[r] = h
         offsets[h] = offset
     unused = [r for r in range(world_size) if r not in used]
     if unused:
         raise ConfigError(f"{module_key(cfg, islands[-1])}.layout.num_ranks", sizes[islands[-1]],
                           f"the islands leave {len(unused)} of {world_size} ranks unused "
-                          f"(first: {unused[0]})", "grow an island (num_ranks) so that they cover the world")
+                          f"(first: {unused[0]})",
+                          "grow an island (num_ranks) so that they cover the world")
     return {m: (offsets[head[m]], sizes[head[m]]) for m in modules}

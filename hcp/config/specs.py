@@ -38,7 +38,8 @@ class EncoderArch:
 
 @dataclass(frozen=True)
 class ProjectorArch:
-    """A projector's architecture (`projector`, `projectors.<name>`); `layout` as in `EncoderArch`."""
+    """A projector's architecture (`projector`, `projectors.<name>`); `layout` as in
+    `EncoderArch`."""
 
     type: str
     pool: int
@@ -158,7 +159,8 @@ class ModuleSpecs:
     def rows(self, stream: Stream) -> int:
         """Rows (placeholder tokens) one input of `stream.encoder` gives the stream: the
         encoder's patch grid side divided by the projector's `pool`, squared."""
-        side = int(self[stream.encoder].arch.image_size) // int(self[stream.encoder].arch.patch_size)
+        side = (int(self[stream.encoder].arch.image_size)
+                // int(self[stream.encoder].arch.patch_size))
         return (side // self[stream.projector].pool) ** 2
 
 
@@ -167,8 +169,9 @@ def _spec(cfg, name: str, layouts, edges) -> ModuleSpec:
     own = block.get("optim") or {}
     return ModuleSpec(
         name=name, kind=k, key=module_key(cfg, name), arch=arch_of(k, block),
-        layout=layouts[name] if layouts is not None else None, freeze=bool(block.get("freeze", False)),
-        init_from=block.get("init_from"), hidden_size=int(block.get("hidden_size") or 0),
+        layout=layouts[name] if layouts is not None else None,
+        freeze=bool(block.get("freeze", False)), init_from=block.get("init_from"),
+        hidden_size=int(block.get("hidden_size") or 0),
         optim={f: float(own[f]) for f in ("lr", "weight_decay") if own.get(f) is not None},
         pool=int(block.get("pool", 1) or 1) if k == "projector" else 1,
         source=next((s for s, d in edges if d == name), None) if k == "projector" else None)
@@ -179,4 +182,5 @@ def resolve_modules(cfg, layouts: dict | None = None) -> ModuleSpecs:
     result, None where no layout is needed (data preparation)."""
     edges = tuple((str(s), str(d)) for s, d in cfg.graph.edges)
     flows = streams(edges) if cfg.get("vision") is not None else ()
-    return ModuleSpecs(tuple(_spec(cfg, m, layouts, edges) for m in module_names(cfg)), edges, flows)
+    return ModuleSpecs(tuple(_spec(cfg, m, layouts, edges) for m in module_names(cfg)), edges,
+                       flows)

@@ -14,7 +14,8 @@ from hcp.config.errors import ConfigError, check_choice
 from hcp.config.joins import check_joins
 from hcp.config.keys import check_known_keys
 from hcp.config.layouts import check_layouts
-from hcp.config.modules import check_graph, encoder_names, module_cfg, module_key, module_names, streams
+from hcp.config.modules import (check_graph, encoder_names, module_cfg, module_key, module_names,
+                                streams)
 from hcp.config.precision import PRECISIONS
 from hcp.config.te_rules import check_te
 
@@ -47,17 +48,20 @@ def check_choices(cfg) -> None:
         check_choice(key, OmegaConf.select(cfg, key), allowed)
     if cfg.data.name == "code_corpus" and cfg.data.long_docs == "reject":
         raise ConfigError("data.long_docs", "reject", "data=code_corpus reads whole source files, "
-                          "many longer than any max_seq_len", "use data.long_docs=split or truncate")
+                          "many longer than any max_seq_len",
+                          "use data.long_docs=split or truncate")
 
 
 def check_rehearse_report(cfg) -> None:
     """`rehearse.report` is read by `layout=auto` only (its memory estimates of the layouts it
     searches): under `layout=manual` it would be ignored, so it is refused."""
     if cfg.rehearse.get("report") is not None and cfg.layout != "auto":
-        raise ConfigError("rehearse.report", cfg.rehearse.report, "only layout=auto reads it (a rehearsal's "
-                          "tracked peaks correcting the memory estimates of the layouts it searches); a "
-                          "manual layout is rehearsed itself (mode=rehearse writes its own rehearsal.json into "
-                          "the run directory, its tracked peaks beside plan mode's estimates)",
+        raise ConfigError("rehearse.report", cfg.rehearse.report,
+                          "only layout=auto reads it (a rehearsal's "
+                          "tracked peaks correcting the memory estimates of the layouts it "
+                          "searches); a manual layout is rehearsed itself (mode=rehearse writes "
+                          "its own rehearsal.json into the run directory, its tracked peaks beside "
+                          "plan mode's estimates)",
                           "add layout=auto, or drop rehearse.report")
 
 
@@ -81,14 +85,17 @@ def check_backends(cfg, layouts) -> None:
 def check_model(cfg) -> None:
     v = cfg.vision
     if (v is None) != (cfg.projector is None):
-        raise ConfigError("projector", cfg.projector, "vision and projector must both be set or both "
-                          "be null", "set both (LLaVA) or `vision: null` and `projector: null` (text LM)")
+        raise ConfigError("projector", cfg.projector,
+                          "vision and projector must both be set or both "
+                          "be null",
+                          "set both (LLaVA) or `vision: null` and `projector: null` (text LM)")
     check_graph(cfg)
     for m in encoder_names(cfg):
         key, e = ("vision" if m == "vision" else f"encoders.{m}"), module_cfg(cfg, m)
         check_choice(f"{key}.arch", e.arch, ENCODER_ARCHS)
         if e.image_size % e.patch_size:
-            raise ConfigError(f"{key}.patch_size", e.patch_size, f"does not divide {key}.image_size="
+            raise ConfigError(f"{key}.patch_size", e.patch_size,
+                              f"does not divide {key}.image_size="
                               f"{e.image_size}", "pick a patch size that divides the image size")
     for s in streams(cfg.graph.edges):
         key = "projector" if s.projector == "projector" else f"projectors.{s.projector}"
@@ -96,12 +103,16 @@ def check_model(cfg) -> None:
         check_choice(f"{key}.type", p.type, PROJECTOR_TYPES)
         side = e.image_size // e.patch_size
         if p.pool < 1 or side % p.pool:
-            raise ConfigError(f"{key}.pool", p.pool, f"must divide the {side} x {side} patch grid of "
-                              f"{s.encoder}", f"use a pool in {[d for d in range(1, side + 1) if side % d == 0]}")
+            raise ConfigError(f"{key}.pool", p.pool,
+                              f"must divide the {side} x {side} patch grid of "
+                              f"{s.encoder}",
+                              f"use a pool in {[d for d in range(1, side + 1) if side % d == 0]}")
     present = module_names(cfg)
     if all(module_cfg(cfg, m).freeze for m in present):
-        raise ConfigError("llm.freeze", True, f"every module ({', '.join(sorted(present))}) is frozen: "
-                          "nothing would train", "unfreeze one, e.g. llm.freeze=false or +stage=pretrain")
+        raise ConfigError("llm.freeze", True,
+                          f"every module ({', '.join(sorted(present))}) is frozen: "
+                          "nothing would train",
+                          "unfreeze one, e.g. llm.freeze=false or +stage=pretrain")
 
 
 def _check_optim(cfg) -> None:
@@ -117,7 +128,8 @@ def _check_optim(cfg) -> None:
         if lr is not None and lr <= 0:
             raise ConfigError(f"{path}.lr", lr, "must be > 0", f"use e.g. {path}.lr=1e-3")
         if wd is not None and wd < 0:
-            raise ConfigError(f"{path}.weight_decay", wd, "must be >= 0", f"use e.g. {path}.weight_decay=0.0")
+            raise ConfigError(f"{path}.weight_decay", wd, "must be >= 0",
+                              f"use e.g. {path}.weight_decay=0.0")
 
 
 def check_trainer(cfg, layouts) -> None:
@@ -142,8 +154,10 @@ def check_trainer(cfg, layouts) -> None:
                           "sample in tokens)", "use a positive value, e.g. data.max_seq_len=512")
     cap = t.get("eval_max_new_tokens")
     if cap is not None and cap < 1:
-        raise ConfigError("trainer.eval_max_new_tokens", cap, "greedy evaluation must decode at least "
-                          "one token", "use null (the longest reference answer plus EOS) or a value >= 1")
+        raise ConfigError("trainer.eval_max_new_tokens", cap,
+                          "greedy evaluation must decode at least "
+                          "one token",
+                          "use null (the longest reference answer plus EOS) or a value >= 1")
     if not 0 <= cfg.data.eval_fraction < 1:
         raise ConfigError("data.eval_fraction", cfg.data.eval_fraction, "must be in [0, 1)",
                           "use e.g. data.eval_fraction=0.15")
@@ -185,12 +199,13 @@ def check_longest_sample(cfg, llm) -> None:
         where = (f"the dynamic-CP pool of dp*cp = {llm.dp}*{llm.cp} = {span} ranks" if dynamic
                  else f"llm.layout.cp={span} ranks")
         pad = ", head-tail padding to a multiple of 2*cp counted" if span > 1 else ""
-        raise ConfigError("trainer.micro_batch_tokens", tokens,
-                          f"{where} at this many tokens per rank holds a sample of at most {limit} "
-                          f"tokens{pad}, less than data.max_seq_len={longest}",
-                          f"use trainer.micro_batch_tokens >= {tokens_per_rank(longest, span)}, or "
-                          f"data.max_seq_len <= {limit}, or a larger "
-                          f"{'CP pool (llm.layout.dp * llm.layout.cp)' if dynamic else 'llm.layout.cp'}")
+        raise ConfigError(
+            "trainer.micro_batch_tokens", tokens,
+            f"{where} at this many tokens per rank holds a sample of at most {limit} "
+            f"tokens{pad}, less than data.max_seq_len={longest}",
+            f"use trainer.micro_batch_tokens >= {tokens_per_rank(longest, span)}, or "
+            f"data.max_seq_len <= {limit}, or a larger "
+            f"{'CP pool (llm.layout.dp * llm.layout.cp)' if dynamic else 'llm.layout.cp'}")
 
 
 def validate(cfg, world_size: int, unresolved=None) -> dict:

@@ -13,7 +13,8 @@ from hcp.data.tokenizer import build_tokenizer
 from hcp.data.tokens import build_tokens
 
 
-BUILT_IN = {"digits_vqa": build_digits_vqa, "digits_pair": build_digits_pair, "digits_tiles": build_digits_tiles}
+BUILT_IN = {"digits_vqa": build_digits_vqa, "digits_pair": build_digits_pair,
+            "digits_tiles": build_digits_tiles}
 """Built-in image data sets (`data.name`) -> their builder (`hcp.data.digits`)."""
 
 def num_image_tokens(vision_cfg) -> int:
@@ -35,7 +36,8 @@ def encoder_inputs(specs, tok) -> tuple[EncoderInput, ...] | None:
     (`hcp.data.llava.EncoderInput`), or None for the plain LLaVA graph (vision -> projector ->
     llm, unpooled), which `LlavaDataset` builds from its own arguments."""
     plain = [(s.projector, s.encoder) for s in specs.streams] == [("projector", "vision")]
-    if "vision" not in specs or (plain and specs["projector"].pool == 1 and len(specs.of_kind("encoder")) == 1):
+    if ("vision" not in specs
+        or (plain and specs["projector"].pool == 1 and len(specs.of_kind("encoder")) == 1)):
         return None
     ids = stream_token_ids(specs, tok)
     out = []
@@ -72,7 +74,8 @@ def prepare_data(cfg, specs) -> list[str]:
     tok = build_tokenizer(cfg.data.tokenizer)
     encoder_inputs(specs, tok)  # more streams: more placeholder ids the LLM's vocabulary must hold
     if cfg.llm.vocab_size < tok.vocab_size:
-        raise ConfigError("llm.vocab_size", cfg.llm.vocab_size, f"smaller than the {tok.vocab_size} "
+        raise ConfigError("llm.vocab_size", cfg.llm.vocab_size,
+                          f"smaller than the {tok.vocab_size} "
                           f"ids of data.tokenizer={cfg.data.tokenizer!r}",
                           f"set llm.vocab_size to at least {tok.vocab_size} (a multiple of tp)")
     if cfg.data.name in BUILT_IN:
@@ -82,8 +85,10 @@ def prepare_data(cfg, specs) -> list[str]:
         raise ConfigError("trainer.global_batch_size", cfg.trainer.global_batch_size,
                           f"exceeds the {len(train)} training samples", "lower it or add data")
     sets = [(name, ds) for name, ds in (("train", train), ("held-out", held_out)) if ds is not None]
-    stated = train.describe(cfg.data.max_seq_len, cfg.data.long_docs) if cfg.data.name == "tokens" else []
-    return stated + ([f"data.on_error=skip: skipped {sum(ds.skipped.counts.values())} {name} records: "
+    stated = (train.describe(cfg.data.max_seq_len, cfg.data.long_docs) if cfg.data.name == "tokens"
+              else [])
+    return stated + ([f"data.on_error=skip: skipped {sum(ds.skipped.counts.values())} {name} "
+                      f"records: "
              f"{ds.skipped.summary()}" for name, ds in sets if ds.skipped.counts] +
             [f"data: dropped the leading `gpt` turn of {ds.leading_turns_dropped} {name} records "
              f"of {ds.path} (a conversation opens with the human turn; LLaVA drops it too)"
@@ -95,7 +100,8 @@ def build_datasets(cfg, specs):
     `specs` (`hcp.config.specs.ModuleSpecs`).
 
     Raises:
-        ConfigError: unknown `data.name`, a missing `data.path` (or a path that is not there), images without an encoder.
+        ConfigError: unknown `data.name`, a missing `data.path` (or a path that is not there),
+        images without an encoder.
         hcp.data.llava.DataError: a bad record under `data.on_error=error`.
     """
     d, v = cfg.data, specs["vision"].arch if "vision" in specs else None
@@ -122,18 +128,23 @@ def build_datasets(cfg, specs):
                 raise ConfigError(key, path, "no such file", "give the path of a LLaVA-1.5 "
                                   "conversation file (a JSON list, or JSON Lines)")
         if d.image_folder and not os.path.isdir(d.image_folder):
-            raise ConfigError("data.image_folder", d.image_folder, "no such folder", "give the folder "
-                              "the records' image paths are relative to (default: data.path's folder)")
+            raise ConfigError("data.image_folder", d.image_folder, "no such folder",
+                              "give the folder "
+                              "the records' image paths are relative to (default: data.path's "
+                              "folder)")
         train_path, eval_path, folder = d.path, d.eval_path, d.image_folder
     else:
-        raise ConfigError("data.name", d.name, "unknown data set", "use digits_vqa, digits_pair, digits_tiles, "
+        raise ConfigError("data.name", d.name, "unknown data set",
+                          "use digits_vqa, digits_pair, digits_tiles, "
                           "llava_json, code_corpus or tokens")
     if v is None:
         raise ConfigError("data.name", d.name, "LLaVA data has images but the config has no vision "
-                          "encoder", "use a LLaVA model config, or data=code_corpus for a text-only LM")
-    loader = load_clip_image if v.arch == "clip" else load_image  # CLIP: LLaVA-1.5's pad + normalize
+                          "encoder",
+                          "use a LLaVA model config, or data=code_corpus for a text-only LM")
+    # CLIP: LLaVA-1.5's pad + normalize
+    loader = load_clip_image if v.arch == "clip" else load_image
     inputs = encoder_inputs(specs, tok)  # several encoders or streams (hcp.config.modules)
     make = lambda p: LlavaDataset(p, folder, tok, num_image_tokens(v), v.image_size,  # noqa: E731
-                                  v.num_channels, d.max_seq_len, d.system_prompt, d.on_error, loader,
-                                  inputs)
+                                  v.num_channels, d.max_seq_len, d.system_prompt, d.on_error,
+                                  loader, inputs)
     return tok, make(train_path), (make(eval_path) if eval_path else None)

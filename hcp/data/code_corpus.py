@@ -3,8 +3,9 @@
 Documents of very different lengths (median ~6.5 KB, a long tail past 500 KB), byte-level
 tokens. Each file becomes `[bos] + bytes + [eos]`, split into samples of at most
 `max_seq_len` tokens (`long_docs=split`) or cut to its first sample (`truncate`: one sample
-per file, so sample lengths follow the files' own length distribution); labels are shifted inside each sample, once. Files are assigned to the
-held-out split by a stable hash of their relative path, so the split never changes.
+per file, so sample lengths follow the files' own length distribution); labels are shifted inside
+each sample, once. Files are assigned to the held-out split by a stable hash of their relative path,
+so the split never changes.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def stdlib_sources(root: str | None = None) -> list[str]:
     files = []
     for folder, subfolders, names in os.walk(root):
         subfolders[:] = [d for d in subfolders if d != "site-packages" and not d.startswith(".")]
-        files += [os.path.join(folder, n) for n in names if n.endswith(".py") and not n.startswith(".")]
+        files += [os.path.join(folder, n)
+                  for n in names if n.endswith(".py") and not n.startswith(".")]
     return sorted(files)
 
 
@@ -43,7 +45,8 @@ class CodeCorpus:
 
     has_answers = False
 
-    def __init__(self, files, root, tokenizer, max_seq_len, held_out, eval_fraction, long_docs="split"):
+    def __init__(self, files, root, tokenizer, max_seq_len, held_out, eval_fraction,
+                 long_docs="split"):
         self.tok, self.max_seq_len = tokenizer, max_seq_len
         self.skipped = SkipReport()
         self.docs: list[np.ndarray] = []
@@ -57,7 +60,8 @@ class CodeCorpus:
                 body = np.frombuffer(f.read(), dtype=np.uint8).astype(np.int64)
             doc = np.concatenate([[tokenizer.bos_id], body, [tokenizer.eos_id]])
             starts = range(0, len(doc) - 1, max_seq_len)
-            self.chunks += [(len(self.docs), s) for s in (starts[:1] if long_docs == "truncate" else starts)]
+            self.chunks += [(len(self.docs), s)
+                            for s in (starts[:1] if long_docs == "truncate" else starts)]
             self.docs.append(doc)
             self.ids.append(rel)
 

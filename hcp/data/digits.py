@@ -125,7 +125,8 @@ def build_digits_pair(root: str, eval_fraction: float = 0.15) -> str:
                 records.append({"id": f"{a['id']}+{b['id'][len('digits-'):]}",
                                 "image": os.path.join(rel, a["image"]),
                                 PAIR_KEY: os.path.join(rel, b["image"]), "conversations": [
-                                    {"from": "human", "value": f"<image> <{PAIR_KEY}>\n{PAIR_QUESTION}"},
+                                    {"from": "human",
+                                     "value": f"<image> <{PAIR_KEY}>\n{PAIR_QUESTION}"},
                                     {"from": "gpt", "value": " ".join(words)}]})
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(records, f)
@@ -133,7 +134,8 @@ def build_digits_pair(root: str, eval_fraction: float = 0.15) -> str:
 
 
 TILE_GRIDS = ((1, 1), (1, 2), (2, 1), (2, 2))
-"""(rows, columns) of the tile grids `digits_tiles` draws from (InternVL's aspect-ratio grids, small)."""
+"""(rows, columns) of the tile grids `digits_tiles` draws from (InternVL's aspect-ratio grids,
+small)."""
 
 
 def build_digits_tiles(root: str, eval_fraction: float = 0.15) -> str:
@@ -152,7 +154,8 @@ def build_digits_tiles(root: str, eval_fraction: float = 0.15) -> str:
         for name in ("train.json", "eval.json"):
             with open(os.path.join(scans, name)) as f:
                 singles = json.load(f)
-            grids = np.random.default_rng([SPLIT_SEED, len(singles)]).integers(0, len(TILE_GRIDS), len(singles))
+            grids = np.random.default_rng([SPLIT_SEED, len(singles)]).integers(0, len(TILE_GRIDS),
+                                                                               len(singles))
             records = []
             for record, g in zip(singles, grids):
                 rows, cols = TILE_GRIDS[int(g)]

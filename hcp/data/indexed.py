@@ -41,7 +41,8 @@ class IndexedDataset:
 
     Raises:
         FileNotFoundError: a file is missing (names it).
-        hcp.data.llava.DataError: bad magic, version or dtype code, an `.idx` shorter than its header says,
+        hcp.data.llava.DataError: bad magic, version or dtype code, an `.idx` shorter than its
+        header says,
             document boundaries out of order, or a `.bin` shorter than the sequences it indexes.
     """
 
@@ -77,7 +78,8 @@ class IndexedDataset:
         if n_doc < 1 or doc[0] != 0 or doc[-1] != n_seq or np.any(np.diff(doc) < 0):
             raise _corrupt(idx, f"corrupt document index (must rise from 0 to the {n_seq} "
                               f"sequences; starts {doc[:3].tolist()}, ends {doc[-2:].tolist()})")
-        end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize if n_seq else 0
+        end = (int(self.sequence_pointers[-1])
+               + int(self.sequence_lengths[-1]) * self.dtype.itemsize if n_seq else 0)
         if os.path.getsize(bin_) < end:
             raise _corrupt(bin_, f"truncated: {os.path.getsize(bin_)} bytes, {idx} indexes {end}")
         self._bin = np.memmap(bin_, mode="r", dtype=self.dtype) if end else np.zeros(0, self.dtype)
@@ -93,7 +95,8 @@ class IndexedDataset:
     def __getitem__(self, j: int) -> np.ndarray:
         a, b = int(self.document_indices[j]), int(self.document_indices[j + 1])
         parts = [self._bin[p // self.dtype.itemsize: p // self.dtype.itemsize + n]
-                 for p, n in zip(self.sequence_pointers[a:b].tolist(), self.sequence_lengths[a:b].tolist())]
+                 for p, n in zip(self.sequence_pointers[a:b].tolist(),
+                                 self.sequence_lengths[a:b].tolist())]
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
 
@@ -107,7 +110,8 @@ def write_indexed(prefix: str, documents, dtype=np.uint16) -> None:
     codes = {np.dtype(v): k for k, v in DTYPES.items()}
     dt = np.dtype(dtype)
     if dt not in codes:
-        raise ValueError(f"dtype {dt} has no Megatron code (use one of {[np.dtype(v).name for v in DTYPES.values()]})")
+        raise ValueError(f"dtype {dt} has no Megatron code (use one of "
+                         f"{[np.dtype(v).name for v in DTYPES.values()]})")
     lengths, doc_idx = [], [0]
     with open(prefix + ".bin", "wb") as f:
         for doc in documents:

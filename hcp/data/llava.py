@@ -169,7 +169,8 @@ class LlavaDataset:
     has_answers = True
 
     def __init__(self, path, image_folder, tokenizer, num_image_tokens, image_size, num_channels,
-                 max_seq_len, system_prompt="", on_error="error", image_loader=load_image, encoders=None):
+                 max_seq_len, system_prompt="", on_error="error", image_loader=load_image,
+                 encoders=None):
         if on_error not in ("error", "skip"):
             raise ValueError(f"data.on_error={on_error!r}: use `error` or `skip`")
         self.path, self.image_folder = path, image_folder or os.path.dirname(path)
@@ -179,7 +180,8 @@ class LlavaDataset:
         self.encoders = {e.name: e for e in encoders} if encoders else {"vision": EncoderInput(
             "vision", (("projector", tokenizer.image_token_id, num_image_tokens),), image_size,
             num_channels, image_loader)}
-        self._split = re.compile("(" + "|".join(re.escape(e.placeholder) for e in self.encoders.values()) + ")")
+        self._split = re.compile("(" + "|".join(re.escape(e.placeholder)
+                                                for e in self.encoders.values()) + ")")
         self.max_seq_len, self.system_prompt = max_seq_len, system_prompt
         self.skipped = SkipReport()
         records = read_records(path)
@@ -218,10 +220,12 @@ class LlavaDataset:
         sources = samples if sources is None else sources
         named = [e for e in self.encoders if e != "vision"]
         return collate(samples, [self.pixel_values(s) for s in sources], self.tok.image_token_id,
-                       self.stream_ids, {e: [self.pixel_values(s, e) for s in sources] for e in named})
+                       self.stream_ids,
+                       {e: [self.pixel_values(s, e) for s in sources] for e in named})
 
     def pixel_values(self, sample: Sample, encoder: str = "vision") -> torch.Tensor:
-        """The sample's inputs of `encoder` (default: its images), `[I, C, H, W]` fp32 (I may be 0)."""
+        """The sample's inputs of `encoder` (default: its images), `[I, C, H, W]` fp32 (I may be
+        0)."""
         e = self.encoders[encoder]
         paths = sample.items(encoder)
         if not paths:
@@ -234,7 +238,8 @@ class LlavaDataset:
         fail = lambda kind, detail: DataError(self.path, rid, kind, detail)  # noqa: E731
         convs = rec.get("conversations") if isinstance(rec, dict) else None
         if not isinstance(convs, list) or not convs or not all(
-                isinstance(t, dict) and t.get("from") in ("human", "gpt") and isinstance(t.get("value"), str)
+                isinstance(t, dict)
+                and t.get("from") in ("human", "gpt") and isinstance(t.get("value"), str)
                 for t in convs):
             raise fail("malformed record", "`conversations` must be a non-empty list of "
                        "{'from': 'human'|'gpt', 'value': str}")
@@ -250,11 +255,13 @@ class LlavaDataset:
             paths = rec.get(e.record_key)
             paths = [] if paths is None else [paths] if isinstance(paths, str) else paths
             if not isinstance(paths, list) or not all(isinstance(p, str) for p in paths):
-                raise fail("malformed record", f"`{e.record_key}` must be a path or a list of paths")
+                raise fail("malformed record",
+                           f"`{e.record_key}` must be a path or a list of paths")
             n_ph = sum(t["value"].count(e.placeholder) for t in convs)
             if n_ph != len(paths):
                 what = "images" if e.name == "vision" else f"`{e.record_key}` inputs"
-                raise fail("image count mismatch", f"{n_ph} {e.placeholder} placeholders but {len(paths)} {what}")
+                raise fail("image count mismatch",
+                           f"{n_ph} {e.placeholder} placeholders but {len(paths)} {what}")
             inputs[e.name] = [os.path.join(self.image_folder, p) for p in paths]
         for p in (p for paths in inputs.values() for p in paths):
             try:
@@ -266,7 +273,8 @@ class LlavaDataset:
         paths = inputs.pop("vision", [])
         ids, target = self._tokenize(convs)
         if len(ids) > self.max_seq_len:
-            raise fail("sample too long", f"{len(ids)} tokens > data.max_seq_len={self.max_seq_len}")
+            raise fail("sample too long",
+                       f"{len(ids)} tokens > data.max_seq_len={self.max_seq_len}")
         labels = [ids[t + 1] if target[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)]
         labels.append(IGNORE_INDEX)
         prompt_len = target.index(True)

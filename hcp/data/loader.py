@@ -21,7 +21,8 @@ class GlobalBatchSampler:
         if num_samples < global_batch_size:
             raise ValueError(f"trainer.global_batch_size={global_batch_size} exceeds the data set "
                              f"({num_samples} samples): lower it or add data")
-        self.num_samples, self.gbs, self.seed, self.shuffle = num_samples, global_batch_size, seed, shuffle
+        self.num_samples, self.gbs, self.seed, self.shuffle = (num_samples, global_batch_size, seed,
+                                                               shuffle)
         self.batches_per_epoch = num_samples // global_batch_size
         self.position = 0
         """Global batches consumed so far (the resumable state)."""
@@ -52,6 +53,7 @@ def lane_slice(global_batch: list[int], dp: int, lane: int) -> list[int]:
         ValueError: the global batch is not divisible by `dp`.
     """
     if len(global_batch) % dp:
-        raise ValueError(f"trainer.global_batch_size={len(global_batch)} is not divisible by dp={dp}")
+        raise ValueError(f"trainer.global_batch_size={len(global_batch)} is not divisible by "
+                         f"dp={dp}")
     n = len(global_batch) // dp
     return global_batch[lane * n:(lane + 1) * n]

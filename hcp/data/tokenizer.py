@@ -1,4 +1,5 @@
-"""Tokenizers: byte-level (built in, nothing to download) or a local Hugging Face `tokenizer.json`."""
+"""Tokenizers: byte-level (built in, nothing to download) or a local Hugging Face
+`tokenizer.json`."""
 from __future__ import annotations
 
 import json
@@ -49,12 +50,13 @@ class HFTokenizer:
     def __init__(self, path: str):
         if not os.path.isfile(path):
             raise ConfigError("data.tokenizer", path, "no such tokenizer.json file",
-                              "give the path of a local Hugging Face tokenizer.json, or data.tokenizer=byte (the default)")
+                              "give the path of a local Hugging Face tokenizer.json, or "
+                              "data.tokenizer=byte (the default)")
         try:
             from tokenizers import Tokenizer
         except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError("data.tokenizer is a tokenizer.json path but the `tokenizers` package "
-                              "is missing: pip install tokenizers") from e
+            raise ImportError("data.tokenizer is a tokenizer.json path but the `tokenizers` "
+                              "package is missing: pip install tokenizers") from e
         self._tok = Tokenizer.from_file(path)
         vocab = self._tok.get_vocab()
         self.bos_id = vocab.get("<s>", 1)

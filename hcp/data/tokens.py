@@ -46,10 +46,13 @@ class JsonlDocuments:
                     text = json.loads(line)[key]
                 except (json.JSONDecodeError, KeyError, TypeError) as e:
                     raise DataError(path, f"line {line_no}", "bad JSONL line",
-                                    f"expected a JSON object with a string {key!r} field ({e!r})") from None
+                                    f"expected a JSON object with a string {key!r} field "
+                                    f"({e!r})") from None
                 if not isinstance(text, str):
-                    raise DataError(path, f"line {line_no}", "bad JSONL line", f"{key!r} is not a string")
-                self.docs.append(np.asarray([tokenizer.bos_id, *tokenizer.encode(text), tokenizer.eos_id],
+                    raise DataError(path, f"line {line_no}", "bad JSONL line",
+                                    f"{key!r} is not a string")
+                self.docs.append(np.asarray([tokenizer.bos_id, *tokenizer.encode(text),
+                                             tokenizer.eos_id],
                                             dtype=np.int64))
 
     def __len__(self) -> int:
@@ -86,7 +89,8 @@ class TokenSamples:
             j = int(np.argmax(lengths - 1 > max_seq_len))
             raise DataError(docs.prefix, f"document {j}", "document too long",
                             f"{lengths[j] - 1} input tokens > data.max_seq_len={max_seq_len} under "
-                            "data.long_docs=reject (use data.long_docs=split, or raise max_seq_len)")
+                            "data.long_docs=reject (use data.long_docs=split, or raise "
+                            "max_seq_len)")
         pieces = np.maximum(0, -(-(lengths - 1) // max_seq_len))  # a 0/1-token doc has no target
         self.empty = int(np.sum(pieces == 0))
         self.split = int(np.sum(pieces > 1))  # documents over max_seq_len (split or truncated)
@@ -104,9 +108,11 @@ class TokenSamples:
         piece = self.docs[j][start:start + self.max_seq_len + 1]
         if piece.max() >= self.vocab_size or piece.min() < 0:
             raise DataError(self.docs.prefix, f"document {j}", "token id out of range",
-                            f"ids in [{piece.min()}, {piece.max()}] but llm.vocab_size={self.vocab_size}")
+                            f"ids in [{piece.min()}, {piece.max()}] but "
+                            f"llm.vocab_size={self.vocab_size}")
         ids = piece[:-1].tolist()
-        return Sample(f"{os.path.basename(self.docs.prefix)}:{j}@{start}", ids, piece[1:].tolist(), [], 0, "")
+        return Sample(f"{os.path.basename(self.docs.prefix)}:{j}@{start}", ids, piece[1:].tolist(),
+                      [], 0, "")
 
 
 def blend(sizes: list[int], weights: list[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -149,7 +155,8 @@ class BlendedTokens:
     def describe(self, max_seq_len: int, long_docs: str) -> list[str]:
         """Lines stating what was read and how long documents were handled."""
         lines = [f"data=tokens: {name}: {len(p.docs)} documents -> {len(p)} samples, weight "
-                 f"{w / sum(self.weights):.3f} ({int(np.sum(self.source == k))} of {len(self)} per epoch)"
+                 f"{w / sum(self.weights):.3f} ({int(np.sum(self.source == k))} of {len(self)} per "
+                 f"epoch)"
                  + (f"; {p.split} documents over max_seq_len={max_seq_len} "
                     + ("truncated" if long_docs == "truncate" else "split into pieces")
                     + f" (data.long_docs={long_docs})" if p.split else "")
@@ -177,8 +184,10 @@ def build_tokens(d, tokenizer, vocab_size: int) -> BlendedTokens:
         try:
             docs = open_source(path, tokenizer, d.text_key)
         except FileNotFoundError as e:  # a user error: one line before any rank starts
-            raise ConfigError(f"data.sources[{i}].path", path, str(e).removeprefix("data.sources: "),
-                              "give a .jsonl file or the PREFIX of PREFIX.bin + PREFIX.idx") from None
+            raise ConfigError(f"data.sources[{i}].path", path,
+                              str(e).removeprefix("data.sources: "),
+                              "give a .jsonl file or the PREFIX of PREFIX.bin + "
+                              "PREFIX.idx") from None
         parts.append(TokenSamples(docs, d.max_seq_len, d.long_docs, vocab_size))
         weights.append(weight)
         names.append(path)

@@ -108,7 +108,8 @@ def local_start_method(launcher) -> str:
         return "spawn" if cuda else "fork"
     if method == "fork" and cuda and launcher.backend != "gloo":
         raise ConfigError("launcher.start_method", method,
-                          "forked ranks cannot use CUDA (\"Cannot re-initialize CUDA in forked subprocess\")",
+                          "forked ranks cannot use CUDA (\"Cannot re-initialize CUDA in forked "
+                          "subprocess\")",
                           "use launcher.start_method=auto (spawn with CUDA, fork on CPU) or spawn")
     return method
 
@@ -144,8 +145,8 @@ def oversubscribed(world: int, launcher_cfg, cores: Optional[int] = None) -> Opt
     if world <= cores:
         return None
     return (f"launcher.nproc_per_node={launcher_cfg.nproc_per_node} starts {world} CPU ranks on "
-            f"{cores} core{'s' * (cores > 1)}: they take turns on the cores, so each step is slower "
-            f"than with at most {cores} rank{'s' * (cores > 1)} (the results are the same)")
+            f"{cores} core{'s' * (cores > 1)}: they take turns on the cores, so each step is "
+            f"slower than with at most {cores} rank{'s' * (cores > 1)} (the results are the same)")
 
 
 def slow_precision(precision: str, launcher_cfg) -> Optional[str]:
@@ -161,12 +162,13 @@ def cluster_fix(cfg, overrides) -> str:
     """The fix of a config sized for a cluster: plan it here, or run `overrides` on a SLURM
     cluster with the sbatch helper (`hcp.launch.sbatch`) or `srun` inside an allocation with one
     process per rank (per GPU), each joining the launch."""
-    sbatch = " ".join(["python -m hcp.launch.sbatch", *[o for o in overrides if not o.startswith("mode=")]])
+    sbatch = " ".join(["python -m hcp.launch.sbatch",
+                       *[o for o in overrides if not o.startswith("mode=")]])
     lc = cfg.launcher
     per_node = cfg.cluster.gpus_per_node if lc.nproc_per_node == "auto" else lc.nproc_per_node
     return (f"plan it here with `{_command(overrides, 'mode=plan')}`, or "
-            f"submit it with the sbatch helper `{sbatch}` (`--dry-run` prints the script), or inside "
-            f"an allocation start one process per rank (per GPU), {per_node} per node: "
+            f"submit it with the sbatch helper `{sbatch}` (`--dry-run` prints the script), or "
+            f"inside an allocation start one process per rank (per GPU), {per_node} per node: "
             f"`srun --nodes {lc.nnodes} --ntasks-per-node {per_node} {_command(overrides)}` "
             "(docs/launching.md)")
 
@@ -187,7 +189,8 @@ def local_world_size(cfg, joined: Optional[dict], overrides=()) -> int:
                           f"this config is sized for a cluster ({cfg.launcher.nnodes} nodes x "
                           f"{cfg.launcher.nproc_per_node} ranks; cluster.* {c.num_nodes} x "
                           f"{c.gpus_per_node} GPUs of {c.device_memory_gib:g} GiB) and a plain "
-                          "`python train.py` starts ranks on this machine only", cluster_fix(cfg, overrides))
+                          "`python train.py` starts ranks on this machine only",
+                          cluster_fix(cfg, overrides))
     return resolve_nproc(cfg.launcher.nproc_per_node)
 
 
@@ -206,7 +209,8 @@ def gpu_memory_gib() -> float:
     code = "import torch; print(torch.cuda.get_device_properties(0).total_memory)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
-        raise RuntimeError(f"reading the GPU's memory in a child process failed: {out.stderr.strip()[-800:]}")
+        raise RuntimeError(f"reading the GPU's memory in a child process failed: "
+                           f"{out.stderr.strip()[-800:]}")
     return int(out.stdout.split()[-1]) / 2**30
 
 
@@ -247,7 +251,8 @@ def start_local_ranks(fn: Callable, nproc: int, payload, start_method: str = "fo
 
     port = free_port()
     if nproc == 1:  # the rank runs here, so a signal to the launcher is the rank's own
-        run_in_process(lambda: _rank_main(0, fn, 1, port, payload), getattr(signal, "SIG" + save_signal))
+        run_in_process(lambda: _rank_main(0, fn, 1, port, payload),
+                       getattr(signal, "SIG" + save_signal))
         return
     board = step_board(start_method, nproc)
     context = mp.start_processes(_rank_main, args=(fn, nproc, port, payload, board), nprocs=nproc,

@@ -78,7 +78,8 @@ class Preemption:
         line names the signal the run got (`hcp.launch.supervise.launcher_signal` when hcp's
         launcher forwarded it)."""
         name = signal.Signals(launcher_signal() or self.received).name
-        code, note = self._requeue(checkpoint_dir) if dist.get_rank() == 0 else (self._exit_code(), None)
+        code, note = (self._requeue(checkpoint_dir) if dist.get_rank() == 0
+                      else (self._exit_code(), None))
         if note:
             print(f"hcp: {name} at step {step}: checkpoint saved in {checkpoint_dir}; {note}",
                   file=sys.stderr, flush=True)
@@ -98,21 +99,24 @@ class Preemption:
         job = self.env.get("SLURM_JOB_ID")
         if not job:  # checkpoint.dir named: the default one lies inside this run's directory
             return 128 + self.received, ("not a SLURM job: to continue, run the same command with "
-                                         f"`resume=auto checkpoint.dir={os.path.abspath(checkpoint_dir)}`")
+                                         f"`resume=auto "
+                                         f"checkpoint.dir={os.path.abspath(checkpoint_dir)}`")
         if self.cancelled:
             return 128 + self.received, (
                 "not requeued: SIGTERM means stop (scancel; a preemption that SLURM requeues by "
                 f"itself resumes from here); to go on, resubmit the same job: it resumes from "
                 f"{checkpoint_dir}")
         if self._restarts() >= self.cfg.max_requeues:
-            return 128 + self.received, (f"not requeued: job {job} has restarted {self._restarts()} "
-                                         f"times (launcher.slurm.max_requeues={self.cfg.max_requeues})")
+            return 128 + self.received, (f"not requeued: job {job} has restarted "
+                                         f"{self._restarts()} times "
+                                         f"(launcher.slurm.max_requeues={self.cfg.max_requeues})")
         if not shutil.which("scontrol"):
             code = self.cfg.requeue_exit_code
-            return code, (f"scontrol not found: exiting with code {code}, which SLURM requeues only "
-                          f"where slurm.conf has RequeueExit={code}; otherwise resubmit the same "
-                          "job script (it resumes from checkpoint.dir with resume=auto)")
-        out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+            return code, (f"scontrol not found: exiting with code {code}, which SLURM requeues "
+                          f"only where slurm.conf has RequeueExit={code}; otherwise resubmit the "
+                          f"same job script (it resumes from checkpoint.dir with resume=auto)")
+        out = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True,
+                             timeout=60)
         if out.returncode:
             return 1, f"`scontrol requeue {job}` failed: {(out.stderr or out.stdout).strip()}"
         return 0, f"requeued job {job}; it resumes from this checkpoint"

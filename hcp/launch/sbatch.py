@@ -55,15 +55,19 @@ def render(cfg, overrides: list[str], run_dir: str, log: str, job_name: str,
     args = f'{shlex.join(overrides)} "hydra.run.dir={run_dir}" resume=auto'
     run = f"{shlex.quote(python)} {' '.join(program)} {args}"
     lines += ["", *s.setup,
-              'echo "hcp: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"']
+              'echo "hcp: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on '
+              '$SLURM_JOB_NODELIST"']
     if torchrun:
-        lines += [f"export HCP_RDZV_HOST=$({shlex.quote(python)} -c 'import os; from hcp.launch.slurm "
-                  "import first_host; print(first_host(os.environ[\"SLURM_JOB_NODELIST\"]))')",
+        lines += [f"export HCP_RDZV_HOST=$({shlex.quote(python)} -c 'import os; from "
+                  f"hcp.launch.slurm import first_host; "
+                  f"print(first_host(os.environ[\"SLURM_JOB_NODELIST\"]))')",
                   "export HCP_RDZV_PORT=$((20000 + SLURM_JOB_ID % 20000))"]
-        worker = " ".join(program) if program[0] != "-c" else f"--no-python {shlex.quote(python)} {' '.join(program)}"
+        worker = (" ".join(program) if program[0] != "-c"
+                  else f"--no-python {shlex.quote(python)} {' '.join(program)}")
         inner = (f"trap '' {s.signal}; exec {shlex.quote(python)} -m torch.distributed.run "
                  f"--nnodes={lc.nnodes} --nproc-per-node={lc.nproc_per_node} --rdzv-backend=c10d "
-                 f"--rdzv-endpoint=$HCP_RDZV_HOST:$HCP_RDZV_PORT --rdzv-id=$SLURM_JOB_ID {worker} {args}")
+                 f"--rdzv-endpoint=$HCP_RDZV_HOST:$HCP_RDZV_PORT --rdzv-id=$SLURM_JOB_ID {worker} "
+                 f"{args}")
         lines.append(f"srun --kill-on-bad-exit=1 bash -c {shlex.quote(inner)}")
     else:
         lines.append(f"srun --kill-on-bad-exit=1 --label {run}")
@@ -73,7 +77,8 @@ def render(cfg, overrides: list[str], run_dir: str, log: str, job_name: str,
 
 def main(argv=None) -> int:
     """CLI: compose, check, then print (`--dry-run`) or write and submit; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m hcp.launch.sbatch", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m hcp.launch.sbatch",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     parser.add_argument("--run-dir", default=None, help="run directory (default: "
                         "outputs/slurm-$SLURM_JOB_ID, expanded in the job)")
@@ -95,7 +100,8 @@ def main(argv=None) -> int:
         run_dir = os.path.abspath(args.run_dir)
         log = os.path.join(run_dir, "slurm-%j.out")
     else:
-        run_dir, log = os.path.join(outputs, "slurm-$SLURM_JOB_ID"), os.path.join(outputs, "slurm-%j.out")
+        run_dir, log = (os.path.join(outputs, "slurm-$SLURM_JOB_ID"),
+                        os.path.join(outputs, "slurm-%j.out"))
     script = render(cfg, args.overrides, run_dir, log, args.job_name)
     if args.dry_run:
         print(script)
@@ -111,8 +117,8 @@ def main(argv=None) -> int:
         print(f"hcp: error: sbatch {path} failed: {out.stderr.strip()}", file=sys.stderr)
         return out.returncode
     job = out.stdout.strip().split(";")[0]
-    print(f"hcp: submitted job {job} ({path}); run directory {run_dir.replace('$SLURM_JOB_ID', job)}, "
-          f"log {log.replace('%j', job)}")
+    print(f"hcp: submitted job {job} ({path}); run directory "
+          f"{run_dir.replace('$SLURM_JOB_ID', job)}, log {log.replace('%j', job)}")
     return 0
 
 

@@ -55,10 +55,12 @@ def slurm_tasks(nproc_per_node) -> int:
     Raises:
         ConfigError: not a positive int (`auto` is for local runs).
     """
-    if isinstance(nproc_per_node, int) and not isinstance(nproc_per_node, bool) and nproc_per_node >= 1:
+    if (isinstance(nproc_per_node, int)
+        and not isinstance(nproc_per_node, bool) and nproc_per_node >= 1):
         return nproc_per_node
     raise ConfigError("launcher.nproc_per_node", nproc_per_node, "a SLURM job needs a fixed number "
-                      "of tasks per node", "set it to the GPUs per node (e.g. 8), or use launcher=slurm_h100")
+                      "of tasks per node",
+                      "set it to the GPUs per node (e.g. 8), or use launcher=slurm_h100")
 
 
 def check_slurm(cfg) -> None:
@@ -80,10 +82,12 @@ def check_slurm(cfg) -> None:
     check_choice("trainer.on_nonfinite", cfg.trainer.on_nonfinite, ("stop", "skip"))
     for key in ("signal_lead_s", "max_requeues", "time_min"):
         if s[key] < 0:
-            raise ConfigError(f"launcher.slurm.{key}", s[key], "must be >= 0", "use a non-negative value")
+            raise ConfigError(f"launcher.slurm.{key}", s[key], "must be >= 0",
+                              "use a non-negative value")
     if s.signal_lead_s >= s.time_min * 60 > 0:
         raise ConfigError("launcher.slurm.signal_lead_s", s.signal_lead_s, f"is not below the time "
-                          f"limit launcher.slurm.time_min={s.time_min} min", "lower it, or raise time_min")
+                          f"limit launcher.slurm.time_min={s.time_min} min",
+                          "lower it, or raise time_min")
 
 
 def check_job(cfg, nodes: int, tasks_per_node, gpus_per_node, where: str = "launcher") -> int:
@@ -103,7 +107,8 @@ def check_job(cfg, nodes: int, tasks_per_node, gpus_per_node, where: str = "laun
     slurm_tasks(tasks_per_node)
     if gpus_per_node and gpus_per_node != tasks_per_node:
         gkey = "launcher.slurm.gpus_per_node" if where == "launcher" else f"{where}.gpus_per_node"
-        raise ConfigError(tasks_key, tasks_per_node, f"differs from {gkey}={gpus_per_node}: hcp runs "
+        raise ConfigError(tasks_key, tasks_per_node,
+                          f"differs from {gkey}={gpus_per_node}: hcp runs "
                           "one task per GPU", f"set both to the GPUs per node ({gpus_per_node})")
     check_slurm(cfg)
     world = nodes * tasks_per_node

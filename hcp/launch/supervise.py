@@ -216,7 +216,8 @@ def _died(context, board, first: int) -> Optional[RankDied]:
             continue
         if code == -signal.SIGTERM and i != first:
             continue
-        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+               else f"exited with code {code}")
         if code == -signal.SIGKILL:
             how += " (sent by a user, a scheduler or the out-of-memory killer)"
         step = board[i]

@@ -51,7 +51,8 @@ class _VarlenFlash(torch.autograd.Function):
 def check_thd(q: torch.Tensor, k: torch.Tensor, lengths) -> None:
     """Raise ValueError unless Hq is a multiple of Hkv and q, k hold sum(lengths) tokens."""
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads "
+                         f"({k.shape[1]})")
     if not q.shape[0] == k.shape[0] == sum(lengths):
         raise ValueError(f"q has {q.shape[0]} tokens, k {k.shape[0]}, the documents (cu_seqlens) "
                          f"{sum(lengths)}: they must be equal")
@@ -60,7 +61,8 @@ def check_thd(q: torch.Tensor, k: torch.Tensor, lengths) -> None:
 def host_seqlens(cu_seqlens: torch.Tensor, seqlens=None) -> tuple:
     """The document lengths on the host: `seqlens` when known (the step plan's), else read
     from `cu_seqlens` (one device-to-host read: call it once per micro-batch, not per layer)."""
-    return tuple(seqlens) if seqlens is not None else tuple((cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+    return (tuple(seqlens)
+            if seqlens is not None else tuple((cu_seqlens[1:] - cu_seqlens[:-1]).tolist()))
 
 
 def thd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -81,7 +83,8 @@ def thd_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lengths = host_seqlens(cu_seqlens, seqlens)
         check_thd(q, k, lengths)
         if lengths and max(lengths) > max_seqlen:
-            raise ValueError(f"a document has {max(lengths)} tokens, more than max_seqlen={max_seqlen}")
+            raise ValueError(f"a document has {max(lengths)} tokens, more than "
+                             f"max_seqlen={max_seqlen}")
     if varlen:
         return _VarlenFlash.apply(q, k, v, cu_seqlens, max_seqlen)
     gqa = q.shape[1] != k.shape[1]

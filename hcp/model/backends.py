@@ -43,7 +43,8 @@ def resolve_backend(name: str, device: torch.device | str = "cpu",
         raise ValueError(f"llm.attention_backend={name!r} is unknown: use one of {BACKENDS}")
     check_cp_backend(name, cp, dynamic)
     if name == "auto":
-        if cp == 1 and torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        if (cp == 1
+            and torch.device(device).type == "cuda" and dtype in (torch.float16, torch.bfloat16)):
             return next((b for b in ("flash", "te") if _importable(b)), "torch")
         return "torch"
     if name != "torch" and not _importable(name):
@@ -71,8 +72,10 @@ def attention_fn(backend: str) -> Callable:
         def fused(q, k, v, cu_seqlens, max_seqlen, seqlens=None):
             key = (q.shape[1], k.shape[1], q.shape[2])
             if key not in cores:
-                cores[key] = te.DotProductAttention(q.shape[1], q.shape[2], num_gqa_groups=k.shape[1],
-                                                    attn_mask_type="padding_causal", qkv_format="thd")
+                cores[key] = te.DotProductAttention(q.shape[1], q.shape[2],
+                                                    num_gqa_groups=k.shape[1],
+                                                    attn_mask_type="padding_causal",
+                                                    qkv_format="thd")
             return cores[key](q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                               max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen).view_as(q)
         return fused

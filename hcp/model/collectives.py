@@ -83,14 +83,17 @@ def _pair(name: str, forward, backward) -> type:
     def bwd(ctx, grad):
         return backward(grad, ctx.group), None
 
-    return type(name, (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
 _CopyToGroup = _pair("_CopyToGroup", lambda x, g: x.view_as(x), _all_reduce)
 _ReduceFromGroup = _pair("_ReduceFromGroup", _all_reduce, lambda grad, g: grad)
 _GatherSeq = _pair("_GatherSeq", lambda x, g: _all_gather(x, g, 0), _reduce_scatter0)
-_ReduceScatterSeq = _pair("_ReduceScatterSeq", _reduce_scatter0, lambda grad, g: _all_gather(grad, g, 0))
-_SplitSeq = _pair("_SplitSeq", lambda x, g: _slice(x, g, 0), lambda grad, g: _all_gather(grad, g, 0))
+_ReduceScatterSeq = _pair("_ReduceScatterSeq", _reduce_scatter0,
+                          lambda grad, g: _all_gather(grad, g, 0))
+_SplitSeq = _pair("_SplitSeq", lambda x, g: _slice(x, g, 0),
+                  lambda grad, g: _all_gather(grad, g, 0))
 
 
 class _GatherFromGroup(torch.autograd.Function):

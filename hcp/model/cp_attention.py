@@ -56,7 +56,8 @@ class Rows:
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         if self.index is None:
-            return x[self.start:self.start + self.n * self.length].view(self.n, self.length, *x.shape[1:])
+            return x[self.start:self.start + self.n * self.length].view(self.n, self.length,
+                                                                        *x.shape[1:])
         return x.index_select(0, self.index.view(-1)).view(self.n, self.length, *x.shape[1:])
 
     def put(self, x: torch.Tensor, value: torch.Tensor) -> None:
@@ -192,7 +193,8 @@ def cp_calls(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
              for parts in grouped[s].values()] for s in sources]
 
 
-def scored_pairs(lengths, cp_size: int, cp_rank: int, comm: str = "allgather", masked: bool = True) -> float:
+def scored_pairs(lengths, cp_size: int, cp_rank: int, comm: str = "allgather",
+                 masked: bool = True) -> float:
     """Query-key pairs CP rank `cp_rank` of `cp_size` scores for documents of `lengths` (host
     ints [N]): the blocks of its `cp_calls` (a causal block counts half: its kernel skips the
     masked half; a masked call counts in full: its kernel scores every pair), summed over key
@@ -207,7 +209,8 @@ def scored_pairs(lengths, cp_size: int, cp_rank: int, comm: str = "allgather", m
     pairs = 0.0
     for k in np.unique(chunk[chunk > 0]).tolist():
         blocks = sum(len(q) * len(kv) * (0.5 if causal else 1.0) for calls in
-                     _doc_calls(cp_size, cp_rank, k, 0, comm, masked).values() for q, kv, causal, *_ in calls)
+                     _doc_calls(cp_size, cp_rank, k, 0, comm, masked).values()
+                     for q, kv, causal, *_ in calls)
         pairs += blocks * int((chunk == k).sum())
     return pairs
 
@@ -217,8 +220,8 @@ def build_cp_plan(cu_seqlens, group, comm: str = "allgather", device="cpu") -> C
     micro-batch's host cu_seqlens (int [N + 1]: `hcp.parallel.cp_sharding.host_cu`); indices
     and kernel for `device`. Raises ValueError as `cp_calls`, `host_cu` and `fused_kernel`."""
     kernel = fused_kernel(device)
-    calls = cp_calls(np.diff(host_cu(cu_seqlens)), group_size(group), group_rank(group), comm, device,
-                     kernel.masks, kernel.ragged)
+    calls = cp_calls(np.diff(host_cu(cu_seqlens)), group_size(group), group_rank(group), comm,
+                     device, kernel.masks, kernel.ragged)
     return CPAttentionPlan(group, comm, calls, kernel)
 
 

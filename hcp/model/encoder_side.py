@@ -31,29 +31,32 @@ def llava_kwargs(specs) -> dict:
     streams into the LLM. `LlavaModel(**llava_kwargs(specs))` is the whole single-process model."""
     def of(kind: str, built_in: bool) -> dict:
         return {m.name: m.arch for m in specs.of_kind(kind) if (m.name in BUILT_IN) == built_in}
-    return dict(vision_cfg=of("encoder", True).get("vision"), projector_cfg=of("projector", True).get("projector"),
-                llm_cfg=specs.llm.arch, encoders=of("encoder", False),
-                projectors=of("projector", False), streams=specs.streams)
+    return dict(vision_cfg=of("encoder", True).get("vision"),
+                projector_cfg=of("projector", True).get("projector"), llm_cfg=specs.llm.arch,
+                encoders=of("encoder", False), projectors=of("projector", False),
+                streams=specs.streams)
 
 
 def add_encoder_modules(parent: nn.Module, encoders: Mapping, projectors: Mapping, streams,
                         llm_hidden: int, tp_groups: Mapping | None = None,
                         cp_groups: Mapping | None = None) -> None:
-    """Register on `parent` one encoder (`build_encoder`) per entry of `encoders` (name -> EncoderArch) and
-    one `Projector` per stream (from its encoder's width to `llm_hidden`), under their names.
-    `tp_groups` / `cp_groups`: encoder name -> its TP / CP group (None: size 1); a projector
-    uses its encoder's TP group.
+    """Register on `parent` one encoder (`build_encoder`) per entry of `encoders` (name ->
+    EncoderArch) and one `Projector` per stream (from its encoder's width to `llm_hidden`), under
+    their names. `tp_groups` / `cp_groups`: encoder name -> its TP / CP group (None: size 1); a
+    projector uses its encoder's TP group.
 
     Raises ValueError when a stream names an encoder or projector without a config."""
     tp_groups, cp_groups = tp_groups or {}, cp_groups or {}
     for name, cfg in encoders.items():
-        parent.add_module(name, build_encoder(cfg, tp_groups.get(name), cp_group=cp_groups.get(name)))
+        parent.add_module(name,
+                          build_encoder(cfg, tp_groups.get(name), cp_group=cp_groups.get(name)))
     for s in streams:
         if s.encoder not in encoders or s.projector not in projectors:
             raise ValueError(f"stream {s.encoder} -> {s.projector} -> llm: no config for "
                              f"{s.encoder if s.encoder not in encoders else s.projector}")
-        parent.add_module(s.projector, Projector(projectors[s.projector], encoders[s.encoder].hidden_size,
-                                                 llm_hidden, tp_groups.get(s.encoder)))
+        parent.add_module(s.projector,
+                          Projector(projectors[s.projector], encoders[s.encoder].hidden_size,
+                                    llm_hidden, tp_groups.get(s.encoder)))
 
 
 def encode_streams(parent: nn.Module, streams, encoder: str, pixel_values: torch.Tensor) -> dict:
@@ -92,8 +95,10 @@ class EncoderSide(nn.Module):
         self.streams = tuple(streams)
         self.encoder_names = tuple(encoders)
         self.tp_groups = dict(tp_groups or {})
-        self._input_shape = {e: (c.num_channels, c.image_size, c.image_size) for e, c in encoders.items()}
-        add_encoder_modules(self, encoders, projectors, self.streams, llm_hidden, self.tp_groups, cp_groups)
+        self._input_shape = {e: (c.num_channels, c.image_size, c.image_size)
+                             for e, c in encoders.items()}
+        add_encoder_modules(self, encoders, projectors, self.streams, llm_hidden, self.tp_groups,
+                            cp_groups)
 
     def streams_of(self, encoder: str) -> tuple[str, ...]:
         """Projectors fed by `encoder`, in stream order."""

@@ -22,10 +22,12 @@ ENCODERS = {
 
 if set(ENCODERS) != set(ENCODER_ARCHS):
     raise ImportError(f"hcp.model.encoder_types.ENCODERS {sorted(ENCODERS)} and "
-                      f"hcp.config.choices.ENCODER_ARCHS {sorted(ENCODER_ARCHS)} must name the same types")
+                      f"hcp.config.choices.ENCODER_ARCHS {sorted(ENCODER_ARCHS)} must name the "
+                      f"same types")
 
 
-def build_encoder(cfg, tp_group=None, stage=None, recompute: bool = False, cp_group=None) -> nn.Module:
+def build_encoder(cfg, tp_group=None, stage=None, recompute: bool = False,
+                  cp_group=None) -> nn.Module:
     """The encoder of `cfg.arch` (a `EncoderArch`); see `ViTEncoder` for the other arguments.
     Raises ValueError for an unknown arch (validation rejects it first, naming the field)."""
     if cfg.arch not in ENCODERS:

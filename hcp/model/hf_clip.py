@@ -70,8 +70,9 @@ def used_blocks(vision) -> int:
 
 _BLOCK = {**{f"{p}.{w}": f"{q}.{w}" for p, q in (
     ("ln1", "layer_norm1"), ("ln2", "layer_norm2"), ("q_proj", "self_attn.q_proj"),
-    ("k_proj", "self_attn.k_proj"), ("v_proj", "self_attn.v_proj"), ("o_proj", "self_attn.out_proj"),
-    ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2")) for w in ("weight", "bias")}}
+    ("k_proj", "self_attn.k_proj"), ("v_proj", "self_attn.v_proj"),
+    ("o_proj", "self_attn.out_proj"), ("fc1", "mlp.fc1"), ("fc2", "mlp.fc2"))
+    for w in ("weight", "bias")}}
 
 
 def hf_names(vision, prefix: str = PREFIX) -> dict[str, str]:
@@ -86,7 +87,8 @@ def hf_names(vision, prefix: str = PREFIX) -> dict[str, str]:
 
 
 def prefix_of(keys) -> str:
-    """`vision_model.` when the checkpoint's keys carry it (transformers 4.x, CLIPModel), else ``."""
+    """`vision_model.` when the checkpoint's keys carry it (transformers 4.x, CLIPModel), else
+    ``."""
     return PREFIX if any(k.startswith(PREFIX) for k in keys) else ""
 
 
@@ -103,7 +105,8 @@ def ignored(vision, keys) -> dict[str, str]:
     out = {}
     for k in keys:
         rest = k[len(p):] if k.startswith(p) else None
-        if rest is None or k.startswith(("text_model.", "text_projection", "visual_projection", "logit_scale")):
+        if (rest is None or k.startswith(("text_model.", "text_projection", "visual_projection",
+                                          "logit_scale"))):
             out[k] = "CLIP text side"
         elif rest.startswith("post_layernorm."):
             out[k] = "after select_layer"

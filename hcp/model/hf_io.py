@@ -68,8 +68,9 @@ class HFCheckpoint:
                 self.files = {k: SINGLE for k in f.keys()}
         else:
             held = sorted(os.listdir(folder))
-            hint = (" (.bin weights: convert them once with transformers, `AutoModel.from_pretrained"
-                    "(DIR).save_pretrained(OUT)`, which writes safetensors)"
+            hint = (" (.bin weights: convert them once with transformers, "
+                    "`AutoModel.from_pretrained(DIR).save_pretrained(OUT)`, which writes "
+                    "safetensors)"
                     if any(n.endswith(".bin") for n in held) else "")
             raise FileNotFoundError(f"{field}={folder!r}: neither {SINGLE} nor {INDEX}; the folder "
                                     f"holds {held[:8]}{hint}")
@@ -93,7 +94,8 @@ class HFCheckpoint:
         return self._meta[key][0]
 
     def dtype(self) -> str:
-        """The dtype the checkpoint declares (`torch_dtype` / `dtype` in config.json), else float32."""
+        """The dtype the checkpoint declares (`torch_dtype` / `dtype` in config.json), else
+        float32."""
         name = self.config.get("torch_dtype") or self.config.get("dtype") or "float32"
         return name if name in DTYPES else "float32"
 

@@ -34,19 +34,22 @@ def config_fields(hf: dict, field: str = "llm.init_from") -> dict:
         raise ConfigError(field, hf.get("model_type"), "config.json's model_type is not `llama`",
                           "point llm.init_from to a LlamaForCausalLM checkpoint (LLaMA, Vicuna)")
     rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or ({} if rope.get("rope_type", "default") == "default" else rope)
+    scaling = (hf.get("rope_scaling")
+               or ({} if rope.get("rope_type", "default") == "default" else rope))
     unsupported = {"hidden_act": hf.get("hidden_act", "silu") != "silu",
-                   "attention_bias": bool(hf.get("attention_bias")), "mlp_bias": bool(hf.get("mlp_bias")),
-                   "rope_scaling": bool(scaling)}
+                   "attention_bias": bool(hf.get("attention_bias")),
+                   "mlp_bias": bool(hf.get("mlp_bias")), "rope_scaling": bool(scaling)}
     for key, bad in unsupported.items():
         if bad:
-            raise ConfigError(field, hf.get(key, scaling), f"config.json sets {key}={hf.get(key, scaling)!r}, "
+            raise ConfigError(field, hf.get(key, scaling),
+                              f"config.json sets {key}={hf.get(key, scaling)!r}, "
                               "which hcp's LLaMA decoder does not implement",
                               "use a plain LLaMA checkpoint (silu, no biases, no rope scaling)")
     heads = hf["num_attention_heads"]
     if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
         raise ConfigError(field, hf.get("head_dim"), "config.json's head_dim x num_attention_heads "
-                          "is not hidden_size", "use a checkpoint with head_dim = hidden_size / heads")
+                          "is not hidden_size",
+                          "use a checkpoint with head_dim = hidden_size / heads")
     return {"vocab_size": hf["vocab_size"], "hidden_size": hf["hidden_size"],
             "num_layers": hf["num_hidden_layers"], "num_heads": heads,
             "num_kv_heads": hf.get("num_key_value_heads") or heads,
@@ -69,7 +72,8 @@ def hf_config(llm, dtype: str) -> dict:
             "max_position_embeddings": 4096, "torch_dtype": dtype, "dtype": dtype}
 
 
-_LAYER = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+_LAYER = {"attn_norm.weight": "input_layernorm.weight",
+          "mlp_norm.weight": "post_attention_layernorm.weight",
           **{f"attn.{p}_proj.weight": f"self_attn.{p}_proj.weight" for p in "qkvo"},
           **{f"mlp.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")}}
 
@@ -80,7 +84,8 @@ def hf_names(llm) -> dict[str, str]:
     if not llm.tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
     for i in range(llm.num_layers):
-        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}" for ours, theirs in _LAYER.items()})
+        names.update({f"layers.{i}.{ours}": f"model.layers.{i}.{theirs}"
+                      for ours, theirs in _LAYER.items()})
     return names
 
 

@@ -28,7 +28,8 @@ FORMATS = {"llm": hf_llama, "vision": hf_clip}
 
 
 def cli_keys(overrides) -> set[str]:
-    """Dotted keys set on the command line (`llm.hidden_size=64`, `+x.y=1`) -> {`llm.hidden_size`}."""
+    """Dotted keys set on the command line (`llm.hidden_size=64`, `+x.y=1`) ->
+    {`llm.hidden_size`}."""
     return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
 
 
@@ -53,7 +54,8 @@ def apply_hf_configs(cfg, explicit: set[str]) -> list[str]:
                                   f"{m}.init_from={block.init_from}/config.json", f"drop {m}.{key} "
                                   "from the command line (the checkpoint defines it)")
             block[key] = value
-        lines.append(f"{m}.init_from={block.init_from}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+        lines.append(f"{m}.init_from={block.init_from}: "
+                     + ", ".join(f"{k}={v}" for k, v in fields.items()))
     return lines
 
 
@@ -66,7 +68,8 @@ def _open(cfg, m: str) -> HFCheckpoint:
 
 
 def whole_shapes(cfg, m: str) -> dict[str, tuple[int, ...]]:
-    """Shapes of module `m`'s parameters in the whole, unsharded model (built on the meta device)."""
+    """Shapes of module `m`'s parameters in the whole, unsharded model (built on the meta
+    device)."""
     from hcp.model.llama import LlamaDecoder
     from hcp.model.encoder_types import build_encoder
 
@@ -78,7 +81,8 @@ def whole_shapes(cfg, m: str) -> dict[str, tuple[int, ...]]:
 def _stored_shape(ckpt: HFCheckpoint, src: Source) -> tuple[int, ...]:
     shape = ckpt.shape(src.key)
     if src.shape is not None:
-        return tuple(src.shape) if math.prod(shape) == math.prod(src.shape) and shape[0] == src.shape[0] else shape
+        return (tuple(src.shape)
+                if math.prod(shape) == math.prod(src.shape) and shape[0] == src.shape[0] else shape)
     return (src.rows, *shape[1:]) if src.rows is not None else shape
 
 
@@ -97,8 +101,10 @@ def check_hf_weights(cfg) -> list[str]:
         ckpt = _open(cfg, m)
         srcs, shapes = fmt.sources(cfg[m], ckpt), whole_shapes(cfg, m)
         missing = [f"{m}.{n} <- {srcs[n].key}" for n in shapes if srcs[n].key not in ckpt.files]
-        wrong = [f"{srcs[n].key}: stored {list(_stored_shape(ckpt, srcs[n]))}, {m}.{n} needs {list(s)}"
-                 for n, s in shapes.items() if srcs[n].key in ckpt.files and _stored_shape(ckpt, srcs[n]) != s]
+        wrong = [f"{srcs[n].key}: stored {list(_stored_shape(ckpt, srcs[n]))}, {m}.{n} needs "
+                 f"{list(s)}"
+                 for n, s in shapes.items()
+                 if srcs[n].key in ckpt.files and _stored_shape(ckpt, srcs[n]) != s]
         ends: dict[str, int] = {}
         for n in shapes:
             if srcs[n].rows is not None:
@@ -144,9 +150,11 @@ def load_module(module, ckpt: HFCheckpoint, srcs: dict[str, Source]) -> int:
             tp_offset[spec.dim] = spec.rank * size
             t = ckpt.read(srcs[name], spec.dim, spec.rank * size, size)
         if tuple(t.shape) != tuple(param.shape):
-            raise ValueError(f"{srcs[name].key}: read {list(t.shape)} for {name} {list(param.shape)}")
+            raise ValueError(f"{srcs[name].key}: read {list(t.shape)} for {name} "
+                             f"{list(param.shape)}")
         local, _, offset = local_box(param)  # an FSDP shard keeps its chunk of the TP slice
-        local.copy_(t[tuple(slice(o - p, o - p + n) for o, p, n in zip(offset, tp_offset, local.shape))])
+        local.copy_(t[tuple(slice(o - p, o - p + n)
+                            for o, p, n in zip(offset, tp_offset, local.shape))])
         read += t.numel() * t.element_size()
     return read
 

@@ -61,13 +61,15 @@ def local_box(param: torch.Tensor) -> tuple[torch.Tensor, list[int], list[int]]:
     local = param
     if isinstance(param, DTensor):
         local = param.to_local()
-        _, chunk = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        _, chunk = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
+                                                         param.placements)
         offset = [o + c for o, c in zip(offset, chunk)]
     return local, whole, offset
 
 
 @torch.no_grad()
-def _normal_rows(out: torch.Tensor, whole: list[int], offset: list[int], generator, std: float) -> None:
+def _normal_rows(out: torch.Tensor, whole: list[int], offset: list[int], generator,
+                 std: float) -> None:
     """Fill `out` with its box (at `offset`) of `torch.randn(whole, generator) * std`, drawing
     the whole tensor's rows in blocks up to the box's last row (module docstring)."""
     rows = whole[0] if whole else 1
@@ -90,7 +92,8 @@ def _normal_rows(out: torch.Tensor, whole: list[int], offset: list[int], generat
         block = torch.randn([end - start, *whole[1:]], generator=generator)
         lo, hi = max(start, offset[0]), min(end, stop)
         if lo < hi:
-            out[lo - offset[0]:hi - offset[0]].copy_(block[(slice(lo - start, hi - start), *inner)] * std)
+            out[lo - offset[0]:hi
+                - offset[0]].copy_(block[(slice(lo - start, hi - start), *inner)] * std)
         start = end
 
 
@@ -119,7 +122,8 @@ def init_parameters(model: nn.Module, seed: int, std: float = 0.02, prefix: str 
             elif _is_norm(module):
                 local.fill_(1.0)
             else:
-                _normal_rows(local, whole, offset, torch.Generator().manual_seed(param_seed(seed, fqn)), std)
+                _normal_rows(local, whole, offset,
+                             torch.Generator().manual_seed(param_seed(seed, fqn)), std)
 
 
 @contextlib.contextmanager

@@ -2,15 +2,16 @@
 (Touvron et al. 2023), with optional tensor, sequence, context and pipeline parallelism.
 
 Parameter names (the same under every layout): `embed_tokens.weight`,
-`layers.{i}.attn_norm.weight`, `layers.{i}.attn.{q,k,v,o}_proj.weight`, `layers.{i}.mlp_norm.weight`,
-`layers.{i}.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight` (absent when tied).
-Groups are passed in (None = size 1). TP (`tp_group`): q/k/v and gate/up column-parallel, o/down
-row-parallel, vocab-parallel embedding and head. Sequence parallelism splits the residual stream
-along tokens between TP regions. CP (`cp_group`): the caller passes this rank's head-tail shard
-and the WHOLE micro-batch's cu_seqlens (`hcp.model.cp_attention.cp_attention_for` picks the CP
-attention once). PP (`stage`): only the stage's layers are built, under their global indices;
-`forward` = `enter` (first) -> `run_layers` -> `exit` (last). Recompute (`recompute`):
-`selective` recomputes the attention core (Korthikanti et al. 2022), `full` the whole layer."""
+`layers.{i}.attn_norm.weight`, `layers.{i}.attn.{q,k,v,o}_proj.weight`,
+`layers.{i}.mlp_norm.weight`, `layers.{i}.mlp.{gate,up,down}_proj.weight`, `norm.weight`,
+`lm_head.weight` (absent when tied). Groups are passed in (None = size 1). TP (`tp_group`): q/k/v
+and gate/up column-parallel, o/down row-parallel, vocab-parallel embedding and head. Sequence
+parallelism splits the residual stream along tokens between TP regions. CP (`cp_group`): the caller
+passes this rank's head-tail shard and the WHOLE micro-batch's cu_seqlens
+(`hcp.model.cp_attention.cp_attention_for` picks the CP attention once). PP (`stage`): only the
+stage's layers are built, under their global indices; `forward` = `enter` (first) -> `run_layers` ->
+`exit` (last). Recompute (`recompute`): `selective` recomputes the attention core (Korthikanti et
+al. 2022), `full` the whole layer."""
 from __future__ import annotations
 
 import torch
@@ -56,7 +57,8 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(h, cfg.num_kv_heads * d, **par)
         self.o_proj = RowParallelLinear(cfg.num_heads * d, h, **par)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                attend) -> torch.Tensor:
         """rope: (cos, sin) [T, 1, D] of this micro-batch (`rope_tables`); attend(q [T, hq, D],
         k [T, hkv, D], v) -> [T, hq, D] (both built once per micro-batch by LlamaDecoder)."""
         q, k, v = (p(x) for p in (self.q_proj, self.k_proj, self.v_proj))
@@ -64,7 +66,8 @@ class Attention(nn.Module):
         q = rotate(q.view(t, -1, self.head_dim), *rope)
         k = rotate(k.view(t, -1, self.head_dim), *rope)
         v = v.view(t, -1, self.head_dim)
-        out = checkpoint(attend, q, k, v, use_reentrant=False) if self.recompute_core else attend(q, k, v)
+        out = (checkpoint(attend, q, k, v, use_reentrant=False) if self.recompute_core
+               else attend(q, k, v))
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -128,13 +131,15 @@ class LlamaDecoder(nn.Module):
         self.stage = stage or StageSpec.whole(cfg.num_layers)
         if cfg.tie_embeddings and self.stage.num_stages > 1:
             raise ValueError("llm.tie_embeddings=true with pipeline stages: the embedding (first "
-                             "stage) and the LM head (last stage) cannot share one table; untie them")
+                             "stage) and the LM head (last stage) cannot share one table; untie "
+                             "them")
         recompute = cfg.layout.recompute if recompute is None else recompute
         self.cp_comm = cfg.layout.cp_comm if cp_comm is None else cp_comm
         sp = cfg.layout.sequence_parallel if sequence_parallel is None else sequence_parallel
         self.sequence_parallel = sp and group_size(tp_group) > 1
         self.attention_backend = resolve_backend(attention_backend or cfg.attention_backend,
-                                                 cp=group_size(cp_group))  # te/flash missing: fails here
+                                                 # te/flash missing: fails here
+                                                 cp=group_size(cp_group))
         self._attention = attention_fn(self.attention_backend)
         self.cp_attention = cp_attention_for(self.attention_backend, self.cp_comm)
         self._check_cp(cp_group)
@@ -144,7 +149,8 @@ class LlamaDecoder(nn.Module):
                              if first else None)
         self.layers = Layers({str(i): DecoderLayer(cfg, tp_group, sp, recompute)
                               for i in range(self.stage.start, self.stage.stop)})
-        self.norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps, grad_sync_group=tp_group if sp else None)
+        self.norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps,
+                             grad_sync_group=tp_group if sp else None)
                      if last else None)
         self.lm_head = None if cfg.tie_embeddings or not last else ColumnParallelLinear(
             cfg.hidden_size, cfg.vocab_size, bias=False, tp_group=tp_group)
@@ -158,15 +164,18 @@ class LlamaDecoder(nn.Module):
             raise ValueError(f"llm.attention_backend={self.attention_backend} does not run with "
                              "CP: use llm.attention_backend=torch (or auto, or te)")
 
-    def _attend(self, num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int, cp_group, seqlens=None):
+    def _attend(self, num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int, cp_group,
+                seqlens=None):
         """Attention over the first `num_tokens` rows (later rows are SP padding: zeros out)."""
         if group_size(cp_group) > 1:
             host = cu_seqlens if seqlens is None else cu_of(seqlens)
             core = self.cp_attention(host, cp_group, cu_seqlens.device)
         else:
-            if self.attention_backend == "torch":  # it splits by host lengths: known once for every layer
+            # it splits by host lengths: known once for every layer
+            if self.attention_backend == "torch":
                 seqlens = host_seqlens(cu_seqlens, seqlens)
-            core = lambda q, k, v: self._attention(q, k, v, cu_seqlens, max_seqlen, seqlens)  # noqa: E731
+            core = lambda q, k, v: self._attention(  # noqa: E731
+                q, k, v, cu_seqlens, max_seqlen, seqlens)
         pad = self._sp_pad(num_tokens)
         if not pad:
             return core
@@ -179,7 +188,8 @@ class LlamaDecoder(nn.Module):
         return -t % group_size(self.tp_group) if self.sequence_parallel else 0
 
     def enter(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
-        """First stage: [T, H] -> the residual stream [T, H] (SP: this TP rank's [(T + pad) / tp, H])."""
+        """First stage: [T, H] -> the residual stream [T, H] (SP: this TP rank's [(T + pad) / tp,
+        H])."""
         if not self.sequence_parallel:
             return inputs_embeds
         return split_seq(F.pad(inputs_embeds, (0, 0, 0, self._sp_pad(inputs_embeds.shape[0]))),

@@ -26,7 +26,8 @@ Every rank of a TP x CP group gets the same whole micro-batch; under CP `forward
 rank's share of the loss and token count (summed over CP and DP they give the single-process
 numbers). Pipeline stages (`stage`): a non-first stage gets a `hcp.comm.p2p.StageMeta` instead
 of the batch; the last stage finishes with `loss` (default) or another head. `forward`,
-`residual_shape` and `loss` take the micro-batch's `cp_group` (dynamic CP), by default the model's."""
+`residual_shape` and `loss` take the micro-batch's `cp_group` (dynamic CP), by default the
+model's."""
 from __future__ import annotations
 
 import torch
@@ -72,7 +73,8 @@ class LlavaEncoder(nn.Module):
         for name, layout in (("vision", vision_cfg.layout), ("projector", projector_cfg.layout)):
             if layout.pp != 1:
                 raise ValueError(f"{name}.layout.pp={layout.pp}: the colocated encoder runs whole; "
-                                 f"set {name}.layout.pp=1 (encoder pipelines: placement=non_colocated)")
+                                 f"set {name}.layout.pp=1 (encoder pipelines: "
+                                 f"placement=non_colocated)")
         self.tp_group = tp_group
         self.vision = build_encoder(vision_cfg, tp_group, cp_group=cp_group)
         self.projector = Projector(projector_cfg, vision_cfg.hidden_size, llm_hidden, tp_group)
@@ -91,7 +93,8 @@ class LlavaModel(nn.Module):
                  llm_cfg: LLMArch, tp_group=None, cp_group=None, cp_comm: str | None = None,
                  sequence_parallel: bool | None = None, stage: StageSpec | None = None,
                  recompute: str | None = None, encoder: bool = True, encoders: dict | None = None,
-                 projectors: dict | None = None, streams=None, attention_backend: str | None = None):
+                 projectors: dict | None = None, streams=None,
+                 attention_backend: str | None = None):
         """`encoder=False`: build no vision encoder and projector; image embeddings come routed
         in `batch.image_rows` (module docstring). `encoders` / `projectors`: named modules
         besides vision and projector (name -> EncoderArch / ProjectorArch); `streams`: the
@@ -136,7 +139,8 @@ class LlavaModel(nn.Module):
         ids = batch.input_ids if shard is None else batch.input_ids[shard.token_index]
         embeds = self.llm.embed(ids)
         encoded: dict = {}
-        for stream in self.streams or DEFAULT_STREAMS:  # a text-only LM: image positions are an error
+        # a text-only LM: image positions are an error
+        for stream in self.streams or DEFAULT_STREAMS:
             mask = _mask(batch, stream.projector)
             if mask is None:
                 continue
@@ -165,7 +169,8 @@ class LlavaModel(nn.Module):
         if pixel_values is None or pixel_values.shape[0] == 0:
             what = "images" if stream.encoder == "vision" else f"{stream.encoder} inputs"
             marks = "image_mask" if stream.projector == "projector" else stream.projector
-            torch._assert_async(mask.sum() == 0, f"{marks} marks positions but the batch has no {what}")
+            torch._assert_async(mask.sum() == 0,
+                                f"{marks} marks positions but the batch has no {what}")
             return None, None
         num_slots = int(mask.sum())
         slots = local.nonzero().squeeze(1)
@@ -173,13 +178,14 @@ class LlavaModel(nn.Module):
             raise ValueError("the batch has pixel_values but the model has no vision encoder "
                              "(built with encoder=False: pass the routed batch.image_rows)")
         if stream.encoder not in encoded:
-            encoded[stream.encoder] = encode_streams(self, self.streams, stream.encoder, pixel_values)
+            encoded[stream.encoder] = encode_streams(self, self.streams, stream.encoder,
+                                                     pixel_values)
         feats = encoded[stream.encoder][stream.projector]                 # [I * R_s, H]
         if num_slots != feats.shape[0]:
             what = "image_mask" if stream.projector == "projector" else f"{stream.projector}'s mask"
-            raise ValueError(f"{what} marks {num_slots} positions but {pixel_values.shape[0]} inputs "
-                             f"of {stream.encoder} give {feats.shape[0]} rows of {stream.projector}: "
-                             "they must be equal")
+            raise ValueError(f"{what} marks {num_slots} positions but {pixel_values.shape[0]} "
+                             f"inputs of {stream.encoder} give {feats.shape[0]} rows of "
+                             f"{stream.projector}: they must be equal")
         if shard is None:
             return feats, slots
         # each position's row in the whole sequence, read at this shard's slots of the stream
@@ -209,7 +215,8 @@ class LlavaModel(nn.Module):
             rows = (rows + self.llm._sp_pad(rows)) // group_size(self.tp_group)
         return rows, self.llm.cfg.hidden_size
 
-    def stage_forward(self, batch, x: torch.Tensor | None = None, cp_group=OWN_CP_GROUP) -> torch.Tensor:
+    def stage_forward(self, batch, x: torch.Tensor | None = None,
+                      cp_group=OWN_CP_GROUP) -> torch.Tensor:
         """This stage's part of the forward pass over one micro-batch.
 
         batch: the micro-batch (first stage) or its `StageMeta` (later stages); x: the previous

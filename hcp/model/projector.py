@@ -33,7 +33,8 @@ class Projector(nn.Module):
         elif cfg.type == "linear":
             self.fc = ColumnParallelLinear(in_size, out_size, bias=True, tp_group=tp_group)
         else:
-            raise ValueError(f"projector.type={cfg.type!r} is unknown: use 'mlp2x_gelu' or 'linear'")
+            raise ValueError(f"projector.type={cfg.type!r} is unknown: use 'mlp2x_gelu' or "
+                             f"'linear'")
 
     def _pooled(self, x: torch.Tensor) -> torch.Tensor:
         """[I, P, D] -> [I, P / pool^2, D]: mean over pool x pool windows of the patch grid.

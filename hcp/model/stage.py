@@ -43,6 +43,7 @@ class StageSpec:
         Raises ValueError for an index outside the split.
         """
         if not 0 <= index < len(pp_layers):
-            raise ValueError(f"stage {index} is outside the {len(pp_layers)} stages of {list(pp_layers)}")
+            raise ValueError(f"stage {index} is outside the {len(pp_layers)} stages of "
+                             f"{list(pp_layers)}")
         bounds = [0, *accumulate(pp_layers)]
         return cls(index, len(pp_layers), bounds[index], bounds[index + 1])

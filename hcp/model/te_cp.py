@@ -9,7 +9,8 @@ with the WHOLE micro-batch's boundaries: `cu_seqlens` (the real lengths) and
 boundaries differ, and left to infer it TE <= 2.17 compares them with `torch.equal` (a
 device-to-host read in every layer). `cp_comm=allgather` needs TE >= 2.18
 (`hcp.config.te_rules`, checked by validation and here). Imported lazily
-(`transformer_engine.pytorch` needs CUDA); exercised by `scripts/gpu_check.sh`, not by the CPU tests.
+(`transformer_engine.pytorch` needs CUDA); exercised by `scripts/gpu_check.sh`, not by the CPU
+tests.
 """
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ def te_cp_attention(comm: str) -> Callable:
     try:
         te = importlib.import_module("transformer_engine.pytorch")
     except Exception as err:  # noqa: BLE001 - TE raises OSError/RuntimeError without CUDA libraries
-        raise ImportError(f"llm.attention_backend=te with CP needs Transformer Engine, which does not "
-                          f"import here ({type(err).__name__}: {err}); install it on a CUDA machine "
-                          "or set llm.attention_backend=torch") from err
+        raise ImportError(f"llm.attention_backend=te with CP needs Transformer Engine, which does "
+                          f"not import here ({type(err).__name__}: {err}); install it on a CUDA "
+                          f"machine or set llm.attention_backend=torch") from err
     cores: dict = {}
     streams: dict = {}
 
@@ -61,8 +62,10 @@ def te_cp_attention(comm: str) -> Callable:
         def attend(q, k, v):
             key = (q.shape[1], k.shape[1], q.shape[2])
             if key not in cores:
-                cores[key] = te.DotProductAttention(q.shape[1], q.shape[2], num_gqa_groups=k.shape[1],
-                                                    attn_mask_type="padding_causal", qkv_format="thd")
+                cores[key] = te.DotProductAttention(q.shape[1], q.shape[2],
+                                                    num_gqa_groups=k.shape[1],
+                                                    attn_mask_type="padding_causal",
+                                                    qkv_format="thd")
             cores[key].set_context_parallel_group(group, ranks, streams[device], TE_COMM[comm])
             return cores[key](q, k, v, pad_between_seqs=True, **bounds).view_as(q)
         return attend

@@ -49,7 +49,8 @@ class ColumnParallelLinear(nn.Module):
             _mark(self.bias, 0, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_seq(x, self.tp_group) if self.sequence_parallel else copy_to_group(x, self.tp_group)
+        x = (gather_seq(x, self.tp_group)
+             if self.sequence_parallel else copy_to_group(x, self.tp_group))
         return F.linear(x, self.weight, self.bias)
 
 
@@ -62,7 +63,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.weight = nn.Parameter(torch.empty(out_features,
-                                               _split(in_features, tp_group, "row-parallel input features")))
+                                               _split(in_features, tp_group,
+                                                      "row-parallel input features")))
         _mark(self.weight, 1, tp_group)
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
@@ -126,7 +128,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad_logits * grad[:, None], None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, tp_group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 tp_group=None) -> torch.Tensor:
     """Per-token loss [T] (fp32) from this rank's logits [T, V / tp] and global targets long [T]
     (every target must be a real id: drop ignored tokens first)."""
     if group_size(tp_group) == 1:

@@ -45,7 +45,8 @@ class VisionBlock(nn.Module):
         super().__init__()
         d, tp = cfg.hidden_size, group_size(tp_group)
         if d % cfg.num_heads:
-            raise ValueError(f"vision: hidden_size {d} must be divisible by num_heads {cfg.num_heads}")
+            raise ValueError(f"vision: hidden_size {d} must be divisible by num_heads "
+                             f"{cfg.num_heads}")
         if cfg.num_heads % tp or cfg.ffn_hidden_size % tp:
             raise ValueError(f"vision.layout.tp={tp} must divide vision.num_heads={cfg.num_heads} "
                              f"and vision.ffn_hidden_size={cfg.ffn_hidden_size}: pick a TP size "
@@ -53,7 +54,8 @@ class VisionBlock(nn.Module):
         self.local_heads, self.head_dim = cfg.num_heads // tp, d // cfg.num_heads
         par = dict(bias=True, tp_group=tp_group)
         self.ln1 = nn.LayerNorm(d, eps=cfg.norm_eps)
-        self.q_proj, self.k_proj, self.v_proj = (ColumnParallelLinear(d, d, **par) for _ in range(3))
+        self.q_proj, self.k_proj, self.v_proj = (ColumnParallelLinear(d, d, **par)
+                                                 for _ in range(3))
         self.o_proj = RowParallelLinear(d, d, **par)
         self.ln2 = nn.LayerNorm(d, eps=cfg.norm_eps)
         self.fc1 = ColumnParallelLinear(d, cfg.ffn_hidden_size, **par)
@@ -87,7 +89,8 @@ class ViTEncoder(nn.Module):
     encoder island's `layout.recompute=full`; the colocated schedule recomputes the whole
     encoder side in its phase 3 instead). `cp_group`: the encoder's CP group (module docstring);
     under CP the output is this rank's rows of each input [I, n_r, D] (`local_tokens` = k).
-    `act`: the MLP's activation (the `arch`'s, chosen by `hcp.model.encoder_types.build_encoder`)."""
+    `act`: the MLP's activation (the `arch`'s, chosen by
+    `hcp.model.encoder_types.build_encoder`)."""
 
     def __init__(self, cfg: EncoderArch, tp_group=None, stage=None, recompute: bool = False,
                  cp_group=None, act=F.gelu):
@@ -167,7 +170,8 @@ class ViTEncoder(nn.Module):
         blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
         plan = self.cp_plan(x.shape[0], x.device)
         for block in blocks:
-            x = (checkpoint(block, x, plan, use_reentrant=False) if self.recompute and torch.is_grad_enabled()
+            x = (checkpoint(block, x, plan, use_reentrant=False) if self.recompute
+                 and torch.is_grad_enabled()
                  else block(x, plan))
         if self.stage is not None and not self.stage.last:
             return x

@@ -17,7 +17,8 @@ vary inside a group; every other axis is fixed, so each rank is in exactly one g
 | pp    | pp       | pipeline (one rank per stage) |
 | dp_cp | dp, cp   | gradient reduction; also the dynamic-CP pool (cp fastest, then dp) |
 | tp_cp | tp, cp   | boundary broadcast from an edge's leader |
-| mp    | tp, pp   | model parallel in Megatron's sense: the ranks holding one full model copy's shards within one dp and cp index |
+| mp    | tp, pp   | model parallel in Megatron's sense: the ranks holding one full model copy's
+shards within one dp and cp index |
 
 Dynamic CP: for each power of two s dividing the pool size dp*cp, the pool of one (pp, tp) index
 is cut into aligned contiguous blocks of s ranks, in pool order (`dynamic_cp_groups(s)`).
@@ -123,7 +124,8 @@ class Grid:
         is not one of `dynamic_cp_sizes()`.
         """
         if size not in self.dynamic_cp_sizes():
-            raise ValueError(f"dynamic CP size {size} is not a power of two dividing dp*cp = {self.cp_pool}")
+            raise ValueError(f"dynamic CP size {size} is not a power of two dividing dp*cp = "
+                             f"{self.cp_pool}")
         return self.groups("dp_cp").reshape(-1, size)
 
     def dynamic_cp_index(self, size: int, rank: int) -> int:

@@ -47,8 +47,10 @@ def _self_backend(common_opts, backend_opts):
     from torch._C._distributed_c10d import FakeProcessGroup
 
     if common_opts.group_size != 1:
-        raise ValueError(f"the {SELF_BACKEND} backend is for groups of one rank, not {common_opts.group_size}")
-    return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size, backend_opts)
+        raise ValueError(f"the {SELF_BACKEND} backend is for groups of one rank, not "
+                         f"{common_opts.group_size}")
+    return FakeProcessGroup._create_internal(common_opts.group_rank, common_opts.group_size,
+                                             backend_opts)
 
 
 def self_group(rank: int) -> dist.ProcessGroup:
@@ -69,7 +71,8 @@ def _blocks(grid: Grid, dynamic: bool):
     return out
 
 
-def creation_order(layouts: dict, dynamic_cp_modules: tuple[str, ...] = ()) -> list[tuple[tuple[int, ...], str]]:
+def creation_order(layouts: dict,
+                   dynamic_cp_modules: tuple[str, ...] = ()) -> list[tuple[tuple[int, ...], str]]:
     """Every distinct rank list of >= 2 ranks among the world's groups, with a description
     (`module.kind`, the first to use it), in the one order every rank creates them. Pure."""
     seen: dict[tuple[int, ...], str] = {}
@@ -104,7 +107,8 @@ class ProcessGroupRegistry:
             group = new_group(ranks, group_desc=desc)  # every rank, members or not
             if self.rank in ranks:
                 mine[ranks] = group
-        self._groups: dict[tuple[str, str, int | None], tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
+        self._groups: dict[tuple[str, str, int | None],
+                           tuple[dist.ProcessGroup, tuple[int, ...]]] = {}
         for module, grid in self.grids.items():
             if not grid.contains(self.rank):
                 continue
@@ -120,8 +124,9 @@ class ProcessGroupRegistry:
         try:
             return self._groups[module, kind, size]
         except KeyError:
-            raise KeyError(f"rank {self.rank} has no {kind} group (size={size}) of module {module!r}: "
-                           f"it runs {sorted({m for m, _, _ in self._groups})}") from None
+            raise KeyError(f"rank {self.rank} has no {kind} group (size={size}) of module "
+                           f"{module!r}: it runs "
+                           f"{sorted({m for m, _, _ in self._groups})}") from None
 
     def group(self, module: str, kind: str, size: int | None = None) -> dist.ProcessGroup:
         """The calling rank's `kind` group of `module` (`size` only for `dynamic_cp`); a group of

@@ -53,8 +53,8 @@ class RankRoute:
 
 def cp_slot(position: np.ndarray, length: np.ndarray, cp_size: np.ndarray):
     """Where merged position `position` of a document of `length` tokens lands under CP size
-    `cp_size` (head-tail chunks, docs/design.md section 3; `hcp.parallel.cp_sharding.cp_shard` is the
-    same math over whole documents). Element-wise over int64 arrays.
+    `cp_size` (head-tail chunks, docs/design.md section 3; `hcp.parallel.cp_sharding.cp_shard` is
+    the same math over whole documents). Element-wise over int64 arrays.
 
     Returns (cp rank, slot in that rank's local copy of the document): the document is padded to
     2c * k tokens, k = ceil(length / 2c); rank r holds chunks r and 2c-1-r as its local slots
@@ -97,8 +97,10 @@ class RowTable:
             by_dst = np.lexsort((self.dst_row, self.src, self.shard))
         object.__setattr__(self, "_by_src", by_src)
         object.__setattr__(self, "_by_dst", by_dst)
-        object.__setattr__(self, "_src_cuts", np.searchsorted(self.src[by_src], np.arange(self.group_size + 1)))
-        object.__setattr__(self, "_dst_cuts", np.searchsorted(self.shard[by_dst], np.arange(shards + 1)))
+        object.__setattr__(self, "_src_cuts",
+                           np.searchsorted(self.src[by_src], np.arange(self.group_size + 1)))
+        object.__setattr__(self, "_dst_cuts",
+                           np.searchsorted(self.shard[by_dst], np.arange(shards + 1)))
         where = np.full((self.group_size, 2), -1, dtype=np.int64)   # rank -> (shard, replica)
         s, t = np.indices(self.shard_ranks.shape).reshape(2, -1)
         where[self.shard_ranks[s, t]] = np.stack([s, t], 1)
@@ -126,7 +128,8 @@ class RowTable:
             recv_splits = np.bincount(self.src[got], minlength=g)
             recv_index, dst_rows = self.dst_row[got], len(got)
         else:
-            recv_splits, recv_index, dst_rows = np.zeros(g, dtype=np.int64), np.zeros(0, np.int64), 0
+            recv_splits, recv_index, dst_rows = (np.zeros(g, dtype=np.int64), np.zeros(0, np.int64),
+                                                 0)
         owner = bool(rep == 0)
         return RankRoute(
             send_index=tuple(self.src_row[rows].tolist()), send_splits=tuple(send_splits.tolist()),

@@ -33,14 +33,17 @@ def rank_actions(plan, rank: int, num_micro: int) -> list[Action]:
     """Global rank `rank`'s action list of the `StepPlan` `plan` (module docstring), running
     `num_micro` LLM micro-batches (colocated; every island runs all of the plan's); [] on a
     rank that runs no module."""
-    layouts, heads = plan.layouts, island_heads(plan.layouts, plan.edges) if plan.island_tables else ()
+    layouts, heads = (plan.layouts,
+                      island_heads(plan.layouts, plan.edges) if plan.island_tables else ())
     head = next((h for h in heads if Grid.of(layouts[h]).contains(rank)), "llm")
     grid = Grid.of(layouts[head])
     if not grid.contains(rank):
         return []
     if plan.island_tables:
         graph = island_stage_graph(layouts, plan.edges)
-        actions = graph_one_f_one_b(graph, plan.num_micro_batches)[graph.index(head, grid.coords(rank)["pp"])]
+        actions = graph_one_f_one_b(graph,
+                                    plan.num_micro_batches)[graph.index(head,
+                                                                        grid.coords(rank)["pp"])]
     else:
         actions = one_f_one_b(grid.coords(rank)["pp"], layouts["llm"].pp, num_micro)
         if plan.tables:

@@ -40,7 +40,8 @@ def island_head(layouts, edges, module: str) -> str:
         head = prev
 
 
-def balanced_lanes(inputs: np.ndarray, micro_batch: np.ndarray, consume: np.ndarray, dp: int) -> np.ndarray:
+def balanced_lanes(inputs: np.ndarray, micro_batch: np.ndarray, consume: np.ndarray,
+                   dp: int) -> np.ndarray:
     """int64 [B]: the DP lane of an encoder island that encodes each sample, from `inputs` [B]
     (the encoder's inputs per sample: each costs the same FLOPs), the LLM micro-batch that
     consumes it `micro_batch` [B] and its consumption position `consume` [B].
@@ -49,10 +50,10 @@ def balanced_lanes(inputs: np.ndarray, micro_batch: np.ndarray, consume: np.ndar
     each, samples with more inputs first; each sample goes to the lane with the fewest inputs so
     far (ties: fewer samples, then the lower lane). So the lanes' inputs differ by at most the
     most inputs of one sample over the step and over every prefix of micro-batches, which graph
-    1F1B feeds to the LLM in that order. Static blocks (lane l taking block l) leave a lane with as many more
-    inputs as the data happens to put in its block. Pure and deterministic (every rank computes
-    the same lanes); a lane may get more samples than another (samples without inputs cost it
-    nothing)."""
+    1F1B feeds to the LLM in that order. Static blocks (lane l taking block l) leave a lane with as
+    many more inputs as the data happens to put in its block. Pure and deterministic (every rank
+    computes the same lanes); a lane may get more samples than another (samples without inputs cost
+    it nothing)."""
     lane = np.zeros(len(inputs), np.int64)
     heap = [(0, 0, d) for d in range(dp)]
     for s in np.lexsort((consume, -np.asarray(inputs), micro_batch)).tolist():
@@ -62,8 +63,8 @@ def balanced_lanes(inputs: np.ndarray, micro_batch: np.ndarray, consume: np.ndar
     return lane
 
 
-def route_from_island(src_lay, lane_of, consume, variant, J, sizes, llm, s_group, doc_start, size, off,
-                      mb_of_group):
+def route_from_island(src_lay, lane_of, consume, variant, J, sizes, llm, s_group, doc_start, size,
+                      off, mb_of_group):
     """One RowTable per micro-batch of a non-colocated edge into the LLM (group ranks of
     `edge_ranks`: the source's last-stage ranks lane-major, then CP, TP fastest, then the LLM's
     first-stage ranks in pool order, TP fastest), and the image rows per (pool position,

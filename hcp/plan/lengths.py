@@ -77,15 +77,15 @@ class SampleSizes:
         flat = [im for per in images for im in per]
         off = np.zeros(len(images) + 1, dtype=np.int64)
         np.cumsum([len(per) for per in images], out=off[1:])
-        sizes = cls(np.asarray(tokens, dtype=np.int64), np.asarray(loss_tokens, dtype=np.int64), off,
-                    np.asarray([a for a, _ in flat], dtype=np.int64).reshape(-1),
+        sizes = cls(np.asarray(tokens, dtype=np.int64), np.asarray(loss_tokens, dtype=np.int64),
+                    off, np.asarray([a for a, _ in flat], dtype=np.int64).reshape(-1),
                     np.asarray([b for _, b in flat], dtype=np.int64).reshape(-1))
         for s, per in enumerate(images):
             end = 0
             for a, b in per:
                 if a < end or b < 1 or a + b > sizes.tokens[s]:
-                    raise ValueError(f"sample {s}: image at [{a}, {a + b}) overlaps another or leaves "
-                                     f"its {int(sizes.tokens[s])} tokens")
+                    raise ValueError(f"sample {s}: image at [{a}, {a + b}) overlaps another or "
+                                     f"leaves its {int(sizes.tokens[s])} tokens")
                 end = a + b
         return sizes
 
@@ -170,7 +170,8 @@ def stream_indexes(dataset, token_ids: dict[str, int], rows_per_item: dict[str, 
     the stream's placeholder id (`token_ids`), rows per input (`rows_per_item`) and encoder
     (`encoders`). Tokens and loss tokens are the same in every index; the image arrays are the
     stream's rows. Raises ValueError as `build_length_index`."""
-    return {p: build_length_index(dataset, token_ids[p], rows_per_item[p], encoders[p]) for p in token_ids}
+    return {p: build_length_index(dataset, token_ids[p], rows_per_item[p], encoders[p])
+            for p in token_ids}
 
 
 class LengthIndexes:
@@ -180,10 +181,13 @@ class LengthIndexes:
 
     def __init__(self, specs, dataset, tok):
         flows = specs.streams if hasattr(dataset, "stream_ids") else ()
-        self.streams = stream_indexes(dataset, dataset.stream_ids, {s.projector: specs.rows(s) for s in flows},
+        self.streams = stream_indexes(dataset, dataset.stream_ids,
+                                      {s.projector: specs.rows(s) for s in flows},
                                       {s.projector: s.encoder for s in flows}) if flows else {}
-        first = "projector" if "projector" in self.streams else flows[0].projector if flows else None
-        self.default = self.streams[first] if first else build_length_index(dataset, tok.image_token_id, 0)
+        first = ("projector"
+                 if "projector" in self.streams else flows[0].projector if flows else None)
+        self.default = (self.streams[first]
+                        if first else build_length_index(dataset, tok.image_token_id, 0))
 
     def take(self, indices):
         """(the batch's default sizes, {projector: sizes} of every stream or {})."""

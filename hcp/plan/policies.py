@@ -1,6 +1,6 @@
 """Packing policies of the step plan (docs/design.md 4.1): each maps the global batch's merged
-lengths to a `hcp.dcp.packing.Packing` over the LLM's CP pool (dp * cp ranks of one pipeline stage and
-TP index, pool position = dp * cp + cp): micro-batches in execution order, each a set of groups
+lengths to a `hcp.dcp.packing.Packing` over the LLM's CP pool (dp * cp ranks of one pipeline stage
+and TP index, pool position = dp * cp + cp): micro-batches in execution order, each a set of groups
 (samples, CP size c, aligned block offset) tiling the pool, so every rank of the pool runs the
 same number of micro-batches (a rank whose group is empty runs an empty micro-batch).
 
@@ -34,7 +34,8 @@ def register_policy(name: str, policy: Policy) -> None:
 def policy(name: str) -> Policy:
     """The policy registered as `packing=name`. Raises ValueError for an unknown name."""
     if name not in _POLICIES:
-        raise ValueError(f"packing={name!r} has no registered policy: use one of {sorted(_POLICIES)}")
+        raise ValueError(f"packing={name!r} has no registered policy: use one of "
+                         f"{sorted(_POLICIES)}")
     return _POLICIES[name]
 
 
@@ -49,7 +50,8 @@ def first_fit_policy(tokens: np.ndarray, llm, micro_batch_tokens: int) -> Packin
         raise ValueError(f"trainer.global_batch_size={len(tokens)} is not divisible by llm dp={dp}")
     n = len(tokens) // dp
     padded = (cp * rank_tokens(tokens, cp)).tolist()
-    lanes = [first_fit(padded[lane * n:(lane + 1) * n], micro_batch_tokens * cp) for lane in range(dp)]
+    lanes = [first_fit(padded[lane * n:(lane + 1) * n], micro_batch_tokens * cp)
+             for lane in range(dp)]
     return Packing([Round([Group([lane * n + i for i in packs[j]] if j < len(packs) else [], cp,
                                    lane * cp) for lane, packs in enumerate(lanes)])
                  for j in range(max(map(len, lanes)))])

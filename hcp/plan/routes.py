@@ -57,7 +57,8 @@ def rank_within(key: np.ndarray, part: np.ndarray, parts: int) -> np.ndarray:
     return out
 
 
-def route_into_llm(src_lay, lane_of, mb_base, J, sizes, llm, s_group, doc_start, size, off, mb_of_group):
+def route_into_llm(src_lay, lane_of, mb_base, J, sizes, llm, s_group, doc_start, size, off,
+                   mb_of_group):
     """The RowTable of a colocated edge from an encoder-side module into the LLM, and the image
     rows per (pool position, micro-batch) [pool, J]. `lane_of` [B]: the source lane of each
     sample (colocated: lane l encodes block l of the batch)."""
@@ -65,7 +66,8 @@ def route_into_llm(src_lay, lane_of, mb_base, J, sizes, llm, s_group, doc_start,
     sample, shard, mb, local = image_rows(sizes, llm, s_group, doc_start, size, off, mb_of_group)
     R = len(sample)
     # source: the sample's lane; the encoder CP rank holding the row (its chunk of the image),
-    # whose rows keep sample order; TP replica floor(p * tp / R) sends its row p (contiguous, balanced)
+    # whose rows keep sample order; TP replica floor(p * tp / R) sends its row p (contiguous,
+    # balanced)
     cp, tp = src_lay.cp, src_lay.tp
     lane = lane_of[sample]
     src_cp = source_cp(sizes, cp)

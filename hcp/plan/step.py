@@ -149,7 +149,8 @@ class StepPlan:
             c = llm.coords(rank)
             pos = c["dp"] * llm.cp + c["cp"]
             zero = np.zeros(len(self.group_at) + 1, np.int64)
-            every = {src: off[pos] if c["pp"] == 0 else zero for src, off in self.stream_row_offsets.items()}
+            every = {src: off[pos]
+                     if c["pp"] == 0 else zero for src, off in self.stream_row_offsets.items()}
             rows = self.image_row_offsets[pos] if c["pp"] == 0 else zero
             if self.island_tables:  # one received tensor per micro-batch
                 rows = np.concatenate([[0], np.diff(rows)])
@@ -163,8 +164,10 @@ class StepPlan:
                                           int(lengths.max()) if len(lengths) else 0, g.cp_size,
                                           g.rank_offset // g.cp_size, pos - g.rank_offset,
                                           int(self.local_tokens[self.group_at[j, pos]]),
-                                          (0 if self.island_tables else int(rows[j]), int(rows[j + 1])),
-                                          {src: (0 if self.island_tables else int(r[j]), int(r[j + 1]))
+                                          (0 if self.island_tables else int(rows[j]),
+                                           int(rows[j + 1])),
+                                          {src: (0 if self.island_tables else int(r[j]),
+                                                 int(r[j + 1]))
                                            for src, r in every.items()}))
         routes = {e: t.route(rank) for e, t in self.tables.items()}
         island = {e: tuple(t.route(self.island_ranks[e].index(rank)) for t in ts)
@@ -172,7 +175,8 @@ class StepPlan:
         runs = sum(1 for mb in mbs if self.keep_empty or not mb.empty)
         actions = rank_actions(self, rank, runs)
         return RankPlan(rank, enc, mbs, routes, self.counts, self.checksum() if checksum else 0,
-                        enc_mbs, island, inputs, rows_out, self.keep_empty, self.overlap_grad_sync, actions)
+                        enc_mbs, island, inputs, rows_out, self.keep_empty, self.overlap_grad_sync,
+                        actions)
 
     def _encoder_micro_batches(self, lane_samples) -> tuple[tuple[int, ...], ...]:
         """A lane's samples per LLM micro-batch, in consumption order."""
@@ -196,14 +200,18 @@ def _flatten(plan: Packing, pool: int, batch: int):
     seen = np.bincount(samples, minlength=batch) if len(samples) else np.zeros(batch, np.int64)
     if len(seen) != batch or (seen != 1).any():
         bad = int(np.argmax(seen != 1)) if len(seen) == batch else batch
-        raise ValueError(f"packing placed sample {bad} {int(seen[bad]) if bad < batch else 'out of range'} "
-                         "times; every sample of the global batch must be in exactly one micro-batch")
+        raise ValueError(f"packing placed sample {bad} "
+                         f"{int(seen[bad]) if bad < batch else 'out of range'} times; every sample "
+                         f"of the global batch must be in exactly one micro-batch")
     J = len(plan.rounds)
     first = excl_cumsum(size)
     cover_pos = np.repeat(off, size) + np.arange(first[-1]) - np.repeat(first[:-1], size)
     cover_mb = np.repeat(mb_of_group, size)
-    if (off % size).any() or (size & (size - 1)).any() or (cover_pos >= pool).any() or (cover_pos < 0).any():
-        raise ValueError(f"packing: a group is not an aligned power-of-two block of the pool of {pool}")
+    if (off
+        % size).any() or (size & (size
+                                  - 1)).any() or (cover_pos >= pool).any() or (cover_pos < 0).any():
+        raise ValueError(f"packing: a group is not an aligned power-of-two block of the pool of "
+                         f"{pool}")
     group_at = np.full((J, pool), -1, dtype=np.int64)
     group_at[cover_mb, cover_pos] = np.repeat(np.arange(len(groups)), size)
     if len(cover_pos) != J * pool or (group_at < 0).any():
@@ -243,7 +251,8 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
     # per sample: its group, micro-batch, CP size, block offset, local start in its group
     gid = np.repeat(np.arange(len(groups)), n_seq)
     doc_len = sizes.tokens[samples]                                   # per packed document
-    slots = np.where(size[gid] == 1, doc_len, 2 * -(-doc_len // (2 * size[gid])))  # c = 1: no padding
+    # c = 1: no padding
+    slots = np.where(size[gid] == 1, doc_len, 2 * -(-doc_len // (2 * size[gid])))
     local_tokens = np.bincount(gid, weights=slots, minlength=len(groups)).astype(np.int64)
     starts = excl_cumsum(slots)[:-1] - np.repeat(excl_cumsum(local_tokens)[:-1], n_seq)
     doc_start, s_group = np.empty(B, np.int64), np.empty(B, np.int64)
@@ -266,13 +275,15 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
                              "placement=non_colocated; use pp=1")
         if head != m and (layouts[m].cp not in (1, lay.cp) or layouts[m].pp > 1):
             raise ValueError(f"{m}.layout: cp={layouts[m].cp}, pp={layouts[m].pp}: {m} runs on "
-                             f"the last stage of {head}'s island with {head}'s layout; use cp=1, pp=1")
+                             f"the last stage of {head}'s island with {head}'s layout; use cp=1, "
+                             f"pp=1")
         if B % lay.dp:
             raise ValueError(f"trainer.global_batch_size={B} is not divisible by {m}'s dp={lay.dp}")
         encoder_lanes[m], grids[m] = lay.dp, Grid.of(lay)
         if head not in lane_of:
             lane_of[head] = (np.arange(B) // (B // lay.dp) if same_span(lay, llm) else
-                             balanced_lanes(module_sizes[head].images, mb_of_group[s_group], consume, lay.dp))
+                             balanced_lanes(module_sizes[head].images, mb_of_group[s_group],
+                                            consume, lay.dp))
         lane_of[m] = lane_of[head]
     island_tables, island_ranks = {}, {}
     offsets, stream_rows = {}, {}
@@ -281,22 +292,24 @@ def plan_step(sizes: SampleSizes, layouts: dict, packing: str, micro_batch_token
             continue
         rows = stream_sizes.get(src, sizes)
         if not np.array_equal(rows.tokens, sizes.tokens):
-            raise ValueError(f"stream_sizes[{src!r}] has other sample lengths than sizes: both must "
-                             "index the same global batch")
+            raise ValueError(f"stream_sizes[{src!r}] has other sample lengths than sizes: both "
+                             f"must index the same global batch")
         args = (rows, llm, s_group, doc_start, size, off, mb_of_group)
         head = layouts[source[src]]
         if same_span(head, llm):
-            tables[(src, dst)], row_counts = route_into_llm(layouts[src], lane_of[src], mb_base, J, *args)
+            tables[(src, dst)], row_counts = route_into_llm(layouts[src], lane_of[src], mb_base, J,
+                                                            *args)
         else:
-            island_tables[(src, dst)], row_counts = route_from_island(head, lane_of[src], consume, island_route,
-                                                                      J, *args)
+            island_tables[(src, dst)], row_counts = route_from_island(head, lane_of[src], consume,
+                                                                      island_route, J, *args)
             island_ranks[(src, dst)] = edge_ranks(Grid.of(head), Grid.of(llm))
         offsets[src] = np.concatenate([np.zeros((pool, 1), np.int64), np.cumsum(row_counts, 1)], 1)
         stream_rows[src] = int(rows.image_rows_each.sum())
     default = "projector" if "projector" in offsets else next(iter(offsets), None)
     image_row_offsets = offsets[default] if default else np.zeros((pool, J + 1), np.int64)
     tok = sizes.tokens
-    counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()), float((tok.astype(np.float64) ** 2).sum()),
+    counts = Counts(int(sizes.loss_tokens.sum()), int(tok.sum()),
+                    float((tok.astype(np.float64) ** 2).sum()),
                     sum(stream_rows.values()) if stream_rows else int(sizes.image_rows_each.sum()),
                     stream_rows)
     dynamic = packing == "dynamic_cp"

@@ -1,6 +1,7 @@
-"""Step time and memory of one `layout=auto` candidate (hcp.preflight.auto_space.Candidate), from plan
-mode's models: the per-rank memory of `hcp.preflight.memory` (under `hcp.preflight.running.running_layouts`)
-and the LLM's cost model and 1F1B simulator of `hcp.preflight.estimate`. Pure: no process group.
+"""Step time and memory of one `layout=auto` candidate (hcp.preflight.auto_space.Candidate), from
+plan mode's models: the per-rank memory of `hcp.preflight.memory` (under
+`hcp.preflight.running.running_layouts`) and the LLM's cost model and 1F1B simulator of
+`hcp.preflight.estimate`. Pure: no process group.
 
 The encoders' terms (seconds per input, island stages, routes): `hcp.preflight.auto_encoders`;
 the host model of CPU ranks: `hcp.preflight.auto_host`. The step:
@@ -20,8 +21,8 @@ weights' all-gathers). The batch priced: `data_lengths` (the run's first global 
 data). CPU ranks sharing a host's cores (a profile's `host:` entry, `hcp.preflight.auto_host.
 Host`): each layer call costs the host's dispatch seconds more, and the step is the larger of
 the critical path and all ranks' CPU seconds (`Score.work_s`) over the cores (the LLM's long
-stretches without a collective, `Score.stacked_s`, over the host's stacked cores). For the search's pruning,
-`combine_bounds` of `encoder_part` and `llm_part` (or the cheaper `llm_bound`) is at most
+stretches without a collective, `Score.stacked_s`, over the host's stacked cores). For the search's
+pruning, `combine_bounds` of `encoder_part` and `llm_part` (or the cheaper `llm_bound`) is at most
 `score`'s step (equal under colocated without a host).
 """
 from __future__ import annotations
@@ -40,7 +41,8 @@ from hcp.schedule.simulator import simulate_1f1b
 from hcp.preflight.auto_encoders import EncoderTerms, encoder_terms
 from hcp.preflight.auto_host import host_model, host_seconds, layer_calls, plain, stacked_seconds
 from hcp.preflight.rehearse.report import job_facts, memory_correction
-from hcp.preflight.estimate import batch_lengths, cost_model, grad_sync_s, hardware, lane_stage_times, pool_plans
+from hcp.preflight.estimate import (batch_lengths, cost_model, grad_sync_s, hardware,
+                                    lane_stage_times, pool_plans)
 from hcp.preflight.auto_space import Candidate, sides
 from hcp.preflight.memory import GIB, fsdp_units, module_memory, rank_activations, stage_params
 from hcp.preflight.running import named_shapes, running_layouts
@@ -82,10 +84,13 @@ def data_lengths(cfg, specs) -> tuple[np.ndarray, str]:
 
     try:
         train = build_datasets(cfg, specs)[1]
-        batch = GlobalBatchSampler(len(train), int(cfg.trainer.global_batch_size), int(cfg.seed)).batch(0)
+        batch = GlobalBatchSampler(len(train), int(cfg.trainer.global_batch_size),
+                                   int(cfg.seed)).batch(0)
     except (ConfigError, DataError, OSError, ValueError) as e:
-        return batch_lengths(cfg), f"the built-in length sample ({type(e).__name__} reading the data: {e})"
-    return np.array([len(train[i].input_ids) for i in batch], dtype=np.int64), f"data.name={cfg.data.name}"
+        return (batch_lengths(cfg),
+                f"the built-in length sample ({type(e).__name__} reading the data: {e})")
+    return (np.array([len(train[i].input_ids) for i in batch], dtype=np.int64),
+            f"data.name={cfg.data.name}")
 
 
 def _key(lay) -> tuple:
@@ -98,16 +103,19 @@ class Scorer(EncoderTerms):
 
     def __init__(self, cfg, world: int, profile: str = "h100", lengths=None):
         self.world = world
-        self.specs = resolve_modules(cfg)  # the modules of every candidate (layouts are the candidates')
+        # the modules of every candidate (layouts are the candidates')
+        self.specs = resolve_modules(cfg)
         self.shapes = named_shapes(self.specs)
-        self.lens, self.lengths_from = data_lengths(cfg, self.specs) if lengths is None else (lengths, "given")
+        self.lens, self.lengths_from = (data_lengths(cfg, self.specs) if lengths is None
+                                        else (lengths, "given"))
         cfg = self.cfg = plain(OmegaConf.to_container(cfg, resolve=True))
         self.hw = hardware(cfg, profile)
         self.host = host_model(profile)
         self.cap = float(cfg.cluster.device_memory_gib)
         self.correction = (memory_correction(cfg.rehearse.report, job_facts(cfg, self.specs, world))
                            if cfg.rehearse.get("report") else 1.0)
-        self._cfgs, self._memory, self._llm, self._params, self._plans, self._times = {}, {}, {}, {}, {}, {}
+        self._cfgs, self._memory, self._llm, self._params, self._plans, self._times = ({}, {}, {},
+                                                                                       {}, {}, {})
         lens = self.lens.astype(np.float64)
         self.llm_flops = model_flops(cfg.llm, float(lens.sum()), float((lens ** 2).sum()))
         self.images = float(cfg.trainer.global_batch_size) * float(cfg.data.images_per_sample)
@@ -157,7 +165,8 @@ class Scorer(EncoderTerms):
         out = {}
         for side in self.sides:
             last = len(stages[side.encoder]) - 1
-            out[side.encoder] = max(total([s] + ([stages[q][0] for q in side.projectors] if i == last else []))
+            out[side.encoder] = max(total([s] + ([stages[q][0] for q in side.projectors]
+                                                 if i == last else []))
                                     for i, s in enumerate(stages[side.encoder]))
         return {**out, "llm": max(total([s]) for s in stages["llm"])}
 
@@ -170,10 +179,13 @@ class Scorer(EncoderTerms):
             layers = np.asarray(llm.pp_layers, dtype=np.float64)[:, None]
             calls = layer_calls(self.host, layers, llm.cp > 1)
             lanes = [(f + calls[0], b + calls[1], plan) for plan, f, b in self._lane_times(llm)]
-            runs = [(simulate_1f1b(f, b, record=False).iteration_time, f, b, plan) for f, b, plan in lanes]
+            runs = [(simulate_1f1b(f, b, record=False).iteration_time, f, b, plan)
+                    for f, b, plan in lanes]
             work = sum(float((f + b).sum()) for f, b, _ in lanes) * llm.tp * llm.cp
-            stacked = {p: self._stacked(llm, layers, lanes, p) for p in ("colocated", "non_colocated")}
-            self._llm[key] = (*max(runs, key=lambda r: r[0]), work, stacked)  # lanes wait for the slowest
+            stacked = {p: self._stacked(llm, layers, lanes, p)
+                       for p in ("colocated", "non_colocated")}
+            # lanes wait for the slowest
+            self._llm[key] = (*max(runs, key=lambda r: r[0]), work, stacked)
         return self._llm[key]
 
     def _stacked(self, llm, layers, lanes, placement: str) -> float:
@@ -187,8 +199,10 @@ class Scorer(EncoderTerms):
             n = layers if ranks > 1 else np.ones_like(layers)
             return ranks * sum(stacked_seconds(self.host, x / n, np.broadcast_to(n, x.shape))
                                for f, b, _ in lanes for x in (f, b))
-        each = [(f + b)[0] for f, b, _ in lanes]  # [R] per lane: forward + backward of each micro-batch
-        return sum(stacked_seconds(self.host, x if placement == "non_colocated" else x.sum()) for x in each)
+        # [R] per lane: forward + backward of each micro-batch
+        each = [(f + b)[0] for f, b, _ in lanes]
+        return sum(stacked_seconds(self.host, x if placement == "non_colocated" else x.sum())
+                   for x in each)
 
     def _lane_times(self, llm) -> list:
         """`lane_stage_times` of the LLM layout, each plan computed once: under `packing=
@@ -219,10 +233,12 @@ class Scorer(EncoderTerms):
 
     def sync(self, lay) -> float:
         """Gradient sync seconds of a module's layout (module docstring)."""
-        return grad_sync_s(lay, self._stage_params(lay), self.hw) * (FSDP_SYNC if lay.dp_shard else 1.0)
+        return (grad_sync_s(lay, self._stage_params(lay), self.hw)
+                * (FSDP_SYNC if lay.dp_shard else 1.0))
 
     def _stage_params(self, lay) -> list[int]:
-        """`hcp.preflight.memory.stage_params` of a layout, computed once per module, tp and split."""
+        """`hcp.preflight.memory.stage_params` of a layout, computed once per module, tp and
+        split."""
         key = (lay.module, lay.tp, lay.pp_layers)
         if key not in self._params:
             vocab = self.cfg.llm.vocab_size if lay.module == "llm" else None
@@ -284,14 +300,19 @@ class Scorer(EncoderTerms):
             step = enc_s + route_s + iteration + sync
             bubble = 1 - (enc_s + route_s + np.mean(busy)) / (step - sync)
             critical = "llm" if iteration >= enc_s else encoders[int(np.argmax(each))].module
-            why = (f"colocated phases run one after the other: encoder{'s' if len(each) > 1 else ''} "
-                   f"{enc_s:.3g} s + routes {route_s:.3g} s + LLM 1F1B {iteration:.3g} s + gradient sync {sync:.3g} s")
+            why = (f"colocated phases run one after the other: "
+                   f"encoder{'s' if len(each) > 1 else ''} {enc_s:.3g} s + routes {route_s:.3g} s "
+                   f"+ LLM 1F1B {iteration:.3g} s + gradient sync {sync:.3g} s")
         else:
-            samples = np.array([sum(len(g.seq_indices) for g in r.groups) for r in plan.rounds], dtype=np.float64)
-            islands = [self._island_stages(e, samples * float(self.cfg.data.images_per_sample) * llm.dp / e.dp)
+            samples = np.array([sum(len(g.seq_indices) for g in r.groups) for r in plan.rounds],
+                               dtype=np.float64)
+            islands = [self._island_stages(e, samples * float(self.cfg.data.images_per_sample)
+                                           * llm.dp / e.dp)
                        for e in encoders]
-            depth = max(e.pp for e in encoders)  # islands run side by side: stage s waits for the slowest
-            ef, eb = (np.max([np.vstack([np.zeros((depth - len(x[k]), len(samples))), x[k]]) for x in islands],
+            # islands run side by side: stage s waits for the slowest
+            depth = max(e.pp for e in encoders)
+            ef, eb = (np.max([np.vstack([np.zeros((depth - len(x[k]), len(samples))), x[k]])
+                              for x in islands],
                              axis=0) for k in (0, 1))
             enc_work = sum(x[2] for x in islands)
             fs, bs = np.vstack([ef, f]), np.vstack([eb, b])
@@ -305,13 +326,16 @@ class Scorer(EncoderTerms):
             critical, stage = "llm", worst - depth
             if worst < depth:  # the island busiest at that stage (its stages end at `depth`)
                 own = [worst - depth + len(x[0]) for x in islands]
-                e = int(np.argmax([float(np.sum(x[0][s] + x[1][s])) if s >= 0 else -1.0 for x, s in zip(islands, own)]))
+                e = int(np.argmax([float(np.sum(x[0][s] + x[1][s])) if s >= 0 else -1.0
+                                   for x, s in zip(islands, own)]))
                 critical, stage = encoders[e].module, own[e]
             why = (f"graph 1F1B over {depth} encoder + {llm.pp} LLM stages: the busiest stage is "
-                   f"{critical} stage {stage} ({stage_busy[worst]:.3g} s busy of {iteration:.3g} s)")
+                   f"{critical} stage {stage} ({stage_busy[worst]:.3g} s busy of {iteration:.3g} "
+                   f"s)")
         work = llm_work + llm_sync * llm.num_ranks + enc_work
         work += sum(s * e.num_ranks for s, e in zip(side_syncs, encoders))
-        if self.host is not None:  # ranks time-share the cores: the step is at least their work / cores
+        # ranks time-share the cores: the step is at least their work / cores
+        if self.host is not None:
             held = (len(lays) * self.world if cand.placement == "colocated" else llm.num_ranks
                     + sum((1 + len(s.projectors)) * lays[s.encoder].num_ranks for s in self.sides))
             work += held * self.host.module_step_s
@@ -319,8 +343,9 @@ class Scorer(EncoderTerms):
             shared = host_seconds(self.host, work, stacked)
             if shared > step:
                 step, critical = shared, "host"
-                why = (f"{self.world} ranks share {self.host.cores:g} cores: {work:.3g} CPU s of work "
-                       f"({stacked:.3g} of it stacked) take longer than the critical path ({why})")
+                why = (f"{self.world} ranks share {self.host.cores:g} cores: {work:.3g} CPU s of "
+                       f"work ({stacked:.3g} of it stacked) take longer than the critical path "
+                       f"({why})")
         flops = self.llm_flops + self.images * sum(e.flops for e in self.encoders.values())
         return Score(float(step), flops / step / self.world / 1e12, max(0.0, float(bubble)), mem,
                      max(mem.values()) <= self.cap, float(route), float(enc_s),

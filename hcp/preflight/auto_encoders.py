@@ -100,24 +100,29 @@ class EncoderTerms:
         the reduce-scatter of their gradients backward; full recompute repeats the forward's."""
         hw, e = self.hw, self.encoders[enc.module]
         k = chunk(e.tokens, enc.cp)
-        flops, kv_bytes = encoder_cp_share(e.flops, e.tokens, e.blocks, e.hidden, enc.cp, enc.tp, hw.bytes_per_element)
+        flops, kv_bytes = encoder_cp_share(e.flops, e.tokens, e.blocks, e.hidden, enc.cp, enc.tp,
+                                           hw.bytes_per_element)
         fwd = flops / 3 / (hw.peak_flops * hw.matmul_efficiency)
         bwd = 2 * fwd + (fwd if enc.recompute == "full" else 0.0)
         comm = 0.0
         if enc.tp > 1:
-            comm += 2 * e.blocks * float(ring_s(k * e.hidden * hw.bytes_per_element, enc.tp, enc.tp, hw))
+            comm += (2 * e.blocks
+                     * float(ring_s(k * e.hidden * hw.bytes_per_element, enc.tp, enc.tp, hw)))
         if enc.cp > 1:
             bw = hw.nvlink_bandwidth if enc.tp * enc.cp <= hw.ranks_per_node else hw.ib_bandwidth
             comm += kv_bytes / bw
         return fwd + comm, bwd + comm * (2 if enc.recompute == "full" else 1)
 
     def _route_s(self, images, rows: int) -> float:
-        """Seconds of one direction of the route of `images` inputs' `rows` rows each (one rank's share)."""
-        bw = self.hw.nvlink_bandwidth if self.world <= self.hw.ranks_per_node else self.hw.ib_bandwidth
+        """Seconds of one direction of the route of `images` inputs' `rows` rows each (one rank's
+        share)."""
+        bw = (self.hw.nvlink_bandwidth
+              if self.world <= self.hw.ranks_per_node else self.hw.ib_bandwidth)
         return images * rows * self.cfg.llm.hidden_size * self.hw.bytes_per_element / bw
 
     def _colocated_encoder_s(self, enc) -> float:
-        """Seconds of the colocated phases of one encoder: its lane's inputs forward and backward."""
+        """Seconds of the colocated phases of one encoder: its lane's inputs forward and
+        backward."""
         f, b = self._image_s(enc)
         return self.images / enc.dp * (f + b) + float(sum(self._encoder_calls(enc)))
 
@@ -133,14 +138,16 @@ class EncoderTerms:
         for enc in encoders:
             f, b = self._image_s(enc)
             images = self.images / enc.dp
-            share = np.asarray(enc.pp_layers, dtype=np.float64) / sum(enc.pp_layers) * images * (f + b)
+            share = (np.asarray(enc.pp_layers, dtype=np.float64) / sum(enc.pp_layers) * images
+                     * (f + b))
             share[-1] += 2 * self._route_s(images, self.encoders[enc.module].rows)
             out = max(out, float(share.max()) + self._side_sync(enc))
         return out
 
     def _island_stages(self, enc, per) -> tuple[np.ndarray, np.ndarray, float]:
         """(forward, backward `[pp_e, R]` seconds, busy seconds of all its ranks) of an encoder
-        island's stages over the LLM lane's R rounds, `per` `[R]` inputs each (routes on the last)."""
+        island's stages over the LLM lane's R rounds, `per` `[R]` inputs each (routes on the
+        last)."""
         fi, bi = self._image_s(enc)
         share = np.asarray(enc.pp_layers, dtype=np.float64)[:, None] / sum(enc.pp_layers)
         ef, eb = share * per[None, :] * fi, share * per[None, :] * bi

@@ -51,7 +51,8 @@ def host_model(profile) -> Host | None:
                 and min(host.layer_s, host.cp_layer_s, host.module_step_s, host.spread_s) >= 0):
             raise ValueError("cores and stacked_cores > 0 and the seconds >= 0")
     except (TypeError, ValueError) as e:
-        raise ConfigError("packing_profile", str(profile), f"its host: entry {entry} is invalid ({e})",
+        raise ConfigError("packing_profile", str(profile),
+                          f"its host: entry {entry} is invalid ({e})",
                           "give host: {cores: N, layer_s: S, cp_layer_s: S, module_step_s: S} "
                           "(optional: stacked_cores: N, spread_s: S)") from None
     return host

@@ -3,7 +3,8 @@ estimated step that fits, before any process group starts. Pure: no process grou
 
     python train.py +recipe=llava_hetero mode=plan layout=auto
     python train.py +recipe=llava_hetero mode=plan layout=auto llm.layout.tp=8   # tp pinned
-    python train.py +recipe=llava_tiny_two_encoders mode=plan layout=auto encoders.vision2.layout.tp=2
+    python train.py +recipe=llava_tiny_two_encoders mode=plan layout=auto
+    encoders.vision2.layout.tp=2
 
 The space and the pins: `hcp.preflight.auto_space` (a field given on the command line stays fixed);
 the estimate: `hcp.preflight.auto_cost` under `packing_profile`'s hardware (`h100`, or a profile
@@ -33,8 +34,8 @@ from hcp.config.layouts import check_layouts
 from hcp.config.modules import projector_names, set_layout
 from hcp.config.specs import resolve_modules
 from hcp.preflight.auto_cost import Score, Scorer, combine_bounds, price_step, priced_on
-from hcp.preflight.auto_space import (Candidate, check_searchable, combine, encoder_options, island_sizes,
-                                      module_options, pinned_fields, placements)
+from hcp.preflight.auto_space import (Candidate, check_searchable, combine, encoder_options,
+                                      island_sizes, module_options, pinned_fields, placements)
 
 TOP = 10
 """Rows of the ranked table."""
@@ -61,11 +62,13 @@ def apply_layout(cfg, cand: Candidate) -> None:
     with open_dict(cfg):
         cfg.placement = cand.placement
         for m, lay in cand.layouts:
-            values = {k: list(lay.pp_layers) if k == "pp_layers" else getattr(lay, k) for k in _FIELDS}
+            values = {k: list(lay.pp_layers)
+                      if k == "pp_layers" else getattr(lay, k) for k in _FIELDS}
             island = cand.placement == "non_colocated" and m != "llm" and m not in cand.projectors
             values.update(rank_offset=None, num_ranks=lay.num_ranks if island else None)
             if m in cand.projectors:
-                values["dp"] = -1  # an explicit dp would head an island of its own (hcp.config.spans)
+                # an explicit dp would head an island of its own (hcp.config.spans)
+                values["dp"] = -1
             set_layout(cfg, m, values)
 
 
@@ -81,16 +84,19 @@ def check_candidate(cfg, cand: Candidate, world: int) -> None:
     layouts = validate(trial, world)
     check_trainable(trial, resolve_modules(trial, layouts))
     if layouts != cand.by_module:
-        raise ConfigError("layout", "auto", f"resolution gives {layouts}, not the candidate {cand.by_module}",
+        raise ConfigError("layout", "auto",
+                          f"resolution gives {layouts}, not the candidate {cand.by_module}",
                           "report this as a bug")
 
 
 def _groups(cfg, world: int, pinned: dict, scorer: Scorer, node: int):
     """[(placement, encoder layout combinations, LLM layouts)] of each placement and island
-    sizes; LLM layouts whose stages alone exceed the device memory dropped (counted in `dropped`)."""
+    sizes; LLM layouts whose stages alone exceed the device memory dropped (counted in
+    `dropped`)."""
     out, dropped = [], 0
     for placement in placements(cfg, pinned):
-        for islands in ([()] if placement == "colocated" else island_sizes(scorer.cfg, world, node, pinned)):
+        for islands in ([()] if placement == "colocated"
+                        else island_sizes(scorer.cfg, world, node, pinned)):
             split = sum(islands)
             encoders = encoder_options(scorer.cfg, placement, islands, pinned, node, world)
             llm = module_options(scorer.cfg, "llm", world - split, split, placement, pinned, node)
@@ -114,21 +120,26 @@ def search(cfg, world: int, pinned: dict, top: int = TOP, prune: bool = True,
                                              min(scorer.llm_bound(x) for x in g[2])))
     space = int(sum(len(e) * len(x) for _, e, x in groups)) + dropped
     ranked, counts, error = _rank(cfg, world, groups, scorer, top, prune, inline=False)
-    if error is not None:  # a ranked layout failed the full rules: rank again, checking each as it enters
+    # a ranked layout failed the full rules: rank again, checking each as it enters
+    if error is not None:
         ranked, counts, error = _rank(cfg, world, groups, scorer, top, prune, inline=True)
-    counts = {"space": space, "llm_memory_dropped": dropped, **counts, "memory_correction": scorer.correction}
+    counts = {"space": space, "llm_memory_dropped": dropped, **counts,
+              "memory_correction": scorer.correction}
     if not ranked and error is not None:
         raise error  # a rule outside the layouts (the model, the trainer) fails them all
     if not ranked and space == 0 and pinned:  # the pins, not memory, empty the space
-        raise ConfigError("layout", "auto", f"the pinned fields {pinned} leave no candidate on {world} ranks "
-                          f"(every searched layout keeps tp within a node of {node} and dividing the heads, "
-                          "pp dividing the layers, dp x cp x tp x pp equal to the module's ranks)",
+        raise ConfigError("layout", "auto",
+                          f"the pinned fields {pinned} leave no candidate on {world} ranks "
+                          f"(every searched layout keeps tp within a node of {node} and dividing "
+                          f"the heads, pp dividing the layers, dp x cp x tp x pp equal to the "
+                          f"module's ranks)",
                           "change or drop a pin (layout=manual checks and names each field)")
     if not ranked:
         raise ConfigError("layout", "auto", f"no layout of the searched space ({counts['space']} "
                           f"candidates on {world} ranks) fits cluster.device_memory_gib="
                           f"{cfg.cluster.device_memory_gib} and passes the layout rules",
-                          "unpin fields, add ranks (launcher.*) or lower trainer.micro_batch_tokens")
+                          "unpin fields, add ranks (launcher.*) or lower "
+                          "trainer.micro_batch_tokens")
     return SearchResult(ranked, counts, time.perf_counter() - start, time.process_time() - cpu,
                         scorer.lens, scorer.lengths_from)
 
@@ -164,19 +175,22 @@ def _rank(cfg, world: int, groups, scorer: Scorer, top: int, prune: bool, inline
         exact = [scorer.has_lane(x) for x in llm]
         part = [scorer.llm_part(x) if e else scorer.llm_bound(x) for x, e in zip(llm, exact)]
         nxt = [0] * len(llm)
-        heap = [(float(combine_bounds(placement, enc[order[0]], part[j])), j) for j in range(len(llm))]
+        heap = [(float(combine_bounds(placement, enc[order[0]], part[j])), j)
+                for j in range(len(llm))]
         heapq.heapify(heap)
         while heap and heap[0][0] < threshold():
             _, j = heapq.heappop(heap)
             if not exact[j]:  # refine the LLM's bound by simulating it, then look again
                 part[j], exact[j] = scorer.llm_part(llm[j]), True
                 counts["llm_simulated"] += 1
-                heapq.heappush(heap, (float(combine_bounds(placement, enc[order[nxt[j]]], part[j])), j))
+                heapq.heappush(heap,
+                               (float(combine_bounds(placement, enc[order[nxt[j]]], part[j])), j))
                 continue
             i = order[nxt[j]]
             nxt[j] += 1
             if nxt[j] < len(order):
-                heapq.heappush(heap, (float(combine_bounds(placement, enc[order[nxt[j]]], part[j])), j))
+                heapq.heappush(heap,
+                               (float(combine_bounds(placement, enc[order[nxt[j]]], part[j])), j))
             cand = combine(scorer.cfg, placement, encoders[i], llm[j])
             if cand is None:
                 counts["rule_rejected"] += 1
@@ -234,8 +248,10 @@ def describe(cand: Candidate) -> dict[str, str]:
     for m, lay in cand.layouts:
         if m in cand.projectors:
             continue
-        where = f"r{lay.rank_offset}-{lay.rank_offset + lay.num_ranks - 1} " if cand.placement == "non_colocated" else ""
-        extra = (" fsdp" if lay.dp_shard else "") + ("" if lay.recompute == "none" else f" {lay.recompute[:4]}")
+        where = (f"r{lay.rank_offset}-{lay.rank_offset + lay.num_ranks - 1} "
+                 if cand.placement == "non_colocated" else "")
+        extra = (" fsdp" if lay.dp_shard
+                 else "") + ("" if lay.recompute == "none" else f" {lay.recompute[:4]}")
         out[m] = f"{where}tp{lay.tp} cp{lay.cp} pp{lay.pp} dp{lay.dp}{extra}"
     return out
 
@@ -251,7 +267,8 @@ def _encoders_text(d: dict) -> str:
 def _row(cand: Candidate, score: Score) -> dict:
     return {"placement": cand.placement, "describe": describe(cand),
             "layouts": {m: {k: (list(v) if k == "pp_layers" else v) for k, v in asdict(lay).items()
-                            if k in _FIELDS + ("num_ranks", "rank_offset")} for m, lay in cand.layouts},
+                            if k in _FIELDS + ("num_ranks", "rank_offset")}
+                            for m, lay in cand.layouts},
             **asdict(score)}
 
 
@@ -260,15 +277,17 @@ def format_table(rows: list[dict], given: dict | None) -> str:
     memory per role, bubble, route bytes (MB); the given layout last."""
     every = rows + ([given] if given is not None and "describe" in given else [])
     width = max([30] + [len(_encoders_text(r["describe"])) for r in every])
-    mem_width = max([22] + [len(" ".join(f"{k} {v:.1f}" for k, v in r["memory_gib"].items())) + 4 for r in every])
-    head = (f"  {'#':>5} {'placement':<13} {'encoder layouts':<{width}} {'llm':<30} {'step s':>8} {'TFLOPS':>7} "
-            f"{'memory GiB by role':<{mem_width}} {'bubble':>6} {'route MB':>9}")
+    mem_width = max([22] + [len(" ".join(f"{k} {v:.1f}" for k, v in r["memory_gib"].items())) + 4
+                            for r in every])
+    head = (f"  {'#':>5} {'placement':<13} {'encoder layouts':<{width}} {'llm':<30} {'step s':>8} "
+            f"{'TFLOPS':>7} {'memory GiB by role':<{mem_width}} {'bubble':>6} {'route MB':>9}")
     lines = [head]
 
     def line(tag, r):
         if "error" in r:
             return f"  {tag:>5} {r['error']}"
-        mem = " ".join(f"{k} {v:.1f}" for k, v in r["memory_gib"].items()) + ("" if r["fits"] else " (!)")
+        mem = (" ".join(f"{k} {v:.1f}" for k, v in r["memory_gib"].items())
+               + ("" if r["fits"] else " (!)"))
         d = r["describe"]
         return (f"  {tag:>5} {r['placement']:<13} {_encoders_text(d):<{width}} {d['llm']:<30} "
                 f"{r['step_time_s']:>8.4g} {r['tflops_per_gpu']:>7.1f} {mem:<{mem_width}} "
@@ -290,7 +309,8 @@ def score_given(cfg, world: int, scorer: Scorer) -> dict:
     return _row(cand, price_step(cfg, layouts, world, scorer))
 
 
-def choose_layout(cfg, overrides, world: int, run_dir=None, verbose: bool = True, top: int = TOP) -> dict:
+def choose_layout(cfg, overrides, world: int, run_dir=None, verbose: bool = True,
+                  top: int = TOP) -> dict:
     """`layout=auto` on `world` ranks: search (`overrides`: the command line's, which pin
     fields), print (`verbose`) the ranked table and why the winner wins, write the report to
     `run_dir/auto_layout.json` (`run_dir` given), and write the winner into `cfg` (in place).
@@ -306,16 +326,19 @@ def choose_layout(cfg, overrides, world: int, run_dir=None, verbose: bool = True
     why = f"{best['critical']} is the critical path; {best['why']}"
     if "step_time_s" in given:
         why += f"; {given['step_time_s'] / best['step_time_s']:.2f}x the given layout's speed"
-    report = {"world_size": world, "pinned": pinned, "counts": result.counts, "lengths_from": result.lengths_from,
-              "search_seconds": result.seconds,
+    report = {"world_size": world, "pinned": pinned, "counts": result.counts,
+              "lengths_from": result.lengths_from, "search_seconds": result.seconds,
               "search_cpu_seconds": result.cpu_seconds, "ranked": rows, "given": given, "why": why}
     c = result.counts
     say = print if verbose else (lambda *a, **k: None)
-    say(f"hcp: layout=auto on {world} ranks: {c['space']} candidates ({c['llm_memory_dropped']} dropped "
-          f"by LLM memory, {c['memory_rejected']} by rank memory, {c['rule_rejected']} by layout rules, "
-          f"{c['scored']} simulated, the rest pruned by bound) in {result.seconds:.1f} s ({result.cpu_seconds:.1f} CPU s); pinned: "
-          f"{pinned or 'none'}; {priced_on(scorer, cfg, here=cfg.mode == 'train')}"
-          + (f"; memory estimates x{c['memory_correction']:.3f} (rehearse.report)" if cfg.rehearse.report else ""))
+    say(f"hcp: layout=auto on {world} ranks: {c['space']} candidates ({c['llm_memory_dropped']} "
+        f"dropped "
+          f"by LLM memory, {c['memory_rejected']} by rank memory, {c['rule_rejected']} by layout "
+          f"rules, {c['scored']} simulated, the rest pruned by bound) in {result.seconds:.1f} s "
+          f"({result.cpu_seconds:.1f} CPU s); pinned: {pinned or 'none'}; "
+          f"{priced_on(scorer, cfg, here=cfg.mode == 'train')}"
+          + (f"; memory estimates x{c['memory_correction']:.3f} (rehearse.report)"
+             if cfg.rehearse.report else ""))
     say(format_table(rows, given))
     say(f"hcp: layout=auto chose {best['placement']}: "
           + "; ".join(f"{m} {d}" for m, d in best["describe"].items()) + f" ({why})")

@@ -46,7 +46,8 @@ FOLLOWS = ("tp", "cp", "dp_shard")
 """Projector fields that follow its encoder: a pin of one holds the encoder's."""
 PROJECTOR_FIXED = {"pp": 1, "pp_layers": [1], "dp": -1}
 """Projector fields the search does not vary (`projector_for`); a pin may only restate them."""
-_PIN = re.compile(r"^(vision|projector|llm|(?:encoders|projectors)\.[A-Za-z_][A-Za-z0-9_]*)\.layout\.("
+_PIN = re.compile(r"^(vision|projector|llm|(?:encoders|projectors)\.[A-Za-z_][A-Za-z0-9_]*)"
+                  r"\.layout\.("
                   + "|".join(FIELDS) + r")$")
 
 
@@ -113,13 +114,17 @@ def check_searchable(cfg, pinned: dict) -> None:
     projectors = {module_key(cfg, p) for s in sides(cfg) for p in s.projectors}
     for key, value in pinned.items():
         block, _, field = key.partition(".layout.")
-        if field and block not in projectors | {module_key(cfg, s.encoder) for s in sides(cfg)} | {"llm"}:
-            raise ConfigError(key, value, f"the config has no module {block}", "pin a configured module")
+        if (field and block not in projectors | {module_key(cfg, s.encoder)
+                                                 for s in sides(cfg)} | {"llm"}):
+            raise ConfigError(key, value, f"the config has no module {block}",
+                              "pin a configured module")
         fixed = {**PROJECTOR_FIXED, "recompute": "none"}
         if block in projectors and field not in FOLLOWS and value != fixed.get(field):
-            raise ConfigError(key, value, "a projector runs with its encoder under layout=auto (its tp, "
-                              "cp and dp_shard, pp 1, the encoder's ranks, the encoder side's recompute "
-                              "or none)", "pin the encoder's layout instead, or set every layout by hand "
+            raise ConfigError(key, value,
+                              "a projector runs with its encoder under layout=auto (its tp, "
+                              "cp and dp_shard, pp 1, the encoder's ranks, the encoder side's "
+                              "recompute or none)",
+                              "pin the encoder's layout instead, or set every layout by hand "
                               "(layout=manual)")
     if pinned.get("placement") == "non_colocated" and cfg.get("vision") is None:
         raise ConfigError("placement", "non_colocated", "a text-only LLM has no encoder island",
@@ -145,7 +150,8 @@ def _encoder_choices(cfg, side: Side, ranks: int, pinned: dict, node: int, tie: 
     specs = resolve_modules(cfg)
     pools = [specs[q].pool for q in side.projectors]
     tokens = patches(specs[side.encoder].arch) + LEAD
-    out = {"tp": _divisors(node, node), "cp": [1] if max(pools, default=1) > 1 else _powers(min(ranks, tokens)),
+    out = {"tp": _divisors(node, node),
+           "cp": [1] if max(pools, default=1) > 1 else _powers(min(ranks, tokens)),
            "recompute": list(ENCODER_RECOMPUTES),
            "dp_shard": [False] if tie and p + "dp_shard" not in pinned else [False, True]}
     for field in out:
@@ -196,12 +202,13 @@ def module_options(cfg, module: str, ranks: int, offset: int, placement: str, pi
     return out
 
 
-def projector_for(encoder: ResolvedLayout, projector: str, recompute: str = "none") -> ResolvedLayout:
+def projector_for(encoder: ResolvedLayout, projector: str,
+                  recompute: str = "none") -> ResolvedLayout:
     """The layout of `projector` next to its encoder's, as resolution gives it: the encoder's
     ranks (colocated: all; non_colocated: its island), tp, cp and dp_shard, one stage."""
-    return ResolvedLayout(projector, encoder.tp, encoder.cp, 1, encoder.num_ranks // (encoder.tp * encoder.cp),
-                          encoder.rank_offset, encoder.num_ranks, (1,), "allgather", False, recompute,
-                          encoder.dp_shard)
+    return ResolvedLayout(projector, encoder.tp, encoder.cp, 1,
+                          encoder.num_ranks // (encoder.tp * encoder.cp), encoder.rank_offset,
+                          encoder.num_ranks, (1,), "allgather", False, recompute, encoder.dp_shard)
 
 
 def side_layouts(cfg, placement: str, encoders: tuple[ResolvedLayout, ...]) -> tuple:
@@ -212,7 +219,8 @@ def side_layouts(cfg, placement: str, encoders: tuple[ResolvedLayout, ...]) -> t
     projectors = [(q, projector_for(by[s.encoder], q, by[s.encoder].recompute if tie else "none"))
                   for s in sides(cfg) for q in s.projectors]
     order = {q: k for k, q in enumerate(projector_names(cfg))}
-    return tuple((lay.module, lay) for lay in encoders) + tuple(sorted(projectors, key=lambda x: order[x[0]]))
+    return (tuple((lay.module, lay) for lay in encoders)
+            + tuple(sorted(projectors, key=lambda x: order[x[0]])))
 
 
 def encoder_options(cfg, placement: str, islands: tuple[int, ...], pinned: dict, node: int,
@@ -221,7 +229,8 @@ def encoder_options(cfg, placement: str, islands: tuple[int, ...], pinned: dict,
     `world` ranks, one recompute when `tied`; non_colocated encoder e on an island of
     `islands[e]` ranks, the islands from rank 0 in graph order."""
     per, offset = [], 0
-    for side, size in zip(sides(cfg), islands if placement == "non_colocated" else [world] * len(sides(cfg))):
+    for side, size in zip(sides(cfg), islands
+                          if placement == "non_colocated" else [world] * len(sides(cfg))):
         per.append(module_options(cfg, side.encoder, size, offset, placement, pinned, node))
         offset += size if placement == "non_colocated" else 0
     combos = itertools.product(*per)
@@ -248,7 +257,8 @@ def placements(cfg, pinned: dict) -> list[str]:
     return ["colocated", "non_colocated"] if cfg.get("vision") is not None else ["colocated"]
 
 
-def combine(cfg, placement: str, encoders: tuple[ResolvedLayout, ...], llm: ResolvedLayout) -> Candidate | None:
+def combine(cfg, placement: str, encoders: tuple[ResolvedLayout, ...],
+            llm: ResolvedLayout) -> Candidate | None:
     """The candidate of these layouts (each projector follows its encoder), or None when the
     whole fails a layout rule (`check_resolved`: the lanes of each edge)."""
     layouts = dict(side_layouts(cfg, placement, encoders)) | {"llm": llm}

@@ -128,8 +128,8 @@ def timed_pass(model, precision: Precision, device, x, pos, cu, max_len: int, se
 
 def _rank(payload) -> None:
     """One gloo/NCCL rank of the pool (the world: the largest CP size's ranks), split into
-    groups of `payload["cp"]` consecutive ranks: every group times the grid at once (the pool as busy as
-    in training), each as one CP group, in the run's precision and attention backend
+    groups of `payload["cp"]` consecutive ranks: every group times the grid at once (the pool as
+    busy as in training), each as one CP group, in the run's precision and attention backend
     (`calibration_backend`); rank 0 writes `[[L, d, c, seconds], ...]` (per run the
     slowest rank of each group, the median over the groups; the least of REPEATS runs) to
     `payload["out"]`."""
@@ -163,7 +163,8 @@ def _rank(payload) -> None:
         for _ in range(REPEATS + 1):  # the first run warms up
             x = torch.randn(n, cfg.llm.hidden_size, device=device, requires_grad=True)
             dist.barrier()
-            secs = timed_pass(model, precision, device, x, pos.to(device), cu.to(device), L, (L,) * d)
+            secs = timed_pass(model, precision, device, x, pos.to(device), cu.to(device), L,
+                              (L,) * d)
             every = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(pool)]
             dist.all_gather(every, torch.tensor([secs], dtype=torch.float64, device=device))
             best = min(best, typical_group(torch.cat(every).tolist(), c)) if _ else best
@@ -317,7 +318,8 @@ def run_calibrate(cfg, run_dir: str, sizes=None, max_tokens_per_rank: int | None
         top = min(CALIBRATE_MAX_CP, resolve_nproc(cfg.launcher.nproc_per_node))  # training's `auto`
         sizes = [1 << e for e in range(top.bit_length()) if 1 << e <= top]
     print(f"hcp: calibrating the configured LLM at CP sizes {list(sizes)} up to "
-          f"{max_tokens_per_rank} tokens per rank; the profile goes to {run_dir}/profile.yaml", flush=True)
+          f"{max_tokens_per_rank} tokens per rank; the profile goes to {run_dir}/profile.yaml",
+          flush=True)
     rows = measure(cfg, run_dir, sizes, max_tokens_per_rank)
     recompute = cfg.llm.layout.recompute
     bytes_per_element = Precision.of(cfg.precision).act_bytes  # K/V travel in the compute dtype

@@ -85,7 +85,8 @@ def pool_plans(cfg, lay, lens=None) -> list[tuple[Packing, np.ndarray]]:
 
         return [(dynamic_cp_policy(cfg.llm, cfg.packing_profile)(lens, lay, m), lens)]
     plan = first_fit_policy(lens, lay, m)  # each lane its own pipeline
-    return [(Packing([Round([r.groups[lane]]) for r in plan.rounds if r.groups[lane].seq_indices]), lens)
+    return [(Packing([Round([r.groups[lane]]) for r in plan.rounds if r.groups[lane].seq_indices]),
+             lens)
             for lane in range(lay.dp)]
 
 
@@ -129,7 +130,8 @@ def estimate_step(cfg, lay, world: int, stage_params: list[int], profile: str = 
             "micro_batches": plan.num_rounds, "grad_sync_s": grad_sync}
 
 
-def lane_stage_times(cfg, lay, cost: CostModel, lens=None, pools=None) -> list[tuple[Packing, np.ndarray, np.ndarray]]:
+def lane_stage_times(cfg, lay, cost: CostModel, lens=None,
+                     pools=None) -> list[tuple[Packing, np.ndarray, np.ndarray]]:
     """[(plan, fwd, bwd)] of each CP pool (one per DP lane under first_fit): its micro-batches
     and their forward / backward seconds per PP stage, `[pp, R]`, TP's all-reduces included.
     `lens`: the global batch's lengths (default `batch_lengths`); `pools`: `pool_plans`' result

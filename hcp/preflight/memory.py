@@ -48,12 +48,14 @@ Under 1F1B, stage s holds pp - s micro-batches in flight (fewer when a step has 
 rehearsal's small batch, `module_memory`'s `micro_batches`). The LLM's last stage adds fp32 logits
 (T x vocab/t x 4 B). An LLM under CP c > 1 adds the buffers of one layer's CP attention backward
 (`cp_attention_bytes`, `hcp.model.cp_attention`), c the largest CP size a micro-batch may take
-(under `packing=dynamic_cp` the largest power of two dividing the pool dp*cp). The projector stores (its input width + 2h/t) per token.
-A module stores activations only when gradients flow through it (it or a module upstream trains).
+(under `packing=dynamic_cp` the largest power of two dividing the pool dp*cp). The projector stores
+(its input width + 2h/t) per token. A module stores activations only when gradients flow through it
+(it or a module upstream trains).
 
 Encoder-side modules (every module but the LLM) run image tokens, not `micro_batch_tokens`
-(`encoder_activation_tokens`): an encoder lane encodes I = global_batch / dp * `data.images_per_sample`
-images per step, each of (image_size / patch_size)^2 patches (+ 1 CLS token in the ViT):
+(`encoder_activation_tokens`): an encoder lane encodes I = global_batch / dp *
+`data.images_per_sample` images per step, each of (image_size / patch_size)^2 patches (+ 1 CLS token
+in the ViT):
 - `colocated` (the three-phase schedule, `hcp.schedule.colocated`): phase 1 encodes all I images
   at once and their activations stay alive through the LLM's phase 2 until phase 3. Under
   `vision.layout.recompute=full` phase 1 keeps nothing and phase 3 recomputes the whole encoder
@@ -188,13 +190,15 @@ def layer_bytes(h: int, h_kv: int, f: int, gated: bool, layout, precision: Preci
     return {"none": none, "selective": none - (h + f) * rest / t, "full": full}
 
 
-def weight_copy_bytes(h: int, h_kv: int, f: int, layout, precision: Precision, gated: bool = True) -> float:
+def weight_copy_bytes(h: int, h_kv: int, f: int, layout, precision: Precision,
+                      gated: bool = True) -> float:
     """Bytes of one layer's compute-dtype weight copies on a rank, a LLaMA decoder layer
     (`gated`: three FFN matrices) or a ViT block (two): autocast casts each matrix once per
     forward and the matmul keeps its copy for the backward. 0 without autocast."""
     if not precision.mixed:
         return 0.0
-    return (2 * h * h + 2 * h * h_kv + (3 if gated else 2) * h * f) / layout.tp * precision.act_bytes
+    return ((2 * h * h + 2 * h * h_kv + (3 if gated else 2) * h * f) / layout.tp
+            * precision.act_bytes)
 
 
 def encoder_activation_tokens(cfg, specs, layout, stage: int, layouts: dict) -> tuple[float, int]:
@@ -226,11 +230,13 @@ def _activations(cfg, specs, layout, stage: int, layouts=None, micro_batches=Non
     """Activation bytes of one rank of `stage` (`micro_batches`: `module_memory`'s)."""
     tokens, precision = cfg.trainer.micro_batch_tokens, Precision.of(cfg.precision)
     m = layout.module
-    in_flight = layout.pp - stage if micro_batches is None else min(layout.pp - stage, micro_batches)
+    in_flight = (layout.pp - stage
+                 if micro_batches is None else min(layout.pp - stage, micro_batches))
     if m != "llm" and layouts is not None:
         tokens, in_flight = encoder_activation_tokens(cfg, specs, layout, stage, layouts)
     if specs[m].kind == "projector":  # fed by its one encoder (hcp.config.modules)
-        return (in_flight * tokens * (specs[specs[m].source].hidden_size + 2 * specs.llm.hidden_size / layout.tp)
+        return (in_flight * tokens
+                * (specs[specs[m].source].hidden_size + 2 * specs.llm.hidden_size / layout.tp)
                 * precision.act_bytes)
     c, llm = specs[m].arch, m == "llm"
     h_kv = c.hidden_size * c.num_kv_heads // c.num_heads if llm else c.hidden_size
@@ -251,8 +257,10 @@ def _activations(cfg, specs, layout, stage: int, layouts=None, micro_batches=Non
     if llm:
         total += cp_attention_bytes(h_kv, tokens, _largest_cp(cfg, layout), layout, precision)
         if stage == layout.pp - 1:  # fp32 logits and the output layer's copy
-            total += tokens * c.vocab_size / layout.tp * 4 + (c.vocab_size * c.hidden_size / layout.tp
-                                                              * precision.act_bytes * precision.mixed)
+            total += tokens * c.vocab_size / layout.tp * 4 + (c.vocab_size * c.hidden_size
+                                                              / layout.tp
+                                                              * precision.act_bytes
+                                                              * precision.mixed)
     return total
 
 
@@ -302,8 +310,8 @@ def _needs_grad(specs, module: str) -> bool:
 def module_memory(cfg, specs, layout, named_shapes, layouts=None, params=None,
                   micro_batches: float | None = None, units=None) -> list[StageMemory]:
     """Memory of one rank of each PP stage of a module (`specs`: the run's `ModuleSpecs`, whose
-    arch, freeze and edges it reads; its layouts are not used). `layouts` (all resolved layouts) gives
-    encoder-side modules their image tokens (`encoder_activation_tokens`); without it they are
+    arch, freeze and edges it reads; its layouts are not used). `layouts` (all resolved layouts)
+    gives encoder-side modules their image tokens (`encoder_activation_tokens`); without it they are
     charged `trainer.micro_batch_tokens` like the LLM (the estimate before issue 14). `params`:
     `stage_params`' result when known (a layout search computes it once per tp and split).
     `micro_batches`: the LLM micro-batches' worth of tokens a step gives each lane when known (a
@@ -318,8 +326,10 @@ def module_memory(cfg, specs, layout, named_shapes, layouts=None, params=None,
         units = units if units is not None else fsdp_units(named_shapes, layout, vocab)
         accumulates = _accumulates(cfg, specs, layout, layouts, micro_batches)
     stages = []
-    for s, params in enumerate(params if params is not None else stage_params(named_shapes, layout, vocab)):
-        acts = _activations(cfg, specs, layout, s, layouts, micro_batches) if _needs_grad(specs, layout.module) else 0
+    for s, params in enumerate(params if params is not None
+                               else stage_params(named_shapes, layout, vocab)):
+        acts = (_activations(cfg, specs, layout, s, layouts, micro_batches)
+                if _needs_grad(specs, layout.module) else 0)
         gathered, in_flight = (fsdp_bytes(cfg, layout, units[s], params, accumulates, trained)
                                if layout.dp_shard else (0, 0))
         stages.append(StageMemory(params, params * state["weights"] // shard + gathered,

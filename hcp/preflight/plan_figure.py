@@ -34,7 +34,8 @@ def _cells(layouts, world_size: int) -> np.ndarray:
         stage = local // (lay.tp * lay.cp * lay.dp)
         lane = local // (lay.tp * lay.cp) % lay.dp
         light = 0.45 * (stage % 2) + 0.15 * (lane % 2)
-        image[row, lay.rank_offset:lay.rank_offset + lay.num_ranks] = base + (1 - base) * light[:, None]
+        image[row, lay.rank_offset:lay.rank_offset + lay.num_ranks] = (base + (1 - base)
+                                                                       * light[:, None])
     return image
 
 
@@ -59,7 +60,8 @@ def plan_figure(layouts, world_size: int, gpus_per_node: int | None = None,
     rows = len(layouts)
     panels = 2 if memory_gib is not None else 1
     fig, axes = plt.subplots(panels, 1, sharex=True, squeeze=False,
-                             figsize=(min(24, max(10, world_size / 5)), 1.4 + 1.1 * rows + 2.2 * (panels - 1)),
+                             figsize=(min(24, max(10, world_size / 5)),
+                                      1.4 + 1.1 * rows + 2.2 * (panels - 1)),
                              gridspec_kw={"height_ratios": [1.1 * rows, 2.2][:panels]})
     ax = axes[0, 0]
     ax.imshow(_cells(layouts, world_size), aspect="auto", interpolation="nearest",
@@ -69,7 +71,8 @@ def plan_figure(layouts, world_size: int, gpus_per_node: int | None = None,
         for step, color, width in ((lay.tp, "white", 0.6), (lay.tp * lay.cp, "0.35", 1.4),
                                    (lay.tp * lay.cp * lay.dp, "black", 2.8)):
             if 1 < step < lay.num_ranks and lay.num_ranks // step <= MAX_LINES:
-                ax.vlines(np.arange(lo + step, hi, step), row + 0.04, row + 0.96, colors=color, linewidth=width)
+                ax.vlines(np.arange(lo + step, hi, step), row + 0.04, row + 0.96, colors=color,
+                          linewidth=width)
         ax.add_patch(Rectangle((lo, row), hi - lo, 1, fill=False, edgecolor="black", linewidth=2))
         if world_size <= MAX_LABELLED:
             ax.vlines(np.arange(lo + 1, hi), row + 0.7, row + 0.96, colors="white", linewidth=0.3)
@@ -78,8 +81,9 @@ def plan_figure(layouts, world_size: int, gpus_per_node: int | None = None,
                     ax.text(r + 0.5, row + 0.83, str((r - lo) // lay.tp % lay.cp), ha="center",
                             va="center", fontsize=6)
         if cp_notes and m in cp_notes:
-            ax.text(lo + 0.01 * world_size, row + 0.12, cp_notes[m], ha="left", va="center", fontsize=8,
-                    fontstyle="italic", bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0, "pad": 1})
+            ax.text(lo + 0.01 * world_size, row + 0.12, cp_notes[m], ha="left", va="center",
+                    fontsize=8, fontstyle="italic",
+                    bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0, "pad": 1})
         stage_width = lay.num_ranks / lay.pp
         for s in range(lay.pp):
             if stage_width >= world_size / 40:
@@ -92,22 +96,27 @@ def plan_figure(layouts, world_size: int, gpus_per_node: int | None = None,
         for x in nodes:
             a.axvline(x, color="red", linestyle="dashed", linewidth=1.2)
     ax.set_yticks(np.arange(rows) + 0.5)
-    ax.set_yticklabels([f"{m}\ntp{l.tp} cp{l.cp} dp{l.dp} pp{l.pp}" for m, l in layouts.items()], fontsize=9)
+    ax.set_yticklabels([f"{m}\ntp{l.tp} cp{l.cp} dp{l.dp} pp{l.pp}" for m, l in layouts.items()],
+                       fontsize=9)
     ax.set_xlim(0, world_size)
-    placement = "colocated" if all(l.num_ranks == world_size for l in layouts.values()) else "non-colocated"
-    node_note = f"; red dashes: node boundaries ({gpus_per_node} GPUs per node)" if len(nodes) else ""
+    placement = ("colocated"
+                 if all(l.num_ranks == world_size for l in layouts.values()) else "non-colocated")
+    node_note = (f"; red dashes: node boundaries ({gpus_per_node} GPUs per node)" if len(nodes)
+                 else "")
     ax.set_title(f"{placement} placement over {world_size} ranks. Separators: white = TP group, "
-                 "grey = TP x CP group, black = PP stage;\ndigits: CP index; shade: PP stage (strong), "
-                 f"DP lane (light){node_note}", fontsize=9)
+                 "grey = TP x CP group, black = PP stage;\ndigits: CP index; shade: PP stage "
+                 f"(strong), DP lane (light){node_note}", fontsize=9)
     if memory_gib is not None:
         mem = axes[1, 0]
         over = device_memory_gib is not None and max(memory_gib) > device_memory_gib
-        colors = ["tab:red" if device_memory_gib is not None and g > device_memory_gib else "tab:gray"
+        colors = ["tab:red"
+                  if device_memory_gib is not None and g > device_memory_gib else "tab:gray"
                   for g in memory_gib]
         mem.bar(np.arange(world_size) + 0.5, memory_gib, width=1.0, color=colors, linewidth=0)
         if device_memory_gib is not None:
             mem.axhline(device_memory_gib, color="black", linewidth=1.2)
-            mem.text(0.2, device_memory_gib, f" device {device_memory_gib:g} GiB", va="bottom", fontsize=8)
+            mem.text(0.2, device_memory_gib, f" device {device_memory_gib:g} GiB", va="bottom",
+                     fontsize=8)
         mem.set_ylim(0, max(max(memory_gib), device_memory_gib or 0) * 1.15)
         mem.set_ylabel("est. memory\nper rank (GiB)", fontsize=9)
         mem.set_title("estimated memory per rank against the device's" +

@@ -7,12 +7,12 @@ For the world training would get (`launcher.nnodes x nproc_per_node`; `auto`: th
 local ranks on one node, `cluster.gpus_per_node` on several) it prints, per module, the layout,
 island ranks, parameter count (from the model built on the meta device, as 1.2M / 13.0B) and
 the groups the registry would create (and how it runs CP: encoder CP, dynamic CP's pool and
-sizes, `cp_notes`, also written on the picture's rows); a rank map compressed into runs of ranks with the same
-role; the per-rank memory estimate of `hcp.preflight.memory` against `cluster.device_memory_gib`;
-the estimated step time, TFLOPS/GPU and bubble, priced as `layout=auto` prices a layout
-(`hcp.preflight.auto_cost.price_step`: the run's own first global batch, the encoders, the
-islands, `packing_profile`; one set of figures for one layout); and warnings for TP (and
-dynamic-CP) groups that cross a node boundary. It writes `plan.json` and `plan.png` to
+sizes, `cp_notes`, also written on the picture's rows); a rank map compressed into runs of ranks
+with the same role; the per-rank memory estimate of `hcp.preflight.memory` against
+`cluster.device_memory_gib`; the estimated step time, TFLOPS/GPU and bubble, priced as `layout=auto`
+prices a layout (`hcp.preflight.auto_cost.price_step`: the run's own first global batch, the
+encoders, the islands, `packing_profile`; one set of figures for one layout); and warnings for TP
+(and dynamic-CP) groups that cross a node boundary. It writes `plan.json` and `plan.png` to
 `out_dir`, then raises ConfigError naming the knob to turn when a rank does not fit. A `-m`
 sweep of plans ends with one comparison table (`hcp.preflight.plan_table`).
 """
@@ -82,7 +82,8 @@ def _fix_for(cfg, layout, stage_mem) -> tuple[str, object, str]:
             return f"{m}.layout.recompute", layout.recompute, "use `selective` or `full` recompute"
         return "trainer.micro_batch_tokens", cfg.trainer.micro_batch_tokens, "lower it or raise cp"
     if not layout.dp_shard and layout.dp * layout.cp > 1:
-        return f"{m}.layout.dp_shard", False, "shard the model state over dp*cp (dp_shard=true) or raise tp/pp"
+        return (f"{m}.layout.dp_shard", False,
+                "shard the model state over dp*cp (dp_shard=true) or raise tp/pp")
     return f"{m}.layout.pp", layout.pp, "raise pp or tp"
 
 
@@ -107,7 +108,8 @@ def memory_per_rank(cfg, layouts, world: int, stage_mem=None, micro_batches=None
     per_rank = []
     for role in role_table(running_layouts(cfg, layouts), world):
         parts = [stage_mem[m][role.stage(m)] for m in role.modules]
-        row = {k: sum(getattr(p, k) for p in parts) / GIB for k in ("weights", "grads", "optimizer")}
+        row = {k: sum(getattr(p, k) for p in parts) / GIB
+               for k in ("weights", "grads", "optimizer")}
         row["activations"] = rank_activations(parts) / GIB
         per_rank.append({"rank": role.rank, **row, "total": sum(row.values())})
     return per_rank
@@ -144,17 +146,19 @@ def node_warnings(cfg, layouts) -> list[str]:
         bad = _crossing(tp, per_node)
         if lay.tp > 1 and bad:
             out.append(f"warning: {m}: {len(bad)} of {len(tp)} TP groups cross a node boundary "
-                       f"(cluster.gpus_per_node={per_node}), e.g. ranks {_ranks_text(bad[0])} on nodes "
-                       f"{bad[0].min() // per_node}-{bad[0].max() // per_node}; TP all-reduces every "
-                       f"layer: use a tp that divides {per_node} (and islands aligned to nodes)")
+                       f"(cluster.gpus_per_node={per_node}), e.g. ranks {_ranks_text(bad[0])} on "
+                       f"nodes {bad[0].min() // per_node}-{bad[0].max() // per_node}; TP "
+                       f"all-reduces every layer: use a tp that divides {per_node} (and islands "
+                       f"aligned to nodes)")
         if m == "llm" and cfg.packing == "dynamic_cp":
             for size in grid.dynamic_cp_sizes()[1:]:
                 groups = grid.dynamic_cp_groups(size)
                 bad = _crossing(groups, per_node)
                 if bad:
-                    out.append(f"warning: llm: {len(bad)} of {len(groups)} dynamic-CP groups of size "
-                               f"{size} cross a node boundary, e.g. ranks {_ranks_text(bad[0])}: their "
-                               "K/V exchange runs over the inter-node network")
+                    out.append(f"warning: llm: {len(bad)} of {len(groups)} dynamic-CP groups of "
+                               f"size {size} cross a node boundary, e.g. ranks "
+                               f"{_ranks_text(bad[0])}: their K/V exchange runs over the "
+                               f"inter-node network")
     return out
 
 
@@ -165,7 +169,8 @@ def memory_by_role(runs, per_rank) -> list[dict]:
     for run in runs:
         row = out.setdefault(run["role"], {"role": run["role"], "ranks": 0, "max_gib": 0.0})
         row["ranks"] += run["last"] - run["first"] + 1
-        row["max_gib"] = max([row["max_gib"]] + [r["total"] for r in per_rank[run["first"]:run["last"] + 1]])
+        row["max_gib"] = max([row["max_gib"]]
+                             + [r["total"] for r in per_rank[run["first"]:run["last"] + 1]])
     return list(out.values())
 
 
@@ -204,7 +209,8 @@ def run_plan(cfg, out_dir) -> dict:
     capacity = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
     if world > capacity:
         raise ConfigError("launcher.nnodes", cfg.launcher.nnodes,
-                          f"{world} ranks exceed the cluster's {capacity} GPUs", "match cluster.* to the launcher")
+                          f"{world} ranks exceed the cluster's {capacity} GPUs",
+                          "match cluster.* to the launcher")
     layouts = check_layouts(cfg, world)
     specs = resolve_modules(cfg, layouts)  # once: the plan's modules
     shapes = named_shapes(specs)
@@ -224,7 +230,8 @@ def run_plan(cfg, out_dir) -> dict:
                         "island": [lay.rank_offset, lay.rank_offset + lay.num_ranks - 1],
                         "num_params": sum(math.prod(s) for _, s in shapes[m]),
                         "groups": counts} | ({"cp": notes[m]} if m in notes else {})
-                    for (m, lay), counts in zip(layouts.items(), group_counts(cfg, layouts).values())},
+                    for (m, lay), counts in zip(layouts.items(),
+                                                group_counts(cfg, layouts).values())},
         "rank_map": rank_runs(roles),
         "memory_gib": per_rank,
         "memory_by_role": memory_by_role(rank_runs(roles), per_rank),
@@ -237,7 +244,8 @@ def run_plan(cfg, out_dir) -> dict:
     plan["estimate"] = {"step_time_s": score.step_time_s, "tflops_per_gpu": score.tflops_per_gpu,
                         "bubble_fraction": score.bubble_fraction, "grad_sync_s": score.grad_sync_s,
                         "critical": score.critical, "why": score.why,
-                        "max_memory_gib": worst["total"], "fits": worst["total"] <= cfg.cluster.device_memory_gib,
+                        "max_memory_gib": worst["total"],
+                        "fits": worst["total"] <= cfg.cluster.device_memory_gib,
                         "priced_on": priced_on(scorer, cfg)}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -249,23 +257,26 @@ def run_plan(cfg, out_dir) -> dict:
         role = roles[worst["rank"]]
         m = max(role.modules, key=lambda k: stage_mem[k][role.stage(k)].total)
         field, value, fix = _fix_for(cfg, layouts[m], stage_mem[m][role.stage(m)])
-        raise ConfigError(field, value, f"rank {worst['rank']} needs an estimated {worst['total']:.1f} GiB "
+        raise ConfigError(field, value,
+                          f"rank {worst['rank']} needs an estimated {worst['total']:.1f} GiB "
                           f"(weights {worst['weights']:.1f}, grads {worst['grads']:.1f}, optimizer "
-                          f"{worst['optimizer']:.1f}, activations {worst['activations']:.1f}), more than "
-                          f"cluster.device_memory_gib={cfg.cluster.device_memory_gib}", fix)
+                          f"{worst['optimizer']:.1f}, activations {worst['activations']:.1f}), "
+                          f"more than cluster.device_memory_gib={cfg.cluster.device_memory_gib}",
+                          fix)
     return plan
 
 
 def format_plan(plan: dict) -> str:
     """The console summary of a plan."""
-    lines = [f"plan: {plan['world_size']} ranks, placement={plan['placement']}, precision={plan['precision']} "
-             f"({plan['bytes_per_trained_param']} B per trained parameter; embedding on the first PP "
-             f"stage, final norm and output layer on the last), logging rank {plan['logging_rank']}"]
+    lines = [f"plan: {plan['world_size']} ranks, placement={plan['placement']}, "
+             f"precision={plan['precision']} ({plan['bytes_per_trained_param']} B per trained "
+             f"parameter; embedding on the first PP stage, final norm and output layer on the "
+             f"last), logging rank {plan['logging_rank']}"]
     for m, info in plan["modules"].items():
         lay, (lo, hi) = info["layout"], info["island"]
         groups = " ".join(f"{k}:{n}x{s}" for k, (n, s) in info["groups"].items())
-        lines.append(f"  {m:<9} ranks {lo}-{hi}  tp{lay['tp']} cp{lay['cp']} dp{lay['dp']} pp{lay['pp']} "
-                     f"layers/stage {lay['pp_layers']} recompute={lay['recompute']}  "
+        lines.append(f"  {m:<9} ranks {lo}-{hi}  tp{lay['tp']} cp{lay['cp']} dp{lay['dp']} "
+                     f"pp{lay['pp']} layers/stage {lay['pp_layers']} recompute={lay['recompute']}  "
                      f"{readable_count(info['num_params'])} params")
         lines.append(f"            groups (count x size): {groups}")
         if "cp" in info:
@@ -273,17 +284,19 @@ def format_plan(plan: dict) -> str:
     lines.append("  rank map:")
     lines += [f"    {r['first']}-{r['last']}: {r['role']}" for r in plan["rank_map"]]
     worst = max(plan["memory_gib"], key=lambda r: r["total"])
-    lines.append(f"  memory: max {worst['total']:.2f} GiB on rank {worst['rank']} (weights {worst['weights']:.2f}, "
-                 f"grads {worst['grads']:.2f}, optimizer {worst['optimizer']:.2f}, activations "
-                 f"{worst['activations']:.2f}) of {plan['device_memory_gib']} GiB")
+    lines.append(f"  memory: max {worst['total']:.2f} GiB on rank {worst['rank']} (weights "
+                 f"{worst['weights']:.2f}, grads {worst['grads']:.2f}, optimizer "
+                 f"{worst['optimizer']:.2f}, activations {worst['activations']:.2f}) of "
+                 f"{plan['device_memory_gib']} GiB")
     if len(plan.get("memory_by_role", [])) > 1:
         lines.append("  memory by role: " + "; ".join(
             f"{r['role']} ({r['ranks']} rank{'s' * (r['ranks'] != 1)}) {r['max_gib']:.2f}"
             for r in plan["memory_by_role"]) + " GiB")
     est = plan["estimate"]
-    lines.append(f"  estimate: step {est['step_time_s']:.3g} s, {est['tflops_per_gpu']:.0f} TFLOPS/GPU, "
-                 f"bubble {est['bubble_fraction']:.1%}, gradient sync {est['grad_sync_s']:.3g} s; "
-                 f"{est['critical']} is the critical path ({est['why']})")
+    lines.append(f"  estimate: step {est['step_time_s']:.3g} s, {est['tflops_per_gpu']:.0f} "
+                 f"TFLOPS/GPU, bubble {est['bubble_fraction']:.1%}, gradient sync "
+                 f"{est['grad_sync_s']:.3g} s; {est['critical']} is the critical path "
+                 f"({est['why']})")
     lines.append("  priced as layout=auto prices a layout (hcp/preflight/auto_cost.py); "
                  + est["priced_on"])
     lines += [f"  {w}" for w in plan["warnings"]]
@@ -306,7 +319,8 @@ def check_fits_here(cfg, layouts: dict, world: int, overrides=(), memory=None) -
     c = cfg.cluster
     raise ConfigError("launcher.nproc_per_node", cfg.launcher.nproc_per_node,
                       f"{world} local ranks need an estimated {need:.1f} GiB "
-                      f"({'in all' if shared else 'on the largest rank'}), more than this machine's "
-                      f"{gib:.1f} GiB of {what}: this config is sized for a cluster "
-                      f"(cluster.* {c.num_nodes} x {c.gpus_per_node} GPUs of {c.device_memory_gib:g} GiB)",
+                      f"({'in all' if shared else 'on the largest rank'}), more than this "
+                      f"machine's {gib:.1f} GiB of {what}: this config is sized for a cluster "
+                      f"(cluster.* {c.num_nodes} x {c.gpus_per_node} GPUs of "
+                      f"{c.device_memory_gib:g} GiB)",
                       cluster_fix(cfg, overrides))

@@ -28,7 +28,8 @@ HEADER = ("layout", "max mem/rank GiB", "fits", "est. step s", "est. TFLOPS/GPU"
 def _job_dirs(sweep_dir: Path) -> list[Path]:
     dirs = [d for d in sweep_dir.iterdir() if d.is_dir() and ((d / "plan.json").is_file()
                                                               or (d / "plan_error.txt").is_file())]
-    return sorted(dirs, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else d.name))
+    return sorted(dirs,
+                  key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else d.name))
 
 
 def _overrides(job: Path) -> list[str]:
@@ -40,7 +41,8 @@ def job_labels(jobs: list[Path]) -> list[str]:
     """Each sweep job's label: its overrides that differ between the jobs (else its folder name)."""
     overrides = [_overrides(j) for j in jobs]
     common = set.intersection(*map(set, overrides)) if overrides else set()
-    return [" ".join(o for o in ovr if o not in common) or job.name for job, ovr in zip(jobs, overrides)]
+    return [" ".join(o for o in ovr if o not in common) or job.name
+            for job, ovr in zip(jobs, overrides)]
 
 
 def comparison_rows(sweep_dir) -> tuple[list[tuple[str, ...]], list[str]]:
@@ -64,7 +66,8 @@ def format_table(rows, header=HEADER) -> str:
     """Aligned text table with `header`; rows may end with one extra note column (`<- ...`)."""
     table = [tuple(header) + ("",)] + [tuple(r) + ("",) * (len(header) + 1 - len(r)) for r in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() + ("  " + r[-1] if r[-1] else "")
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+                     + ("  " + r[-1] if r[-1] else "")
                      for r in table)
 
 
@@ -85,7 +88,9 @@ class PlanSweepTable(Callback):
         rows, errors = comparison_rows(sweep_dir)
         if not rows:
             return
-        text = "\n".join([f"plan comparison ({len(rows)} layouts; estimates: hcp/preflight/estimate.py)",
+        text = "\n".join([f"plan comparison ({len(rows)} layouts; estimates: "
+                          f"hcp/preflight/estimate.py)",
                           format_table(mark_fastest(rows)), *[f"invalid {e}" for e in errors]])
         (sweep_dir / "plan_comparison.txt").write_text(text + "\n")
-        print(text + f"\nhcp: plan comparison written to {sweep_dir / 'plan_comparison.txt'}", flush=True)
+        print(text + f"\nhcp: plan comparison written to {sweep_dir / 'plan_comparison.txt'}",
+              flush=True)

@@ -29,7 +29,8 @@ ERROR_FILE = "error.txt"
 
 
 def _jobs(sweep_dir: Path) -> list[Path]:
-    dirs = [d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit() and (d / ".hydra").is_dir()]
+    dirs = [d for d in sweep_dir.iterdir()
+            if d.is_dir() and d.name.isdigit() and (d / ".hydra").is_dir()]
     return sorted(dirs, key=lambda d: int(d.name))
 
 
@@ -85,6 +86,7 @@ class TrainSweepTable(Callback):
         text = "\n".join([f"training sweep ({len(rows)} runs, {failed} failed{ranked})",
                           format_table(rows, HEADER), *[f"error {e}" for e in errors]])
         (sweep_dir / "sweep_summary.txt").write_text(text + "\n")
-        print(text + f"\nhcp: sweep summary written to {sweep_dir / 'sweep_summary.txt'}", flush=True)
+        print(text + f"\nhcp: sweep summary written to {sweep_dir / 'sweep_summary.txt'}",
+              flush=True)
         if failed:
             raise SystemExit(2)

@@ -83,7 +83,8 @@ Action = Union[Compute, Exchange, SyncGrads, EncoderCompute, Route]
 def with_grad_sync(actions: list[Action]) -> list[Action]:
     """`actions` with `SyncGrads` before the last backward, so the DP reduction of the
     gradients overlaps it; unchanged when the list has no backward."""
-    last = max((k for k, a in enumerate(actions) if isinstance(a, Compute) and a.kind == "B"), default=None)
+    last = max((k for k, a in enumerate(actions) if isinstance(a, Compute) and a.kind == "B"),
+               default=None)
     return list(actions) if last is None else [*actions[:last], SyncGrads(), *actions[last:]]
 
 

@@ -87,7 +87,8 @@ class ColocatedStep:
         receive none) from which the LLM's micro-batches read their rows."""
         if isinstance(self.encoder, EncoderSide):
             side = self.encoder
-            forward, per_encoder = (lambda: side(inputs)), tuple(side.streams_of(e) for e in side.encoder_names)
+            forward, per_encoder = (lambda: side(inputs)), tuple(side.streams_of(e)
+                                                                 for e in side.encoder_names)
         else:
             forward, per_encoder = (lambda: {"projector": self.encoder(inputs)}), (("projector",),)
         return Phases(self, self._compute(forward), routes, attach, per_encoder)
@@ -96,9 +97,11 @@ class ColocatedStep:
             llm_phase: Callable[[torch.Tensor], Any]) -> tuple[Any, PhaseTimes]:
         """One step of a `LlavaEncoder` whose LLM phase is the callable `llm_phase(leaf)`
         (benchmarks, tests): returns (what it returned, this rank's `PhaseTimes`)."""
-        return self._run(pixel_values, {"projector": route}, lambda leaves: llm_phase(leaves["projector"]))
+        return self._run(pixel_values, {"projector": route},
+                         lambda leaves: llm_phase(leaves["projector"]))
 
-    def run_streams(self, inputs: dict, routes: dict, llm_phase: Callable[[dict], Any]) -> tuple[Any, PhaseTimes]:
+    def run_streams(self, inputs: dict, routes: dict,
+                    llm_phase: Callable[[dict], Any]) -> tuple[Any, PhaseTimes]:
         """As `run`, for an `EncoderSide`: routes {projector: `RankRoute`} (KeyError when a
         stream has none), `llm_phase({projector: leaf})`."""
         routes = {s.projector: routes[s.projector] for s in self.encoder.streams}
@@ -151,7 +154,8 @@ class Phases:
         if step.recompute and any(w.requires_grad for w in step.encoder.parameters()):
             self.outs = self.forward()  # a frozen encoder needs no recompute
         for projectors in self.per_encoder:
-            pairs = [(self.outs[s], self.grads[s]) for s in projectors if self.outs[s].requires_grad]
+            pairs = [(self.outs[s], self.grads[s]) for s in projectors
+                     if self.outs[s].requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         self._lap("encoder_backward")
@@ -168,6 +172,8 @@ class Phases:
                 self.attach(self.leaves)
             return
         leaf = self.leaves[s]
-        self.grads[s] = route_backward(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf),
-                                       self.routes[s], self.outs[s].shape[0], step.group, step.counter)
+        self.grads[s] = route_backward(leaf.grad
+                                       if leaf.grad is not None else torch.zeros_like(leaf),
+                                       self.routes[s], self.outs[s].shape[0], step.group,
+                                       step.counter)
         self._lap("route_backward")

@@ -99,7 +99,8 @@ class Executor:
             docstring); a list naming such an action without its handler raises KeyError.
     """
 
-    def __init__(self, forward: Callable, links: dict, grad_sync: Optional[Callable[[bool], None]] = None,
+    def __init__(self, forward: Callable, links: dict,
+                 grad_sync: Optional[Callable[[bool], None]] = None,
                  clock: Optional[BusyClock] = None, post: Callable[[list], None] = post,
                  handlers: Optional[dict] = None):
         self.forward, self.links, self.grad_sync, self.post = forward, links, grad_sync, post
@@ -149,7 +150,8 @@ class Executor:
         out = self.outputs.pop(i)
         grads = list(self.grads.pop(i, {}).values())
         if out.requires_grad:
-            self.clock.span(torch.autograd.backward, out, sum(grads[1:], grads[0]) if grads else None)
+            self.clock.span(torch.autograd.backward, out,
+                            sum(grads[1:], grads[0]) if grads else None)
         for peer, x in self.inputs.pop(i, {}).items():
             self.input_grads[i, peer] = x.grad if x.grad is not None else torch.zeros_like(x)
 

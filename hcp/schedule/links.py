@@ -54,7 +54,8 @@ class PipeLink:
     def _op(self, is_send: bool, buf: torch.Tensor, tag: str):
         if self.stage_link is not None:
             return is_send, buf, self.peer, tag
-        return dist.P2POp(dist.isend if is_send else dist.irecv, buf, self.peer, self.group, _TAGS[tag])
+        return dist.P2POp(dist.isend if is_send else dist.irecv, buf, self.peer, self.group,
+                          _TAGS[tag])
 
     def _check(self, out: torch.Tensor, micro: int) -> None:
         shape, dtype = self.spec(micro)

@@ -41,7 +41,8 @@ def one_f_one_b(forward: Callable, link: StageLink, num_micro: int, act_spec: Ca
 
 
 def run(forward: Callable, link: StageLink, actions: list, act_spec: Callable,
-        grad_sync: Optional[Callable[[bool], None]] = None, handlers: Optional[dict] = None) -> StageTimes:
+        grad_sync: Optional[Callable[[bool], None]] = None,
+        handlers: Optional[dict] = None) -> StageTimes:
     """Run this stage's action list `actions` (e.g. the step plan's `RankPlan.actions`: 1F1B,
     or the colocated step around it with `handlers` for its encoder and route actions,
     `hcp.schedule.colocated`). Returns this stage's timings."""

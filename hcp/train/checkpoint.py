@@ -25,8 +25,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -229,7 +230,8 @@ def _publish(root: str, tmp: str, final: str, keep: int) -> None:
 
 def _remove(path: str) -> None:
     """Delete a checkpoint folder so that it stops counting at once: renamed out of the
-    `step_XXXXXXXX` pattern first, then deleted (a crash mid-delete leaves only a `.trash-` folder)."""
+    `step_XXXXXXXX` pattern first, then deleted (a crash mid-delete leaves only a `.trash-`
+    folder)."""
     if os.path.isdir(path):
         trash = os.path.join(os.path.dirname(path), ".trash-" + os.path.basename(path))
         shutil.rmtree(trash, ignore_errors=True)
@@ -249,7 +251,8 @@ def layout_label(model, tp_group) -> str:
     pp = model.stage.num_stages if hasattr(model, "stage") else 1
     sizes = {"tp": tp, "cp": cp, "pp": pp, "dp": dist.get_world_size() // (tp * cp * pp)}
     label = " x ".join(f"{k}{v}" for k, v in sizes.items() if v > 1) or "1 rank"
-    llm_sharded = any(isinstance(p, DTensor) for n, p in model.named_parameters() if n.startswith("llm."))
+    llm_sharded = any(isinstance(p, DTensor)
+                      for n, p in model.named_parameters() if n.startswith("llm."))
     return label + (" (dp_shard)" if llm_sharded else "")
 
 
@@ -259,9 +262,11 @@ def layouts_label(layouts: dict) -> str:
     layout says so (and derives the per-rank RNG streams) as it does for the LLM's.
     `layouts`: module -> `hcp.config.layouts.ResolvedLayout`."""
     def one(m, lay):
-        sizes = " x ".join(f"{k}{getattr(lay, k)}" for k in ("tp", "cp", "pp", "dp") if getattr(lay, k) > 1)
+        sizes = " x ".join(f"{k}{getattr(lay, k)}" for k in ("tp", "cp", "pp", "dp")
+                           if getattr(lay, k) > 1)
         return f"{m} {sizes or '1 rank'}" + (" (dp_shard)" if lay.dp_shard else "")
-    return " | ".join(one(m, layouts[m]) for m in ["llm", *sorted(m for m in layouts if m != "llm")])
+    return " | ".join(one(m, layouts[m])
+                      for m in ["llm", *sorted(m for m in layouts if m != "llm")])
 
 
 def _size(group) -> int:
@@ -274,7 +279,8 @@ def _trainer_json(path: str) -> dict:
 
 
 def _check_folder(key: str, path) -> None:
-    if path is None or (path == "auto" and key == "resume") or os.path.isfile(os.path.join(path, "trainer.json")):
+    if (path is None or (path == "auto" and key == "resume")
+        or os.path.isfile(os.path.join(path, "trainer.json"))):
         return
     raise ConfigError(key, path, "not a complete checkpoint folder (trainer.json and DCP shards)",
                       "use resume=auto with checkpoint.dir=DIR, or a step_XXXXXXXX folder")
@@ -332,8 +338,8 @@ def check_resume(ck: CheckpointSpec, specs, max_steps: int, weights_only: bool =
                                           ("frozen there, trained now", new)) if v)
         raise ConfigError("resume", ck.resume, f"{path} trained other parameters than this config "
                           f"does ({what}), so it is not the same run", f"to start a new stage from "
-                          f"its weights (fresh optimizer and schedule), use init_from_checkpoint={path} "
-                          "instead of resume")
+                          f"its weights (fresh optimizer and schedule), use "
+                          f"init_from_checkpoint={path} instead of resume")
 
 
 def load_weights(path: str, model, tp_group=None) -> str:
@@ -350,7 +356,8 @@ def load_weights(path: str, model, tp_group=None) -> str:
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(model, _local(state, wrapped)["model"], options=_options())
     saved = _trainer_json(path)
-    return f"model weights of step {saved['step']} from {path} (saved at {saved.get('layout', '?')})"
+    return (f"model weights of step {saved['step']} from {path} (saved at "
+            f"{saved.get('layout', '?')})")
 
 
 def load(path: str, model, optimizer, tp_group=None) -> dict:
@@ -367,8 +374,8 @@ def load(path: str, model, optimizer, tp_group=None) -> dict:
     state, wrapped = _state(model, optimizer, tp_group)
     dcp.load(state, checkpoint_id=path)
     state = _local(state, wrapped)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_options())
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"], options=_options())
     saved = _trainer_json(path)
     now, then = layout_label(model, tp_group), saved.get("layout", "?")
     rank, step = dist.get_rank(), saved["step"]
@@ -381,7 +388,8 @@ def load(path: str, model, optimizer, tp_group=None) -> dict:
         torch.manual_seed(seed)
         random.seed(seed)
         saved["note"] = (f"resumed from step {step} saved at {then}, now {now} ({path}); per-rank "
-                         "RNG streams do not carry over to another layout: derived from (seed, step, rank)")
+                         "RNG streams do not carry over to another layout: derived from (seed, "
+                         "step, rank)")
     return saved
 
 
@@ -396,7 +404,8 @@ def start_path(ck: CheckpointSpec) -> str | None:
     return latest(ck.dir) if ck.resume == "auto" else ck.resume
 
 
-def resume(ck: CheckpointSpec, modules, optimizer, scheduler, sampler, tp_groups) -> tuple[int, str | None]:
+def resume(ck: CheckpointSpec, modules, optimizer, scheduler, sampler,
+           tp_groups) -> tuple[int, str | None]:
     """Start of a run as `ck.resume` / `ck.init_from_checkpoint` say: load the latest (or
     the named) checkpoint into `modules`, `optimizer`, `scheduler` and `sampler`, or only the
     weights of `init_from_checkpoint` (a new stage). Returns (the step to start at, a note for
@@ -404,7 +413,9 @@ def resume(ck: CheckpointSpec, modules, optimizer, scheduler, sampler, tp_groups
     path = start_path(ck)
     if path is None and ck.init_from_checkpoint:  # a new stage: weights only
         loaded = load_weights(ck.init_from_checkpoint, modules, tp_groups)
-        return 0, f"init_from_checkpoint: {loaded}; optimizer, schedule and data start fresh at step 0"
+        return (0,
+                f"init_from_checkpoint: {loaded}; optimizer, schedule and data start fresh at step "
+                f"0")
     if not ck.resume:
         return 0, None
     if path is None:  # resume=auto with no checkpoint yet: a fresh start, said so

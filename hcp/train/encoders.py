@@ -65,7 +65,8 @@ def encoder_inputs(dataset, indices, mine, encoder, device):
     {encoder: [I_e, C, H, W]} for an `EncoderSide` (`mine`: the rank's `RankPlan`)."""
     if not isinstance(encoder, EncoderSide):
         samples = mine.encoder_samples["vision"]
-        return upload(torch.cat([dataset.pixel_values(dataset[indices[s]]) for s in samples]), device)
+        return upload(torch.cat([dataset.pixel_values(dataset[indices[s]]) for s in samples]),
+                      device)
     return {e: upload(torch.cat([dataset.pixel_values(dataset[indices[s]], e)
                                  for s in mine.encoder_samples[e]]), device)
             for e in encoder.encoder_names}
@@ -106,8 +107,9 @@ def _params(side: EncoderSide, encoder: str):
 
 def sync_encoder_grads(encoder, groups, counts) -> None:
     """Sum the encoder side's gradients over each encoder's own DP x CP group (a projector with
-    its encoder's; under encoder CP each rank's are partial sums over its tokens); an encoder whose streams had no row anywhere in the batch gets no gradient, as
-    in one process (LLaVA: no image in the batch)."""
+    its encoder's; under encoder CP each rank's are partial sums over its tokens); an encoder whose
+    streams had no row anywhere in the batch gets no gradient, as in one process (LLaVA: no image in
+    the batch)."""
     if not isinstance(encoder, EncoderSide):
         sync_grads(encoder.parameters(), groups.group("vision", "dp_cp"))
         if counts.image_rows == 0:
@@ -137,7 +139,8 @@ def sq_norm(encoder, device, groups) -> torch.Tensor:
 def tp_groups(encoder) -> dict:
     """Module -> TP group of the encoder side's TP-sharded modules (checkpoints); {} without TP."""
     if isinstance(encoder, EncoderSide):
-        return {m: encoder.tp_groups[e] for e in encoder.encoder_names if encoder.tp_groups.get(e) is not None
+        return {m: encoder.tp_groups[e]
+                for e in encoder.encoder_names if encoder.tp_groups.get(e) is not None
                 for m in _members(encoder, e)}
     return {} if encoder is None or encoder.tp_group is None else {"vision": encoder.tp_group,
                                                                   "projector": encoder.tp_group}

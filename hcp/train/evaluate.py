@@ -19,7 +19,8 @@ from hcp.data.packing import collate, first_fit, pad_micro_batches
 
 
 def _packs(samples, capacity):
-    return [[samples[i] for i in idx] for idx in first_fit([len(s.input_ids) for s in samples], capacity)]
+    return [[samples[i] for i in idx]
+            for idx in first_fit([len(s.input_ids) for s in samples], capacity)]
 
 
 def answer_tokens(sample, eos_id: int) -> int:
@@ -72,16 +73,19 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
 
     samples = [dataset[i] for i in indices]
     loss_sum = torch.zeros(3, dtype=torch.float64)  # loss, tokens, correct
-    batches = [_collate(dataset, tokenizer, pack, pack).to(device) for pack in _packs(samples, capacity)]
+    batches = [_collate(dataset, tokenizer, pack, pack).to(device)
+               for pack in _packs(samples, capacity)]
     for out in lockstep(batches, lambda b, h: torch.tensor([float(t) for t in model.loss(b, h)],
                                                           dtype=torch.float64, device=device)):
         loss_sum[0] += float(out[0])
         loss_sum[1] += float(out[1])
     if not getattr(dataset, "has_answers", False):
-        return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), False, device)
+        return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), False,
+                       device)
     # Greedy decoding of every sample in lock-step; no KV cache (tiny models).
     if max_new_tokens is None:
-        max_new_tokens = lane_max(max((answer_tokens(s, tokenizer.eos_id) for s in samples), default=0))
+        max_new_tokens = lane_max(max((answer_tokens(s, tokenizer.eos_id) for s in samples),
+                                      default=0))
     prompts = [SimpleNamespace(id=s.id, input_ids=list(s.input_ids[:s.prompt_len]),
                                labels=[IGNORE_INDEX] * s.prompt_len, src=s) for s in samples]
     generated = {p.id: [] for p in prompts}
@@ -91,7 +95,8 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
             break
         still = []
         packs = _packs(active, capacity + max_new_tokens)
-        batches = [_collate(dataset, tokenizer, pack, [p.src for p in pack]).to(device) for pack in packs]
+        batches = [_collate(dataset, tokenizer, pack, [p.src for p in pack]).to(device)
+                   for pack in packs]
         next_tokens = lockstep(batches, lambda b, h: model.logits(b, h)[b.cu_seqlens[1:].long() - 1]
                                .argmax(-1))
         for pack, toks in zip(packs, next_tokens):
@@ -105,7 +110,8 @@ def evaluate(model, run, dataset, tokenizer, indices, capacity: int, device, los
         active = still
     for s in samples:
         loss_sum[2] += float(tokenizer.decode(generated[s.id]).strip() == s.answer.strip())
-    return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), True, device)
+    return _reduce(model, was_training, loss_sum, len(samples), (loss_group, lane_group), True,
+                   device)
 
 
 def _collate(dataset, tokenizer, pack, sources):
@@ -119,7 +125,8 @@ def _collate(dataset, tokenizer, pack, sources):
 def _reduce(model, was_training, sums, num_samples, groups, with_accuracy, device) -> dict:
     """Sum (loss, tokens) over groups[0] and (correct, samples) over groups[1] (on `device`:
     NCCL reduces only CUDA tensors)."""
-    total = torch.tensor([sums[0], sums[1], sums[2], num_samples], dtype=torch.float64, device=device)
+    total = torch.tensor([sums[0], sums[1], sums[2], num_samples], dtype=torch.float64,
+                         device=device)
     if dist.is_initialized():
         loss_part, count_part = total[:2].clone(), total[2:].clone()
         dist.all_reduce(loss_part, group=groups[0])

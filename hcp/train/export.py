@@ -28,7 +28,8 @@ from hcp.config.specs import ModuleSpec, ModuleSpecs
 from hcp.model import hf_clip, hf_llama
 from hcp.model.hf_io import DTYPES, INDEX, HFCheckpoint, Source, write_folder
 
-PROJECTOR_NAMES = {"fc1": "model.mm_projector.0", "fc2": "model.mm_projector.2", "fc": "model.mm_projector"}
+PROJECTOR_NAMES = {"fc1": "model.mm_projector.0", "fc2": "model.mm_projector.2",
+                   "fc": "model.mm_projector"}
 """Our projector submodules -> LLaVA-1.5's names (nn.Sequential(Linear, GELU, Linear))."""
 
 
@@ -71,10 +72,12 @@ def module_tensors(model, spec: ModuleSpec, dtype: torch.dtype) -> dict[str, tor
 
 
 def projector_tensors(model) -> dict[str, torch.Tensor]:
-    """The projector's tensors in LLaVA-1.5's names (first stage only; replicated, no collective)."""
+    """The projector's tensors in LLaVA-1.5's names (first stage only; replicated, no
+    collective)."""
     if getattr(model, "projector", None) is None:
         return {}
-    return {f"{PROJECTOR_NAMES[n.split('.')[0]]}.{n.split('.')[1]}": p.detach().cpu().float().clone()
+    return {f"{PROJECTOR_NAMES[n.split('.')[0]]}.{n.split('.')[1]}":
+            p.detach().cpu().float().clone()
             for n, p in model.projector.named_parameters()}
 
 
@@ -85,8 +88,10 @@ def _vision_passthrough(vision: ModuleSpec) -> tuple[dict[str, torch.Tensor], in
         return {}, hf_clip.used_blocks(vision.arch)
     ckpt = HFCheckpoint(vision.init_from)
     p = hf_clip.prefix_of(ckpt.files)
-    keep = [k for k, why in hf_clip.ignored(vision.arch, ckpt.keys()).items() if why == "after select_layer"]
-    return ({hf_clip.PREFIX + k[len(p):]: ckpt.read(Source(k)) for k in keep}, vision.arch.num_layers)
+    keep = [k for k, why in hf_clip.ignored(vision.arch, ckpt.keys()).items()
+            if why == "after select_layer"]
+    return ({hf_clip.PREFIX + k[len(p):]: ckpt.read(Source(k)) for k in keep},
+            vision.arch.num_layers)
 
 
 def export(model, specs: ModuleSpecs, export_cfg: ExportConfig, stage, writer: bool) -> list[str]:
@@ -104,18 +109,21 @@ def export(model, specs: ModuleSpecs, export_cfg: ExportConfig, stage, writer: b
             dtypes["llm"]).removeprefix("torch.")))
         if stage.first and vision:
             extra, layers = _vision_passthrough(specs["vision"])
-            vcfg = hf_clip.hf_config(specs["vision"].arch, str(dtypes["vision"]).removeprefix("torch."))
+            vcfg = hf_clip.hf_config(specs["vision"].arch,
+                                     str(dtypes["vision"]).removeprefix("torch."))
             vcfg["num_hidden_layers"] = layers
             write_folder(os.path.join(out, "vision"), "model.safetensors", {
                 **vision, **{k: t.to(dtypes["vision"]) for k, t in extra.items()}}, vcfg)
         if stage.first and getattr(model, "projector", None) is not None:
             torch.save(projector_tensors(model), os.path.join(out, "mm_projector.bin"))
     shards = [None] * dist.get_world_size()
-    dist.all_gather_object(shards, (name, sorted(llm), sum(t.numel() * t.element_size()
-                                                         for t in llm.values())) if writer else None)
+    dist.all_gather_object(shards, (name, sorted(llm),
+                                    sum(t.numel() * t.element_size() for t in llm.values()))
+                           if writer else None)
     files = sorted({s[0] for s in shards if s})
     if dist.get_rank() == 0 and len(files) > 1:
-        index = {"metadata": {"total_size": sum(s[2] for s in {s[0]: s for s in shards if s}.values())},
+        index = {"metadata": {"total_size": sum(s[2]
+                                                for s in {s[0]: s for s in shards if s}.values())},
                  "weight_map": {k: s[0] for s in shards if s for k in s[1]}}
         with open(os.path.join(out, "llm", INDEX), "w") as f:
             json.dump(index, f, indent=2)
@@ -193,7 +201,8 @@ def run_export_rank(cfg, run_dir: str) -> None:
         ck = CheckpointSpec.of(cfg)
         path = checkpoint.start_path(ck) or ck.init_from_checkpoint
         source = (checkpoint.load_weights(path, model, tp_group) if path else
-                  "the model as initialised" + "".join(f" + {m}.init_from" for m in ("llm", "vision")
+                  "the model as initialised"
+                  + "".join(f" + {m}.init_from" for m in ("llm", "vision")
                                                         if m in specs and specs[m].init_from))
         writer = coords["tp"] == coords["cp"] == coords["dp"] == 0
         written = export(model, specs, export_cfg, stage, writer)

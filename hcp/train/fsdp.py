@@ -65,7 +65,8 @@ def shard_encoder(encoder, layouts: dict, groups, device=None,
         shard_island(encoder, groups.group(encoder.name, "dp_cp"), device, precision)
         return (encoder.name, *encoder.projector_names)
     sharded = tuple(m for m, module in encoder.named_children()
-                    if m in layouts and layouts[m].dp_shard and any(True for _ in module.parameters()))
+                    if m in layouts
+                    and layouts[m].dp_shard and any(True for _ in module.parameters()))
     for m in sharded:
         module = encoder.get_submodule(m)
         blocks = getattr(module, "blocks", ())  # ViT blocks: a list, or a dict on a pipeline stage
@@ -96,9 +97,10 @@ def _shard(root, units: list, group, name: str, reshard_root: bool | None = None
     `reshard_after_forward` of the root (None: torch's default, kept whole after forward).
     `precision`: the run's; units gather in its compute dtype (`Precision.fsdp_policy`)."""
     if not hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
-        raise RuntimeError(f"{name}.layout.dp_shard=true needs FSDPModule.set_reduce_scatter_unused_params, "
-                           f"which torch {torch.__version__} lacks: upgrade torch (2.13 has it) or "
-                           f"set {name}.layout.dp_shard=false")
+        raise RuntimeError(f"{name}.layout.dp_shard=true needs "
+                           f"FSDPModule.set_reduce_scatter_unused_params, which torch "
+                           f"{torch.__version__} lacks: upgrade torch (2.13 has it) or set "
+                           f"{name}.layout.dp_shard=false")
     specs = {n: p.shard_spec for n, p in root.named_parameters() if getattr(p, "shard_spec", None)}
     kind = torch.device(device).type if device is not None else next(root.parameters()).device.type
     mesh = DeviceMesh.from_group(group, device_type=kind)

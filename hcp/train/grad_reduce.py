@@ -51,7 +51,8 @@ class GradReducer:
     def __init__(self, params, group, first_bytes: int = FIRST_BUCKET_BYTES,
                  bytes_each: int = BUCKET_BYTES):
         self.group = group
-        self.buckets = bucket_params([p for p in params if p.requires_grad], first_bytes, bytes_each)
+        self.buckets = bucket_params([p for p in params if p.requires_grad], first_bytes,
+                                     bytes_each)
         self._bucket_of = {p: k for k, bucket in enumerate(self.buckets) for p in bucket}
         self._ready = [0] * len(self.buckets)
         self._launched: list[tuple[torch.Tensor, dist.Work]] = []

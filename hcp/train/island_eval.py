@@ -53,7 +53,8 @@ def whole_island_encoders(islands, encoder) -> nn.Module | None:
                 return EncoderStage(head, specs[head].arch, projectors, specs.llm.hidden_size, spec)
         received = {}
         for s, src in enumerate(senders):
-            shapes = [(n, p.shape) for n, p in stage(StageSpec.of(lay.pp_layers, s)).named_parameters()]
+            shapes = [(n, p.shape)
+                      for n, p in stage(StageSpec.of(lay.pp_layers, s)).named_parameters()]
             flat = (torch.cat([state[n].flatten() for n, _ in shapes]) if rank == src else
                     torch.empty(sum(shape.numel() for _, shape in shapes), device=device))
             dist.broadcast(flat, src, group=group)

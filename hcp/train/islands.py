@@ -63,8 +63,10 @@ def islands_label(layouts: dict, heads) -> str:
     parts = []
     for m in [*heads, "llm"]:
         lay = layouts[m]
-        sizes = " x ".join(f"{k}{getattr(lay, k)}" for k in ("tp", "cp", "pp", "dp") if getattr(lay, k) > 1)
-        parts.append(f"{m} {sizes or '1 rank'} on ranks {lay.rank_offset}-{lay.rank_offset + lay.num_ranks - 1}")
+        sizes = " x ".join(f"{k}{getattr(lay, k)}" for k in ("tp", "cp", "pp", "dp")
+                           if getattr(lay, k) > 1)
+        parts.append(f"{m} {sizes or '1 rank'} on ranks "
+                     f"{lay.rank_offset}-{lay.rank_offset + lay.num_ranks - 1}")
     return " | ".join(parts)
 
 
@@ -153,7 +155,8 @@ class Islands:
             return list(counts)
         enc = self.specs[head].arch
         empty = torch.empty(0, enc.num_channels, enc.image_size, enc.image_size)
-        pixels = [upload(torch.cat([empty, *(dataset.pixel_values(dataset[indices[s]], head) for s in mb)]),
+        pixels = [upload(torch.cat([empty, *(dataset.pixel_values(dataset[indices[s]], head)
+                                             for s in mb)]),
                          self.device)
                   for mb in mine.encoder_micro_batches[head]]
         read = [int(x.shape[0]) for x in pixels]
@@ -189,8 +192,9 @@ class Islands:
                 leader = None  # the plan's default `leader` route: TP rank 0 receives, broadcasts
                 if not encoder_rank and llm.tp > 1:
                     leader = (self.groups.group("llm", "tp"), self.groups.ranks("llm", "tp")[0], r)
-                routes.append(RouteLink(edge, mine.island_routes[(p, "llm")], hidden, self.precision.compute,
-                                        self.device, self.route_bytes, leader=leader))
+                routes.append(RouteLink(edge, mine.island_routes[(p, "llm")], hidden,
+                                        self.precision.compute, self.device, self.route_bytes,
+                                        leader=leader))
             links[peer] = StreamsLink(routes, rows)
         return links
 
@@ -205,8 +209,8 @@ class Islands:
                 links[g + step] = PipeLink(peer, spec, self.p2p_group, self.device)
         return links
 
-    def forward_backward(self, mine, inputs, batches, metas, encoder, runner, record_grad_sq: bool = False,
-                         cp_groups=None):
+    def forward_backward(self, mine, inputs, batches, metas, encoder, runner,
+                         record_grad_sq: bool = False, cp_groups=None):
         """One step across the islands on this rank: gradients of the token-level loss summed
         over each module's DP (x CP) group. inputs: `encoder_inputs` (encoder ranks); batches,
         metas: the LLM's micro-batches (first stage: (plan, batch) pairs) and `StageMeta`s (LLM
@@ -248,10 +252,12 @@ class Islands:
         else:
             n_micro = len(inputs)
             images = list(mine.encoder_inputs[self.head])
-            links.update(self._pipe_links(g, lambda i: (encoder.activation_shape(images[i]), prec.compute)))
+            links.update(self._pipe_links(g, lambda i: (encoder.activation_shape(images[i]),
+                                                        prec.compute)))
 
             def forward(i, received):  # in the compute dtype out, widened in (as the LLM's stages)
-                return prec.stage_forward(self.device.type, lambda h: encoder(inputs[i] if h is None else h),
+                return prec.stage_forward(self.device.type,
+                                          lambda h: encoder(inputs[i] if h is None else h),
                                           None if stage.first else received[g - 1])
         reducer = runner.reducer if runner is not None else None
         grad_sync = reducer.sync_in_backward if reducer and mine.overlap_grad_sync else None
@@ -263,7 +269,8 @@ class Islands:
         grad_sq = self._sync(mine, encoder, runner, record_grad_sq)
         if encoder is None and stage.last:
             dist.all_reduce(loss_total, group=self.groups.group("llm", "dp_cp"))
-        dist.broadcast(loss_total, logging_rank(self.layouts))  # every rank: the same loss (non-finite guard)
+        # every rank: the same loss (non-finite guard)
+        dist.broadcast(loss_total, logging_rank(self.layouts))
         counts = [float(c.loss_tokens), float(c.tokens), c.sum_sq_lengths]
         return loss_total / c.loss_tokens, counts, n_micro, times, grad_sq
 

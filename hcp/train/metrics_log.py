@@ -57,8 +57,8 @@ class RunLogger:
         config: the run's resolved config as a dict, recorded as the wandb run's config.
     """
 
-    def __init__(self, run_dir: str, logger: LoggerConfig, trainer: TrainerConfig, start_step: int = 0,
-                 config: dict | None = None):
+    def __init__(self, run_dir: str, logger: LoggerConfig, trainer: TrainerConfig,
+                 start_step: int = 0, config: dict | None = None):
         self.run_dir, self.max_steps = run_dir, trainer.max_steps
         os.makedirs(run_dir, exist_ok=True)
         # A resumed run continues its metrics.jsonl; a fresh run in the same folder replaces it.

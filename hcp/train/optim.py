@@ -52,7 +52,8 @@ def param_groups(model: nn.Module, weight_decay: float, lr: float | None = None,
             key = f"{owner}.{kind}" if owner else kind
             if key not in groups:
                 group = {"name": key, "params": [],
-                         "weight_decay": own.get("weight_decay", weight_decay) if kind == "decay" else 0.0}
+                         "weight_decay": own.get("weight_decay", weight_decay) if kind == "decay"
+                         else 0.0}
                 peak = own.get("lr", lr)
                 if peak is not None:
                     group["lr"] = peak
@@ -77,13 +78,15 @@ def build_optimizer(model: nn.Module, optim: OptimConfig,
     """
     groups = param_groups(model, optim.weight_decay, optim.lr, overrides)
     if not groups:
-        raise ValueError("every module is frozen (vision/projector/llm .freeze=true): nothing to train")
+        raise ValueError("every module is frozen (vision/projector/llm .freeze=true): nothing to "
+                         "train")
     if optim.name not in OPTIMIZERS:
         raise ValueError(f"optim.name={optim.name!r}: use one of {OPTIMIZERS}")
     return torch.optim.AdamW(groups, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps)
 
 
-def cosine_with_warmup(step: int, max_steps: int, warmup_ratio: float, min_lr_ratio: float) -> float:
+def cosine_with_warmup(step: int, max_steps: int, warmup_ratio: float,
+                       min_lr_ratio: float) -> float:
     """LR multiplier at `step` (0-based): linear warmup over `ceil(warmup_ratio * max_steps)`
     steps, then cosine decay to `min_lr_ratio` at `max_steps` (LLaVA-1.5's schedule)."""
     warmup = math.ceil(warmup_ratio * max_steps)
@@ -149,7 +152,8 @@ class CosineWithWarmup(torch.optim.lr_scheduler.LambdaLR):
             before = old["lr"] * cosine_with_warmup(self.last_epoch, old["max_steps"],
                                                     old["warmup_ratio"], old["min_lr_ratio"])
         else:  # a state from before the schedule was recorded: compare the learning rate itself
-            changed = [] if old_lr is None or math.isclose(old_lr, self._last_lr[0]) else ["schedule"]
+            changed = ([] if old_lr is None
+                       or math.isclose(old_lr, self._last_lr[0]) else ["schedule"])
             before = old_lr
         if changed:
             self.change_note = (f"optimizer config changed on resume ({', '.join(changed)}): step "

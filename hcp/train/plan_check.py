@@ -33,4 +33,5 @@ def check_plans_agree(checksum: int, step: int, device, group=None) -> None:
             f"step {step}: the ranks computed different step plans (checksums from {low:#018x} to "
             f"{high:#018x}; this rank's {checksum:#018x}), so the step's collectives would hang. "
             "Every rank must run the same code, config, data and length index, and the same "
-            "library builds (numpy, highspy); compare the ranks' logs of this line to find the odd one")
+            "library builds (numpy, highspy); compare the ranks' logs of this line to find the odd "
+            "one")

@@ -14,7 +14,8 @@ from hcp.dcp.policy import micro_batch_group
 from hcp.parallel.upload import upload
 
 
-def llm_inputs(mine, indices, dataset, image_token_id: int, stage, device) -> tuple[list | None, list]:
+def llm_inputs(mine, indices, dataset, image_token_id: int, stage,
+               device) -> tuple[list | None, list]:
     """(its micro-batches as (MicroBatchPlan, batch) pairs on the first stage, else None;
     every micro-batch's `StageMeta`) of this rank's `RankPlan` `mine` over the global batch
     `indices`. Empty micro-batches (plan padding) run where the plan says so (`keep_empty`).
@@ -36,7 +37,8 @@ def llm_inputs(mine, indices, dataset, image_token_id: int, stage, device) -> tu
             batch = collate(samples, [], image_token_id, ids)
             if not np.array_equal(batch.cu_seqlens.numpy(), host_cu):
                 raise RuntimeError(f"step plan and data disagree on a micro-batch: cu_seqlens "
-                                   f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} read")
+                                   f"{mb.cu_seqlens.tolist()} planned, {batch.cu_seqlens.tolist()} "
+                                   f"read")
             batch = batch.to(device)
             batches.append((mb, batch))
             metas.append(StageMeta.of(batch))

@@ -9,7 +9,8 @@ Activations travel in the compute dtype. Gradient sync: DDP-like buckets over DP
 (`hcp.train.grad_reduce.GradReducer`), or FSDP's reduce-scatter (`trainer.fsdp_reduce`: in every
 backward or the last one, `hcp.train.fsdp.grad_sync`). Under FSDP
 a lane with fewer micro-batches is padded with empty ones (`pad_micro_batches`), so every rank
-issues the same collectives; with no image anywhere the encoder gets no gradient, as in one process."""
+issues the same collectives; with no image anywhere the encoder gets no gradient, as in one
+process."""
 from __future__ import annotations
 
 import torch
@@ -60,7 +61,8 @@ class StepRunner:
         travels in the compute dtype; a received one is widened back to the parameter dtype, so
         the residual stream keeps the precision it has without pipeline stages."""
         return self.precision.stage_forward(
-            self.device.type, lambda h: self.model(batch, h, head, cp_group=cp_group), x, not self.stage.last)
+            self.device.type, lambda h: self.model(batch, h, head, cp_group=cp_group), x,
+            not self.stage.last)
 
     def act_spec(self, meta, cp_group=OWN_CP_GROUP) -> tuple[tuple[int, int], torch.dtype]:
         """(shape, dtype) of the activation a stage sends for micro-batch `meta` over its CP
@@ -86,7 +88,8 @@ class StepRunner:
             counts[2] = sum(b.labels.numel() for b in batches)
             counts[3] = sum(float((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).double().pow(2).sum())
                             for b in batches)
-            counts[4] = sum(0 if b.pixel_values is None else b.pixel_values.shape[0] for b in batches)
+            counts[4] = sum(0
+                            if b.pixel_values is None else b.pixel_values.shape[0] for b in batches)
             counts[5 + group_rank(self.dp_group)] = len(batches)
             dist.all_reduce(counts, group=self.dp_group)  # whole micro-batches: once per lane
             counts[0] = counts[5:].max() if self.sharded else len(batches)
@@ -95,7 +98,8 @@ class StepRunner:
         return counts
 
     def forward_backward(self, batches, metas=None, planned=None, overlap_grad_sync: bool = True,
-                         cp_groups=None, actions=None, handlers=None) -> tuple[torch.Tensor, list[float], int, StageTimes]:
+                         cp_groups=None, actions=None,
+                         handlers=None) -> tuple[torch.Tensor, list[float], int, StageTimes]:
         """Gradients of the token-level loss of this lane's micro-batches `batches` (first
         stage; None elsewhere), synchronized over DP x CP. `metas`: every micro-batch's
         `StageMeta` when the caller knows them (the step plan), else broadcast from the first
@@ -126,7 +130,8 @@ class StepRunner:
 
         def forward(i, x):
             nonlocal loss_total
-            out = self.stage_forward(batches[i] if self.stage.first else metas[i], x, cp_group=groups[i])
+            out = self.stage_forward(batches[i] if self.stage.first else metas[i], x,
+                                     cp_group=groups[i])
             if not self.stage.last:
                 return out
             loss_sum = out[0]
@@ -134,11 +139,13 @@ class StepRunner:
             return loss_sum.float() / global_tokens
 
         sync = (grad_sync(self.model, self.fsdp_reduce) if self.sharded else
-                None if self.reducer is None or not overlap_grad_sync else self.reducer.sync_in_backward)
+                None if self.reducer is None
+                or not overlap_grad_sync else self.reducer.sync_in_backward)
         if actions is None:
             actions = A.one_f_one_b(self.stage.index, self.stage.num_stages, len(metas))
             actions = A.with_grad_sync(actions) if sync is not None else actions
-        times = run(forward, self.link, actions, lambda i: self.act_spec(metas[i], groups[i]), sync, handlers)
+        times = run(forward, self.link, actions, lambda i: self.act_spec(metas[i], groups[i]), sync,
+                    handlers)
         self.sync_grads()
         if counts[4] == 0:
             self._drop_unused_image_grads()

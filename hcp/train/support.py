@@ -6,7 +6,8 @@ DP (and FSDP over its own DP x CP group: `vision.layout.dp_shard`, `projector.la
 colocated on the same ranks: the step plan routes the projector's rows into the LLM's layout
 (`hcp.plan`), with `packing=first_fit` or `dynamic_cp`; or, under `placement=non_colocated`,
 one island per encoder (encoder + its projectors under the encoder's TP, CP, DP and PP: one
-encoder, a join, a branch) before the LLM island (`hcp.train.islands`). The rest of the layout space raises `ConfigError` with what to use instead.
+encoder, a join, a branch) before the LLM island (`hcp.train.islands`). The rest of the layout space
+raises `ConfigError` with what to use instead.
 """
 from __future__ import annotations
 
@@ -38,10 +39,12 @@ def check_trainable(cfg, specs) -> None:
         if lay.pp > 1 and cfg.placement == "colocated":
             raise ConfigError(f"{m}.layout.pp", lay.pp, f"{m} runs whole on every rank of its lane "
                               "(encoder pipelines come with placement=non_colocated)",
-                              f"use {m}.layout.pp=1 (more {m}.layout.dp or tp), or mode=plan to plan it")
+                              f"use {m}.layout.pp=1 (more {m}.layout.dp or tp), or mode=plan to "
+                              f"plan it")
         if lay.recompute == "selective":
             raise ConfigError(f"{m}.layout.recompute", lay.recompute, "selective recompute is "
-                              "implemented in the LLM's decoder layers only", "use recompute=none or full")
+                              "implemented in the LLM's decoder layers only",
+                              "use recompute=none or full")
 
 
 def _check_encoder_cp_trainable(specs) -> None:
@@ -71,15 +74,19 @@ def _check_several_encoders_trainable(cfg, specs) -> None:
         if m == "llm":
             continue
         if cfg.placement == "colocated" and layouts[m].dp_shard:
-            raise ConfigError(f"{key}.layout.dp_shard", True, "FSDP of the encoder side is built for "
-                              "LLaVA's one encoder and projector", f"set {key}.layout.dp_shard=false")
+            raise ConfigError(f"{key}.layout.dp_shard", True,
+                              "FSDP of the encoder side is built for "
+                              "LLaVA's one encoder and projector",
+                              f"set {key}.layout.dp_shard=false")
         if m != "vision" and spec.kind == "encoder" and spec.init_from:
             raise ConfigError(f"{key}.init_from", spec.init_from, "weights are loaded for "
-                              "`vision` and `llm` only", f"remove {key}.init_from (it would be ignored)")
+                              "`vision` and `llm` only",
+                              f"remove {key}.init_from (it would be ignored)")
         if cfg.placement == "colocated" and layouts[m].recompute != layouts["vision"].recompute:
             raise ConfigError(f"{key}.layout.recompute", layouts[m].recompute, "the colocated step "
-                              "recomputes the whole encoder side or none of it (vision.layout.recompute="
-                              f"{layouts['vision'].recompute})", f"set it to {layouts['vision'].recompute}")
+                              "recomputes the whole encoder side or none of it "
+                              f"(vision.layout.recompute={layouts['vision'].recompute})",
+                              f"set it to {layouts['vision'].recompute}")
 
 
 def _check_islands_trainable(cfg, specs) -> None:
@@ -101,10 +108,12 @@ def _check_islands_trainable(cfg, specs) -> None:
         members = [m for m in layouts if m != "llm" and island_head(layouts, edges, m) == head]
         for m in members:
             lay, key = layouts[m], specs[m].key
-            if m != head and (lay.tp != layouts[head].tp or lay.pp != 1 or lay.cp not in (1, layouts[head].cp)):
+            if (m != head and (lay.tp != layouts[head].tp or lay.pp != 1
+                               or lay.cp not in (1, layouts[head].cp))):
                 raise ConfigError(f"{key}.layout.tp", lay.tp, f"{m} runs on the last stage of "
-                                  f"{head}'s island with {head}'s TP and CP groups (tp={layouts[head].tp}, "
-                                  f"cp={layouts[head].cp})", f"set {key}.layout.tp={layouts[head].tp}, "
+                                  f"{head}'s island with {head}'s TP and CP groups "
+                                  f"(tp={layouts[head].tp}, cp={layouts[head].cp})",
+                                  f"set {key}.layout.tp={layouts[head].tp}, "
                                   f"its cp to 1 or {layouts[head].cp} and its pp to 1")
             if m != head and lay.recompute not in ("none", layouts[head].recompute):
                 raise ConfigError(f"{key}.layout.recompute", lay.recompute, f"{m} runs inside "
@@ -120,7 +129,8 @@ def _check_islands_trainable(cfg, specs) -> None:
         for island in (members, ["llm"]):
             if all(specs[m].freeze for m in island):
                 raise ConfigError(f"{specs[island[0]].key}.freeze", True, f"every module of the "
-                                  f"island {island} is frozen: its ranks would have nothing to train",
+                                  f"island {island} is frozen: its ranks would have nothing to "
+                                  f"train",
                                   "use placement=colocated for this stage (e.g. LLaVA pretraining)")
 
 

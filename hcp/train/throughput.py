@@ -52,7 +52,8 @@ class WorldStats:
 
     def __init__(self, device: torch.device, preempt=None, watch=None):
         self.device, self.preempt, self.watch = device, preempt, watch
-        self.pending = None  # (metrics dict, gathered rows, own row, async work) of the last issued step
+        # (metrics dict, gathered rows, own row, async work) of the last issued step
+        self.pending = None
 
     def issue(self, metrics: dict, times, data_wait_s: float = 0.0) -> None:
         """Settle the previous step's figures, then gather this step's (into `metrics` later).
@@ -67,7 +68,8 @@ class WorldStats:
 
     def settle(self) -> None:
         """Wait for the step in flight (if any): fill its metrics dict with `peak_memory_gib` and
-        `bubble_fraction` (NaN under fake tensors) and let every rank agree on the preemption flag."""
+        `bubble_fraction` (NaN under fake tensors) and let every rank agree on the preemption
+        flag."""
         if self.pending is None:
             return
         metrics, every, _, work = self.pending

@@ -74,13 +74,17 @@ class Trainer:
 
     def __init__(self, cfg, run_dir: str):
         self.cfg, self.run_dir = cfg, run_dir
-        self.settings: TrainerConfig = typed(cfg.trainer, TrainerConfig)  # read per step: resolved once
+        # read per step: resolved once
+        self.settings: TrainerConfig = typed(cfg.trainer, TrainerConfig)
         self.device = init_distributed(cfg.launcher)
-        self.preempt = Preemption(cfg.launcher.slurm, self.device)  # signal -> flag (hcp.launch.preempt)
-        self.stats = WorldStats(self.device, self.preempt)  # peak memory, bubble, flag: one step late
+        # signal -> flag (hcp.launch.preempt)
+        self.preempt = Preemption(cfg.launcher.slurm, self.device)
+        # peak memory, bubble, flag: one step late
+        self.stats = WorldStats(self.device, self.preempt)
         self.unlogged = None  # (step, metrics) to log once the step's world figures land
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.precision = Precision.of(cfg.precision)  # one policy: schedules, routes, links, backend
+        # one policy: schedules, routes, links, backend
+        self.precision = Precision.of(cfg.precision)
         self.layouts = resolve_layouts(cfg, self.world)
         self.specs = resolve_modules(cfg, self.layouts)  # once: the modules the layers build from
         self.packing, self.checkpointing = PackingSpec.of(cfg), CheckpointSpec.of(cfg)
@@ -115,28 +119,34 @@ class Trainer:
         for module in (self.encoder, self.model):  # only this rank's shards, made on its device
             if module is not None:
                 materialize(module, self.device, cfg.seed, skip=loaded)
-        load_pretrained(self.modules, cfg)  # <module>.init_from: Hugging Face weights, this rank's shards
+        # <module>.init_from: Hugging Face weights, this rank's shards
+        load_pretrained(self.modules, cfg)
         self.runner = (StepRunner(self.model, self.groups, self.device, self.precision,
                                   llm.dp_shard, self.settings.fsdp_reduce)
                        if self.model is not None else None)
-        self.colocated = (ColocatedStep(self.encoder, None, self.layouts["vision"].recompute == "full",
+        self.colocated = (ColocatedStep(self.encoder, None,
+                                        self.layouts["vision"].recompute == "full",
                                         precision=self.precision, device_type=self.device.type)
                           if self.encoder is not None and cfg.placement == "colocated" else None)
         optim = typed(cfg.optim, OptimConfig)
-        self.optimizer = build_optimizer(self.modules, optim, module_overrides(self.specs))  # groups per module
+        # groups per module
+        self.optimizer = build_optimizer(self.modules, optim, module_overrides(self.specs))
         self.writer = AsyncWriter() if self.checkpointing.asynchronous else None  # checkpoint.async
         tc = self.settings
         self.guard = NonFiniteGuard(tc.on_nonfinite, self.modules, self.checkpointing.dir,
                                     tc.max_skipped_steps, tc.loss_spike_factor)
         self.scheduler = build_scheduler(self.optimizer, optim, self.settings.max_steps)
-        self.sampler = GlobalBatchSampler(len(self.train_set), self.settings.global_batch_size, cfg.seed)
-        self.index = sides.LengthIndexes(self.specs, self.train_set, self.tok)  # one per stream into the LLM
+        self.sampler = GlobalBatchSampler(len(self.train_set), self.settings.global_batch_size,
+                                          cfg.seed)
+        # one per stream into the LLM
+        self.index = sides.LengthIndexes(self.specs, self.train_set, self.tok)
         self.record_encoder_grad_sq, self.encoder_grad_sq = False, None
         """Set `record_encoder_grad_sq` (tests) to keep in `encoder_grad_sq` the sum of squares
         of this rank's own encoder gradients before their DP sum: one host read per parameter
         tensor, so never on by default."""
-        self.step, self.resume_note = checkpoint.resume(self.checkpointing, self.modules, self.optimizer,
-                                                        self.scheduler, self.sampler, self._tp_groups())
+        self.step, self.resume_note = checkpoint.resume(self.checkpointing, self.modules,
+                                                        self.optimizer, self.scheduler,
+                                                        self.sampler, self._tp_groups())
         self.planner = StepPlanner(self.packing, self.specs, self.index)
         if self.dynamic_cp and self.settings.plan_share == "node":  # hcp.plan.shared
             self.planner = node_planner(self.planner, run_dir, dist.get_backend() != "fake")
@@ -158,7 +168,8 @@ class Trainer:
 
     @property
     def head(self) -> str | None:
-        """This rank's island head module under non_colocated ("llm" on the LLM island), else None."""
+        """This rank's island head module under non_colocated ("llm" on the LLM island), else
+        None."""
         return self.islands.head if self.islands is not None else None
 
     @property
@@ -179,8 +190,9 @@ class Trainer:
         if self.islands is not None and self.islands.head != "llm":
             return None
         with meta_build():
-            model = LlavaModel(**llava_kwargs(self.specs), tp_group=self.tp_group, cp_group=self.cp_group,
-                               stage=self.stage, encoder=False, attention_backend=self.attention_backend())
+            model = LlavaModel(**llava_kwargs(self.specs), tp_group=self.tp_group,
+                               cp_group=self.cp_group, stage=self.stage, encoder=False,
+                               attention_backend=self.attention_backend())
         if self.specs.llm.freeze:
             model.llm.requires_grad_(False)
         return model
@@ -190,8 +202,9 @@ class Trainer:
         precision policy's, not the residual stream's fp32) and its largest CP group (the CP
         pool under dynamic CP)."""
         llm = self.layouts["llm"]
-        return resolve_backend(self.specs.llm.arch.attention_backend, self.device, self.precision.compute,
-                               llm.cp_pool if self.dynamic_cp else llm.cp, self.dynamic_cp)
+        return resolve_backend(self.specs.llm.arch.attention_backend, self.device,
+                               self.precision.compute, llm.cp_pool if self.dynamic_cp else llm.cp,
+                               self.dynamic_cp)
 
     def _rank_modules(self) -> RankModules:
         """This rank's modules under one root keyed by module FQN (checkpoints, optimizer); with
@@ -246,8 +259,10 @@ class Trainer:
         loss, counts, n_micro = self.forward_backward(indices, prepared)
         with span("hcp.clip"):
             norm = self.clip(self.settings.grad_clip)
-        read = host_values(torch.stack([loss.double(), norm.double()]))  # the step's one read, after its collectives
-        loss, grad_norm = read if read is not None else (float("nan"), float("nan"))  # fake tensors: no value
+        # the step's one read, after its collectives
+        read = host_values(torch.stack([loss.double(), norm.double()]))
+        # fake tensors: no value
+        loss, grad_norm = read if read is not None else (float("nan"), float("nan"))
         # NaN/Inf: stop or skip (trainer.on_nonfinite)
         update = read is None or self.guard.update_ok(self.step + 1, loss, grad_norm, indices)
         if update:
@@ -260,20 +275,24 @@ class Trainer:
         self.step += 1
         metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_tokens": int(counts[0]),
                    "micro_batches": n_micro, **plan_stats, **prepared[4],
-                   **rate_metrics(self.specs.llm.arch, counts, time.perf_counter() - t0, self.world)}
+                   **rate_metrics(self.specs.llm.arch, counts, time.perf_counter() - t0,
+                                  self.world)}
         # the previous step's figures land; this one's leave
         self.stats.issue(metrics, self.stage_times, data_wait_s)
         return metrics
 
-    def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[torch.Tensor, list[float], int]:
+    def forward_backward(self, global_batch: list[int], prepared=None) -> tuple[torch.Tensor,
+                                                                                list[float], int]:
         """Gradients of the token-level loss of `global_batch` (sample indices), summed over each
         module's DP (x CP) group; `prepared` is `prepare(global_batch)` when already computed.
-        Returns (global loss (0-d device tensor), [global loss tokens, global tokens, global sum of squared document
-        lengths], micro-batches per lane)."""
-        mine, pixels, batches, metas, _ = prepared if prepared is not None else self.prepare(global_batch)
+        Returns (global loss (0-d device tensor), [global loss tokens, global tokens, global sum of
+        squared document lengths], micro-batches per lane)."""
+        mine, pixels, batches, metas, _ = (prepared if prepared is not None
+                                           else self.prepare(global_batch))
         if self.islands is not None:
             loss, counts, n_micro, self.stage_times, grad_sq = self.islands.forward_backward(
-                mine, pixels, batches, metas, self.encoder, self.runner, self.record_encoder_grad_sq,
+                mine, pixels, batches, metas, self.encoder, self.runner,
+                self.record_encoder_grad_sq,
                 self._cp_groups(mine) if self.model is not None else None)
             if grad_sq is not None:
                 self.encoder_grad_sq = grad_sq
@@ -292,7 +311,8 @@ class Trainer:
         self.phase_times = phases.times
         if self.record_encoder_grad_sq:  # before the DP sum (FSDP: after)
             self.encoder_grad_sq = local_grad_sq(self.encoder.parameters())
-        sides.sync_encoder_grads(self.encoder, self.groups, mine.counts)  # no row anywhere: no update
+        # no row anywhere: no update
+        sides.sync_encoder_grads(self.encoder, self.groups, mine.counts)
         return loss, plan_counts(mine, counts), n_micro
 
     def _cp_groups(self, mine):
@@ -302,7 +322,8 @@ class Trainer:
 
     def _check_plan(self, checksum: int) -> None:
         """`trainer.check_plan`: every rank must have computed the same step plan
-        (`hcp.train.plan_check`: one int64 all-reduce; RuntimeError naming the step on every rank)."""
+        (`hcp.train.plan_check`: one int64 all-reduce; RuntimeError naming the step on every
+        rank)."""
         check_plans_agree(checksum, self.step + 1, self.device)
 
     def clip(self, max_norm: float) -> torch.Tensor:
@@ -337,9 +358,9 @@ class Trainer:
         for name, module in lent.items():  # held-out images are encoded in place
             setattr(self.model, name, module)
         try:
-            return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok, indices,
-                            eval_capacity(self.packing, self.cp), self.device, self.grad_group, self.dp_group,
-                            self.settings.eval_max_new_tokens)
+            return evaluate(self.model, self.runner.forward_outputs, self.eval_set, self.tok,
+                            indices, eval_capacity(self.packing, self.cp), self.device,
+                            self.grad_group, self.dp_group, self.settings.eval_max_new_tokens)
         finally:
             for name in lent:
                 setattr(self.model, name, None)
@@ -356,8 +377,8 @@ class Trainer:
         background unless `wait` (the end of the run, a preemption: it is on disk on return)."""
         state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                  "sampler": self.sampler.state_dict()}
-        path = checkpoint.save(self.checkpointing.dir, self.step, self.modules, self.optimizer, state,
-                               self.checkpointing.keep, self._tp_groups(), self.writer)
+        path = checkpoint.save(self.checkpointing.dir, self.step, self.modules, self.optimizer,
+                               state, self.checkpointing.keep, self._tp_groups(), self.writer)
         if self.writer is not None and wait:
             self.writer.wait()
         if self.log:
@@ -409,7 +430,8 @@ class Trainer:
         """Train to `trainer.max_steps`, evaluating and saving as configured; return the summary."""
         tc = self.settings
         t_start, history, metrics, evals = time.perf_counter(), [], {}, {}
-        record_step(self.step)  # the launcher names the step of a rank that dies (hcp.launch.supervise)
+        # the launcher names the step of a rank that dies (hcp.launch.supervise)
+        record_step(self.step)
         while self.step < tc.max_steps:
             metrics = self.fit_step()
             history.append(metrics)
@@ -420,7 +442,8 @@ class Trainer:
         summary = {"steps": self.step, "final_loss": metrics.get("loss"), **evals,
                    "wall_s": round(time.perf_counter() - t_start, 2),
                    **{k: sum(m[k] for m in history) / max(1, len(history))
-                      for k in ("tokens_per_s", "step_time_s", "tflops_per_gpu", "bubble_fraction")},
+                      for k in ("tokens_per_s", "step_time_s", "tflops_per_gpu",
+                                "bubble_fraction")},
                    "peak_memory_gib": max((m["peak_memory_gib"] for m in history), default=0.0),
                    "world_size": self.world,
                    "skipped_records": dict(self.train_set.skipped.counts),

@@ -22,6 +22,7 @@ def whole_encoder(encoder, specs, device) -> LlavaEncoder | None:
     if state is None and encoder.vision.cp == 1:
         return encoder
     state = state or encoder.state_dict()
-    whole = LlavaEncoder(specs["vision"].arch, specs["projector"].arch, specs.llm.hidden_size).to(device)
+    whole = LlavaEncoder(specs["vision"].arch, specs["projector"].arch,
+                         specs.llm.hidden_size).to(device)
     whole.load_state_dict(state)
     return whole

@@ -17,10 +17,10 @@ depends on its rank only through its plan slice and its grid coordinates, and on
 coordinates only through the process groups they put it in (their ranks and its place in
 them; no branch on a coordinate's value, no shard shaped by it). pi maps both of r's onto t's,
 so t runs r's code on renamed groups and peers and issues r's ops renamed, and its tensors
-have r's shapes (same memory and FLOPs). A rank whose plan differs (a lane with no image, a dynamic-CP pool position,
-a planner that misbehaves on one rank) fails the comparison and is rehearsed as its own class.
-The assumption is what tests/test_rehearse_classes.py checks on 8-rank worlds (derived traces
-equal an all-rank rehearsal's op by op).
+have r's shapes (same memory and FLOPs). A rank whose plan differs (a lane with no image, a
+dynamic-CP pool position, a planner that misbehaves on one rank) fails the comparison and is
+rehearsed as its own class. The assumption is what tests/test_rehearse_classes.py checks on 8-rank
+worlds (derived traces equal an all-rank rehearsal's op by op).
 
 `rehearse.device=cuda` runs the ranks on fake CUDA tensors (`fake_cuda`: the CUDA code path on
 the CPU wheel) and records each rank's device reads, host-to-device copies, device mismatches,
@@ -44,19 +44,24 @@ def check_rehearse(cfg, world: int) -> list[int]:
             `rehearse.ranks` with `rehearse.by_class` (a class rehearsal covers the world)."""
     rc = cfg.rehearse
     if rc.steps < 1:
-        raise ConfigError("rehearse.steps", rc.steps, "a rehearsal runs at least one step", "use rehearse.steps=1 or more")
+        raise ConfigError("rehearse.steps", rc.steps, "a rehearsal runs at least one step",
+                          "use rehearse.steps=1 or more")
     if rc.jobs is not None and rc.jobs < 1:
-        raise ConfigError("rehearse.jobs", rc.jobs, "at least one process runs", "use rehearse.jobs=1 or more (null: one per core)")
+        raise ConfigError("rehearse.jobs", rc.jobs, "at least one process runs",
+                          "use rehearse.jobs=1 or more (null: one per core)")
     if rc.get("device", "cpu") not in ("cpu", "cuda"):
         raise ConfigError("rehearse.device", rc.device, "ranks rehearse on fake cpu or cuda "
                           "tensors", "use rehearse.device=cpu or rehearse.device=cuda")
     if rc.get("by_class") and rc.ranks is not None:
-        raise ConfigError("rehearse.ranks", list(rc.ranks), "rehearse.by_class=true rehearses one rank per class "
-                          "of the whole world", "drop rehearse.ranks, or set rehearse.by_class=false")
+        raise ConfigError("rehearse.ranks", list(rc.ranks),
+                          "rehearse.by_class=true rehearses one rank per class "
+                          "of the whole world",
+                          "drop rehearse.ranks, or set rehearse.by_class=false")
     ranks = list(range(world)) if rc.ranks is None else sorted({int(r) for r in rc.ranks})
     bad = [r for r in ranks if not 0 <= r < world]
     if bad or not ranks:
-        problem = f"ranks {bad} are outside the job's world of {world}" if bad else "no rank to rehearse"
+        problem = (f"ranks {bad} are outside the job's world of {world}" if bad
+                   else "no rank to rehearse")
         raise ConfigError("rehearse.ranks", list(rc.ranks), problem,
                           f"list ranks in 0..{world - 1}, or null for all of them")
     return ranks
@@ -71,8 +76,8 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     from hcp.parallel.roles import role_table
     from hcp.preflight.plan_mode import running_layouts
     from hcp.preflight.estimate import cost_model, hardware
-    from hcp.preflight.rehearse.report import (find_mismatches, format_report, job_facts, micro_batch_flops,
-                                               role_rows, write_json)
+    from hcp.preflight.rehearse.report import (find_mismatches, format_report, job_facts,
+                                               micro_batch_flops, role_rows, write_json)
     from hcp.preflight.rehearse.runner import default_jobs, rehearsal_config, rehearse_ranks
 
     ranks = check_rehearse(cfg, world)
@@ -81,21 +86,23 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
     table = role_table(running, world)
     roles = {role.rank: ", ".join(f"{m} pp{role.stage(m)}" for m in role.modules) for role in table}
     stages = {role.rank: role.stage("llm") if "llm" in role.modules else None for role in table}
-    plan_cfg, cfg = cfg, rehearsal_config(cfg)  # what the ranks get: the resolved container, as in training
+    # what the ranks get: the resolved container, as in training
+    plan_cfg, cfg = cfg, rehearsal_config(cfg)
     jobs = cfg.rehearse.jobs or default_jobs()
     t0 = time.perf_counter()
 
     def said(rank, res):
         if progress:
-            print(f"hcp: rehearsed rank {rank} of {world}{' (raised)' if res.error else ''}", flush=True)
+            print(f"hcp: rehearsed rank {rank} of {world}{' (raised)' if res.error else ''}",
+                  flush=True)
 
     classes, faults = None, []
     if cfg.rehearse.get("by_class"):
         classes = world_classes(cfg, layouts, world, jobs)
         ranks = [c.rep for c in classes]
         if progress:
-            print(f"hcp: {len(classes)} rank classes of {world} ranks: rehearsing their representatives "
-                  f"{_ranks_list(ranks)}", flush=True)
+            print(f"hcp: {len(classes)} rank classes of {world} ranks: rehearsing their "
+                  f"representatives {_ranks_list(ranks)}", flush=True)
     results = rehearse_ranks(cfg, run_dir, ranks, world, cfg.rehearse.steps, jobs, progress=said)
     if classes is not None:
         results, faults = derive_world(results, classes, layouts, world)
@@ -110,10 +117,11 @@ def run_rehearsal(cfg, run_dir: str, world: int, progress: bool = True) -> list:
 
         print("\n".join(format_device(results, cfg.rehearse.steps)), flush=True)
     print(format_report(rows, mismatches, wall, classes), flush=True)
-    job = {**job_facts(plan_cfg, resolve_modules(plan_cfg, layouts), world), "placement": plan_cfg.placement,
+    job = {**job_facts(plan_cfg, resolve_modules(plan_cfg, layouts), world),
+           "placement": plan_cfg.placement,
            "layouts": {m: asdict(lay) for m, lay in layouts.items()}, "ranks": ranks}
-    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall, plan_gib, job,
-               classes)
+    write_json(os.path.join(run_dir, "rehearsal.json"), rows, mismatches, micro, results, wall,
+               plan_gib, job, classes)
     return mismatches
 
 
@@ -127,7 +135,8 @@ def world_classes(cfg, layouts, world: int, jobs: int) -> list:
 
     slices = plan_slices(cfg, world, cfg.rehearse.steps, jobs)
     dynamic = ("llm",) if PackingSpec.of(cfg).dynamic_cp else ()
-    groups = {frozenset(ranks) for ranks, _ in creation_order(layouts, dynamic)} | {frozenset(range(world))}
+    groups = {frozenset(ranks)
+              for ranks, _ in creation_order(layouts, dynamic)} | {frozenset(range(world))}
     return rank_classes(layouts, world, slices, groups)
 
 
@@ -146,7 +155,8 @@ def derive_world(results: dict, classes: list, layouts, world: int) -> tuple[dic
                 out[t] = derive(rep, t, permutation(layouts, world, c.rep, t), rep.group_names)
             except ValueError as err:
                 faults.append(Mismatch("class", [c.rep, t], None, None, {t: str(err)},
-                                       "a class member's trace cannot be derived from its representative's"))
+                                       "a class member's trace cannot be derived from its "
+                                       "representative's"))
     return dict(sorted(out.items())), faults
 
 
@@ -170,6 +180,7 @@ def plan_per_rank(cfg, layouts, world: int, results: dict) -> dict[int, float]:
         worth = max(res.step_worth, default=0) or None
         if worth not in by_worth:
             mem = stage_memory(cfg, layouts, specs, shapes, micro_batches=worth)
-            by_worth[worth] = {row["rank"]: row["total"] for row in memory_per_rank(cfg, layouts, world, mem)}
+            by_worth[worth] = {row["rank"]: row["total"]
+                               for row in memory_per_rank(cfg, layouts, world, mem)}
         out[r] = by_worth[worth][r]
     return out

@@ -42,7 +42,8 @@ def checkpoint_peaks(cfg, run_dir: str, rank: int, world: int) -> dict[str, int]
     tensors: peak bytes tracked during one training step (its optimizer state allocated first,
     as every step after the first holds it), then during `checkpoint.save` of that state, then
     during `checkpoint.load` of it into the model and optimizer (a resume). Returns {"train",
-    "save", "resume": bytes, "held": the bytes held between steps (weights, Adam's moments)}. Leaves the process group destroyed.
+    "save", "resume": bytes, "held": the bytes held between steps (weights, Adam's moments)}. Leaves
+    the process group destroyed.
 
     Raises whatever the rank's set-up, step, save or load raises."""
     import torch
@@ -69,7 +70,8 @@ def checkpoint_peaks(cfg, run_dir: str, rank: int, world: int) -> dict[str, int]
             with tracker, _without_file_io():
                 trainer.train_step()
                 peaks["train"] = tracker.step_peak()["Total"]
-                peaks["held"] = sum(snap[_TOTAL_KEY] for snap in tracker.get_tracker_snapshot().values())
+                peaks["held"] = sum(snap[_TOTAL_KEY]
+                                    for snap in tracker.get_tracker_snapshot().values())
                 path = checkpoint.save(root, 1, trainer.modules, trainer.optimizer, {"step": 1}, 0,
                                        trainer._tp_groups())
                 peaks["save"] = tracker.step_peak()["Total"]

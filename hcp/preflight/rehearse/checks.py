@@ -62,9 +62,10 @@ def check_creations(creations: dict[int, list[tuple[int, ...]]]) -> list[Mismatc
         seq = creations[r]
         return f"new_group({list(seq[i])}) (creation {i + 1} of {len(seq)})" if i < len(seq) else \
             f"nothing (it created {len(seq)} groups)"
-    return [Mismatch("group creation", [ref] + bad[:7], None, i, {r: text(r) for r in [ref] + bad[:7]},
-                     f"{len(bad)} of {len(creations)} ranks create another group sequence than rank {ref}; "
-                     "NCCL needs every rank to create every group in one order")]
+    return [Mismatch("group creation", [ref] + bad[:7], None, i,
+                     {r: text(r) for r in [ref] + bad[:7]},
+                     f"{len(bad)} of {len(creations)} ranks create another group sequence than "
+                     f"rank {ref}; NCCL needs every rank to create every group in one order")]
 
 
 def group_sequences(traces: dict[int, list]) -> dict[tuple, dict[int, list]]:
@@ -94,7 +95,8 @@ def check_collectives(traces: dict[int, list]) -> list[Mismatch]:
         ops = {r: (members[r][i] if i < len(members[r]) else None) for r in [ref] + bad}
         step = next((op.step for op in ops.values() if op is not None), None)
         out.append(Mismatch("collective", [ref] + bad, step, i,
-                            {r: str(op) if op else f"nothing (it issued {len(members[r])} on this group)"
+                            {r: str(op) if op
+                             else f"nothing (it issued {len(members[r])} on this group)"
                              for r, op in ops.items()},
                             f"members of group {list(group)} issue different collectives"))
     return out
@@ -207,8 +209,8 @@ def check_rendezvous(traces: dict[int, list], world: int) -> list[Mismatch]:
         steps = [_step_of(programs[r][pc[r]]) for r in stuck]
         faults.append(Mismatch("deadlock", stuck, min(steps), None, sides,
                                f"{len(stuck)} ranks wait forever (a send without its receive, a "
-                               "receive without its send, or a collective some member never reaches); "
-                               "each shown at the op it waits in"))
+                               "receive without its send, or a collective some member never "
+                               "reaches); each shown at the op it waits in"))
     return faults
 
 

@@ -37,7 +37,8 @@ def _images(sizes, k: int) -> tuple[int, ...]:
 
 
 def _sample(sizes, k: int) -> tuple:
-    """Sample `k` as the LLM runs it: tokens, loss tokens (the LM head scores those rows) and images."""
+    """Sample `k` as the LLM runs it: tokens, loss tokens (the LM head scores those rows) and
+    images."""
     return int(sizes.tokens[k]), int(sizes.loss_tokens[k]), _images(sizes, k)
 
 
@@ -57,11 +58,13 @@ def slice_of(step, rank: int) -> dict:
     """Rank `rank`'s part of the `StepPlan` `step` as shapes and global ranks (module docstring)."""
     mine, sizes = step.rank(rank), step.sizes
     image = lambda m, k: _images(step.module_sizes.get(m, sizes), k)  # noqa: E731
-    mbs = tuple((tuple(_sample(sizes, k) for k in mb.samples), tuple(int(x) for x in mb.cu_seqlens), mb.max_seqlen,
-                 mb.cp_size, mb.cp_block, mb.cp_rank, mb.local_tokens, tuple(mb.image_rows),
-                 tuple(sorted(mb.stream_rows.items()))) for mb in mine.micro_batches)
+    mbs = tuple((tuple(_sample(sizes, k) for k in mb.samples), tuple(int(x) for x in mb.cu_seqlens),
+                 mb.max_seqlen, mb.cp_size, mb.cp_block, mb.cp_rank, mb.local_tokens,
+                 tuple(mb.image_rows), tuple(sorted(mb.stream_rows.items())))
+                 for mb in mine.micro_batches)
     return {"micro_batches": mbs,
-            "encoder": {m: tuple(image(m, k) for k in ks) for m, ks in mine.encoder_samples.items()},
+            "encoder": {m: tuple(image(m, k) for k in ks)
+                        for m, ks in mine.encoder_samples.items()},
             "encoder_micro_batches": {m: tuple(tuple(image(m, k) for k in mb) for mb in mbs_)
                                       for m, mbs_ in mine.encoder_micro_batches.items()},
             "routes": {e: _route(r, range(len(r.send_splits))) for e, r in mine.routes.items()},
@@ -80,13 +83,15 @@ def rename_slice(s: dict, pi) -> dict:
     """Plan slice `s` with every global rank r written as `pi[r]`."""
     out = dict(s)
     out["routes"] = {e: _rename_route(r, pi) for e, r in s["routes"].items()}
-    out["island_routes"] = {e: tuple(_rename_route(r, pi) for r in rs) for e, rs in s["island_routes"].items()}
+    out["island_routes"] = {e: tuple(_rename_route(r, pi) for r in rs)
+                            for e, rs in s["island_routes"].items()}
     return out
 
 
 def role_key(layouts: dict, rank: int) -> tuple:
     """(module, pipeline stage) of every module `rank` runs: ranks of one class share it."""
-    return tuple((m, Grid.of(lay).coords(rank)["pp"]) for m, lay in layouts.items() if Grid.of(lay).contains(rank))
+    return tuple((m, Grid.of(lay).coords(rank)["pp"]) for m, lay in layouts.items()
+                 if Grid.of(lay).contains(rank))
 
 
 def permutation(layouts: dict, world: int, rep: int, t: int) -> tuple[int, ...] | None:
@@ -115,7 +120,8 @@ def is_automorphism(pi, groups: set[frozenset]) -> bool:
     return all(frozenset(pi[r] for r in g) in groups for g in groups)
 
 
-def rank_classes(layouts: dict, world: int, slices: dict[int, list], groups: set[frozenset]) -> list[RankClass]:
+def rank_classes(layouts: dict, world: int, slices: dict[int, list],
+                 groups: set[frozenset]) -> list[RankClass]:
     """The classes of the world's ranks (module docstring); `slices`: rank -> its `slice_of`
     each rehearsed step, computed on that rank (None: its planner raised, so it is its own class);
     `groups`: the rank sets of every group the world creates. Ranks in order: each joins the
@@ -153,15 +159,16 @@ def derive(result, t: int, pi, names: dict[frozenset, str]):
         name = op.group_name
         if len(group) > 1 and set(group) != set(op.group):
             if frozenset(group) not in names:
-                raise ValueError(f"rank {result.rank}'s group {list(op.group)} renamed for rank {t} is "
-                                 f"{list(group)}, which no rank creates")
+                raise ValueError(f"rank {result.rank}'s group {list(op.group)} renamed for rank "
+                                 f"{t} is {list(group)}, which no rank creates")
             name = names[frozenset(group)]
         splits = op.splits
         if splits is not None:
             at = [group.index(r) for r in moved]
             splits = tuple(tuple(part[at.index(i)] for i in range(len(group))) for part in splits)
         ops.append(Op(op.kind, op.op, group, name, op.shapes, op.dtype, op.step,
-                      None if op.peer is None else pi[op.peer], op.tag, op.batch, splits, op.reduce_op))
+                      None if op.peer is None else pi[op.peer], op.tag, op.batch, splits,
+                      op.reduce_op))
     out = copy.copy(result)
     out.rank, out.ops, out.derived_from = t, ops, result.rank
     return out

@@ -29,12 +29,13 @@ def _causal(flops: int, is_causal: bool) -> int:
     return flops // 2 if is_causal else flops
 
 
-def _cpu_flash(query, key, value, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs) -> int:
+def _cpu_flash(query, key, value, dropout_p=0.0, is_causal=False, *args, out_shape=None,
+               **kwargs) -> int:
     return _causal(sdpa_flop_count(query, key, value), is_causal)
 
 
-def _cpu_flash_backward(grad_out, query, key, value, out, lse, dropout_p=0.0, is_causal=False, *args,
-                        out_shape=None, **kwargs) -> int:
+def _cpu_flash_backward(grad_out, query, key, value, out, lse, dropout_p=0.0, is_causal=False,
+                        *args, out_shape=None, **kwargs) -> int:
     return _causal(sdpa_backward_flop_count(grad_out, query, key, value), is_causal)
 
 

@@ -67,8 +67,8 @@ class Op:
     def __str__(self) -> str:
         where = f" peer {self.peer} tag {self.tag}" if self.peer is not None else ""
         reduce = f" {self.reduce_op}" if self.reduce_op else ""
-        return (f"{self.op}{reduce} {list(map(list, self.shapes))} {self.dtype.replace('torch.', '')} "
-                f"on group {list(self.group)}{where}")
+        return (f"{self.op}{reduce} {list(map(list, self.shapes))} "
+                f"{self.dtype.replace('torch.', '')} on group {list(self.group)}{where}")
 
 
 def _tensors(args) -> list[torch.Tensor]:
@@ -91,7 +91,8 @@ def _fake_pg_alltoall_args(args) -> tuple:
 
 
 def _script_object(args, kind: str):
-    return next((a for a in args if isinstance(a, torch.ScriptObject) and kind in str(a._type())), None)
+    return next((a for a in args if isinstance(a, torch.ScriptObject) and kind in str(a._type())),
+                None)
 
 
 def _group(args) -> dist.ProcessGroup:
@@ -110,7 +111,8 @@ def _reduce_op(args) -> str | None:
 class Recorder(TorchDispatchMode):
     """Records this rank's communication ops (`ops`, in issue order) while active, and its
     group creations (`creations`: the ranks of every `new_group`, in call order; `names`: rank
-    set -> the name of the first group created over it) between `install()` and `uninstall()`. Set `step` before each training step."""
+    set -> the name of the first group created over it) between `install()` and `uninstall()`. Set
+    `step` before each training step."""
 
     def __init__(self):
         super().__init__()
@@ -137,13 +139,15 @@ class Recorder(TorchDispatchMode):
         tensors = _tensors(args)
         shapes = tuple(tuple(t.shape) for t in tensors)
         dtype = str(tensors[0].dtype) if tensors else ""
-        common = dict(group=ranks, group_name=pg.group_name, shapes=shapes, dtype=dtype, step=self.step)
+        common = dict(group=ranks, group_name=pg.group_name, shapes=shapes, dtype=dtype,
+                      step=self.step)
         if name in P2P_OPS:
             ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
             peer, tag = ints[0], ints[1] if len(ints) > 1 else None
             if not self._in_batch:
                 self._batch += 1
-            self.ops.append(Op(P2P_OPS[name], name, peer=ranks[peer], tag=tag, batch=self._batch, **common))
+            self.ops.append(Op(P2P_OPS[name], name, peer=ranks[peer], tag=tag, batch=self._batch,
+                               **common))
             return
         splits = None
         if name in UNEVEN_OPS:  # (output, input, pg, output_split_sizes, input_split_sizes, ...)

@@ -6,11 +6,12 @@ at rank r of the full world W, the `Trainer` built exactly as training builds it
 `rehearse.steps` `train_step()`s under the `Recorder` (every c10d op and group creation),
 torch's `MemTracker` (peak bytes of the steps, parameters and the optimizer's state included,
 allocated before the first step as a steady-state step holds it) and `FlopCounterMode` (the
-last step, per micro-batch: `hcp.preflight.rehearse.count`). Everything runs under torch's `FakeTensorMode`: every tensor has its shape, dtype
-and device but no storage, so a 70B recipe's rank costs what its number of ops costs, not its
-FLOPs or bytes. The step plan and the rank's data are real host values (the plan-ahead thread
-runs outside the fake mode); what the device computes has no value, so nothing reads it: the
-loss and gradient norm are not known and the update always runs.
+last step, per micro-batch: `hcp.preflight.rehearse.count`). Everything runs under torch's
+`FakeTensorMode`: every tensor has its shape, dtype and device but no storage, so a 70B recipe's
+rank costs what its number of ops costs, not its FLOPs or bytes. The step plan and the rank's data
+are real host values (the plan-ahead thread runs outside the fake mode); what the device computes
+has no value, so nothing reads it: the loss and gradient norm are not known and the update always
+runs.
 """
 from __future__ import annotations
 
@@ -38,11 +39,12 @@ class RankResult:
     squared document lengths) of each step, its device events (`rehearse.device=cuda`:
     `hcp.preflight.rehearse.device.DeviceEvents.counts`), its LLM micro-batches' worth of tokens (in
     `trainer.micro_batch_tokens` of its CP size each, `step_worth`: what plan mode's estimate of
-    the step takes), the last step's LLM micro-batches as `(FLOPs counted, document lengths, CP size, CP rank,
-    loss tokens known on the host or None)` (`hcp.preflight.rehearse.count`), the bytes of each `MemTracker` category (parameters, gradients, optimizer states,
-    activations, temporaries) at the peak, the name of every group created (rank set -> name),
-    the representative it was derived from (`hcp.preflight.rehearse.classes.derive`; None:
-    rehearsed) and the traceback if the rank raised (then the rest may be partial)."""
+    the step takes), the last step's LLM micro-batches as `(FLOPs counted, document lengths, CP
+    size, CP rank, loss tokens known on the host or None)` (`hcp.preflight.rehearse.count`), the
+    bytes of each `MemTracker` category (parameters, gradients, optimizer states, activations,
+    temporaries) at the peak, the name of every group created (rank set -> name), the representative
+    it was derived from (`hcp.preflight.rehearse.classes.derive`; None: rehearsed) and the traceback
+    if the rank raised (then the rest may be partial)."""
 
     rank: int
     ops: list = field(default_factory=list)
@@ -124,7 +126,8 @@ def rehearse_rank(cfg, run_dir: str, rank: int, world: int, steps: int) -> RankR
                     trainer.train_step()
                 peaks.append(tracker.step_peak())
                 result.flops = counter.get_total_flops()
-                result.micro_batches = [(micro_flops.get(i, 0), *_sizes(mb), getattr(meta, "loss_tokens", None))
+                result.micro_batches = [(micro_flops.get(i, 0), *_sizes(mb),
+                                         getattr(meta, "loss_tokens", None))
                                         for i, (mb, meta) in enumerate(zip(planned, metas))]
         result.step_peaks = [peak.pop("Total", 0) for peak in peaks]
         result.peak_bytes = max(result.step_peaks)
@@ -218,7 +221,8 @@ def _host_metadata():
     try:
         yield
     finally:
-        DeviceMesh.from_group, init.compute_local_shape_and_global_offset = staticmethod(mesh), offset
+        DeviceMesh.from_group, init.compute_local_shape_and_global_offset = (staticmethod(mesh),
+                                                                             offset)
 
 
 @contextlib.contextmanager
@@ -240,7 +244,8 @@ def _no_values():
 
 def _sizes(mb) -> tuple[list[int], int, int]:
     """(document lengths, CP size, CP rank) of a `MicroBatchPlan`."""
-    return [int(b - a) for a, b in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])], mb.cp_size, mb.cp_rank
+    return ([int(b - a) for a, b in zip(mb.cu_seqlens[:-1], mb.cu_seqlens[1:])], mb.cp_size,
+            mb.cp_rank)
 
 
 def _local(p):
@@ -350,7 +355,8 @@ def _forked(work, ranks: list[int], jobs: int, timeout_s: float, progress=None) 
         try:
             rank, blob = out.get(timeout=timeout_s)
         except queue_mod.Empty:
-            raise RuntimeError(f"rehearsal of ranks {sorted(running)} took over {timeout_s:.0f} s") from None
+            raise RuntimeError(f"rehearsal of ranks {sorted(running)} took over {timeout_s:.0f} "
+                               f"s") from None
         results[rank] = pickle.loads(blob)
         running.pop(rank).join()
         if progress is not None:
@@ -372,10 +378,12 @@ def rehearse_ranks(cfg, run_dir: str, ranks: list[int], world: int, steps: int, 
     """`rehearse_rank` of each of `ranks`, `jobs` forked processes at a time; rank -> result.
     `progress(rank, result)` is called as each finishes."""
     _preload()
-    return _forked(lambda rank: rehearse_rank(cfg, run_dir, rank, world, steps), ranks, jobs, timeout_s, progress)
+    return _forked(lambda rank: rehearse_rank(cfg, run_dir, rank, world, steps), ranks, jobs,
+                   timeout_s, progress)
 
 
-def plan_slices(cfg, world: int, steps: int, jobs: int, timeout_s: float = 3600.0) -> dict[int, list | None]:
+def plan_slices(cfg, world: int, steps: int, jobs: int,
+                timeout_s: float = 3600.0) -> dict[int, list | None]:
     """Every rank's plan slice (`hcp.preflight.rehearse.classes.slice_of`) of each of the first
     `steps` steps, computed as the rank computes its plan: in its own process, as rank r of the
     fake process group, by the trainer's planner and sampler (the model is not built). None for
