@@ -36,7 +36,8 @@ def min_cp(lengths, max_tokens_per_rank: int) -> np.ndarray:
     return c
 
 
-def packing_only(lengths, pool: int, max_tokens_per_rank: int, max_len: int | None = None) -> Packing:
+def packing_only(lengths, pool: int, max_tokens_per_rank: int,
+                 max_len: int | None = None) -> Packing:
     """First-fit packs of `c_static * m` tokens at the static CP size (see module docstring)."""
     lens = np.asarray(lengths, dtype=np.int64)
     max_len = int(lens.max()) if max_len is None else max(int(max_len), int(lens.max()))

@@ -205,7 +205,8 @@ class CostModel:
         backward, attention forward and `ATTENTION_BACKWARD` times that backward; `recompute`
         (`none`, `selective`, `full`; None: this model's) re-runs the attention forward and,
         when `full`, the layers' matmuls but the last (`layer_recompute_matmul_flops_per_token`).
-        Not the time model's FLOPs (`bwd_factor`: its efficiencies were fitted with backward = 2 x)."""
+        Not the time model's FLOPs (`bwd_factor`: its efficiencies were fitted with
+        backward = 2 x)."""
         recompute = recompute or self.recompute
         rows = local_tokens if head_rows is None else head_rows
         mm = ((self.mm_flops - self.head_flops) * local_tokens + self.head_flops * rows) / self.tp

@@ -31,8 +31,9 @@ group of each feasible size in a micro-batch with idle ranks, or a new micro-bat
 empty micro-batches are interchangeable); children in order of their bound; a node is cut when
 its bound reaches `UB / (1 + gap)`, so the final plan is optimal within `gap` if the search
 ends; stopped earlier (time or node budget), the proven bound is the least bound of the nodes
-left open or cut, each subtree reporting the least over its children. The incumbent starts from the given plans (e.g. the solver's). Classical depth-first
-branch and bound for bin packing (Martello & Toth, Knapsack Problems, Wiley 1990, ch. 8).
+left open or cut, each subtree reporting the least over its children. The incumbent starts
+from the given plans (e.g. the solver's). Classical depth-first branch and bound for bin
+packing (Martello & Toth, Knapsack Problems, Wiley 1990, ch. 8).
 """
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def best_weights(lens, cost: CostModel, pool: int, m: int, steps: int = 11,
     lam = np.ones(cs.size)
 
     def total(w):
-        return np.where(feasible, cs * (w[:, None] * p1 + (1 - w[:, None]) * p2), np.inf).min(0).sum()
+        mixed = cs * (w[:, None] * p1 + (1 - w[:, None]) * p2)
+        return np.where(feasible, mixed, np.inf).min(0).sum()
 
     for _ in range(rounds):
         for e in range(1, cs.size):
@@ -113,7 +115,8 @@ def solve_exact(lengths, cost: CostModel, pool: int, max_tokens_per_rank: int,
     start = _time.perf_counter()
     lens = np.asarray(lengths, dtype=np.float64)
     n, m, N = lens.size, max_tokens_per_rank, pool
-    k1, o = 1.0 + cost.bwd_factor, cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
+    k1 = 1.0 + cost.bwd_factor
+    o = cost.hw.micro_batch_overhead_fwd + cost.hw.micro_batch_overhead_bwd
     f = GroupTime(cost)
     lam = best_weights(lens, cost, pool, m)
     p1, p2 = _pieces(lens, cost, pool)

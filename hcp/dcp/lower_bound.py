@@ -16,8 +16,9 @@ micro-batch j takes `F_sj = o_f + max_g f_s(g)` and `B_sj = o_b + k max_g f_s(g)
    because a micro-batch holds at most N m tokens.
 2. Fill and drain. In 1F1B stage s starts with F(s, 0), which waits for F(s', 0) on every
    s' < s, and ends with B(s, M - 1), after which B(s', M - 1) still runs on every s' < s. A
-   micro-batch holds at least one sequence, so `F_s'j >= o_f + min_i min_c phi_s'(L_i, c)` =: Fmin_s'
-   and `B_s'j >= o_b + k (Fmin_s' - o_f)`. So T >= sum_{s' < s} (Fmin_s' + Bmin_s') + W_s for
+   micro-batch holds at least one sequence, so
+   `F_s'j >= o_f + min_i min_c phi_s'(L_i, c)` =: Fmin_s' and
+   `B_s'j >= o_b + k (Fmin_s' - o_f)`. So T >= sum_{s' < s} (Fmin_s' + Bmin_s') + W_s for
    every s. (The often quoted `(p - 1) * max_j t_j` is not a bound: a plan may put its smallest
    micro-batches first and last.)
 3. Critical path. Each sequence's micro-batch passes forward through all stages and back, so

@@ -13,9 +13,9 @@ weighs it). With `trainer.plan_process` (default: on CUDA
 ranks) the plan is computed in the plan-ahead worker process (hcp/train/planner.py), off the
 training process's GIL.
 
-Runtime (hcp/train/trainer.py `_cp_groups`, `micro_batch_group`): the pool of a TP index and pipeline
-stage is the dp * cp ranks that share them (ranks strided by tp), so every TP rank of a pool
-position runs the same micro-batches with its own pre-built group of each size, and every stage
+Runtime (hcp/train/trainer.py `_cp_groups`, `micro_batch_group`): the pool of a TP index and
+pipeline stage is the dp * cp ranks that share them (ranks strided by tp), so every TP rank of a
+pool position runs the same micro-batches with its own pre-built group of each size, and every stage
 of that position runs them too (the plan is computed by every rank), empty micro-batches
 included under PP and dp_shard so each rank's 1F1B order (and FSDP's pool-wide all-gathers) is
 the same on every rank that shares a collective.
@@ -67,7 +67,8 @@ def dynamic_cp_policy(llm_cfg, profile: str = "h100"):
         key = (llm.tp, llm.pp, recompute, tuple(llm.pp_layers))
         if key not in costs:
             layers = list(llm.pp_layers) if sum(llm.pp_layers) == llm_cfg.num_layers else None
-            costs[key] = CostModel(llm_cfg, hw, pp=llm.pp, tp=llm.tp, recompute=recompute, pp_layers=layers)
+            costs[key] = CostModel(llm_cfg, hw, pp=llm.pp, tp=llm.tp, recompute=recompute,
+                                   pp_layers=layers)
         lens, _ = prepare_lengths(tokens, pool, micro_batch_tokens)
         return rows(solve(lens, costs[key], pool, micro_batch_tokens,
                           several_per_round=several_per_round(llm)).plan)
