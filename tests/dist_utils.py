@@ -15,11 +15,24 @@ import traceback
 from hcp.launch.launch import free_port
 
 
+def _forget_parent_meshes() -> None:
+    """Clear the DTensor sharding-propagation caches (Python and C++ fast path) this fork
+    inherited from the test process. They key a result on its `DeviceMesh`, which compares by
+    ranks and device type, not by process group: a mesh of an earlier in-process test (torch's
+    fake world of ranks 0, 1, group '0') equals a rank's FSDP mesh over its pair 0, 1 here, and
+    a cached output spec hands back the old mesh, whose group '0' is this world of 4 (a
+    `full_tensor` then gathers 4 shards where 2 belong)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # torch's Python cache and its C++ fast path's
+
+
 def _child(fn, rank, world_size, port, args, queue):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    _forget_parent_meshes()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:

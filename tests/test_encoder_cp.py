@@ -167,6 +167,8 @@ def test_plan_memory_charges_a_cp_rank_its_chunk_and_the_gathered_kv():
     """`hcp.preflight.memory` at full size (internvl_tiles_cp, encoder cp4 x dp32, 7 tiles of 1024
     patches per sample): a rank holds ceil(1025 / 4) = 257 tokens of each tile, and each ViT
     layer also keeps the all-gathered K/V (3 more chunks of 2h)."""
+    from dataclasses import replace
+
     from cfg_utils import compose_cfg
     from hcp.config.layouts import check_layouts
     from hcp.config.precision import Precision
@@ -183,9 +185,15 @@ def test_plan_memory_charges_a_cp_rank_its_chunk_and_the_gathered_kv():
     assert encoder_activation_tokens(cfg, specs, layouts["projector"], 0, layouts)[0] == 7 * 256
     h, prec = cfg.vision.hidden_size, Precision.of(cfg.precision)
     per_token = layer_bytes(h, h, cfg.vision.ffn_hidden_size, False, vision, prec)["none"]
+    kept = tokens * (per_token + 3 * 2 * h * prec.act_bytes)
+    # the recipe shards the encoder (FSDP): a block gathers its weights in bf16 and frees them
+    # after its forward, so it keeps no autocast copy (the gathered units are charged as weights)
+    assert vision.dp_shard
+    assert _activations(cfg, specs, vision, 0, layouts) == pytest.approx(45 * kept)
+    # unsharded, each block also keeps its matrices' bf16 copies for the backward
     copies = weight_copy_bytes(h, h, cfg.vision.ffn_hidden_size, vision, prec, gated=False)
-    assert _activations(cfg, specs, vision, 0, layouts) == pytest.approx(
-        45 * (tokens * (per_token + 3 * 2 * h * prec.act_bytes) + copies))
+    assert copies > 0 and _activations(cfg, specs, replace(vision, dp_shard=False), 0,
+                                       layouts) == pytest.approx(45 * (kept + copies))
 
 
 def test_digits_tiles_gives_each_scan_a_thumbnail_and_its_tiles(tmp_path):

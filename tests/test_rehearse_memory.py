@@ -93,8 +93,9 @@ def test_rehearsal_tracks_the_steady_state_that_plan_mode_estimates(tmp_path):
     res = rehearse_rank(rehearsal_config(cfg), str(tmp_path), 0, world, 2)
     assert res.error is None, res.error
     # step 2 also holds step 1's world figures in flight (hcp.train.throughput.WorldStats: its own
-    # row and the gathered rows, 3 float64 each, world + 1 rows)
-    in_flight = (world + 1) * 3 * 8
+    # row and the gathered rows, world + 1 rows of 5 float64 each: peak memory, bubble fraction,
+    # preemption flag, busy seconds, data-wait seconds)
+    in_flight = (world + 1) * 5 * 8
     assert len(res.step_peaks) == 2 and res.step_peaks[1] == res.step_peaks[0] + in_flight == res.peak_bytes
     cats = res.peak_categories
     assert cats["Activation"] + cats["Temp"] > res.param_bytes  # the peak is in the backward
