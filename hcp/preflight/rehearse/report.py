@@ -58,10 +58,11 @@ def micro_batch_flops(results: dict, stages: dict[int, int | None], cost,
 
     def modelled(stage, lengths, c, cp_rank, loss_tokens):
         pairs = scored_pairs(lengths, c, cp_rank, layout.cp_comm, masked)
-        # under CP the loss scores every row (llava.loss)
-        head_rows = loss_tokens if c == 1 else None
-        return float(cost.micro_batch_flops(float(rank_tokens(lengths, c).sum()), pairs,
-                                            layout.recompute, head_rows)[stage])
+        local = float(rank_tokens(lengths, c).sum())
+        # under CP the loss scores as many of the shard's rows as the micro-batch has loss
+        # tokens (llava.loss: the shard's own count is not known on the host)
+        head_rows = loss_tokens if c == 1 or loss_tokens is None else min(local, loss_tokens)
+        return float(cost.micro_batch_flops(local, pairs, layout.recompute, head_rows)[stage])
 
     return {r: [(counted, modelled(stages[r], *sizes)) for counted, *sizes in res.micro_batches
                 if sum(sizes[0])]
