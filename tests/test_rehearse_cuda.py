@@ -96,16 +96,16 @@ def test_bad_device_names_field_value_and_fix():
 @pytest.mark.timeout(1200)
 def test_tiny_recipes_rehearse_on_fake_cuda(tmp_path):
     """Rank 0 of every tiny recipe, two steps on fake CUDA (bf16: the flash path): no mismatch (no
-    device read inside a micro-batch after warm-up), today's code paths reported: the step's
-    uploads from pageable memory, by site, and every attention call's kernel."""
+    device read inside a micro-batch after warm-up), every upload of the step pinned (through
+    hcp.parallel.upload; none from pageable memory) and every attention call's kernel bf16."""
     groups = [" ".join([str(tmp_path / r), f"+recipe={r}", "precision=bf16", *FAST]) for r in TINY]
     for recipe, out in zip(TINY, _probe("rehearse", *" -- ".join(groups).split())):
         assert out["mismatches"] == [], (recipe, out["printed"])
         (rank,) = out["ranks"].values()
         rows = {(k, d): (a, b, c, sites) for k, d, a, b, c, sites in rank["device_events"]}
-        h2d = [sites for (k, d), (*_, sites) in rows.items()
-               if k == "H2D copy" and d.startswith("pageable")]
-        assert h2d and all(s.startswith("hcp/") for sites in h2d for s in sites), rows
+        h2d = {d: sites for (k, d), (*_, sites) in rows.items() if k == "H2D copy"}
+        assert list(h2d) == ["pinned"], (recipe, h2d)
+        assert all(site.startswith("hcp/parallel/upload.py:") for site in h2d["pinned"]), h2d
         kernels = {d for k, d in rows if k == "attention"}
         assert kernels and all("bfloat16" in d for d in kernels), (recipe, kernels)
         assert "what it checks" in out["printed"] and "cannot" in out["printed"]

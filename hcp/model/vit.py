@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hcp.config.specs import EncoderArch
 from hcp.model.collectives import group_rank, group_size
-from hcp.model.cp_attention import CPAttentionPlan, Call, Rows, cp_attention
+from hcp.model.cp_attention import CPAttentionPlan, Call, Rows, Segments, cp_attention
 from hcp.model.cp_kernels import fused_kernel
 from hcp.model.tp import ColumnParallelLinear, RowParallelLinear
 from hcp.parallel import encoder_cp
@@ -163,8 +163,11 @@ class ViTEncoder(nn.Module):
         t = np.arange(tokens)
         keys = (t // k)[None] * images * k + np.arange(images)[:, None] * k + (t % k)[None]
         queries = np.arange(images * k).reshape(images, k)
-        call = Call(Rows.of(queries, device), Rows.of(keys, device), causal=False, first=True)
-        return CPAttentionPlan(self.cp_group, "allgather", [[call]], fused_kernel(device))
+        kernel = fused_kernel(device)
+        rows = (lambda r: Segments.of([r], device)) if kernel.ragged else (
+            lambda r: Rows.of(r, device))  # a ragged kernel (CUDA) takes flat blocks
+        call = Call(rows(queries), rows(keys), causal=False, first=True)
+        return CPAttentionPlan(self.cp_group, "allgather", [[call]], kernel)
 
     def _blocks(self, x: torch.Tensor) -> torch.Tensor:
         blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
