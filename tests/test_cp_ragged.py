@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from dispatch_utils import OpNames
 
 from hcp.model.cp_attention import Partial, Segments, build_cp_plan, cp_calls, grads
 from hcp.model.cp_kernels import KERNELS, RAGGED_MATH
@@ -50,16 +50,6 @@ def test_ragged_calls_match_the_uniform_calls(comm):
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
-
-
 def test_cuda_plan_is_one_varlen_call_per_role(monkeypatch):
     """Rank 1 of 4 under allgather: its diagonal, its blocks against chunk 0 and its tail against
     ranks 2..3: three flash calls for documents of four chunk sizes (twelve before)."""
@@ -75,7 +65,7 @@ def test_cuda_plan_is_one_varlen_call_per_role(monkeypatch):
         kv = torch.randn(C * t_loc, 2, 2, 8, device="cuda", dtype=torch.bfloat16)
         # the kernel calls themselves (the merge's in-place ops do not run on fake CUDA tensors
         # of a CPU build; the merge is checked on the CPU above)
-        ops, back = _Ops(), _Ops()
+        ops, back = OpNames(), OpNames()
         for call in plan.calls[0]:
             k_rows = call.k.take(kv)
             args = (call.q.take(q), k_rows.select(-3, 0), k_rows.select(-3, 1))

@@ -8,19 +8,9 @@ is the parity reference, unchanged (tests/test_model.py and the parity tests).""
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from dispatch_utils import OpNames
 
 from hcp.model.attention import thd_attention
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 def _attention_ops(names):
@@ -45,12 +35,12 @@ def test_ragged_documents_are_one_varlen_call_on_cuda(hkv):
         k = torch.randn(sum(lengths), hkv, 16, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(sum(lengths), hkv, 16, device="cuda", dtype=torch.bfloat16)
         cu = torch.tensor([0, 5, 22, 23, 32], dtype=torch.int32, device="cuda")
-        with _Ops() as forward:
+        with OpNames() as forward:
             out = thd_attention(q, k, v, cu, max(lengths), seqlens=lengths)
         assert out.shape == q.shape and out.dtype == torch.bfloat16 and out.device.type == "cuda"
         ctx = _Ctx()
         _VarlenFlash.forward(ctx, q, k, v, cu, max(lengths))
-        with _Ops() as backward:
+        with OpNames() as backward:
             dq, dk, dv, *_ = _VarlenFlash.backward(ctx, torch.randn_like(out))
         assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
     assert _attention_ops(forward.names) == ["aten._flash_attention_forward"], forward.names
